@@ -1,0 +1,36 @@
+# Quickstart targets. Each creates .venv on first use; nothing else is needed but Python 3.11.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED = false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 120
+export PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW = ignore
+
+.PHONY: run test lint bench deploy stop clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[aws,gcp,dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/sailor demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .prefect .pytest_cache

@@ -1,0 +1,136 @@
+"""The Provider protocol: what a cloud (or this machine) must offer the orchestration.
+
+Contract: a provider reports offerings (what can be rented now, at what price), provisions VMs for
+a run, bootstraps the worker agent on them, reports events (preemption notices, lost VMs,
+capacity and price changes) and terminates. Input and output models are separate frozen
+dataclasses. Every resource a provider creates is tagged with the run id so `cleanup(run_id)`
+finds it. Providers receive their side effects (clients, clocks, event sources) in their
+constructor; nothing reaches for a global. Every implementation passes tests/contract/provider.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from sailor_core.domain import Market, PoolEntry
+
+
+class ProviderError(Exception):
+    """A provider call failed; the message says what and how to fix it."""
+
+
+class CapacityError(ProviderError):
+    """The cloud has no capacity for the request in that zone (the caller may fall back)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offering:
+    """Rentable now: `count` GPUs of `gpu_type` in `zone` on `market`, as VMs of `instance_type`."""
+
+    cloud: str
+    region: str
+    zone: str
+    gpu_type: str
+    market: Market
+    count: int
+    gpus_per_node: int
+    usd_per_gpu_hour: float
+    instance_type: str = ""
+    price_fetched_at: datetime | None = None
+
+    def as_pool_entry(self) -> PoolEntry:
+        return PoolEntry(
+            zone=self.zone, region=self.region, gpu_type=self.gpu_type, count=self.count, market=self.market,
+            gpus_per_node=self.gpus_per_node, usd_per_gpu_hour=self.usd_per_gpu_hour, cloud=self.cloud,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class VmRequest:
+    """One VM to rent for a run: where, what, which market, and its name within the run."""
+
+    run_id: str
+    name: str
+    zone: str
+    gpu_type: str
+    gpus: int
+    market: Market = Market.ON_DEMAND
+    region: str = ""
+    instance_type: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Vm:
+    """A rented VM as the provider reports it."""
+
+    vm_id: str
+    run_id: str
+    name: str
+    zone: str
+    gpu_type: str
+    gpus: int
+    market: Market
+    address: str = ""
+    state: str = "running"
+    usd_per_hour: float = 0.0
+
+
+class EventKind(enum.StrEnum):
+    PREEMPTION = "preemption"  # a notice: the VM will go away soon
+    LOST = "lost"  # the VM or its worker is gone (no heartbeat, terminated)
+    CAPACITY_CHANGE = "capacity_change"
+    PRICE_CHANGE = "price_change"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProviderEvent:
+    kind: EventKind
+    at: datetime
+    vm_id: str = ""
+    zone: str = ""
+    gpu_type: str = ""
+    market: Market | None = None
+    detail: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerAssignment:
+    """What the worker agent on a VM needs: the plan, its ranks, where to meet and where to write."""
+
+    run_id: str
+    plan_version: int
+    plan_json: str
+    rendezvous_endpoint: str
+    ranks: tuple[int, ...]
+    world_size: int
+    checkpoint_uri: str = ""
+    data_uri: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Provider(Protocol):
+    name: str
+
+    def offerings(
+        self, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
+        markets: Sequence[Market] | None = None,
+    ) -> list[Offering]: ...
+
+    def provision(self, requests: Sequence[VmRequest], *, dry_run: bool = False) -> list[Vm]: ...
+
+    def bootstrap(self, vm: Vm, assignment: WorkerAssignment) -> None: ...
+
+    def events(self, run_id: str, *, since: datetime | None = None) -> list[ProviderEvent]: ...
+
+    def list_vms(self, run_id: str | None = None) -> list[Vm]: ...
+
+    def terminate(self, vm_ids: Sequence[str]) -> None: ...
+
+    def cleanup(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
+        """Remove every resource tagged with the run (all runs if None); return what was removed."""
+        ...

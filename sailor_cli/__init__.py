@@ -1,0 +1,1 @@
+"""The `sailor` command line: one module per command group, registered in sailor_cli.main."""

@@ -1,0 +1,454 @@
+"""Domain types shared by every layer: GPUs, places, markets, models, profiles, prices, pools, plans.
+
+Contract: every type is a frozen, keyword-only dataclass validated on construction; an invalid
+value raises `ValidationError` naming the field and the offending value. Units are in the names
+(`_s`, `_bytes`, `_gbps`, `_usd_per_hour`). Nothing here imports torch, Prefect, pyarrow or a
+cloud SDK.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+GIB = 2**30
+
+
+class ValidationError(ValueError):
+    """A domain value is invalid. The message names the field, the value and how to fix it."""
+
+
+class SailorError(Exception):
+    """An error the user can cause and fix; the CLI prints it as one line without a traceback."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValidationError(msg)
+
+
+class Market(enum.StrEnum):
+    ON_DEMAND = "on-demand"
+    SPOT = "spot"
+
+    @classmethod
+    def parse(cls, value: str | Market) -> Market:
+        try:
+            return cls(str(value).lower().replace("_", "-"))
+        except ValueError:
+            raise ValidationError(
+                f"unknown market {value!r}; use one of: {', '.join(m.value for m in cls)}"
+            ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    """Where a stored row came from: the source (a dataset or a tool), the host, and when."""
+
+    source: str
+    host: str = ""
+    recorded_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    settings: str = ""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.source), "provenance.source must be non-empty")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuType:
+    """A GPU type: memory per GPU, GPUs per node (the usual VM shape), peak dense bf16 FLOP/s if known."""
+
+    name: str
+    memory_bytes: int
+    gpus_per_node: int = 1
+    peak_flops: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "gpu_type.name must be non-empty")
+        _check(self.memory_bytes > 0, f"gpu_type {self.name}: memory_bytes must be > 0, got {self.memory_bytes}")
+        _check(self.gpus_per_node >= 1, f"gpu_type {self.name}: gpus_per_node must be >= 1, got {self.gpus_per_node}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zone:
+    """A zone, its region and its cloud. The region defaults to the zone name minus its last '-x' part."""
+
+    name: str
+    region: str = ""
+    cloud: str = "gcp"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "zone.name must be non-empty")
+        if not self.region:
+            object.__setattr__(self, "region", default_region(self.name))
+
+
+def default_region(zone: str) -> str:
+    """GCP/AWS style: 'us-central1-a' -> 'us-central1', 'us-east-1a' -> 'us-east-1', 'local' -> 'local'."""
+    parts = zone.rsplit("-", 1)
+    if len(parts) == 2 and len(parts[1]) == 1 and parts[1].isalpha():
+        return parts[0]
+    if zone and zone[-1].isalpha() and zone[:-1] and zone[-2].isdigit():
+        return zone[:-1]
+    return zone
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """One layer of a model in the store's indexing: 0 embedding, 1..L blocks, L+1 final norm + head.
+
+    Sizes are per GPU of a `tp`-way tensor-parallel group and per sequence (microbatch size 1):
+    `params` elements, `act_output_elems` output elements (the pipeline message), and
+    `act_memory_bytes` the activation bytes the forward pass keeps for backward.
+    """
+
+    index: int
+    kind: str  # "embedding" | "block" | "head"
+    tp: int
+    params: int
+    act_output_elems: int
+    act_input_elems: int
+    act_memory_bytes: int
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("embedding", "block", "head"), f"layer {self.index}: unknown kind {self.kind!r}")
+        _check(self.tp >= 1, f"layer {self.index}: tp must be >= 1, got {self.tp}")
+        for name in ("params", "act_output_elems", "act_input_elems", "act_memory_bytes"):
+            _check(getattr(self, name) >= 0, f"layer {self.index}: {name} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer and its per-layer sizes for each TP degree it supports."""
+
+    name: str
+    num_blocks: int
+    hidden_size: int
+    num_heads: int
+    sequence_length: int
+    vocab_size: int
+    ffn_hidden_size: int = 0
+    layers: tuple[LayerSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "model.name must be non-empty")
+        for n in ("num_blocks", "hidden_size", "num_heads", "sequence_length", "vocab_size"):
+            _check(getattr(self, n) >= 1, f"model {self.name}: {n} must be >= 1, got {getattr(self, n)}")
+        if not self.ffn_hidden_size:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        for tp in self.tp_degrees:
+            idx = sorted(ly.index for ly in self.layers if ly.tp == tp)
+            _check(
+                idx == list(range(self.num_layers)),
+                f"model {self.name}: tp={tp} layers must be exactly 0..{self.num_layers - 1}, got {idx[:5]}...",
+            )
+
+    @property
+    def num_layers(self) -> int:
+        """Layers in the store's indexing: embedding + blocks + head."""
+        return self.num_blocks + 2
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(sorted({ly.tp for ly in self.layers}))
+
+    def layer(self, index: int, tp: int) -> LayerSpec:
+        for ly in self.layers:
+            if ly.index == index and ly.tp == tp:
+                return ly
+        raise SailorError(
+            f"model {self.name} has no layer {index} at tp={tp} (known tp: {list(self.tp_degrees)}); "
+            f"to fix: import or profile that tp degree"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """Measured time of one layer for one microbatch on one TP group of one GPU type."""
+
+    model: str
+    gpu_type: str
+    mbs: int
+    tp: int
+    layer: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+    def __post_init__(self) -> None:
+        _check(self.mbs >= 1 and self.tp >= 1, f"profile {self.model}/{self.gpu_type}: mbs and tp must be >= 1")
+        for n in ("forward_s", "backward_s", "optimizer_s"):
+            v = getattr(self, n)
+            _check(v >= 0 and math.isfinite(v), f"profile {self.model}/{self.gpu_type} layer {self.layer}: {n}={v}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BandwidthFit:
+    """Bandwidth against message size: bw_gbps(x) = a*u^2 + b*u + c with u = log2(x / 1e6), x in bytes.
+
+    `max_bytes_per_s` is the largest measured bandwidth. `latency_s` is an optional alpha term.
+    """
+
+    coeffs: tuple[float, float, float]
+    max_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(len(self.coeffs) == 3, f"bandwidth fit needs 3 coefficients, got {self.coeffs}")
+        _check(self.max_bytes_per_s > 0, f"bandwidth fit max_bytes_per_s must be > 0, got {self.max_bytes_per_s}")
+
+    def bandwidth_bytes_per_s(self, message_bytes: float) -> float:
+        """Fitted bandwidth at this message size, clamped to (0, max measured]."""
+        u = math.log2(max(message_bytes, 1.0) / 1e6)
+        a, b, c = self.coeffs
+        bw = (a * u * u + b * u + c) * 1e9
+        floor = self.max_bytes_per_s * 1e-3  # a fit extrapolated below zero must not divide by zero
+        return min(max(bw, floor), self.max_bytes_per_s)
+
+    def transfer_time_s(self, message_bytes: float) -> float:
+        if message_bytes <= 0:
+            return 0.0
+        return self.latency_s + message_bytes / self.bandwidth_bytes_per_s(message_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkLink:
+    """A measured link: sender (zone, GPU type, GPU count) -> receiver (zone, GPU type, GPU count)."""
+
+    sender_zone: str
+    sender_gpu: str
+    sender_count: int
+    receiver_zone: str
+    receiver_gpu: str
+    receiver_count: int
+    fit: BandwidthFit
+
+    def __post_init__(self) -> None:
+        _check(self.sender_count >= 1 and self.receiver_count >= 1, "network link GPU counts must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IntraNodeLink:
+    """Collective bandwidth among `num_gpus` GPUs of one node."""
+
+    gpu_type: str
+    num_gpus: int
+    fit: BandwidthFit
+
+
+@dataclass(frozen=True, kw_only=True)
+class EgressPrice:
+    sender_zone: str
+    receiver_zone: str
+    usd_per_gb: float
+
+    def __post_init__(self) -> None:
+        _check(self.usd_per_gb >= 0, f"egress {self.sender_zone}->{self.receiver_zone}: usd_per_gb must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuPrice:
+    cloud: str
+    zone: str
+    gpu_type: str
+    market: Market
+    usd_per_gpu_hour: float
+    fetched_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "market", Market.parse(self.market))
+        _check(
+            self.usd_per_gpu_hour >= 0 and math.isfinite(self.usd_per_gpu_hour),
+            f"price {self.gpu_type}@{self.zone}: usd_per_gpu_hour must be >= 0, got {self.usd_per_gpu_hour}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolEntry:
+    """GPUs that can be rented now: `count` GPUs of `gpu_type` in `zone` on `market` at a price."""
+
+    zone: str
+    region: str
+    gpu_type: str
+    count: int
+    market: Market = Market.ON_DEMAND
+    gpus_per_node: int = 1
+    usd_per_gpu_hour: float = 0.0
+    cloud: str = "gcp"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "market", Market.parse(self.market))
+        _check(self.count >= 0, f"pool {self.gpu_type}@{self.zone}: count must be >= 0, got {self.count}")
+        _check(self.gpus_per_node >= 1, f"pool {self.gpu_type}@{self.zone}: gpus_per_node must be >= 1")
+        _check(self.usd_per_gpu_hour >= 0, f"pool {self.gpu_type}@{self.zone}: usd_per_gpu_hour must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcePool:
+    entries: tuple[PoolEntry, ...]
+
+    def __post_init__(self) -> None:
+        keys = [(e.zone, e.gpu_type, e.market) for e in self.entries]
+        dup = {k for k in keys if keys.count(k) > 1}
+        _check(not dup, f"pool lists the same (zone, GPU type, market) twice: {sorted(dup)}; merge the counts")
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        return tuple(sorted({e.gpu_type for e in self.entries}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replica:
+    """One data-parallel replica of a stage: a TP group of `tp` GPUs inside one node."""
+
+    gpu_type: str
+    zone: str
+    tp: int = 1
+    gpus_per_node: int = 1
+    market: Market = Market.ON_DEMAND
+    region: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "market", Market.parse(self.market))
+        if not self.region:
+            object.__setattr__(self, "region", default_region(self.zone))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """Layers [first_layer, last_layer] (inclusive) and one replica per data-parallel pipeline."""
+
+    first_layer: int
+    last_layer: int
+    replicas: tuple[Replica, ...]
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.last_layer + 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineBatch:
+    """The work of data-parallel pipeline j (replica j of every stage): microbatch size and count."""
+
+    microbatch_size: int
+    num_microbatches: int
+
+    @property
+    def samples(self) -> int:
+        return self.microbatch_size * self.num_microbatches
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """A heterogeneous PP x DP x TP plan. Pipeline j is replica j of every stage.
+
+    `validate(num_layers)` lists every violation; the constructor checks only the shape.
+    """
+
+    model: str
+    global_batch_size: int
+    stages: tuple[Stage, ...]
+    pipelines: tuple[PipelineBatch, ...]
+    schedule: str = "1f1b"
+    precision: str = "fp32"
+    zero1: bool = False
+
+    def violations(self, num_layers: int | None = None) -> list[str]:
+        out: list[str] = []
+        if not self.stages:
+            return ["plan has no stages"]
+        dp = len(self.pipelines)
+        expect = 0
+        for i, st in enumerate(self.stages):
+            if st.first_layer != expect:
+                out.append(f"stage {i} starts at layer {st.first_layer}, expected {expect} (layers must tile the model)")
+            if st.last_layer < st.first_layer:
+                out.append(f"stage {i} has last_layer {st.last_layer} < first_layer {st.first_layer}")
+            expect = st.last_layer + 1
+            if len(st.replicas) != dp:
+                out.append(f"stage {i} has {len(st.replicas)} replicas but the plan has {dp} pipelines")
+            for j, r in enumerate(st.replicas):
+                if r.tp < 1:
+                    out.append(f"stage {i} replica {j}: tp must be >= 1, got {r.tp}")
+                if r.tp > r.gpus_per_node:
+                    out.append(
+                        f"stage {i} replica {j}: tp={r.tp} is larger than a node of {r.gpus_per_node} "
+                        f"{r.gpu_type} GPUs (TP stays inside a node)"
+                    )
+        if num_layers is not None and expect != num_layers:
+            out.append(f"stages cover layers 0..{expect - 1} but model {self.model} has {num_layers} layers")
+        for j, p in enumerate(self.pipelines):
+            if p.microbatch_size < 1 or p.num_microbatches < 1:
+                out.append(f"pipeline {j}: microbatch_size and num_microbatches must be >= 1")
+        total = sum(p.samples for p in self.pipelines)
+        if total != self.global_batch_size:
+            out.append(
+                f"pipelines carry {total} samples per iteration but global_batch_size is {self.global_batch_size}"
+            )
+        if self.schedule not in ("1f1b", "gpipe"):
+            out.append(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
+        if self.precision not in ("fp32", "bf16"):
+            out.append(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        return out
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def data_parallel(self) -> int:
+        return len(self.pipelines)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(r.tp for st in self.stages for r in st.replicas)
+
+    def gpus_by_place(self) -> Mapping[tuple[str, str, Market], int]:
+        """GPUs used per (zone, GPU type, market)."""
+        out: dict[tuple[str, str, Market], int] = {}
+        for st in self.stages:
+            for r in st.replicas:
+                k = (r.zone, r.gpu_type, r.market)
+                out[k] = out.get(k, 0) + r.tp
+        return out
+
+
+def split_batch(global_batch_size: int, microbatch_sizes: Iterable[int]) -> tuple[PipelineBatch, ...]:
+    """Share `global_batch_size` samples exactly over pipelines with the given microbatch sizes.
+
+    Microbatches go round-robin to the pipelines, so counts differ by at most one (the slowest
+    pipeline has ceil(n/dp) microbatches, as in the paper). Raises if the sizes cannot add up.
+    """
+    sizes = list(microbatch_sizes)
+    _check(bool(sizes), "split_batch needs at least one pipeline")
+    if len(set(sizes)) == 1:
+        mbs = sizes[0]
+        _check(
+            global_batch_size % mbs == 0,
+            f"global batch {global_batch_size} is not a multiple of microbatch size {mbs}",
+        )
+        n = global_batch_size // mbs
+        _check(n >= len(sizes), f"global batch {global_batch_size} has {n} microbatches of {mbs}, fewer than {len(sizes)} pipelines")
+        base, extra = divmod(n, len(sizes))
+        return tuple(PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0)) for j in range(len(sizes)))
+    # Different microbatch sizes: give each pipeline work proportional to its microbatch size.
+    total = sum(sizes)
+    counts = [max(1, (global_batch_size * s // total) // s) for s in sizes]
+    rest = global_batch_size - sum(c * s for c, s in zip(counts, sizes, strict=True))
+    j = 0
+    while rest > 0 and j < 10 * len(sizes) * global_batch_size:
+        k = j % len(sizes)
+        if sizes[k] <= rest:
+            counts[k] += 1
+            rest -= sizes[k]
+        j += 1
+    _check(rest == 0, f"global batch {global_batch_size} cannot be split exactly into microbatches of {sizes}")
+    return tuple(PipelineBatch(microbatch_size=s, num_microbatches=c) for s, c in zip(sizes, counts, strict=True))

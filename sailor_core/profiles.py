@@ -1,0 +1,113 @@
+"""ProfileBook: everything the simulator and planner know about one model on a set of GPUs and links.
+
+Contract: an immutable, in-memory bundle of domain values (no I/O). The store builds it
+(`profiles_store.ProfileStore.profile_book`), tests build it by hand. Lookups that miss raise
+`MissingProfileError`, which names the missing key and the command that would create it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sailor_core.domain import (
+    EgressPrice,
+    GpuPrice,
+    GpuType,
+    IntraNodeLink,
+    LayerProfile,
+    Market,
+    ModelSpec,
+    NetworkLink,
+    SailorError,
+)
+
+
+class MissingProfileError(SailorError):
+    """A plan needs a profile the store lacks."""
+
+
+# Fixed memory the framework takes on a GPU before any tensor of the model (CUDA context, kernels,
+# allocator slack). Used when the store has no measured value for a GPU type. Source: the Sailor
+# artifact's GH200 constant 4.76e9 B (fused kernels + CUDA context) + 0.3e9 B; see docs/simulator.md.
+DEFAULT_FRAMEWORK_OVERHEAD_BYTES = 5_060_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileBook:
+    model: ModelSpec
+    gpu_types: Mapping[str, GpuType]
+    # (gpu_type, mbs, tp) -> one LayerProfile per layer, in layer order
+    layer_profiles: Mapping[tuple[str, int, int], tuple[LayerProfile, ...]]
+    framework_overhead_bytes: Mapping[str, int] = field(default_factory=dict)
+    links: tuple[NetworkLink, ...] = ()
+    intra_node: tuple[IntraNodeLink, ...] = ()
+    egress: tuple[EgressPrice, ...] = ()
+    prices: tuple[GpuPrice, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Index once: the planner calls these lookups millions of times.
+        object.__setattr__(
+            self,
+            "_links",
+            {
+                (lk.sender_zone, lk.sender_gpu, lk.sender_count, lk.receiver_zone, lk.receiver_gpu, lk.receiver_count): lk
+                for lk in self.links
+            },
+        )
+        object.__setattr__(self, "_intra", {(x.gpu_type, x.num_gpus): x for x in self.intra_node})
+        object.__setattr__(self, "_egress", {(e.sender_zone, e.receiver_zone): e.usd_per_gb for e in self.egress})
+        object.__setattr__(
+            self, "_prices", {(p.zone, p.gpu_type, p.market): p.usd_per_gpu_hour for p in self.prices}
+        )
+
+    # -- compute ---------------------------------------------------------------------------
+    def layers(self, gpu_type: str, mbs: int, tp: int) -> tuple[LayerProfile, ...]:
+        try:
+            return self.layer_profiles[(gpu_type, mbs, tp)]
+        except KeyError:
+            raise MissingProfileError(
+                f"no layer profile for (model={self.model.name}, gpu_type={gpu_type}, mbs={mbs}, tp={tp}); "
+                f"to fix: sailor profile model --model {self.model.name} --mbs {mbs} --tp {tp} "
+                f"on a {gpu_type} machine, or pick an (mbs, tp) the store has: "
+                f"{sorted((m, t) for g, m, t in self.layer_profiles if g == gpu_type)[:12]}"
+            ) from None
+
+    def has_layers(self, gpu_type: str, mbs: int, tp: int) -> bool:
+        return (gpu_type, mbs, tp) in self.layer_profiles
+
+    def profiled_points(self, gpu_type: str) -> list[tuple[int, int]]:
+        """(mbs, tp) pairs profiled for this GPU type, sorted."""
+        return sorted((m, t) for g, m, t in self.layer_profiles if g == gpu_type)
+
+    def gpu(self, name: str) -> GpuType:
+        try:
+            return self.gpu_types[name]
+        except KeyError:
+            raise MissingProfileError(
+                f"unknown GPU type {name!r}; known: {sorted(self.gpu_types)}. "
+                f"To fix: use one of those names or add the type to the store"
+            ) from None
+
+    def overhead_bytes(self, gpu_type: str) -> int:
+        return int(self.framework_overhead_bytes.get(gpu_type, DEFAULT_FRAMEWORK_OVERHEAD_BYTES))
+
+    # -- network ---------------------------------------------------------------------------
+    def link(
+        self, sender_zone: str, sender_gpu: str, sender_count: int, receiver_zone: str, receiver_gpu: str, receiver_count: int
+    ) -> NetworkLink | None:
+        return self._links.get(  # type: ignore[attr-defined]
+            (sender_zone, sender_gpu, sender_count, receiver_zone, receiver_gpu, receiver_count)
+        )
+
+    def intra_node_link(self, gpu_type: str, num_gpus: int) -> IntraNodeLink | None:
+        return self._intra.get((gpu_type, num_gpus))  # type: ignore[attr-defined]
+
+    def egress_usd_per_gb(self, sender_zone: str, receiver_zone: str) -> float:
+        if sender_zone == receiver_zone:
+            return 0.0
+        return self._egress.get((sender_zone, receiver_zone), 0.0)  # type: ignore[attr-defined]
+
+    # -- prices ----------------------------------------------------------------------------
+    def price_usd_per_gpu_hour(self, zone: str, gpu_type: str, market: Market) -> float | None:
+        return self._prices.get((zone, gpu_type, Market.parse(market)))  # type: ignore[attr-defined]
