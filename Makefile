@@ -9,7 +9,9 @@ export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 120
 export PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW = ignore
 
-.PHONY: run test lint bench deploy stop clean
+.PHONY: run test lint bench clean
+
+-include mk/deploy.mk
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }

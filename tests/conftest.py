@@ -1,0 +1,24 @@
+"""Suite-wide settings: isolate Prefect and the store from the user's home, keep torch to one thread.
+
+Set before any test module imports Prefect or torch. Fixtures specific to one area live in
+that area's test modules (or tests/*_fixtures.py), not here.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_TMP = Path(tempfile.mkdtemp(prefix="sailor-tests-"))
+os.environ.setdefault("PREFECT_HOME", str(_TMP / "prefect"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("SAILOR_STORE", str(_TMP / "store"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE_DATA = REPO.parent / "shared" / "reference_data"

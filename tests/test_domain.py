@@ -1,0 +1,130 @@
+"""Domain types validate on construction and plans list every violation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sailor_core.domain import (
+    BandwidthFit,
+    Market,
+    ParallelPlan,
+    PipelineBatch,
+    PoolEntry,
+    Replica,
+    ResourcePool,
+    Stage,
+    ValidationError,
+    default_region,
+    split_batch,
+)
+from sailor_core.plan_format import PlanFormatError, load_plan_file, plan_from_dict, plan_to_dict, save_plan_file
+from tests.conftest import REFERENCE_DATA
+
+VALIDATION = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
+
+
+def two_stage_plan(**kw) -> ParallelPlan:
+    rep = Replica(gpu_type="A100-40", zone="us-central1-a", tp=2, gpus_per_node=4)
+    args = dict(
+        model="OPT-350",
+        global_batch_size=16,
+        stages=(Stage(first_layer=0, last_layer=12, replicas=(rep, rep)), Stage(first_layer=13, last_layer=25, replicas=(rep, rep))),
+        pipelines=(PipelineBatch(microbatch_size=2, num_microbatches=4),) * 2,
+    )
+    args.update(kw)
+    return ParallelPlan(**args)
+
+
+def test_regions_from_zone_names() -> None:
+    assert default_region("us-central1-a") == "us-central1"
+    assert default_region("us-east-1a") == "us-east-1"
+    assert default_region("local") == "local"
+
+
+def test_market_parse_rejects_unknown_with_choices() -> None:
+    assert Market.parse("SPOT") is Market.SPOT
+    with pytest.raises(ValidationError, match="on-demand, spot"):
+        Market.parse("reserved")
+
+
+def test_pool_rejects_duplicate_entries() -> None:
+    e = PoolEntry(zone="z-a", region="z", gpu_type="A100-40", count=4)
+    with pytest.raises(ValidationError, match="twice"):
+        ResourcePool(entries=(e, e))
+
+
+def test_valid_plan_has_no_violations() -> None:
+    assert two_stage_plan().violations(26) == []
+
+
+def test_invalid_plan_lists_every_violation() -> None:
+    rep = Replica(gpu_type="A100-40", zone="us-central1-a", tp=8, gpus_per_node=4)
+    plan = two_stage_plan(
+        stages=(Stage(first_layer=0, last_layer=10, replicas=(rep,)), Stage(first_layer=12, last_layer=25, replicas=(rep, rep))),
+        global_batch_size=17,
+    )
+    problems = plan.violations(26)
+    text = "\n".join(problems)
+    assert "expected 11" in text  # layers do not tile
+    assert "1 replicas but the plan has 2 pipelines" in text
+    assert "larger than a node" in text
+    assert "global_batch_size is 17" in text
+    assert len(problems) >= 4
+
+
+def test_split_batch_is_exact_and_balanced() -> None:
+    parts = split_batch(1024, [4] * 20)
+    assert sum(p.samples for p in parts) == 1024
+    assert max(p.num_microbatches for p in parts) == 13 and min(p.num_microbatches for p in parts) == 12
+    mixed = split_batch(48, [4, 2])
+    assert sum(p.samples for p in mixed) == 48
+    assert mixed[0].num_microbatches * 4 > mixed[1].num_microbatches * 2  # bigger microbatches carry more
+
+
+def test_bandwidth_fit_is_clamped_to_measured_max() -> None:
+    fit = BandwidthFit(coeffs=(0.0, 0.0, 100.0), max_bytes_per_s=2e9)
+    assert fit.bandwidth_bytes_per_s(1e9) == 2e9
+    assert fit.transfer_time_s(2e9) == pytest.approx(1.0)
+    assert fit.transfer_time_s(0) == 0.0
+
+
+def test_plan_round_trips_through_json(tmp_path: Path) -> None:
+    plan = two_stage_plan()
+    assert plan_from_dict(plan_to_dict(plan)) == plan
+    path = tmp_path / "plan.json"
+    save_plan_file(plan, path)
+    assert load_plan_file(path) == plan
+
+
+def test_plan_file_errors_are_explained(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlanFormatError, match="not valid JSON"):
+        load_plan_file(bad)
+    d = plan_to_dict(two_stage_plan())
+    d["version"] = 99
+    bad.write_text(json.dumps(d))
+    with pytest.raises(PlanFormatError, match="version 99"):
+        load_plan_file(bad)
+
+
+@pytest.mark.skipif(not VALIDATION.exists(), reason="published reference data not beside this checkout")
+def test_every_published_plan_imports_with_exact_batch() -> None:
+    files = sorted(VALIDATION.rglob("plan_config_*.json"))
+    assert len(files) == 15
+    for f in files:
+        raw = json.loads(f.read_text())
+        plan = load_plan_file(f, fmt="eth-easl", model="OPT-350")
+        assert plan.violations(26) == []
+        assert plan.num_stages == raw["pipeline_list"][0]["num_stages"]
+        assert plan.global_batch_size == raw["gbs"]
+
+
+def test_published_plan_needs_a_model(tmp_path: Path) -> None:
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"pipeline_list": [], "mbs": 1, "gbs": 1}))
+    with pytest.raises(PlanFormatError, match="--model"):
+        load_plan_file(f)
