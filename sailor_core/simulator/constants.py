@@ -1,0 +1,55 @@
+"""Named constants of the simulator, each with its unit and where it comes from.
+
+Contract: pure data. Nothing here is fitted to the measured validation runs; every value is a
+framework default, a datasheet/format fact or a property of the algorithms the runtime uses.
+docs/simulator.md explains how each enters the model.
+"""
+
+from __future__ import annotations
+
+# --- numeric formats ------------------------------------------------------------------------
+# Bytes per element. Source: IEEE 754 binary32 / bfloat16.
+FP32_BYTES = 4
+BF16_BYTES = 2
+
+# The published activation sizes (llm_info.json `act_mem_bytes`) were measured in the precision the
+# profiler ran in, fp32 (params_bytes = 4 x params_floats). A bf16 run keeps the same tensors in
+# half the bytes, except softmax/loss statistics; we scale the stored bytes by this ratio.
+# Source: the format (README, section 1) and the dtype size ratio.
+BF16_ACTIVATION_SCALE = BF16_BYTES / FP32_BYTES
+
+# --- model state per parameter (bytes), by precision, Adam(W) -----------------------------------
+# fp32: weights 4 + gradients 4 + Adam first and second moments 4 + 4.
+# Source: the ZeRO paper (Rajbhandari et al., SC'20), section 3.1, K=8 for fp32 Adam.
+FP32_WEIGHT_BYTES = 4
+FP32_GRAD_BYTES = 4
+FP32_ADAM_STATE_BYTES = 8
+# bf16 mixed precision: bf16 weights 2 + bf16 gradients 2 + fp32 master weights 4 + moments 8
+# (ZeRO paper's "2 + 2 + K" with K = 12).
+BF16_WEIGHT_BYTES = 2
+BF16_GRAD_BYTES = 2
+BF16_MASTER_AND_ADAM_BYTES = 12
+
+# --- data-parallel gradient reduction ----------------------------------------------------------
+# DeepSpeed/Megatron flatten gradients into buckets and all-reduce bucket by bucket; each bucket is
+# a flat copy of that many gradient bytes that exists only while it is reduced.
+# Source: DeepSpeed `reduce_bucket_size` default 5e8 elements; the artifact times buckets of 5e8 B.
+ALLREDUCE_BUCKET_BYTES = 500_000_000
+
+# --- backward-pass workspace -------------------------------------------------------------------
+# While a layer runs backward, autograd holds the layer's saved activations *and* allocates the
+# gradients of its largest intermediates: for attention the softmax backward needs dP = dO V^T and
+# dS (each the size of the saved probabilities P), for the LM head the cross-entropy backward needs
+# the gradient of the logits and the recomputed softmax (each the size of the saved logits). Two
+# extra tensors of the size of the layer's dominant saved activations: a factor of 2 on the largest
+# layer's `act_mem_bytes`. Source: the autograd formulas of softmax and cross-entropy (dimensionless).
+BACKWARD_WORKSPACE_FACTOR = 2.0
+
+# --- pipeline messages -------------------------------------------------------------------------
+# Activations and their gradients cross stage boundaries in the compute dtype; the profiler and the
+# validation runs are fp32. Source: the format (act_output_floats are fp32 element counts).
+P2P_BYTES_PER_ELEMENT = {"fp32": FP32_BYTES, "bf16": BF16_BYTES}
+
+# --- money -------------------------------------------------------------------------------------
+SECONDS_PER_HOUR = 3600.0
+BYTES_PER_GB = 1e9  # egress is billed per decimal GB (GCP/AWS price sheets)

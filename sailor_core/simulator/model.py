@@ -1,0 +1,344 @@
+"""Stage-level building blocks of the simulator, memoised per ProfileBook.
+
+Contract: `SimModel(book)` answers the questions the simulator and the planner's search ask about
+one model on a set of GPUs and links, each in O(1) after a first call:
+
+- `stage_compute(gpu, mbs, tp, first, last)`: forward and backward seconds of one microbatch on
+  layers first..last (inclusive) of one TP group (prefix sums over the per-layer profiles);
+- `optimizer_time_s(...)`: the optimizer step of that stage;
+- `stage_params(tp, first, last)`, `stage_memory(...)`: parameters held per GPU and peak memory;
+- `p2p_time_s(...)`, `allreduce_time_s(...)`: pipeline messages and data-parallel gradient rings on
+  the published bandwidth fits, within a node, a zone, across zones and regions.
+
+`model_for(book)` returns the cached `SimModel` of a book (one per book object), so `simulate` and
+the planner share the same numbers and caches: one model, not two. Pure: no I/O, no globals read
+beyond that cache, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sailor_core.domain import BandwidthFit, Replica
+from sailor_core.profiles import MissingProfileError, ProfileBook
+from sailor_core.simulator import constants as C
+
+
+@dataclass(frozen=True, slots=True)
+class StageCompute:
+    """Seconds per microbatch of one stage on one replica."""
+
+    forward_s: float
+    backward_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """Peak bytes on one GPU of a stage replica, by term (see docs/simulator.md)."""
+
+    framework_bytes: int  # CUDA context, kernels, communicator buffers: stored per GPU type
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    comm_buffer_bytes: int  # flat all-reduce bucket (data parallel only)
+    activations_bytes: int  # saved activations of the microbatches in flight
+    workspace_bytes: int  # backward temporaries of the largest layer
+    p2p_buffers_bytes: int  # received activations/gradients from neighbouring stages
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.framework_bytes
+            + self.weights_bytes
+            + self.gradients_bytes
+            + self.optimizer_bytes
+            + self.comm_buffer_bytes
+            + self.activations_bytes
+            + self.workspace_bytes
+            + self.p2p_buffers_bytes
+        )
+
+
+class _Prefix:
+    """Prefix sums of per-layer forward/backward seconds for one (gpu, mbs, tp)."""
+
+    __slots__ = ("fwd", "bwd", "opt_s")
+
+    def __init__(self, fwd: list[float], bwd: list[float], opt_s: float) -> None:
+        self.fwd = fwd
+        self.bwd = bwd
+        self.opt_s = opt_s
+
+
+class _SizePrefix:
+    """Prefix sums of per-layer sizes for one TP degree."""
+
+    __slots__ = ("params", "act", "act_max", "out_elems", "in_elems", "_acts")
+
+    def __init__(self, book: ProfileBook, tp: int) -> None:
+        m = book.model
+        layers = [m.layer(i, tp) for i in range(m.num_layers)]
+        self.params = [0]
+        self.act = [0]
+        for ly in layers:
+            self.params.append(self.params[-1] + ly.params)
+            self.act.append(self.act[-1] + ly.act_memory_bytes)
+        self.act_max: dict[tuple[int, int], int] = {}
+        self.out_elems = [ly.act_output_elems for ly in layers]
+        self.in_elems = [ly.act_input_elems for ly in layers]
+        self._acts = [ly.act_memory_bytes for ly in layers]
+
+    def max_act(self, first: int, last: int) -> int:
+        key = (first, last)
+        v = self.act_max.get(key)
+        if v is None:
+            v = max(self._acts[first : last + 1])
+            self.act_max[key] = v
+        return v
+
+
+class SimModel:
+    """Memoised building blocks over one ProfileBook (see the module docstring)."""
+
+    def __init__(self, book: ProfileBook) -> None:
+        self.book = book
+        self._prefix: dict[tuple[str, int, int], _Prefix] = {}
+        self._sizes: dict[int, _SizePrefix] = {}
+        self._fit_cache: dict[tuple[object, ...], tuple[BandwidthFit, int, bool]] = {}
+        self._full_params: dict[int, int] = {}
+
+    # -- compute ---------------------------------------------------------------------------
+    def _prefix_for(self, gpu: str, mbs: int, tp: int) -> _Prefix:
+        key = (gpu, mbs, tp)
+        p = self._prefix.get(key)
+        if p is None:
+            layers = self.book.layers(gpu, mbs, tp)
+            n = self.book.model.num_layers
+            if len(layers) != n or [ly.layer for ly in layers] != list(range(n)):
+                raise MissingProfileError(
+                    f"profile (model={self.book.model.name}, gpu_type={gpu}, mbs={mbs}, tp={tp}) covers layers "
+                    f"{[ly.layer for ly in layers][:4]}... but the model has {n}; to fix: re-run "
+                    f"sailor profile model --model {self.book.model.name} --mbs {mbs} --tp {tp} on a {gpu} machine"
+                )
+            fwd = [0.0]
+            bwd = [0.0]
+            for ly in layers:
+                fwd.append(fwd[-1] + ly.forward_s)
+                bwd.append(bwd[-1] + ly.backward_s)
+            p = _Prefix(fwd, bwd, layers[0].optimizer_s)
+            self._prefix[key] = p
+        return p
+
+    def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute:
+        """Forward and backward seconds of one microbatch of `mbs` on layers first..last."""
+        p = self._prefix_for(gpu, mbs, tp)
+        return StageCompute(forward_s=p.fwd[last + 1] - p.fwd[first], backward_s=p.bwd[last + 1] - p.bwd[first])
+
+    def optimizer_time_s(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> float:
+        """Optimizer step of the stage's shard.
+
+        The profile's update time is one per-GPU step for the whole model at that TP degree (the
+        same number on every layer, README section 2a). Adam is memory-bound and linear in the
+        parameters it updates, so a stage pays its share of the model's parameters.
+        """
+        p = self._prefix_for(gpu, mbs, tp)
+        full = self._full(tp)
+        return p.opt_s * (self.stage_params(tp, first, last) / full if full else 1.0)
+
+    # -- sizes -----------------------------------------------------------------------------
+    def _size(self, tp: int) -> _SizePrefix:
+        s = self._sizes.get(tp)
+        if s is None:
+            s = _SizePrefix(self.book, tp)
+            self._sizes[tp] = s
+        return s
+
+    def _full(self, tp: int) -> int:
+        v = self._full_params.get(tp)
+        if v is None:
+            v = self._size(tp).params[-1]
+            self._full_params[tp] = v
+        return v
+
+    def stage_params(self, tp: int, first: int, last: int) -> int:
+        """Parameter elements held by one GPU of a tp-way group for layers first..last."""
+        s = self._size(tp)
+        return s.params[last + 1] - s.params[first]
+
+    def boundary_elems(self, tp: int, last: int) -> int:
+        """Elements of the activation leaving layer `last` for one sequence (the p2p message)."""
+        return self._size(tp).out_elems[last]
+
+    def stage_memory(
+        self,
+        gpu: str,
+        tp: int,
+        first: int,
+        last: int,
+        *,
+        mbs: int,
+        in_flight: int,
+        precision: str = "fp32",
+        zero1: bool = False,
+        dp: int = 1,
+        receives_activations: bool = False,
+        receives_gradients: bool = False,
+    ) -> StageMemory:
+        """Peak bytes on one GPU of a replica that keeps `in_flight` microbatches of `mbs`."""
+        s = self._size(tp)
+        params = s.params[last + 1] - s.params[first]
+        if precision == "bf16":
+            w, g, opt = C.BF16_WEIGHT_BYTES, C.BF16_GRAD_BYTES, C.BF16_MASTER_AND_ADAM_BYTES
+            act_scale = C.BF16_ACTIVATION_SCALE
+        else:
+            w, g, opt = C.FP32_WEIGHT_BYTES, C.FP32_GRAD_BYTES, C.FP32_ADAM_STATE_BYTES
+            act_scale = 1.0
+        opt_bytes = params * opt
+        if zero1 and dp > 1:
+            opt_bytes = math.ceil(opt_bytes / dp)
+        # The flat bucket gradients are copied into for the data-parallel all-reduce.
+        comm = min(params * g, C.ALLREDUCE_BUCKET_BYTES) if dp > 1 else 0
+        act = int((s.act[last + 1] - s.act[first]) * mbs * in_flight * act_scale)
+        workspace = int(C.BACKWARD_WORKSPACE_FACTOR * s.max_act(first, last) * mbs * act_scale)
+        msg = C.P2P_BYTES_PER_ELEMENT.get(precision, C.FP32_BYTES)
+        p2p = 0
+        if receives_activations:  # inputs received from the previous stage, one per microbatch in flight
+            p2p += s.in_elems[first] * mbs * msg * in_flight
+        if receives_gradients:  # the gradient of the stage output, one microbatch at a time
+            p2p += s.out_elems[last] * mbs * msg
+        return StageMemory(
+            framework_bytes=self.book.overhead_bytes(gpu),
+            weights_bytes=params * w,
+            gradients_bytes=params * g,
+            optimizer_bytes=opt_bytes,
+            comm_buffer_bytes=comm,
+            activations_bytes=act,
+            workspace_bytes=workspace,
+            p2p_buffers_bytes=p2p,
+        )
+
+    # -- network ---------------------------------------------------------------------------
+    def _inter_fit(self, a: Replica, a_count: int, b: Replica, b_count: int) -> tuple[BandwidthFit, int]:
+        """The measured link a -> b and the GPU count it was measured with.
+
+        Lookup order: exact counts; both counts set to the smaller one (the artifact derives mixed
+        counts that way); count 1 (the flows then share one measured NIC); the reverse direction.
+        """
+        key = ("inter", a.zone, a.gpu_type, a_count, b.zone, b.gpu_type, b_count)
+        hit = self._fit_cache.get(key)
+        if hit is not None:
+            return hit[0], hit[1]
+        book = self.book
+        c = min(a_count, b_count)
+        tries = [
+            (a.zone, a.gpu_type, a_count, b.zone, b.gpu_type, b_count),
+            (a.zone, a.gpu_type, c, b.zone, b.gpu_type, c),
+            (a.zone, a.gpu_type, 1, b.zone, b.gpu_type, 1),
+            (b.zone, b.gpu_type, b_count, a.zone, a.gpu_type, a_count),
+            (b.zone, b.gpu_type, c, a.zone, a.gpu_type, c),
+            (b.zone, b.gpu_type, 1, a.zone, a.gpu_type, 1),
+        ]
+        for t in tries:
+            lk = book.link(*t)
+            if lk is not None:
+                self._fit_cache[key] = (lk.fit, t[2], False)
+                return lk.fit, t[2]
+        raise MissingProfileError(
+            f"no network profile for {a.gpu_type} x{a_count} in {a.zone} -> {b.gpu_type} x{b_count} in {b.zone}; "
+            f"to fix: sailor profile network --from {a.zone}:{a.gpu_type} --to {b.zone}:{b.gpu_type}"
+        )
+
+    def _intra_fit(self, gpu: str, num_gpus: int, gpus_per_node: int) -> tuple[BandwidthFit, int]:
+        key = ("intra", gpu, num_gpus)
+        hit = self._fit_cache.get(key)
+        if hit is not None:
+            return hit[0], hit[1]
+        for n in sorted({max(2, min(num_gpus, gpus_per_node)), 2, 4, 8}, key=lambda x: (abs(x - num_gpus), x)):
+            lk = self.book.intra_node_link(gpu, n)
+            if lk is not None:
+                self._fit_cache[key] = (lk.fit, n, True)
+                return lk.fit, n
+        raise MissingProfileError(
+            f"no intra-node network profile for {gpu} (needed for GPUs of one node talking to each other); "
+            f"to fix: sailor profile network --intra-node --gpu-type {gpu}"
+        )
+
+    def flow_bandwidth_bytes_per_s(
+        self, a: Replica, b: Replica, flows: int, message_bytes: float, *, same_node: bool
+    ) -> float:
+        """Bandwidth one of `flows` concurrent transfers of `message_bytes` each gets from a to b.
+
+        Across nodes, a fit measured with n GPUs of a node sending at once is their aggregate
+        bandwidth (cloud NICs are shared: README section 3), so each of max(n, flows) concurrent
+        senders gets 1/max(n, flows) of it. Within a node, a transfer is a GPU pair on NVLink/PCIe
+        (the fit measured with 2 GPUs); pairs of one node use distinct links.
+        """
+        if same_node:
+            fit, _ = self._intra_fit(a.gpu_type, 2, a.gpus_per_node)
+            return fit.bandwidth_bytes_per_s(message_bytes)
+        fit, n = self._inter_fit(a, flows, b, flows)
+        return fit.bandwidth_bytes_per_s(message_bytes) / max(n, flows)
+
+    def p2p_time_s(self, sender: Replica, receiver: Replica, message_bytes: float, *, same_node: bool) -> float:
+        """Seconds to move one pipeline message from every TP rank of `sender` to `receiver`.
+
+        Each of the min(tp, gpus_per_node) TP ranks sends its copy at once (the artifact's GPU
+        count for pipeline sends), sharing the node's measured bandwidth.
+        """
+        if message_bytes <= 0:
+            return 0.0
+        flows = max(1, min(sender.tp, sender.gpus_per_node, receiver.tp, receiver.gpus_per_node))
+        bw = self.flow_bandwidth_bytes_per_s(sender, receiver, flows, message_bytes, same_node=same_node)
+        return message_bytes / bw
+
+    def allreduce_time_s(self, replicas: Sequence[Replica], nodes: Sequence[int], grad_bytes_per_gpu: float) -> float:
+        """Ring all-reduce of each GPU's gradient shard over the stage's data-parallel replicas.
+
+        Ring order follows the replicas sorted by (region, zone, node), so a ring crosses each
+        zone boundary twice at most. Per bucket of `ALLREDUCE_BUCKET_BYTES`, 2(D-1) steps each move
+        a chunk of bucket/D; every step waits for the slowest hop. The tp GPUs of a replica run tp
+        rings at once (one per TP rank) that share their node's links.
+        """
+        d = len(replicas)
+        if d <= 1 or grad_bytes_per_gpu <= 0:
+            return 0.0
+        order = sorted(range(d), key=lambda i: (replicas[i].region, replicas[i].zone, nodes[i]))
+        n_full, rest = divmod(grad_bytes_per_gpu, C.ALLREDUCE_BUCKET_BYTES)
+        buckets = [C.ALLREDUCE_BUCKET_BYTES] * int(n_full) + ([rest] if rest > 0 else [])
+        total = 0.0
+        for bucket in buckets:
+            chunk = bucket / d
+            step = 0.0
+            for k in range(d):
+                a = replicas[order[k]]
+                b = replicas[order[(k + 1) % d]]
+                same = nodes[order[k]] == nodes[order[(k + 1) % d]]
+                flows = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
+                bw = self.flow_bandwidth_bytes_per_s(a, b, flows, chunk, same_node=same)
+                step = max(step, chunk / bw)
+            total += 2 * (d - 1) * step
+        return total
+
+
+# One SimModel per ProfileBook object. Keyed by id with the book kept alive by the entry, so an id
+# is never reused while cached; bounded so a long-running planner does not grow without limit.
+_MODELS: dict[int, tuple[ProfileBook, SimModel]] = {}
+_MAX_MODELS = 16
+
+
+def model_for(book: ProfileBook) -> SimModel:
+    """The shared, memoised SimModel of `book`."""
+    hit = _MODELS.get(id(book))
+    if hit is not None and hit[0] is book:
+        return hit[1]
+    if len(_MODELS) >= _MAX_MODELS:
+        _MODELS.pop(next(iter(_MODELS)))
+    sm = SimModel(book)
+    _MODELS[id(book)] = (book, sm)
+    return sm

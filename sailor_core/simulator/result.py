@@ -1,0 +1,137 @@
+"""Options and results of one simulation.
+
+Contract: frozen dataclasses; `SimulationResult.to_json()` returns a JSON-compatible dict with the
+keys the CLI documents (iteration_time_s, throughput_iterations_per_s, tokens_per_s,
+peak_memory_bytes, fits_memory, usd_per_iteration, breakdown, per_stage, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sailor_core.domain import Market
+from sailor_core.simulator.model import StageMemory
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimOptions:
+    """Knobs of one simulation. `None` means: take it from the plan.
+
+    `prices_usd_per_gpu_hour` overrides the book's prices per (zone, gpu_type, market); the planner
+    passes its pool's prices here. `overlap_dp_sync`: a stage starts its gradient all-reduce as
+    soon as its own last backward is done (DeepSpeed/Megatron reduce per stage group), so later
+    stages' reductions hide behind earlier stages' backward tail; False serialises them after the
+    whole pipeline.
+    """
+
+    schedule: str | None = None
+    precision: str | None = None
+    zero1: bool | None = None
+    prices_usd_per_gpu_hour: Mapping[tuple[str, str, Market], float] | None = None
+    overlap_dp_sync: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaResult:
+    """One (stage, replica) of the plan: its compute and its peak memory per GPU."""
+
+    stage: int
+    replica: int
+    gpu_type: str
+    zone: str
+    tp: int
+    microbatch_size: int
+    num_microbatches: int
+    forward_s: float  # per microbatch
+    backward_s: float  # per microbatch
+    compute_s: float  # all microbatches of this iteration
+    optimizer_s: float
+    dp_sync_s: float  # all-reduce of this stage's gradients (the stage's ring, shared by its replicas)
+    in_flight_microbatches: int
+    memory: StageMemory
+    peak_memory_bytes: int
+    capacity_bytes: int
+    fits: bool
+    bytes_over: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Breakdown:
+    """Where the iteration's seconds go; the four top terms add up to the iteration time.
+
+    pipeline_compute_s and pipeline_p2p_s are the compute and send/receive on the critical path
+    of the slowest pipeline (bubbles included); dp_sync_exposed_s is the part of the data-parallel
+    gradient reduction not hidden behind the pipeline; optimizer_s the step.
+    """
+
+    pipeline_compute_s: float
+    pipeline_p2p_s: float
+    dp_sync_exposed_s: float
+    optimizer_s: float
+    dp_sync_per_stage_s: tuple[float, ...]
+    pipeline_time_per_pipeline_s: tuple[float, ...]
+    bubble_s: float
+    slowest_pipeline: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationResult:
+    iteration_time_s: float
+    breakdown: Breakdown
+    per_stage: tuple[ReplicaResult, ...]
+    peak_memory_bytes: int
+    fits_memory: bool
+    throughput_iterations_per_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    usd_per_iteration: float
+    usd_per_hour: float
+    usd_per_million_tokens: float
+    egress_usd_per_iteration: float
+    compute_usd_per_iteration: float
+    num_gpus: int
+    schedule: str
+    precision: str
+    zero1: bool
+    unpriced: tuple[tuple[str, str, str], ...] = field(default=())
+
+    @property
+    def oom(self) -> tuple[ReplicaResult, ...]:
+        """The (stage, replica) entries that do not fit, worst first."""
+        return tuple(sorted((r for r in self.per_stage if not r.fits), key=lambda r: -r.bytes_over))
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "iteration_time_s": self.iteration_time_s,
+            "throughput_iterations_per_s": self.throughput_iterations_per_s,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "fits_memory": self.fits_memory,
+            "usd_per_iteration": self.usd_per_iteration,
+            "usd_per_hour": self.usd_per_hour,
+            "usd_per_million_tokens": self.usd_per_million_tokens,
+            "egress_usd_per_iteration": self.egress_usd_per_iteration,
+            "compute_usd_per_iteration": self.compute_usd_per_iteration,
+            "num_gpus": self.num_gpus,
+            "schedule": self.schedule,
+            "precision": self.precision,
+            "zero1": self.zero1,
+            "unpriced": [list(u) for u in self.unpriced],
+            "breakdown": {
+                **{k: v for k, v in asdict(self.breakdown).items() if not isinstance(v, tuple)},
+                "dp_sync_per_stage_s": list(self.breakdown.dp_sync_per_stage_s),
+                "pipeline_time_per_pipeline_s": list(self.breakdown.pipeline_time_per_pipeline_s),
+            },
+            "per_stage": [],
+            "oom": [
+                {"stage": r.stage, "replica": r.replica, "bytes_over": r.bytes_over} for r in self.oom
+            ],
+        }
+        for r in self.per_stage:
+            row = {k: v for k, v in asdict(r).items() if k != "memory"}
+            row["memory"] = {**asdict(r.memory), "total_bytes": r.memory.total_bytes}
+            d["per_stage"].append(row)
+        return d
