@@ -1,0 +1,113 @@
+"""Parameters of a `sailor` flow run, validated before anything is provisioned.
+
+Contract: `SailorParams` is a pydantic model built from the flow's (flat, UI-friendly) parameters.
+Construction checks every field and raises `InvalidParameters`, whose message lists each bad
+field with its value and the reason, and how to fix it. Nothing here touches the outside world.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from sailor_core.domain import Market, SailorError
+
+Objective = Literal["max-throughput", "min-cost", "min-cost-per-token"]
+PROVIDERS = ("local", "aws", "gcp")
+
+
+class InvalidParameters(SailorError):
+    """The flow's parameters are invalid; nothing was provisioned."""
+
+
+class SailorParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_name: str = Field(default="sailor", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: str = Field(default="gpt-tiny", min_length=1)
+    global_batch_size: int = Field(default=8, ge=1)
+    objective: Objective = "min-cost"
+    max_usd_per_iteration: float | None = Field(default=None, gt=0)
+    max_usd_per_hour: float | None = Field(default=None, gt=0)
+    min_iterations_per_s: float | None = Field(default=None, gt=0)
+    deadline_s: float | None = Field(default=None, gt=0, description="wall-clock limit of the training phase")
+    clouds: list[str] | None = None
+    regions: list[str] | None = None
+    gpu_types: list[str] | None = None
+    markets: list[str] | None = None
+    max_gpus: int | None = Field(default=None, ge=1)
+    provider: Literal["local", "aws", "gcp"] = "local"
+    store_uri: str = Field(default=".sailor/store", min_length=1)
+    dataset: str | None = Field(default=None, description="data URI; None uses the runtime's built-in corpus")
+    steps: int | None = Field(default=None, ge=1)
+    token_budget: int | None = Field(default=None, ge=1)
+    checkpoint_interval: int = Field(default=10, ge=1, description="steps between checkpoints")
+    scenario: str | None = Field(default=None, description="local provider: YAML file scripting events")
+    workers: int = Field(default=4, ge=1, le=64, description="local provider: worker slots on this machine")
+    seed: int = 0
+    # Replanning: a new plan is adopted only when it saves more than this many seconds (max-throughput)
+    # or dollars (cost objectives) over the remaining work, net of the reconfiguration cost.
+    min_gain: float = Field(default=0.0, ge=0)
+    heartbeat_timeout_s: float = Field(default=20.0, gt=0)
+    calibration_tolerance: float = Field(default=0.25, gt=0, lt=10,
+                                         description="relative departure of measured from estimated "
+                                                     "iteration time that triggers a correction")
+    dry_run: bool = False
+
+    @field_validator("markets")
+    @classmethod
+    def _markets(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("an empty list allows nothing; omit it to allow every market")
+        return [Market.parse(m).value for m in v]
+
+    @field_validator("clouds", "regions", "gpu_types")
+    @classmethod
+    def _non_empty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or any(not s for s in v)):
+            raise ValueError("must be omitted or a list of non-empty names")
+        return v
+
+    @field_validator("scenario")
+    @classmethod
+    def _scenario(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"scenario file {v!r} does not exist")
+        return v
+
+    @model_validator(mode="after")
+    def _budget(self) -> SailorParams:
+        if (self.steps is None) == (self.token_budget is None):
+            raise ValueError("give exactly one of steps or token_budget")
+        if self.scenario and self.provider != "local":
+            raise ValueError("scenario files script the local provider only; drop scenario or use provider=local")
+        return self
+
+    def total_steps(self, sequence_length: int) -> int:
+        """Steps to train: given, or enough iterations to consume the token budget."""
+        if self.steps is not None:
+            return self.steps
+        assert self.token_budget is not None
+        return max(1, math.ceil(self.token_budget / (self.global_batch_size * sequence_length)))
+
+
+def validate_params(raw: dict[str, object]) -> SailorParams:
+    """Build SailorParams or raise InvalidParameters naming every bad field."""
+    try:
+        return SailorParams.model_validate(raw)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "parameters"
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            value = err.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            problems.append(f"{field}: {msg}{shown}")
+        raise InvalidParameters(
+            "invalid parameters: " + "; ".join(problems) + "; to fix: correct these fields and run again"
+        ) from None
