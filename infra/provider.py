@@ -110,6 +110,14 @@ class WorkerAssignment:
     checkpoint_uri: str = ""
     data_uri: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    # What to train and how long; where to report. The agent writes one JSON line per step (at least
+    # step, loss, samples, iteration_time_s) to `metrics_uri` and beats its heartbeat while it runs;
+    # it resumes from the newest complete checkpoint under `checkpoint_uri` when one exists.
+    model: str = ""
+    total_steps: int = 0
+    checkpoint_interval: int = 0
+    seed: int = 0
+    metrics_uri: str = ""
 
 
 @runtime_checkable
