@@ -1,0 +1,151 @@
+"""`sailor simulate PLAN_FILE`: iteration time, memory and cost of a plan, from stored profiles.
+
+Contract: reads the plan (our format or a published `plan_config_*.json` with --format eth-easl and
+--model), loads the model's ProfileBook (from --store, else the default store, else the data
+published with the Sailor artifact), runs `sailor_core.simulator.simulate` and prints a readable
+breakdown, or one JSON object with --json. User errors (bad plan, missing profile) are
+`SailorError`s: the entry point prints them as one line with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sailor_core.domain import SailorError
+from sailor_core.plan_format import load_plan_file
+from sailor_core.profiles import ProfileBook
+from sailor_core.simulator import ReplicaResult, SimOptions, SimulationResult
+from sailor_core.simulator import simulate as run_simulation
+
+# Where the artifact's published data lies when no store has the model: $SAILOR_REFERENCE_DATA,
+# else ../shared/reference_data next to the repository (the project's layout).
+_REFERENCE_ENV = "SAILOR_REFERENCE_DATA"
+
+
+def _reference_root() -> Path | None:
+    env = os.environ.get(_REFERENCE_ENV)
+    cands = [Path(env)] if env else []
+    cands.append(Path(__file__).resolve().parents[2] / "shared" / "reference_data")
+    for c in cands:
+        if (c / "eth-easl-sailor" / "sailor" / "Planner").is_dir() or (c / "sailor" / "Planner").is_dir():
+            return c
+    return None
+
+
+def _is_eth_easl_dir(uri: str) -> bool:
+    p = Path(uri)
+    return (p / "eth-easl-sailor" / "sailor" / "Planner").is_dir() or (p / "sailor" / "Planner").is_dir()
+
+
+def load_book(model: str, store: str | None) -> ProfileBook:
+    """The ProfileBook of `model`: from `store` (a store URI or a folder of published data), else
+    the default store, else the published reference data."""
+    if store and _is_eth_easl_dir(store):
+        from profiles_store.eth_easl import read_eth_easl
+
+        return read_eth_easl(store).profile_book(model)
+    open_store = None
+    try:
+        from profiles_store import open_store  # type: ignore[attr-defined,no-redef]
+    except ImportError:
+        open_store = None
+    if open_store is not None:
+        try:
+            return open_store(store).profile_book(model)  # type: ignore[no-any-return]
+        except SailorError:
+            if store:
+                raise  # the user named this store: its error is the answer
+        except Exception:  # noqa: BLE001 - an unreadable default store falls back to the published data
+            if store:
+                raise
+    elif store:
+        raise SailorError(
+            f"cannot open store {store!r}: this build has no Parquet store; to fix: pass a folder holding the "
+            f"published Sailor data (eth-easl-sailor/) or install the store"
+        )
+    root = _reference_root()
+    if root is None:
+        raise SailorError(
+            f"no profiles for model {model}: the default store has none and the published data was not found; "
+            f"to fix: pass --store URI, set ${_REFERENCE_ENV}, or run `sailor profiles import-eth-easl`"
+        )
+    from profiles_store.eth_easl import read_eth_easl
+
+    return read_eth_easl(root).profile_book(model)
+
+
+def _gb(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def _print_rich(res: SimulationResult, plan_path: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=None if sys.stdout.isatty() else 140)  # piped output: do not wrap at 80
+    b = res.breakdown
+    con.print(f"[bold]{plan_path}[/bold]: {res.num_gpus} GPUs, {res.schedule}, {res.precision}"
+              f"{', ZeRO-1' if res.zero1 else ''}")
+    t = Table(title="iteration", show_header=False)
+    t.add_row("iteration time", f"{res.iteration_time_s:.4f} s")
+    t.add_row("  pipeline compute (incl. bubbles)", f"{b.pipeline_compute_s:.4f} s (bubble {b.bubble_s:.4f} s)")
+    t.add_row("  pipeline send/receive", f"{b.pipeline_p2p_s:.4f} s")
+    t.add_row("  data-parallel sync (exposed)", f"{b.dp_sync_exposed_s:.4f} s "
+              f"(per stage {', '.join(f'{x:.4f}' for x in b.dp_sync_per_stage_s)} s)")
+    t.add_row("  optimizer step", f"{b.optimizer_s:.4f} s")
+    t.add_row("throughput", f"{res.throughput_iterations_per_s:.3f} it/s, {res.samples_per_s:.1f} samples/s, "
+              f"{res.tokens_per_s:,.0f} tokens/s")
+    t.add_row("peak memory", f"{_gb(res.peak_memory_bytes)}  fits: {'yes' if res.fits_memory else '[red]NO[/red]'}")
+    t.add_row("cost", f"${res.usd_per_iteration:.4f}/iteration (egress ${res.egress_usd_per_iteration:.4f}), "
+              f"${res.usd_per_hour:.2f}/h, ${res.usd_per_million_tokens:.3f}/M tokens")
+    if res.unpriced:
+        t.add_row("[yellow]unpriced[/yellow]", ", ".join("/".join(u) for u in res.unpriced) + " (counted as $0)")
+    con.print(t)
+    st = Table(title="per stage (identical replicas grouped)")
+    for h in ("stage", "replicas", "GPU @ zone", "tp", "mbs x m", "s/microbatch", "dp sync s", "in flight",
+              "peak mem", "fits"):
+        st.add_column(h)
+    groups: list[list[ReplicaResult]] = []
+    for r in res.per_stage:
+        g = groups[-1] if groups else None
+        if g and _same(g[-1], r):
+            g.append(r)
+        else:
+            groups.append([r])
+    for g in groups:
+        r = g[0]
+        reps = str(r.replica) if len(g) == 1 else f"{r.replica}-{g[-1].replica}"
+        st.add_row(str(r.stage), reps, f"{r.gpu_type} @ {r.zone}", str(r.tp),
+                   f"{r.microbatch_size} x {r.num_microbatches}", f"{r.forward_s + r.backward_s:.4f}",
+                   f"{r.dp_sync_s:.4f}", str(r.in_flight_microbatches), _gb(r.peak_memory_bytes),
+                   "yes" if r.fits else f"[red]no: {_gb(max(x.bytes_over for x in g))} over[/red]")
+    con.print(st)
+
+
+def _same(a: ReplicaResult, b: ReplicaResult) -> bool:
+    return (a.stage, a.gpu_type, a.zone, a.tp, a.microbatch_size, a.num_microbatches, a.peak_memory_bytes, a.fits) == (
+        b.stage, b.gpu_type, b.zone, b.tp, b.microbatch_size, b.num_microbatches, b.peak_memory_bytes, b.fits)
+
+
+def simulate(
+    plan_file: Annotated[str, typer.Argument(help="plan JSON: ours (sailor) or a published plan_config_*.json")],
+    format: Annotated[str, typer.Option("--format", help="sailor | eth-easl | auto")] = "auto",
+    model: Annotated[str | None, typer.Option("--model", help="model name (published plans do not name it)")] = None,
+    store: Annotated[str | None, typer.Option("--store", help="profile store URI (default: the embedded store)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    schedule: Annotated[str | None, typer.Option("--schedule", help="override: 1f1b | gpipe")] = None,
+) -> None:
+    """Estimate iteration time, peak memory per GPU and cost of PLAN_FILE."""
+    plan = load_plan_file(plan_file, fmt=format, model=model)
+    book = load_book(plan.model, store)
+    res = run_simulation(plan, book, options=SimOptions(schedule=schedule))
+    if as_json:
+        typer.echo(json.dumps(res.to_json()))
+    else:
+        _print_rich(res, plan_file)
