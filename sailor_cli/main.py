@@ -23,6 +23,12 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
+@app.callback()
+def _root() -> None:
+    """Plan, simulate, profile and train large models over heterogeneous, geo-distributed GPUs."""
+    # A callback keeps `sailor COMMAND ...` a group even while only one command is registered.
+
 # (module in sailor_cli, attribute, name as a group or None for a single command)
 _COMMANDS: list[tuple[str, str, str | None]] = [
     ("profiles", "app", "profiles"),
@@ -77,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
         if isinstance(e, click.exceptions.Abort):
             return 1
+        # typer >= 0.29 vendors click (typer._click): its usage errors are not click's classes
+        if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
+            e.show()
+            return int(e.exit_code)
+        if type(e).__name__ in ("Exit", "Abort"):
+            return int(getattr(e, "exit_code", 1) or 0)
         raise
     return 0
 
