@@ -9,6 +9,8 @@ Planner/simulations/profiles_tmp.json), the simulator's file `profiles_tmp.json`
 (model, GPU type) it covers: it is the one that reproduces the measured validation runs, and it
 has the correct 34-layer GPT-Neo-2.7/GH-96 profile where the planner's file is a copy of OPT-350's.
 The planner's files fill in the pairs it lacks (OPT-30/GH-96). `LAYER_PROFILE_CHOICE` records this.
+Network links likewise: multizone_bandwidths_het.json (what the simulator and planner read) wins, and
+multizone_bandwidths.json adds only the links it lacks (`NETWORK_CHOICE`; no key disagrees).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ LAYER_PROFILE_CHOICE = (
     "Planner/sailor_planner/profiles/<model>/<gpu>/profile.json; profiles_tmp.json reproduces the "
     "measured validation runs and has the correct GPT-Neo-2.7/GH-96 profile"
 )
+NETWORK_CHOICE = (
+    "network links: sailor/providers/multizone_bandwidths_het.json, plus the links only "
+    "sailor/providers/multizone_bandwidths.json has (no key is in both with different values)"
+)
 # GPU prices the artifact's evaluation used (hard-coded in its simulator), on-demand, every zone.
 EVALUATION_PRICES_USD_PER_GPU_HOUR = {"A100-40": 3.673385, "V100-16": 2.859998, "GH-96": 11.06}
 ZONES = ("us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f", "us-west1-b")
@@ -56,6 +62,9 @@ class EthEaslData:
     layer_profiles: tuple[LayerProfile, ...]
     layer_profile_files: dict[tuple[str, str], str]  # (model, gpu) -> file it came from
     links: tuple[NetworkLink, ...]
+    # (sender zone, GPU, count, receiver zone, GPU, count) -> file it came from
+    link_files: dict[tuple[str, str, int, str, str, int], str]
+    cluster_config_gpus: frozenset[str]  # GPU types whose memory/shape came from the cluster config
     intra_node: tuple[IntraNodeLink, ...]
     egress: tuple[EgressPrice, ...]
     prices: tuple[GpuPrice, ...]
@@ -164,10 +173,12 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
 
     # Cluster config: memory per GPU and GPUs per node, when present.
     gpu_types = dict(GPU_TYPES)
+    from_cluster: set[str] = set()
     cluster_path = planner / "simulations" / "configs" / "basic_cluster_config.json"
     if cluster_path.exists():
         for name, cfg in _load(cluster_path).items():
             if isinstance(cfg, dict):
+                from_cluster.add(name)
                 known = gpu_types.get(name)
                 gpu_types[name] = GpuType(
                     name=name,
@@ -176,20 +187,29 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
                     peak_flops=known.peak_flops if known else None,
                 )
 
+    # Network: the heterogeneous file (the one the simulator and planner read) wins; the homogeneous
+    # file only adds the links it lacks (A100-80 and some GH-96 entries; no key disagrees).
     links = []
-    het = _load(providers / "multizone_bandwidths_het.json")
-    for sz, by_sg in het.items():
-        for sg, by_sc in by_sg.items():
-            for sc, by_rz in by_sc.items():
-                for rz, by_rg in by_rz.items():
-                    for rg, by_rc in by_rg.items():
-                        for rc, leaf in by_rc.items():
-                            links.append(
-                                NetworkLink(
-                                    sender_zone=sz, sender_gpu=sg, sender_count=int(sc),
-                                    receiver_zone=rz, receiver_gpu=rg, receiver_count=int(rc), fit=_fit(leaf),
+    link_files: dict[tuple[str, str, int, str, str, int], str] = {}
+    for fname in ("multizone_bandwidths_het.json", "multizone_bandwidths.json"):
+        if fname != "multizone_bandwidths_het.json" and not (providers / fname).exists():
+            continue
+        for sz, by_sg in _load(providers / fname).items():
+            for sg, by_sc in by_sg.items():
+                for sc, by_rz in by_sc.items():
+                    for rz, by_rg in by_rz.items():
+                        for rg, by_rc in by_rg.items():
+                            for rc, leaf in by_rc.items():
+                                key = (sz, sg, int(sc), rz, rg, int(rc))
+                                if key in link_files:
+                                    continue
+                                link_files[key] = f"sailor/providers/{fname}"
+                                links.append(
+                                    NetworkLink(
+                                        sender_zone=sz, sender_gpu=sg, sender_count=int(sc),
+                                        receiver_zone=rz, receiver_gpu=rg, receiver_count=int(rc), fit=_fit(leaf),
+                                    )
                                 )
-                            )
     intra = [
         IntraNodeLink(gpu_type=g, num_gpus=int(n), fit=_fit(leaf))
         for g, by_n in _load(providers / "intra_node_bandwidths.json").items()
@@ -222,6 +242,8 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
         layer_profiles=tuple(profiles),
         layer_profile_files=files,
         links=tuple(links),
+        link_files=link_files,
+        cluster_config_gpus=frozenset(from_cluster),
         intra_node=tuple(intra),
         egress=tuple(egress),
         prices=tuple(prices),
