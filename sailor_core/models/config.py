@@ -1,0 +1,254 @@
+"""Transformer configurations and their analytic per-layer sizes. Torch-free.
+
+Contract:
+- `TransformerConfig` is a frozen, validated description of a decoder-only transformer in one of
+  three variants: 'opt' (learned positions, LayerNorm, ReLU MLP, tied head), 'gpt-neo' (learned
+  positions, LayerNorm, GELU MLP, tied head) and 'llama' (rotary positions, RMSNorm, SwiGLU MLP,
+  untied head, no biases). `tied_head` may be overridden per config.
+- `get_config(name)` returns a built-in config (`BUILTIN_CONFIGS`), e.g. gpt-tiny, gpt-small,
+  OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30 (architectures from sailor_core.catalog).
+- `model_spec(config, tp_degrees)` returns a `ModelSpec` in the store's layer indexing
+  (0 embedding, 1..L blocks, L+1 final norm + head) with, per layer and TP degree:
+  `params` held by one GPU of the TP group, `act_input_elems`/`act_output_elems` per sequence, and
+  `act_memory_bytes` kept for backward per sequence. The activation formula counts exactly the
+  tensors that sailor_core.models.torch_model saves for backward (see `_block_saved_elems`), so a
+  profiler that hooks torch's saved tensors finds the same bytes.
+
+The torch implementation lives in torch_model.py / tensor_parallel.py; importing this module (or
+the package) never imports torch, so the planner and simulator can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sailor_core.domain import LayerSpec, ModelSpec, SailorError, ValidationError
+
+VARIANTS = ("opt", "gpt-neo", "llama")
+
+# Bytes per element of what backward keeps: the runtime keeps fp32 activations unless bf16
+# autocast is on; the spec is stated at fp32 (the profiler measures fp32 by default).
+FP32_BYTES = 4
+INDEX_BYTES = 8  # token ids and targets are int64
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """A decoder-only transformer. `num_blocks` transformer blocks; the store sees num_blocks + 2 layers."""
+
+    name: str
+    variant: str
+    num_blocks: int
+    hidden_size: int
+    num_heads: int
+    ffn_hidden_size: int
+    sequence_length: int
+    vocab_size: int
+    tied_head: bool | None = None  # None: the variant's default (opt, gpt-neo tie; llama does not)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValidationError(f"model config {self.name!r}: {msg}")
+
+        if self.variant not in VARIANTS:
+            bad(f"variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        for n in ("num_blocks", "hidden_size", "num_heads", "ffn_hidden_size", "sequence_length", "vocab_size"):
+            if int(getattr(self, n)) < 1:
+                bad(f"{n} must be >= 1, got {getattr(self, n)}")
+        if self.hidden_size % self.num_heads:
+            bad(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.variant == "llama" and self.head_dim % 2:
+            bad(f"rotary positions need an even head dimension, got {self.head_dim}")
+        if self.tied_head is None:
+            object.__setattr__(self, "tied_head", self.variant != "llama")
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        """Layers in the store's indexing: embedding, blocks, final norm + head."""
+        return self.num_blocks + 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.variant != "llama"
+
+    @property
+    def norm(self) -> str:
+        return "rmsnorm" if self.variant == "llama" else "layernorm"
+
+    @property
+    def mlp(self) -> str:
+        return {"opt": "relu", "gpt-neo": "gelu", "llama": "swiglu"}[self.variant]
+
+    @property
+    def bias(self) -> bool:
+        return self.variant != "llama"
+
+    def layer_kind(self, index: int) -> str:
+        if not 0 <= index < self.num_layers:
+            raise SailorError(f"model {self.name} has layers 0..{self.num_layers - 1}, not {index}")
+        if index == 0:
+            return "embedding"
+        return "head" if index == self.num_layers - 1 else "block"
+
+    def check_tp(self, tp: int) -> None:
+        """TP splits heads, FFN and vocabulary evenly; say which does not divide."""
+        if tp < 1:
+            raise SailorError(f"tp must be >= 1, got {tp}")
+        for what, n in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_hidden_size),
+                        ("vocab_size", self.vocab_size)):
+            if n % tp:
+                raise SailorError(
+                    f"model {self.name}: {what}={n} is not divisible by tp={tp}; to fix: use a TP degree dividing {n}"
+                )
+
+    def num_params(self) -> int:
+        """Total parameters of the model (a tied head counted once)."""
+        spec = model_spec(self, (1,))
+        total = sum(ly.params for ly in spec.layers)
+        if self.tied_head:
+            total -= self.vocab_size * self.hidden_size
+        return total
+
+
+def _norm_params(cfg: TransformerConfig) -> int:
+    return cfg.hidden_size * (1 if cfg.norm == "rmsnorm" else 2)
+
+
+def layer_params(cfg: TransformerConfig, index: int, tp: int = 1) -> int:
+    """Parameters one GPU of a `tp`-way group holds for this layer (replicated tensors counted fully)."""
+    h, f, v, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.sequence_length
+    kind = cfg.layer_kind(index)
+    if kind == "embedding":
+        # vocab-parallel token embedding; learned positions are replicated
+        return v * h // tp + (s * h if cfg.learned_positions else 0)
+    if kind == "head":
+        # final norm (replicated) + vocab-parallel output projection without bias; a tied head
+        # still holds its own copy when it lives on another stage, so it is counted here too
+        return _norm_params(cfg) + v * h // tp
+    b = 1 if cfg.bias else 0
+    attn = 3 * h * h // tp + b * 3 * h // tp + h * h // tp + b * h
+    if cfg.mlp == "swiglu":
+        mlp = 2 * h * f // tp + f * h // tp
+    else:
+        mlp = h * f // tp + b * f // tp + f * h // tp + b * h
+    return 2 * _norm_params(cfg) + attn + mlp
+
+
+def _norm_saved_elems(cfg: TransformerConfig, s: int) -> int:
+    # LayerNorm keeps its input and per-token mean and rstd; torch's RMSNorm is composite and
+    # keeps its input, the per-token rstd and the normalised tensor before the weight
+    if cfg.norm == "rmsnorm":
+        return 2 * s * cfg.hidden_size + s
+    return s * cfg.hidden_size + 2 * s
+
+
+def _block_saved_elems(cfg: TransformerConfig, tp: int) -> int:
+    """Elements (fp32) a block keeps for backward per sequence, as torch_model.Block computes it.
+
+    Attention: norm input + stats; the norm's output (the QKV projection's input); the QKV output
+    (q, k, v are views of it that attention keeps); with rotary, the rotated q and k; attention's
+    output (already laid out as the out projection's input, so kept once) and log-sum-exp.
+    MLP: norm input + stats; its output (FC1's input); GELU keeps FC1's output and FC2 keeps
+    GELU's output; ReLU keeps only its output (= FC2's input); SwiGLU keeps gate, up, silu(gate)
+    and the product.
+    """
+    s, h, f, nh = cfg.sequence_length, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads
+    attn = _norm_saved_elems(cfg, s) + s * h + 3 * s * h // tp + s * h // tp + s * nh // tp
+    if cfg.variant == "llama":
+        attn += 2 * s * h // tp
+    mlp = _norm_saved_elems(cfg, s) + s * h
+    mlp += {"relu": 1, "gelu": 2, "swiglu": 4}[cfg.mlp] * s * f // tp
+    return attn + mlp
+
+
+def layer_activation_bytes(cfg: TransformerConfig, index: int, tp: int = 1) -> int:
+    """Bytes one GPU of a `tp`-way group keeps for backward for one sequence (fp32 activations)."""
+    s, h, v = cfg.sequence_length, cfg.hidden_size, cfg.vocab_size
+    kind = cfg.layer_kind(index)
+    if kind == "embedding":
+        # only the token ids are needed to scatter the embedding gradient (plus a mask under TP)
+        return s * INDEX_BYTES + (s if tp > 1 else 0)
+    if kind == "head":
+        # final norm input + stats, its output (the projection's input), the log-softmax output over
+        # the gathered vocabulary (cross-entropy's backward needs it), and the targets
+        return FP32_BYTES * (_norm_saved_elems(cfg, s) + s * h + s * v) + s * INDEX_BYTES
+    return FP32_BYTES * _block_saved_elems(cfg, tp)
+
+
+def model_spec(cfg: TransformerConfig, tp_degrees: tuple[int, ...] | list[int] = (1, 2, 4, 8)) -> ModelSpec:
+    """Per-layer sizes for every TP degree in `tp_degrees` that divides heads, FFN and vocabulary."""
+    s, h = cfg.sequence_length, cfg.hidden_size
+    tps = []
+    for tp in tp_degrees:
+        try:
+            cfg.check_tp(int(tp))
+        except SailorError:
+            continue
+        tps.append(int(tp))
+    if not tps:
+        raise SailorError(f"model {cfg.name}: none of tp degrees {list(tp_degrees)} divides heads, FFN and vocabulary")
+    layers = []
+    for tp in sorted(set(tps)):
+        for i in range(cfg.num_layers):
+            kind = cfg.layer_kind(i)
+            layers.append(
+                LayerSpec(
+                    index=i,
+                    kind=kind,
+                    tp=tp,
+                    params=layer_params(cfg, i, tp),
+                    act_input_elems=s if kind == "embedding" else s * h,
+                    act_output_elems=1 if kind == "head" else s * h,
+                    act_memory_bytes=layer_activation_bytes(cfg, i, tp),
+                )
+            )
+    return ModelSpec(
+        name=cfg.name,
+        num_blocks=cfg.num_blocks,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        sequence_length=cfg.sequence_length,
+        vocab_size=cfg.vocab_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        layers=tuple(layers),
+    )
+
+
+def _builtin() -> dict[str, TransformerConfig]:
+    from sailor_core.catalog import MODEL_ARCHITECTURES
+
+    variants = {"OPT-350": "opt", "OPT-30": "opt", "GPT-Neo-2.7": "gpt-neo", "LLAMA-3-8": "llama"}
+    out = {
+        # Small models that train on a CPU in minutes; byte-level vocabulary, untied head so a
+        # pipeline never has to synchronise a weight shared by its first and last stage.
+        "gpt-tiny": TransformerConfig(
+            name="gpt-tiny", variant="gpt-neo", num_blocks=4, hidden_size=128, num_heads=4,
+            ffn_hidden_size=512, sequence_length=128, vocab_size=256, tied_head=False,
+        ),
+        "gpt-small": TransformerConfig(
+            name="gpt-small", variant="gpt-neo", num_blocks=6, hidden_size=256, num_heads=8,
+            ffn_hidden_size=1024, sequence_length=256, vocab_size=256, tied_head=False,
+        ),
+    }
+    for name, arch in MODEL_ARCHITECTURES.items():
+        out[name] = TransformerConfig(name=name, variant=variants.get(name, "gpt-neo"), **arch)
+    return out
+
+
+BUILTIN_CONFIGS: dict[str, TransformerConfig] = _builtin()
+
+
+def get_config(name: str, **overrides: object) -> TransformerConfig:
+    """A built-in config by name (case-insensitive), optionally with fields replaced."""
+    for key, cfg in BUILTIN_CONFIGS.items():
+        if key.lower() == name.lower():
+            return replace(cfg, **overrides) if overrides else cfg  # type: ignore[arg-type]
+    raise SailorError(f"unknown model {name!r}; to fix: use one of {', '.join(BUILTIN_CONFIGS)}")
