@@ -1,0 +1,96 @@
+"""The VM startup script: install the project, wait for the run's assignment, start the worker agent.
+
+Contract:
+- `render_startup_script(cloud=..., install_spec=..., run_id=..., vm_name=...)` returns a bash
+  script for cloud-init (AWS user data) or GCE's `startup-script` metadata key. It creates a venv,
+  installs `install_spec` (a pip requirement such as `sailor-prefect[aws]==0.1.0`, a wheel URL or a
+  git URL), then waits for the assignment: on AWS `bootstrap()` writes it to ASSIGNMENT_FILE
+  through SSM Run Command (`assignment_commands`); on GCP the script reads it from the instance
+  metadata attribute `sailor-assignment`. It then runs `sailor worker --assignment FILE` under
+  systemd, restarting on failure, with SAILOR_METADATA=aws|gcp so the agent polls the metadata
+  service for interruption notices (infra/metadata.py) and checkpoints just in time.
+- The script carries no credentials: the VM's rights come from its instance role / service
+  account. `render_startup_script` refuses an `env` that names secrets.
+- Rendering is pure: the same arguments give the same script (tests compare it byte for byte).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping
+
+from infra.cloud import forbid_credentials
+from infra.provider import WorkerAssignment
+
+ASSIGNMENT_FILE = "/etc/sailor/assignment.json"
+VENV = "/opt/sailor/venv"
+GCP_ASSIGNMENT_KEY = "sailor-assignment"
+GCP_METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"
+
+
+def render_startup_script(
+    *, cloud: str, install_spec: str, run_id: str, vm_name: str, env: Mapping[str, str] | None = None,
+    python: str = "python3",
+) -> str:
+    if cloud not in ("aws", "gcp"):
+        raise ValueError(f"cloud must be 'aws' or 'gcp', got {cloud!r}")
+    env = dict(env or {})
+    forbid_credentials(env, where=f"startup script of {vm_name}")
+    env.update(SAILOR_RUN_ID=run_id, SAILOR_VM_NAME=vm_name, SAILOR_METADATA=cloud,
+               SAILOR_ASSIGNMENT_FILE=ASSIGNMENT_FILE)
+    env_lines = "\n".join(f"Environment={shlex.quote(f'{k}={v}')}" for k, v in sorted(env.items()))
+    if cloud == "gcp":
+        wait = (
+            f'until curl -sf -H "Metadata-Flavor: Google" "{GCP_METADATA_URL}/{GCP_ASSIGNMENT_KEY}" '
+            f"-o {ASSIGNMENT_FILE}.tmp; do sleep 5; done\nmv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE}"
+        )
+    else:
+        wait = f"until [ -s {ASSIGNMENT_FILE} ]; do sleep 5; done  # written by SSM Run Command (bootstrap)"
+    return f"""#!/bin/bash
+# sailor startup script: run {run_id}, vm {vm_name}. Carries no credentials.
+set -euo pipefail
+exec > >(tee -a /var/log/sailor-startup.log) 2>&1
+mkdir -p /etc/sailor /opt/sailor
+if ! [ -x {VENV}/bin/sailor ]; then
+  {python} -m venv {VENV}
+  {VENV}/bin/pip install --quiet --upgrade pip
+  {VENV}/bin/pip install --quiet {shlex.quote(install_spec)}
+fi
+{wait}
+cat > /etc/systemd/system/sailor-worker.service <<'UNIT'
+[Unit]
+Description=sailor worker agent (run {run_id})
+After=network-online.target
+[Service]
+{env_lines}
+ExecStart={VENV}/bin/sailor worker --assignment {ASSIGNMENT_FILE}
+Restart=on-failure
+RestartSec=5
+[Install]
+WantedBy=multi-user.target
+UNIT
+systemctl daemon-reload
+systemctl enable --now sailor-worker.service
+"""
+
+
+def assignment_json(assignment: WorkerAssignment) -> str:
+    forbid_credentials(assignment.env, where=f"assignment of run {assignment.run_id}")
+    return json.dumps({
+        "run_id": assignment.run_id, "plan_version": assignment.plan_version, "plan_json": assignment.plan_json,
+        "rendezvous_endpoint": assignment.rendezvous_endpoint, "ranks": list(assignment.ranks),
+        "world_size": assignment.world_size, "checkpoint_uri": assignment.checkpoint_uri,
+        "data_uri": assignment.data_uri, "env": dict(assignment.env),
+    }, sort_keys=True)
+
+
+def assignment_commands(assignment: WorkerAssignment) -> list[str]:
+    """Shell commands (SSM AWS-RunShellScript) that install a new assignment and restart the agent."""
+    body = assignment_json(assignment)
+    return [
+        "mkdir -p /etc/sailor",
+        f"printf '%s' {shlex.quote(body)} > {ASSIGNMENT_FILE}.tmp",
+        f"mv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE}",
+        "systemctl restart sailor-worker.service || true",
+    ]
