@@ -45,6 +45,11 @@ ALLREDUCE_BUCKET_BYTES = 500_000_000
 # layer's `act_mem_bytes`. Source: the autograd formulas of softmax and cross-entropy (dimensionless).
 BACKWARD_WORKSPACE_FACTOR = 2.0
 
+# --- profile denoising -----------------------------------------------------------------------
+# Profiled microbatch sizes a point is smoothed over (itself and its two nearest neighbours):
+# the smallest window whose least-squares line is not an interpolation through every point.
+SMOOTHING_WINDOW = 3
+
 # --- pipeline messages -------------------------------------------------------------------------
 # Activations and their gradients cross stage boundaries in the compute dtype; the profiler and the
 # validation runs are fp32. Source: the format (act_output_floats are fp32 element counts).

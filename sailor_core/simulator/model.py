@@ -106,8 +106,9 @@ class _SizePrefix:
 class SimModel:
     """Memoised building blocks over one ProfileBook (see the module docstring)."""
 
-    def __init__(self, book: ProfileBook) -> None:
+    def __init__(self, book: ProfileBook, *, smooth: bool = True) -> None:
         self.book = book
+        self.smooth = smooth
         self._prefix: dict[tuple[str, int, int], _Prefix] = {}
         self._sizes: dict[int, _SizePrefix] = {}
         self._fit_cache: dict[tuple[object, ...], tuple[BandwidthFit, int, bool]] = {}
@@ -118,22 +119,54 @@ class SimModel:
         key = (gpu, mbs, tp)
         p = self._prefix.get(key)
         if p is None:
-            layers = self.book.layers(gpu, mbs, tp)
-            n = self.book.model.num_layers
-            if len(layers) != n or [ly.layer for ly in layers] != list(range(n)):
-                raise MissingProfileError(
-                    f"profile (model={self.book.model.name}, gpu_type={gpu}, mbs={mbs}, tp={tp}) covers layers "
-                    f"{[ly.layer for ly in layers][:4]}... but the model has {n}; to fix: re-run "
-                    f"sailor profile model --model {self.book.model.name} --mbs {mbs} --tp {tp} on a {gpu} machine"
-                )
+            fwd_l, bwd_l, opt_s = self._layer_times(gpu, mbs, tp)
             fwd = [0.0]
             bwd = [0.0]
-            for ly in layers:
-                fwd.append(fwd[-1] + ly.forward_s)
-                bwd.append(bwd[-1] + ly.backward_s)
-            p = _Prefix(fwd, bwd, layers[0].optimizer_s)
+            for f, b in zip(fwd_l, bwd_l, strict=True):
+                fwd.append(fwd[-1] + f)
+                bwd.append(bwd[-1] + b)
+            p = _Prefix(fwd, bwd, opt_s)
             self._prefix[key] = p
         return p
+
+    def _checked_layers(self, gpu: str, mbs: int, tp: int) -> tuple[list[float], list[float], float]:
+        layers = self.book.layers(gpu, mbs, tp)
+        n = self.book.model.num_layers
+        if len(layers) != n or [ly.layer for ly in layers] != list(range(n)):
+            raise MissingProfileError(
+                f"profile (model={self.book.model.name}, gpu_type={gpu}, mbs={mbs}, tp={tp}) covers layers "
+                f"{[ly.layer for ly in layers][:4]}... but the model has {n}; to fix: re-run "
+                f"sailor profile model --model {self.book.model.name} --mbs {mbs} --tp {tp} on a {gpu} machine"
+            )
+        return [ly.forward_s for ly in layers], [ly.backward_s for ly in layers], layers[0].optimizer_s
+
+    def _layer_times(self, gpu: str, mbs: int, tp: int) -> tuple[list[float], list[float], float]:
+        """Per-layer forward/backward seconds at (gpu, mbs, tp), denoised across microbatch sizes.
+
+        Each profiled point is one short measurement; the published profiles disagree with each
+        other by up to 50 % at single points (README, section 2b). A layer's time is locally affine
+        in the microbatch size (a fixed launch cost plus work proportional to the tokens), so we
+        estimate every point by the least-squares line through the `SMOOTHING_WINDOW` profiled
+        microbatch sizes nearest to it (in log2 distance, itself included) for the same GPU type
+        and TP degree, evaluated at mbs. An exactly affine profile is returned unchanged.
+        """
+        fwd, bwd, opt_s = self._checked_layers(gpu, mbs, tp)
+        if not self.smooth:
+            return fwd, bwd, opt_s
+        sizes = sorted({m for m, t in self.book.profiled_points(gpu) if t == tp})
+        if len(sizes) < C.SMOOTHING_WINDOW:
+            return fwd, bwd, opt_s
+        window = sorted(sizes, key=lambda m: (abs(math.log2(m) - math.log2(mbs)), m))[: C.SMOOTHING_WINDOW]
+        xs = [float(m) for m in window]
+        ys = [self._checked_layers(gpu, m, tp) if m != mbs else (fwd, bwd, opt_s) for m in window]
+        xbar = sum(xs) / len(xs)
+        sxx = sum((x - xbar) ** 2 for x in xs)
+        # weight of each window point in the fitted value at mbs (the hat matrix row): linear in y
+        w = [1.0 / len(xs) + (x - xbar) * (mbs - xbar) / sxx for x in xs]
+        n = len(fwd)
+        sf = [max(0.0, sum(wk * y[0][i] for wk, y in zip(w, ys, strict=True))) for i in range(n)]
+        sb = [max(0.0, sum(wk * y[1][i] for wk, y in zip(w, ys, strict=True))) for i in range(n)]
+        return sf, sb, opt_s
 
     def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute:
         """Forward and backward seconds of one microbatch of `mbs` on layers first..last."""
@@ -202,16 +235,19 @@ class SimModel:
         opt_bytes = params * opt
         if zero1 and dp > 1:
             opt_bytes = math.ceil(opt_bytes / dp)
-        # The flat bucket gradients are copied into for the data-parallel all-reduce.
-        comm = min(params * g, C.ALLREDUCE_BUCKET_BYTES) if dp > 1 else 0
+        # The flat bucket gradients are copied into for the data-parallel all-reduce. It is allocated
+        # after the last backward, when the activations are freed and the caching allocator hands
+        # their blocks back out: it adds to the peak only where it is larger than what was freed.
         act = int((s.act[last + 1] - s.act[first]) * mbs * in_flight * act_scale)
         workspace = int(C.BACKWARD_WORKSPACE_FACTOR * s.max_act(first, last) * mbs * act_scale)
         msg = C.P2P_BYTES_PER_ELEMENT.get(precision, C.FP32_BYTES)
         p2p = 0
+        bucket = min(params * g, C.ALLREDUCE_BUCKET_BYTES) if dp > 1 else 0
         if receives_activations:  # inputs received from the previous stage, one per microbatch in flight
             p2p += s.in_elems[first] * mbs * msg * in_flight
         if receives_gradients:  # the gradient of the stage output, one microbatch at a time
             p2p += s.out_elems[last] * mbs * msg
+        comm = max(0, bucket - (act + workspace + p2p))
         return StageMemory(
             framework_bytes=self.book.overhead_bytes(gpu),
             weights_bytes=params * w,
