@@ -27,10 +27,12 @@ class MissingProfileError(SailorError):
     """A plan needs a profile the store lacks."""
 
 
-# Fixed memory the framework takes on a GPU before any tensor of the model (CUDA context, kernels,
-# allocator slack). Used when the store has no measured value for a GPU type. Source: the Sailor
-# artifact's GH200 constant 4.76e9 B (fused kernels + CUDA context) + 0.3e9 B; see docs/simulator.md.
-DEFAULT_FRAMEWORK_OVERHEAD_BYTES = 5_060_000_000
+# Fixed memory the framework takes on a GPU before any tensor of the model (CUDA context, loaded
+# kernels, communicator buffers). Used when the store has no measured value for a GPU type. Source:
+# the Sailor artifact's GH200 figure for "fused kernels + CUDA context", 4.76e9 B. (The artifact adds
+# 0.3e9 B of slack on top; our simulator models that memory explicitly instead: backward workspace
+# and pipeline receive buffers. See docs/simulator.md.)
+DEFAULT_FRAMEWORK_OVERHEAD_BYTES = 4_760_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
