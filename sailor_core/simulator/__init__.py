@@ -13,12 +13,13 @@ from sailor_core.simulator.core import (
     simulate_valid,
 )
 from sailor_core.simulator.model import SimModel, StageCompute, StageMemory, model_for
-from sailor_core.simulator.result import Breakdown, ReplicaResult, SimOptions, SimulationResult
+from sailor_core.simulator.result import Breakdown, ReplicaResult, ReplicaRow, SimOptions, SimulationResult
 
 __all__ = [
     "Breakdown",
     "PlanInvalidError",
     "ReplicaResult",
+    "ReplicaRow",
     "SimModel",
     "SimOptions",
     "SimulationResult",

@@ -23,7 +23,7 @@ from sailor_core.domain import Market, ParallelPlan, Replica, SailorError
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import SimModel, StageCompute, model_for
-from sailor_core.simulator.result import Breakdown, ReplicaResult, SimOptions, SimulationResult
+from sailor_core.simulator.result import Breakdown, ReplicaRow, SimOptions, SimulationResult
 
 
 class PlanInvalidError(SailorError):
@@ -128,38 +128,53 @@ def simulate_valid(
     grad_bytes = C.FP32_GRAD_BYTES if precision == "fp32" else C.BF16_GRAD_BYTES
 
     # --- per pipeline: compute, p2p, pipeline time ---------------------------------------------
+    # Pipelines with the same replicas, batch and node sharing have the same timeline: compute once.
     computes: list[list[StageCompute]] = []
     pipe_times: list[float] = []
     pipe_comm: list[float] = []
     finishes: list[list[float]] = []
     egress_usd = 0.0
+    seen: dict[tuple[object, ...], tuple[list[StageCompute], float, float, list[float], float]] = {}
     for j, pb in enumerate(plan.pipelines):
-        comp = [sm.stage_compute(st.replicas[j].gpu_type, pb.microbatch_size, st.replicas[j].tp, st.first_layer, st.last_layer) for st in stages]
-        p2p = []
-        for s in range(p - 1):
-            a, b = stages[s].replicas[j], stages[s + 1].replicas[j]
-            msg = sm.boundary_elems(a.tp, stages[s].last_layer) * pb.microbatch_size * msg_bytes_per_elem
-            p2p.append(sm.p2p_time_s(a, b, msg, same_node=nodes[s][j] == nodes[s + 1][j]))
-            if a.zone != b.zone:
-                flows = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
-                gb = msg * flows * pb.num_microbatches / C.BYTES_PER_GB
-                egress_usd += gb * (book.egress_usd_per_gb(a.zone, b.zone) + book.egress_usd_per_gb(b.zone, a.zone))
-        total, comm, finish = pipeline_time_s(comp, p2p, pb.num_microbatches, schedule)
-        computes.append(comp)
-        pipe_times.append(total)
-        pipe_comm.append(comm)
-        finishes.append(finish)
+        reps = [st.replicas[j] for st in stages]
+        shared = tuple(nodes[s][j] == nodes[s + 1][j] for s in range(p - 1))
+        sig = (pb.microbatch_size, pb.num_microbatches, shared,
+               tuple((r.gpu_type, r.zone, r.tp, r.gpus_per_node) for r in reps))
+        hit = seen.get(sig)
+        if hit is None:
+            mbs = pb.microbatch_size
+            comp = [sm.stage_compute(r.gpu_type, mbs, r.tp, st.first_layer, st.last_layer)
+                    for r, st in zip(reps, stages, strict=True)]
+            p2p = []
+            egress = 0.0
+            for s in range(p - 1):
+                a, b = reps[s], reps[s + 1]
+                msg = sm.boundary_elems(a.tp, stages[s].last_layer) * mbs * msg_bytes_per_elem
+                p2p.append(sm.p2p_time_s(a, b, msg, same_node=shared[s]))
+                if a.zone != b.zone:
+                    # every TP rank sends its copy forward, and the gradient comes back the same way
+                    flows = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
+                    gb = msg * flows * pb.num_microbatches / C.BYTES_PER_GB
+                    egress += gb * (book.egress_usd_per_gb(a.zone, b.zone) + book.egress_usd_per_gb(b.zone, a.zone))
+            total, comm, finish = pipeline_time_s(comp, p2p, pb.num_microbatches, schedule)
+            hit = (comp, total, comm, finish, egress)
+            seen[sig] = hit
+        computes.append(hit[0])
+        pipe_times.append(hit[1])
+        pipe_comm.append(hit[2])
+        finishes.append(hit[3])
+        egress_usd += hit[4]
 
     # --- per stage: gradient ring, optimizer ---------------------------------------------------
     dp_sync: list[float] = []
     opt_s: list[list[float]] = []
     end = 0.0
     for s, st in enumerate(stages):
-        reps = st.replicas
+        reps = list(st.replicas)
         grads = max(sm.stage_params(r.tp, st.first_layer, st.last_layer) for r in reps) * grad_bytes
         ar = sm.allreduce_time_s(reps, nodes[s], grads)
         dp_sync.append(ar)
-        if dp > 1:
+        if dp > 1 and len({r.zone for r in reps}) > 1:
             order = sorted(range(dp), key=lambda i: (reps[i].region, reps[i].zone, nodes[s][i]))
             for k in range(dp):
                 a, b = reps[order[k]], reps[order[(k + 1) % dp]]
@@ -184,7 +199,9 @@ def simulate_valid(
     iteration = pipeline_end + dp_exposed + opt_max
 
     # --- memory per (stage, replica) -----------------------------------------------------------
-    per_stage: list[ReplicaResult] = []
+    rows: list[ReplicaRow] = []
+    peak_all = 0
+    fits_all = True
     for s, st in enumerate(stages):
         for j, r in enumerate(st.replicas):
             pb = plan.pipelines[j]
@@ -196,17 +213,10 @@ def simulate_valid(
             )
             cap = book.gpu(r.gpu_type).memory_bytes
             peak = mem.total_bytes
-            c = computes[j][s]
-            per_stage.append(
-                ReplicaResult(
-                    stage=s, replica=j, gpu_type=r.gpu_type, zone=r.zone, tp=r.tp,
-                    microbatch_size=pb.microbatch_size, num_microbatches=pb.num_microbatches,
-                    forward_s=c.forward_s, backward_s=c.backward_s, compute_s=c.total_s * pb.num_microbatches,
-                    optimizer_s=opt_s[s][j], dp_sync_s=dp_sync[s], in_flight_microbatches=in_flight,
-                    memory=mem, peak_memory_bytes=peak, capacity_bytes=cap, fits=peak <= cap,
-                    bytes_over=max(0, peak - cap),
-                )
-            )
+            peak_all = max(peak_all, peak)
+            fits_all = fits_all and peak <= cap
+            rows.append((s, j, r, pb.microbatch_size, pb.num_microbatches, computes[j][s], opt_s[s][j],
+                         dp_sync[s], in_flight, mem, cap))
 
     # --- throughput and cost -----------------------------------------------------------------------
     samples = plan.global_batch_size
@@ -214,17 +224,14 @@ def simulate_valid(
     usd_per_gpu_s = 0.0
     unpriced: list[tuple[str, str, str]] = []
     override = options.prices_usd_per_gpu_hour
-    for st in stages:
-        for r in st.replicas:
-            price = override.get((r.zone, r.gpu_type, r.market)) if override is not None else None
-            if price is None:
-                price = book.price_usd_per_gpu_hour(r.zone, r.gpu_type, r.market)
-            if price is None:
-                key = (r.zone, r.gpu_type, r.market.value)
-                if key not in unpriced:
-                    unpriced.append(key)
-                continue
-            usd_per_gpu_s += price * r.tp / C.SECONDS_PER_HOUR
+    for (zone, gpu, market), n_gpus in plan.gpus_by_place().items():
+        price = override.get((zone, gpu, market)) if override is not None else None
+        if price is None:
+            price = book.price_usd_per_gpu_hour(zone, gpu, market)
+        if price is None:
+            unpriced.append((zone, gpu, market.value))
+            continue
+        usd_per_gpu_s += price * n_gpus / C.SECONDS_PER_HOUR
     compute_usd = usd_per_gpu_s * iteration
     usd_iter = compute_usd + egress_usd
     return SimulationResult(
@@ -241,9 +248,9 @@ def simulate_valid(
             - max(c.total_s for c in computes[slowest]) * plan.pipelines[slowest].num_microbatches,
             slowest_pipeline=slowest,
         ),
-        per_stage=tuple(per_stage),
-        peak_memory_bytes=max(r.peak_memory_bytes for r in per_stage),
-        fits_memory=all(r.fits for r in per_stage),
+        rows=tuple(rows),
+        peak_memory_bytes=peak_all,
+        fits_memory=fits_all,
         throughput_iterations_per_s=1.0 / iteration,
         samples_per_s=samples / iteration,
         tokens_per_s=tokens / iteration,

@@ -113,6 +113,11 @@ class SimModel:
         self._sizes: dict[int, _SizePrefix] = {}
         self._fit_cache: dict[tuple[object, ...], tuple[BandwidthFit, int, bool]] = {}
         self._full_params: dict[int, int] = {}
+        # Memo tables: a planner's search asks the same stage questions over and over.
+        self._compute_memo: dict[tuple[str, int, int, int, int], StageCompute] = {}
+        self._memory_memo: dict[tuple[object, ...], StageMemory] = {}
+        self._p2p_memo: dict[tuple[object, ...], float] = {}
+        self._ar_memo: dict[tuple[object, ...], float] = {}
 
     # -- compute ---------------------------------------------------------------------------
     def _prefix_for(self, gpu: str, mbs: int, tp: int) -> _Prefix:
@@ -170,8 +175,13 @@ class SimModel:
 
     def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute:
         """Forward and backward seconds of one microbatch of `mbs` on layers first..last."""
-        p = self._prefix_for(gpu, mbs, tp)
-        return StageCompute(forward_s=p.fwd[last + 1] - p.fwd[first], backward_s=p.bwd[last + 1] - p.bwd[first])
+        key = (gpu, mbs, tp, first, last)
+        hit = self._compute_memo.get(key)
+        if hit is None:
+            p = self._prefix_for(gpu, mbs, tp)
+            hit = StageCompute(forward_s=p.fwd[last + 1] - p.fwd[first], backward_s=p.bwd[last + 1] - p.bwd[first])
+            self._compute_memo[key] = hit
+        return hit
 
     def optimizer_time_s(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> float:
         """Optimizer step of the stage's shard.
@@ -224,6 +234,31 @@ class SimModel:
         receives_gradients: bool = False,
     ) -> StageMemory:
         """Peak bytes on one GPU of a replica that keeps `in_flight` microbatches of `mbs`."""
+        key = (gpu, tp, first, last, mbs, in_flight, precision, zero1, dp, receives_activations, receives_gradients)
+        hit = self._memory_memo.get(key)
+        if hit is None:
+            hit = self._stage_memory(
+                gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=precision, zero1=zero1, dp=dp,
+                receives_activations=receives_activations, receives_gradients=receives_gradients,
+            )
+            self._memory_memo[key] = hit
+        return hit
+
+    def _stage_memory(
+        self,
+        gpu: str,
+        tp: int,
+        first: int,
+        last: int,
+        *,
+        mbs: int,
+        in_flight: int,
+        precision: str,
+        zero1: bool,
+        dp: int,
+        receives_activations: bool,
+        receives_gradients: bool,
+    ) -> StageMemory:
         s = self._size(tp)
         params = s.params[last + 1] - s.params[first]
         if precision == "bf16":
@@ -329,9 +364,15 @@ class SimModel:
         """
         if message_bytes <= 0:
             return 0.0
-        flows = max(1, min(sender.tp, sender.gpus_per_node, receiver.tp, receiver.gpus_per_node))
-        bw = self.flow_bandwidth_bytes_per_s(sender, receiver, flows, message_bytes, same_node=same_node)
-        return message_bytes / bw
+        key = (sender.zone, sender.gpu_type, sender.tp, sender.gpus_per_node,
+               receiver.zone, receiver.gpu_type, receiver.tp, receiver.gpus_per_node, message_bytes, same_node)
+        hit = self._p2p_memo.get(key)
+        if hit is None:
+            flows = max(1, min(sender.tp, sender.gpus_per_node, receiver.tp, receiver.gpus_per_node))
+            bw = self.flow_bandwidth_bytes_per_s(sender, receiver, flows, message_bytes, same_node=same_node)
+            hit = message_bytes / bw
+            self._p2p_memo[key] = hit
+        return hit
 
     def allreduce_time_s(self, replicas: Sequence[Replica], nodes: Sequence[int], grad_bytes_per_gpu: float) -> float:
         """Ring all-reduce of each GPU's gradient shard over the stage's data-parallel replicas.
@@ -344,6 +385,21 @@ class SimModel:
         d = len(replicas)
         if d <= 1 or grad_bytes_per_gpu <= 0:
             return 0.0
+        # Node ids matter only through which neighbours share a node: key on their first appearance.
+        first_seen: dict[int, int] = {}
+        key = (
+            grad_bytes_per_gpu,
+            tuple((r.region, r.zone, r.gpu_type, r.tp, r.gpus_per_node, first_seen.setdefault(n, len(first_seen)))
+                  for r, n in zip(replicas, nodes, strict=True)),
+        )
+        hit = self._ar_memo.get(key)
+        if hit is None:
+            hit = self._allreduce(replicas, nodes, grad_bytes_per_gpu)
+            self._ar_memo[key] = hit
+        return hit
+
+    def _allreduce(self, replicas: Sequence[Replica], nodes: Sequence[int], grad_bytes_per_gpu: float) -> float:
+        d = len(replicas)
         order = sorted(range(d), key=lambda i: (replicas[i].region, replicas[i].zone, nodes[i]))
         n_full, rest = divmod(grad_bytes_per_gpu, C.ALLREDUCE_BUCKET_BYTES)
         buckets = [C.ALLREDUCE_BUCKET_BYTES] * int(n_full) + ([rest] if rest > 0 else [])

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sailor_core.domain import Market
-from sailor_core.simulator.model import StageMemory
+from sailor_core.domain import Market, Replica
+from sailor_core.simulator.model import StageCompute, StageMemory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,11 +76,20 @@ class Breakdown:
     slowest_pipeline: int
 
 
+# Compact per-(stage, replica) record the simulator fills in; `SimulationResult.per_stage` expands
+# it into ReplicaResult objects on first use (a planner scoring thousands of plans never pays for it):
+# (stage, replica, Replica, mbs, microbatches, StageCompute, optimizer_s, dp_sync_s, in_flight,
+#  StageMemory, capacity_bytes)
+ReplicaRow = tuple[int, int, Replica, int, int, StageCompute, float, float, int, StageMemory, int]
+
+
 @dataclass(frozen=True, kw_only=True)
 class SimulationResult:
+    """Everything one simulation found. `per_stage` has one entry per (stage, replica)."""
+
     iteration_time_s: float
     breakdown: Breakdown
-    per_stage: tuple[ReplicaResult, ...]
+    rows: tuple[ReplicaRow, ...] = field(repr=False, compare=False)
     peak_memory_bytes: int
     fits_memory: bool
     throughput_iterations_per_s: float
@@ -96,6 +105,23 @@ class SimulationResult:
     precision: str
     zero1: bool
     unpriced: tuple[tuple[str, str, str], ...] = field(default=())
+
+    @property
+    def per_stage(self) -> tuple[ReplicaResult, ...]:
+        cached = self.__dict__.get("_per_stage")
+        if cached is None:
+            cached = tuple(
+                ReplicaResult(
+                    stage=s, replica=j, gpu_type=r.gpu_type, zone=r.zone, tp=r.tp,
+                    microbatch_size=mbs, num_microbatches=m, forward_s=c.forward_s, backward_s=c.backward_s,
+                    compute_s=c.total_s * m, optimizer_s=opt, dp_sync_s=ar, in_flight_microbatches=inf,
+                    memory=mem, peak_memory_bytes=mem.total_bytes, capacity_bytes=cap,
+                    fits=mem.total_bytes <= cap, bytes_over=max(0, mem.total_bytes - cap),
+                )
+                for (s, j, r, mbs, m, c, opt, ar, inf, mem, cap) in self.rows
+            )
+            object.__setattr__(self, "_per_stage", cached)
+        return cached
 
     @property
     def oom(self) -> tuple[ReplicaResult, ...]:
