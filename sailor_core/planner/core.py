@@ -1,0 +1,342 @@
+"""`plan(request, book)`: the best plan for a pool, its estimate, the frontier and why.
+
+Contract: pure and deterministic (same request and book, same result). The search kernel
+(`search.Search`) proposes candidates estimated with the simulator's building blocks; the best
+ones are materialised (zones, replicas, microbatches) and scored with the full `simulate()`; only
+a plan that fits in memory and meets every constraint under `simulate()` is returned. When none
+does, `PlanResult.plan` is None and `nearest_miss` explains what came closest and what to change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+from sailor_core.domain import (
+    Market,
+    ParallelPlan,
+    Replica,
+    ResourcePool,
+    SailorError,
+    Stage,
+    split_batch,
+)
+from sailor_core.planner.costs import SimCosts, Slot
+from sailor_core.planner.request import FrontierPoint, Objective, PlanRequest, PlanResult, SearchStats
+from sailor_core.planner.search import Candidate, Problem, Search, Sketch
+from sailor_core.profiles import ProfileBook
+from sailor_core.simulator import SimOptions, SimulationResult, simulate
+
+
+def build_slots(pool: ResourcePool) -> tuple[Slot, ...]:
+    """Group pool entries into slots: one GPU type and market in one region at one price and node shape."""
+    groups: dict[tuple[str, str, str, str, int, float], list[tuple[str, int]]] = defaultdict(list)
+    for e in pool.entries:
+        if e.count <= 0:
+            continue
+        key = (e.gpu_type, e.market.value, e.cloud, e.region, e.gpus_per_node, e.usd_per_gpu_hour)
+        groups[key].append((e.zone, e.count))
+    slots = []
+    for i, key in enumerate(sorted(groups)):
+        gpu, market, cloud, region, gpn, price = key
+        zones = tuple(sorted(groups[key], key=lambda zc: (-zc[1], zc[0])))
+        slots.append(
+            Slot(index=i, gpu_type=gpu, market=Market(market), region=region, cloud=cloud, gpus_per_node=gpn,
+                 usd_per_gpu_hour=price, zones=zones)
+        )
+    return tuple(slots)
+
+
+def materialize(sk: Sketch, layouts: Sequence[Sequence[tuple[str, int]]], slots: Sequence[Slot], *, model: str,
+                global_batch_size: int, precision: str = "fp32", schedule: str = "1f1b") -> ParallelPlan:
+    stages = []
+    for (first, last), (si, tp), lay in zip(sk.bounds, sk.kinds, layouts, strict=True):
+        slot = slots[si]
+        reps: list[Replica] = []
+        for zone, n in lay:
+            r = Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
+                        market=slot.market, region=slot.region)
+            reps.extend([r] * n)
+        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+    return ParallelPlan(
+        model=model,
+        global_batch_size=global_batch_size,
+        stages=tuple(stages),
+        pipelines=split_batch(global_batch_size, [sk.mbs] * sk.dp),
+        schedule=schedule,
+        precision=precision,
+    )
+
+
+def sim_options(pool: ResourcePool, precision: str, schedule: str) -> SimOptions:
+    prices = {(e.zone, e.gpu_type, e.market): e.usd_per_gpu_hour for e in pool.entries}
+    return SimOptions(prices_usd_per_gpu_hour=prices, precision=precision, schedule=schedule)
+
+
+def objective_value(objective: Objective, r: SimulationResult) -> float:
+    """Lower is better."""
+    if objective is Objective.MAX_THROUGHPUT:
+        return r.iteration_time_s
+    if objective is Objective.MIN_COST:
+        return r.usd_per_iteration
+    return r.usd_per_million_tokens
+
+
+def summarize(plan: ParallelPlan) -> str:
+    """One line: stages, layers, replicas per stage by GPU type/TP/zone, microbatches."""
+    parts = []
+    for st in plan.stages:
+        groups: dict[tuple[str, int, str, str], int] = {}
+        for r in st.replicas:
+            k = (r.gpu_type, r.tp, r.zone, r.market.value)
+            groups[k] = groups.get(k, 0) + 1
+        reps = " + ".join(
+            f"{n}x{g}(tp{tp}{', spot' if mk == 'spot' else ''})@{z}" for (g, tp, z, mk), n in groups.items()
+        )
+        parts.append(f"layers {st.first_layer}-{st.last_layer}: {reps}")
+    mb = plan.pipelines[0]
+    return (
+        f"{plan.num_stages} stage(s) x {plan.data_parallel} pipeline(s), {plan.num_gpus} GPUs, microbatch "
+        f"{mb.microbatch_size} x {max(p.num_microbatches for p in plan.pipelines)} | " + " | ".join(parts)
+    )
+
+
+def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
+    t0 = time.perf_counter()
+    if request.model != book.model.name:
+        raise SailorError(
+            f"the request is for model {request.model} but the profiles are for {book.model.name}; "
+            f"to fix: load the profile book of {request.model}"
+        )
+    opts = request.options
+    pool = request.restrictions.apply(request.pool)
+    misses: list[str] = []
+    if not pool.entries:
+        misses.append("the pool (after the restrictions) has no GPUs; to fix: add GPUs or relax --restrictions")
+    # GPU types the store cannot time for this model are left out, and said so.
+    usable = []
+    for e in pool.entries:
+        if e.gpu_type not in book.gpu_types or not book.profiled_points(e.gpu_type):
+            misses.append(
+                f"{e.gpu_type} has no profile for {book.model.name}; to fix: sailor profile model "
+                f"--model {book.model.name} on a {e.gpu_type} machine"
+            )
+            continue
+        usable.append(e)
+    pool = ResourcePool(entries=tuple(usable))
+    slots = build_slots(pool)
+    mbs_values = sorted({m for s in slots for m, _ in book.profiled_points(s.gpu_type)})
+    tp_values = sorted({t for s in slots for _, t in book.profiled_points(s.gpu_type)})
+    problem = Problem(
+        num_layers=book.model.num_layers,
+        global_batch_size=request.global_batch_size,
+        tokens_per_sample=book.model.sequence_length,
+        slots=slots,
+        mbs_values=tuple(mbs_values),
+        tp_values=tuple(tp_values),
+        objective=request.objective,
+        constraints=request.constraints,
+        max_gpus=request.restrictions.max_gpus,
+        max_stages=opts.max_stages,
+        exhaustive_partitions_up_to=opts.exhaustive_partitions_up_to,
+        keep=opts.rescore_top,
+    )
+    costs = SimCosts(book, precision=opts.precision)
+    search = Search(problem, costs)
+    cands = search.run() if slots else []
+    so = sim_options(pool, opts.precision, opts.schedule)
+
+    simulated = 0
+    best: tuple[float, ParallelPlan, SimulationResult, Candidate] | None = None
+    closest: tuple[float, str] | None = None
+    for cand in cands:
+        pl = materialize(cand.sketch, cand.estimate.layouts, slots, model=request.model,
+                         global_batch_size=request.global_batch_size, precision=opts.precision,
+                         schedule=opts.schedule)
+        r = simulate(pl, book, options=so)
+        simulated += 1
+        problems = request.constraints.violations(
+            usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
+            iterations_per_s=r.throughput_iterations_per_s,
+        )
+        if not r.fits_memory:
+            worst = r.oom[0]
+            problems.append(f"stage {worst.stage} replica {worst.replica} is {worst.bytes_over / 2**30:.2f} GiB over memory")
+        if problems:
+            gap = _gap(request, r)
+            if closest is None or gap < closest[0]:
+                closest = (gap, f"{summarize(pl)}: " + "; ".join(problems))
+            continue
+        v = objective_value(request.objective, r)
+        if best is None or v < best[0] - 1e-12:
+            best = (v, pl, r, cand)
+
+    frontier, n_front = _frontier(search, slots, request, book, so)
+    simulated += n_front
+    stats = SearchStats(
+        search_time_s=time.perf_counter() - t0,
+        configurations=search.count.configurations,
+        assignments=search.count.assignments,
+        candidates=search.count.candidates,
+        simulated=simulated,
+        pruned=search.count.pruned,
+    )
+    if best is None:
+        if closest is not None:
+            misses.insert(0, f"closest plan: {closest[1]}")
+        elif search.nearest is not None:
+            misses.insert(0, f"closest estimate {search.nearest[1]}")
+        elif slots:
+            misses.insert(0, _memory_miss(book, slots, request))
+        hint = _constraint_hint(request)
+        return PlanResult(
+            plan=None, estimate=None, frontier=frontier, stats=stats,
+            explanation="no feasible plan",
+            nearest_miss="; ".join(misses) + (f"; to fix: {hint}" if hint else ""),
+        )
+    _, pl, r, cand = best
+    return PlanResult(
+        plan=pl, estimate=r, frontier=frontier, stats=stats,
+        explanation=explain(request, pl, r, cand, slots, frontier),
+        nearest_miss="; ".join(misses),
+    )
+
+
+def _gap(request: PlanRequest, r: SimulationResult) -> float:
+    c = request.constraints
+    g = 0.0 if r.fits_memory else 1.0 + max(x.bytes_over for x in r.per_stage) / 2**30
+    if c.max_usd_per_iteration is not None:
+        g = max(g, r.usd_per_iteration / c.max_usd_per_iteration - 1)
+    if c.max_usd_per_hour is not None:
+        g = max(g, r.usd_per_hour / c.max_usd_per_hour - 1)
+    if c.min_iterations_per_s is not None:
+        g = max(g, c.min_iterations_per_s / r.throughput_iterations_per_s - 1)
+    return g
+
+
+def _constraint_hint(request: PlanRequest) -> str:
+    c = request.constraints
+    hints = []
+    if c.min_iterations_per_s is not None:
+        hints.append("lower --min-iterations-per-s or add faster GPUs")
+    if c.max_usd_per_iteration is not None or c.max_usd_per_hour is not None:
+        hints.append("raise the budget or add cheaper (spot) GPUs")
+    return "; ".join(hints) if hints else "add GPUs with more memory, or more of them"
+
+
+def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest) -> str:
+    """No stage split fits: report the GPU that comes closest to holding the smallest stage."""
+    costs = SimCosts(book, precision=request.options.precision)
+    L = book.model.num_layers
+    best: tuple[float, str] | None = None
+    for s in slots:
+        for mbs, tp in book.profiled_points(s.gpu_type):
+            if tp > s.gpus_per_node:
+                continue
+            # the lightest possible stage: one block, one microbatch in flight
+            mem = costs.memory_bytes(s.gpu_type, tp, 1, 1, mbs=mbs, in_flight=1)
+            cap = book.gpu(s.gpu_type).memory_bytes
+            over = mem / cap
+            if best is None or over < best[0]:
+                best = (over, f"{s.gpu_type} tp={tp} mbs={mbs}: even one layer of {L} needs {mem / 2**30:.1f} GiB "
+                              f"of {cap / 2**30:.0f} GiB")
+    return f"nothing fits in memory ({best[1] if best else 'no profiled GPU'}); to fix: add GPUs with more memory"
+
+
+def _frontier(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions
+              ) -> tuple[tuple[FrontierPoint, ...], int]:
+    """Pareto frontier (more iterations/s, fewer USD/iteration) of the estimated points, re-scored."""
+    pts = sorted(search.points, key=lambda p: (-p[0], p[1], p[2]))
+    front: list[tuple[float, float, Sketch]] = []
+    cheapest = float("inf")
+    for thr, usd, sk in pts:
+        if usd < cheapest - 1e-12:
+            front.append((thr, usd, sk))
+            cheapest = usd
+    k = request.options.frontier_points
+    if len(front) > k:  # keep the ends and evenly spaced points between
+        idx = sorted({round(i * (len(front) - 1) / (k - 1)) for i in range(k)})
+        front = [front[i] for i in idx]
+    out = []
+    for _, _, sk in front:
+        lay = search.layouts(sk)
+        if lay is None:
+            continue
+        pl = materialize(sk, lay, slots, model=request.model, global_batch_size=request.global_batch_size,
+                         precision=request.options.precision, schedule=request.options.schedule)
+        r = simulate(pl, book, options=so)
+        if not r.fits_memory:
+            continue
+        out.append(FrontierPoint(iterations_per_s=r.throughput_iterations_per_s, usd_per_iteration=r.usd_per_iteration,
+                                 usd_per_hour=r.usd_per_hour, num_gpus=r.num_gpus, summary=summarize(pl), plan=pl))
+    out.sort(key=lambda f: (-f.iterations_per_s, f.usd_per_iteration))
+    pareto = []
+    cheapest = float("inf")
+    for f in out:
+        if f.usd_per_iteration < cheapest - 1e-12:
+            pareto.append(f)
+            cheapest = f.usd_per_iteration
+    return tuple(pareto), len(front)
+
+
+def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, cand: Candidate, slots: Sequence[Slot],
+            frontier: Sequence[FrontierPoint]) -> str:
+    """Why these GPUs, why this split: a few plain sentences."""
+    lines = []
+    goal = {
+        Objective.MAX_THROUGHPUT: "the highest throughput",
+        Objective.MIN_COST: "the lowest cost per iteration",
+        Objective.MIN_COST_PER_TOKEN: "the lowest cost per million tokens",
+    }[request.objective]
+    lines.append(
+        f"Chosen for {goal}: {r.throughput_iterations_per_s:.4f} it/s, {r.usd_per_iteration:.4f} USD/iteration, "
+        f"{r.usd_per_hour:.2f} USD/hour on {pl.num_gpus} GPUs."
+    )
+    used = pl.gpus_by_place()
+    have: dict[tuple[str, str], int] = defaultdict(int)
+    for s in slots:
+        for _z, n in s.zones:
+            have[(s.gpu_type, s.market.value)] += n
+    per_type: dict[tuple[str, str], int] = defaultdict(int)
+    for (_, g, mk), n in used.items():
+        per_type[(g, mk.value)] += n
+    parts = [f"{per_type.get(k, 0)} of {n} {k[0]} ({k[1]})" for k, n in sorted(have.items())]
+    lines.append("GPUs used: " + ", ".join(parts) + ".")
+    sk = cand.sketch
+    if sk.num_stages == 1:
+        lines.append(
+            f"One stage: the whole model fits on one {'GPU' if sk.kinds[0][1] == 1 else f'{sk.kinds[0][1]}-GPU TP group'}, "
+            f"so every GPU runs data parallel ({sk.dp} replicas) with no pipeline bubble."
+        )
+    else:
+        sizes = [b - a + 1 for a, b in sk.bounds]
+        uniform = max(sizes) - min(sizes) <= 1
+        lines.append(
+            f"{sk.num_stages} pipeline stages with {sizes} layers "
+            f"({'an even split' if uniform else 'split to balance stage times on the chosen GPUs'}), "
+            f"{sk.dp} data-parallel pipelines."
+        )
+    b = r.breakdown
+    lines.append(
+        f"Iteration {r.iteration_time_s:.3f} s: pipeline compute {b.pipeline_compute_s:.3f} s, p2p {b.pipeline_p2p_s:.3f} s, "
+        f"exposed gradient sync {b.dp_sync_exposed_s:.3f} s, optimizer {b.optimizer_s:.3f} s."
+    )
+    c = request.constraints
+    binding = []
+    if c.max_usd_per_iteration is not None:
+        binding.append(f"budget {c.max_usd_per_iteration:g} USD/iteration (uses {r.usd_per_iteration:.4f})")
+    if c.max_usd_per_hour is not None:
+        binding.append(f"budget {c.max_usd_per_hour:g} USD/hour (uses {r.usd_per_hour:.2f})")
+    if c.min_iterations_per_s is not None:
+        binding.append(f"minimum {c.min_iterations_per_s:g} it/s (runs {r.throughput_iterations_per_s:.4f})")
+    if binding:
+        lines.append("Constraints: " + "; ".join(binding) + ".")
+    if frontier:
+        fastest = frontier[0]
+        cheapest = frontier[-1]
+        lines.append(
+            f"Frontier: {len(frontier)} plans from {fastest.iterations_per_s:.4f} it/s at {fastest.usd_per_iteration:.4f} "
+            f"USD/it to {cheapest.iterations_per_s:.4f} it/s at {cheapest.usd_per_iteration:.4f} USD/it."
+        )
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""What the search asks about costs, and the adapter that answers it with the simulator's model.
+
+Contract: `Slot` is one unit of rentable capacity the search reasons about: GPUs of one type and
+market in one region, at one price and node shape (zones of a region pooled, paper heuristic; the
+zones stay listed in fill order so a stage that spans zones is priced and timed on the real
+cross-zone link). `Costs` is the protocol the search kernel needs; `SimCosts` implements it with
+the simulator's stage-level building blocks (`sailor_core.simulator.model_for`): one model for the
+planner and every report. Every answer is memoised, so the search pays each question once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sailor_core.domain import Market, Replica
+from sailor_core.profiles import ProfileBook
+from sailor_core.simulator import StageCompute, model_for
+from sailor_core.simulator import constants as C
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slot:
+    """GPUs of one type and market in one region at one price, zones in fill order."""
+
+    index: int
+    gpu_type: str
+    market: Market
+    region: str
+    cloud: str
+    gpus_per_node: int
+    usd_per_gpu_hour: float
+    zones: tuple[tuple[str, int], ...]  # (zone, GPUs), fill order: most GPUs first, then by name
+
+    @property
+    def capacity(self) -> int:
+        return sum(n for _, n in self.zones)
+
+    def usable(self, gpus: int, tp: int) -> int:
+        """GPUs of `gpus` that tp-wide groups can use: TP stays inside a node."""
+        full, rest = divmod(gpus, self.gpus_per_node)
+        return full * (self.gpus_per_node // tp) * tp + (rest // tp) * tp
+
+    def label(self) -> str:
+        zs = ",".join(z for z, _ in self.zones)
+        return f"{self.gpu_type} {self.market.value} @ {self.region} [{zs}]"
+
+
+# A stage's replicas of one slot, zone by zone: ((zone, replicas), ...) in pipeline order.
+Layout = tuple[tuple[str, int], ...]
+
+
+class Costs(Protocol):
+    """The questions the search kernel asks (all in seconds, bytes or USD)."""
+
+    def profiled(self, gpu: str, mbs: int, tp: int) -> bool: ...
+
+    def compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute: ...
+
+    def optimizer_s(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> float: ...
+
+    def fits(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int, first_stage: bool,
+             last_stage: bool) -> bool: ...
+
+    def boundary_bytes(self, tp: int, last: int, mbs: int) -> float: ...
+
+    def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str, message_bytes: float) -> float: ...
+
+    def grad_bytes(self, tp: int, first: int, last: int) -> float: ...
+
+    def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float: ...
+
+    def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float: ...
+
+
+class SimCosts:
+    """`Costs` answered by the simulator's memoised `SimModel` of `book`."""
+
+    def __init__(self, book: ProfileBook, *, precision: str = "fp32") -> None:
+        self.book = book
+        self.sm = model_for(book)
+        self.precision = precision
+        self._msg_bytes = C.P2P_BYTES_PER_ELEMENT[precision]
+        self._grad_elem_bytes = C.FP32_GRAD_BYTES if precision == "fp32" else C.BF16_GRAD_BYTES
+        self._fits: dict[tuple[object, ...], bool] = {}
+        self._p2p: dict[tuple[object, ...], float] = {}
+        self._ar: dict[tuple[object, ...], float] = {}
+        self._opt: dict[tuple[object, ...], float] = {}
+
+    def profiled(self, gpu: str, mbs: int, tp: int) -> bool:
+        return self.book.has_layers(gpu, mbs, tp)
+
+    def compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute:
+        return self.sm.stage_compute(gpu, mbs, tp, first, last)
+
+    def optimizer_s(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> float:
+        key = (gpu, mbs, tp, first, last)
+        v = self._opt.get(key)
+        if v is None:
+            v = self.sm.optimizer_time_s(gpu, mbs, tp, first, last)
+            self._opt[key] = v
+        return v
+
+    def fits(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int, first_stage: bool,
+             last_stage: bool) -> bool:
+        key = (gpu, tp, first, last, mbs, in_flight, first_stage, last_stage)
+        v = self._fits.get(key)
+        if v is None:
+            # dp=2: the gradient bucket of a data-parallel ring is counted (the safe side for dp=1).
+            mem = self.sm.stage_memory(
+                gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision, dp=2,
+                receives_activations=not first_stage, receives_gradients=not last_stage,
+            )
+            v = mem.total_bytes <= self.book.gpu(gpu).memory_bytes
+            self._fits[key] = v
+        return v
+
+    def memory_bytes(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int) -> int:
+        return self.sm.stage_memory(gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision,
+                                    dp=2).total_bytes
+
+    def boundary_bytes(self, tp: int, last: int, mbs: int) -> float:
+        return float(self.sm.boundary_elems(tp, last) * mbs * self._msg_bytes)
+
+    def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str, message_bytes: float) -> float:
+        key = (a.gpu_type, a.gpus_per_node, tp_a, zone_a, b.gpu_type, b.gpus_per_node, tp_b, zone_b, message_bytes)
+        v = self._p2p.get(key)
+        if v is None:
+            ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node, region=a.region)
+            rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node, region=b.region)
+            # Consecutive stages sit on different nodes (ranks are laid out stage by stage).
+            v = self.sm.p2p_time_s(ra, rb, message_bytes, same_node=False)
+            self._p2p[key] = v
+        return v
+
+    def grad_bytes(self, tp: int, first: int, last: int) -> float:
+        return float(self.sm.stage_params(tp, first, last) * self._grad_elem_bytes)
+
+    def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float:
+        key = (slot.gpu_type, slot.gpus_per_node, tp, layout, grad_bytes)
+        v = self._ar.get(key)
+        if v is None:
+            replicas: list[Replica] = []
+            nodes: list[int] = []
+            per_node = max(1, slot.gpus_per_node // tp)
+            node = 0
+            for zone, n in layout:
+                r = Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
+                            region=slot.region, market=slot.market)
+                for i in range(n):
+                    replicas.append(r)
+                    nodes.append(node + i // per_node)
+                node += -(-n // per_node)
+            v = self.sm.allreduce_time_s(replicas, nodes, grad_bytes)
+            self._ar[key] = v
+        return v
+
+    def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float:
+        return self.book.egress_usd_per_gb(zone_a, zone_b)
+
+
+def zone_pairs(a: Layout, b: Layout) -> list[tuple[str, str, int]]:
+    """Pipelines j run replica j of stage s in a's zone and of stage s+1 in b's: (zone_a, zone_b, count)."""
+    out: list[tuple[str, str, int]] = []
+    ia = ib = 0
+    left_a = a[0][1] if a else 0
+    left_b = b[0][1] if b else 0
+    while ia < len(a) and ib < len(b):
+        n = min(left_a, left_b)
+        if n:
+            out.append((a[ia][0], b[ib][0], n))
+        left_a -= n
+        left_b -= n
+        if left_a == 0:
+            ia += 1
+            left_a = a[ia][1] if ia < len(a) else 0
+        if left_b == 0:
+            ib += 1
+            left_b = b[ib][1] if ib < len(b) else 0
+    return out
+
+
+def ring_zone_crossings(layout: Sequence[tuple[str, int]]) -> int:
+    """Hops of a ring over the layout's replicas (sorted by zone) that cross a zone boundary."""
+    zones = {z for z, n in layout if n > 0}
+    return len(zones) if len(zones) > 1 else 0

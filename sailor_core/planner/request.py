@@ -1,0 +1,172 @@
+"""What a planning request asks for, and what the planner answers.
+
+Contract: frozen, keyword-only dataclasses validated on construction. `PlanRequest` names the
+model, the global batch, the resource pool, one objective and any constraints and restrictions.
+`PlanResult` always comes back (never an exception for an infeasible request): `plan` is None
+exactly when nothing feasible exists, and then `nearest_miss` says what came closest and why it
+failed. No I/O here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool, ValidationError
+
+
+class Objective(enum.StrEnum):
+    MAX_THROUGHPUT = "max-throughput"
+    MIN_COST = "min-cost"  # USD per iteration
+    MIN_COST_PER_TOKEN = "min-cost-per-token"  # USD per million tokens
+
+    @classmethod
+    def parse(cls, value: str | Objective) -> Objective:
+        try:
+            return cls(str(value).lower().replace("_", "-"))
+        except ValueError:
+            raise ValidationError(
+                f"unknown objective {value!r}; to fix: use one of {', '.join(o.value for o in cls)}"
+            ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Limits every returned plan must meet under the simulator (None: no limit)."""
+
+    max_usd_per_iteration: float | None = None
+    max_usd_per_hour: float | None = None
+    min_iterations_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_usd_per_iteration", "max_usd_per_hour", "min_iterations_per_s"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValidationError(f"constraint {name} must be a positive number, got {v!r}")
+
+    def violations(self, *, usd_per_iteration: float, usd_per_hour: float, iterations_per_s: float) -> list[str]:
+        out = []
+        if self.max_usd_per_iteration is not None and usd_per_iteration > self.max_usd_per_iteration * (1 + 1e-9):
+            out.append(f"costs {usd_per_iteration:.4f} USD/iteration > limit {self.max_usd_per_iteration:g}")
+        if self.max_usd_per_hour is not None and usd_per_hour > self.max_usd_per_hour * (1 + 1e-9):
+            out.append(f"costs {usd_per_hour:.2f} USD/hour > limit {self.max_usd_per_hour:g}")
+        if self.min_iterations_per_s is not None and iterations_per_s < self.min_iterations_per_s * (1 - 1e-9):
+            out.append(f"runs {iterations_per_s:.4f} iterations/s < minimum {self.min_iterations_per_s:g}")
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restrictions:
+    """Which parts of the pool the plan may use (empty tuple: no restriction)."""
+
+    clouds: tuple[str, ...] = ()
+    regions: tuple[str, ...] = ()
+    zones: tuple[str, ...] = ()
+    gpu_types: tuple[str, ...] = ()
+    markets: tuple[Market, ...] = ()
+    max_gpus: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "markets", tuple(Market.parse(m) for m in self.markets))
+        if self.max_gpus is not None and self.max_gpus < 1:
+            raise ValidationError(f"max_gpus must be >= 1, got {self.max_gpus}")
+
+    def allows(self, e: PoolEntry) -> bool:
+        return (
+            (not self.clouds or e.cloud in self.clouds)
+            and (not self.regions or e.region in self.regions)
+            and (not self.zones or e.zone in self.zones)
+            and (not self.gpu_types or e.gpu_type in self.gpu_types)
+            and (not self.markets or e.market in self.markets)
+        )
+
+    def apply(self, pool: ResourcePool) -> ResourcePool:
+        return ResourcePool(entries=tuple(e for e in pool.entries if self.allows(e) and e.count > 0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """Knobs of the search (defaults are what the benchmarks measured)."""
+
+    max_stages: int = 26  # capped by the model's layer count
+    # Enumerate every contiguous partition when a stage count has at most this many (exact on
+    # small models); beyond it, uniform and profile-balanced partitions only.
+    exhaustive_partitions_up_to: int = 64
+    # Candidates re-scored with the full simulator before the final choice.
+    rescore_top: int = 24
+    frontier_points: int = 24
+    precision: str = "fp32"
+    schedule: str = "1f1b"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    model: str
+    global_batch_size: int
+    pool: ResourcePool
+    objective: Objective = Objective.MAX_THROUGHPUT
+    constraints: Constraints = field(default_factory=Constraints)
+    restrictions: Restrictions = field(default_factory=Restrictions)
+    options: SearchOptions = field(default_factory=SearchOptions)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "objective", Objective.parse(self.objective))
+        if self.global_batch_size < 1:
+            raise ValidationError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontierPoint:
+    """One plan on the throughput/cost Pareto frontier, as scored by the simulator."""
+
+    iterations_per_s: float
+    usd_per_iteration: float
+    usd_per_hour: float
+    num_gpus: int
+    summary: str
+    plan: ParallelPlan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "iterations_per_s": self.iterations_per_s,
+            "usd_per_iteration": self.usd_per_iteration,
+            "usd_per_hour": self.usd_per_hour,
+            "num_gpus": self.num_gpus,
+            "summary": self.summary,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchStats:
+    search_time_s: float
+    configurations: int  # (mbs, stages, partition) combinations considered
+    assignments: int  # stage-to-GPU assignments solved
+    candidates: int  # complete plans estimated
+    simulated: int  # plans scored with the full simulator
+    pruned: int  # configurations skipped by a bound
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "search_time_s": self.search_time_s,
+            "configurations": self.configurations,
+            "assignments": self.assignments,
+            "candidates": self.candidates,
+            "simulated": self.simulated,
+            "pruned": self.pruned,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    plan: ParallelPlan | None
+    estimate: Any  # SimulationResult of `plan` (None when infeasible)
+    frontier: tuple[FrontierPoint, ...]
+    stats: SearchStats
+    explanation: str
+    nearest_miss: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.plan is not None

@@ -1,0 +1,595 @@
+"""The search kernel: which GPUs, how many, and how to split the model, scored by one cost model.
+
+Contract: `Search(problem, costs).run()` is a pure, deterministic function of its inputs (the
+`Costs` protocol: the simulator's building blocks in production, synthetic costs in tests). It
+returns estimated candidates (`Candidate`), best first for the objective, plus every estimated
+point for the frontier. It never builds a `ParallelPlan`; `core.plan` materialises and verifies
+the winners with the full simulator.
+
+The plan space (a sketch): microbatch size b, P stages with a contiguous layer partition, D
+data-parallel pipelines, and per stage one replica shape k_s = (slot, tp) shared by its D
+replicas (zones of a region pooled in a slot; the replicas fill the slot's zones in order).
+
+The search, per (b, P, partition):
+1. a stage table: for every stage and slot the tensor-parallel degrees that are profiled, fit in
+   memory with the 1F1B in-flight microbatches, and the per-microbatch time of each;
+2. a sweep over the bottleneck time tau (ascending, over the table's times): each stage takes, in
+   each slot, the smallest TP whose time is <= tau (the paper's "smallest TP that fits, larger
+   only if it pays": a larger TP appears only once tau needs it);
+3. a dynamic program over stages whose state is the GPUs used per slot (per pipeline) and whose
+   value is the cheapest assignment reaching it; the end states give, for every D, the cheapest
+   assignment that D copies fit in the pool;
+4. D runs over the smallest degree of each distinct microbatch count ceil(n/D) (a larger D with
+   the same count only adds GPUs and ring length: paper heuristic);
+5. each (assignment, D) is estimated with the simulator's own composition (1F1B pipeline time,
+   gradient rings per stage, optimizer, prices, egress) and kept if it beats the bound.
+Lower bounds (time: the fill plus (m-1) x tau with the best stage times; cost: that time x the
+cheapest GPUs) prune whole configurations and stop the tau sweep. After the sweep, the best
+sketches are re-partitioned: the layers are re-balanced for the chosen GPUs (min-max stage time,
+memory-checked), which the published planner never does (it splits uniformly).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+
+from sailor_core.planner.costs import Costs, Layout, Slot, zone_pairs
+from sailor_core.planner.request import Constraints, Objective
+from sailor_core.simulator import StageCompute, pipeline_time_s
+
+SECONDS_PER_HOUR = 3600.0
+BYTES_PER_GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    num_layers: int
+    global_batch_size: int
+    tokens_per_sample: int
+    slots: tuple[Slot, ...]
+    mbs_values: tuple[int, ...]
+    tp_values: tuple[int, ...]
+    objective: Objective = Objective.MAX_THROUGHPUT
+    constraints: Constraints = field(default_factory=Constraints)
+    max_gpus: int | None = None
+    max_stages: int = 26
+    exhaustive_partitions_up_to: int = 64
+    keep: int = 24  # best candidates returned
+
+
+@dataclass(frozen=True, order=True)
+class Sketch:
+    """A plan before zones and nodes: b, stage bounds, per-stage (slot index, tp), D."""
+
+    mbs: int
+    bounds: tuple[tuple[int, int], ...]
+    kinds: tuple[tuple[int, int], ...]
+    dp: int
+    zone_rot: tuple[int, ...] = ()  # per slot: which of its zones is filled first (default: the largest)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    iteration_s: float
+    usd_per_iteration: float
+    usd_per_hour: float
+    num_gpus: int
+    layouts: tuple[Layout, ...]
+
+    @property
+    def iterations_per_s(self) -> float:
+        return 1.0 / self.iteration_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    sketch: Sketch
+    estimate: Estimate
+    score: float  # lower is better for the request's objective
+
+
+@dataclass
+class Counters:
+    configurations: int = 0
+    assignments: int = 0
+    candidates: int = 0
+    pruned: int = 0
+
+
+class Search:
+    def __init__(self, problem: Problem, costs: Costs) -> None:
+        self.pb = problem
+        self.costs = costs
+        self.n_slots = len(problem.slots)
+        self.caps = tuple(s.capacity for s in problem.slots)
+        self.total_gpus = min(sum(self.caps), problem.max_gpus or sum(self.caps))
+        self.count = Counters()
+        self._best: list[tuple[float, int, Candidate]] = []  # max-heap on score via negation
+        self._seen: set[Sketch] = set()
+        self._tie = 0
+        self.points: list[tuple[float, float, Sketch]] = []  # (iterations/s, USD/iteration, sketch)
+        self.incumbent = math.inf
+        self.nearest: tuple[float, str] | None = None  # smallest violation seen, and its reason
+
+    # -- objective -------------------------------------------------------------------------
+    def score(self, e: Estimate) -> float:
+        o = self.pb.objective
+        if o is Objective.MAX_THROUGHPUT:
+            return e.iteration_s
+        if o is Objective.MIN_COST:
+            return e.usd_per_iteration
+        return e.usd_per_iteration / (self.pb.global_batch_size * self.pb.tokens_per_sample) * 1e6
+
+    def violation(self, e: Estimate) -> float:
+        """How far past the constraints (relative; 0 when within)."""
+        c = self.pb.constraints
+        v = 0.0
+        if c.max_usd_per_iteration is not None:
+            v = max(v, e.usd_per_iteration / c.max_usd_per_iteration - 1)
+        if c.max_usd_per_hour is not None:
+            v = max(v, e.usd_per_hour / c.max_usd_per_hour - 1)
+        if c.min_iterations_per_s is not None:
+            v = max(v, c.min_iterations_per_s / e.iterations_per_s - 1)
+        return v
+
+    # -- estimate (the simulator's composition, stage by stage) --------------------------------
+    def layouts(self, sk: Sketch) -> tuple[Layout, ...] | None:
+        """Fill each stage's D replicas into its slot's zones in order (stages in order)."""
+        free = {i: [n for _, n in s.zones] for i, s in enumerate(self.pb.slots)}
+        out = []
+        for slot_i, tp in sk.kinds:
+            slot = self.pb.slots[slot_i]
+            need = sk.dp
+            lay = []
+            nz = len(slot.zones)
+            rot = sk.zone_rot[slot_i] if sk.zone_rot else 0
+            for zi in [(rot + i) % nz for i in range(nz)]:
+                zone = slot.zones[zi][0]
+                if need == 0:
+                    break
+                can = slot.usable(free[slot_i][zi], tp) // tp
+                take = min(can, need)
+                if take:
+                    lay.append((zone, take))
+                    free[slot_i][zi] -= take * tp
+                    need -= take
+            if need:
+                return None
+            out.append(tuple(lay))
+        return tuple(out)
+
+    def estimate(self, sk: Sketch) -> Estimate | None:
+        layouts = self.layouts(sk)
+        if layouts is None:
+            return None
+        c = self.costs
+        slots = self.pb.slots
+        n = self.pb.global_batch_size // sk.mbs
+        m = -(-n // sk.dp)
+        p = sk.num_stages
+        comp: list[StageCompute] = []
+        for (first, last), (si, tp) in zip(sk.bounds, sk.kinds, strict=True):
+            comp.append(c.compute(slots[si].gpu_type, sk.mbs, tp, first, last))
+        p2p: list[float] = []
+        egress = 0.0
+        for s in range(p - 1):
+            (sa, ta), (sb, tb) = sk.kinds[s], sk.kinds[s + 1]
+            a, b = slots[sa], slots[sb]
+            msg = c.boundary_bytes(ta, sk.bounds[s][1], sk.mbs)
+            worst = 0.0
+            for za, zb, cnt in zone_pairs(layouts[s], layouts[s + 1]):
+                worst = max(worst, c.p2p_s(a, ta, za, b, tb, zb, msg))
+                if za != zb:
+                    flows = max(1, min(ta, a.gpus_per_node, tb, b.gpus_per_node))
+                    # each of these cnt pipelines sends about n/D microbatches each way
+                    gb = msg * flows * (n / sk.dp) * cnt / BYTES_PER_GB
+                    egress += gb * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
+            p2p.append(worst)
+        total, _, finish = pipeline_time_s(comp, p2p, m)
+        end = 0.0
+        opt = 0.0
+        for s, ((first, last), (si, tp)) in enumerate(zip(sk.bounds, sk.kinds, strict=True)):
+            slot = slots[si]
+            grads = c.grad_bytes(tp, first, last)
+            ar = c.allreduce_s(slot, tp, layouts[s], grads) if sk.dp > 1 else 0.0
+            end = max(end, finish[s] + ar)
+            opt = max(opt, c.optimizer_s(slot.gpu_type, sk.mbs, tp, first, last))
+            zones = sorted({z for z, k in layouts[s] if k > 0})
+            if len(zones) > 1:
+                flows = max(1, min(tp, slot.gpus_per_node))
+                gb = 2 * (sk.dp - 1) / sk.dp * grads * flows / BYTES_PER_GB
+                for i, za in enumerate(zones):
+                    egress += gb * c.egress_usd_per_gb(za, zones[(i + 1) % len(zones)])
+        iteration = total + max(0.0, end - total) + opt
+        gpus = sum(tp for _, tp in sk.kinds) * sk.dp
+        usd_per_s = sk.dp * sum(tp * slots[si].usd_per_gpu_hour for si, tp in sk.kinds) / SECONDS_PER_HOUR
+        usd_iter = usd_per_s * iteration + egress
+        return Estimate(
+            iteration_s=iteration,
+            usd_per_iteration=usd_iter,
+            usd_per_hour=usd_iter / iteration * SECONDS_PER_HOUR,
+            num_gpus=gpus,
+            layouts=layouts,
+        )
+
+    def consider(self, sk: Sketch) -> Candidate | None:
+        if sk in self._seen:
+            return None
+        self._seen.add(sk)
+        e = self.estimate(sk)
+        self.count.candidates += 1
+        if e is None:
+            return None
+        self.points.append((e.iterations_per_s, e.usd_per_iteration, sk))
+        cand = Candidate(sketch=sk, estimate=e, score=self.score(e))
+        v = self.violation(e)
+        if v > 0:
+            if self.nearest is None or v < self.nearest[0]:
+                self.nearest = (v, _describe_violation(self.pb.constraints, e))
+            # Kept only if close: the simulator has the final word on constraints.
+            if v > 0.02:
+                return cand
+        self._tie += 1
+        # heap of the best `keep` (largest score on top) by (feasible-first, score)
+        key = (1.0 if v > 0 else 0.0) * 1e18 + cand.score
+        heapq.heappush(self._best, (-key, -self._tie, cand))
+        if len(self._best) > self.pb.keep:
+            heapq.heappop(self._best)
+        if v <= 0:
+            self.incumbent = min(self.incumbent, cand.score)
+        return cand
+
+    # -- the sweep ---------------------------------------------------------------------------
+    def run(self) -> list[Candidate]:
+        pb = self.pb
+        max_p = min(pb.max_stages, pb.num_layers)
+        for mbs in sorted(pb.mbs_values, reverse=True):
+            if pb.global_batch_size % mbs:
+                continue
+            for p in range(1, max_p + 1):
+                for bounds in self.partitions(p, mbs):
+                    self.count.configurations += 1
+                    self.sweep(mbs, bounds)
+        self.rebalance_pass()
+        return self.best()
+
+    def best(self) -> list[Candidate]:
+        items = sorted(self._best, key=lambda t: (-t[0], -t[1]))
+        return [c for _, _, c in items]
+
+    def d_values(self, n: int, d_max: int) -> list[int]:
+        """The smallest D for each distinct microbatch count ceil(n/D), D <= d_max."""
+        out = []
+        last_m = None
+        for d in range(1, min(n, d_max) + 1):
+            m = -(-n // d)
+            if m != last_m:
+                out.append(d)
+                last_m = m
+        return out
+
+    def stage_table(self, mbs: int, bounds: Sequence[tuple[int, int]]) -> list[list[list[tuple[int, float]]]] | None:
+        """table[s][slot] = [(tp, seconds per microbatch)] for TPs that are profiled and fit, TP ascending."""
+        p = len(bounds)
+        table = []
+        for s, (first, last) in enumerate(bounds):
+            row = []
+            any_ok = False
+            for slot in self.pb.slots:
+                opts = []
+                for tp in self.pb.tp_values:
+                    if tp > slot.gpus_per_node or not self.costs.profiled(slot.gpu_type, mbs, tp):
+                        continue
+                    if not self.costs.fits(slot.gpu_type, tp, first, last, mbs=mbs, in_flight=p - s,
+                                           first_stage=s == 0, last_stage=s == p - 1):
+                        continue
+                    opts.append((tp, self.costs.compute(slot.gpu_type, mbs, tp, first, last).total_s))
+                any_ok |= bool(opts)
+                row.append(opts)
+            if not any_ok:
+                return None
+            table.append(row)
+        return table
+
+    def sweep(self, mbs: int, bounds: tuple[tuple[int, int], ...]) -> None:
+        pb = self.pb
+        table = self.stage_table(mbs, bounds)
+        if table is None:
+            return
+        p = len(bounds)
+        n = pb.global_batch_size // mbs
+        slots = pb.slots
+        best_t = [min(t for row in table[s] for _, t in row) for s in range(p)]
+        min_gpus = [min(tp for row in table[s] for tp, _ in row) for s in range(p)]
+        min_rate = [
+            min(tp * slots[g].usd_per_gpu_hour for g, row in enumerate(table[s]) for tp, _ in row) for s in range(p)
+        ]
+        lb_fill = sum(best_t)
+        d_cap = max(1, self.total_gpus // max(1, sum(min_gpus)))
+        d_list = self.d_values(n, d_cap)
+        if not d_list:
+            return
+        taus = sorted({t for s in range(p) for row in table[s] for _, t in row if t >= max(best_t)})
+        for tau in taus:
+            if self.bound(tau, lb_fill, n, d_list, sum(min_rate)) >= self.incumbent:
+                self.count.pruned += 1
+                break
+            self.assign(mbs, bounds, table, tau, n, d_list, lb_fill, sum(min_rate))
+
+    def bound(self, tau: float, lb_fill: float, n: int, d_list: Sequence[int], rate_per_pipe: float) -> float:
+        """A lower bound on the score of anything with bottleneck >= tau (and of the whole sweep)."""
+        o = self.pb.objective
+        c = self.pb.constraints
+        best = math.inf
+        for d in d_list:
+            m = -(-n // d)
+            t = lb_fill + (m - 1) * tau
+            if c.min_iterations_per_s is not None and 1.0 / t < c.min_iterations_per_s * 0.98:
+                continue  # too slow at this D whatever it runs on
+            if o is Objective.MAX_THROUGHPUT:
+                best = min(best, t)
+            else:
+                usd = t * d * rate_per_pipe / SECONDS_PER_HOUR
+                if o is Objective.MIN_COST_PER_TOKEN:
+                    usd = usd / (self.pb.global_batch_size * self.pb.tokens_per_sample) * 1e6
+                best = min(best, usd)
+        return best
+
+    def assign(
+        self,
+        mbs: int,
+        bounds: tuple[tuple[int, int], ...],
+        table: list[list[list[tuple[int, float]]]],
+        tau: float,
+        n: int,
+        d_list: Sequence[int],
+        lb_fill: float,
+        rate_lb: float,
+    ) -> None:
+        """DP over stages at bottleneck tau: cheapest per-pipeline GPU usage per slot-usage vector."""
+        self.count.assignments += 1
+        slots = self.pb.slots
+        k = self.n_slots
+        # options[s] = [(slot, tp, price per hour of one replica)]
+        options = []
+        for row in table:
+            opts = []
+            for g, cand in enumerate(row):
+                for tp, t in cand:
+                    if t <= tau:
+                        opts.append((g, tp, tp * slots[g].usd_per_gpu_hour))
+                        break
+            if not opts:
+                return
+            options.append(opts)
+        zero = (0,) * k
+        layers: list[dict[tuple[int, ...], tuple[float, tuple[int, ...] | None, tuple[int, int] | None]]] = []
+        states: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None, tuple[int, int] | None]] = {
+            zero: (0.0, None, None)
+        }
+        for opts in options:
+            nxt: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None, tuple[int, int] | None]] = {}
+            for u, (rate, _, _) in states.items():
+                for g, tp, price in opts:
+                    if u[g] + tp > self.caps[g]:
+                        continue
+                    v = u[:g] + (u[g] + tp,) + u[g + 1 :]
+                    r = rate + price
+                    old = nxt.get(v)
+                    if old is None or r < old[0] - 1e-12:
+                        nxt[v] = (r, u, (g, tp))
+            if not nxt:
+                return
+            layers.append(nxt)
+            states = nxt
+        # D-capacity of each end state, then for each D the cheapest state that D copies fit.
+        ends = []
+        for u, (rate, _, _) in states.items():
+            d_max = min((self.caps[g] // u[g] for g in range(k) if u[g]), default=0)
+            if self.pb.max_gpus is not None:
+                d_max = min(d_max, self.pb.max_gpus // max(1, sum(u)))
+            ends.append((d_max, rate, u))
+        ends.sort(key=lambda e: (-e[0], e[1], e[2]))
+        # suffix minimum of rate over states with d_max >= D
+        best_by_d: list[tuple[int, float, tuple[int, ...]]] = []
+        cur: tuple[float, tuple[int, ...]] | None = None
+        for d_max, rate, u in ends:
+            if cur is None or rate < cur[0]:
+                cur = (rate, u)
+            best_by_d.append((d_max, cur[0], cur[1]))
+        # evaluate each D in d_list with the cheapest state that fits it
+        for d in reversed(d_list):
+            pick = None
+            for d_max, _rate, u in best_by_d:
+                if d_max >= d:
+                    pick = u  # best_by_d is sorted by d_max desc with running minimum: last valid wins
+                else:
+                    break
+            if pick is None:
+                continue
+            if self.bound(tau, lb_fill, n, [d], rate_lb) >= self.incumbent:
+                continue
+            kinds = self._reconstruct(layers, pick)
+            if self.quick_bound(mbs, bounds, kinds, d, n) >= self.incumbent:
+                self.count.pruned += 1
+                continue
+            self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
+
+    def quick_bound(self, mbs: int, bounds: Sequence[tuple[int, int]], kinds: Sequence[tuple[int, int]], d: int,
+                    n: int) -> float:
+        """Score lower bound of a sketch without network terms (they only add time and egress)."""
+        slots = self.pb.slots
+        ts = [self.costs.compute(slots[si].gpu_type, mbs, tp, a, b).total_s for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
+        m = -(-n // d)
+        t = sum(ts) + (m - 1) * max(ts)
+        c = self.pb.constraints
+        if c.min_iterations_per_s is not None and 1.0 / t < c.min_iterations_per_s * 0.98:
+            return math.inf
+        o = self.pb.objective
+        if o is Objective.MAX_THROUGHPUT:
+            return t
+        usd = t * d * sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds) / SECONDS_PER_HOUR
+        if c.max_usd_per_iteration is not None and usd > c.max_usd_per_iteration * 1.02:
+            return math.inf
+        if o is Objective.MIN_COST_PER_TOKEN:
+            usd = usd / (self.pb.global_batch_size * self.pb.tokens_per_sample) * 1e6
+        return usd
+
+    @staticmethod
+    def _reconstruct(layers: list[dict], end: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        kinds = []
+        u: tuple[int, ...] | None = end
+        for layer in reversed(layers):
+            _, prev, kind = layer[u]
+            kinds.append(kind)
+            u = prev
+        return tuple(reversed(kinds))
+
+    # -- partitions --------------------------------------------------------------------------
+    def partitions(self, p: int, mbs: int) -> Iterator[tuple[tuple[int, int], ...]]:
+        L = self.pb.num_layers
+        seen: set[tuple[tuple[int, int], ...]] = set()
+        if math.comb(L - 1, p - 1) <= self.pb.exhaustive_partitions_up_to:
+            for cuts in combinations(range(1, L), p - 1):
+                b = _bounds_from_cuts(cuts, L)
+                seen.add(b)
+                yield b
+            return
+        uni = uniform_partition(L, p)
+        seen.add(uni)
+        yield uni
+        for slot in self.pb.slots:
+            for tp in self.pb.tp_values:
+                if tp > slot.gpus_per_node or not self.costs.profiled(slot.gpu_type, mbs, tp):
+                    continue
+                times = [self.costs.compute(slot.gpu_type, mbs, tp, i, i).total_s for i in range(L)]
+                b = balanced_partition(times, p)
+                if b is not None and b not in seen:
+                    seen.add(b)
+                    yield b
+                break  # the smallest profiled TP of each GPU type is enough to shape the split
+
+    def rebalance_pass(self) -> None:
+        """Re-split the layers of the best sketches for the GPUs they chose (heterogeneous min-max)."""
+        for cand in self.best():
+            sk = cand.sketch
+            if sk.num_stages < 2:
+                continue
+            b = self.rebalanced(sk)
+            if b is not None and b != sk.bounds:
+                self.consider(Sketch(mbs=sk.mbs, bounds=b, kinds=sk.kinds, dp=sk.dp))
+        # Zones of a region differ in their measured links: try starting the fill at each zone.
+        for cand in self.best():
+            sk = cand.sketch
+            used = sorted({si for si, _ in sk.kinds})
+            for si in used:
+                for r in range(1, len(self.pb.slots[si].zones)):
+                    rot = [0] * self.n_slots
+                    rot[si] = r
+                    self.consider(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=sk.kinds, dp=sk.dp, zone_rot=tuple(rot)))
+
+    def rebalanced(self, sk: Sketch) -> tuple[tuple[int, int], ...] | None:
+        L = self.pb.num_layers
+        p = sk.num_stages
+        slots = self.pb.slots
+        c = self.costs
+
+        def stage_t(s: int, first: int, last: int) -> float:
+            si, tp = sk.kinds[s]
+            return c.compute(slots[si].gpu_type, sk.mbs, tp, first, last).total_s
+
+        def fits(s: int, first: int, last: int) -> bool:
+            si, tp = sk.kinds[s]
+            return c.fits(slots[si].gpu_type, tp, first, last, mbs=sk.mbs, in_flight=p - s,
+                          first_stage=s == 0, last_stage=s == p - 1)
+
+        def greedy(tau: float) -> tuple[tuple[int, int], ...] | None:
+            out = []
+            first = 0
+            for s in range(p):
+                left_stages = p - s - 1
+                last = first
+                if stage_t(s, first, last) > tau or not fits(s, first, last):
+                    return None
+                while last + 1 <= L - 1 - left_stages and stage_t(s, first, last + 1) <= tau and fits(s, first, last + 1):
+                    last += 1
+                if s == p - 1 and last != L - 1:
+                    return None
+                out.append((first, last))
+                first = last + 1
+            return tuple(out)
+
+        cand_taus = sorted({stage_t(s, a, b) for s in range(p) for a in range(L) for b in range(a, L)})
+        lo, hi = 0, len(cand_taus) - 1
+        best = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            g = greedy(cand_taus[mid])
+            if g is not None:
+                best = g
+                hi = mid - 1
+            else:
+                lo = mid + 1
+        return best
+
+
+def _describe_violation(c: Constraints, e: Estimate) -> str:
+    v = c.violations(usd_per_iteration=e.usd_per_iteration, usd_per_hour=e.usd_per_hour,
+                     iterations_per_s=e.iterations_per_s)
+    return "; ".join(v)
+
+
+def _bounds_from_cuts(cuts: Sequence[int], num_layers: int) -> tuple[tuple[int, int], ...]:
+    edges = [0, *cuts, num_layers]
+    return tuple((edges[i], edges[i + 1] - 1) for i in range(len(edges) - 1))
+
+
+def uniform_partition(num_layers: int, p: int) -> tuple[tuple[int, int], ...]:
+    """Layers split as evenly as counts allow; the first stages take the extra layer."""
+    base, extra = divmod(num_layers, p)
+    out = []
+    first = 0
+    for s in range(p):
+        size = base + (1 if s < extra else 0)
+        out.append((first, first + size - 1))
+        first += size
+    return tuple(out)
+
+
+def balanced_partition(times: Sequence[float], p: int) -> tuple[tuple[int, int], ...] | None:
+    """Contiguous split of per-layer times into p parts minimising the largest part (exact DP)."""
+    L = len(times)
+    if p > L:
+        return None
+    pre = [0.0]
+    for t in times:
+        pre.append(pre[-1] + t)
+    inf = math.inf
+    # f[k][i]: best max over the first i layers in k parts
+    f = [[inf] * (L + 1) for _ in range(p + 1)]
+    arg = [[0] * (L + 1) for _ in range(p + 1)]
+    f[0][0] = 0.0
+    for k in range(1, p + 1):
+        for i in range(k, L - (p - k) + 1):
+            best, at = inf, 0
+            for j in range(k - 1, i):
+                v = max(f[k - 1][j], pre[i] - pre[j])
+                if v < best - 1e-15:
+                    best, at = v, j
+            f[k][i] = best
+            arg[k][i] = at
+    cuts = []
+    i = L
+    for k in range(p, 0, -1):
+        j = arg[k][i]
+        cuts.append(j)
+        i = j
+    return _bounds_from_cuts(sorted(cuts)[1:], L)
