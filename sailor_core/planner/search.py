@@ -471,10 +471,10 @@ class Search:
                 if tp > slot.gpus_per_node or not self.costs.profiled(slot.gpu_type, mbs, tp):
                     continue
                 times = [self.costs.compute(slot.gpu_type, mbs, tp, i, i).total_s for i in range(L)]
-                b = balanced_partition(times, p)
-                if b is not None and b not in seen:
-                    seen.add(b)
-                    yield b
+                bal = balanced_partition(times, p)
+                if bal is not None and bal not in seen:
+                    seen.add(bal)
+                    yield bal
                 break  # the smallest profiled TP of each GPU type is enough to shape the split
 
     def rebalance_pass(self) -> None:
