@@ -40,7 +40,11 @@ class SailorParams(BaseModel):
     markets: list[str] | None = None
     max_gpus: int | None = Field(default=None, ge=1)
     provider: Literal["local", "aws", "gcp"] = "local"
-    store_uri: str = Field(default=".sailor/store", min_length=1)
+    store_uri: str | None = Field(default=None, description="profile store URI; None: $SAILOR_STORE or .sailor/store")
+    workdir: str = Field(default=".sailor", min_length=1,
+                         description="local folder for checkpoints, worker metrics and local worker slots")
+    resume: bool = Field(default=False, description="continue the newest run of this name from its checkpoint "
+                                                   "(the scheduled cost-aware rerun sets this)")
     dataset: str | None = Field(default=None, description="data URI; None uses the runtime's built-in corpus")
     steps: int | None = Field(default=None, ge=1)
     token_budget: int | None = Field(default=None, ge=1)

@@ -342,7 +342,28 @@ class LocalProvider:
                     self.terminate([rec["vm_id"]])
         return removed
 
-    # -- beyond the protocol: what the local runtime reads --------------------------------------
+    # -- beyond the protocol -------------------------------------------------------------------
+    def stop_agents(self, vm_ids: Sequence[str]) -> None:
+        """Stop the agents on these VMs (SIGTERM to all at once, SIGKILL after `stop_grace_s`), keep the VMs."""
+        with self._lock:
+            recs = [r for r in (self._record(v) for v in vm_ids) if r is not None and r["pid"]]
+            for rec in recs:
+                try:
+                    os.killpg(rec["pid"], signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + self.stop_grace_s
+            for rec in recs:
+                proc = self._procs.get(rec["vm_id"])
+                while time.monotonic() < deadline and _group_alive(rec["pid"]):
+                    if proc is not None:
+                        proc.poll()
+                    time.sleep(0.05)
+                self._kill_group(rec["pid"], self._procs.pop(rec["vm_id"], None))
+                # Stopped on purpose: not a lost worker.
+                rec.update(pid=None, exit_code=None)
+                self._save(rec)
+
     def heartbeat(self, vm_id: str) -> dict[str, Any] | None:
         try:
             return json.loads((self.slot_dir(vm_id) / "heartbeat.json").read_text())

@@ -1,0 +1,236 @@
+"""The `replan` subflow and the state one `sailor` run carries between its steps.
+
+Contract: `replan(ctx, job, events, calibration, progress)` is called when monitoring saw
+something that may change the best plan (a preemption notice, a lost worker, a price or capacity
+change, or measured iteration time off the estimate). It re-plans against current offerings and
+the calibrated profiles, decides with `tasks.decisions.decide_switch` whether the new plan is worth
+the switch (gain over the remaining work against the cost of reconfiguring), records the decision
+and its reason, and when switching: stops the workers (they checkpoint on the notice), keeps the
+VMs the new plan can use, terminates the rest, provisions only the difference and relaunches every
+worker on the new plan, resuming from the latest checkpoint. It returns the job to monitor next
+(the same one when staying). Workers lost with no feasible plan left fail the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.logging import get_run_logger
+
+from flows.params import SailorParams
+from infra.provider import EventKind, Provider, ProviderEvent, Vm
+from sailor_core.domain import ParallelPlan
+from sailor_core.plan_format import plan_to_dict
+from sailor_core.profiles import ProfileBook
+from tasks.decisions import PlanCost, decide_switch
+from tasks.history import RunHistory
+from tasks.jobs import Job, Progress, free_port, place, replica_request, slots
+from tasks.planning import NoPlanError, calibrated_book, estimate, plan_violations, pool_from, priced_book
+from tasks.reporting import emit, publish_frontier, publish_plan
+from tasks.steps import fetch_offerings, launch, make_plan, provision, record, stop_workers, terminate
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    run_id: str
+    params: SailorParams
+    provider: Provider
+    history: RunHistory
+    run_dir: Path
+    reconfiguration_estimate_s: float
+    base_book: ProfileBook | None = None
+    calibration: dict[str, float] = field(default_factory=dict)
+    version: int = 0
+    plan: ParallelPlan | None = None
+    estimate: dict[str, Any] = field(default_factory=dict)
+    total_steps: int = 0
+    steps_done: int = 0
+    ledger: dict[str, dict[str, float]] = field(default_factory=dict)
+    reconfigurations_s: list[float] = field(default_factory=list)
+    iteration_times: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+    def planner_args(self, pool: Any, book: ProfileBook) -> dict[str, Any]:
+        p = self.params
+        return dict(model=p.model, global_batch_size=p.global_batch_size, pool=pool, book=book, objective=p.objective,
+                    max_usd_per_iteration=p.max_usd_per_iteration, max_usd_per_hour=p.max_usd_per_hour,
+                    min_iterations_per_s=p.min_iterations_per_s, clouds=p.clouds, regions=p.regions,
+                    gpu_types=p.gpu_types, markets=p.markets,
+                    max_gpus=min(p.max_gpus or p.workers, p.workers) if p.provider == "local" else p.max_gpus)
+
+    def adopt_plan(self, plan: ParallelPlan, est: dict[str, Any], reason: str, frontier: Any = ()) -> None:
+        self.version += 1
+        self.plan, self.estimate = plan, est
+        record(self.history.plan, self.run_id, self.version, plan_to_dict(plan), est, reason)
+        publish_plan(self.run_id, self.version, plan, est, reason)
+        points = [f.to_json() for f in frontier or ()]
+        publish_frontier(self.run_id, self.version, points,
+                         {"usd_per_iteration": est["usd_per_iteration"], "iterations_per_s": est["throughput_iterations_per_s"]})
+        get_run_logger().info("plan v%d: %s", self.version, _describe(plan, est))
+
+    # -- money and time ----------------------------------------------------------------------------
+    def ledger_add(self, vms: list[Vm]) -> None:
+        now = time.time()
+        for v in vms:
+            self.ledger[v.vm_id] = {"usd_per_hour": v.usd_per_hour, "start": now, "end": 0.0}
+
+    def ledger_close(self, vm_ids: Any) -> None:
+        now = time.time()
+        for v in vm_ids:
+            if v in self.ledger and not self.ledger[v]["end"]:
+                self.ledger[v]["end"] = now
+
+    def ledger_close_all(self) -> None:
+        self.ledger_close(list(self.ledger))
+
+    def usd_so_far(self) -> float:
+        now = time.time()
+        return sum(e["usd_per_hour"] * ((e["end"] or now) - e["start"]) / 3600.0 for e in self.ledger.values())
+
+    def reconfiguration_s(self) -> float:
+        return max(self.reconfigurations_s) if self.reconfigurations_s else self.reconfiguration_estimate_s
+
+    def observe(self, job: Job, progress: Progress | None) -> None:
+        if progress is not None:
+            self.steps_done = max(self.steps_done, progress.step)
+            self.iteration_times[job.version] = progress.iteration_times
+        r = job.extra.get("reconfiguration_s")
+        if r is not None and job.extra.get("reconfiguration_counted") is None:
+            self.reconfigurations_s.append(float(r))
+            job.extra["reconfiguration_counted"] = True
+
+    def training_s(self) -> float:
+        return sum(sum(t) for t in self.iteration_times.values())
+
+    def cost_table(self) -> dict[str, Any]:
+        return {"usd_so_far": round(self.usd_so_far(), 6), "vms_rented": len(self.ledger),
+                "usd_per_hour_now": round(sum(e["usd_per_hour"] for e in self.ledger.values() if not e["end"]), 6),
+                "plan_version": self.version, "steps_done": self.steps_done, "total_steps": self.total_steps}
+
+    def summary(self, status: str, t0: float) -> dict[str, Any]:
+        wall = time.time() - t0
+        return {"run_id": self.run_id, "status": status, "steps_done": self.steps_done, "total_steps": self.total_steps,
+                "plan_versions": self.version, "usd_total": round(self.usd_so_far(), 6), "wall_s": round(wall, 2),
+                "training_s": round(self.training_s(), 2),
+                "orchestration_overhead_s": round(wall - self.training_s(), 2),
+                "reconfigurations_s": [round(x, 2) for x in self.reconfigurations_s],
+                "decisions": [{"kind": d["kind"], "reason": d["reason"]} for d in self.decisions],
+                "plan": _describe(self.plan, self.estimate) if self.plan else ""}
+
+
+def _describe(plan: ParallelPlan | None, est: dict[str, Any]) -> str:
+    if plan is None:
+        return ""
+    places: dict[str, int] = {}
+    for (zone, gpu, market), n in plan.gpus_by_place().items():
+        places[f"{n}x {gpu} {market.value} @{zone}"] = n
+    return (f"{plan.num_stages} stage(s) x {plan.data_parallel} replica(s) on {', '.join(places)}; "
+            f"{est.get('iteration_time_s', 0):.4f} s/it, {est.get('usd_per_hour', 0):.4f} USD/h")
+
+
+def _checkpoint_step(step: int, interval: int) -> int:
+    return (step // interval) * interval
+
+
+@flow(name="replan", log_prints=True)
+def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: dict[str, Any] | None,
+           progress: Progress | None) -> Job:
+    p = ctx.params
+    provider = ctx.provider
+    assert ctx.base_book is not None and ctx.plan is not None
+    step = progress.step if progress else job.start_step
+    lost = {e.vm_id for e in events if e.kind in (EventKind.PREEMPTION, EventKind.LOST)} & {v.vm_id for v in job.vms}
+    kinds = sorted({e.kind.value for e in events}) + (["iteration_time"] if calibration else [])
+    trigger_at = min((e.at for e in events), default=datetime.now(UTC)).timestamp()
+    if calibration:
+        ratio = float(calibration["ratio"])
+        for g in sorted({r.gpu_type for st in job.plan.stages for r in st.replicas}):
+            factor = ctx.calibration.get(g, 1.0) * ratio
+            ctx.calibration[g] = factor
+            record(ctx.history.measurement, ctx.run_id, "calibration",
+                   {"gpu_type": g, "factor": factor, "ratio": ratio, "plan_version": job.version},
+                   f"iteration time x{ratio:.2f} of the estimate; layer times of {g} now scaled x{factor:.2f}")
+        job.extra["calibrated"] = True
+    ctx.ledger_close(lost)
+    held = [v for v in job.vms if v.vm_id not in lost]
+    offers = fetch_offerings(provider, regions=p.regions, gpu_types=p.gpu_types, markets=p.markets)
+    book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
+    current_est = estimate(job.plan, book)
+    job.estimate_s = float(current_est["iteration_time_s"])
+    broken = ""
+    if lost:
+        broken = f"{len(lost)} worker(s) of plan v{job.version} lost ({', '.join(kinds)})"
+    else:
+        v = plan_violations(current_est, max_usd_per_iteration=p.max_usd_per_iteration,
+                            max_usd_per_hour=p.max_usd_per_hour, min_iterations_per_s=p.min_iterations_per_s)
+        if v:
+            broken = "the current plan now breaks a limit: " + "; ".join(v)
+    try:
+        result = make_plan(**ctx.planner_args(pool_from(offers, held), book))
+    except NoPlanError as e:
+        if lost:
+            raise
+        reason = f"after {', '.join(kinds)}: no feasible plan with current offerings ({e}); staying on plan v{job.version}"
+        _decide(ctx, "stay", reason, {"trigger": kinds, "step": step})
+        return job
+    cand, cand_est = result.plan, dict(result.estimate.to_json())
+    same = plan_to_dict(cand) == plan_to_dict(job.plan) and not lost
+    remaining = ctx.total_steps - step
+    lost_steps = step - _checkpoint_step(step, job.checkpoint_interval)
+    decision = decide_switch(
+        objective=p.objective,
+        current=None if lost else PlanCost(iteration_time_s=float(current_est["iteration_time_s"]),
+                                           usd_per_iteration=float(current_est["usd_per_iteration"]),
+                                           usd_per_hour=float(current_est["usd_per_hour"])),
+        candidate=PlanCost(iteration_time_s=float(cand_est["iteration_time_s"]),
+                           usd_per_iteration=float(cand_est["usd_per_iteration"]),
+                           usd_per_hour=float(cand_est["usd_per_hour"])),
+        remaining_steps=remaining, lost_steps=lost_steps, reconfiguration_s=ctx.reconfiguration_s(),
+        min_gain=p.min_gain, current_broken=broken, same_plan=same,
+    )
+    reason = f"after {', '.join(kinds)} at step {step}: {decision.reason}"
+    detail = {"trigger": kinds, "step": step, "decision": decision.to_json(), "candidate": _describe(cand, cand_est),
+              "current": _describe(job.plan, current_est)}
+    _decide(ctx, "switch" if decision.switch else "stay", reason, detail)
+    if not decision.switch:
+        return job
+    return _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, result.frontier, step, reason)
+
+
+def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> None:
+    get_run_logger().info("replan: %s (%s)", kind, reason)
+    ctx.decisions.append({"kind": kind, "reason": reason})
+    record(ctx.history.decision, ctx.run_id, kind, reason, detail)
+    record(ctx.history.event, ctx.run_id, "replan", reason, {"decision": kind, **detail})
+    emit("replan", ctx.run_id, {"decision": kind, "reason": reason})
+
+
+def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[str, Any], held: list[Vm],
+                 lost: set[str], trigger_at: float, kinds: list[str], frontier: Any, step: int, reason: str) -> Job:
+    provider = ctx.provider
+    stop_workers(provider, [v.vm_id for v in job.vms])
+    placed, missing = place(cand, held)
+    keep = {v.vm_id for v in placed.values()}
+    drop = [v.vm_id for v in held if v.vm_id not in keep] + sorted(lost)
+    terminate(provider, drop)
+    ctx.ledger_close(drop)
+    ctx.adopt_plan(cand, cand_est, reason, frontier)
+    new_vms = provision(provider, [replica_request(ctx.run_id, ctx.version, s) for s in missing])
+    ctx.ledger_add(new_vms)
+    it = iter(new_vms)
+    vms = [placed[k] if k in placed else next(it) for k in range(len(slots(cand)))]
+    record(ctx.history.event, ctx.run_id, "provisioned",
+           f"plan v{ctx.version}: kept {len(keep)} VMs, rented {len(new_vms)}, released {len(drop)}",
+           {"kept": sorted(keep), "rented": [v.vm_id for v in new_vms], "released": drop, "plan_version": ctx.version})
+    new = Job(run_id=ctx.run_id, version=ctx.version, plan=cand, vms=vms, run_dir=job.run_dir,
+              total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval, seed=job.seed,
+              data_uri=job.data_uri, rendezvous=f"127.0.0.1:{free_port()}",
+              start_step=_checkpoint_step(step, job.checkpoint_interval), estimate_s=float(cand_est["iteration_time_s"]))
+    new.extra.update(reconfig_trigger_at=trigger_at, trigger=kinds)
+    new.launched_at = launch(provider, new)
+    return new

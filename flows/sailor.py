@@ -1,0 +1,249 @@
+"""The `sailor` flow: profile -> plan -> provision -> train -> monitor -> replan, with teardown.
+
+Contract: `sailor(**parameters)` (deployment `sailor/train`) validates its parameters before
+anything is provisioned (`InvalidParameters` names each bad field), then runs the job on the chosen
+provider and returns a summary dict. Every run gets a unique id (`<run_name>-<flow run id prefix>`)
+under which the store keeps its history (runs, events, decisions with reasons, plans, measured vs
+estimated). Every VM the run rented is removed in a `finally` and again by the flow's
+cancellation/crash hooks, so none outlives the run, also on failure or cancellation from the UI.
+
+Side effects (provider, store, working folder, poll interval) arrive as `Deps`; the default
+builds them from the parameters (local provider under `<workdir>/runs/<run_id>/local`, the store
+at `store_uri`). Tests pass their own `Deps` (e.g. a provider whose agent cannot start).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run as runtime_flow_run
+
+from flows.params import SailorParams, validate_params
+from flows.profile import profile
+from flows.replan import RunContext, replan
+from infra.provider import Provider
+from tasks.history import RunHistory, new_run_id
+from tasks.jobs import Job, free_port, replica_request, slots
+from tasks.planning import calibrated_book, pool_from, priced_book
+from tasks.reporting import ProgressBar, emit, publish_cost, publish_timeline
+from tasks.steps import fetch_offerings, launch, make_plan, monitor, provision, record, teardown
+
+
+@dataclass(kw_only=True)
+class Deps:
+    provider: Provider
+    store: Any
+    workdir: Path
+    poll_s: float = 0.5
+    reconfiguration_estimate_s: float = 15.0
+    stall_timeout_s: float = 600.0
+    max_replans: int = 20
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_provider(params: SailorParams, run_dir: Path) -> Provider:
+    if params.provider == "local":
+        from infra.local import LocalProvider
+        from infra.scenario import load_scenario
+
+        scenario = load_scenario(params.scenario) if params.scenario else None
+        return LocalProvider(run_dir / "local", scenario=scenario, heartbeat_timeout_s=params.heartbeat_timeout_s)
+    if params.provider == "aws":
+        from infra.aws import AwsProvider  # type: ignore[import-not-found]
+
+        return AwsProvider()
+    from infra.gcp import GcpProvider  # type: ignore[import-not-found]
+
+    return GcpProvider()
+
+
+def default_deps(params: SailorParams, run_id: str) -> Deps:
+    from profiles_store.store import open_store
+
+    workdir = Path(params.workdir).resolve()
+    run_dir = workdir / "runs" / run_id
+    return Deps(provider=make_provider(params, run_dir), store=open_store(params.store_uri), workdir=workdir)
+
+
+def run_id_for(run_name: str, flow_run_id: str | None) -> str:
+    return new_run_id(run_name, (flow_run_id or "").replace("-", "")[:8] or None)
+
+
+def _cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
+    """On cancellation or crash the flow's finally may not run; remove what the run left from here."""
+    params = dict(flow_run.parameters or {})
+    name = params.get("run_name") or "sailor"
+    run_id = run_id_for(str(name), str(flow_run.id))
+    try:
+        p = SailorParams.model_validate({k: v for k, v in params.items() if k in SailorParams.model_fields})
+    except Exception:
+        return  # invalid parameters: nothing was provisioned
+    run_dir = Path(p.workdir).resolve() / "runs" / run_id
+    if p.provider == "local" and not (run_dir / "local").exists():
+        return
+    make_provider(p, run_dir).cleanup(run_id)
+
+
+@task(name="check-runnable", cache_policy=NO_CACHE)
+def check_runnable(plan: Any, slots: int | None) -> None:
+    """The runtime's own check, before any VM is rented."""
+    from sailor_core.models.config import get_config
+    from sailor_core.runtime.topology import check_runnable as runtime_check
+
+    try:
+        cfg = get_config(plan.model)
+    except Exception:
+        return  # a published model the runtime does not build: the cloud workers will say
+    runtime_check(plan, cfg, slots=slots)
+
+
+def _previous_checkpoint(history: RunHistory, workdir: Path, run_name: str, run_id: str) -> Path | None:
+    prev = [r for r in history.list_runs() if r.get("name") == run_name and r["run_id"] != run_id]
+    for r in reversed(prev):
+        ck = workdir / "runs" / r["run_id"] / "checkpoints"
+        if ck.is_dir() and any(ck.iterdir()):
+            return ck
+    return None
+
+
+@flow(name="sailor", log_prints=True, on_cancellation=[_cleanup_hook], on_crashed=[_cleanup_hook])
+def sailor(
+    run_name: str = "sailor",
+    model: str = "gpt-tiny",
+    global_batch_size: int = 8,
+    objective: str = "min-cost",
+    max_usd_per_iteration: float | None = None,
+    max_usd_per_hour: float | None = None,
+    min_iterations_per_s: float | None = None,
+    deadline_s: float | None = None,
+    clouds: list[str] | None = None,
+    regions: list[str] | None = None,
+    gpu_types: list[str] | None = None,
+    markets: list[str] | None = None,
+    max_gpus: int | None = None,
+    provider: str = "local",
+    store_uri: str | None = None,
+    workdir: str = ".sailor",
+    dataset: str | None = None,
+    steps: int | None = None,
+    token_budget: int | None = None,
+    checkpoint_interval: int = 10,
+    scenario: str | None = None,
+    workers: int = 4,
+    seed: int = 0,
+    min_gain: float = 0.0,
+    heartbeat_timeout_s: float = 20.0,
+    calibration_tolerance: float = 0.25,
+    resume: bool = False,
+    dry_run: bool = False,
+    deps: Any = None,
+) -> dict[str, Any]:
+    raw = {k: v for k, v in locals().items() if k != "deps" and v is not None}
+    params = validate_params(raw)  # before anything is provisioned
+    run_id = run_id_for(params.run_name, str(runtime_flow_run.id or ""))
+    deps = deps or default_deps(params, run_id)
+    return run_job(params, deps, run_id)
+
+
+def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
+    log = get_run_logger()
+    history = RunHistory(deps.store)
+    provider = deps.provider
+    run_dir = deps.workdir / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    ctx = RunContext(run_id=run_id, params=params, provider=provider, history=history, run_dir=run_dir,
+                     reconfiguration_estimate_s=deps.reconfiguration_estimate_s)
+    record(history.run_status, run_id, "running", f"started on provider {params.provider}",
+           {"name": params.run_name, "provider": params.provider, "model": params.model,
+            "flow_run_id": str(runtime_flow_run.id or ""), "params": params.model_dump(mode="json")})
+    emit("run.started", run_id, {"name": params.run_name, "model": params.model})
+    log.info("run %s: %s on %s, objective %s", run_id, params.model, params.provider, params.objective)
+    status, reason = "failed", ""
+    try:
+        offers = fetch_offerings(provider, regions=params.regions, gpu_types=params.gpu_types, markets=params.markets)
+        if not any(o.count > 0 for o in offers):
+            raise RuntimeError(f"provider {params.provider} offers no GPUs matching the request; "
+                               f"to fix: allow more regions, GPU types or markets")
+        gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
+        ctx.base_book = profile(deps.store, params.model, gpu_set)
+        ctx.calibration = history.calibration(gpu_set)
+        if ctx.calibration:
+            log.info("using online calibration from earlier runs: %s", ctx.calibration)
+        book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
+        result = make_plan(**ctx.planner_args(pool_from(offers), book))
+        plan, est = result.plan, dict(result.estimate.to_json())
+        ctx.total_steps = params.total_steps(ctx.base_book.model.sequence_length)
+        check_runnable(plan, params.workers if params.provider == "local" else None)
+        ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
+        if params.dry_run:
+            status, reason = "completed", "dry run: planned, rented nothing"
+            return ctx.summary(status, t0)
+        if params.resume:
+            prev = _previous_checkpoint(history, deps.workdir, params.run_name, run_id)
+            if prev is not None:
+                shutil.copytree(prev, run_dir / "checkpoints", dirs_exist_ok=True)
+                log.info("resuming from the checkpoints of %s", prev.parent.name)
+        vms = provision(provider, [replica_request(run_id, ctx.version, s) for s in slots(plan)])
+        ctx.ledger_add(vms)
+        record(history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
+               {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
+        emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
+        job = Job(run_id=run_id, version=ctx.version, plan=plan, vms=vms, run_dir=run_dir,
+                  total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval, seed=params.seed,
+                  data_uri=params.dataset or "", rendezvous=f"127.0.0.1:{free_port()}",
+                  estimate_s=float(est["iteration_time_s"]))
+        job.launched_at = launch(provider, job)
+        record(history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers",
+               {"plan_version": ctx.version, "total_steps": ctx.total_steps})
+        bar = ProgressBar(run_id, ctx.total_steps)
+        deadline_at = t0 + params.deadline_s if params.deadline_s else None
+        seen: set[tuple[str, str, str]] = set()
+        replans = 0
+        while True:
+            out = monitor(provider, job, history, bar, seen=seen, poll_s=deps.poll_s, deadline_at=deadline_at,
+                          tolerance=params.calibration_tolerance, calibrate_after=5,
+                          calibrated=bool(job.extra.get("calibrated")), stall_timeout_s=deps.stall_timeout_s)
+            ctx.observe(job, out.progress)
+            if out.completed:
+                break
+            replans += 1
+            if replans > deps.max_replans:
+                raise RuntimeError(f"gave up after {deps.max_replans} replans; see the run's events for why")
+            job = replan(ctx, job, out.events, out.calibration, out.progress)
+        status, reason = "completed", f"{ctx.total_steps} steps done"
+        record(history.event, run_id, "completed", reason, {"steps": ctx.total_steps})
+        return ctx.summary(status, t0)
+    except BaseException as e:
+        status = "cancelled" if type(e).__name__ in ("TerminationSignal", "KeyboardInterrupt", "CancelledError") \
+            else "failed"
+        reason = f"{type(e).__name__}: {e}"[:500]
+        raise
+    finally:
+        removed: list[str] = []
+        try:
+            removed = teardown(provider, run_id)
+        except BaseException as e:  # the status must still be written; teardown is retried by the hooks
+            reason = (reason + f"; teardown failed: {e}")[:800]
+            status = "failed"
+        ctx.ledger_close_all()
+        try:
+            history.event(run_id, "teardown", f"removed {len(removed)} VMs still running" if removed
+                          else "no VM left to remove", {"removed": removed})
+            summary = ctx.summary(status, t0)
+            history.run_status(run_id, status, reason, summary)
+            emit(f"run.{status}", run_id, {"reason": reason})
+            shown = history.show(run_id)
+            publish_timeline(run_id, shown["events"], shown["decisions"])
+            publish_cost(run_id, ctx.cost_table())
+            log.info("run %s %s: %s", run_id, status, json.dumps(summary, default=str)[:2000])
+        except Exception as e:  # reporting must not hide the run's own outcome
+            log.warning("could not write the run's final status: %s", e)

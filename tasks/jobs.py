@@ -1,0 +1,171 @@
+"""A training job as the orchestration sees it: a plan version running on a set of VMs.
+
+Contract (no Prefect here, so it is testable alone):
+- `replica_requests(plan, run_id, version)`: one VM per (stage, replica) TP group, in rank order;
+  `vm_matches(vm, replica)` tells whether a VM already rented can host a replica of a new plan,
+  so a reconfiguration provisions only the difference.
+- `assignments(job, ...)`: the `WorkerAssignment` of each VM: the plan as JSON, its ranks (stage-
+  major: stage 0 replica 0 gets ranks 0..tp-1, then stage 0 replica 1, ...), the world size, a fresh
+  rendezvous endpoint per plan version, the shared checkpoint folder and the metrics file.
+- `read_progress(job)`: what the workers reported (one JSON line per step in each VM's metrics
+  file, at least `step`, `loss`, `iteration_time_s`): the highest step any worker finished, recent
+  iteration times, the latest loss. Steps count from 1 and are global over plan versions (a resumed
+  worker goes on from the checkpoint's step).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.provider import Vm, VmRequest, WorkerAssignment
+from sailor_core.domain import ParallelPlan, Replica
+from sailor_core.plan_format import plan_to_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slot:
+    stage: int
+    replica: int
+    spec: Replica
+
+    @property
+    def name(self) -> str:
+        return f"s{self.stage}r{self.replica}"
+
+
+def slots(plan: ParallelPlan) -> list[Slot]:
+    return [Slot(stage=i, replica=j, spec=r) for i, st in enumerate(plan.stages) for j, r in enumerate(st.replicas)]
+
+
+def vm_matches(vm: Vm, r: Replica) -> bool:
+    return vm.gpu_type == r.gpu_type and vm.zone == r.zone and vm.market == r.market and vm.gpus >= r.tp
+
+
+def replica_request(run_id: str, version: int, s: Slot) -> VmRequest:
+    return VmRequest(run_id=run_id, name=f"v{version}-{s.name}", zone=s.spec.zone, region=s.spec.region,
+                     gpu_type=s.spec.gpu_type, gpus=s.spec.tp, market=s.spec.market)
+
+
+def place(plan: ParallelPlan, reusable: list[Vm]) -> tuple[dict[int, Vm], list[Slot]]:
+    """Map slots to VMs we already have; return (slot index -> VM, slots still needing a VM)."""
+    free = list(reusable)
+    placed: dict[int, Vm] = {}
+    missing: list[Slot] = []
+    for k, s in enumerate(slots(plan)):
+        vm = next((v for v in free if vm_matches(v, s.spec)), None)
+        if vm is None:
+            missing.append(s)
+        else:
+            placed[k] = vm
+            free.remove(vm)
+    return placed, missing
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(kw_only=True)
+class Job:
+    run_id: str
+    version: int
+    plan: ParallelPlan
+    vms: list[Vm]  # one per slot, in slot (rank) order
+    run_dir: Path
+    total_steps: int
+    checkpoint_interval: int
+    seed: int = 0
+    data_uri: str = ""
+    rendezvous: str = ""
+    launched_at: float = 0.0
+    start_step: int = 0  # steps done when this version launched (the checkpoint it resumes from)
+    estimate_s: float = 0.0  # simulator's iteration time for this plan (calibrated)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def metrics_file(self, vm: Vm) -> Path:
+        return self.run_dir / "metrics" / f"v{self.version}" / f"{vm.vm_id}.jsonl"
+
+
+def assignments(job: Job) -> list[tuple[Vm, WorkerAssignment]]:
+    plan_json = json.dumps(plan_to_dict(job.plan))
+    world = job.plan.num_gpus
+    out = []
+    rank = 0
+    for s, vm in zip(slots(job.plan), job.vms, strict=True):
+        ranks = tuple(range(rank, rank + s.spec.tp))
+        rank += s.spec.tp
+        mf = job.metrics_file(vm)
+        mf.parent.mkdir(parents=True, exist_ok=True)
+        out.append((vm, WorkerAssignment(
+            run_id=job.run_id, plan_version=job.version, plan_json=plan_json, rendezvous_endpoint=job.rendezvous,
+            ranks=ranks, world_size=world, checkpoint_uri=str(job.checkpoint_dir), data_uri=job.data_uri,
+            model=job.plan.model, total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval,
+            seed=job.seed, metrics_uri=str(mf),
+            env={"SAILOR_STAGE": str(s.stage), "SAILOR_REPLICA": str(s.replica)},
+        )))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    step: int  # highest step finished (0: none yet under any version)
+    steps_this_version: int  # steps finished since this version launched
+    loss: float | None
+    recent_iteration_s: float | None  # median of the last few steps of this version
+    first_step_at: float | None  # wall time of the first step under this version
+    iteration_times: tuple[float, ...] = ()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    return rows
+
+
+def read_progress(job: Job, *, warmup_steps: int = 2, window: int = 10) -> Progress:
+    rows_by_step: dict[int, dict[str, Any]] = {}
+    for vm in job.vms:
+        for r in read_metrics(job.metrics_file(vm)):
+            if "step" not in r:
+                continue
+            s = int(r["step"])
+            prev = rows_by_step.get(s, {})
+            merged = {**prev, **{k: v for k, v in r.items() if v is not None}}
+            if prev.get("loss") is not None and r.get("loss") is None:
+                merged["loss"] = prev["loss"]
+            rows_by_step[s] = merged
+    if not rows_by_step:
+        return Progress(step=job.start_step, steps_this_version=0, loss=None, recent_iteration_s=None, first_step_at=None)
+    steps = sorted(rows_by_step)
+    top = steps[-1]
+    times = [float(rows_by_step[s]["iteration_time_s"]) for s in steps if "iteration_time_s" in rows_by_step[s]]
+    steady = times[warmup_steps:] if len(times) > warmup_steps else []
+    loss = next((rows_by_step[s].get("loss") for s in reversed(steps) if rows_by_step[s].get("loss") is not None), None)
+    first_at = rows_by_step[steps[0]].get("time")
+    return Progress(
+        step=max(top, job.start_step),
+        steps_this_version=len(steps),
+        loss=None if loss is None else float(loss),
+        recent_iteration_s=statistics.median(steady[-window:]) if steady else None,
+        first_step_at=float(first_at) if first_at is not None else None,
+        iteration_times=tuple(times),
+    )

@@ -1,0 +1,168 @@
+"""What a person sees of a run in Prefect: events, artifacts and progress.
+
+Contract: `emit(kind, run_id, ...)` sends a Prefect event `sailor.<kind>` about the resource
+`sailor.run.<run_id>` (and records nothing else); the artifact functions publish the plan as a
+table, the throughput-cost frontier as a plot (PNG, inlined) with its table, the event and
+decision timeline, and the cost so far, under keys derived from the run id (Prefect keeps every
+version of a key, so the latest is what the UI shows). `Progress` wraps a progress artifact.
+Nothing here decides anything; failures to publish are logged, never fatal for the run.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+from uuid import UUID
+
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.events import emit_event
+from prefect.logging import get_run_logger
+
+from sailor_core.domain import ParallelPlan
+
+
+def artifact_key(prefix: str, run_id: str) -> str:
+    """Prefect artifact keys: lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{run_id}".lower()).strip("-")[:100]
+
+
+def _logger():
+    try:
+        return get_run_logger()
+    except Exception:  # outside a run (tests calling .fn)
+        import logging
+
+        return logging.getLogger("sailor")
+
+
+def emit(kind: str, run_id: str, payload: Mapping[str, Any] | None = None) -> None:
+    try:
+        emit_event(
+            event=f"sailor.{kind}",
+            resource={"prefect.resource.id": f"sailor.run.{run_id}", "prefect.resource.name": run_id,
+                      "sailor.run_id": run_id},
+            payload=dict(payload or {}),
+        )
+    except Exception as e:  # events are for people and automations; the run goes on without them
+        _logger().warning("could not emit event sailor.%s: %s", kind, e)
+
+
+def plan_rows(plan: ParallelPlan, vms: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    rows = []
+    k = 0
+    for i, st in enumerate(plan.stages):
+        for j, r in enumerate(st.replicas):
+            p = plan.pipelines[j]
+            row = {"stage": i, "layers": f"{st.first_layer}-{st.last_layer}", "replica": j, "gpu_type": r.gpu_type,
+                   "zone": r.zone, "market": r.market.value, "tp": r.tp, "microbatch_size": p.microbatch_size,
+                   "microbatches": p.num_microbatches}
+            if vms is not None and k < len(vms):
+                row["vm"] = vms[k].vm_id
+            rows.append(row)
+            k += 1
+    return rows
+
+
+def publish_plan(run_id: str, version: int, plan: ParallelPlan, estimate: Mapping[str, Any], reason: str) -> None:
+    try:
+        create_table_artifact(
+            key=artifact_key("plan", run_id), table=plan_rows(plan),
+            description=(f"Plan v{version} for {plan.model}, global batch {plan.global_batch_size}: "
+                         f"{estimate.get('iteration_time_s', float('nan')):.3f} s/iteration, "
+                         f"{estimate.get('usd_per_hour', float('nan')):.4f} USD/hour. {reason}"),
+        )
+    except Exception as e:
+        _logger().warning("could not publish the plan artifact: %s", e)
+
+
+def frontier_png(points: Sequence[Mapping[str, Any]], chosen: Mapping[str, Any] | None) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.4), dpi=90)
+    xs = [p["usd_per_iteration"] for p in points]
+    ys = [p["iterations_per_s"] for p in points]
+    ax.plot(xs, ys, "o-", color="#2563eb", label="frontier")
+    if chosen:
+        ax.plot([chosen["usd_per_iteration"]], [chosen["iterations_per_s"]], "*", color="#dc2626", ms=14,
+                label="chosen")
+    ax.set_xlabel("USD per iteration")
+    ax.set_ylabel("iterations per second")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def publish_frontier(run_id: str, version: int, points: Sequence[Mapping[str, Any]],
+                     chosen: Mapping[str, Any] | None) -> None:
+    try:
+        lines = [f"# Throughput-cost frontier (plan v{version})", ""]
+        if points:
+            png = base64.b64encode(frontier_png(points, chosen)).decode()
+            lines += [f"![frontier](data:image/png;base64,{png})", ""]
+        lines += ["| iterations/s | USD/iteration | USD/hour | GPUs | plan |", "|---|---|---|---|---|"]
+        for p in points:
+            lines.append(f"| {p['iterations_per_s']:.4f} | {p['usd_per_iteration']:.6f} | {p['usd_per_hour']:.4f} "
+                         f"| {p['num_gpus']} | {p.get('summary', '')} |")
+        create_markdown_artifact(key=artifact_key("frontier", run_id), markdown="\n".join(lines),
+                                 description="Pareto frontier of throughput against cost, as the simulator scores it")
+    except Exception as e:
+        _logger().warning("could not publish the frontier artifact: %s", e)
+
+
+def publish_timeline(run_id: str, events: Iterable[Mapping[str, Any]], decisions: Iterable[Mapping[str, Any]]) -> None:
+    try:
+        rows = [("event", e["kind"], e["time"], e.get("reason", "")) for e in events]
+        rows += [("decision", d["kind"], d["time"], d.get("reason", "")) for d in decisions]
+        rows.sort(key=lambda r: r[2])
+        lines = ["# Events and decisions", "", "| time (UTC) | what | kind | reason |", "|---|---|---|---|"]
+        for what, kind, t, reason in rows:
+            lines.append(f"| {t[11:23]} | {what} | {kind} | {str(reason).replace('|', '/')} |")
+        create_markdown_artifact(key=artifact_key("timeline", run_id), markdown="\n".join(lines),
+                                 description="What happened in this run and what the flow decided, with reasons")
+    except Exception as e:
+        _logger().warning("could not publish the timeline artifact: %s", e)
+
+
+def publish_cost(run_id: str, cost: Mapping[str, Any]) -> None:
+    try:
+        rows = [{"item": k, "value": v} for k, v in cost.items()]
+        create_table_artifact(key=artifact_key("cost", run_id), table=rows, description="Cost so far")
+    except Exception as e:
+        _logger().warning("could not publish the cost artifact: %s", e)
+
+
+class ProgressBar:
+    def __init__(self, run_id: str, total_steps: int) -> None:
+        self.total = max(1, total_steps)
+        self.id: UUID | None = None
+        self.last = -1.0
+        try:
+            self.id = create_progress_artifact(progress=0.0, key=artifact_key("progress", run_id),
+                                               description=f"training steps done of {total_steps}")
+        except Exception as e:
+            _logger().warning("could not create the progress artifact: %s", e)
+
+    def update(self, step: int) -> None:
+        pct = min(100.0, 100.0 * step / self.total)
+        if self.id is None or pct - self.last < 2.0 and pct < 100.0:
+            return
+        self.last = pct
+        try:
+            update_progress_artifact(self.id, pct)
+        except Exception as e:
+            _logger().warning("could not update progress: %s", e)

@@ -1,0 +1,215 @@
+"""Thin Prefect tasks over infra, profiles_store and sailor_core: one task per outside call.
+
+Contract: every task that touches the outside (provider API, store, worker processes) is here,
+with retries where a retry is safe (reads, idempotent writes, terminate). Provisioning is retried
+only on the provider's own transient errors; a `CapacityError` is not retried (the planner must
+choose again). No task caches (inputs are live objects). The long `monitor` task polls the
+provider and the workers' metrics until the job completes or something needs a decision, emitting
+a Prefect event and a history row for everything it sees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from infra.provider import CapacityError, EventKind, Offering, Provider, ProviderEvent, Vm, VmRequest
+from tasks.history import RunHistory
+from tasks.jobs import Job, Progress, assignments, read_progress
+from tasks.planning import run_planner
+from tasks.reporting import ProgressBar, emit
+
+
+def _no_retry_on_capacity(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except CapacityError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(name="offerings", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE)
+def fetch_offerings(provider: Provider, *, regions: Sequence[str] | None, gpu_types: Sequence[str] | None,
+                    markets: Sequence[str] | None) -> list[Offering]:
+    return provider.offerings(regions=regions, gpu_types=gpu_types, markets=markets)
+
+
+@task(name="provision", retries=2, retry_delay_seconds=2, retry_condition_fn=_no_retry_on_capacity,
+      cache_policy=NO_CACHE)
+def provision(provider: Provider, requests: Sequence[VmRequest], dry_run: bool = False) -> list[Vm]:
+    if not requests:
+        return []
+    return provider.provision(requests, dry_run=dry_run)
+
+
+@task(name="launch-workers", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def launch(provider: Provider, job: Job) -> float:
+    """Bootstrap the worker agent on every VM of the job with its assignment; return the launch time."""
+    for vm, a in assignments(job):
+        provider.bootstrap(vm, a)
+    return time.time()
+
+
+@task(name="stop-workers", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def stop_workers(provider: Provider, vm_ids: Sequence[str]) -> None:
+    """Stop the agents (a notice first, so they can checkpoint) and keep the VMs for reuse."""
+    stop = getattr(provider, "stop_agents", None)
+    if stop is not None:
+        stop(list(vm_ids))
+
+
+@task(name="terminate", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE)
+def terminate(provider: Provider, vm_ids: Sequence[str]) -> None:
+    if vm_ids:
+        provider.terminate(list(vm_ids))
+
+
+@task(name="teardown", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE)
+def teardown(provider: Provider, run_id: str) -> list[str]:
+    """Remove everything tagged with the run; return what was still there."""
+    removed = provider.cleanup(run_id)
+    left = [v.vm_id for v in provider.list_vms(run_id) if v.state in ("running", "preempting")]
+    if left:
+        raise RuntimeError(f"VMs still running after cleanup of run {run_id}: {left}")
+    return removed
+
+
+@task(name="record", retries=3, retry_delay_seconds=[0.5, 1, 2], cache_policy=NO_CACHE)
+def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """One write to the run history (store) with retries."""
+    fn(*args, **kwargs)
+
+
+@task(name="plan", cache_policy=NO_CACHE)
+def make_plan(**kw: Any) -> Any:
+    """The planner over the current pool; NoPlanError (with the nearest miss) when nothing fits."""
+    return run_planner(**kw)
+
+
+@dataclass
+class MonitorOutcome:
+    completed: bool
+    events: list[ProviderEvent] = field(default_factory=list)
+    progress: Progress | None = None
+    calibration: dict[str, Any] | None = None
+    reason: str = ""
+
+
+ACTIONABLE = (EventKind.PREEMPTION, EventKind.LOST, EventKind.PRICE_CHANGE, EventKind.CAPACITY_CHANGE)
+
+
+def event_row(e: ProviderEvent) -> dict[str, Any]:
+    return {"vm_id": e.vm_id, "zone": e.zone, "gpu_type": e.gpu_type,
+            "market": e.market.value if e.market else None, **{k: v for k, v in e.detail.items()}}
+
+
+def event_reason(e: ProviderEvent) -> str:
+    d = e.detail
+    if e.kind == EventKind.PRICE_CHANGE:
+        return (f"{e.gpu_type} {e.market.value if e.market else ''} in {e.zone}: "
+                f"{d.get('old_usd_per_gpu_hour')} -> {d.get('new_usd_per_gpu_hour')} USD/GPU-hour")
+    if e.kind == EventKind.CAPACITY_CHANGE:
+        return f"{e.gpu_type} {e.market.value if e.market else ''} in {e.zone}: {d.get('old_count')} -> {d.get('new_count')}"
+    if e.kind == EventKind.PREEMPTION:
+        return f"VM {e.vm_id} ({e.market.value if e.market else ''}) will be taken back (grace {d.get('grace_s')}s)"
+    return f"VM {e.vm_id}: {d.get('reason', '')}"
+
+
+@task(name="monitor", cache_policy=NO_CACHE)
+def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar, *, seen: set[tuple[str, str, str]],
+            poll_s: float, deadline_at: float | None, tolerance: float, calibrate_after: int,
+            calibrated: bool, stall_timeout_s: float) -> MonitorOutcome:
+    """Watch the job until it completes or something needs a decision; report everything seen."""
+    log = get_run_logger()
+    seen_step = -1
+    last_log = 0.0
+    last_progress_at = time.time()
+    while True:
+        prog = read_progress(job)
+        if prog.step != seen_step:
+            last_progress_at = time.time()
+            bar.update(prog.step)
+            if time.time() - last_log > 5 or prog.step >= job.total_steps:
+                it = f"{prog.recent_iteration_s:.3f}s/it" if prog.recent_iteration_s else "warming up"
+                loss = f"loss {prog.loss:.4f}" if prog.loss is not None else ""
+                log.info("step %d/%d (plan v%d) %s %s", prog.step, job.total_steps, job.version, loss, it)
+                last_log = time.time()
+            seen_step = prog.step
+        if prog.steps_this_version and "first_step_at" not in job.extra:
+            job.extra["first_step_at"] = time.time()
+            if "reconfig_trigger_at" in job.extra:
+                secs = job.extra["first_step_at"] - float(job.extra["reconfig_trigger_at"])
+                job.extra["reconfiguration_s"] = secs
+                trig = ", ".join(job.extra.get("trigger", []))
+                reason = f"plan v{job.version} trained its first step {secs:.1f}s after the {trig} event"
+                payload = {"plan_version": job.version, "reconfiguration_s": secs, "step": prog.step,
+                           "workers": len(job.vms)}
+                history.event(job.run_id, "reconfigured", reason, payload)
+                history.measurement(job.run_id, "reconfiguration", payload, reason)
+                emit("reconfigured", job.run_id, {"reason": reason, **payload})
+                log.info("reconfigured: %s", reason)
+        if prog.step >= job.total_steps:
+            return MonitorOutcome(completed=True, progress=prog)
+        actionable = []
+        job_vms = {v.vm_id for v in job.vms}
+        for e in provider.events(job.run_id):
+            key = (e.kind.value, e.at.isoformat(), e.vm_id)
+            if key in seen:
+                continue
+            seen.add(key)
+            history.event(job.run_id, e.kind.value, event_reason(e), event_row(e), at=e.at)
+            emit(e.kind.value, job.run_id, {"reason": event_reason(e), **event_row(e)})
+            log.info("event %s: %s", e.kind.value, event_reason(e))
+            if e.kind in (EventKind.PREEMPTION, EventKind.LOST) and e.vm_id not in job_vms:
+                continue  # a VM this plan no longer uses
+            if e.kind in ACTIONABLE:
+                actionable.append(e)
+        if actionable:
+            return MonitorOutcome(completed=False, events=actionable, progress=prog)
+        # Online calibration: measured against estimated iteration time, once per plan version.
+        if not calibrated and job.estimate_s > 0 and prog.recent_iteration_s and \
+                len(prog.iteration_times) >= calibrate_after:
+            ratio = prog.recent_iteration_s / job.estimate_s
+            payload = {"plan_version": job.version, "measured_s": prog.recent_iteration_s,
+                       "estimated_s": job.estimate_s, "ratio": ratio, "steps": len(prog.iteration_times)}
+            history.measurement(job.run_id, "iteration_time", payload)
+            reason = f"measured {prog.recent_iteration_s:.4f}s/it vs estimated {job.estimate_s:.4f}s/it (x{ratio:.2f})"
+            if abs(ratio - 1.0) > tolerance:
+                history.event(job.run_id, "iteration_time", reason, payload)
+                emit("iteration_time", job.run_id, {"reason": reason, **payload})
+                log.info("calibration: %s", reason)
+                return MonitorOutcome(completed=False, progress=prog, calibration=payload, reason=reason)
+            calibrated = True
+            job.extra["calibrated"] = True
+        exit_code = getattr(provider, "agent_exit_code", None)
+        if exit_code is not None and job.vms:
+            codes = [exit_code(v.vm_id) for v in job.vms]
+            if all(c == 0 for c in codes):
+                prog = read_progress(job)
+                if prog.step >= job.total_steps:
+                    return MonitorOutcome(completed=True, progress=prog)
+                raise RuntimeError(
+                    f"every worker of plan v{job.version} exited cleanly at step {prog.step} of {job.total_steps}; "
+                    f"to fix: check the worker logs under the run's slots"
+                )
+        if time.time() - last_progress_at > stall_timeout_s:
+            raise RuntimeError(
+                f"no training progress for {stall_timeout_s:.0f}s (step {prog.step} of {job.total_steps}, "
+                f"plan v{job.version}) and no worker was reported lost; to fix: check the worker logs"
+            )
+        if deadline_at is not None and time.time() > deadline_at:
+            raise RuntimeError(f"deadline reached at step {prog.step} of {job.total_steps}")
+        time.sleep(poll_s)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
