@@ -1,0 +1,88 @@
+"""The simulator against the 15 measured GH200 runs, and `sailor simulate` end to end.
+
+Skipped when the published reference data is not next to the repository.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from sailor_cli.main import main as cli_main
+from tests.conftest import REFERENCE_DATA
+
+VALIDATION = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
+pytestmark = pytest.mark.skipif(not VALIDATION.is_dir(), reason="published reference data not present")
+
+
+@pytest.fixture(scope="module")
+def book():  # type: ignore[no-untyped-def]
+    from profiles_store.eth_easl import read_eth_easl
+
+    return read_eth_easl(REFERENCE_DATA).profile_book("OPT-350")
+
+
+def test_error_on_the_measured_runs_meets_the_targets(book) -> None:  # type: ignore[no-untyped-def]
+    from sailor_core.plan_format import load_plan_file
+    from sailor_core.simulator import simulate
+
+    errs = []
+    for f in sorted(glob.glob(str(VALIDATION / "**" / "plan_config_*.json"), recursive=True)):
+        meas = json.load(open(f))
+        r = simulate(load_plan_file(f, fmt="eth-easl", model="OPT-350"), book)
+        errs.append((abs(r.iteration_time_s / meas["real"] - 1), abs(r.peak_memory_bytes / meas["max_mem"] - 1)))
+        assert r.fits_memory
+    assert len(errs) == 15
+    assert sum(e[0] for e in errs) / len(errs) <= 0.06
+    assert sum(e[1] for e in errs) / len(errs) <= 0.05
+    assert max(max(e) for e in errs) <= 0.12
+
+
+def _plan(name: str) -> str:
+    return str(next(iter(sorted(VALIDATION.glob(f"**/plan_config_{name}.json")))))
+
+
+def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(["simulate", _plan("N8_D4"), "--format", "eth-easl", "--model", "OPT-350", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    for k in ("iteration_time_s", "throughput_iterations_per_s", "tokens_per_s", "peak_memory_bytes", "fits_memory",
+              "usd_per_iteration", "breakdown", "per_stage"):
+        assert k in d
+    assert len(d["per_stage"]) == 2 * 4
+    assert d["throughput_iterations_per_s"] == pytest.approx(1 / d["iteration_time_s"])
+
+
+def test_cli_readable_output(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(["simulate", _plan("N4_D1"), "--format", "eth-easl", "--model", "OPT-350"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "iteration time" in out and "peak memory" in out and "GH-96" in out
+
+
+def test_cli_missing_profile_and_invalid_plan(tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]) -> None:
+    d = json.load(open(_plan("N2_D1")))
+    d["mbs"] = 3  # no GH-96 profile at mbs 3
+    f = os.path.join(tmp_path, "p.json")
+    json.dump(d, open(f, "w"))
+    rc = cli_main(["simulate", f, "--format", "eth-easl", "--model", "OPT-350", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "model=OPT-350" in err and "gpu_type=GH-96" in err and "mbs=3" in err and "tp=4" in err
+    assert "sailor profile" in err
+    ours = {
+        "format": "sailor-plan", "version": 1, "model": "OPT-350", "global_batch_size": 64,
+        "stages": [{"layers": [0, 10], "replicas": [{"gpu_type": "GH-96", "gpus_per_node": 4, "zone": "us-central1-a",
+                                                     "tp": 8}]},
+                   {"layers": [12, 25], "replicas": [{"gpu_type": "GH-96", "gpus_per_node": 4, "zone": "us-central1-a",
+                                                      "tp": 4}]}],
+        "pipelines": [{"microbatch_size": 8, "num_microbatches": 4}],
+    }
+    g = os.path.join(tmp_path, "ours.json")
+    json.dump(ours, open(g, "w"))
+    rc = cli_main(["simulate", g])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "stage 1 starts at layer 12" in err and "tp=8 is larger than a node" in err and "global_batch_size is 64" in err
