@@ -1,0 +1,500 @@
+"""The GCP provider: GPU VMs on Compute Engine (standard and SPOT) in several regions.
+
+Contract (the Provider protocol of infra/provider.py):
+- Side effects come in through the constructor: `GceClients` (google-cloud-compute REST clients
+  from google-auth's standard chain; tests point them at a local fake with anonymous
+  credentials), a price source, an event source and a clock.
+- `offerings()` lists, per configured region and zone, the GPU shapes of infra/gcp/machine_types.py
+  whose accelerator the zone has (acceleratorTypes.list), priced per market from the price source;
+  counts come from the region's GPU quotas (regions.get; PREEMPTIBLE_* for spot) where present,
+  else `max_vms_per_offering`. A shape without a price is not offered.
+- `provision()` creates one firewall per run (ingress on the rendezvous and data ports, only from
+  VMs carrying the run's network tag to VMs carrying it) and instances.insert per VM with the
+  image, boot disk, startup script (metadata `startup-script`), attached GPUs for N1, and
+  `scheduling.provisioningModel=SPOT` for spot. Instances and disks carry the label
+  `sailor-run=<run>`; the original run id is in metadata `sailor-run-id`. VM ids are `zone/name`.
+  ZONE_RESOURCE_POOL_EXHAUSTED (and other stockouts) moves the VM to the next zone of its region,
+  then the next configured region, recorded in `fallbacks` and as a CAPACITY_CHANGE event; if a VM
+  fits nowhere the VMs this call created are deleted and CapacityError lists what was tried.
+  `dry_run=True` sends nothing and keeps the exact requests and the hourly cost in `last_dry_run`.
+- `bootstrap()` sets metadata `sailor-assignment`, which the startup script waits for.
+- `events()` reports the zone operation `compute.instances.preempted` (PREEMPTION), instances
+  stopped or gone without our asking (LOST), the event source's notices and price moves.
+- `cleanup(run_id)` deletes the run's labelled instances and its firewall; `None` means every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from infra.bootstrap import GCP_ASSIGNMENT_KEY, assignment_json, render_startup_script
+from infra.catalog import PriceQuote, PriceSource, lookup
+from infra.cloud import (
+    DATA_PORTS,
+    RENDEZVOUS_PORT,
+    ApiCall,
+    DryRunReport,
+    EventLog,
+    EventSource,
+    FallbackRecord,
+    PriceWatch,
+    utcnow,
+)
+from infra.gcp.machine_types import SHAPES, GceShape, smallest_shape
+from infra.provider import (
+    CapacityError,
+    EventKind,
+    Offering,
+    ProviderError,
+    ProviderEvent,
+    Vm,
+    VmRequest,
+    WorkerAssignment,
+)
+from sailor_core.domain import Market, default_region
+
+RUN_LABEL = "sailor-run"
+NAME_LABEL = "sailor-name"
+RUN_ID_KEY = "sailor-run-id"
+STOCKOUT_CODES = ("ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+                  "RESOURCE_POOL_EXHAUSTED", "UNSUPPORTED_OPERATION")
+LIVE = ("PROVISIONING", "STAGING", "RUNNING")
+GONE = ("STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED", "TERMINATED")
+
+
+def gce_name(text: str, max_len: int = 63) -> str:
+    """A valid GCE name or label value: lowercase letters, digits, '-', starting with a letter."""
+    s = re.sub(r"[^a-z0-9-]", "-", text.lower()).strip("-") or "x"
+    if not s[0].isalpha():
+        s = "r" + s
+    if len(s) > max_len:
+        s = s[: max_len - 9].rstrip("-") + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
+    return s
+
+
+class GceClients:
+    """google-cloud-compute REST clients; `endpoint` points them elsewhere (a local fake)."""
+
+    def __init__(self, *, endpoint: str | None = None, credentials: Any = None) -> None:
+        from google.api_core.client_options import ClientOptions  # lazy: gcp extra only
+        from google.cloud import compute_v1
+
+        kw: dict[str, Any] = {"transport": "rest"}
+        if endpoint:
+            kw["client_options"] = ClientOptions(api_endpoint=endpoint)
+            if credentials is None and re.match(r"^http://(127\.0\.0\.1|localhost)[:/]", endpoint):
+                from google.auth.credentials import AnonymousCredentials
+
+                credentials = AnonymousCredentials()
+        if credentials is not None:
+            kw["credentials"] = credentials
+        self.compute_v1 = compute_v1
+        self.instances = compute_v1.InstancesClient(**kw)
+        self.zone_operations = compute_v1.ZoneOperationsClient(**kw)
+        self.zones = compute_v1.ZonesClient(**kw)
+        self.regions = compute_v1.RegionsClient(**kw)
+        self.accelerator_types = compute_v1.AcceleratorTypesClient(**kw)
+        self.firewalls = compute_v1.FirewallsClient(**kw)
+
+
+@dataclass
+class GcpConfig:
+    project: str
+    regions: tuple[str, ...]
+    image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
+    disk_gb: int = 200
+    network: str = "global/networks/default"
+    install_spec: str = "sailor-prefect[gcp]"
+    service_account: str = "default"
+    spot_termination_action: str = "STOP"  # STOP keeps the preempted VM visible until cleanup
+    max_vms_per_offering: int = 4
+    op_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.project:
+            raise ProviderError("gcp provider needs a project; to fix: pass project='my-project'")
+        if not self.regions:
+            raise ProviderError("gcp provider needs at least one region; to fix: pass regions=('us-central1',)")
+        self.regions = tuple(self.regions)
+
+
+def _error_codes(e: BaseException) -> list[str]:
+    codes = [str(getattr(x, "code", "") or (x.get("code", "") if isinstance(x, dict) else "")) for x in
+             (getattr(e, "errors", None) or [])]
+    return [c for c in codes if c] or [c for c in STOCKOUT_CODES if c in str(e)]
+
+
+class GcpProvider:
+    name = "gcp"
+
+    def __init__(
+        self, config: GcpConfig, *, clients: GceClients | None = None, prices: PriceSource,
+        event_source: EventSource | None = None, clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.config = config
+        self._clients = clients
+        self.prices = prices
+        self.event_source = event_source
+        self.clock = clock
+        self.fallbacks: list[FallbackRecord] = []
+        self.last_dry_run: DryRunReport | None = None
+        self._log = EventLog()
+        self._watch = PriceWatch(prices, "gcp")
+        self._zone_accels: dict[str, set[str]] = {}
+        self._zones_of: dict[str, list[str]] = {}
+        self._deleted_by_us: set[str] = set()
+        self._known: dict[str, dict[str, Vm]] = {}
+
+    @property
+    def c(self) -> GceClients:
+        if self._clients is None:
+            self._clients = GceClients()
+        return self._clients
+
+    @property
+    def project(self) -> str:
+        return self.config.project
+
+    # -- discovery -------------------------------------------------------------------------------
+    def _zones(self, region: str) -> list[str]:
+        if not self._zones_of:
+            for z in sorted(z.name for z in self.c.zones.list(project=self.project) if z.status == "UP"):
+                self._zones_of.setdefault(default_region(z), []).append(z)
+        return self._zones_of.get(region, [])
+
+    def _accels(self, zone: str) -> set[str]:
+        if zone not in self._zone_accels:
+            self._zone_accels[zone] = {a.name for a in self.c.accelerator_types.list(project=self.project, zone=zone)}
+        return self._zone_accels[zone]
+
+    def _quotas(self, region: str) -> dict[str, float]:
+        try:
+            reg = self.c.regions.get(project=self.project, region=region)
+        except Exception:  # quotas unreadable: the configured cap applies
+            return {}
+        return {q.metric: q.limit - q.usage for q in reg.quotas}
+
+    def _quotes(self, types: Sequence[str], regions: Sequence[str], markets: Sequence[Market]) -> list[PriceQuote]:
+        qs = self.prices.quotes(instance_types=list(types), regions=list(regions), markets=list(markets))
+        self._watch.remember(qs)
+        return qs
+
+    def _shape(self, r: VmRequest) -> GceShape:
+        if r.instance_type:
+            shape = SHAPES.get(r.instance_type)
+            if shape is None:
+                raise ProviderError(f"{r.name}: unknown GCE shape {r.instance_type!r}; to fix: use one of "
+                                    f"{sorted(SHAPES)}")
+            return shape
+        shape = smallest_shape(r.gpu_type, r.gpus)
+        if shape is None:
+            have = sorted({(s.gpu_type, s.gpus) for s in SHAPES.values() if s.gpu_type == r.gpu_type})
+            raise ProviderError(f"{r.name}: no GCE shape has {r.gpus}x {r.gpu_type}; to fix: ask for one of "
+                                f"{have or sorted({s.gpu_type for s in SHAPES.values()})}")
+        return shape
+
+    # -- Provider protocol -------------------------------------------------------------------------
+    def offerings(
+        self, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
+        markets: Sequence[Market] | None = None,
+    ) -> list[Offering]:
+        regs = [r for r in self.config.regions if not regions or r in regions]
+        mks = [Market.parse(m) for m in markets] if markets else list(Market)
+        shapes = [s for s in SHAPES.values() if not gpu_types or s.gpu_type in gpu_types]
+        if not regs or not shapes:
+            return []
+        quotes = self._quotes([s.instance_type for s in shapes], regs, mks)
+        out = []
+        for region in regs:
+            quotas = self._quotas(region)
+            for zone in self._zones(region):
+                accels = self._accels(zone)
+                for shape in shapes:
+                    if shape.accelerator not in accels:
+                        continue
+                    for m in mks:
+                        q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
+                        if q is None:
+                            continue
+                        metric = shape.quota_metric(m)
+                        gpus = (int(quotas[metric]) // shape.gpus * shape.gpus if metric in quotas
+                                else self.config.max_vms_per_offering * shape.gpus)
+                        if gpus <= 0:
+                            continue
+                        out.append(Offering(
+                            cloud="gcp", region=region, zone=zone, gpu_type=shape.gpu_type, market=m, count=gpus,
+                            gpus_per_node=shape.gpus, usd_per_gpu_hour=q.usd_per_hour / shape.gpus,
+                            instance_type=shape.instance_type, price_fetched_at=q.fetched_at))
+        return out
+
+    def _tag(self, run_id: str) -> str:
+        return gce_name(f"sailor-{run_id}")
+
+    def _firewall_name(self, run_id: str) -> str:
+        return gce_name(f"sailor-{run_id}-ports")
+
+    def _firewall_body(self, run_id: str) -> dict[str, Any]:
+        tag = self._tag(run_id)
+        return {"name": self._firewall_name(run_id), "network": self.config.network, "direction": "INGRESS",
+                "description": f"sailor run {run_id}: rendezvous and data ports between the run's VMs only",
+                "allowed": [{"IPProtocol": "tcp", "ports": [str(RENDEZVOUS_PORT), f"{DATA_PORTS[0]}-{DATA_PORTS[1]}"]}],
+                "sourceTags": [tag], "targetTags": [tag]}
+
+    def _firewall(self, run_id: str) -> None:
+        c = self.c
+        name = self._firewall_name(run_id)
+        try:
+            c.firewalls.get(project=self.project, firewall=name)
+            return
+        except Exception as e:
+            if type(e).__name__ != "NotFound":
+                raise ProviderError(f"cannot read firewall {name}: {e}; to fix: check the project's "
+                                    f"permissions (compute.firewalls.get)") from e
+        fw = c.compute_v1.Firewall.from_json(_json(self._firewall_body(run_id)), ignore_unknown_fields=True)
+        c.firewalls.insert(project=self.project, firewall_resource=fw).result(timeout=self.config.op_timeout_s)
+
+    def _instance_body(self, r: VmRequest, shape: GceShape, zone: str) -> dict[str, Any]:
+        labels = {RUN_LABEL: gce_name(r.run_id), NAME_LABEL: gce_name(r.name), "sailor-managed": "true"}
+        scheduling: dict[str, Any] = {"onHostMaintenance": "TERMINATE", "automaticRestart": False}
+        if r.market is Market.SPOT:
+            scheduling.update(provisioningModel="SPOT",
+                              instanceTerminationAction=self.config.spot_termination_action)
+        else:
+            scheduling["provisioningModel"] = "STANDARD"
+        body: dict[str, Any] = {
+            "name": gce_name(f"sailor-{r.run_id}-{r.name}"),
+            "machineType": f"zones/{zone}/machineTypes/{shape.machine_type}",
+            "labels": labels, "tags": {"items": [self._tag(r.run_id)]},
+            "disks": [{"boot": True, "autoDelete": True, "initializeParams": {
+                "sourceImage": self.config.image, "diskSizeGb": str(self.config.disk_gb), "labels": labels}}],
+            "networkInterfaces": [{"network": self.config.network,
+                                   "accessConfigs": [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]}],
+            "scheduling": scheduling,
+            "metadata": {"items": [
+                {"key": "startup-script", "value": render_startup_script(
+                    cloud="gcp", install_spec=self.config.install_spec, run_id=r.run_id, vm_name=r.name)},
+                {"key": RUN_ID_KEY, "value": r.run_id}, {"key": "sailor-gpu-type", "value": shape.gpu_type}]},
+            "serviceAccounts": [{"email": self.config.service_account,
+                                 "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}],
+        }
+        if shape.attached:
+            body["guestAccelerators"] = [{"acceleratorType": f"zones/{zone}/acceleratorTypes/{shape.accelerator}",
+                                          "acceleratorCount": shape.gpus}]
+        return body
+
+    def _candidates(self, r: VmRequest, shape: GceShape) -> list[str]:
+        region = r.region or default_region(r.zone)
+        out = [r.zone]
+        for reg in [region] + [x for x in self.config.regions if x != region]:
+            if reg in self.config.regions:
+                out += [z for z in self._zones(reg) if z not in out and shape.accelerator in self._accels(z)]
+        return out
+
+    def _price(self, shape: GceShape, zone: str, market: Market) -> float:
+        q = self._watch.last.get((shape.instance_type, zone, market)) or \
+            self._watch.last.get((shape.instance_type, default_region(zone), market))
+        if q is None:
+            try:
+                q = lookup(self._quotes([shape.instance_type], [default_region(zone)], [market]),
+                           instance_type=shape.instance_type, zone=zone, market=market)
+            except Exception:  # a VM is still reported when its price feed is down
+                q = None
+        return q.usd_per_hour if q else 0.0
+
+    def provision(self, requests: Sequence[VmRequest], *, dry_run: bool = False) -> list[Vm]:
+        shapes = {r.name: self._shape(r) for r in requests}
+        for r in requests:
+            region = r.region or default_region(r.zone)
+            if region not in self.config.regions:
+                raise ProviderError(f"{r.name}: region {region} is not among the provider's regions "
+                                    f"{list(self.config.regions)}; to fix: add it to GcpConfig.regions")
+        if dry_run:
+            return self._dry_run(requests, shapes)
+        created: list[Vm] = []
+        try:
+            for run_id in sorted({r.run_id for r in requests}):
+                self._firewall(run_id)
+            for r in requests:
+                created.append(self._launch(r, shapes[r.name]))
+            return created
+        except BaseException:
+            self.terminate([v.vm_id for v in created])
+            raise
+
+    def _dry_run(self, requests: Sequence[VmRequest], shapes: dict[str, GceShape]) -> list[Vm]:
+        calls = [ApiCall(service="compute", location="global", operation="firewalls.insert",
+                         params={"project": self.project, "firewallResource": self._firewall_body(run_id)})
+                 for run_id in sorted({r.run_id for r in requests})]
+        vms = []
+        for r in requests:
+            shape = shapes[r.name]
+            calls.append(ApiCall(service="compute", location=r.zone, operation="instances.insert",
+                                 params={"project": self.project, "zone": r.zone,
+                                         "instanceResource": self._instance_body(r, shape, r.zone)}))
+            vms.append(Vm(vm_id=f"dry-run:{r.name}", run_id=r.run_id, name=r.name, zone=r.zone,
+                          gpu_type=shape.gpu_type, gpus=shape.gpus, market=r.market, state="planned",
+                          usd_per_hour=self._price(shape, r.zone, r.market)))
+        self.last_dry_run = DryRunReport(provider="gcp", calls=tuple(calls), vms=tuple(vms))
+        return vms
+
+    def _launch(self, r: VmRequest, shape: GceShape) -> Vm:
+        c = self.c
+        tried: list[str] = []
+        for zone in self._candidates(r, shape):
+            body = self._instance_body(r, shape, zone)
+            inst = c.compute_v1.Instance.from_json(_json(body), ignore_unknown_fields=True)
+            try:
+                c.instances.insert(project=self.project, zone=zone, instance_resource=inst).result(
+                    timeout=self.config.op_timeout_s)
+            except Exception as e:
+                codes = _error_codes(e)
+                if not any(code in STOCKOUT_CODES for code in codes):
+                    raise ProviderError(f"{r.name}: instances.insert in {zone} failed: {e}; to fix: check the "
+                                        f"project's quotas and the request (see --dry-run)") from e
+                tried.append(f"{zone} ({codes[0]})")
+                continue
+            vm = self._vm(c.instances.get(project=self.project, zone=zone, instance=body["name"]))
+            self._known.setdefault(r.run_id, {})[vm.vm_id] = vm
+            if zone != r.zone:
+                self.fallbacks.append(FallbackRecord(name=r.name, requested_zone=r.zone, zone=zone,
+                                                     reason="; ".join(tried)))
+                self._log.add(r.run_id, [ProviderEvent(
+                    kind=EventKind.CAPACITY_CHANGE, at=self.clock(), vm_id=vm.vm_id, zone=r.zone,
+                    gpu_type=shape.gpu_type, market=r.market,
+                    detail={"signal": "capacity-fallback", "key": r.name, "requested_zone": r.zone, "zone": zone,
+                            "tried": list(tried)})])
+            return vm
+        raise CapacityError(f"{r.name}: no capacity for {shape.instance_type} ({r.market.value}) in any allowed "
+                            f"zone; tried {', '.join(tried)}; to fix: allow more regions or zones, another GPU "
+                            f"type or the other market")
+
+    def _vm(self, inst: Any) -> Vm:
+        zone = inst.zone.rsplit("/", 1)[-1]
+        meta = {i.key: i.value for i in inst.metadata.items}
+        mt = inst.machine_type.rsplit("/", 1)[-1]
+        accs = list(inst.guest_accelerators)
+        itype = f"{mt}+{accs[0].accelerator_type.rsplit('/', 1)[-1]}:{accs[0].accelerator_count}" if accs else mt
+        shape = SHAPES.get(itype)
+        spot = inst.scheduling.provisioning_model == "SPOT"
+        market = Market.SPOT if spot else Market.ON_DEMAND
+        nic = inst.network_interfaces[0] if inst.network_interfaces else None
+        return Vm(vm_id=f"{zone}/{inst.name}", run_id=meta.get(RUN_ID_KEY, inst.labels.get(RUN_LABEL, "")),
+                  name=inst.labels.get(NAME_LABEL, inst.name), zone=zone,
+                  gpu_type=shape.gpu_type if shape else meta.get("sailor-gpu-type", ""),
+                  gpus=shape.gpus if shape else 0, market=market, address=nic.network_i_p if nic else "",
+                  state="running" if inst.status in LIVE else inst.status.lower(),
+                  usd_per_hour=self._price(shape, zone, market) if shape else 0.0)
+
+    def _instance_type(self, vm: Vm, raw: dict[str, Any]) -> str:
+        inst = raw[vm.vm_id]
+        mt = inst.machine_type.rsplit("/", 1)[-1]
+        accs = list(inst.guest_accelerators)
+        return f"{mt}+{accs[0].accelerator_type.rsplit('/', 1)[-1]}:{accs[0].accelerator_count}" if accs else mt
+
+    def _list(self, run_id: str | None) -> dict[str, Any]:
+        flt = f'labels.{RUN_LABEL} = "{gce_name(run_id)}"' if run_id else 'labels.sailor-managed = "true"'
+        out = {}
+        req = self.c.compute_v1.AggregatedListInstancesRequest(project=self.project, filter=flt)
+        for zone_key, scoped in self.c.instances.aggregated_list(request=req):
+            for inst in scoped.instances:
+                out[f"{zone_key.rsplit('/', 1)[-1]}/{inst.name}"] = inst
+        return out
+
+    def bootstrap(self, vm: Vm, assignment: WorkerAssignment) -> None:
+        zone, name = vm.vm_id.split("/", 1)
+        value = assignment_json(assignment)
+        c = self.c
+        try:
+            inst = c.instances.get(project=self.project, zone=zone, instance=name)
+            items = [i for i in inst.metadata.items if i.key != GCP_ASSIGNMENT_KEY]
+            items.append(c.compute_v1.Items(key=GCP_ASSIGNMENT_KEY, value=value))
+            md = c.compute_v1.Metadata(fingerprint=inst.metadata.fingerprint, items=items)
+            c.instances.set_metadata(project=self.project, zone=zone, instance=name,
+                                     metadata_resource=md).result(timeout=self.config.op_timeout_s)
+        except Exception as e:
+            raise ProviderError(f"cannot set the assignment on {vm.vm_id}: {e}; to fix: check that the VM "
+                                f"exists and the caller may call compute.instances.setMetadata") from e
+
+    def list_vms(self, run_id: str | None = None) -> list[Vm]:
+        return [self._vm(i) for i in self._list(run_id).values() if i.status in LIVE]
+
+    def events(self, run_id: str, *, since: datetime | None = None) -> list[ProviderEvent]:
+        now = self.clock()
+        raw = self._list(run_id)
+        vms = {vid: self._vm(i) for vid, i in raw.items()}
+        known = self._known.setdefault(run_id, {})
+        known.update(vms)
+        new: list[ProviderEvent] = []
+        if self.event_source is not None:
+            new += self.event_source.poll(run_id, list(vms.values()), since)
+        by_link = {i.self_link.rsplit("/compute/v1/", 1)[-1]: vid for vid, i in raw.items()}
+        for zone in sorted({vm.zone for vm in known.values()}):
+            ops = self.c.zone_operations.list(request=self.c.compute_v1.ListZoneOperationsRequest(
+                project=self.project, zone=zone, filter='operationType = "compute.instances.preempted"'))
+            for op in ops:
+                target = op.target_link.rsplit("/compute/v1/", 1)[-1]
+                vid = by_link.get(target) or f"{zone}/{target.rsplit('/', 1)[-1]}"
+                vm = known.get(vid)
+                if vm is None:
+                    continue
+                new.append(ProviderEvent(kind=EventKind.PREEMPTION, at=now, vm_id=vid, zone=vm.zone,
+                                         gpu_type=vm.gpu_type, market=vm.market,
+                                         detail={"signal": "instance-preempted", "operation": op.name,
+                                                 "operation_time": op.insert_time}))
+        for vid, vm in known.items():
+            if vid in self._deleted_by_us:
+                continue
+            inst = raw.get(vid)
+            if inst is None or inst.status in GONE:
+                new.append(ProviderEvent(kind=EventKind.LOST, at=now, vm_id=vid, zone=vm.zone, gpu_type=vm.gpu_type,
+                                         market=vm.market, detail={"signal": "instance-state",
+                                                                   "state": inst.status if inst else "DELETED"}))
+        live = [v for v in vms.values() if v.state == "running"]
+        try:
+            new += self._watch.check(live, lambda v: self._instance_type(v, raw))
+        except Exception:  # a price feed being down is not an event; the last prices stay in force
+            pass
+        self._log.add(run_id, new)
+        return self._log.since(run_id, since)
+
+    def terminate(self, vm_ids: Sequence[str]) -> None:
+        c = self.c
+        ops = []
+        for vid in vm_ids:
+            if not vid or vid.startswith("dry-run:") or "/" not in vid:
+                continue
+            zone, name = vid.split("/", 1)
+            self._deleted_by_us.add(vid)
+            try:
+                ops.append(c.instances.delete(project=self.project, zone=zone, instance=name))
+            except Exception as e:
+                if type(e).__name__ != "NotFound":
+                    raise ProviderError(f"cannot delete {vid}: {e}; to fix: rerun `sailor infra cleanup`") from e
+        for op in ops:
+            op.result(timeout=self.config.op_timeout_s)
+
+    def cleanup(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
+        removed = sorted(self._list(run_id))
+        if not dry_run:
+            self.terminate(removed)
+        c = self.c
+        want = self._firewall_name(run_id) if run_id else None
+        for fw in c.firewalls.list(project=self.project):
+            ours = fw.name == want if want else (fw.name.startswith("sailor-") and fw.name.endswith("-ports")
+                                                  and fw.description.startswith("sailor run "))
+            if ours:
+                removed.append(f"firewall/{fw.name}")
+                if not dry_run:
+                    c.firewalls.delete(project=self.project, firewall=fw.name).result(timeout=self.config.op_timeout_s)
+        return removed
+
+
+def _json(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj)
