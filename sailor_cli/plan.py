@@ -1,0 +1,206 @@
+"""`sailor plan`: the best plan for a pool of GPUs, its estimate, the cost/throughput frontier, what-ifs.
+
+Contract: reads the pool file (docs/planner.md) and the model's ProfileBook (the same loader as
+`sailor simulate`, so `sailor simulate` on the written plan gives the same estimate when the pool's
+prices are the store's), runs `sailor_core.planner.plan`, and prints a readable answer, or one
+JSON object with --json: plan, estimate (the keys of `sailor simulate --json`), search_time_s,
+frontier, explanation, nearest_miss, stats and what_if. An infeasible request prints the nearest
+miss and exits 1; user errors are `SailorError`s (one line with the fix, exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from sailor_core.domain import Market, SailorError
+from sailor_core.plan_format import plan_to_dict, save_plan_file
+from sailor_core.planner import (
+    Constraints,
+    Objective,
+    PlanRequest,
+    PlanResult,
+    Restrictions,
+    apply_what_if,
+    load_pool_file,
+    summarize,
+)
+from sailor_core.planner import (
+    plan as run_planner,
+)
+
+
+def _split(values: list[str] | None) -> tuple[str, ...]:
+    out: list[str] = []
+    for v in values or []:
+        out.extend(x.strip() for x in v.split(",") if x.strip())
+    return tuple(out)
+
+
+def plan(
+    pool_file: Annotated[str, typer.Option("--pool", help="pool file (YAML or JSON), see docs/planner.md")],
+    model: Annotated[str, typer.Option("--model", help="model name, e.g. OPT-350")],
+    global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="sequences per iteration")],
+    objective: Annotated[str, typer.Option("--objective", help="max-throughput | min-cost | min-cost-per-token")] = "max-throughput",
+    max_usd_per_iteration: Annotated[float | None, typer.Option("--max-usd-per-iteration")] = None,
+    max_usd_per_hour: Annotated[float | None, typer.Option("--max-usd-per-hour")] = None,
+    min_iterations_per_s: Annotated[float | None, typer.Option("--min-iterations-per-s")] = None,
+    clouds: Annotated[list[str] | None, typer.Option("--cloud", help="only these clouds (repeat or comma-separate)")] = None,
+    regions: Annotated[list[str] | None, typer.Option("--region", help="only these regions")] = None,
+    zones: Annotated[list[str] | None, typer.Option("--zone", help="only these zones")] = None,
+    gpu_types: Annotated[list[str] | None, typer.Option("--gpu-type", help="only these GPU types")] = None,
+    markets: Annotated[list[str] | None, typer.Option("--market", help="only these markets: spot, on-demand")] = None,
+    max_gpus: Annotated[int | None, typer.Option("--max-gpus", help="use at most this many GPUs")] = None,
+    store: Annotated[str | None, typer.Option("--store", help="profile store URI (default: the embedded store)")] = None,
+    out: Annotated[str | None, typer.Option("--out", help="write the plan here (sailor plan format)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    what_if: Annotated[list[str] | None, typer.Option("--what-if", help="re-plan with a change, e.g. '+16 V100-16 in us-west1-b' or 'A100-40 spot price +30%'")] = None,
+    frontier_png: Annotated[str | None, typer.Option("--frontier-png", help="plot the throughput/cost frontier to this PNG")] = None,
+) -> None:
+    """Choose which GPUs to rent, where, and how to split MODEL over them."""
+    from sailor_cli.simulate import load_book
+
+    book = load_book(model, store)
+    if book.model.name != model:
+        raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")
+    pool = load_pool_file(pool_file, book)
+    request = PlanRequest(
+        model=model,
+        global_batch_size=global_batch_size,
+        pool=pool,
+        objective=Objective.parse(objective),
+        constraints=Constraints(
+            max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
+            min_iterations_per_s=min_iterations_per_s,
+        ),
+        restrictions=Restrictions(
+            clouds=_split(clouds), regions=_split(regions), zones=_split(zones), gpu_types=_split(gpu_types),
+            markets=tuple(Market.parse(m) for m in _split(markets)), max_gpus=max_gpus,
+        ),
+    )
+    result = run_planner(request, book)
+    variations = []
+    for change in what_if or []:
+        varied = PlanRequest(
+            model=request.model, global_batch_size=request.global_batch_size,
+            pool=apply_what_if(pool, change, book), objective=request.objective,
+            constraints=request.constraints, restrictions=request.restrictions, options=request.options,
+        )
+        variations.append((change, run_planner(varied, book)))
+    if out and result.plan is not None:
+        save_plan_file(result.plan, out)
+    if frontier_png:
+        _plot(result, frontier_png)
+    if as_json:
+        typer.echo(json.dumps(_to_json(result, variations)))
+    else:
+        _print(result, variations, out, frontier_png)
+    if result.plan is None:
+        raise typer.Exit(1)
+
+
+def _brief(r: PlanResult) -> dict[str, Any]:
+    if r.estimate is None:
+        return {"feasible": False, "nearest_miss": r.nearest_miss}
+    e = r.estimate
+    return {
+        "feasible": True,
+        "summary": summarize(r.plan) if r.plan else "",
+        "iterations_per_s": e.throughput_iterations_per_s,
+        "usd_per_iteration": e.usd_per_iteration,
+        "usd_per_hour": e.usd_per_hour,
+        "num_gpus": e.num_gpus,
+    }
+
+
+def _diff(base: PlanResult, var: PlanResult) -> dict[str, Any]:
+    d = _brief(var)
+    if base.estimate is not None and var.estimate is not None:
+        b, v = base.estimate, var.estimate
+        d["delta_iterations_per_s"] = v.throughput_iterations_per_s - b.throughput_iterations_per_s
+        d["delta_usd_per_iteration"] = v.usd_per_iteration - b.usd_per_iteration
+        d["delta_usd_per_hour"] = v.usd_per_hour - b.usd_per_hour
+        d["delta_num_gpus"] = v.num_gpus - b.num_gpus
+        d["same_plan"] = base.plan == var.plan
+    return d
+
+
+def _to_json(result: PlanResult, variations: list[tuple[str, PlanResult]]) -> dict[str, Any]:
+    return {
+        "feasible": result.plan is not None,
+        "plan": plan_to_dict(result.plan) if result.plan is not None else None,
+        "estimate": result.estimate.to_json() if result.estimate is not None else None,
+        "search_time_s": result.stats.search_time_s,
+        "stats": result.stats.to_json(),
+        "summary": summarize(result.plan) if result.plan is not None else "",
+        "explanation": result.explanation,
+        "nearest_miss": result.nearest_miss,
+        "frontier": [f.to_json() for f in result.frontier],
+        "what_if": [{"change": c, **_diff(result, v)} for c, v in variations],
+    }
+
+
+def _print(result: PlanResult, variations: list[tuple[str, PlanResult]], out: str | None, png: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=None if sys.stdout.isatty() else 140)
+    s = result.stats
+    con.print(f"searched in {s.search_time_s:.2f} s: {s.configurations} splits, {s.assignments} assignments, "
+              f"{s.candidates} plans estimated, {s.simulated} simulated")
+    if result.plan is None:
+        con.print(f"[red]no feasible plan[/red]: {result.nearest_miss}")
+    else:
+        con.print(f"[bold]plan[/bold]: {summarize(result.plan)}")
+        con.print(result.explanation)
+        if result.nearest_miss:
+            con.print(f"[yellow]note[/yellow]: {result.nearest_miss}")
+        if out:
+            con.print(f"written to {out} (check it with: sailor simulate {out})")
+    if result.frontier:
+        t = Table(title="frontier: throughput vs cost (simulated)")
+        for h in ("it/s", "USD/iteration", "USD/hour", "GPUs", "plan"):
+            t.add_column(h)
+        for f in result.frontier:
+            t.add_row(f"{f.iterations_per_s:.4f}", f"{f.usd_per_iteration:.4f}", f"{f.usd_per_hour:.2f}",
+                      str(f.num_gpus), f.summary)
+        con.print(t)
+    if png:
+        con.print(f"frontier plot: {png}")
+    for change, var in variations:
+        d = _diff(result, var)
+        if not d["feasible"]:
+            con.print(f"[bold]what if {change}[/bold]: no feasible plan ({var.nearest_miss})")
+            continue
+        line = f"[bold]what if {change}[/bold]: {d['iterations_per_s']:.4f} it/s, {d['usd_per_iteration']:.4f} USD/it"
+        if "delta_iterations_per_s" in d:
+            line += (f" ({d['delta_iterations_per_s']:+.4f} it/s, {d['delta_usd_per_iteration']:+.4f} USD/it, "
+                     f"{d['delta_num_gpus']:+d} GPUs{', same plan' if d['same_plan'] else ''})")
+        con.print(line)
+        if not d.get("same_plan"):
+            con.print(f"    {d['summary']}")
+
+
+def _plot(result: PlanResult, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [f.usd_per_iteration for f in result.frontier]
+    ys = [f.iterations_per_s for f in result.frontier]
+    ax.plot(xs, ys, "o-", label="frontier")
+    if result.estimate is not None:
+        ax.plot([result.estimate.usd_per_iteration], [result.estimate.throughput_iterations_per_s], "r*",
+                markersize=14, label="chosen")
+    ax.set_xlabel("USD per iteration")
+    ax.set_ylabel("iterations per second")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
