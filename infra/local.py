@@ -8,7 +8,7 @@ Contract (the Provider protocol of infra/provider.py):
   SAILOR_ASSIGNMENT_FILE, SAILOR_HEARTBEAT_FILE and SAILOR_SLOT_DIR in its environment.
 - `events(run_id)` advances the scenario (triggers by the run's highest reported step or by seconds
   since its first VM) and detects lost workers. A scripted preemption sends the agent a notice
-  (SIGTERM), waits its grace period and kills it; a worker is then reported LOST by the same check
+  (SIGUSR1 by default: the runtime checkpoints just in time), waits its grace period and kills it; a worker is then reported LOST by the same check
   that finds a real one: its process exited without finishing (exit status not 0), or it is alive but
   its heartbeat file has not moved for `heartbeat_timeout_s`.
 - `terminate()` stops the agents (SIGTERM, then SIGKILL after `stop_grace_s`) and frees the slots;
@@ -115,6 +115,7 @@ class LocalProvider:
         heartbeat_timeout_s: float = 20.0,
         startup_grace_s: float = 90.0,
         stop_grace_s: float = 10.0,
+        notice_signal: int = signal.SIGUSR1,
         env: dict[str, str] | None = None,
     ) -> None:
         self.root = Path(root)
@@ -124,6 +125,7 @@ class LocalProvider:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.startup_grace_s = startup_grace_s
         self.stop_grace_s = stop_grace_s
+        self.notice_signal = notice_signal
         self.env = dict(env or {})
         self._lock = threading.RLock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -449,7 +451,7 @@ class LocalProvider:
         self._save(target)
         if target["pid"] and _pid_alive(target["pid"]):
             try:
-                os.killpg(target["pid"], signal.SIGTERM)  # the notice: the worker checkpoints if it can
+                os.killpg(target["pid"], self.notice_signal)  # the notice: the runtime checkpoints just in time
             except ProcessLookupError:
                 pass
         detail.update(grace_s=ev.grace_s, vm_seq=target["seq"])

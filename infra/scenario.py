@@ -14,7 +14,7 @@ local provider applies the events (infra/local.py). Format (YAML):
 
 `at_step` counts training steps of the run (the highest step any worker reported); `at_s` counts
 seconds since the run's first VM was provisioned. A preemption sends the VM's worker a notice
-(SIGTERM), waits `grace_s` (default 2), then kills it; the slot's capacity is gone with it.
+(SIGUSR1), waits `grace_s` (default 2), then kills it; the slot's capacity is gone with it.
 """
 
 from __future__ import annotations

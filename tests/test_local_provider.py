@@ -27,6 +27,7 @@ HEARTBEAT_AGENT = textwrap.dedent("""
     mode = sys.argv[1]
     step = 0
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(0 if mode == "obedient" else 3))
+    signal.signal(signal.SIGUSR1, lambda *a: open(hb + ".notice", "w").close())
     while True:
         if mode != "silent":
             with open(hb + ".tmp", "w") as f:
@@ -106,6 +107,7 @@ def test_scripted_preemption_notices_then_kills_and_is_detected_as_lost(tmp_path
             p.bootstrap(vm, assignment(run))
         pre = wait_for(lambda: [e for e in p.events(run) if e.kind == EventKind.PREEMPTION])
         assert pre[0].vm_id == vms[1].vm_id and pre[0].detail["run_step"] >= 5
+        wait_for(lambda: (p.slot_dir(vms[1].vm_id) / "heartbeat.json.notice").exists())  # the notice arrived
         lost = wait_for(lambda: [e for e in p.events(run) if e.kind == EventKind.LOST])
         assert lost[0].vm_id == vms[1].vm_id and "preempted" in lost[0].detail["reason"]
         # The slot is gone: capacity shrank, the survivor still runs.
