@@ -19,7 +19,7 @@ import sys
 
 from profiles_store.eth_easl import read_eth_easl
 from sailor_core.plan_format import load_plan_file
-from sailor_core.simulator import simulate
+from sailor_core.simulator import SimModel, SimOptions, simulate, simulate_valid
 
 DEFAULT_DATA = os.environ.get("SAILOR_REFERENCE_DATA", "/work/shared/reference_data")
 VALIDATION = "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
@@ -33,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-target", type=float, default=6.0)
     ap.add_argument("--mem-target", type=float, default=5.0)
     ap.add_argument("--max-target", type=float, default=12.0)
+    ap.add_argument("--no-smooth", action="store_true", help="ablation: use every profiled point as measured")
     a = ap.parse_args(argv)
     plans_dir = a.plans or os.path.join(a.data, VALIDATION)
     book = read_eth_easl(a.data).profile_book(a.model)
+    sm = SimModel(book, smooth=False)
     files = sorted(glob.glob(os.path.join(plans_dir, "**", "plan_config_*.json"), recursive=True))
     if not files:
         print(f"no plan_config_*.json under {plans_dir}; to fix: pass --data or --plans", file=sys.stderr)
@@ -47,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(f) as fh:
             meas = json.load(fh)
         plan = load_plan_file(f, fmt="eth-easl", model=a.model)
-        r = simulate(plan, book)
+        r = (
+            simulate_valid(plan, sm, schedule=plan.schedule, precision=plan.precision, zero1=plan.zero1,
+                           options=SimOptions())
+            if a.no_smooth
+            else simulate(plan, book)
+        )
         et = 100 * (r.iteration_time_s - meas["real"]) / meas["real"]
         em = 100 * (r.peak_memory_bytes - meas["max_mem"]) / meas["max_mem"]
         rows.append((et, em))

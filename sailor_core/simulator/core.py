@@ -182,9 +182,13 @@ def simulate_valid(
                     flows = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
                     gb = 2 * (dp - 1) / dp * grads * flows / C.BYTES_PER_GB
                     egress_usd += gb * book.egress_usd_per_gb(a.zone, b.zone)
+        # ZeRO-1: each replica steps 1/dp of the optimizer state; the reduce-scatter of gradients plus
+        # the all-gather of updated weights move the same bytes as the all-reduce they replace.
+        shard = dp if zero1 else 1
         opt_s.append(
             [
                 sm.optimizer_time_s(r.gpu_type, plan.pipelines[j].microbatch_size, r.tp, st.first_layer, st.last_layer)
+                / shard
                 for j, r in enumerate(reps)
             ]
         )
