@@ -225,6 +225,9 @@ class StageModel(nn.Module):
         )
         self.has_embedding = first == 0
         self.has_head = last == cfg.num_layers - 1
+        if cfg.tied_head and self.has_embedding and self.has_head:
+            # one parameter for both ends, so its gradient is the sum of both uses
+            self.layers[-1].out.weight = self.layers[0].wte.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -1,0 +1,450 @@
+"""One rank of a heterogeneous PP x DP x TP training job (torch.distributed must be initialised).
+
+Contract:
+- `Trainer(plan, cfg, settings, rank, world_size)` builds this rank's process groups, its stage
+  (layers [first, last] of its stage, sharded for its replica's TP degree, from the deterministic
+  (seed, layer) init or from a checkpoint), its AdamW, and its point-to-point peers.
+- `Trainer.train(until_step)` runs 1F1B (or GPipe) steps. Sample g of step k is global sample
+  `samples_seen + g`; pipeline j takes the contiguous range of the global batch starting at
+  `sample_offset(plan, j)`; each microbatch contributes sum(token CE) / (global tokens), so the
+  gradient is the exact mean over the global batch for any pipelines' microbatch sizes and counts.
+- Gradients are synchronised per stage: replicas with one TP degree all-reduce their shards among
+  equal TP ranks; replicas with different TP degrees each place their shards into one full-layout
+  buffer and all-reduce it over the whole stage, then take their slice back. Gradient clipping uses
+  the global norm of full-layout gradients. Results match a single-process run of the same model.
+- Between stages activations go by isend/recv: receiving TP rank r reads from sending TP rank
+  r mod tp_send; gradients go back from receiving rank t mod tp_recv to sending rank t.
+- Every step ends with one world all-reduce of [loss, grad norm^2, checkpoint flag, stop flag], so a
+  preemption notice (SIGUSR1 or `settings.preempt_file` appearing) on any rank makes every rank take
+  a just-in-time checkpoint at that step, and SIGTERM (or a stop file) checkpoints and stops.
+- Rank 0 reports one metrics record per step through `on_metrics` (and `settings.metrics_out`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sailor_core.domain import ParallelPlan, SailorError
+from sailor_core.models.config import TransformerConfig
+from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext, shard, shard_slice
+from sailor_core.models.torch_model import StageModel, loss_sum
+from sailor_core.runtime import checkpoint as ckpt
+from sailor_core.runtime.data import TokenDataset, load_tokens
+from sailor_core.runtime.topology import layout, ranks_of, sample_offset
+
+
+@dataclass
+class TrainSettings:
+    model: str
+    steps: int
+    seed: int = 0
+    data: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end of the run (and just in time on a notice)
+    resume: bool = False
+    metrics_out: str | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0
+    timeout_s: float = 60.0
+    preempt_file: str | None = None
+    stop_file: str | None = None
+    plan_version: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["betas"] = list(self.betas)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> TrainSettings:
+        d = dict(d)
+        d["betas"] = tuple(d.get("betas", (0.9, 0.95)))
+        return TrainSettings(**d)
+
+
+class _Notices:
+    """Signal-driven flags, installed once per process (handlers only set flags)."""
+
+    checkpoint = False
+    stop = False
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+        try:
+            signal.signal(signal.SIGUSR1, lambda *_: setattr(cls, "checkpoint", True))
+            signal.signal(signal.SIGTERM, lambda *_: setattr(cls, "stop", True))
+            cls.installed = True
+        except ValueError:  # not the main thread (e.g. in a test harness): files still work
+            pass
+
+
+def device_for(gpu_type: str, local_rank: int) -> torch.device:
+    if gpu_type == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+
+
+def backend_for(gpu_type: str) -> str:
+    return "gloo" if gpu_type == "cpu" else "nccl"
+
+
+class Trainer:
+    def __init__(self, plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSettings, rank: int,
+                 world_size: int, *, local_rank: int = 0, dataset: TokenDataset | None = None,
+                 on_metrics: Callable[[dict[str, Any]], None] | None = None, log: Callable[[str], None] | None = None):
+        lay = layout(plan)
+        if world_size != len(lay):
+            raise SailorError(f"the plan needs {len(lay)} ranks but the job has {world_size}")
+        self.plan, self.cfg, self.settings = plan, cfg, settings
+        self.rank, self.world = rank, world_size
+        self.me = lay[rank]
+        self.log = log or (lambda m: None)
+        self.on_metrics = on_metrics
+        self.stage = plan.stages[self.me.stage]
+        self.pipe = plan.pipelines[self.me.pipeline]
+        self.device = device_for(self.me.gpu_type, local_rank)
+        self.bf16 = plan.precision == "bf16"
+        self.comm_dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self._build_groups()
+        self.model = StageModel(cfg, self.stage.first_layer, self.stage.last_layer, self.tp, settings.seed).to(self.device)
+        self._params = list(self.model.named_parameters())
+        decay = [p for _, p in self._params if p.dim() >= 2]
+        no_decay = [p for _, p in self._params if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=settings.lr, betas=settings.betas, eps=1e-8,
+        )
+        self._init_peers()
+        self.data = dataset
+        if self.data is None and (self.model.has_embedding or self.model.has_head):
+            self.data = TokenDataset(load_tokens(settings.data), cfg.sequence_length, settings.seed, cfg.vocab_size)
+        self.storage = ckpt.open_storage(settings.checkpoint_dir) if settings.checkpoint_dir else None
+        self.checkpointer = ckpt.AsyncCheckpointer(self.storage) if self.storage else None
+        self.step = 0
+        self._saved_step = -1
+        self.samples_seen = 0
+        self.opt_steps = 0
+        self.loss_scale = 1.0 / (plan.global_batch_size * cfg.sequence_length)
+        self.history: list[dict[str, Any]] = []
+        _Notices.install()
+
+    # -- process groups and peers --------------------------------------------------------------
+    def _build_groups(self) -> None:
+        """Create every group in one fixed order on every rank (torch requires all ranks to call)."""
+        self.tp = TPContext.single()
+        self.dp_group: Any = None  # all-reduce group for my gradients, None when dp == 1
+        self.hetero = False
+        backend = backend_for(self.me.gpu_type)
+        for s, st in enumerate(self.plan.stages):
+            for j, rep in enumerate(st.replicas):
+                if rep.tp > 1:
+                    ranks = ranks_of(self.plan, s, j)
+                    g = dist.new_group(ranks, backend=backend)
+                    if self.rank in ranks:
+                        self.tp = TPContext(g, ranks.index(self.rank), rep.tp)
+            if len(st.replicas) == 1:
+                continue
+            tps = {r.tp for r in st.replicas}
+            if len(tps) == 1:
+                for t in range(tps.pop()):
+                    ranks = [ranks_of(self.plan, s, j)[t] for j in range(len(st.replicas))]
+                    g = dist.new_group(ranks, backend=backend)
+                    if self.rank in ranks:
+                        self.dp_group = g
+            else:
+                ranks = [r for j in range(len(st.replicas)) for r in ranks_of(self.plan, s, j)]
+                g = dist.new_group(ranks, backend=backend)
+                if self.rank in ranks:
+                    self.dp_group, self.hetero = g, True
+
+    def _init_peers(self) -> None:
+        s, j, t = self.me.stage, self.me.pipeline, self.me.tp_rank
+        tp_me = self.me.tp
+        self.recv_fwd_from = self.send_fwd_to = self.recv_bwd_from = None
+        self.send_bwd_to: list[int] = []
+        self.send_fwd_to_list: list[int] = []
+        if s > 0:
+            prev = ranks_of(self.plan, s - 1, j)
+            self.recv_fwd_from = prev[t % len(prev)]
+            self.send_bwd_to = [prev[u] for u in range(len(prev)) if u % tp_me == t]
+        if s < self.plan.num_stages - 1:
+            nxt = ranks_of(self.plan, s + 1, j)
+            self.send_fwd_to_list = [nxt[r] for r in range(len(nxt)) if r % tp_me == t]
+            self.recv_bwd_from = nxt[t % len(nxt)]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _layer_snapshot(self, li: int, layer: torch.nn.Module) -> dict[str, Any]:
+        params, m1, m2, dims = {}, {}, {}, {}
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            params[name] = p.detach().to("cpu", copy=True)
+            st = self.opt.state.get(p, {})
+            m1[name] = st["exp_avg"].detach().to("cpu", copy=True) if "exp_avg" in st else torch.zeros_like(params[name])
+            m2[name] = st["exp_avg_sq"].detach().to("cpu", copy=True) if "exp_avg_sq" in st else torch.zeros_like(params[name])
+            dims[name] = getattr(p, SHARD_ATTR, None)
+        return {"layer": li, "tp": self.tp.size, "tp_rank": self.tp.rank, "shard_dims": dims,
+                "params": params, "exp_avg": m1, "exp_avg_sq": m2}
+
+    def save_checkpoint(self, *, blocking: bool = False) -> None:
+        if self.checkpointer is None:
+            return
+        if self.me.pipeline == 0 and self._saved_step != self.step:
+            self._saved_step = self.step  # replica 0 of each stage writes its layers; others hold copies
+            states = {li: self._layer_snapshot(li, layer) for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True)}
+            meta = None
+            if self.rank == 0:
+                meta = {"step": self.step, "samples_seen": self.samples_seen, "opt_steps": self.opt_steps,
+                        "model": self.cfg.name, "seed": self.settings.seed, "num_layers": self.cfg.num_layers,
+                        "plan_version": self.settings.plan_version, "time": time.time()}
+            self.checkpointer.save(self.step, states, f"part_s{self.me.stage}_t{self.tp.rank}.json", meta,
+                                   blocking=blocking)
+        if blocking:
+            self.checkpointer.wait()
+            dist.barrier()
+
+    def load_checkpoint(self) -> bool:
+        """Resume from the newest valid checkpoint (rank 0 decides, everyone loads). False if none."""
+        if self.storage is None:
+            return False
+        decision: list[Any] = [None]
+        if self.rank == 0:
+            step = ckpt.latest_valid_step(self.storage, self.cfg.num_layers, self.log)
+            decision = [None if step is None else (step, ckpt.read_meta(self.storage, step))]
+        dist.broadcast_object_list(decision, src=0)
+        if decision[0] is None:
+            return False
+        step, meta = decision[0]
+        if meta.get("model") != self.cfg.name:
+            raise SailorError(f"checkpoint step {step} is of model {meta.get('model')!r}, not {self.cfg.name!r}")
+        opt_steps = int(meta["opt_steps"])
+        with torch.no_grad():
+            for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True):
+                full = ckpt.load_layer_state(self.storage, step, li)
+                for name, p in layer.named_parameters(remove_duplicate=False):
+                    dim = getattr(p, SHARD_ATTR, None)
+                    p.copy_(shard(full["params"][name], dim, self.tp.rank, self.tp.size))
+                    if opt_steps > 0:
+                        self.opt.state[p] = {
+                            "step": torch.tensor(float(opt_steps)),
+                            "exp_avg": shard(full["exp_avg"][name], dim, self.tp.rank, self.tp.size).to(self.device),
+                            "exp_avg_sq": shard(full["exp_avg_sq"][name], dim, self.tp.rank, self.tp.size).to(self.device),
+                        }
+        self.step, self.samples_seen, self.opt_steps = int(meta["step"]), int(meta["samples_seen"]), opt_steps
+        self.log(f"rank {self.rank}: resumed from checkpoint step {step}")
+        return True
+
+    # -- one training step -----------------------------------------------------------------------
+    def _autocast(self) -> Any:
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _samples(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.data is not None
+        first = self.samples_seen + sample_offset(self.plan, self.me.pipeline) + m * self.pipe.microbatch_size
+        x, y = self.data.batch(first, self.pipe.microbatch_size)
+        return x.to(self.device), y.to(self.device)
+
+    def _act_shape(self) -> tuple[int, int, int]:
+        return (self.pipe.microbatch_size, self.cfg.sequence_length, self.cfg.hidden_size)
+
+    def _forward(self, m: int) -> None:
+        if self.model.has_embedding:
+            x, _ = self._samples(m)
+            inp = None
+        else:
+            inp = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
+            dist.recv(inp, src=self.recv_fwd_from)
+            inp.requires_grad_(True)
+            x = inp
+        with self._autocast():
+            out = self.model(x)
+        if self.model.has_head:
+            _, y = self._samples(m)
+            loss = loss_sum(out, y) * self.loss_scale
+            self._loss_acc += loss.detach().float()
+            self._stash[m] = (inp, loss)
+        else:
+            msg = out.detach().to(self.comm_dtype).contiguous()
+            for dst in self.send_fwd_to_list:
+                self._pending.append((dist.isend(msg, dst=dst), msg))
+            self._stash[m] = (inp, out)
+
+    def _backward(self, m: int) -> None:
+        inp, out = self._stash.pop(m)
+        if self.model.has_head:
+            out.backward()
+        else:
+            g = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
+            dist.recv(g, src=self.recv_bwd_from)
+            torch.autograd.backward(out, g.to(out.dtype))
+        if inp is not None and self.send_bwd_to:
+            grad = inp.grad.to(self.comm_dtype).contiguous()
+            for dst in self.send_bwd_to:
+                self._pending.append((dist.isend(grad, dst=dst), grad))
+
+    def _schedule(self) -> None:
+        n, s, S = self.pipe.num_microbatches, self.me.stage, self.plan.num_stages
+        if self.plan.schedule == "gpipe":
+            for m in range(n):
+                self._forward(m)
+            for m in range(n):
+                self._backward(m)
+            return
+        warmup = min(S - s - 1, n)
+        for m in range(warmup):
+            self._forward(m)
+        for i in range(n - warmup):
+            self._forward(warmup + i)
+            self._backward(i)
+        for m in range(n - warmup, n):
+            self._backward(m)
+
+    def _sync_grads(self) -> None:
+        for _, p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.dp_group is None:
+            return
+        if not self.hetero:
+            flat = torch.cat([p.grad.reshape(-1) for _, p in self._params])
+            dist.all_reduce(flat, group=self.dp_group)
+            off = 0
+            for _, p in self._params:
+                n = p.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p))
+                off += n
+            return
+        # Replicas shard differently: meet in the full layout. Each replica's TP ranks together
+        # cover every full tensor exactly once (replicated tensors: TP rank 0 only).
+        views, total = [], 0
+        for _, p in self._params:
+            dim = getattr(p, SHARD_ATTR, None)
+            full_shape = list(p.shape)
+            if dim is not None:
+                full_shape[dim] *= self.tp.size
+            n = math.prod(full_shape)
+            views.append((p, dim, tuple(full_shape), total, n))
+            total += n
+        flat = torch.zeros(total, dtype=torch.float32, device=self.device)
+        for p, dim, shape, off, n in views:
+            if dim is None and self.tp.rank != 0:
+                continue
+            flat[off:off + n].view(shape)[shard_slice(shape, dim, self.tp.rank, self.tp.size)] = p.grad
+        dist.all_reduce(flat, group=self.dp_group)
+        for p, dim, shape, off, n in views:
+            p.grad.copy_(flat[off:off + n].view(shape)[shard_slice(shape, dim, self.tp.rank, self.tp.size)])
+
+    def _grad_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the global squared norm: pipeline 0 only, replicated tensors once per TP group."""
+        acc = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.me.pipeline != 0:
+            return acc
+        for _, p in self._params:
+            if getattr(p, SHARD_ATTR, None) is None and self.tp.rank != 0:
+                continue
+            acc += p.grad.float().pow(2).sum()
+        return acc
+
+    def _notice_flags(self) -> tuple[float, float]:
+        s = self.settings
+        jit = _Notices.checkpoint or bool(s.preempt_file and os.path.exists(s.preempt_file))
+        stop = _Notices.stop or bool(s.stop_file and os.path.exists(s.stop_file))
+        _Notices.checkpoint = False
+        return float(jit), float(stop)
+
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        self._stash: dict[int, Any] = {}
+        self._pending: list[Any] = []
+        self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._schedule()
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        self._sync_grads()
+        head_reporter = self.model.has_head and self.tp.rank == 0
+        jit, stop = self._notice_flags()
+        red = torch.stack([
+            self._loss_acc if head_reporter else torch.zeros((), device=self.device),
+            self._grad_sq_norm(),
+            torch.tensor(jit, device=self.device),
+            torch.tensor(stop, device=self.device),
+        ])
+        dist.all_reduce(red)
+        loss, sq, jit_any, stop_any = red.tolist()
+        norm = math.sqrt(max(sq, 0.0))
+        if self.settings.max_grad_norm > 0 and norm > self.settings.max_grad_norm:
+            coef = self.settings.max_grad_norm / (norm + 1e-6)
+            for _, p in self._params:
+                p.grad.mul_(coef)
+        self.opt.step()
+        self.opt_steps += 1
+        self.step += 1
+        self.samples_seen += self.plan.global_batch_size
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step, "loss": loss, "samples": self.plan.global_batch_size,
+               "samples_seen": self.samples_seen, "iteration_time_s": dt, "grad_norm": norm,
+               "tokens_per_s": self.plan.global_batch_size * self.cfg.sequence_length / dt,
+               "memory_bytes": peak_memory_bytes(self.device), "plan_version": self.settings.plan_version,
+               "world_size": self.world, "time": time.time()}
+        rec["_jit"], rec["_stop"] = jit_any > 0, stop_any > 0
+        return rec
+
+    def _emit(self, rec: dict[str, Any]) -> None:
+        clean = {k: v for k, v in rec.items() if not k.startswith("_")}
+        self.history.append(clean)
+        if self.rank != 0:
+            return
+        if self.settings.metrics_out:
+            with open(self.settings.metrics_out, "a") as f:
+                f.write(json.dumps(clean) + "\n")
+        if self.on_metrics:
+            self.on_metrics(clean)
+
+    def train(self, until_step: int | None = None) -> str:
+        """Train to `until_step` (default settings.steps). Returns 'done' or 'stopped'."""
+        until = self.settings.steps if until_step is None else until_step
+        every = self.settings.checkpoint_every
+        while self.step < until:
+            rec = self.train_step()
+            self._emit(rec)
+            if rec["_jit"] or rec["_stop"]:
+                self.log(f"rank {self.rank}: just-in-time checkpoint at step {self.step}")
+                self.save_checkpoint(blocking=True)
+                if rec["_stop"]:
+                    return "stopped"
+            elif every and self.step % every == 0:
+                self.save_checkpoint()
+        if self.checkpointer is not None:
+            self.save_checkpoint(blocking=True)
+        return "done"
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            with contextlib.suppress(SailorError):
+                self.checkpointer.wait()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

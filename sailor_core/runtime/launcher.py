@@ -1,0 +1,231 @@
+"""Local launcher and controller: start a plan's workers on this machine and keep the job alive.
+
+Contract:
+- `run_local(plan, cfg, settings, slots=...)` rejects a plan the runtime cannot run before any
+  process starts (topology.check_runnable), hosts a TCPStore, starts one worker process per rank
+  (`python -m sailor_core.runtime.worker_proc`, OMP_NUM_THREADS=1 each), and hands out generation
+  0. It returns a `RunResult` when every worker reports done, or raises SailorError with the
+  failing worker's reason and log tail.
+- When a worker dies and `settings.checkpoint_dir` is set, the controller derives a smaller plan
+  with `replan` (default `shrink_plan`: drop the pipelines that lost a worker, or re-split the
+  layers over the survivors when none is left whole) and starts the next generation on the
+  surviving processes, which resume from the newest valid checkpoint; only the steps since that
+  checkpoint are repeated. Without a checkpoint directory a lost worker fails the job.
+- A lost worker never hangs the job: survivors' collectives fail (peer gone) or time out
+  (`settings.timeout_s`), and the controller fails the job if a generation makes no progress.
+- SIGTERM/SIGINT to the launcher are forwarded to the workers (they checkpoint and stop); every
+  worker is reaped in a `finally`. `on_event(dict)` receives started / reconfigured / finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+from sailor_core.domain import ParallelPlan, PipelineBatch, SailorError, Stage, ValidationError, split_batch
+from sailor_core.models.config import TransformerConfig
+from sailor_core.plan_format import plan_to_dict
+from sailor_core.runtime.engine import TrainSettings
+from sailor_core.runtime.topology import check_runnable, layout
+
+DEFAULT_LOCAL_SLOTS = 16  # processes this machine will host for one job, whatever its core count
+
+
+@dataclass
+class RunResult:
+    status: str
+    generations: int
+    plans: list[ParallelPlan]
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def shrink_plan(plan: ParallelPlan, lost_ranks: set[int], survivors: int) -> ParallelPlan:
+    """A plan for the survivors with the same global batch (see module contract)."""
+    lay = layout(plan)
+    lost_pipes = {lay[r].pipeline for r in lost_ranks}
+    keep = [j for j in range(plan.data_parallel) if j not in lost_pipes]
+    if keep:
+        stages = tuple(replace(st, replicas=tuple(st.replicas[j] for j in keep)) for st in plan.stages)
+        try:
+            pipes = split_batch(plan.global_batch_size, [plan.pipelines[j].microbatch_size for j in keep])
+            return replace(plan, stages=stages, pipelines=pipes)
+        except ValidationError:
+            pass
+    rep = plan.stages[0].replicas[0]
+    num_layers = plan.stages[-1].last_layer + 1
+    n = max(1, min(survivors, num_layers))
+    bounds = [round(i * num_layers / n) for i in range(n + 1)]
+    one = replace(rep, tp=1)
+    stages = tuple(Stage(first_layer=bounds[i], last_layer=bounds[i + 1] - 1, replicas=(one,)) for i in range(n))
+    mbs = plan.pipelines[0].microbatch_size
+    if plan.global_batch_size % mbs:
+        mbs = 1
+    return replace(plan, stages=stages,
+                   pipelines=(PipelineBatch(microbatch_size=mbs, num_microbatches=plan.global_batch_size // mbs),))
+
+
+class _Worker:
+    def __init__(self, wid: int, proc: subprocess.Popen[bytes], log_path: str):
+        self.wid, self.proc, self.log_path = wid, proc, log_path
+
+    def tail(self, n: int = 6) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = [ln.rstrip() for ln in f if ln.strip()]
+        except OSError:
+            return ""
+        return " | ".join(lines[-n:])
+
+
+def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSettings, *,
+              slots: int | None = None, replan: Callable[[ParallelPlan, set[int], int], ParallelPlan] = shrink_plan,
+              on_event: Callable[[dict[str, Any]], None] | None = None, run_dir: str | None = None,
+              max_generations: int = 4, python: str = sys.executable) -> RunResult:
+    from torch.distributed import TCPStore  # torch only once the plan is known to be runnable
+
+    slots = slots or int(os.environ.get("SAILOR_LOCAL_SLOTS", DEFAULT_LOCAL_SLOTS))
+    check_runnable(plan, cfg, slots=slots)
+    run_dir = run_dir or tempfile.mkdtemp(prefix="sailor-run-")
+    os.makedirs(run_dir, exist_ok=True)
+    events: list[dict[str, Any]] = []
+
+    def emit(ev: dict[str, Any]) -> None:
+        ev = {"time": time.time(), **ev}
+        events.append(ev)
+        if on_event:
+            on_event(ev)
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("SAILOR_WORKER_THREADS", "1"),
+               SAILOR_CONTROL=f"127.0.0.1:{store.port}", PYTHONUNBUFFERED="1")
+    workers: dict[int, _Worker] = {}
+    stopping = threading.Event()
+    prev_handlers: dict[int, Any] = {}
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.set()
+        for w in workers.values():
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.send_signal(signal.SIGTERM)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            prev_handlers[sig] = signal.signal(sig, forward)
+    try:
+        for wid in range(plan.num_gpus):
+            log_path = os.path.join(run_dir, f"worker-{wid}.log")
+            logf = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+            proc = subprocess.Popen([python, "-m", "sailor_core.runtime.worker_proc", "--worker-id", str(wid)],
+                                    env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            logf.close()
+            workers[wid] = _Worker(wid, proc, log_path)
+        emit({"event": "started", "plan_version": 0, "pids": {w: x.proc.pid for w, x in workers.items()},
+              "world_size": plan.num_gpus})
+        plans = [plan]
+        gen, current, resume = 0, plan, settings.resume
+        while True:
+            members = _assign(store, gen, current, settings, sorted(workers), resume, version=gen)
+            outcome, lost, reason = _watch(store, gen, members, workers, settings, stopping)
+            if outcome in ("done", "stopped"):
+                _release(store, gen + 1, workers, members)
+                emit({"event": "finished", "status": outcome, "plan_version": gen})
+                return RunResult(outcome, gen + 1, plans, events)
+            if not lost or settings.checkpoint_dir is None or gen + 1 >= max_generations or stopping.is_set():
+                hint = "" if settings.checkpoint_dir else " (without --checkpoint-dir the job cannot resume)"
+                raise SailorError(f"training failed in plan version {gen}: {reason}{hint}")
+            lost_ranks = {members.index(w) for w in lost}
+            for w in lost:
+                workers.pop(w, None)
+            survivors = len(workers)
+            current = replan(current, lost_ranks, survivors)
+            check_runnable(current, cfg, slots=survivors)
+            gen += 1
+            plans.append(current)
+            resume = True
+            emit({"event": "reconfigured", "plan_version": gen, "lost_workers": sorted(lost),
+                  "world_size": current.num_gpus, "plan": plan_to_dict(current)})
+    finally:
+        _reap(workers)
+        for sig, h in prev_handlers.items():
+            signal.signal(sig, h)
+
+
+def _assign(store: Any, gen: int, plan: ParallelPlan, settings: TrainSettings, worker_ids: list[int],
+            resume: bool, version: int) -> list[int]:
+    """Give ranks 0..n-1 to the first n workers, and 'exit' to any left over. Returns members by rank."""
+    n = plan.num_gpus
+    members = worker_ids[:n]
+    s = replace(settings, plan_version=version).to_dict()
+    for rank, wid in enumerate(members):
+        store.set(f"g{gen}/assign/{wid}", json.dumps(
+            {"rank": rank, "world_size": n, "plan": plan_to_dict(plan), "settings": s, "resume": resume}))
+    for wid in worker_ids[n:]:
+        store.set(f"g{gen}/assign/{wid}", json.dumps({"rank": -1}))
+    return members
+
+
+def _release(store: Any, gen: int, workers: dict[int, _Worker], members: list[int]) -> None:
+    for wid in workers:
+        if wid not in members:
+            continue
+        with contextlib.suppress(Exception):
+            store.set(f"g{gen}/assign/{wid}", json.dumps({"rank": -1}))
+
+
+def _watch(store: Any, gen: int, members: list[int], workers: dict[int, _Worker], settings: TrainSettings,
+           stopping: threading.Event) -> tuple[str, list[int], str]:
+    """Wait until every member reports, or one dies. Returns (outcome, lost worker ids, reason)."""
+    statuses: dict[int, str] = {}
+    lost: list[int] = []
+    failed_at: float | None = None
+    while True:
+        for wid in members:
+            if wid in statuses:
+                continue
+            key = f"g{gen}/status/{wid}"
+            if store.check([key]):
+                statuses[wid] = store.get(key).decode()
+            elif workers[wid].proc.poll() is not None and wid not in lost:
+                if store.check([key]):  # it reported just before exiting
+                    statuses[wid] = store.get(key).decode()
+                    continue
+                lost.append(wid)
+                failed_at = failed_at or time.monotonic()
+        if len(statuses) + len(lost) == len(members):
+            break
+        if lost and failed_at is not None and time.monotonic() - failed_at > settings.timeout_s + 30:
+            break  # survivors did not notice within their timeout: give up on them as well
+        time.sleep(0.02)
+    if not lost and all(s in ("done", "stopped") for s in statuses.values()):
+        return ("stopped" if "stopped" in statuses.values() else "done"), [], ""
+    reasons = [f"worker {w} exited with code {workers[w].proc.returncode}: {workers[w].tail()}" for w in lost]
+    reasons += [f"worker {w}: {s}" for w, s in statuses.items() if s not in ("done", "stopped")]
+    # a worker that failed without its peer dying is a bug or a bad setting, not a lost VM
+    return "failed", lost, "; ".join(reasons) or "unknown failure"
+
+
+def _reap(workers: dict[int, _Worker]) -> None:
+    for w in workers.values():
+        if w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for w in workers.values():
+        try:
+            w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+            w.proc.wait()

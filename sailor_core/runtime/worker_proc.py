@@ -1,0 +1,142 @@
+"""A training worker process: one rank per generation, surviving plan changes without restarting.
+
+Contract (`python -m sailor_core.runtime.worker_proc`):
+- Controlled mode (`--control HOST:PORT --worker-id W`, or env SAILOR_CONTROL / SAILOR_WORKER_ID):
+  the controller hosts a torch TCPStore. For generation g = 0, 1, ... the worker waits for key
+  `g{g}/assign/{W}` (JSON: rank, world_size, plan, settings, resume; rank -1 means "exit"), joins
+  a fresh process group through the store under prefix `g{g}/pg`, trains, and sets
+  `g{g}/status/{W}` to `done`, `stopped` or `failed: <reason>`. After a failure (a peer died, a
+  timeout) it drops its process group and waits for generation g+1 in the same process, keeping
+  torch imported and the dataset in memory, so a reconfiguration costs a rendezvous and a
+  checkpoint load, not a cold start.
+- torchrun mode (`--assignment FILE`, with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT): one
+  generation from a JSON file {plan, settings, resume}.
+Heartbeats: in controlled mode the worker sets `hb/{W}` to the current time every few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from sailor_core.models.config import get_config
+from sailor_core.plan_format import plan_from_dict
+from sailor_core.runtime.data import TokenDataset, load_tokens
+from sailor_core.runtime.engine import Trainer, TrainSettings, backend_for
+from sailor_core.runtime.topology import layout
+
+HEARTBEAT_S = 2.0
+
+
+def _log(msg: str) -> None:
+    print(f"[sailor-worker {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+class _DataCache:
+    """Corpus tokens kept across generations (reading and tokenising is part of a cold start)."""
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._ds: TokenDataset | None = None
+
+    def get(self, settings: TrainSettings, seq_len: int, vocab: int) -> TokenDataset:
+        key = (settings.data, seq_len, settings.seed, vocab)
+        if self._key != key:
+            self._ds = TokenDataset(load_tokens(settings.data), seq_len, settings.seed, vocab)
+            self._key = key
+        assert self._ds is not None
+        return self._ds
+
+
+def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[str, Any], local_rank: int = 0) -> str:
+    """Join the process group described by `init`, train, and return 'done' or 'stopped'."""
+    plan = plan_from_dict(assignment["plan"])
+    settings = TrainSettings.from_dict(assignment["settings"])
+    cfg = get_config(settings.model)
+    rank, world = int(assignment["rank"]), int(assignment["world_size"])
+    me = layout(plan)[rank]
+    dist.init_process_group(backend_for(me.gpu_type), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=settings.timeout_s), **init)
+    trainer = None
+    try:
+        ds = data.get(settings, cfg.sequence_length, cfg.vocab_size)
+        trainer = Trainer(plan, cfg, settings, rank, world, local_rank=local_rank, dataset=ds, log=_log)
+        if assignment.get("resume"):
+            trainer.load_checkpoint()
+        return trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def controlled(control: str, worker_id: str) -> int:
+    from torch.distributed import PrefixStore, TCPStore
+
+    host, port = control.rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=600))
+    stop_hb = threading.Event()
+
+    def heartbeat() -> None:
+        hb_store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+        while not stop_hb.wait(HEARTBEAT_S):
+            with contextlib.suppress(Exception):
+                hb_store.set(f"hb/{worker_id}", str(time.time()))
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    data = _DataCache()
+    gen = 0
+    try:
+        while True:
+            try:
+                raw = store.get(f"g{gen}/assign/{worker_id}")
+            except Exception as e:  # noqa: BLE001 - the controller went away or took too long
+                _log(f"no assignment for generation {gen}: {e}")
+                return 1
+            a = json.loads(raw)
+            if int(a["rank"]) < 0:
+                return 0
+            try:
+                status = run_generation(a, data=data, init={"store": PrefixStore(f"g{gen}/pg", store)})
+            except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
+                status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                _log(f"generation {gen} {status}")
+            store.set(f"g{gen}/status/{worker_id}", status)
+            if status in ("done", "stopped"):
+                return 0
+            gen += 1
+    finally:
+        stop_hb.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--control", default=os.environ.get("SAILOR_CONTROL"))
+    ap.add_argument("--worker-id", default=os.environ.get("SAILOR_WORKER_ID"))
+    ap.add_argument("--assignment", help="JSON file {plan, settings, resume} for a torchrun launch")
+    a = ap.parse_args(argv)
+    if a.assignment:
+        with open(a.assignment) as f:
+            spec = json.load(f)
+        spec["rank"] = int(os.environ["RANK"])
+        spec["world_size"] = int(os.environ["WORLD_SIZE"])
+        status = run_generation(spec, data=_DataCache(), init={"init_method": "env://"},
+                                local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        return 0 if status in ("done", "stopped") else 1
+    if not (a.control and a.worker_id is not None):
+        ap.error("pass --control HOST:PORT and --worker-id, or --assignment FILE under torchrun")
+    return controlled(a.control, str(a.worker_id))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
