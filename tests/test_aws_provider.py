@@ -249,14 +249,15 @@ def test_cleanup_finds_and_removes_everything_a_run_left(env) -> None:
     provider.provision([req("w0", "us-east-1a", run="gone"), req("w1", "us-west-2b", run="gone")])
     # A second process (the CLI) sees the run's resources by their tags alone.
     fresh = AwsProvider(provider.config, client_for=client_for, prices=provider.prices)
-    planned = fresh.cleanup("gone", dry_run=True)
+    planned = fresh.cleanup_resources("gone", dry_run=True)
     assert len([x for x in planned if x.startswith("i-")]) == 2 and len([x for x in planned if x.startswith("sg-")]) == 2
     assert len(running(client_for, "us-east-1")) == 2  # dry run removed nothing
-    removed = fresh.cleanup("gone")
+    assert fresh.cleanup("gone", dry_run=True) == [x for x in planned if x.startswith("i-")]
+    removed = fresh.cleanup_resources("gone")
     assert sorted(removed) == sorted(planned)
     assert fresh.list_vms("gone") == [] and len(fresh.list_vms("keep")) == 2
     assert [g["GroupName"] for g in sailor_groups(client_for, "us-west-2")] == ["sailor-keep"]
-    fresh.cleanup(None)
+    assert len(fresh.cleanup(None)) == 2
     for region in REGIONS:
         assert running(client_for, region) == [] and sailor_groups(client_for, region) == []
     assert fresh.cleanup(None) == []  # idempotent

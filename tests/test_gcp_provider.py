@@ -194,10 +194,11 @@ def test_cleanup_removes_a_runs_instances_and_firewall_only(env, clients) -> Non
     provider.provision([req("w0", "us-central1-b", run="gone"), req("w1", "europe-west4-b", run="gone")])
     fake.preempt("us-central1-b", "sailor-gone-w0")  # a stopped spot VM still counts as left behind
     fresh = GcpProvider(provider.config, clients=clients, prices=provider.prices)
-    planned = fresh.cleanup("gone", dry_run=True)
+    planned = fresh.cleanup_resources("gone", dry_run=True)
     assert planned == ["europe-west4-b/sailor-gone-w1", "us-central1-b/sailor-gone-w0", "firewall/sailor-gone-ports"]
     assert len(fake.instances) == 4
-    assert fresh.cleanup("gone") == planned
+    assert fresh.cleanup("gone", dry_run=True) == planned[:2]
+    assert fresh.cleanup_resources("gone") == planned
     assert sorted(n for _, n in fake.instances) == ["sailor-keep-w0", "sailor-keep-w1"]
     assert list(fake.firewalls) == ["sailor-keep-ports"]
     fresh.cleanup(None)

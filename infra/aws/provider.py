@@ -59,7 +59,10 @@ from infra.provider import (
 from sailor_core.domain import Market, default_region
 
 CAPACITY_CODES = frozenset({"InsufficientInstanceCapacity", "InsufficientCapacity", "InsufficientHostCapacity",
-                            "Unsupported", "InsufficientCapacityOnHost", "SpotMaxPriceTooLow"})
+                            "Unsupported", "InsufficientCapacityOnHost", "SpotMaxPriceTooLow",
+                            # quotas are per region: the next region may still have room
+                            "VcpuLimitExceeded", "MaxSpotInstanceCountExceeded", "InstanceLimitExceeded",
+                            "SailorCapReached"})
 LIVE_STATES = ("pending", "running")
 GONE_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 NAME_TAG = "sailor:name"
@@ -98,7 +101,8 @@ class AwsConfig:
     disk_gb: int = 200
     install_spec: str = "sailor-prefect[aws]"
     instance_profile: str = ""  # name of an instance profile that allows SSM and the store bucket
-    max_vms_per_offering: int = 4
+    zones: tuple[str, ...] = ()  # allowed zones (empty: every zone of the regions)
+    max_vms_per_offering: int = 4  # cap per (zone, type, market) where no quota is readable
     wait_delay_s: float = 5.0
     wait_attempts: int = 120
 
@@ -142,19 +146,41 @@ class AwsProvider:
             )
             for page in pages:
                 for o in page.get("InstanceTypeOfferings", []):
-                    out.setdefault(o["InstanceType"], set()).add(o["Location"])
+                    if not self.config.zones or o["Location"] in self.config.zones:
+                        out.setdefault(o["InstanceType"], set()).add(o["Location"])
             self._zone_types[region] = out
         return self._zone_types[region]
 
-    def _quota_vms(self, region: str, shape: InstanceShape, market: Market) -> int:
+    def _quota_vcpus(self, region: str, shape: InstanceShape, market: Market) -> float | None:
+        """The region's vCPU quota for the shape's class and market, None where unreadable."""
         code = QUOTA_CODES.get((shape.quota_class, market))
         if code:
             try:
                 q = self._client_for("service-quotas", region).get_service_quota(ServiceCode="ec2", QuotaCode=code)
-                return int(float(q["Quota"]["Value"]) // shape.vcpus)
-            except Exception:  # quotas unreadable (no permission, not served): fall back to the configured cap
-                pass
-        return self.config.max_vms_per_offering
+                return float(q["Quota"]["Value"])
+            except Exception:  # no permission, or not served: fall back to the configured cap
+                return None
+        return None
+
+    def _in_use(self, region: str) -> list[tuple[str, str, Market]]:
+        """(zone, instance type, market) of every live sailor VM in the region, any run."""
+        out = []
+        for _, i in self._describe(None, [region]):
+            if i["State"]["Name"] in LIVE_STATES:
+                m = Market.SPOT if i.get("InstanceLifecycle") == "spot" else Market.ON_DEMAND
+                out.append((i["Placement"]["AvailabilityZone"], i["InstanceType"], m))
+        return out
+
+    def _free_vms(self, zone: str, shape: InstanceShape, market: Market,
+                  in_use: list[tuple[str, str, Market]]) -> int:
+        """VMs of this shape still allowed here: quota minus our own VMs of that class, else the cap."""
+        quota = self._quota_vcpus(default_region(zone), shape, market)
+        if quota is not None:
+            used = sum(SHAPES[t].vcpus for _, t, m in in_use
+                       if m is market and t in SHAPES and SHAPES[t].quota_class == shape.quota_class)
+            return max(0, int((quota - used) // shape.vcpus))
+        used_here = sum(1 for z, t, m in in_use if z == zone and t == shape.instance_type and m is market)
+        return max(0, self.config.max_vms_per_offering - used_here)
 
     def _quotes(self, shapes: Sequence[str], regions: Sequence[str], markets: Sequence[Market]) -> list[PriceQuote]:
         qs = self.prices.quotes(instance_types=list(shapes), regions=list(regions), markets=list(markets))
@@ -189,13 +215,14 @@ class AwsProvider:
         out = []
         for region in regs:
             zones_of = self._zones_offering(region)
+            in_use = self._in_use(region)
             for shape in shapes:
                 for zone in sorted(zones_of.get(shape.instance_type, ())):
                     for m in mks:
                         q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
                         if q is None:
                             continue
-                        vms = self._quota_vms(region, shape, m)
+                        vms = self._free_vms(zone, shape, m, in_use)
                         if vms <= 0:
                             continue
                         out.append(Offering(
@@ -334,6 +361,11 @@ class AwsProvider:
         tried: list[str] = []
         for zone in self._candidates(r, shape):
             region = default_region(zone)
+            if self.config.zones and zone not in self.config.zones:
+                continue
+            if self._free_vms(zone, shape, r.market, self._in_use(region)) < 1:
+                tried.append(f"{zone} (SailorCapReached: quota or max_vms_per_offering used up)")
+                continue
             sg = self._security_group(r.run_id, region)
             params = self._run_params(r, shape, zone, self._image(region, None), sg)
             try:
@@ -414,6 +446,13 @@ class AwsProvider:
 
     def bootstrap(self, vm: Vm, assignment: WorkerAssignment) -> None:
         region = self._region_of.get(vm.vm_id, default_region(vm.zone))
+        try:
+            res = self.ec2(region).describe_instances(InstanceIds=[vm.vm_id])["Reservations"]
+            state = res[0]["Instances"][0]["State"]["Name"] if res else "unknown"
+        except Exception as e:
+            raise ProviderError(f"cannot bootstrap {vm.vm_id}: {e}; to fix: provision a new VM") from e
+        if state != "running":
+            raise ProviderError(f"cannot bootstrap {vm.vm_id}: it is {state}; to fix: provision a new VM")
         try:
             self._client_for("ssm", region).send_command(
                 InstanceIds=[vm.vm_id], DocumentName="AWS-RunShellScript",
@@ -497,6 +536,11 @@ class AwsProvider:
             self.ec2(region).terminate_instances(InstanceIds=batch)
 
     def cleanup(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
+        """Remove everything the run left (all runs if None); return the instance ids removed."""
+        return [x for x in self.cleanup_resources(run_id, dry_run=dry_run) if x.startswith("i-")]
+
+    def cleanup_resources(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
+        """Like `cleanup`, returning every resource: instances, volumes, security groups."""
         removed: list[str] = []
         for region in self.config.regions:
             insts = [i for _, i in self._describe(run_id, [region]) if i["State"]["Name"] != "terminated"]

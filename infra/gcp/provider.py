@@ -62,7 +62,9 @@ RUN_LABEL = "sailor-run"
 NAME_LABEL = "sailor-name"
 RUN_ID_KEY = "sailor-run-id"
 STOCKOUT_CODES = ("ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
-                  "RESOURCE_POOL_EXHAUSTED", "UNSUPPORTED_OPERATION")
+                  "RESOURCE_POOL_EXHAUSTED", "UNSUPPORTED_OPERATION",
+                  "QUOTA_EXCEEDED",  # GPU quotas are regional: the next region may have room
+                  "SAILOR_CAP_REACHED")
 LIVE = ("PROVISIONING", "STAGING", "RUNNING")
 GONE = ("STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED", "TERMINATED")
 
@@ -112,7 +114,8 @@ class GcpConfig:
     install_spec: str = "sailor-prefect[gcp]"
     service_account: str = "default"
     spot_termination_action: str = "STOP"  # STOP keeps the preempted VM visible until cleanup
-    max_vms_per_offering: int = 4
+    zones: tuple[str, ...] = ()  # allowed zones (empty: every zone of the regions)
+    max_vms_per_offering: int = 4  # cap per (zone, shape, market) where the region shows no quota
     op_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -164,6 +167,8 @@ class GcpProvider:
     def _zones(self, region: str) -> list[str]:
         if not self._zones_of:
             for z in sorted(z.name for z in self.c.zones.list(project=self.project) if z.status == "UP"):
+                if self.config.zones and z not in self.config.zones:
+                    continue
                 self._zones_of.setdefault(default_region(z), []).append(z)
         return self._zones_of.get(region, [])
 
@@ -178,6 +183,25 @@ class GcpProvider:
         except Exception:  # quotas unreadable: the configured cap applies
             return {}
         return {q.metric: q.limit - q.usage for q in reg.quotas}
+
+    def _in_use(self, region: str) -> list[tuple[str, str, Market]]:
+        """(zone, instance type, market) of every live sailor VM in the region, any run."""
+        out = []
+        for vid, inst in self._list(None).items():
+            zone = vid.split("/", 1)[0]
+            if default_region(zone) == region and inst.status in LIVE:
+                vm = self._vm(inst, priced=False)
+                out.append((zone, _instance_type(inst), vm.market))
+        return out
+
+    def _free_gpus(self, zone: str, shape: GceShape, market: Market, quotas: dict[str, float],
+                   in_use: list[tuple[str, str, Market]]) -> int:
+        """GPUs of this shape still allowed: the region's quota left (GCE counts usage), else our cap."""
+        metric = shape.quota_metric(market)
+        if metric in quotas:
+            return int(quotas[metric]) // shape.gpus * shape.gpus
+        used = sum(1 for z, t, m in in_use if z == zone and t == shape.instance_type and m is market)
+        return max(0, self.config.max_vms_per_offering - used) * shape.gpus
 
     def _quotes(self, types: Sequence[str], regions: Sequence[str], markets: Sequence[Market]) -> list[PriceQuote]:
         qs = self.prices.quotes(instance_types=list(types), regions=list(regions), markets=list(markets))
@@ -212,6 +236,7 @@ class GcpProvider:
         out = []
         for region in regs:
             quotas = self._quotas(region)
+            in_use = self._in_use(region) if any(s.quota_metric(m) not in quotas for s in shapes for m in mks) else []
             for zone in self._zones(region):
                 accels = self._accels(zone)
                 for shape in shapes:
@@ -221,9 +246,7 @@ class GcpProvider:
                         q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
                         if q is None:
                             continue
-                        metric = shape.quota_metric(m)
-                        gpus = (int(quotas[metric]) // shape.gpus * shape.gpus if metric in quotas
-                                else self.config.max_vms_per_offering * shape.gpus)
+                        gpus = self._free_gpus(zone, shape, m, quotas, in_use)
                         if gpus <= 0:
                             continue
                         out.append(Offering(
@@ -346,6 +369,12 @@ class GcpProvider:
         c = self.c
         tried: list[str] = []
         for zone in self._candidates(r, shape):
+            region = default_region(zone)
+            quotas = self._quotas(region)
+            if shape.quota_metric(r.market) not in quotas and \
+                    self._free_gpus(zone, shape, r.market, quotas, self._in_use(region)) < shape.gpus:
+                tried.append(f"{zone} (SAILOR_CAP_REACHED: max_vms_per_offering used up)")
+                continue
             body = self._instance_body(r, shape, zone)
             inst = c.compute_v1.Instance.from_json(_json(body), ignore_unknown_fields=True)
             try:
@@ -373,13 +402,10 @@ class GcpProvider:
                             f"zone; tried {', '.join(tried)}; to fix: allow more regions or zones, another GPU "
                             f"type or the other market")
 
-    def _vm(self, inst: Any) -> Vm:
+    def _vm(self, inst: Any, *, priced: bool = True) -> Vm:
         zone = inst.zone.rsplit("/", 1)[-1]
         meta = {i.key: i.value for i in inst.metadata.items}
-        mt = inst.machine_type.rsplit("/", 1)[-1]
-        accs = list(inst.guest_accelerators)
-        itype = f"{mt}+{accs[0].accelerator_type.rsplit('/', 1)[-1]}:{accs[0].accelerator_count}" if accs else mt
-        shape = SHAPES.get(itype)
+        shape = SHAPES.get(_instance_type(inst))
         spot = inst.scheduling.provisioning_model == "SPOT"
         market = Market.SPOT if spot else Market.ON_DEMAND
         nic = inst.network_interfaces[0] if inst.network_interfaces else None
@@ -388,13 +414,10 @@ class GcpProvider:
                   gpu_type=shape.gpu_type if shape else meta.get("sailor-gpu-type", ""),
                   gpus=shape.gpus if shape else 0, market=market, address=nic.network_i_p if nic else "",
                   state="running" if inst.status in LIVE else inst.status.lower(),
-                  usd_per_hour=self._price(shape, zone, market) if shape else 0.0)
+                  usd_per_hour=self._price(shape, zone, market) if shape and priced else 0.0)
 
     def _instance_type(self, vm: Vm, raw: dict[str, Any]) -> str:
-        inst = raw[vm.vm_id]
-        mt = inst.machine_type.rsplit("/", 1)[-1]
-        accs = list(inst.guest_accelerators)
-        return f"{mt}+{accs[0].accelerator_type.rsplit('/', 1)[-1]}:{accs[0].accelerator_count}" if accs else mt
+        return _instance_type(raw[vm.vm_id])
 
     def _list(self, run_id: str | None) -> dict[str, Any]:
         flt = f'labels.{RUN_LABEL} = "{gce_name(run_id)}"' if run_id else 'labels.sailor-managed = "true"'
@@ -411,6 +434,8 @@ class GcpProvider:
         c = self.c
         try:
             inst = c.instances.get(project=self.project, zone=zone, instance=name)
+            if inst.status not in LIVE:
+                raise ProviderError(f"it is {inst.status}")
             items = [i for i in inst.metadata.items if i.key != GCP_ASSIGNMENT_KEY]
             items.append(c.compute_v1.Items(key=GCP_ASSIGNMENT_KEY, value=value))
             md = c.compute_v1.Metadata(fingerprint=inst.metadata.fingerprint, items=items)
@@ -479,6 +504,11 @@ class GcpProvider:
             op.result(timeout=self.config.op_timeout_s)
 
     def cleanup(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
+        """Remove everything the run left (all runs if None); return the VM ids removed."""
+        return [x for x in self.cleanup_resources(run_id, dry_run=dry_run) if not x.startswith("firewall/")]
+
+    def cleanup_resources(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
+        """Like `cleanup`, returning every resource: VMs (`zone/name`) and `firewall/NAME`."""
         removed = sorted(self._list(run_id))
         if not dry_run:
             self.terminate(removed)
@@ -492,6 +522,12 @@ class GcpProvider:
                 if not dry_run:
                     c.firewalls.delete(project=self.project, firewall=fw.name).result(timeout=self.config.op_timeout_s)
         return removed
+
+
+def _instance_type(inst: Any) -> str:
+    mt = inst.machine_type.rsplit("/", 1)[-1]
+    accs = list(inst.guest_accelerators)
+    return f"{mt}+{accs[0].accelerator_type.rsplit('/', 1)[-1]}:{accs[0].accelerator_count}" if accs else mt
 
 
 def _json(obj: Any) -> str:

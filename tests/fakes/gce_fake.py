@@ -8,7 +8,9 @@ Served paths (project-scoped, JSON, camelCase like the real API):
   `field = "value"` terms (dotted paths such as labels.sailor-run), joined by AND.
 Behaviour a test controls from Python (the fake runs in a thread of the test process):
   `exhausted` zones (or (zone, machine type) pairs) make inserts finish with
-  ZONE_RESOURCE_POOL_EXHAUSTED like GCE does (HTTP 503 in the operation); `preempt(zone, name)`
+  ZONE_RESOURCE_POOL_EXHAUSTED like GCE does (HTTP 503 in the operation); regional GPU quotas
+  (`quotas`, usage counted from live instances) make inserts finish with QUOTA_EXCEEDED (403) and
+  are reported with their usage by regions.get; `preempt(zone, name)`
   stops a SPOT instance and records a `compute.instances.preempted` zone operation; `requests`
   records every call (method, path, body) so tests can read exactly what was sent.
 Anything else answers 404 with a GCE-shaped error. Bad bodies answer 400 (BadRequest in the SDK).
@@ -46,6 +48,36 @@ DEFAULT_QUOTAS: dict[str, dict[str, float]] = {
                      "NVIDIA_V100_GPUS": 4, "PREEMPTIBLE_NVIDIA_V100_GPUS": 4, "NVIDIA_T4_GPUS": 4,
                      "PREEMPTIBLE_NVIDIA_T4_GPUS": 4, "NVIDIA_H100_GPUS": 8, "PREEMPTIBLE_NVIDIA_H100_GPUS": 8},
 }
+
+
+QUOTA_METRIC = {"nvidia-tesla-a100": "NVIDIA_A100_GPUS", "nvidia-a100-80gb": "NVIDIA_A100_80GB_GPUS",
+                "nvidia-h100-80gb": "NVIDIA_H100_GPUS", "nvidia-l4": "NVIDIA_L4_GPUS",
+                "nvidia-tesla-v100": "NVIDIA_V100_GPUS", "nvidia-tesla-t4": "NVIDIA_T4_GPUS"}
+_G2_GPUS = {"4": 1, "8": 1, "12": 1, "16": 1, "32": 1, "24": 2, "48": 4, "96": 8}
+
+
+def gpus_of(machine_type: str, body: dict[str, Any]) -> tuple[str, int]:
+    """(accelerator type, count) of an instance: built into a2/a3/g2 types, attached on N1."""
+    for acc in body.get("guestAccelerators", []):
+        return acc.get("acceleratorType", "").rsplit("/", 1)[-1], int(acc.get("acceleratorCount", 0))
+    fam, _, rest = machine_type.partition("-")
+    kind, _, size = rest.partition("-")
+    if fam == "a2":
+        n = int(size.rstrip("g") or 0)
+        return ("nvidia-a100-80gb" if kind == "ultragpu" else "nvidia-tesla-a100"), n
+    if fam == "a3":
+        return "nvidia-h100-80gb", int(size.rstrip("g") or 0)
+    if fam == "g2":
+        return "nvidia-l4", _G2_GPUS.get(size, 0)
+    return "", 0
+
+
+def quota_metric(machine_type: str, body: dict[str, Any]) -> tuple[str, int]:
+    acc, n = gpus_of(machine_type, body)
+    if not acc:
+        return "", 0
+    spot = body.get("scheduling", {}).get("provisioningModel") == "SPOT"
+    return ("PREEMPTIBLE_" if spot else "") + QUOTA_METRIC[acc], n
 
 
 def _now() -> str:
@@ -149,8 +181,9 @@ class GceFake:
             op["zone"] = f"{BASE}/projects/{self.project}/zones/{zone}"
         if error:
             op["error"] = {"errors": [error]}
-            op["httpErrorStatusCode"] = 503 if error["code"].startswith("ZONE_RESOURCE_POOL") else 400
-            op["httpErrorMessage"] = "SERVICE UNAVAILABLE" if op["httpErrorStatusCode"] == 503 else "BAD REQUEST"
+            op["httpErrorStatusCode"] = {"ZONE_RESOURCE_POOL_EXHAUSTED": 503, "QUOTA_EXCEEDED": 403}.get(error["code"], 400)
+            op["httpErrorMessage"] = {503: "SERVICE UNAVAILABLE", 403: "FORBIDDEN"}.get(op["httpErrorStatusCode"],
+                                                                                       "BAD REQUEST")
         self.operations[name] = op
         return op
 
@@ -173,6 +206,14 @@ class GceFake:
                            f"available to fulfill the request. Try a different zone, or try again later."})
         if (zone, name) in self.instances:
             raise Conflict(f"The resource '{link}' already exists")
+        metric, gpus = quota_metric(mt, body)
+        region = _region(zone)
+        if metric and metric in self.quotas.get(region, {}):
+            limit = self.quotas[region][metric]
+            if self._usage(region, metric) + gpus > limit:
+                return self._op(zone, "insert", link, error={
+                    "code": "QUOTA_EXCEEDED",
+                    "message": f"Quota '{metric}' exceeded.  Limit: {limit} in region {region}."})
         n = next(self._ips)
         inst = dict(body)
         inst.update({
@@ -327,6 +368,14 @@ class GceFake:
                     return 200, self._op(zone, "delete", inst["selfLink"], target_id=inst["id"])
         raise KeyError(path)
 
+    def _usage(self, region: str, metric: str) -> float:
+        used = 0.0
+        for (zone, _), inst in self.instances.items():
+            if _region(zone) == region and inst["status"] not in ("TERMINATED", "STOPPED"):
+                m, n = quota_metric(inst["machineType"].rsplit("/", 1)[-1], inst)
+                used += n if m == metric else 0
+        return used
+
     def _zone(self, z: str) -> dict[str, Any]:
         p = f"{BASE}/projects/{self.project}"
         return {"kind": "compute#zone", "name": z, "status": "UP", "region": f"{p}/regions/{_region(z)}",
@@ -336,7 +385,8 @@ class GceFake:
         p = f"{BASE}/projects/{self.project}"
         return {"kind": "compute#region", "name": r, "status": "UP", "selfLink": f"{p}/regions/{r}",
                 "zones": [f"{p}/zones/{z}" for z in sorted(self.zones) if _region(z) == r],
-                "quotas": [{"metric": m, "limit": lim, "usage": 0.0} for m, lim in sorted(self.quotas[r].items())]}
+                "quotas": [{"metric": m, "limit": lim, "usage": self._usage(r, m)}
+                           for m, lim in sorted(self.quotas[r].items())]}
 
 
 class BadRequest(Exception):
