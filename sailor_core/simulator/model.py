@@ -158,12 +158,18 @@ class SimModel:
         fwd, bwd, opt_s = self._checked_layers(gpu, mbs, tp)
         if not self.smooth:
             return fwd, bwd, opt_s
-        sizes = sorted({m for m, t in self.book.profiled_points(gpu) if t == tp})
-        if len(sizes) < C.SMOOTHING_WINDOW:
+        complete = {mbs: (fwd, bwd, opt_s)}
+        for m, t in self.book.profiled_points(gpu):
+            if t == tp and m != mbs:
+                try:
+                    complete[m] = self._checked_layers(gpu, m, tp)
+                except MissingProfileError:
+                    continue  # an incomplete neighbour does not take part
+        if len(complete) < C.SMOOTHING_WINDOW:
             return fwd, bwd, opt_s
-        window = sorted(sizes, key=lambda m: (abs(math.log2(m) - math.log2(mbs)), m))[: C.SMOOTHING_WINDOW]
+        window = sorted(complete, key=lambda m: (abs(math.log2(m) - math.log2(mbs)), m))[: C.SMOOTHING_WINDOW]
         xs = [float(m) for m in window]
-        ys = [self._checked_layers(gpu, m, tp) if m != mbs else (fwd, bwd, opt_s) for m in window]
+        ys = [complete[m] for m in window]
         xbar = sum(xs) / len(xs)
         sxx = sum((x - xbar) ** 2 for x in xs)
         # weight of each window point in the fitted value at mbs (the hat matrix row): linear in y
