@@ -86,3 +86,14 @@ def test_cli_missing_profile_and_invalid_plan(tmp_path: os.PathLike[str], capsys
     err = capsys.readouterr().err
     assert rc == 2
     assert "stage 1 starts at layer 12" in err and "tp=8 is larger than a node" in err and "global_batch_size is 64" in err
+
+
+def test_cli_store_may_be_a_folder_of_published_data_and_schedule_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", _plan("N8_D2"), "--format", "eth-easl", "--model", "OPT-350", "--json"]
+    assert cli_main(args + ["--store", str(REFERENCE_DATA)]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert cli_main(args + ["--store", str(REFERENCE_DATA), "--schedule", "gpipe"]) == 0
+    gp = json.loads(capsys.readouterr().out)
+    assert one["schedule"] == "1f1b" and gp["schedule"] == "gpipe"
+    # GPipe keeps every microbatch in flight: more memory than 1F1B's p - s
+    assert gp["peak_memory_bytes"] > one["peak_memory_bytes"]
