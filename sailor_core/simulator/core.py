@@ -247,9 +247,12 @@ def simulate_valid(
             optimizer_s=opt_max,
             dp_sync_per_stage_s=tuple(dp_sync),
             pipeline_time_per_pipeline_s=tuple(pipe_times),
-            bubble_s=pipeline_end
-            - pipe_comm[slowest]
-            - max(c.total_s for c in computes[slowest]) * plan.pipelines[slowest].num_microbatches,
+            bubble_s=max(
+                0.0,
+                pipeline_end
+                - pipe_comm[slowest]
+                - max(c.total_s for c in computes[slowest]) * plan.pipelines[slowest].num_microbatches,
+            ),
             slowest_pipeline=slowest,
         ),
         rows=tuple(rows),
