@@ -373,3 +373,14 @@ def test_model_for_is_shared_per_book() -> None:
     book = make_book()
     assert model_for(book) is model_for(book)
     assert model_for(dataclasses.replace(book)) is not model_for(book)
+
+
+def test_stages_sharing_a_node_send_over_the_intra_node_link() -> None:
+    book = make_book(inter_gbps=1.0, intra_gbps=100.0)
+    shared = simulate(plan_of([(0, 1, [rep()]), (2, 3, [rep()])], [(2, 4)]), book)  # both on one 2-GPU node
+    apart = simulate(plan_of([(0, 1, [rep(gpn=1)]), (2, 3, [rep(gpn=1)])], [(2, 4)]), book)
+    msg = 64 * 2 * 4
+    # fill: 2 sends; steady state: 3 more cycles of the bottleneck stage, which pays 2 sends each
+    assert shared.breakdown.pipeline_p2p_s == pytest.approx((2 + 3 * 2) * msg / 100e9)
+    assert apart.breakdown.pipeline_p2p_s == pytest.approx((2 + 3 * 2) * msg / 1e9)
+    assert shared.iteration_time_s < apart.iteration_time_s
