@@ -52,6 +52,8 @@ class Location:
     endpoint: str = ""
     # S3 only: a client that does not retry, for deletes (see `delete`).
     delete_fs: pafs.FileSystem | None = None
+    # False when requests go unsigned (anonymous=true, or no credentials anywhere we can see).
+    signed: bool = True
 
     @property
     def is_local(self) -> bool:
@@ -173,7 +175,8 @@ def explain(loc: Location, what: str, e: BaseException) -> str:
             f"cannot {what}: bucket {loc.bucket!r} does not exist at {where}; to fix: create it or point "
             f"--store at an existing bucket"
         )
-    if any(s in low for s in ("access_denied", "accessdenied", "signature_does_not_match", "invalidaccesskeyid",
+    unsigned_refused = not loc.signed and re.search(r"http status (400|401|403)", low)
+    if unsigned_refused or any(s in low for s in ("access_denied", "accessdenied", "signature_does_not_match", "invalidaccesskeyid",
                               "invalid_access_key", "unsupportedalgorithm", "forbidden", "403", "401",
                               "permission_denied", "unauthenticated", "credentials", "missing_authentication")):
         cred = (
@@ -183,12 +186,25 @@ def explain(loc: Location, what: str, e: BaseException) -> str:
             else "run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS "
             "(anonymous=true for a public or emulated bucket)"
         )
-        return f"cannot {what}: access denied at {where} ({_short(msg)}); to fix: {cred}"
+        why = "no credentials were found, the request went unsigned" if not loc.signed else _short(msg)
+        return f"cannot {what}: access denied at {where} ({why}); to fix: {cred}"
     return f"cannot {what}: {_short(msg)}; to fix: check the store URI, its endpoint and credentials"
 
 
 def _short(msg: str, n: int = 220) -> str:
     return msg if len(msg) <= n else msg[: n - 3] + "..."
+
+
+def _aws_credentials_configured() -> bool:
+    """Whether the AWS credential chain has something to find (env, config files, container/web identity)."""
+    env = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+           "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_ROLE_ARN")
+    if any(os.environ.get(v) for v in env):
+        return True
+    files = (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials", os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    if any(os.path.exists(os.path.expanduser(f)) for f in files):
+        return True
+    return os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true"  # an instance role may answer
 
 
 def redact(uri: str) -> str:
@@ -239,6 +255,7 @@ def resolve(uri: str | None) -> Location:
         )
         if _opt(q, "access_key"):
             kwargs.update(access_key=_opt(q, "access_key"), secret_key=_opt(q, "secret_key") or "")
+        signed = not anonymous and bool(_opt(q, "access_key") or _aws_credentials_configured())
         if endpoint:
             host, sch = _split_endpoint(endpoint)
             kwargs.update(endpoint_override=host, scheme=_opt(q, "scheme") or sch or "https")
@@ -252,7 +269,9 @@ def resolve(uri: str | None) -> Location:
             delete_fs = pafs.S3FileSystem(**kwargs)
         except (OSError, pa.ArrowException, ValueError) as e:
             raise StoreError(f"cannot set up S3 for {redact(raw)!r}: {e}; to fix: check the URI's query parameters") from None
-        return Location(uri=raw, fs=fs, root=root, scheme="s3", bucket=bucket, endpoint=endpoint, delete_fs=delete_fs)
+        return Location(
+            uri=raw, fs=fs, root=root, scheme="s3", bucket=bucket, endpoint=endpoint, delete_fs=delete_fs, signed=signed
+        )
     if scheme in ("gs", "gcs"):
         endpoint = _opt(q, "endpoint_override") or os.environ.get("SAILOR_GCS_ENDPOINT") or os.environ.get("STORAGE_EMULATOR_HOST") or ""
         gkw: dict = dict(anonymous=anonymous, retry_time_limit=timedelta(seconds=float(_opt(q, "retry_seconds") or 15)))
@@ -265,7 +284,7 @@ def resolve(uri: str | None) -> Location:
             fs = pafs.GcsFileSystem(**gkw)
         except (OSError, pa.ArrowException, ValueError) as e:
             raise StoreError(f"cannot set up GCS for {redact(raw)!r}: {e}; to fix: check the URI's query parameters") from None
-        return Location(uri=raw, fs=fs, root=root, scheme="gs", bucket=bucket, endpoint=endpoint)
+        return Location(uri=raw, fs=fs, root=root, scheme="gs", bucket=bucket, endpoint=endpoint, signed=not anonymous)
     raise StoreError(
         f"unsupported store URI scheme {scheme!r} in {raw!r}; to fix: use a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX"
     )

@@ -74,7 +74,8 @@ from sailor_core.profiles import ProfileBook
 SEED_DIR = Path(__file__).resolve().parent / "seed"
 MARKER = "_sailor_store.json"
 FILE_RE = re.compile(r"^part-(\d{20})-([0-9a-z]+)-(replace|upsert)\.parquet$")
-STALE_TMP_S = 3600.0  # a hidden temp file older than this belongs to a writer that died
+STALE_TMP_S = 3600.0
+_PROFILE_COLS = ("model", "gpu_type", "mbs", "tp", "layer", "forward_s", "backward_s", "optimizer_s")  # a hidden temp file older than this belongs to a writer that died
 
 _ts_lock = threading.Lock()
 _last_ts = 0
@@ -482,7 +483,7 @@ class ProfileStore:
         ]
         self.write_table("gpu_types", rows, provenance=provenance)
 
-    def _require_gpu_types(self, names: Iterable[str], known: Mapping[str, GpuType] | None = None) -> dict[str, GpuType]:
+    def require_gpu_types(self, names: Iterable[str], known: Mapping[str, GpuType] | None = None) -> dict[str, GpuType]:
         known = dict(known if known is not None else self.gpu_types())
         unknown = sorted(set(names) - set(known))
         if unknown:
@@ -499,18 +500,17 @@ class ProfileStore:
         where: dict[str, str | Sequence[str]] = {"model": model}
         if gpu_types is not None:
             where["gpu_type"] = list(gpu_types)
-        cols = self.read_table("layer_profiles", where).select(
-            ["model", "gpu_type", "mbs", "tp", "layer", "forward_s", "backward_s", "optimizer_s"]
-        )
-        return tuple(LayerProfile(**r) for r in cols.to_pylist())
+        t = self.read_table("layer_profiles", where)
+        cols = [t[c].to_pylist() for c in _PROFILE_COLS]
+        return tuple(LayerProfile(**dict(zip(_PROFILE_COLS, vals, strict=True))) for vals in zip(*cols, strict=True))
 
     def replace_layer_profiles(
         self, model: str, gpu_type: str, profiles: Iterable[LayerProfile], *, provenance: Provenance | None = None
     ) -> int:
         """Make `profiles` the whole layer profile of (model, gpu_type), in one atomic commit."""
         spec = self.model(model)
-        self._require_gpu_types([gpu_type])
-        rows = []
+        self.require_gpu_types([gpu_type])
+        cols: dict[str, list] = {c: [] for c in _PROFILE_COLS}
         for p in profiles:
             if p.model != model or p.gpu_type != gpu_type:
                 raise SailorError(
@@ -519,10 +519,14 @@ class ProfileStore:
                 )
             if not 0 <= p.layer < spec.num_layers:
                 raise SailorError(f"profile row layer {p.layer} is outside model {model}'s layers 0..{spec.num_layers - 1}")
-            rows.append(dict(model=model, gpu_type=gpu_type, mbs=p.mbs, tp=p.tp, layer=p.layer,
-                             forward_s=p.forward_s, backward_s=p.backward_s, optimizer_s=p.optimizer_s))
+            for c, values in cols.items():
+                values.append(getattr(p, c))
         return self.write_table(
-            "layer_profiles", rows, mode="replace", partition={"model": model, "gpu_type": gpu_type}, provenance=provenance
+            "layer_profiles",
+            pa.table({c: pa.array(v, TABLES["layer_profiles"].schema.field(c).type) for c, v in cols.items()}),
+            mode="replace",
+            partition={"model": model, "gpu_type": gpu_type},
+            provenance=provenance,
         )
 
     def list_pairs(self) -> list[PairSummary]:
@@ -559,7 +563,7 @@ class ProfileStore:
         return {r["gpu_type"]: r["overhead_bytes"] for r in self.read_table("framework_overhead").to_pylist()}
 
     def write_framework_overhead(self, overhead_bytes: Mapping[str, int], *, provenance: Provenance | None = None) -> None:
-        self._require_gpu_types(overhead_bytes)
+        self.require_gpu_types(overhead_bytes)
         for g, b in overhead_bytes.items():
             if b < 0:
                 raise ValidationError(f"framework overhead for {g} must be >= 0 bytes, got {b}")
@@ -666,7 +670,7 @@ class ProfileStore:
             wanted = set(known)
         else:
             wanted = set(gpu_types)
-            self._require_gpu_types(wanted, known)
+            self.require_gpu_types(wanted, known)
         grouped: dict[tuple[str, int, int], list[LayerProfile]] = {}
         for p in self.layer_profiles(model, sorted(wanted)):
             grouped.setdefault((p.gpu_type, p.mbs, p.tp), []).append(p)
