@@ -51,16 +51,25 @@ def ensure_model(store: Any, model: str) -> None:
 
 @task(name="profile-layers", cache_policy=NO_CACHE)
 def profile_layers(store: Any, model: str, mbs: Sequence[int]) -> int:
-    from sailor_core.profiler import profile_model_to_store  # the profiler issue's entry point
+    """sailor_core.profiler.layers on this machine's CPU; the whole profile is written in one commit."""
+    from sailor_core.profiler.layers import ModelProfileSettings, profile_model
 
-    return int(profile_model_to_store(store, model=model, device="cpu", mbs=list(mbs), tp=[1]) or 0)
+    prof = profile_model(ModelProfileSettings(model=model, device="cpu", mbs=tuple(mbs), tp=(1,)))
+    store.replace_layer_profiles(model, prof.gpu_type, prof.profiles, provenance=prof.provenance)
+    store.write_framework_overhead({prof.gpu_type: prof.framework_overhead_bytes}, provenance=prof.provenance)
+    return len(prof.profiles)
 
 
 @task(name="profile-network", cache_policy=NO_CACHE)
 def profile_network(store: Any) -> int:
-    from sailor_core.profiler import profile_network_to_store  # the profiler issue's entry point
+    """sailor_core.profiler.network between two local workers: the cpu link and its all-reduce fit."""
+    from sailor_core.profiler.network import NetworkSettings
+    from sailor_core.profiler.network import profile_network as measure
 
-    return int(profile_network_to_store(store, workers=2) or 0)
+    prof = measure(NetworkSettings(workers=2, device="cpu", zone=LOCAL_ZONE))
+    store.write_network_links([prof.link], provenance=prof.provenance)
+    store.write_intra_node_links([prof.intra_node], provenance=prof.provenance)
+    return len(prof.points)
 
 
 def _has_local_link(book: ProfileBook) -> bool:

@@ -29,7 +29,7 @@ from sailor_core.plan_format import plan_to_dict
 from sailor_core.profiles import ProfileBook
 from tasks.decisions import PlanCost, decide_switch
 from tasks.history import RunHistory
-from tasks.jobs import Job, Progress, free_port, place, replica_request, slots
+from tasks.jobs import Job, Progress, place, replica_request, slots
 from tasks.planning import NoPlanError, calibrated_book, estimate, plan_violations, pool_from, priced_book
 from tasks.reporting import emit, publish_frontier, publish_plan
 from tasks.steps import fetch_offerings, launch, make_plan, provision, record, stop_workers, terminate
@@ -213,7 +213,7 @@ def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> 
 def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[str, Any], held: list[Vm],
                  lost: set[str], trigger_at: float, kinds: list[str], frontier: Any, step: int, reason: str) -> Job:
     provider = ctx.provider
-    stop_workers(provider, [v.vm_id for v in job.vms])
+    stop_workers(provider, job)
     placed, missing = place(cand, held)
     keep = {v.vm_id for v in placed.values()}
     drop = [v.vm_id for v in held if v.vm_id not in keep] + sorted(lost)
@@ -229,8 +229,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
            {"kept": sorted(keep), "rented": [v.vm_id for v in new_vms], "released": drop, "plan_version": ctx.version})
     new = Job(run_id=ctx.run_id, version=ctx.version, plan=cand, vms=vms, run_dir=job.run_dir,
               total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval, seed=job.seed,
-              data_uri=job.data_uri, rendezvous=f"127.0.0.1:{free_port()}",
-              start_step=_checkpoint_step(step, job.checkpoint_interval), estimate_s=float(cand_est["iteration_time_s"]))
+              data_uri=job.data_uri, estimate_s=float(cand_est["iteration_time_s"]))
     new.extra.update(reconfig_trigger_at=trigger_at, trigger=kinds)
     new.launched_at = launch(provider, new)
     return new

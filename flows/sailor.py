@@ -30,11 +30,21 @@ from flows.params import SailorParams, validate_params
 from flows.profile import profile
 from flows.replan import RunContext, replan
 from infra.provider import Provider
+from tasks.control import HeartbeatBoard
 from tasks.history import RunHistory, new_run_id
-from tasks.jobs import Job, free_port, replica_request, slots
+from tasks.jobs import Job, replica_request, slots
 from tasks.planning import calibrated_book, pool_from, priced_book
 from tasks.reporting import ProgressBar, emit, publish_cost, publish_timeline
-from tasks.steps import fetch_offerings, launch, make_plan, monitor, provision, record, teardown
+from tasks.steps import (
+    close_controller,
+    fetch_offerings,
+    launch,
+    make_plan,
+    monitor,
+    provision,
+    record,
+    teardown,
+)
 
 
 @dataclass(kw_only=True)
@@ -46,16 +56,18 @@ class Deps:
     reconfiguration_estimate_s: float = 15.0
     stall_timeout_s: float = 600.0
     max_replans: int = 20
+    board: HeartbeatBoard = field(default_factory=HeartbeatBoard)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def make_provider(params: SailorParams, run_dir: Path) -> Provider:
+def make_provider(params: SailorParams, run_dir: Path, board: HeartbeatBoard | None = None) -> Provider:
     if params.provider == "local":
         from infra.local import LocalProvider
         from infra.scenario import load_scenario
 
         scenario = load_scenario(params.scenario) if params.scenario else None
-        return LocalProvider(run_dir / "local", scenario=scenario, heartbeat_timeout_s=params.heartbeat_timeout_s)
+        return LocalProvider(run_dir / "local", scenario=scenario, heartbeat_timeout_s=params.heartbeat_timeout_s,
+                             heartbeats=board.get if board is not None else None)
     if params.provider == "aws":
         from infra.aws import AwsProvider  # type: ignore[import-not-found]
 
@@ -70,7 +82,9 @@ def default_deps(params: SailorParams, run_id: str) -> Deps:
 
     workdir = Path(params.workdir).resolve()
     run_dir = workdir / "runs" / run_id
-    return Deps(provider=make_provider(params, run_dir), store=open_store(params.store_uri), workdir=workdir)
+    board = HeartbeatBoard()
+    return Deps(provider=make_provider(params, run_dir, board), store=open_store(params.store_uri), workdir=workdir,
+                board=board)
 
 
 def run_id_for(run_name: str, flow_run_id: str | None) -> str:
@@ -168,6 +182,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
     emit("run.started", run_id, {"name": params.run_name, "model": params.model})
     log.info("run %s: %s on %s, objective %s", run_id, params.model, params.provider, params.objective)
     status, reason = "failed", ""
+    job: Job | None = None
     try:
         offers = fetch_offerings(provider, regions=params.regions, gpu_types=params.gpu_types, markets=params.markets)
         if not any(o.count > 0 for o in offers):
@@ -199,8 +214,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
         job = Job(run_id=run_id, version=ctx.version, plan=plan, vms=vms, run_dir=run_dir,
                   total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval, seed=params.seed,
-                  data_uri=params.dataset or "", rendezvous=f"127.0.0.1:{free_port()}",
-                  estimate_s=float(est["iteration_time_s"]))
+                  data_uri=params.dataset or "", estimate_s=float(est["iteration_time_s"]))
         job.launched_at = launch(provider, job)
         record(history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers",
                {"plan_version": ctx.version, "total_steps": ctx.total_steps})
@@ -209,7 +223,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         seen: set[tuple[str, str, str]] = set()
         replans = 0
         while True:
-            out = monitor(provider, job, history, bar, seen=seen, poll_s=deps.poll_s, deadline_at=deadline_at,
+            out = monitor(provider, job, history, bar, deps.board, seen=seen, poll_s=deps.poll_s, deadline_at=deadline_at,
                           tolerance=params.calibration_tolerance, calibrate_after=5,
                           calibrated=bool(job.extra.get("calibrated")), stall_timeout_s=deps.stall_timeout_s)
             ctx.observe(job, out.progress)
@@ -228,6 +242,8 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         reason = f"{type(e).__name__}: {e}"[:500]
         raise
     finally:
+        if job is not None:
+            close_controller(job)
         removed: list[str] = []
         try:
             removed = teardown(provider, run_id)

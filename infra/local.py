@@ -53,8 +53,10 @@ LIVE_STATES = ("running", "preempting")
 
 
 def default_agent_command(vm: Vm, assignment: WorkerAssignment, slot: Path) -> list[str]:
-    """The runtime's worker agent (docs/runtime.md), run with this interpreter."""
-    return [sys.executable, "-m", "sailor_cli.main", "worker", "--assignment", str(slot / "assignment.json")]
+    """The runtime's worker in controlled mode (sailor_core/runtime/worker_proc.py): it meets the
+    orchestration's controller at the assignment's rendezvous endpoint under the VM's id."""
+    return [sys.executable, "-m", "sailor_core.runtime.worker_proc", "--control", assignment.rendezvous_endpoint,
+            "--worker-id", vm.vm_id]
 
 
 def _now_dt(t: float) -> datetime:
@@ -117,6 +119,7 @@ class LocalProvider:
         stop_grace_s: float = 10.0,
         notice_signal: int = signal.SIGUSR1,
         env: dict[str, str] | None = None,
+        heartbeats: Callable[[str], dict[str, Any] | None] | None = None,
     ) -> None:
         self.root = Path(root)
         self.scenario = scenario or default_scenario()
@@ -127,6 +130,9 @@ class LocalProvider:
         self.stop_grace_s = stop_grace_s
         self.notice_signal = notice_signal
         self.env = dict(env or {})
+        # Where liveness comes from: by default the heartbeat file the agent beats in its slot; the
+        # flow passes the runtime's heartbeats (reported to its controller) instead.
+        self._heartbeats = heartbeats or self._file_heartbeat
         self._lock = threading.RLock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         for d in ("vms", "slots", "events"):
@@ -367,10 +373,17 @@ class LocalProvider:
                 self._save(rec)
 
     def heartbeat(self, vm_id: str) -> dict[str, Any] | None:
+        """The VM's latest heartbeat: {"time": epoch seconds, "step": training step} (None: none yet)."""
+        return self._heartbeats(vm_id)
+
+    def _file_heartbeat(self, vm_id: str) -> dict[str, Any] | None:
+        p = self.slot_dir(vm_id) / "heartbeat.json"
         try:
-            return json.loads((self.slot_dir(vm_id) / "heartbeat.json").read_text())
+            mtime = p.stat().st_mtime
+            beat = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError):
             return None
+        return {**beat, "time": mtime} if isinstance(beat, dict) else {"time": mtime}
 
     def agent_exit_code(self, vm_id: str) -> int | None:
         """The agent's exit status once it has exited (None while it runs or if never started)."""
@@ -475,8 +488,10 @@ class LocalProvider:
                 if rc != 0 or rec["state"] in ("preempting", "preempted"):
                     reason = f"worker process exited (status {rc})" if rc is not None else "worker process is gone"
             else:
-                hb = self.slot_dir(rec["vm_id"]) / "heartbeat.json"
-                last = hb.stat().st_mtime if hb.exists() else None
+                beat = self.heartbeat(rec["vm_id"])
+                last = float(beat["time"]) if beat and beat.get("time") is not None else None
+                if last is not None and rec["started_at"] and last < rec["started_at"]:
+                    last = None  # a beat from before this agent started
                 if last is None and now - (rec["started_at"] or now) > self.startup_grace_s:
                     reason = f"no heartbeat within {self.startup_grace_s:.0f}s of start"
                 elif last is not None and now - last > self.heartbeat_timeout_s:

@@ -99,7 +99,7 @@ class RunHistory:
             cur["updated_at"] = _iso(r.time)
             if r.kind in FINAL_STATUSES:
                 cur["ended_at"] = _iso(r.time)
-                for k in ("steps_done", "usd_total", "wall_s"):
+                for k in ("steps_done", "usd_total", "wall_s", "training_s", "orchestration_overhead_s", "plan_versions"):
                     if k in r.payload:
                         cur[k] = r.payload[k]
         return sorted(runs.values(), key=lambda r: r["started_at"])

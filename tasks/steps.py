@@ -21,8 +21,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from infra.provider import CapacityError, EventKind, Offering, Provider, ProviderEvent, Vm, VmRequest
+from sailor_core.domain import SailorError
+from tasks.control import Controller, HeartbeatBoard, checkpoint_steps
 from tasks.history import RunHistory
-from tasks.jobs import Job, Progress, assignments, read_progress
+from tasks.jobs import Job, Progress, assignments, read_progress, slots
 from tasks.planning import run_planner
 from tasks.reporting import ProgressBar, emit
 
@@ -53,18 +55,39 @@ def provision(provider: Provider, requests: Sequence[VmRequest], dry_run: bool =
 
 @task(name="launch-workers", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def launch(provider: Provider, job: Job) -> float:
-    """Bootstrap the worker agent on every VM of the job with its assignment; return the launch time."""
+    """Host this plan version's controller, hand out the assignments, start the agent on every VM.
+
+    Resumes from the newest complete checkpoint in the run's checkpoint folder when there is one.
+    Returns the launch time.
+    """
+    if any(s.spec.tp != 1 for s in slots(job.plan)):
+        raise SailorError("the orchestration starts one worker process per VM, so every replica must have tp=1; "
+                          "to fix: plan with gpus_per_node=1 offerings (TP inside a VM is not supported yet)")
+    close_controller(job)
+    ctl = Controller()
+    job.extra["controller"] = ctl
+    job.rendezvous = ctl.endpoint
+    resume_step = checkpoint_steps(str(job.checkpoint_dir), job.plan.stages[-1].last_layer + 1)
+    job.start_step = resume_step or 0
+    ctl.assign(job, resume=resume_step is not None)
     for vm, a in assignments(job):
         provider.bootstrap(vm, a)
     return time.time()
 
 
+def close_controller(job: Job) -> None:
+    ctl = job.extra.pop("controller", None)
+    if ctl is not None:
+        ctl.close()
+
+
 @task(name="stop-workers", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def stop_workers(provider: Provider, vm_ids: Sequence[str]) -> None:
-    """Stop the agents (a notice first, so they can checkpoint) and keep the VMs for reuse."""
+def stop_workers(provider: Provider, job: Job) -> None:
+    """Stop the agents (SIGTERM: the runtime checkpoints and stops) and keep the VMs for reuse."""
     stop = getattr(provider, "stop_agents", None)
     if stop is not None:
-        stop(list(vm_ids))
+        stop([v.vm_id for v in job.vms])
+    close_controller(job)
 
 
 @task(name="terminate", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE)
@@ -125,7 +148,8 @@ def event_reason(e: ProviderEvent) -> str:
 
 
 @task(name="monitor", cache_policy=NO_CACHE)
-def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar, *, seen: set[tuple[str, str, str]],
+def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar, board: HeartbeatBoard, *,
+            seen: set[tuple[str, str, str]],
             poll_s: float, deadline_at: float | None, tolerance: float, calibrate_after: int,
             calibrated: bool, stall_timeout_s: float) -> MonitorOutcome:
     """Watch the job until it completes or something needs a decision; report everything seen."""
@@ -135,6 +159,10 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
     last_progress_at = time.time()
     while True:
         prog = read_progress(job)
+        ctl = job.extra.get("controller")
+        beats = ctl.heartbeats([v.vm_id for v in job.vms]) if ctl is not None else {}
+        for v in job.vms:
+            board.beat(v.vm_id, at=beats.get(v.vm_id), step=prog.step)
         if prog.step != seen_step:
             last_progress_at = time.time()
             bar.update(prog.step)

@@ -1,0 +1,103 @@
+"""`sailor demo`: the `sailor` flow on the embedded default, end to end, with a summary.
+
+Contract: runs the `sailor` flow in Prefect's ephemeral mode (no server needed; a configured
+server is used if there is one) on the local provider and the local store: gpt-tiny on up to 4
+local worker slots, scripted by scenarios/demo.yaml (a spot worker preempted at step 10, the spot
+price jumping above on-demand at step 30). It prints what happened (plans, events, decisions,
+reconfiguration times, cost) and checks that no worker process of the run is left. Exit status 0
+when the run completed and nothing was left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_SCENARIO = REPO / "scenarios" / "demo.yaml"
+
+
+def _prefect_env(workdir: Path) -> None:
+    # Prefect reads these at import: ephemeral mode with a project-local home, no telemetry.
+    os.environ.setdefault("PREFECT_HOME", str(workdir.parent / ".prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def demo(
+    steps: int = typer.Option(60, help="training steps"),
+    workers: int = typer.Option(4, help="local worker slots"),
+    scenario: Path = typer.Option(DEMO_SCENARIO, help="scenario file scripting preemptions and prices"),
+    store: str = typer.Option(None, "--store", help="store URI (default: $SAILOR_STORE or .sailor/store)"),
+    workdir: Path = typer.Option(Path(".sailor"), help="checkpoints, worker metrics and slots go here"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Run the sailor flow locally: plan, train gpt-tiny on 4 workers through a preemption and a price change."""
+    workdir = workdir.resolve()
+    _prefect_env(workdir)
+    from flows.sailor import sailor
+    from profiles_store.store import open_store
+    from tasks.history import RunHistory
+
+    typer.echo(f"sailor demo: gpt-tiny, {steps} steps on up to {workers} local workers, scenario {scenario}")
+    state = sailor(run_name="demo", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
+                   max_usd_per_hour=2.0, provider="local", scenario=str(scenario), workers=workers, steps=steps,
+                   checkpoint_interval=10, store_uri=store, workdir=str(workdir), return_state=True)
+    history = RunHistory(open_store(store))
+    runs = [r for r in history.list_runs() if r.get("name") == "demo"]
+    if not runs:
+        raise typer.Exit(1)
+    run = history.show(runs[-1]["run_id"])
+    left = _left_behind(workdir / "runs" / run["run_id"] / "local", run["run_id"])
+    if as_json:
+        typer.echo(json.dumps({**run, "processes_left": left}, indent=2, default=str))
+    else:
+        _print(run, left)
+    if not state.is_completed() or left:
+        raise typer.Exit(1)
+
+
+def _left_behind(root: Path, run_id: str) -> list[str]:
+    from infra.local import LocalProvider, _group_alive
+
+    if not root.exists():
+        return []
+    p = LocalProvider(root)
+    out = [f"VM {v.vm_id} still {v.state}" for v in p.list_vms(run_id) if v.state in ("running", "preempting")]
+    for f in (root / "vms").glob("*.json"):
+        rec = json.loads(f.read_text())
+        if rec.get("pid") and _group_alive(int(rec["pid"])):
+            out.append(f"worker process group {rec['pid']} of {rec['vm_id']} alive")
+    return out
+
+
+def _print(run: dict, left: list[str]) -> None:
+    typer.echo("")
+    typer.echo(f"run {run['run_id']}: {run.get('status')} ({run.get('status_reason', '')})")
+    for p in run["plans"]:
+        est = p.get("estimate") or {}
+        typer.echo(f"  plan v{p['version']}: {est.get('iteration_time_s', 0):.4f} s/it estimated, "
+                   f"{est.get('usd_per_hour', 0):.4f} USD/h  <- {str(p.get('reason', ''))[:140]}")
+    typer.echo("  events:")
+    for e in run["events"]:
+        typer.echo(f"    {e['time'][11:23]} {e['kind']:<16} {str(e.get('reason', ''))[:150]}")
+    typer.echo("  decisions:")
+    for d in run["decisions"]:
+        typer.echo(f"    {d['time'][11:23]} {d['kind']:<7} {d['reason'][:220]}")
+    for m in run["measurements"]:
+        if m["kind"] == "iteration_time":
+            typer.echo(f"  measured vs estimated (plan v{m.get('plan_version')}): {m['measured_s']:.4f} s vs "
+                       f"{m['estimated_s']:.4f} s (x{m['ratio']:.2f})")
+        if m["kind"] == "reconfiguration":
+            typer.echo(f"  reconfiguration to plan v{m.get('plan_version')}: {m['reconfiguration_s']:.1f} s "
+                       f"from the event to the first step")
+    for k in ("steps_done", "usd_total", "wall_s"):
+        if k in run:
+            typer.echo(f"  {k}: {run[k]}")
+    typer.echo(f"  processes left: {'none' if not left else left}")
+    typer.echo(f"  details: sailor runs show {run['run_id']}")
