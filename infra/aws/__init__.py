@@ -31,3 +31,10 @@ def from_environment(
         sources.append(CatalogPriceSource(load_skypilot_file(catalog_csv, cloud="aws")))
     return AwsProvider(AwsConfig(regions=tuple(regions), **config),  # type: ignore[arg-type]
                        client_for=client_for, prices=ChainedPriceSource(sources), event_source=event_source)
+
+
+def credentials_available() -> bool:
+    """Whether boto3's standard chain finds credentials (never returns or logs them)."""
+    import boto3
+
+    return boto3.session.Session().get_credentials() is not None

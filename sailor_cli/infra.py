@@ -1,0 +1,167 @@
+"""`sailor infra`: cloud offerings, catalogs, dry-run provisioning and cleanup of what runs left.
+
+Contract:
+- `offerings --provider aws|gcp [--region R]... [--gpu-type G]... [--market M]... [--json]` prints
+  what can be rented now, per zone, with the price per GPU-hour and when it was fetched.
+- `catalog FILE --cloud aws|gcp [--json]` imports a SkyPilot-format catalog CSV and prints what
+  was kept and each rejected row with its reason.
+- `provision --provider P --run RUN --zone Z --gpu-type G [--gpus N] [--count K] [--market M]
+  [--dry-run]` rents K VMs for RUN (tagged with it); with --dry-run it prints the exact API requests
+  and the hourly cost and rents nothing.
+- `cleanup [--provider aws|gcp] [--run RUN] [--dry-run]` removes (or lists) every instance,
+  volume, security group or firewall tagged with the run (every sailor run if --run is omitted);
+  without --provider it covers each cloud that is configured.
+Settings come from the environment (infra.cloud.provider_from_env); credentials only from the
+SDKs' standard chains. Errors print one line with a fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+
+import typer
+
+from sailor_core.domain import SailorError
+
+app = typer.Typer(help="Cloud providers: offerings, catalogs, dry-run provisioning, cleanup.", no_args_is_help=True)
+
+
+def _provider(name: str, regions: list[str] | None):
+    from infra.cloud import provider_from_env
+    from infra.provider import ProviderError
+
+    try:
+        return provider_from_env(name, env=os.environ, regions=regions or None)
+    except ProviderError as e:
+        raise SailorError(str(e)) from None
+
+
+_NO_CREDENTIALS = {
+    "NoCredentialsError": "no AWS credentials found; to fix: set AWS_PROFILE, run `aws sso login`, or run on a "
+                          "VM with an instance role",
+    "DefaultCredentialsError": "no Google credentials found; to fix: run `gcloud auth application-default login` "
+                               "or set GOOGLE_APPLICATION_CREDENTIALS to a service account key file",
+}
+
+
+def _call(fn, *args, **kw):
+    from infra.provider import ProviderError
+
+    try:
+        return fn(*args, **kw)
+    except ProviderError as e:
+        raise SailorError(str(e)) from None
+    except Exception as e:
+        if type(e).__name__ in _NO_CREDENTIALS:
+            raise SailorError(_NO_CREDENTIALS[type(e).__name__]) from None
+        raise
+
+
+@app.command("offerings")
+def offerings(
+    provider: str = typer.Option(..., "--provider", help="aws or gcp"),
+    region: list[str] = typer.Option(None, "--region", help="region to include (repeatable; default: configured)"),
+    gpu_type: list[str] = typer.Option(None, "--gpu-type", help="GPU type such as A100-40 (repeatable)"),
+    market: list[str] = typer.Option(None, "--market", help="spot or on-demand (repeatable)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """What can be rented now, per zone and market, with prices and their fetch time."""
+    from sailor_core.domain import Market
+
+    p = _provider(provider, region)
+    offers = _call(p.offerings, regions=region or None, gpu_types=gpu_type or None,
+                   markets=[Market.parse(m) for m in market] if market else None)
+    if as_json:
+        typer.echo(json.dumps([asdict(o) for o in offers], indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{len(offers)} offering(s) on {provider}")
+    for c in ("zone", "instance type", "GPU", "per VM", "market", "GPUs", "USD/GPU-h", "fetched (UTC)"):
+        t.add_column(c)
+    for o in sorted(offers, key=lambda o: (o.usd_per_gpu_hour, o.zone)):
+        t.add_row(o.zone, o.instance_type, o.gpu_type, str(o.gpus_per_node), o.market.value, str(o.count),
+                  f"{o.usd_per_gpu_hour:.4f}", str(o.price_fetched_at or "")[:19])
+    Console().print(t)
+
+
+@app.command("catalog")
+def catalog(
+    path: str = typer.Argument(..., help="a SkyPilot-format vms.csv"),
+    cloud: str = typer.Option(..., "--cloud", help="aws or gcp"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Import a SkyPilot-format catalog: what was kept, and each rejected row with its reason."""
+    from infra.catalog import load_skypilot_file
+
+    table = load_skypilot_file(path, cloud=cloud)
+    if as_json:
+        typer.echo(json.dumps({"kept": len(table.rows), "rejected": [
+            {"line": r.line, "reason": r.reason} for r in table.rejected]}, indent=2))
+        return
+    typer.echo(table.report())
+
+
+@app.command("provision")
+def provision(
+    provider: str = typer.Option(..., "--provider", help="aws or gcp"),
+    run: str = typer.Option(..., "--run", help="run id every resource is tagged with"),
+    zone: str = typer.Option(..., "--zone", help="zone such as us-east-1a or us-central1-a"),
+    gpu_type: str = typer.Option(..., "--gpu-type", help="GPU type such as A10G-24 or V100-16"),
+    gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs per VM"),
+    count: int = typer.Option(1, "--count", min=1, help="number of VMs"),
+    market: str = typer.Option("spot", "--market", help="spot or on-demand"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the API requests and hourly cost; rent nothing"),
+) -> None:
+    """Rent VMs for a run (or, with --dry-run, show exactly what would be sent and what it costs)."""
+    from infra.cloud import format_dry_run
+    from infra.provider import VmRequest
+    from sailor_core.domain import Market, default_region
+
+    p = _provider(provider, [default_region(zone)])
+    reqs = [VmRequest(run_id=run, name=f"w{i}", zone=zone, gpu_type=gpu_type, gpus=gpus, market=Market.parse(market))
+            for i in range(count)]
+    vms = _call(p.provision, reqs, dry_run=dry_run)
+    if dry_run:
+        typer.echo(format_dry_run(p.last_dry_run))
+        return
+    for v in vms:
+        typer.echo(f"{v.vm_id} {v.zone} {v.gpus}x {v.gpu_type} {v.market.value} {v.address} ${v.usd_per_hour:.4f}/h")
+    for f in getattr(p, "fallbacks", []):
+        typer.echo(f"capacity fallback: {f.name} {f.requested_zone} -> {f.zone} ({f.reason})")
+    typer.echo(f"hourly cost: ${sum(v.usd_per_hour for v in vms):.4f}/h; remove with: sailor infra cleanup "
+               f"--provider {provider} --run {run}")
+
+
+def _configured(name: str) -> bool:
+    env = os.environ
+    if name == "gcp":
+        return bool(env.get("SAILOR_GCP_PROJECT") or env.get("GOOGLE_CLOUD_PROJECT"))
+    from infra.aws import credentials_available
+
+    return credentials_available()
+
+
+@app.command("cleanup")
+def cleanup(
+    provider: str = typer.Option(None, "--provider", help="aws or gcp (default: every configured cloud)"),
+    run: str = typer.Option(None, "--run", help="run id (default: every sailor run)"),
+    region: list[str] = typer.Option(None, "--region", help="region to search (repeatable; default: configured)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed; remove nothing"),
+) -> None:
+    """Find and remove every resource a run (or every run) left: VMs, disks, security groups, firewalls."""
+    names = [provider] if provider else [n for n in ("aws", "gcp") if _configured(n)]
+    verb = "would remove" if dry_run else "removed"
+    total = 0
+    for name in names:
+        p = _provider(name, region)
+        removed = _call(p.cleanup_resources, run, dry_run=dry_run)
+        for r in removed:
+            typer.echo(f"{name}: {verb} {r}")
+        total += len(removed)
+        if not removed:
+            typer.echo(f"{name}: nothing left by {'run ' + run if run else 'any sailor run'}")
+    typer.echo(f"{verb} {total} resource(s)")
