@@ -141,6 +141,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
         max_stages=opts.max_stages,
         exhaustive_partitions_up_to=opts.exhaustive_partitions_up_to,
         keep=opts.rescore_top,
+        patience=opts.patience,
     )
     costs = SimCosts(book, precision=opts.precision)
     search = Search(problem, costs)

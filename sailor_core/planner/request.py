@@ -96,6 +96,9 @@ class SearchOptions:
     exhaustive_partitions_up_to: int = 64
     # Candidates re-scored with the full simulator before the final choice.
     rescore_top: int = 24
+    # Stop adding pipeline stages after this many stage counts in a row whose best plan is more
+    # than 5% worse than the best so far (0: search every stage count).
+    patience: int = 4
     frontier_points: int = 24
     precision: str = "fp32"
     schedule: str = "1f1b"

@@ -59,6 +59,8 @@ class Problem:
     max_stages: int = 26
     exhaustive_partitions_up_to: int = 64
     keep: int = 24  # best candidates returned
+    patience: int = 4  # stop adding stages after this many stage counts without a near-best plan (0: never)
+    patience_slack: float = 0.05  # "near-best": within 5% of the best score so far
 
 
 @dataclass(frozen=True, order=True)
@@ -96,6 +98,16 @@ class Candidate:
     score: float  # lower is better for the request's objective
 
 
+@dataclass(frozen=True)
+class _Floor:
+    """Lower-bound terms of one (mbs, partition): fill + (m - 1) x max(tau + cycle_add, cycle_floor)."""
+
+    fill: float
+    cycle_add: float
+    cycle_floor: float
+    rate: float  # USD/hour of the cheapest GPUs per pipeline
+
+
 @dataclass
 class Counters:
     configurations: int = 0
@@ -118,6 +130,8 @@ class Search:
         self.points: list[tuple[float, float, Sketch]] = []  # (iterations/s, USD/iteration, sketch)
         self.incumbent = math.inf
         self.nearest: tuple[float, str] | None = None  # smallest violation seen, and its reason
+        self._p2p_floor: dict[tuple[int, int], float] = {}
+        self._round_best = math.inf
 
     # -- objective -------------------------------------------------------------------------
     def score(self, e: Estimate) -> float:
@@ -231,6 +245,8 @@ class Search:
         self.points.append((e.iterations_per_s, e.usd_per_iteration, sk))
         cand = Candidate(sketch=sk, estimate=e, score=self.score(e))
         v = self.violation(e)
+        if v <= 0:
+            self._round_best = min(self._round_best, cand.score)
         if v > 0:
             if self.nearest is None or v < self.nearest[0]:
                 self.nearest = (v, _describe_violation(self.pb.constraints, e))
@@ -254,10 +270,20 @@ class Search:
         for mbs in sorted(pb.mbs_values, reverse=True):
             if pb.global_batch_size % mbs:
                 continue
+            misses = 0
             for p in range(1, max_p + 1):
+                self._round_best = math.inf
                 for bounds in self.partitions(p, mbs):
                     self.count.configurations += 1
                     self.sweep(mbs, bounds)
+                # Patience: deeper pipelines only add bubbles and sends once memory and GPU types
+                # are served; stop after `patience` stage counts in a row that come nowhere near.
+                if self._round_best > self.incumbent * (1 + pb.patience_slack):
+                    misses += 1
+                    if pb.patience and misses >= pb.patience:
+                        break
+                else:
+                    misses = 0
         self.rebalance_pass()
         return self.best()
 
@@ -312,32 +338,66 @@ class Search:
         min_rate = [
             min(tp * slots[g].usd_per_gpu_hour for g, row in enumerate(table[s]) for tp, _ in row) for s in range(p)
         ]
-        lb_fill = sum(best_t)
+        # Network and optimizer floors: every boundary sends at least its cheapest message, each
+        # stage's cycle includes its sends, and some stage's optimizer step ends the iteration.
+        pmin = [self.p2p_floor(mbs, bounds[b][1]) for b in range(p - 1)]
+        comm = [2 * ((pmin[s - 1] if s > 0 else 0.0) + (pmin[s] if s < p - 1 else 0.0)) for s in range(p)]
+        opt_lb = max(
+            min(self.costs.optimizer_s(slots[g].gpu_type, mbs, tp, *bounds[s]) for g, row in enumerate(table[s])
+                for tp, _ in row)
+            for s in range(p)
+        )
+        lb = _Floor(fill=sum(best_t) + 2 * sum(pmin) + opt_lb, cycle_add=min(comm),
+                    cycle_floor=max(best_t[s] + comm[s] for s in range(p)), rate=sum(min_rate))
         d_cap = max(1, self.total_gpus // max(1, sum(min_gpus)))
         d_list = self.d_values(n, d_cap)
         if not d_list:
             return
         taus = sorted({t for s in range(p) for row in table[s] for _, t in row if t >= max(best_t)})
         for tau in taus:
-            if self.bound(tau, lb_fill, n, d_list, sum(min_rate)) >= self.incumbent:
+            if self.bound(tau, lb, n, d_list) >= self.incumbent:
                 self.count.pruned += 1
                 break
-            self.assign(mbs, bounds, table, tau, n, d_list, lb_fill, sum(min_rate))
+            self.assign(mbs, bounds, table, tau, n, d_list, lb)
 
-    def bound(self, tau: float, lb_fill: float, n: int, d_list: Sequence[int], rate_per_pipe: float) -> float:
-        """A lower bound on the score of anything with bottleneck >= tau (and of the whole sweep)."""
+    def p2p_floor(self, mbs: int, last: int) -> float:
+        """The cheapest one-way message after layer `last` over any pair of GPU kinds in one zone."""
+        key = (mbs, last)
+        v = self._p2p_floor.get(key)
+        if v is None:
+            c = self.costs
+            v = math.inf
+            for a in self.pb.slots:
+                for ta in self.pb.tp_values:
+                    if ta > a.gpus_per_node or not c.profiled(a.gpu_type, mbs, ta):
+                        continue
+                    msg = c.boundary_bytes(ta, last, mbs)
+                    for b in self.pb.slots:
+                        for tb in self.pb.tp_values:
+                            if tb > b.gpus_per_node or not c.profiled(b.gpu_type, mbs, tb):
+                                continue
+                            for za, _ in a.zones:
+                                for zb, _ in b.zones:
+                                    v = min(v, c.p2p_s(a, ta, za, b, tb, zb, msg))
+            v = 0.0 if v is math.inf else v
+            self._p2p_floor[key] = v
+        return v
+
+    def bound(self, tau: float, lb: _Floor, n: int, d_list: Sequence[int]) -> float:
+        """A lower bound on the score of anything with compute bottleneck >= tau."""
         o = self.pb.objective
         c = self.pb.constraints
         best = math.inf
+        cycle = max(tau + lb.cycle_add, lb.cycle_floor)
         for d in d_list:
             m = -(-n // d)
-            t = lb_fill + (m - 1) * tau
+            t = lb.fill + (m - 1) * cycle
             if c.min_iterations_per_s is not None and 1.0 / t < c.min_iterations_per_s * 0.98:
                 continue  # too slow at this D whatever it runs on
             if o is Objective.MAX_THROUGHPUT:
                 best = min(best, t)
             else:
-                usd = t * d * rate_per_pipe / SECONDS_PER_HOUR
+                usd = t * d * lb.rate / SECONDS_PER_HOUR
                 if o is Objective.MIN_COST_PER_TOKEN:
                     usd = usd / (self.pb.global_batch_size * self.pb.tokens_per_sample) * 1e6
                 best = min(best, usd)
@@ -351,8 +411,7 @@ class Search:
         tau: float,
         n: int,
         d_list: Sequence[int],
-        lb_fill: float,
-        rate_lb: float,
+        lb: _Floor,
     ) -> None:
         """DP over stages at bottleneck tau: cheapest per-pipeline GPU usage per slot-usage vector."""
         self.count.assignments += 1
@@ -415,7 +474,7 @@ class Search:
                     break
             if pick is None:
                 continue
-            if self.bound(tau, lb_fill, n, [d], rate_lb) >= self.incumbent:
+            if self.bound(tau, lb, n, [d]) >= self.incumbent:
                 continue
             kinds = self._reconstruct(layers, pick)
             if self.quick_bound(mbs, bounds, kinds, d, n) >= self.incumbent:
@@ -427,17 +486,25 @@ class Search:
                     n: int) -> float:
         """Score lower bound of a sketch without network terms (they only add time and egress)."""
         slots = self.pb.slots
-        ts = [self.costs.compute(slots[si].gpu_type, mbs, tp, a, b).total_s for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
+        c = self.costs
+        ts = [c.compute(slots[si].gpu_type, mbs, tp, a, b).total_s for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
         m = -(-n // d)
         t = sum(ts) + (m - 1) * max(ts)
-        c = self.pb.constraints
-        if c.min_iterations_per_s is not None and 1.0 / t < c.min_iterations_per_s * 0.98:
+        # Stage 0's gradient ring starts when the pipeline ends (nothing hides it) and the optimizer
+        # step follows: both bound the iteration from below. Its ring on one zone is the fastest it
+        # can be (a cross-zone ring is slower).
+        (a0, b0), (s0, tp0) = bounds[0], kinds[0]
+        if d > 1:
+            t += c.allreduce_s(slots[s0], tp0, ((slots[s0].zones[0][0], d),), c.grad_bytes(tp0, a0, b0))
+        t += max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b) for (a, b), (si, tp) in zip(bounds, kinds, strict=True))
+        cons = self.pb.constraints
+        if cons.min_iterations_per_s is not None and 1.0 / t < cons.min_iterations_per_s * 0.98:
             return math.inf
         o = self.pb.objective
         if o is Objective.MAX_THROUGHPUT:
             return t
         usd = t * d * sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds) / SECONDS_PER_HOUR
-        if c.max_usd_per_iteration is not None and usd > c.max_usd_per_iteration * 1.02:
+        if cons.max_usd_per_iteration is not None and usd > cons.max_usd_per_iteration * 1.02:
             return math.inf
         if o is Objective.MIN_COST_PER_TOKEN:
             usd = usd / (self.pb.global_batch_size * self.pb.tokens_per_sample) * 1e6
@@ -457,7 +524,9 @@ class Search:
     def partitions(self, p: int, mbs: int) -> Iterator[tuple[tuple[int, int], ...]]:
         L = self.pb.num_layers
         seen: set[tuple[tuple[int, int], ...]] = set()
-        if math.comb(L - 1, p - 1) <= self.pb.exhaustive_partitions_up_to:
+        # Every split when there are few (small models, 2 stages); deep pipelines of a large model
+        # have few splits too (p close to L) but nothing to gain from them beyond uniform/balanced.
+        if math.comb(L - 1, p - 1) <= self.pb.exhaustive_partitions_up_to and 2 * (p - 1) <= L - 1:
             for cuts in combinations(range(1, L), p - 1):
                 b = _bounds_from_cuts(cuts, L)
                 seen.add(b)

@@ -1,0 +1,77 @@
+"""Small synthetic profile books for planner tests: few layers, random but plausible profiles.
+
+Every value is made up (seeded), so tests can build many different small worlds in which an
+exhaustive search is affordable. They go through the same ProfileBook -> simulator path as the
+published data.
+"""
+
+from __future__ import annotations
+
+import random
+
+from sailor_core.domain import (
+    GIB,
+    BandwidthFit,
+    EgressPrice,
+    GpuPrice,
+    GpuType,
+    IntraNodeLink,
+    LayerProfile,
+    LayerSpec,
+    Market,
+    ModelSpec,
+    NetworkLink,
+)
+from sailor_core.profiles import ProfileBook
+
+MODEL = "tiny"
+
+
+def tiny_book(seed: int, *, num_blocks: int = 4, gpus: tuple[str, ...] = ("fast", "slow"),
+              zones: tuple[str, ...] = ("r1-a", "r1-b"), memory_gib: tuple[float, ...] = (6.0, 3.0)) -> ProfileBook:
+    rng = random.Random(seed)
+    n_layers = num_blocks + 2
+    tps = (1, 2)
+    layers = []
+    for tp in tps:
+        for i in range(n_layers):
+            kind = "embedding" if i == 0 else "head" if i == n_layers - 1 else "block"
+            params = int(rng.uniform(20e6, 60e6) / tp) if kind == "block" else int(30e6 / tp)
+            layers.append(LayerSpec(index=i, kind=kind, tp=tp, params=params, act_output_elems=1_000_000,
+                                    act_input_elems=1_000_000, act_memory_bytes=int(rng.uniform(50e6, 150e6) / tp)))
+    model = ModelSpec(name=MODEL, num_blocks=num_blocks, hidden_size=512, num_heads=8, sequence_length=1024,
+                      vocab_size=1000, layers=tuple(layers))
+    gpu_types = {
+        g: GpuType(name=g, memory_bytes=int(mem * GIB), gpus_per_node=2) for g, mem in zip(gpus, memory_gib, strict=True)
+    }
+    speed = {g: rng.uniform(1.0, 1.3) * (1 + 1.5 * k) for k, g in enumerate(gpus)}
+    base = [rng.uniform(0.004, 0.012) for _ in range(n_layers)]
+    profiles: dict[tuple[str, int, int], tuple[LayerProfile, ...]] = {}
+    for g in gpus:
+        for mbs in (1, 2, 4):
+            for tp in tps:
+                rows = []
+                for i in range(n_layers):
+                    f = base[i] * speed[g] * mbs ** 0.85 / tp ** 0.8
+                    rows.append(LayerProfile(model=MODEL, gpu_type=g, mbs=mbs, tp=tp, layer=i, forward_s=f,
+                                             backward_s=2 * f, optimizer_s=0.004 * speed[g] / tp))
+                profiles[(g, mbs, tp)] = tuple(rows)
+    links = []
+    for za in zones:
+        for zb in zones:
+            for ga in gpus:
+                for gb in gpus:
+                    for cnt in (1, 2):
+                        gbps = (rng.uniform(8, 12) if za == zb else rng.uniform(2, 4)) * cnt
+                        links.append(NetworkLink(sender_zone=za, sender_gpu=ga, sender_count=cnt, receiver_zone=zb,
+                                                 receiver_gpu=gb, receiver_count=cnt,
+                                                 fit=BandwidthFit(coeffs=(0.0, 0.0, gbps), max_bytes_per_s=gbps * 1e9)))
+    intra = [IntraNodeLink(gpu_type=g, num_gpus=2, fit=BandwidthFit(coeffs=(0.0, 0.0, 80.0), max_bytes_per_s=80e9))
+             for g in gpus]
+    egress = [EgressPrice(sender_zone=a, receiver_zone=b, usd_per_gb=0.0 if a == b else 0.01) for a in zones for b in zones]
+    price = {g: 3.0 / (1 + k) for k, g in enumerate(gpus)}
+    prices = [GpuPrice(cloud="gcp", zone=z, gpu_type=g, market=Market.ON_DEMAND, usd_per_gpu_hour=price[g])
+              for z in zones for g in gpus]
+    return ProfileBook(model=model, gpu_types=gpu_types, layer_profiles=profiles,
+                       framework_overhead_bytes={g: 1 * GIB for g in gpus}, links=tuple(links), intra_node=tuple(intra),
+                       egress=tuple(egress), prices=tuple(prices))
