@@ -6,7 +6,8 @@ Contract:
   installs `install_spec` (a pip requirement such as `sailor-prefect[aws]==0.1.0`, a wheel URL or a
   git URL), then waits for the assignment: on AWS `bootstrap()` writes it to ASSIGNMENT_FILE
   through SSM Run Command (`assignment_commands`); on GCP the script reads it from the instance
-  metadata attribute `sailor-assignment`. It then runs `sailor worker --assignment FILE` under
+  metadata attribute `sailor-assignment` (and keeps watching it: a new plan version's assignment
+  restarts the agent). It then runs `sailor worker --assignment FILE` under
   systemd, restarting on failure, with SAILOR_METADATA=aws|gcp so the agent polls the metadata
   service for interruption notices (infra/metadata.py) and checkpoints just in time.
 - The script carries no credentials: the VM's rights come from its instance role / service
@@ -16,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from collections.abc import Mapping
@@ -41,10 +43,23 @@ def render_startup_script(
                SAILOR_ASSIGNMENT_FILE=ASSIGNMENT_FILE)
     env_lines = "\n".join(f"Environment={shlex.quote(f'{k}={v}')}" for k, v in sorted(env.items()))
     if cloud == "gcp":
-        wait = (
-            f'until curl -sf -H "Metadata-Flavor: Google" "{GCP_METADATA_URL}/{GCP_ASSIGNMENT_KEY}" '
-            f"-o {ASSIGNMENT_FILE}.tmp; do sleep 5; done\nmv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE}"
-        )
+        url = f"{GCP_METADATA_URL}/{GCP_ASSIGNMENT_KEY}"
+        wait = f"""until curl -sf -H "Metadata-Flavor: Google" "{url}" -o {ASSIGNMENT_FILE}.tmp; do sleep 5; done
+mv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE}
+# A new plan version sets a new assignment: install it and restart the agent (it checkpoints on SIGTERM).
+cat > /opt/sailor/watch-assignment.sh <<'WATCH'
+#!/bin/bash
+while true; do
+  if curl -sf -H "Metadata-Flavor: Google" "{url}?wait_for_change=true&timeout_sec=300" -o {ASSIGNMENT_FILE}.new \\
+     && ! cmp -s {ASSIGNMENT_FILE}.new {ASSIGNMENT_FILE}; then
+    mv {ASSIGNMENT_FILE}.new {ASSIGNMENT_FILE}
+    systemctl restart sailor-worker.service
+  fi
+  sleep 1
+done
+WATCH
+chmod +x /opt/sailor/watch-assignment.sh
+nohup /opt/sailor/watch-assignment.sh >/var/log/sailor-assignment.log 2>&1 &"""
     else:
         wait = f"until [ -s {ASSIGNMENT_FILE} ]; do sleep 5; done  # written by SSM Run Command (bootstrap)"
     return f"""#!/bin/bash
@@ -76,13 +91,9 @@ systemctl enable --now sailor-worker.service
 
 
 def assignment_json(assignment: WorkerAssignment) -> str:
+    """The assignment file the worker agent reads (the same fields the local provider writes)."""
     forbid_credentials(assignment.env, where=f"assignment of run {assignment.run_id}")
-    return json.dumps({
-        "run_id": assignment.run_id, "plan_version": assignment.plan_version, "plan_json": assignment.plan_json,
-        "rendezvous_endpoint": assignment.rendezvous_endpoint, "ranks": list(assignment.ranks),
-        "world_size": assignment.world_size, "checkpoint_uri": assignment.checkpoint_uri,
-        "data_uri": assignment.data_uri, "env": dict(assignment.env),
-    }, sort_keys=True)
+    return json.dumps(dataclasses.asdict(assignment), sort_keys=True)
 
 
 def assignment_commands(assignment: WorkerAssignment) -> list[str]:
