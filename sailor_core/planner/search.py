@@ -418,69 +418,77 @@ class Search:
         slots = self.pb.slots
         k = self.n_slots
         # options[s] = [(slot, tp, price per hour of one replica)]
+        # Each stage, each slot: the smallest TP that meets tau. The DP keeps, per usage vector, the
+        # lexicographically best (primary, secondary) value: for throughput the summed stage times
+        # (the pipeline fill) then the price; for cost objectives the price then the times.
+        thr = self.pb.objective is Objective.MAX_THROUGHPUT
         options = []
         for row in table:
             opts = []
             for g, cand in enumerate(row):
                 for tp, t in cand:
                     if t <= tau:
-                        opts.append((g, tp, tp * slots[g].usd_per_gpu_hour))
+                        price = tp * slots[g].usd_per_gpu_hour
+                        opts.append((g, tp, t if thr else price, price if thr else t))
                         break
             if not opts:
                 return
             options.append(opts)
         zero = (0,) * k
-        layers: list[dict[tuple[int, ...], tuple[float, tuple[int, ...] | None, tuple[int, int] | None]]] = []
-        states: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None, tuple[int, int] | None]] = {
-            zero: (0.0, None, None)
-        }
+        Val = tuple[float, float, tuple[int, ...] | None, tuple[int, int] | None]
+        layers: list[dict[tuple[int, ...], Val]] = []
+        states: dict[tuple[int, ...], Val] = {zero: (0.0, 0.0, None, None)}
+        caps = self.caps
         for opts in options:
-            nxt: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None, tuple[int, int] | None]] = {}
-            for u, (rate, _, _) in states.items():
-                for g, tp, price in opts:
-                    if u[g] + tp > self.caps[g]:
+            nxt: dict[tuple[int, ...], Val] = {}
+            for u, (p1, p2, _, _) in states.items():
+                for g, tp, x1, x2 in opts:
+                    if u[g] + tp > caps[g]:
                         continue
                     v = u[:g] + (u[g] + tp,) + u[g + 1 :]
-                    r = rate + price
+                    q1 = p1 + x1
+                    q2 = p2 + x2
                     old = nxt.get(v)
-                    if old is None or r < old[0] - 1e-12:
-                        nxt[v] = (r, u, (g, tp))
+                    if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and q2 < old[1] - 1e-12):
+                        nxt[v] = (q1, q2, u, (g, tp))
             if not nxt:
                 return
             layers.append(nxt)
             states = nxt
-        # D-capacity of each end state, then for each D the cheapest state that D copies fit.
+        # D-capacity of each end state; for each D the best state on either key among those D copies fit.
         ends = []
-        for u, (rate, _, _) in states.items():
-            d_max = min((self.caps[g] // u[g] for g in range(k) if u[g]), default=0)
+        for u, (p1, p2, _, _) in states.items():
+            d_max = min((caps[g] // u[g] for g in range(k) if u[g]), default=0)
             if self.pb.max_gpus is not None:
                 d_max = min(d_max, self.pb.max_gpus // max(1, sum(u)))
-            ends.append((d_max, rate, u))
-        ends.sort(key=lambda e: (-e[0], e[1], e[2]))
-        # suffix minimum of rate over states with d_max >= D
-        best_by_d: list[tuple[int, float, tuple[int, ...]]] = []
-        cur: tuple[float, tuple[int, ...]] | None = None
-        for d_max, rate, u in ends:
-            if cur is None or rate < cur[0]:
-                cur = (rate, u)
-            best_by_d.append((d_max, cur[0], cur[1]))
-        # evaluate each D in d_list with the cheapest state that fits it
+            ends.append((d_max, p1, p2, u))
+        ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
+        best_by_d: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        c1: tuple[float, tuple[int, ...]] | None = None
+        c2: tuple[float, tuple[int, ...]] | None = None
+        for d_max, p1, p2, u in ends:
+            if c1 is None or p1 < c1[0] - 1e-12:
+                c1 = (p1, u)
+            if c2 is None or p2 < c2[0] - 1e-12:
+                c2 = (p2, u)
+            best_by_d.append((d_max, c1[1], c2[1]))
         for d in reversed(d_list):
-            pick = None
-            for d_max, _rate, u in best_by_d:
+            picks: tuple[tuple[int, ...], ...] = ()
+            for d_max, u1, u2 in best_by_d:
                 if d_max >= d:
-                    pick = u  # best_by_d is sorted by d_max desc with running minimum: last valid wins
+                    picks = (u1, u2)  # sorted by d_max desc with running minima: the last valid wins
                 else:
                     break
-            if pick is None:
+            if not picks:
                 continue
             if self.bound(tau, lb, n, [d]) >= self.incumbent:
                 continue
-            kinds = self._reconstruct(layers, pick)
-            if self.quick_bound(mbs, bounds, kinds, d, n) >= self.incumbent:
-                self.count.pruned += 1
-                continue
-            self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
+            for pick in dict.fromkeys(picks):
+                kinds = self._reconstruct(layers, pick)
+                if self.quick_bound(mbs, bounds, kinds, d, n) >= self.incumbent:
+                    self.count.pruned += 1
+                    continue
+                self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
 
     def quick_bound(self, mbs: int, bounds: Sequence[tuple[int, int]], kinds: Sequence[tuple[int, int]], d: int,
                     n: int) -> float:
@@ -515,7 +523,7 @@ class Search:
         kinds = []
         u: tuple[int, ...] | None = end
         for layer in reversed(layers):
-            _, prev, kind = layer[u]
+            _, _, prev, kind = layer[u]
             kinds.append(kind)
             u = prev
         return tuple(reversed(kinds))
