@@ -2,8 +2,8 @@
 
     python bench/bench_store.py [--rows 100000] [--repeat 3]
 
-Starts its own S3 server (`rclone serve s3` on 127.0.0.1, objects kept as plain files in a temp
-folder), so the S3 column measures the store's S3 code path plus HTTP on loopback, not a network.
+Starts its own S3 server (`rclone serve s3` on 127.0.0.1, rclone's in-memory backend), so the S3
+column measures the store's S3 code path plus HTTP on loopback, not a network or a disk.
 Two paths per backend: the domain API the profiler and planner use (`replace_layer_profiles` with
 LayerProfile objects in, `layer_profiles` with LayerProfile objects out) and the Arrow API
 (`write_table` / `read_table`). Each figure is the median of `--repeat` runs; every write is a
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = _rows(args.rows)
     with tempfile.TemporaryDirectory() as tmp:
         local = measure(str(Path(tmp) / "local"), rows, args.repeat)
-        with LocalS3Server(Path(tmp) / "s3") as server:
+        with LocalS3Server() as server:
             server.create_bucket("bench")
             s3 = measure(server.uri("bench", "store"), rows, args.repeat)
     print(f"profile store throughput, {args.rows:,} layer-profile rows, median of {args.repeat} (rows/s)")

@@ -75,8 +75,14 @@ class Location:
 
     def get(self, path: str) -> bytes:
         def read() -> bytes:
-            with self.fs.open_input_stream(path) as f:
-                return bytes(f.read())
+            try:
+                with self.fs.open_input_stream(path) as f:
+                    return bytes(f.read())
+            except OSError as e:
+                # Deleted between the existence check and the GET: as absent as never having been.
+                if not isinstance(e, FileNotFoundError) and re.search(r"no_such_key|nosuchkey|not_found", str(e).lower()):
+                    raise FileNotFoundError(str(e)) from None
+                raise
 
         return self.call(f"read {self.display(path)}", read)
 

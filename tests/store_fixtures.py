@@ -30,8 +30,8 @@ BACKENDS = [
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3Server]:
-    with LocalS3Server(tmp_path_factory.mktemp("s3")) as server:
+def s3_server() -> Iterator[LocalS3Server]:
+    with LocalS3Server() as server:
         server.create_bucket(BUCKET)
         yield server
 

@@ -418,3 +418,33 @@ def test_concurrent_replaces_leave_exactly_one_of_them(store_uri):
         th.join()
     got = set(store.layer_profiles("Tiny"))
     assert any(got == set(s) for s in sets)
+
+
+def test_readers_during_replaces_always_see_one_whole_generation(store_uri):
+    store = empty_store(store_uri)
+    model = tiny_model()
+    gens = [profiles(model, "TestGPU", [(1, 1), (2, 1)], scale=float(g)) for g in range(1, 9)]
+    store.replace_layer_profiles("Tiny", "TestGPU", gens[0], provenance=PROV)
+    seen: list[set] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        reader = open_store(store_uri, seed=False)
+        try:
+            while not done.is_set():
+                seen.append(set(reader.layer_profiles("Tiny")))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    th = threading.Thread(target=read)
+    th.start()
+    try:
+        for rows in gens[1:]:
+            store.replace_layer_profiles("Tiny", "TestGPU", rows, provenance=PROV)
+    finally:
+        done.set()
+        th.join()
+    assert not errors
+    whole = [set(g) for g in gens]
+    assert seen and all(s in whole for s in seen)
