@@ -163,6 +163,12 @@ def test_preemption_operation_and_status_become_events(env) -> None:
     assert got[1].detail["state"] == "TERMINATED"
     clock.tick()
     assert provider.events("R_1", since=clock.now - timedelta(seconds=1)) == []  # reported once
+    # The preempted (zone, shape) leaves spot offerings for the cooldown; placement skips it too.
+    offered = {(o.zone, o.market) for o in provider.offerings(gpu_types=["V100-16"])}
+    assert ("us-central1-a", Market.SPOT) not in offered and ("us-central1-a", Market.ON_DEMAND) in offered
+    (moved,) = provider.provision([req("w9", "us-central1-a")])
+    assert moved.zone == "us-central1-b" and "preempted there recently" in provider.fallbacks[-1].reason
+    provider.terminate([moved.vm_id])
     clock.tick()
     events.preemption(vms[1])
     prices.set(instance_type=V100_1, zone="europe-west4-a", market=Market.SPOT, usd_per_hour=1.64)

@@ -19,7 +19,9 @@ Contract:
   `dry_run=True` sends nothing and records the exact requests and hourly cost in `last_dry_run`.
 - `bootstrap()` sends the assignment with SSM Run Command (the VM's instance profile must allow
   SSM); `events()` reports instance state (spot terminations, lost VMs), spot request status
-  (marked-for-termination), the injected source's notices and price moves; `cleanup(run_id)`
+  (marked-for-termination), the injected source's notices and price moves; a spot interruption
+  takes that (zone, type) out of spot offerings and placement for `interruption_cooldown_s`;
+  `cleanup(run_id)`
   terminates tagged instances, waits for them, and deletes the run's volumes and security groups.
 """
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from infra.aws.instance_types import QUOTA_CODES, SHAPES, InstanceShape, smallest_shape
@@ -103,6 +105,9 @@ class AwsConfig:
     instance_profile: str = ""  # name of an instance profile that allows SSM and the store bucket
     zones: tuple[str, ...] = ()  # allowed zones (empty: every zone of the regions)
     max_vms_per_offering: int = 4  # cap per (zone, type, market) where no quota is readable
+    # After a spot VM of a type is interrupted in a zone, that (zone, type) is not offered or used
+    # for spot for this long: the cloud just showed it has no spare capacity there.
+    interruption_cooldown_s: float = 900.0
     wait_delay_s: float = 5.0
     wait_attempts: int = 120
 
@@ -131,6 +136,11 @@ class AwsProvider:
         self._region_of: dict[str, str] = {}
         self._terminated_by_us: set[str] = set()
         self._zone_types: dict[str, dict[str, set[str]]] = {}
+        self._blocked: dict[tuple[str, str], datetime] = {}  # (zone, type) -> spot unusable until
+
+    def _spot_blocked(self, zone: str, instance_type: str, market: Market) -> bool:
+        until = self._blocked.get((zone, instance_type))
+        return market is Market.SPOT and until is not None and self.clock() < until
 
     # -- helpers -------------------------------------------------------------------------------
     def ec2(self, region: str) -> Any:
@@ -220,7 +230,7 @@ class AwsProvider:
                 for zone in sorted(zones_of.get(shape.instance_type, ())):
                     for m in mks:
                         q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
-                        if q is None:
+                        if q is None or self._spot_blocked(zone, shape.instance_type, m):
                             continue
                         vms = self._free_vms(zone, shape, m, in_use)
                         if vms <= 0:
@@ -363,6 +373,9 @@ class AwsProvider:
             region = default_region(zone)
             if self.config.zones and zone not in self.config.zones:
                 continue
+            if self._spot_blocked(zone, shape.instance_type, r.market):
+                tried.append(f"{zone} (spot interrupted there recently)")
+                continue
             if self._free_vms(zone, shape, r.market, self._in_use(region)) < 1:
                 tried.append(f"{zone} (SailorCapReached: quota or max_vms_per_offering used up)")
                 continue
@@ -489,8 +502,17 @@ class AwsProvider:
             new += self._watch.check(live, lambda v: self._instance_type(v, all_vms))
         except Exception:  # a price feed being down is not an event; the last prices stay in force
             pass
+        self._note_interruptions(new, all_vms, now)
         self._log.add(run_id, new)
         return self._log.since(run_id, since)
+
+    def _note_interruptions(self, events: Sequence[ProviderEvent], described: Sequence[tuple[str, dict[str, Any]]],
+                            now: datetime) -> None:
+        types = {i["InstanceId"]: i["InstanceType"] for _, i in described}
+        for e in events:
+            if e.kind in (EventKind.PREEMPTION, EventKind.LOST) and e.market is Market.SPOT and e.vm_id in types \
+                    and e.vm_id not in self._terminated_by_us:
+                self._blocked[(e.zone, types[e.vm_id])] = now + timedelta(seconds=self.config.interruption_cooldown_s)
 
     @staticmethod
     def _instance_type(vm: Vm, described: Sequence[tuple[str, dict[str, Any]]]) -> str:

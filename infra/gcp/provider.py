@@ -19,7 +19,9 @@ Contract (the Provider protocol of infra/provider.py):
   `dry_run=True` sends nothing and keeps the exact requests and the hourly cost in `last_dry_run`.
 - `bootstrap()` sets metadata `sailor-assignment`, which the startup script waits for.
 - `events()` reports the zone operation `compute.instances.preempted` (PREEMPTION), instances
-  stopped or gone without our asking (LOST), the event source's notices and price moves.
+  stopped or gone without our asking (LOST), the event source's notices and price moves. A SPOT
+  preemption takes that (zone, shape) out of spot offerings and placement for
+  `interruption_cooldown_s` (GCE just showed it has no spare capacity there).
 - `cleanup(run_id)` deletes the run's labelled instances and its firewall; `None` means every run.
 """
 
@@ -29,7 +31,7 @@ import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from infra.bootstrap import GCP_ASSIGNMENT_KEY, assignment_json, render_startup_script
@@ -116,6 +118,9 @@ class GcpConfig:
     spot_termination_action: str = "STOP"  # STOP keeps the preempted VM visible until cleanup
     zones: tuple[str, ...] = ()  # allowed zones (empty: every zone of the regions)
     max_vms_per_offering: int = 4  # cap per (zone, shape, market) where the region shows no quota
+    # After a SPOT VM of a shape is preempted in a zone, that (zone, shape) is not offered or used for
+    # spot for this long: GCE just showed it has no spare capacity there.
+    interruption_cooldown_s: float = 900.0
     op_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -152,6 +157,12 @@ class GcpProvider:
         self._zones_of: dict[str, list[str]] = {}
         self._deleted_by_us: set[str] = set()
         self._known: dict[str, dict[str, Vm]] = {}
+        self._types: dict[str, str] = {}  # vm id -> instance type
+        self._blocked: dict[tuple[str, str], datetime] = {}  # (zone, shape) -> spot unusable until
+
+    def _spot_blocked(self, zone: str, instance_type: str, market: Market) -> bool:
+        until = self._blocked.get((zone, instance_type))
+        return market is Market.SPOT and until is not None and self.clock() < until
 
     @property
     def c(self) -> GceClients:
@@ -244,7 +255,7 @@ class GcpProvider:
                         continue
                     for m in mks:
                         q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
-                        if q is None:
+                        if q is None or self._spot_blocked(zone, shape.instance_type, m):
                             continue
                         gpus = self._free_gpus(zone, shape, m, quotas, in_use)
                         if gpus <= 0:
@@ -370,6 +381,9 @@ class GcpProvider:
         tried: list[str] = []
         for zone in self._candidates(r, shape):
             region = default_region(zone)
+            if self._spot_blocked(zone, shape.instance_type, r.market):
+                tried.append(f"{zone} (spot preempted there recently)")
+                continue
             quotas = self._quotas(region)
             if shape.quota_metric(r.market) not in quotas and \
                     self._free_gpus(zone, shape, r.market, quotas, self._in_use(region)) < shape.gpus:
@@ -389,6 +403,7 @@ class GcpProvider:
                 continue
             vm = self._vm(c.instances.get(project=self.project, zone=zone, instance=body["name"]))
             self._known.setdefault(r.run_id, {})[vm.vm_id] = vm
+            self._types[vm.vm_id] = shape.instance_type
             if zone != r.zone:
                 self.fallbacks.append(FallbackRecord(name=r.name, requested_zone=r.zone, zone=zone,
                                                      reason="; ".join(tried)))
@@ -452,6 +467,7 @@ class GcpProvider:
         now = self.clock()
         raw = self._list(run_id)
         vms = {vid: self._vm(i) for vid, i in raw.items()}
+        self._types.update({vid: _instance_type(i) for vid, i in raw.items()})
         known = self._known.setdefault(run_id, {})
         known.update(vms)
         new: list[ProviderEvent] = []
@@ -484,6 +500,10 @@ class GcpProvider:
             new += self._watch.check(live, lambda v: self._instance_type(v, raw))
         except Exception:  # a price feed being down is not an event; the last prices stay in force
             pass
+        for e in new:
+            if e.kind in (EventKind.PREEMPTION, EventKind.LOST) and e.market is Market.SPOT and e.vm_id in self._types \
+                    and e.vm_id not in self._deleted_by_us:
+                self._blocked[(e.zone, self._types[e.vm_id])] = now + timedelta(seconds=self.config.interruption_cooldown_s)
         self._log.add(run_id, new)
         return self._log.since(run_id, since)
 
