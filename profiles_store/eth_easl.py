@@ -200,10 +200,10 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
                     for rz, by_rg in by_rz.items():
                         for rg, by_rc in by_rg.items():
                             for rc, leaf in by_rc.items():
-                                key = (sz, sg, int(sc), rz, rg, int(rc))
-                                if key in link_files:
+                                link_key = (sz, sg, int(sc), rz, rg, int(rc))
+                                if link_key in link_files:
                                     continue
-                                link_files[key] = f"sailor/providers/{fname}"
+                                link_files[link_key] = f"sailor/providers/{fname}"
                                 links.append(
                                     NetworkLink(
                                         sender_zone=sz, sender_gpu=sg, sender_count=int(sc),

@@ -309,6 +309,9 @@ class ProfileStore:
         """
         spec = _spec(name)
         where = dict(where or {})
+        unknown = sorted(set(where) - set(spec.columns))
+        if unknown:
+            raise SailorError(f"table {spec.name} has no column(s) {unknown}; its columns are {list(spec.columns)}")
         for attempt in range(4):
             files = self._files(spec, where)
             try:
