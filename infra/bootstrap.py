@@ -7,9 +7,11 @@ Contract:
   git URL), then waits for the assignment: on AWS `bootstrap()` writes it to ASSIGNMENT_FILE
   through SSM Run Command (`assignment_commands`); on GCP the script reads it from the instance
   metadata attribute `sailor-assignment` (and keeps watching it: a new plan version's assignment
-  restarts the agent). It then runs `sailor worker --assignment FILE` under
-  systemd, restarting on failure, with SAILOR_METADATA=aws|gcp so the agent polls the metadata
-  service for interruption notices (infra/metadata.py) and checkpoints just in time.
+  restarts the agent). It then runs the runtime's worker in controlled mode
+  (`python -m sailor_core.runtime.worker_proc --control <rendezvous> --worker-id <vm id>`, both from
+  the assignment) under systemd, and a second unit, `python -m infra.metadata --exec ...`, that
+  polls the metadata service (SAILOR_METADATA=aws|gcp) and SIGTERMs the worker on an imminent
+  interruption notice, so it checkpoints just in time.
 - The script carries no credentials: the VM's rights come from its instance role / service
   account. `render_startup_script` refuses an `env` that names secrets.
 - Rendering is pure: the same arguments give the same script (tests compare it byte for byte).
@@ -73,32 +75,54 @@ if ! [ -x {VENV}/bin/sailor ]; then
   {VENV}/bin/pip install --quiet {shlex.quote(install_spec)}
 fi
 {wait}
+# The runtime's worker in controlled mode, under the VM's id, meeting the controller of the assignment.
+cat > /opt/sailor/run-worker.sh <<'RUN'
+#!/bin/bash
+set -euo pipefail
+read -r endpoint vm_id < <({VENV}/bin/python -c 'import json, sys; a = json.load(open(sys.argv[1])); print(a["rendezvous_endpoint"], a["vm_id"])' {ASSIGNMENT_FILE})
+exec {VENV}/bin/python -m sailor_core.runtime.worker_proc --control "$endpoint" --worker-id "$vm_id"
+RUN
+chmod +x /opt/sailor/run-worker.sh
 cat > /etc/systemd/system/sailor-worker.service <<'UNIT'
 [Unit]
 Description=sailor worker agent (run {run_id})
 After=network-online.target
 [Service]
 {env_lines}
-ExecStart={VENV}/bin/sailor worker --assignment {ASSIGNMENT_FILE}
+ExecStart=/opt/sailor/run-worker.sh
+KillSignal=SIGTERM
+TimeoutStopSec=110
 Restart=on-failure
 RestartSec=5
 [Install]
 WantedBy=multi-user.target
 UNIT
+# Interruption notices from the metadata service: SIGTERM the worker at once (it checkpoints on SIGTERM).
+cat > /etc/systemd/system/sailor-notice.service <<'UNIT'
+[Unit]
+Description=sailor interruption-notice watcher (run {run_id})
+After=network-online.target
+[Service]
+{env_lines}
+ExecStart={VENV}/bin/python -m infra.metadata --exec "systemctl kill --signal=SIGTERM sailor-worker.service"
+Restart=always
+[Install]
+WantedBy=multi-user.target
+UNIT
 systemctl daemon-reload
-systemctl enable --now sailor-worker.service
+systemctl enable --now sailor-worker.service sailor-notice.service
 """
 
 
-def assignment_json(assignment: WorkerAssignment) -> str:
-    """The assignment file the worker agent reads (the same fields the local provider writes)."""
+def assignment_json(assignment: WorkerAssignment, vm_id: str) -> str:
+    """The assignment file on the VM: every WorkerAssignment field, plus the VM's id (its worker id)."""
     forbid_credentials(assignment.env, where=f"assignment of run {assignment.run_id}")
-    return json.dumps(dataclasses.asdict(assignment), sort_keys=True)
+    return json.dumps({**dataclasses.asdict(assignment), "vm_id": vm_id}, sort_keys=True)
 
 
-def assignment_commands(assignment: WorkerAssignment) -> list[str]:
+def assignment_commands(assignment: WorkerAssignment, vm_id: str) -> list[str]:
     """Shell commands (SSM AWS-RunShellScript) that install a new assignment and restart the agent."""
-    body = assignment_json(assignment)
+    body = assignment_json(assignment, vm_id)
     return [
         "mkdir -p /etc/sailor",
         f"printf '%s' {shlex.quote(body)} > {ASSIGNMENT_FILE}.tmp",

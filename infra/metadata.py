@@ -14,6 +14,8 @@ Contract:
   MetadataUnavailable and `watch` keeps polling.
 - `poller_from_env(env)` picks the poller from SAILOR_METADATA (aws | gcp, set by the startup
   script); SAILOR_METADATA_URL overrides the base URL (tests point it at a local fake).
+- `python -m infra.metadata --exec CMD` (the VM's notice unit) watches and runs CMD once on the
+  first imminent notice (the startup script passes a command that SIGTERMs the worker).
 Only the standard library; nothing here needs a cloud SDK or credentials.
 """
 
@@ -174,3 +176,33 @@ def poller_from_env(env: Mapping[str, str]) -> Poller | None:
     if cloud == "gcp":
         return GcpMetadataPoller(base_url=url or GCP_METADATA_URL)
     return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+    import subprocess
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m infra.metadata", description="watch interruption notices")
+    ap.add_argument("--exec", dest="command", required=True, help="shell command to run on an imminent notice")
+    ap.add_argument("--interval-s", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    poller = poller_from_env(os.environ)
+    if poller is None:
+        print("SAILOR_METADATA is not aws or gcp: nothing to watch", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_notice(n: Notice) -> None:
+        print(f"notice: {n.kind} {n.action} at {n.at}", flush=True)
+        if n.imminent:
+            subprocess.run(args.command, shell=True, check=False)
+            stop.set()
+
+    watch(poller, on_notice, stop, interval_s=args.interval_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -27,7 +27,9 @@ def test_startup_script_is_valid_bash_deterministic_and_starts_the_worker(cloud:
     path = tmp_path / "s.sh"
     path.write_text(s)
     subprocess.run(["bash", "-n", str(path)], check=True)
-    assert f"ExecStart=/opt/sailor/venv/bin/sailor worker --assignment {ASSIGNMENT_FILE}" in s
+    assert "python -m sailor_core.runtime.worker_proc --control \"$endpoint\" --worker-id \"$vm_id\"" in s
+    assert f"a[\"rendezvous_endpoint\"], a[\"vm_id\"])' {ASSIGNMENT_FILE}" in s
+    assert 'python -m infra.metadata --exec "systemctl kill --signal=SIGTERM sailor-worker.service"' in s
     assert "Environment=SAILOR_METADATA=" + cloud in s
     assert ("sailor-assignment?wait_for_change=true" in s) == (cloud == "gcp")
 
@@ -37,7 +39,7 @@ def test_no_secret_reaches_a_vm() -> None:
         render_startup_script(cloud="aws", install_spec="x", run_id="r", vm_name="w",
                               env={"AWS_SECRET_ACCESS_KEY": "abc"})
     with pytest.raises(ProviderError, match="GCS_TOKEN"):
-        assignment_json(dataclasses.replace(A, env={"GCS_TOKEN": "t"}))
+        assignment_json(dataclasses.replace(A, env={"GCS_TOKEN": "t"}), "i-1")
     with pytest.raises(ValueError, match="cloud must be"):
         render_startup_script(cloud="azure", install_spec="x", run_id="r", vm_name="w")
 
@@ -45,7 +47,8 @@ def test_no_secret_reaches_a_vm() -> None:
 def test_ssm_commands_write_the_assignment_the_worker_reads(tmp_path) -> None:
     target = tmp_path / "etc-sailor"
     cmds = [c.replace("/etc/sailor", str(target)).replace("systemctl restart sailor-worker.service", "true")
-            for c in assignment_commands(A)]
+            for c in assignment_commands(A, "i-0abc")]
     subprocess.run(["bash", "-euc", "\n".join(cmds)], check=True)
     got = json.loads((target / "assignment.json").read_text())
-    assert got == {**dataclasses.asdict(A), "ranks": [2, 3]}  # every field, as the local provider writes it
+    # every field, as the local provider writes it, plus the worker id the VM's worker runs under
+    assert got == {**dataclasses.asdict(A), "ranks": [2, 3], "vm_id": "i-0abc"}

@@ -130,3 +130,17 @@ def test_watch_calls_back_once_per_notice_then_stops(meta) -> None:
     assert not t.is_alive()
     assert [n.kind for n in got] in (["spot-interruption", "rebalance-recommendation"],
                                      ["rebalance-recommendation", "spot-interruption"])
+
+
+def test_notice_unit_runs_its_command_once_on_an_imminent_notice(meta, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    flag = tmp_path / "sigterm-sent"
+    meta.preempted = "TRUE"
+    env = {**os.environ, "SAILOR_METADATA": "gcp", "SAILOR_METADATA_URL": meta.url}
+    done = subprocess.run([sys.executable, "-m", "infra.metadata", "--exec", f"echo x >> {flag}", "--interval-s", "0.05"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "notice: preempted" in done.stdout
+    assert flag.read_text() == "x\n"

@@ -470,7 +470,7 @@ class AwsProvider:
             self._client_for("ssm", region).send_command(
                 InstanceIds=[vm.vm_id], DocumentName="AWS-RunShellScript",
                 Comment=f"sailor run {assignment.run_id} plan v{assignment.plan_version}",
-                Parameters={"commands": assignment_commands(assignment)})
+                Parameters={"commands": assignment_commands(assignment, vm.vm_id)})
         except ProviderError:
             raise
         except Exception as e:

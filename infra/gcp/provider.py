@@ -445,7 +445,7 @@ class GcpProvider:
 
     def bootstrap(self, vm: Vm, assignment: WorkerAssignment) -> None:
         zone, name = vm.vm_id.split("/", 1)
-        value = assignment_json(assignment)
+        value = assignment_json(assignment, vm.vm_id)
         c = self.c
         try:
             inst = c.instances.get(project=self.project, zone=zone, instance=name)
