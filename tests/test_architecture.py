@@ -32,7 +32,8 @@ def modules(package: str) -> list[Path]:
 
 
 FORBIDDEN = {
-    "sailor_core": {"prefect", "flows", "tasks", "infra", "profiles_store", "sailor_cli", "pyarrow"} | CLOUD_SDKS,
+    # pyarrow is allowed in the runtime (datasets, checkpoints on object storage), never in PURE below.
+    "sailor_core": {"prefect", "flows", "tasks", "infra", "profiles_store", "sailor_cli"} | CLOUD_SDKS,
     "profiles_store": {"prefect", "flows", "tasks", "infra", "sailor_cli", "torch"} | CLOUD_SDKS,
     "infra": {"flows", "tasks", "sailor_cli"},
     "tasks": {"flows", "sailor_cli"},
