@@ -233,9 +233,10 @@ class LocalProvider:
         return out
 
     def _used_by_market(self) -> dict[str, int]:
+        # A VM under a preemption notice no longer counts: its slot left the capacity with the notice.
         used: dict[str, int] = {}
         for rec in self._records():
-            if rec["state"] in LIVE_STATES:
+            if rec["state"] == "running":
                 used[rec["market"]] = used.get(rec["market"], 0) + rec["gpus"]
         return used
 

@@ -1,0 +1,150 @@
+# ruff: noqa: F811  (pytest fixtures imported from tests/flow_fixtures.py are parameters here)
+"""The `sailor` flow under prefect_test_harness, on the local provider and the real runtime.
+
+Each test trains gpt-tiny for a few dozen steps on 1-2 local worker slots (a few seconds of
+training; most of the time is starting torch workers), with a scenario scripting what the test is
+about, then checks the run history, the decisions and their reasons, and that no worker process
+or VM outlived the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.params import InvalidParameters
+from infra.local import LocalProvider, _group_alive
+from tests.flow_fixtures import prefect_harness, profiled_store  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def scenario(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "scenario.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def run(store: str, tmp_path: Path, name: str, **kw):
+    from flows.sailor import sailor
+
+    args = dict(run_name=name, model="gpt-tiny", global_batch_size=8, objective="min-cost", provider="local",
+                workers=2, steps=24, checkpoint_interval=4, store_uri=store, workdir=str(tmp_path / "work"))
+    args.update(kw)
+    return sailor(**args, return_state=True)
+
+
+def history(store: str, name: str):
+    from profiles_store.store import open_store
+    from tasks.history import RunHistory
+
+    h = RunHistory(open_store(store))
+    runs = [r for r in h.list_runs() if r.get("name") == name]
+    assert runs, f"no run named {name} in the history"
+    return h.show(runs[-1]["run_id"])
+
+
+def assert_nothing_left(tmp_path: Path, run_id: str) -> None:
+    root = tmp_path / "work" / "runs" / run_id / "local"
+    p = LocalProvider(root)
+    assert [v.vm_id for v in p.list_vms(run_id) if v.state in ("running", "preempting")] == []
+    for f in (root / "vms").glob("*.json"):
+        pid = json.loads(f.read_text()).get("pid")
+        assert not (pid and _group_alive(int(pid))), f"worker process group {pid} outlived the run"
+
+
+def kinds(run) -> list[str]:
+    return [e["kind"] for e in run["events"]]
+
+
+def test_happy_path_trains_to_completion_and_leaves_nothing(profiled_store, tmp_path):
+    state = run(profiled_store, tmp_path, "happy", steps=16)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert summary["steps_done"] == 16 and summary["plan_versions"] >= 1
+    r = history(profiled_store, "happy")
+    assert r["status"] == "completed"
+    assert {"provisioned", "training_started", "completed", "teardown"} <= set(kinds(r))
+    assert r["plans"][0]["plan"]["format"] == "sailor-plan"
+    assert any(m["kind"] == "iteration_time" for m in r["measurements"])  # measured vs estimated
+    assert_nothing_left(tmp_path, r["run_id"])
+    # A second run with the same name keeps the first one's history.
+    state2 = run(profiled_store, tmp_path, "happy", steps=4)
+    assert state2.is_completed()
+    from profiles_store.store import open_store
+    from tasks.history import RunHistory
+
+    same = [x for x in RunHistory(open_store(profiled_store)).list_runs() if x["name"] == "happy"]
+    assert len(same) == 2 and same[0]["run_id"] != same[1]["run_id"]
+    assert same[0]["steps_done"] == 16 and same[1]["steps_done"] == 4
+
+
+def test_preemption_then_a_price_change_worth_switching(profiled_store, tmp_path):
+    sc = scenario(tmp_path, """
+offerings:
+  - {market: spot, count: 2, usd_per_gpu_hour: 0.10}
+  - {market: on-demand, count: 2, usd_per_gpu_hour: 0.30}
+events:
+  - {at_step: 5, kind: preemption, market: spot, grace_s: 1}
+  - {at_step: 13, kind: price_change, market: spot, usd_per_gpu_hour: 40.0}
+""")
+    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=30)
+    assert state.is_completed(), state.message
+    r = history(profiled_store, "preempt")
+    ks = kinds(r)
+    assert r["status"] == "completed"
+    assert "preemption" in ks and "price_change" in ks and ks.count("reconfigured") >= 2
+    switches = [d for d in r["decisions"] if d["kind"] == "switch"]
+    assert any("preemption" in d["reason"] and "lost" in d["reason"] for d in switches)
+    priced = [d for d in switches if "price_change" in d["reason"]]
+    assert priced and "switch pays" in priced[0]["reason"] and priced[0]["detail"]["decision"]["gain"] > 0
+    # The last plan runs on on-demand: spot became dearer than the switch cost.
+    last = r["plans"][-1]["plan"]
+    assert {rep["market"] for st in last["stages"] for rep in st["replicas"]} == {"on-demand"}
+    assert_nothing_left(tmp_path, r["run_id"])
+
+
+def test_a_small_price_change_is_not_worth_a_switch(profiled_store, tmp_path):
+    sc = scenario(tmp_path, """
+offerings:
+  - {market: spot, count: 1, usd_per_gpu_hour: 0.10}
+  - {market: on-demand, count: 1, usd_per_gpu_hour: 0.30}
+events:
+  - {at_step: 4, kind: price_change, market: spot, usd_per_gpu_hour: 0.31}
+""")
+    state = run(profiled_store, tmp_path, "smallprice", scenario=sc, steps=16)
+    assert state.is_completed(), state.message
+    r = history(profiled_store, "smallprice")
+    priced = [d for d in r["decisions"] if "price_change" in d["reason"]]
+    assert priced and priced[0]["kind"] == "stay" and "not worth the switch" in priced[0]["reason"]
+    assert priced[0]["detail"]["decision"]["gain"] < 0
+    assert "reconfigured" not in kinds(r) and len(r["plans"]) == 1
+    assert_nothing_left(tmp_path, r["run_id"])
+
+
+def test_invalid_parameters_fail_before_anything_is_provisioned(profiled_store, tmp_path):
+    state = run(profiled_store, tmp_path, "invalid", global_batch_size=0, objective="fastest", steps=None)
+    assert state.is_failed()
+    with pytest.raises(InvalidParameters) as e:
+        state.result()
+    msg = str(e.value)
+    assert "global_batch_size" in msg and "objective" in msg and "steps or token_budget" in msg
+    assert not (tmp_path / "work").exists()  # no run folder, no slot, no VM
+
+
+def test_a_failure_after_provisioning_still_tears_down(profiled_store, tmp_path):
+    from flows.sailor import Deps
+    from profiles_store.store import open_store
+
+    # The worker agent cannot start on the rented VMs (a broken image, say).
+    provider = LocalProvider(tmp_path / "local", agent_command=lambda vm, a, slot: [str(tmp_path / "no-such-agent")])
+    deps = Deps(provider=provider, store=open_store(profiled_store), workdir=tmp_path / "work")
+    state = run(profiled_store, tmp_path, "broken", deps=deps)
+    assert state.is_failed()
+    r = history(profiled_store, "broken")
+    assert r["status"] == "failed" and "cannot start the worker agent" in r["status_reason"]
+    assert "provisioned" in kinds(r) and "teardown" in kinds(r)
+    vms = provider.list_vms(r["run_id"])
+    assert vms and all(v.state == "terminated" for v in vms)
