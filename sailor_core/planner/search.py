@@ -285,6 +285,7 @@ class Search:
                 else:
                     misses = 0
         self.rebalance_pass()
+        self.local_pass()
         return self.best()
 
     def best(self) -> list[Candidate]:
@@ -534,7 +535,7 @@ class Search:
         seen: set[tuple[tuple[int, int], ...]] = set()
         # Every split when there are few (small models, 2 stages); deep pipelines of a large model
         # have few splits too (p close to L) but nothing to gain from them beyond uniform/balanced.
-        if math.comb(L - 1, p - 1) <= self.pb.exhaustive_partitions_up_to and 2 * (p - 1) <= L - 1:
+        if math.comb(L - 1, p - 1) <= self.pb.exhaustive_partitions_up_to and (2 * (p - 1) <= L - 1 or L <= 12):
             for cuts in combinations(range(1, L), p - 1):
                 b = _bounds_from_cuts(cuts, L)
                 seen.add(b)
@@ -553,6 +554,47 @@ class Search:
                     seen.add(bal)
                     yield bal
                 break  # the smallest profiled TP of each GPU type is enough to shape the split
+
+    def local_pass(self, top: int = 8, rounds: int = 2) -> None:
+        """Network-aware polish: the DP sees compute, memory and price only, so among equally fast
+        choices (the same GPU in two zones at different prices) it cannot tell which keeps pipeline
+        sends and gradient rings inside a zone. Try, on the best sketches, every other GPU kind on
+        one stage and every swap of two stages' kinds, scored by the full estimate."""
+        pb = self.pb
+        for _ in range(rounds):
+            before = self.incumbent
+            for cand in self.best()[:top]:
+                sk = cand.sketch
+                p = sk.num_stages
+                kinds_all = [
+                    (g, tp) for g, slot in enumerate(pb.slots) for tp in pb.tp_values
+                    if tp <= slot.gpus_per_node and self.costs.profiled(slot.gpu_type, sk.mbs, tp)
+                ]
+                for s in range(p):
+                    first, last = sk.bounds[s]
+                    for k in kinds_all:
+                        if k == sk.kinds[s]:
+                            continue
+                        if not self.costs.fits(pb.slots[k[0]].gpu_type, k[1], first, last, mbs=sk.mbs, in_flight=p - s,
+                                               first_stage=s == 0, last_stage=s == p - 1):
+                            continue
+                        kinds = sk.kinds[:s] + (k,) + sk.kinds[s + 1:]
+                        self.consider(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=kinds, dp=sk.dp))
+                for s in range(p):
+                    for t in range(s + 1, p):
+                        if sk.kinds[s] == sk.kinds[t]:
+                            continue
+                        kinds_l = list(sk.kinds)
+                        kinds_l[s], kinds_l[t] = kinds_l[t], kinds_l[s]
+                        ok = all(
+                            self.costs.fits(pb.slots[kinds_l[i][0]].gpu_type, kinds_l[i][1], *sk.bounds[i], mbs=sk.mbs,
+                                            in_flight=p - i, first_stage=i == 0, last_stage=i == p - 1)
+                            for i in (s, t)
+                        )
+                        if ok:
+                            self.consider(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=tuple(kinds_l), dp=sk.dp))
+            if self.incumbent >= before:
+                break
 
     def rebalance_pass(self) -> None:
         """Re-split the layers of the best sketches for the GPUs they chose (heterogeneous min-max)."""
