@@ -1,0 +1,468 @@
+"""Layer profiler: per-layer forward, backward and optimizer time and activation memory of a model.
+
+Contract: `profile_model(settings, progress=None) -> ModelProfile` measures the model
+`settings.model` (a built-in config of sailor_core.models) on the device at hand, for every
+microbatch size in `settings.mbs` and TP degree in `settings.tp`, with the runtime's own layers
+(sailor_core.models.torch_model.build_layer, Megatron-style TP layers over a real process group):
+- every TP degree runs in `tp` spawned worker processes on this node (one GPU each on CUDA; gloo on
+  CPU, one thread each, as the runtime's workers run); rank 0's times are reported;
+- per layer of the store's indexing (0 embedding, 1..L blocks, L+1 final norm + head, the head's
+  forward including the loss): forward and backward seconds of one microbatch, warm-up excluded,
+  repeated until stable (timing.RepeatPolicy), median reported. CPU: perf_counter; CUDA: CUDA
+  events, synchronised before reading;
+- blocks are identical, so only `settings.blocks` of them are measured and their mean is copied to
+  the others (`all_blocks=True` measures every one);
+- optimizer: one AdamW step (the runtime's settings) over the measured layers' parameters, scaled
+  to the whole model's parameters on one GPU of the TP group; the same value on every layer, as
+  the store's profiles hold it (README section 2a) and the simulator reads it;
+- activation memory kept for backward per layer and sequence: the unique storages torch saves for
+  backward (torch.autograd.graph.saved_tensors_hooks), parameters excluded; on CUDA also the
+  allocator delta across the forward;
+- the framework's fixed memory on this device: on CUDA the device memory in use that the caching
+  allocator does not account for (context, kernels, library workspaces) after a warm-up; on CPU the
+  resident memory of a worker process with torch loaded and warmed up, before any model tensor.
+Out-of-memory at a grid point records that (mbs, tp) as infeasible and goes on. An unknown model,
+an unusable device or a TP degree larger than the node raise `SailorError` before any measurement.
+Nothing is written anywhere: callers store the result (sailor_core.profiler.save), after the whole
+profile succeeded, so an interrupted profile leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import resource
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from sailor_core.catalog import GPU_TYPES
+from sailor_core.domain import LayerProfile, ModelSpec, Provenance, SailorError
+from sailor_core.models.config import TransformerConfig, get_config, model_spec
+from sailor_core.profiler.env import check_device, default_gpu_type, provenance
+from sailor_core.profiler.spawn import run_workers
+from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule
+
+DEFAULT_POLICY = RepeatPolicy(warmup=2, min_reps=5, max_reps=50, rel_err=0.02, time_cap_s=1.0)
+DEFAULT_BLOCKS = 2  # blocks measured when identical blocks are collapsed
+# The runtime's AdamW (sailor_core.runtime.engine; the artifact's ds_config.json): the step's cost
+# does not depend on the values, only on the parameter count, but use the real ones anyway.
+ADAMW = dict(lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=4e-5)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfileSettings:
+    model: str
+    device: str = "cpu"
+    mbs: tuple[int, ...] = (1, 2, 4)
+    tp: tuple[int, ...] = (1,)
+    gpu_type: str | None = None  # None: derived from the device (env.default_gpu_type)
+    blocks: int = DEFAULT_BLOCKS
+    all_blocks: bool = False
+    policy: RepeatPolicy = field(default_factory=lambda: DEFAULT_POLICY)
+    seed: int = 0
+    timeout_s: float = 3600.0
+
+    def config(self) -> TransformerConfig:
+        return get_config(self.model)
+
+    def node_size(self) -> int:
+        """GPUs of this node a TP group may use."""
+        if self.device == "cuda":
+            import torch
+
+            return torch.cuda.device_count()
+        # The local provider's worker slots of GPU type `cpu` (catalog): TP stays inside them.
+        return GPU_TYPES["cpu"].gpus_per_node
+
+    def validate(self) -> TransformerConfig:
+        cfg = self.config()  # unknown model -> SailorError naming the known ones
+        check_device(self.device)
+        if not self.mbs or any(m < 1 for m in self.mbs):
+            raise SailorError(f"microbatch sizes must be >= 1, got {list(self.mbs)}; to fix: e.g. --mbs 1,2,4")
+        if not self.tp or any(t < 1 for t in self.tp):
+            raise SailorError(f"TP degrees must be >= 1, got {list(self.tp)}; to fix: e.g. --tp 1,2")
+        node = self.node_size()
+        too_big = [t for t in self.tp if t > node]
+        if too_big:
+            raise SailorError(
+                f"TP degree {max(too_big)} is larger than this node ({node} "
+                f"{'GPUs' if self.device == 'cuda' else 'cpu worker slots'}); TP stays inside one node; "
+                f"to fix: use --tp values up to {node}"
+            )
+        for t in self.tp:
+            cfg.check_tp(t)  # heads, FFN and vocabulary must split evenly
+        if self.blocks < 1:
+            raise SailorError(f"blocks to measure must be >= 1, got {self.blocks}")
+        return cfg
+
+    def measured_layers(self, cfg: TransformerConfig) -> list[int]:
+        nb = cfg.num_blocks if self.all_blocks else min(self.blocks, cfg.num_blocks)
+        return [0, *range(1, nb + 1), cfg.num_layers - 1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerPoint:
+    """One measured layer at one (mbs, tp)."""
+
+    mbs: int
+    tp: int
+    layer: int
+    forward: Measurement
+    backward: Measurement
+    saved_bytes: int  # unique storages kept for backward, parameters excluded, for the microbatch
+    allocated_bytes: int | None  # CUDA allocator delta across the forward (None on CPU)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Infeasible:
+    mbs: int
+    tp: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    model: str
+    gpu_type: str
+    device: str
+    spec: ModelSpec  # analytic sizes (sailor_core.models.config.model_spec) for the profiled TP degrees
+    profiles: tuple[LayerProfile, ...]  # every layer, measured or copied from a measured block
+    points: tuple[LayerPoint, ...]  # what was measured
+    optimizer_s: dict[int, float]  # per TP degree, whole model on one GPU of the group
+    infeasible: tuple[Infeasible, ...]
+    framework_overhead_bytes: int
+    provenance: Provenance
+
+    def saved_bytes_per_sequence(self, layer: int, tp: int) -> float | None:
+        """Measured bytes kept for backward per sequence: the slope over the profiled mbs (the part
+        that grows with the microbatch), or bytes / mbs when a single mbs was profiled."""
+        pts = sorted((p.mbs, p.saved_bytes) for p in self.points if p.layer == layer and p.tp == tp)
+        if not pts:
+            return None
+        if len(pts) == 1:
+            return pts[0][1] / pts[0][0]
+        xs, ys = [float(m) for m, _ in pts], [float(b) for _, b in pts]
+        xbar, ybar = statistics.fmean(xs), statistics.fmean(ys)
+        return sum((x - xbar) * (y - ybar) for x, y in zip(xs, ys, strict=True)) / sum((x - xbar) ** 2 for x in xs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side
+
+
+def _is_oom(e: BaseException) -> bool:
+    if isinstance(e, MemoryError):
+        return True
+    text = str(e).lower()
+    return type(e).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: the peak is the best there is
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[Any], None], settings: ModelProfileSettings):
+    """Measure every layer at every mbs for one TP degree (= world_size); messages go through `emit`."""
+    import torch
+    import torch.distributed as dist
+
+    from sailor_core.models.tensor_parallel import TPContext
+    from sailor_core.models.torch_model import build_layer, loss_sum
+
+    cfg = settings.config()
+    cuda = settings.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    tp = world_size
+    if tp > 1:
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=tp,
+            timeout=timedelta(seconds=settings.timeout_s),
+        )
+    try:
+        ctx = TPContext(dist.group.WORLD, rank, tp) if tp > 1 else TPContext.single()
+        overhead = _warm_up_and_overhead(torch, dev, cuda)
+        if rank == 0:
+            emit({"kind": "overhead", "tp": tp, "bytes": overhead})
+
+        def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn()
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3, out
+            import time
+
+            t0 = time.perf_counter()
+            out = fn()
+            return time.perf_counter() - t0, out
+
+        flag = torch.zeros(1, dtype=torch.int32, device=dev)
+
+        def agree(stop: bool) -> bool:
+            if tp == 1:
+                return stop
+            flag.fill_(int(stop))
+            dist.broadcast(flag, src=0)
+            return bool(flag.item())
+
+        layers = {i: build_layer(cfg, i, ctx, settings.seed).to(dev) for i in settings.measured_layers(cfg)}
+        head = cfg.num_layers - 1
+        s, h = cfg.sequence_length, cfg.hidden_size
+
+        def make_inputs(i: int, mbs: int):
+            g = torch.Generator(device="cpu").manual_seed(1000 * mbs + i)  # identical on every TP rank
+            if i == 0:
+                return torch.randint(0, cfg.vocab_size, (mbs, s), generator=g).to(dev), None
+            x = torch.randn(mbs, s, h, generator=g).to(dev).requires_grad_(True)
+            tgt = torch.randint(0, cfg.vocab_size, (mbs, s), generator=g).to(dev) if i == head else None
+            return x, tgt
+
+        def forward(i: int, x, tgt):
+            out = layers[i](x)
+            return loss_sum(out, tgt) if i == head else out
+
+        for mbs in sorted(settings.mbs):
+            status = torch.zeros(1, dtype=torch.int32, device=dev)
+            reason = ""
+            results = []
+            try:
+                for i, layer in layers.items():
+                    x, tgt = make_inputs(i, mbs)
+                    run_forward = functools.partial(forward, i, x, tgt)
+                    saved, allocated = _saved_for_backward(torch, layer, run_forward, cuda)
+                    fwd, bwd = _measure_layer(torch, run_forward, x, settings.policy, timed, agree)
+                    results.append(
+                        LayerPoint(
+                            mbs=mbs, tp=tp, layer=i, forward=fwd, backward=bwd,
+                            saved_bytes=saved, allocated_bytes=allocated,
+                        )
+                    )
+                    del x, tgt, run_forward
+            except Exception as e:
+                if not _is_oom(e):
+                    raise
+                status.fill_(1)
+                reason = f"out of memory at mbs={mbs}: {str(e).splitlines()[0][:200]}"
+                if cuda:
+                    torch.cuda.empty_cache()
+            if tp > 1:
+                # Every rank learns whether any rank ran out of memory, so all skip the point together.
+                dist.all_reduce(status, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                if int(status.item()):
+                    emit({"kind": "infeasible", "mbs": mbs, "tp": tp, "reason": reason or "out of memory on another TP rank"})
+                else:
+                    for p in results:
+                        emit({"kind": "point", "point": p})
+        opt_s = _optimizer_step_s(torch, [p for ly in layers.values() for p in ly.parameters()], settings.policy, timed)
+        if rank == 0:
+            emit({"kind": "optimizer", "tp": tp, "seconds": opt_s,
+                  "params": sum(p.numel() for ly in layers.values() for p in ly.parameters())})
+        return None
+    finally:
+        if tp > 1:
+            dist.destroy_process_group()
+
+
+def _measure_layer(torch, run_forward, x, policy: RepeatPolicy, timed, agree) -> tuple[Measurement, Measurement]:
+    """Forward and backward of one microbatch, each timed on its own, repeated until both are stable.
+
+    `agree(stop)` returns rank 0's decision on every rank: TP layers run collectives, so every rank
+    of the group must run the same number of repetitions.
+    """
+    grad_out = None
+    f_rule, b_rule = StopRule(policy), StopRule(policy)
+    while True:
+        if x.requires_grad:
+            x.grad = None  # the input's gradient would otherwise accumulate across repetitions
+        t_f, out = timed(run_forward)
+        if grad_out is None and out.dim() > 0:
+            grad_out = torch.ones_like(out)
+        t_b, _ = timed(functools.partial(out.backward, grad_out))
+        del out  # parameter gradients do accumulate, as over a pipeline's microbatches
+        f_rule.add(t_f)
+        b_rule.add(t_b)
+        if agree(not f_rule.warming() and f_rule.done() and b_rule.done()):
+            return f_rule.result(), b_rule.result()
+
+
+def _warm_up_and_overhead(torch, dev, cuda: bool) -> int:
+    """Load the kernels and libraries a training step uses, then measure what they hold."""
+    a = torch.randn(64, 64, device=dev, requires_grad=True)
+    (a @ a).sum().backward()
+    torch.nn.functional.scaled_dot_product_attention(
+        a.view(1, 1, 64, 64), a.view(1, 1, 64, 64), a.view(1, 1, 64, 64), is_causal=True
+    ).sum().backward()
+    del a
+    if cuda:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free - torch.cuda.memory_reserved())
+    return _rss_bytes()
+
+
+def _saved_for_backward(torch, layer, run_forward: Callable[[], Any], cuda: bool) -> tuple[int, int | None]:
+    """Bytes of the unique non-parameter storages autograd keeps for this layer's backward."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in param_ptrs:
+            storages[ptr] = st.nbytes()
+        return t
+
+    before = torch.cuda.memory_allocated() if cuda else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_forward()
+    allocated = int(torch.cuda.memory_allocated() - before) if cuda else None
+    del out  # frees the graph and what it saved
+    return int(sum(storages.values())), allocated
+
+
+def _optimizer_step_s(torch, params, policy: RepeatPolicy, timed) -> float:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": ADAMW["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"],
+    )
+    rule = StopRule(policy)
+    while True:
+        t, _ = timed(opt.step)
+        rule.add(t)
+        if not rule.warming() and rule.done():
+            return rule.result().median_s
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent side
+
+
+def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], None] | None = None) -> ModelProfile:
+    """Measure the grid; returns every layer's profile (blocks copied where collapsed). Writes nothing."""
+    cfg = settings.validate()
+    gpu_type = settings.gpu_type or default_gpu_type(settings.device)
+    points: list[LayerPoint] = []
+    infeasible: list[Infeasible] = []
+    optimizer: dict[int, tuple[float, int]] = {}
+    overheads: list[int] = []
+
+    for tp in sorted(set(settings.tp)):
+        def on_message(msg: dict, tp: int = tp) -> None:
+            kind = msg["kind"]
+            if kind == "point":
+                points.append(msg["point"])
+            elif kind == "infeasible":
+                infeasible.append(Infeasible(mbs=msg["mbs"], tp=tp, reason=msg["reason"]))
+            elif kind == "optimizer":
+                optimizer[tp] = (msg["seconds"], msg["params"])
+            elif kind == "overhead":
+                overheads.append(int(msg["bytes"]))
+            if progress is not None:
+                progress(msg)
+
+        try:
+            run_workers(layer_worker, tp, (settings,), device=settings.device, on_message=on_message,
+                        timeout_s=settings.timeout_s)
+        except SailorError as e:
+            # A TP group that dies (an out-of-memory kill mid-collective) loses only its own points:
+            # the ones it did not finish are infeasible, the others stay, and the grid goes on.
+            if not _looks_like_oom(str(e)):
+                raise
+            done = {p.mbs for p in points if p.tp == tp} | {x.mbs for x in infeasible if x.tp == tp}
+            for mbs in sorted(set(settings.mbs) - done):
+                infeasible.append(Infeasible(mbs=mbs, tp=tp, reason=str(e)))
+                if progress is not None:
+                    progress({"kind": "infeasible", "mbs": mbs, "tp": tp, "reason": str(e)})
+
+    profiled_tps = sorted({p.tp for p in points})
+    spec = model_spec(cfg, tuple(sorted(set(settings.tp) | {1})))
+    profiles, opt_by_tp = _complete(cfg, spec, gpu_type, points, optimizer)
+    if not profiles:
+        raise SailorError(
+            f"no grid point of {settings.model} could be measured on {settings.device} "
+            f"({'; '.join(x.reason for x in infeasible)[:300]}); to fix: use smaller --mbs or larger --tp"
+        )
+    prov = provenance(
+        "sailor-profiler-layers",
+        settings.device,
+        {
+            "model": settings.model,
+            "gpu_type": gpu_type,
+            "mbs": sorted(settings.mbs),
+            "tp": sorted(settings.tp),
+            "profiled_tp": profiled_tps,
+            "measured_layers": settings.measured_layers(cfg),
+            "all_blocks": settings.all_blocks,
+            "policy": asdict(settings.policy),
+            "statistic": "median",
+            "infeasible": [asdict(x) for x in infeasible],
+        },
+    )
+    return ModelProfile(
+        model=cfg.name,
+        gpu_type=gpu_type,
+        device=settings.device,
+        spec=spec,
+        profiles=tuple(profiles),
+        points=tuple(sorted(points, key=lambda p: (p.tp, p.mbs, p.layer))),
+        optimizer_s=opt_by_tp,
+        infeasible=tuple(sorted(infeasible, key=lambda x: (x.tp, x.mbs))),
+        framework_overhead_bytes=min(overheads) if overheads else 0,
+        provenance=prov,
+    )
+
+
+def _looks_like_oom(text: str) -> bool:
+    t = text.lower()
+    return "out of memory" in t or "exit code -9" in t or "memory" in t and "died" in t
+
+
+def _complete(
+    cfg: TransformerConfig, spec: ModelSpec, gpu_type: str, points: list[LayerPoint], optimizer: dict[int, tuple[float, int]]
+) -> tuple[list[LayerProfile], dict[int, float]]:
+    """Every layer of every measured (mbs, tp): measured layers as is, other blocks the measured blocks' mean."""
+    by_point: dict[tuple[int, int], dict[int, LayerPoint]] = {}
+    for p in points:
+        by_point.setdefault((p.mbs, p.tp), {})[p.layer] = p
+    opt_full: dict[int, float] = {}
+    for tp, (seconds, measured_params) in optimizer.items():
+        full = sum(spec.layer(i, tp).params for i in range(cfg.num_layers))
+        # AdamW is a pass over parameters, gradients and two moments: linear in the parameter count.
+        opt_full[tp] = seconds * full / measured_params if measured_params else seconds
+    out: list[LayerProfile] = []
+    head = cfg.num_layers - 1
+    for (mbs, tp), layers in sorted(by_point.items()):
+        blocks = [layers[i] for i in range(1, head) if i in layers]
+        if 0 not in layers or head not in layers or not blocks or tp not in opt_full:
+            continue  # an incomplete point (its group died mid-way) is not a profile
+        mean_f = statistics.fmean(b.forward.median_s for b in blocks)
+        mean_b = statistics.fmean(b.backward.median_s for b in blocks)
+        for i in range(cfg.num_layers):
+            p = layers.get(i)
+            f, b = (p.forward.median_s, p.backward.median_s) if p else (mean_f, mean_b)
+            if not (math.isfinite(f) and math.isfinite(b)):
+                raise SailorError(f"layer {i} at mbs={mbs} tp={tp} timed as {f}, {b}; the measurement failed")
+            out.append(
+                LayerProfile(
+                    model=cfg.name, gpu_type=gpu_type, mbs=mbs, tp=tp, layer=i,
+                    forward_s=f, backward_s=b, optimizer_s=opt_full[tp],
+                )
+            )
+    return out, opt_full

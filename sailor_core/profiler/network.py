@@ -1,0 +1,360 @@
+"""Network profiler: point-to-point and all-reduce time between local workers, fitted as the store wants.
+
+Contract: `profile_network(settings, progress=None) -> NetworkProfile` spawns `settings.workers`
+processes joined by torch.distributed (gloo on CPU, nccl on CUDA, one GPU per worker) and, for
+message sizes from `min_bytes` to `max_bytes` (each step x`factor`), times
+- point-to-point: a ping-pong between ranks 0 and 1, half the round trip (one send as a pipeline
+  stage sees it; timing one side of a one-way send would time the local copy into the socket);
+- all-reduce: a sum over all workers, started right after a barrier.
+Warm-up repetitions are excluded and each size repeats until its relative standard error is small
+or its time cap is spent (timing.RepeatPolicy); rank 0 decides and broadcasts when to stop so every
+worker runs the same number of collectives. Each size is summarised by its fastest repetition
+(`quantile`, see DEFAULT_QUANTILE), and fitted:
+- `link`: a `NetworkLink` (both ends labelled with zone, GPU type and count 1 GPU per worker) whose
+  `BandwidthFit` is the store's quadratic in u = log2(x/1e6) (fit.fit_bandwidth), predicting one
+  point-to-point transfer of x bytes;
+- `intra_node`: the same fit as an `IntraNodeLink` for 2 GPUs of the node, since the workers share
+  one machine and the simulator reads a same-node transfer (pipeline send or ring all-reduce hop)
+  from the 2-GPU intra-node fit as a GPU pair's bandwidth;
+- `allreduce_fit`: the measured all-reduce of x bytes over all workers in the same form
+  (algorithm bandwidth x / time). The simulator does not read it (it composes all-reduces from
+  pair hops, 2(D-1) t(x/D)); it is kept in the provenance and checks that composition;
+- alpha-beta (latency, bandwidth) for both, kept with the profile and in its provenance.
+Nothing is written anywhere: the caller stores the result (see sailor_core.profiler.save).
+Labels: two local workers are one zone and one GPU type; a link between two machines is measured
+by running `network_worker` on each with a shared init_method (the flow does that).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+from sailor_core.domain import BandwidthFit, IntraNodeLink, NetworkLink, Provenance, SailorError
+from sailor_core.profiler.env import check_device, default_gpu_type, provenance
+from sailor_core.profiler.fit import AlphaBeta, fit_alpha_beta, fit_bandwidth, relative_errors
+from sailor_core.profiler.spawn import run_workers
+from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+DEFAULT_MIN_BYTES = 64 * KIB  # the issue's range: 64 KiB ...
+DEFAULT_MAX_BYTES_CUDA = 1 * GIB  # ... to 1 GiB on GPUs
+# On CPU each gloo worker holds the buffer plus gloo's copies; 256 MiB keeps two workers under about
+# 1.5 GiB on a shared machine while still reaching the flat part of the loopback bandwidth curve.
+DEFAULT_MAX_BYTES_CPU = 256 * MIB
+# Per size: `warmup` unrecorded repetitions at each visit, then REPS_PER_VISIT recorded ones; stop at
+# min_reps..max_reps recorded repetitions, a 2% relative standard error, or 2 s spent on the size.
+DEFAULT_POLICY = RepeatPolicy(warmup=1, min_reps=12, max_reps=60, rel_err=0.02, time_cap_s=2.0)
+REPS_PER_VISIT = 3
+# The statistic a size is summarised by: its fastest repetition (quantile 0). On a shared host a
+# transfer larger than the socket buffer needs both workers on a core at once; when they are not,
+# it waits a scheduler time slice (~1 ms here) and the samples turn bimodal, so the median flips
+# between the link's speed and the scheduler's (on the 2-core dev box, at 1 MiB, the quartiles were
+# 0.42 and 2.0 ms). Nothing makes a transfer faster than the link, so the fastest repetition is the
+# link; the median is kept too. Measured there, the fastest-repetition curve was the smoothest of
+# min/p10/p20/median/mean (worst fit error 0.19 against 0.25-0.29 for the others).
+DEFAULT_QUANTILE = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkSettings:
+    workers: int = 2
+    device: str = "cpu"
+    min_bytes: int = DEFAULT_MIN_BYTES
+    max_bytes: int | None = None  # None: the device's default above
+    factor: int = 2
+    zone: str = "local"
+    gpu_type: str | None = None  # None: derived from the device (env.default_gpu_type)
+    policy: RepeatPolicy = field(default_factory=lambda: DEFAULT_POLICY)
+    quantile: float = DEFAULT_QUANTILE
+    timeout_s: float = 1800.0
+
+    def resolved_max_bytes(self) -> int:
+        if self.max_bytes is not None:
+            return self.max_bytes
+        return DEFAULT_MAX_BYTES_CUDA if self.device == "cuda" else DEFAULT_MAX_BYTES_CPU
+
+    def sizes(self) -> list[int]:
+        lo, hi = self.min_bytes, self.resolved_max_bytes()
+        if lo < 4 or hi < lo:
+            raise SailorError(f"message sizes need 4 <= min_bytes <= max_bytes, got {lo} and {hi}")
+        if self.factor < 2:
+            raise SailorError(f"size factor must be >= 2, got {self.factor}")
+        out, x = [], lo
+        while x <= hi:
+            out.append(x - x % 4)  # whole fp32 elements
+            x *= self.factor
+        if len(out) < 3:
+            raise SailorError(
+                f"{len(out)} message sizes between {lo} and {hi} bytes are too few to fit a bandwidth curve; "
+                f"to fix: use a range spanning at least {self.factor**2}x (e.g. --max-bytes {lo * self.factor**2})"
+            )
+        return out
+
+    def validate(self) -> None:
+        check_device(self.device)
+        if not 0.0 <= self.quantile <= 1.0:
+            raise SailorError(f"quantile must be within [0, 1], got {self.quantile}")
+        if self.workers < 2:
+            raise SailorError(f"the network profiler needs at least 2 workers, got {self.workers}; to fix: --workers 2")
+        if self.device == "cuda":
+            import torch
+
+            n = torch.cuda.device_count()
+            if self.workers > n:
+                raise SailorError(
+                    f"--workers {self.workers} needs {self.workers} GPUs (one per worker) but this node has {n}; "
+                    f"to fix: use --workers {n} or fewer (at least 2), or --device cpu"
+                )
+        self.sizes()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizePoint:
+    message_bytes: int
+    p2p: Measurement
+    allreduce: Measurement
+    quantile: float
+
+    @property
+    def p2p_s(self) -> float:
+        return self.p2p.quantile_s(self.quantile)
+
+    @property
+    def allreduce_s(self) -> float:
+        return self.allreduce.quantile_s(self.quantile)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkProfile:
+    link: NetworkLink
+    intra_node: IntraNodeLink
+    allreduce_fit: BandwidthFit
+    p2p_alpha_beta: AlphaBeta
+    allreduce_alpha_beta: AlphaBeta
+    points: tuple[SizePoint, ...]
+    provenance: Provenance
+
+    def p2p_errors(self) -> list[float]:
+        """Relative error of the link fit's predicted time against the measured time, per size."""
+        return relative_errors(
+            self.link.fit.transfer_time_s, [p.message_bytes for p in self.points], [p.p2p_s for p in self.points]
+        )
+
+    def allreduce_errors(self) -> list[float]:
+        return relative_errors(
+            self.allreduce_fit.transfer_time_s,
+            [p.message_bytes for p in self.points],
+            [p.allreduce_s for p in self.points],
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side (runs in each spawned process)
+
+
+def network_worker(rank: int, world_size: int, init_method: str, emit: Callable[[Any], None], settings: NetworkSettings):
+    """Measure every size; rank 0 returns [(bytes, p2p Measurement, all-reduce Measurement)].
+
+    Sizes are visited round-robin, a few repetitions per visit (the first of each visit is a
+    warm-up, since the caches and socket buffers were just used by another size), until every size
+    is stable or capped. Why round-robin: on a shared host the background load drifts over seconds;
+    measuring each size in its own burst turns that drift into bumps in the curve, while
+    interleaving gives every size the same mix of conditions.
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = settings.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=settings.timeout_s),
+    )
+    try:
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sizes = settings.sizes()
+        # One buffer, viewed at each size: no size pays for a fresh allocation, memory stays at the max.
+        storage = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
+        policy = settings.policy
+
+        def ping_pong(buf) -> float:
+            if rank > 1:
+                return 0.0
+            sync()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, dst=1)
+                dist.recv(buf, src=1)
+            else:
+                dist.recv(buf, src=0)
+                dist.send(buf, dst=0)
+            sync()
+            return (time.perf_counter() - t0) / 2
+
+        def all_reduce(buf) -> float:
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            sync()
+            return time.perf_counter() - t0
+
+        spent = [0.0] * len(sizes)
+        rules = {
+            (i, kind): StopRule(replace(policy, warmup=0), clock=lambda i=i: spent[i])
+            for i in range(len(sizes))
+            for kind in ("p2p", "ar")
+        }
+        done = torch.zeros(len(sizes), dtype=torch.int32, device=dev)
+        reported = set()
+        while not bool(done.all()):
+            for i, size in enumerate(sizes):
+                if int(done[i]):
+                    continue
+                buf = storage[: size // 4]
+                t_visit = time.perf_counter()
+                for kind, step in (("p2p", ping_pong), ("ar", all_reduce)):
+                    for rep in range(policy.warmup + REPS_PER_VISIT):
+                        seconds = step(buf)
+                        if rep >= policy.warmup:
+                            rules[i, kind].add(seconds)
+                spent[i] += time.perf_counter() - t_visit
+            if rank == 0:
+                for i in range(len(sizes)):
+                    if not int(done[i]) and rules[i, "p2p"].done() and rules[i, "ar"].done():
+                        done[i] = 1
+            dist.broadcast(done, src=0)  # every rank follows rank 0's schedule
+            if rank == 0:
+                for i in range(len(sizes)):
+                    if int(done[i]) and i not in reported:
+                        reported.add(i)
+                        emit(
+                            {
+                                "done": len(reported),
+                                "total": len(sizes),
+                                "bytes": sizes[i],
+                                "p2p_s": rules[i, "p2p"].result().quantile_s(settings.quantile),
+                                "allreduce_s": rules[i, "ar"].result().quantile_s(settings.quantile),
+                            }
+                        )
+        if rank != 0:
+            return None
+        return [(size, rules[i, "p2p"].result(), rules[i, "ar"].result()) for i, size in enumerate(sizes)]
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent side
+
+
+def profile_network(settings: NetworkSettings, progress: Callable[[dict], None] | None = None) -> NetworkProfile:
+    """Measure and fit the network between `settings.workers` local workers; writes nothing."""
+    settings.validate()
+    gpu_type = settings.gpu_type or default_gpu_type(settings.device)
+    rows = run_workers(
+        network_worker, settings.workers, (settings,), device=settings.device, on_message=progress, timeout_s=settings.timeout_s
+    )
+    return fit_network(rows, settings, gpu_type)
+
+
+def fit_network(rows, settings: NetworkSettings, gpu_type: str) -> NetworkProfile:
+    points = tuple(SizePoint(message_bytes=b, p2p=p, allreduce=a, quantile=settings.quantile) for b, p, a in rows)
+    sizes = [p.message_bytes for p in points]
+    p2p_t = [p.p2p_s for p in points]
+    ar_t = [p.allreduce_s for p in points]
+    link = NetworkLink(
+        sender_zone=settings.zone,
+        sender_gpu=gpu_type,
+        sender_count=1,
+        receiver_zone=settings.zone,
+        receiver_gpu=gpu_type,
+        receiver_count=1,
+        fit=fit_bandwidth(sizes, p2p_t),
+    )
+    intra = IntraNodeLink(gpu_type=gpu_type, num_gpus=2, fit=link.fit)
+    ar_fit = fit_bandwidth(sizes, ar_t)
+    p2p_ab = fit_alpha_beta(sizes, p2p_t)
+    ar_ab = fit_alpha_beta(sizes, ar_t)
+    prov = provenance(
+        "sailor-profiler-network",
+        settings.device,
+        {
+            "workers": settings.workers,
+            "zone": settings.zone,
+            "gpu_type": gpu_type,
+            "sizes_bytes": sizes,
+            "policy": asdict(settings.policy),
+            "statistic": f"quantile {settings.quantile}",
+            "p2p_alpha_beta": asdict(p2p_ab),
+            "allreduce_alpha_beta": asdict(ar_ab),
+            "allreduce_fit": {"coeffs": list(ar_fit.coeffs), "max_bytes_per_s": ar_fit.max_bytes_per_s},
+            "p2p_s": p2p_t,
+            "allreduce_s": ar_t,
+        },
+    )
+    return NetworkProfile(
+        link=link,
+        intra_node=intra,
+        allreduce_fit=ar_fit,
+        p2p_alpha_beta=p2p_ab,
+        allreduce_alpha_beta=ar_ab,
+        points=points,
+        provenance=prov,
+    )
+
+
+def summary_rows(profile: NetworkProfile) -> list[dict[str, Any]]:
+    """Per size: measured and predicted p2p and all-reduce times (for tables and benches)."""
+    out = []
+    for p, e_p, e_a in zip(profile.points, profile.p2p_errors(), profile.allreduce_errors(), strict=True):
+        out.append(
+            {
+                "bytes": p.message_bytes,
+                "p2p_measured_s": p.p2p_s,
+                "p2p_median_s": p.p2p.median_s,
+                "p2p_predicted_s": profile.link.fit.transfer_time_s(p.message_bytes),
+                "p2p_err": e_p,
+                "p2p_alpha_beta_s": profile.p2p_alpha_beta.transfer_time_s(p.message_bytes),
+                "p2p_reps": p.p2p.reps,
+                "allreduce_measured_s": p.allreduce_s,
+                "allreduce_median_s": p.allreduce.median_s,
+                "allreduce_predicted_s": profile.allreduce_fit.transfer_time_s(p.message_bytes),
+                # the simulator's composition for a 2-worker ring: 2(D-1) hops of x/D bytes each
+                "allreduce_ring_s": _ring_allreduce_s(profile, p.message_bytes),
+                "allreduce_err": e_a,
+                "allreduce_reps": p.allreduce.reps,
+            }
+        )
+    return out
+
+
+def _ring_allreduce_s(profile: NetworkProfile, message_bytes: int) -> float:
+    d = int(json.loads(profile.provenance.settings)["workers"])
+    return 2 * (d - 1) * profile.link.fit.transfer_time_s(message_bytes / d)
+
+
+def to_json(profile: NetworkProfile) -> str:
+    return json.dumps(
+        {
+            "link": {"coeffs": profile.link.fit.coeffs, "max_bytes_per_s": profile.link.fit.max_bytes_per_s},
+            "allreduce": {"coeffs": profile.allreduce_fit.coeffs, "max_bytes_per_s": profile.allreduce_fit.max_bytes_per_s},
+            "p2p_alpha_beta": asdict(profile.p2p_alpha_beta),
+            "allreduce_alpha_beta": asdict(profile.allreduce_alpha_beta),
+            "points": summary_rows(profile),
+        },
+        indent=1,
+    )
