@@ -99,7 +99,9 @@ def plan(
     else:
         _print(result, variations, out, frontier_png)
     if result.plan is None:
-        raise typer.Exit(1)
+        # SystemExit, not typer.Exit: click swallows Exit's code when the entry point runs it
+        # with standalone_mode=False.
+        raise SystemExit(1)
 
 
 def _brief(r: PlanResult) -> dict[str, Any]:

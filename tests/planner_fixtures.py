@@ -28,10 +28,10 @@ MODEL = "tiny"
 
 
 def tiny_book(seed: int, *, num_blocks: int = 4, gpus: tuple[str, ...] = ("fast", "slow"),
-              zones: tuple[str, ...] = ("r1-a", "r1-b"), memory_gib: tuple[float, ...] = (6.0, 3.0)) -> ProfileBook:
+              zones: tuple[str, ...] = ("r1-a", "r1-b"), memory_gib: tuple[float, ...] = (6.0, 3.0),
+              tps: tuple[int, ...] = (1, 2)) -> ProfileBook:
     rng = random.Random(seed)
     n_layers = num_blocks + 2
-    tps = (1, 2)
     layers = []
     for tp in tps:
         for i in range(n_layers):

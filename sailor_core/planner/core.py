@@ -161,6 +161,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
             iterations_per_s=r.throughput_iterations_per_s,
         )
+        problems.extend(_over_pool(pl, pool, request.restrictions.max_gpus))
         if not r.fits_memory:
             worst = r.oom[0]
             problems.append(f"stage {worst.stage} replica {worst.replica} is {worst.bytes_over / 2**30:.2f} GiB over memory")
@@ -183,8 +184,19 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
         simulated=simulated,
         pruned=search.count.pruned,
     )
+    if costs.missing:
+        misses.append(
+            "plans needing these links were skipped: " + "; ".join(sorted(costs.missing)[:4])
+            + " (to fix: sailor profile network between them)"
+        )
     if best is None:
-        if closest is not None:
+        c = request.constraints
+        relaxed: list[str] = []
+        if slots and (c.min_iterations_per_s or c.max_usd_per_iteration or c.max_usd_per_hour):
+            relaxed = _relaxed_misses(request, book)
+        if relaxed:
+            misses[:0] = relaxed
+        elif closest is not None:
             misses.insert(0, f"closest plan: {closest[1]}")
         elif search.nearest is not None:
             misses.insert(0, f"closest estimate {search.nearest[1]}")
@@ -202,6 +214,40 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
         explanation=explain(request, pl, r, cand, slots, frontier),
         nearest_miss="; ".join(misses),
     )
+
+
+def _over_pool(pl: ParallelPlan, pool: ResourcePool, max_gpus: int | None) -> list[str]:
+    """A plan may use no more GPUs than the pool offers per (zone, type, market), nor than max_gpus."""
+    have = {(e.zone, e.gpu_type, e.market): e.count for e in pool.entries}
+    out = [f"uses {n} {g} ({mk.value}) in {z} but the pool has {have.get((z, g, mk), 0)}"
+           for (z, g, mk), n in pl.gpus_by_place().items() if n > have.get((z, g, mk), 0)]
+    if max_gpus is not None and pl.num_gpus > max_gpus:
+        out.append(f"uses {pl.num_gpus} GPUs > max_gpus {max_gpus}")
+    return out
+
+
+def _relaxed_misses(request: PlanRequest, book: ProfileBook) -> list[str]:
+    """Without the constraints: how close do the fastest and the cheapest plans come to them?"""
+    from dataclasses import replace
+
+    from sailor_core.planner.request import Constraints
+
+    c = request.constraints
+    out = []
+    goals = []
+    if c.min_iterations_per_s is not None:
+        goals.append((Objective.MAX_THROUGHPUT, "the fastest plan"))
+    if c.max_usd_per_iteration is not None or c.max_usd_per_hour is not None:
+        goals.append((Objective.MIN_COST, "the cheapest plan"))
+    for obj, label in goals:
+        r = plan(replace(request, objective=obj, constraints=Constraints()), book)
+        if r.plan is None or r.estimate is None:
+            return []  # nothing fits at all: the memory explanation is the answer
+        e = r.estimate
+        broken = c.violations(usd_per_iteration=e.usd_per_iteration, usd_per_hour=e.usd_per_hour,
+                              iterations_per_s=e.throughput_iterations_per_s)
+        out.append(f"{label} ({summarize(r.plan)}) " + ("; ".join(broken) if broken else "meets each limit alone"))
+    return out
 
 
 def _gap(request: PlanRequest, r: SimulationResult) -> float:

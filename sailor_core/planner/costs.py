@@ -10,12 +10,13 @@ planner and every report. Every answer is memoised, so the search pays each ques
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from sailor_core.domain import Market, Replica
-from sailor_core.profiles import ProfileBook
+from sailor_core.profiles import MissingProfileError, ProfileBook
 from sailor_core.simulator import StageCompute, model_for
 from sailor_core.simulator import constants as C
 
@@ -87,6 +88,7 @@ class SimCosts:
         self._p2p: dict[tuple[object, ...], float] = {}
         self._ar: dict[tuple[object, ...], float] = {}
         self._opt: dict[tuple[object, ...], float] = {}
+        self.missing: set[str] = set()  # network profiles the search wanted and the store lacks
 
     def profiled(self, gpu: str, mbs: int, tp: int) -> bool:
         return self.book.has_layers(gpu, mbs, tp)
@@ -130,7 +132,12 @@ class SimCosts:
             ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node, region=a.region)
             rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node, region=b.region)
             # Consecutive stages sit on different nodes (ranks are laid out stage by stage).
-            v = self.sm.p2p_time_s(ra, rb, message_bytes, same_node=False)
+            try:
+                v = self.sm.p2p_time_s(ra, rb, message_bytes, same_node=False)
+            except MissingProfileError as e:
+                # No measured link between these GPUs/zones: that boundary is not an option.
+                self.missing.add(str(e).split(";")[0])
+                v = math.inf
             self._p2p[key] = v
         return v
 
@@ -148,7 +155,11 @@ class SimCosts:
         key = (slot.gpu_type, slot.gpus_per_node, tp, layout, grad_bytes)
         v = self._ar.get(key)
         if v is None:
-            v = self._ring(slot, tp, layout, grad_bytes)
+            try:
+                v = self._ring(slot, tp, layout, grad_bytes)
+            except MissingProfileError as e:
+                self.missing.add(str(e).split(";")[0])
+                v = math.inf
             self._ar[key] = v
         return v
 

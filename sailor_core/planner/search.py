@@ -238,10 +238,12 @@ class Search:
         if sk in self._seen:
             return None
         self._seen.add(sk)
+        if self.pb.max_gpus is not None and sk.dp * sum(tp for _, tp in sk.kinds) > self.pb.max_gpus:
+            return None
         e = self.estimate(sk)
         self.count.candidates += 1
-        if e is None:
-            return None
+        if e is None or not math.isfinite(e.iteration_s):
+            return None  # no zone room, or a link without a network profile
         self.points.append((e.iterations_per_s, e.usd_per_iteration, sk))
         cand = Candidate(sketch=sk, estimate=e, score=self.score(e))
         v = self.violation(e)
@@ -380,7 +382,7 @@ class Search:
                             for za, _ in a.zones:
                                 for zb, _ in b.zones:
                                     v = min(v, c.p2p_s(a, ta, za, b, tb, zb, msg))
-            v = 0.0 if v is math.inf else v
+            v = 0.0 if not math.isfinite(v) else v
             self._p2p_floor[key] = v
         return v
 

@@ -1,0 +1,243 @@
+"""Planner: pool files, what-ifs, partitions, the ring shortcut, plans verified by the simulator, CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sailor_core.domain import Market, PoolEntry, ResourcePool, SailorError
+from sailor_core.planner import (
+    Constraints,
+    Objective,
+    PlanRequest,
+    PoolFileError,
+    Restrictions,
+    apply_what_if,
+    load_pool_file,
+    parse_pool,
+    plan,
+)
+from sailor_core.planner.core import sim_options
+from sailor_core.planner.costs import SimCosts, Slot
+from sailor_core.planner.search import balanced_partition, uniform_partition
+from sailor_core.simulator import simulate
+from tests.conftest import REFERENCE_DATA
+from tests.planner_fixtures import MODEL, tiny_book
+
+A, V = "A100-40", "V100-16"
+
+
+@pytest.fixture(scope="module")
+def book():
+    from profiles_store.eth_easl import read_eth_easl
+
+    return read_eth_easl(REFERENCE_DATA).profile_book("OPT-350")
+
+
+ISSUE_POOL = """
+zones:
+  us-central1-a:
+    gpus:
+      A100-40: {count: 128}
+      V100-16: {count: 384, market: spot, usd_per_gpu_hour: 0.9}
+  us-west1-b:
+    region: us-west1
+    gpus:
+      A100-40:
+        - {count: 32, gpus_per_node: 4, market: on-demand}
+        - {count: 64, market: spot, usd_per_gpu_hour: 1.4}
+"""
+
+
+def test_pool_file_shape_of_the_issue_with_defaults_from_the_store(tmp_path: Path, book) -> None:
+    f = tmp_path / "pool.yaml"
+    f.write_text(ISSUE_POOL)
+    pool = load_pool_file(f, book)
+    by = {(e.zone, e.gpu_type, e.market): e for e in pool.entries}
+    a = by[("us-central1-a", A, Market.ON_DEMAND)]
+    assert (a.count, a.gpus_per_node, a.usd_per_gpu_hour, a.region) == (128, 4, 3.673385, "us-central1")
+    v = by[("us-central1-a", V, Market.SPOT)]
+    assert (v.count, v.usd_per_gpu_hour) == (384, 0.9)
+    w = by[("us-west1-b", A, Market.SPOT)]
+    assert (w.count, w.region, w.usd_per_gpu_hour) == (64, "us-west1", 1.4)
+    assert by[("us-west1-b", A, Market.ON_DEMAND)].usd_per_gpu_hour == 3.673385
+    # JSON is read too
+    j = tmp_path / "pool.json"
+    j.write_text(json.dumps({"zones": {"us-central1-b": {"gpus": {A: {"count": 8}}}}}))
+    assert load_pool_file(j, book).entries[0].count == 8
+
+
+def test_pool_file_lists_every_problem_with_a_fix(book) -> None:
+    bad = {
+        "zones": {
+            "us-central1-a": {"gpus": {A: {"count": -1}, "B200": {"count": 8}, V: {"count": 8, "market": "spot"}}},
+            "us-central1-b": {"gpus": {A: [{"count": 4}, {"count": 4}]}},
+        }
+    }
+    with pytest.raises(PoolFileError) as e:
+        parse_pool(bad, book)
+    msg = str(e.value)
+    assert "zones.us-central1-a.gpus.A100-40.count" in msg
+    assert "'B200' is not in the store" in msg
+    assert "no spot price for V100-16" in msg and "usd_per_gpu_hour" in msg
+    assert "listed twice" in msg
+    with pytest.raises(PoolFileError, match="zones"):
+        parse_pool({"gpus": {}}, book)
+
+
+def test_what_if_variations(book) -> None:
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 8}}}}}, book)
+    more = apply_what_if(pool, "+16 V100-16 in us-west1-b", book)
+    added = [e for e in more.entries if e.zone == "us-west1-b"]
+    assert added[0].count == 16 and added[0].gpu_type == V and added[0].usd_per_gpu_hour == 2.859998
+    assert apply_what_if(pool, "-4 A100-40 in us-central1-a", book).entries[0].count == 4
+    assert apply_what_if(pool, "+4 A100-40 in us-central1-a", book).entries[0].count == 12
+    dearer = apply_what_if(pool, "A100-40 price +30%", book)
+    assert dearer.entries[0].usd_per_gpu_hour == pytest.approx(3.673385 * 1.3)
+    with pytest.raises(SailorError, match="no pool entry"):
+        apply_what_if(pool, "A100-40 spot price +30%", book)
+    with pytest.raises(SailorError, match="to fix"):
+        apply_what_if(pool, "double the A100s", book)
+
+
+def test_partitions() -> None:
+    assert uniform_partition(26, 4) == ((0, 6), (7, 13), (14, 19), (20, 25))
+    rng = random.Random(3)
+    for _ in range(30):
+        times = [rng.uniform(0.1, 2.0) for _ in range(rng.randint(3, 8))]
+        p = rng.randint(1, len(times))
+        got = balanced_partition(times, p)
+        assert got is not None and got[0][0] == 0 and got[-1][1] == len(times) - 1 and len(got) == p
+        worst = max(sum(times[a : b + 1]) for a, b in got)
+        # brute force over every split
+        from itertools import combinations
+
+        best = min(
+            max(sum(times[a:b]) for a, b in zip((0, *cuts), (*cuts, len(times)), strict=True))
+            for cuts in combinations(range(1, len(times)), p - 1)
+        )
+        assert worst == pytest.approx(best)
+
+
+def test_ring_shortcut_equals_the_simulator(book) -> None:
+    costs = SimCosts(book)
+    rng = random.Random(1)
+    zones = ["us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f"]
+    for _ in range(60):
+        g, tp = rng.choice([A, V]), rng.choice([1, 2, 4])
+        zs = rng.sample(zones, rng.randint(1, 4))
+        lay = tuple((z, rng.randint(1, 12)) for z in zs)
+        slot = Slot(index=0, gpu_type=g, market=Market.ON_DEMAND, region="us-central1", cloud="gcp", gpus_per_node=4,
+                    usd_per_gpu_hour=1.0, zones=tuple((z, 999) for z in zs))
+        gb = rng.choice([1e6, 3e8, 1.4e9])
+        assert costs.allreduce_s(slot, tp, lay, gb) == pytest.approx(costs.allreduce_reference_s(slot, tp, lay, gb),
+                                                                     rel=1e-12)
+
+
+def _pool(book, zones: dict[str, dict[str, int]]) -> ResourcePool:
+    return parse_pool({"zones": {z: {"gpus": {g: {"count": n} for g, n in gs.items()}} for z, gs in zones.items()}}, book)
+
+
+def test_plan_is_verified_by_the_simulator_and_deterministic(book) -> None:
+    pool = _pool(book, {"us-central1-a": {A: 16, V: 16}})
+    req = PlanRequest(model="OPT-350", global_batch_size=256, pool=pool)
+    r1 = plan(req, book)
+    r2 = plan(req, book)
+    assert r1.plan is not None and r1.plan == r2.plan
+    assert r1.estimate.to_json() == r2.estimate.to_json()
+    again = simulate(r1.plan, book, options=sim_options(pool, "fp32", "1f1b"))
+    assert again.iteration_time_s == pytest.approx(r1.estimate.iteration_time_s)
+    assert again.fits_memory
+    used = r1.plan.gpus_by_place()
+    for e in pool.entries:
+        assert used.get((e.zone, e.gpu_type, e.market), 0) <= e.count
+    # the frontier is Pareto: faster points cost more
+    f = r1.frontier
+    assert f and all(f[i].iterations_per_s > f[i + 1].iterations_per_s for i in range(len(f) - 1))
+    assert all(f[i].usd_per_iteration > f[i + 1].usd_per_iteration for i in range(len(f) - 1))
+    assert "Chosen for the highest throughput" in r1.explanation
+
+
+def test_constraints_are_never_broken_and_misses_are_explained(book) -> None:
+    pool = _pool(book, {"us-central1-a": {A: 32}})
+    fast = plan(PlanRequest(model="OPT-350", global_batch_size=256, pool=pool), book)
+    budget = fast.estimate.usd_per_iteration * 0.7
+    r = plan(PlanRequest(model="OPT-350", global_batch_size=256, pool=pool,
+                         constraints=Constraints(max_usd_per_iteration=budget)), book)
+    assert r.plan is not None and r.estimate.usd_per_iteration <= budget
+    hour = plan(PlanRequest(model="OPT-350", global_batch_size=256, pool=pool, objective=Objective.MIN_COST,
+                            constraints=Constraints(max_usd_per_hour=40.0, min_iterations_per_s=0.05)), book)
+    assert hour.plan is not None and hour.estimate.usd_per_hour <= 40.0
+    assert hour.estimate.throughput_iterations_per_s >= 0.05
+    miss = plan(PlanRequest(model="OPT-350", global_batch_size=256, pool=pool,
+                            constraints=Constraints(min_iterations_per_s=1000.0)), book)
+    assert miss.plan is None and miss.estimate is None
+    assert "iterations/s" in miss.nearest_miss and "to fix" in miss.nearest_miss
+
+
+def test_restrictions_and_unprofiled_gpus(book) -> None:
+    pool = _pool(book, {"us-central1-a": {A: 8, V: 8}, "us-central1-b": {A: 8}})
+    r = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool,
+                         restrictions=Restrictions(gpu_types=(V,), max_gpus=6)), book)
+    assert r.plan is not None
+    assert {g for (_, g, _) in r.plan.gpus_by_place()} == {V} and r.plan.num_gpus <= 6
+    with_unknown = ResourcePool(entries=pool.entries + (
+        PoolEntry(zone="us-central1-a", region="us-central1", gpu_type="Titan-RTX", count=8, gpus_per_node=8,
+                  usd_per_gpu_hour=1.0),
+    ))
+    lone = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=replace(with_unknown),
+                            restrictions=Restrictions(gpu_types=("Titan-RTX", A))), book)
+    assert lone.plan is not None  # Titan-RTX is profiled for OPT-350 in the published data
+
+
+def test_model_that_fits_nowhere_gets_the_nearest_miss() -> None:
+    b = tiny_book(7, memory_gib=(1.2, 1.1))  # framework overhead alone is 1 GiB
+    pool = ResourcePool(entries=(PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, gpus_per_node=2,
+                                           usd_per_gpu_hour=2.0),))
+    r = plan(PlanRequest(model=MODEL, global_batch_size=16, pool=pool), b)
+    assert r.plan is None
+    assert "memory" in r.nearest_miss and "to fix" in r.nearest_miss
+
+
+def test_min_cost_returns_multi_stage_plans_when_they_are_cheaper() -> None:
+    # One GPU cannot hold the model (tp=1 only), so every feasible plan is a pipeline; the
+    # published planner only ever returned single-stage plans when minimising cost.
+    b = tiny_book(11, memory_gib=(3.0, 2.0), tps=(1,))
+    pool = ResourcePool(entries=tuple(
+        PoolEntry(zone="r1-a", region="r1", gpu_type=g, count=8, gpus_per_node=2, usd_per_gpu_hour=p)
+        for g, p in (("fast", 3.0), ("slow", 1.0))
+    ))
+    for obj in (Objective.MIN_COST, Objective.MIN_COST_PER_TOKEN):
+        r = plan(PlanRequest(model=MODEL, global_batch_size=16, pool=pool, objective=obj), b)
+        assert r.plan is not None and r.plan.num_stages >= 2 and r.estimate.fits_memory
+
+
+def test_cli_plan_json_matches_sailor_simulate(tmp_path: Path, capsys) -> None:
+    from sailor_cli.main import main
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("zones:\n  us-central1-a:\n    gpus:\n      A100-40: {count: 16}\n")
+    out = tmp_path / "plan.json"
+    png = tmp_path / "front.png"
+    rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "128", "--out", str(out),
+               "--json", "--what-if", "+16 V100-16 in us-central1-a", "--frontier-png", str(png)])
+    assert rc == 0
+    got = json.loads(capsys.readouterr().out)
+    assert {"plan", "estimate", "search_time_s", "frontier", "what_if"} <= set(got)
+    assert got["what_if"][0]["change"] == "+16 V100-16 in us-central1-a" and "delta_iterations_per_s" in got["what_if"][0]
+    assert png.stat().st_size > 0
+    rc = main(["simulate", str(out), "--json"])
+    assert rc == 0
+    sim = json.loads(capsys.readouterr().out)
+    for k in ("iteration_time_s", "throughput_iterations_per_s", "usd_per_iteration", "peak_memory_bytes"):
+        assert sim[k] == pytest.approx(got["estimate"][k])
+    # an infeasible request is an answer with a reason (exit 1), a bad objective a user error (exit 2)
+    rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "128",
+               "--min-iterations-per-s", "1000"])
+    assert rc == 1 and "no feasible plan" in capsys.readouterr().out
+    rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "128", "--objective", "fast"])
+    assert rc == 2 and "unknown objective" in capsys.readouterr().err
