@@ -73,3 +73,21 @@ def provenance(tool: str, device: str, settings: dict[str, Any]) -> Provenance:
     return Provenance(
         source=tool, host=socket.gethostname(), recorded_at=datetime.now(UTC), settings=json.dumps(info, sort_keys=True)
     )
+
+
+def device_gpu_type(device: str, name: str):
+    """The `GpuType` of the device at hand, for a store that does not know `name` yet."""
+    from sailor_core.catalog import GPU_TYPES
+    from sailor_core.domain import GpuType
+
+    if name in GPU_TYPES:
+        return GPU_TYPES[name]
+    if device == "cpu":
+        return GpuType(name=name, memory_bytes=GPU_TYPES["cpu"].memory_bytes, gpus_per_node=GPU_TYPES["cpu"].gpus_per_node)
+    import torch
+
+    return GpuType(
+        name=name,
+        memory_bytes=int(torch.cuda.get_device_properties(0).total_memory),
+        gpus_per_node=max(1, torch.cuda.device_count()),
+    )

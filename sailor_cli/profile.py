@@ -1,0 +1,206 @@
+"""`sailor profile`: measure a model's layers or the network on this machine and store the result.
+
+Contract:
+- `sailor profile model --model MODEL [--device cpu|cuda] [--mbs 1,2,4] [--tp 1,2] [--store URI]`
+  measures the grid with sailor_core.profiler (the same code as the flow's profiling tasks),
+  shows a progress bar and a per-layer summary table, then replaces the (model, GPU type) profile
+  in the store in one commit. `--all-blocks` measures every block instead of a few.
+- `sailor profile network [--workers 2] [--store URI]` measures point-to-point and all-reduce time
+  between local workers, prints measured against fitted time per message size, and upserts the link.
+- `--json` prints the result as JSON instead of tables. Nothing is written when the measurement
+  fails or is interrupted (Ctrl-C). Bad input is a `SailorError`: one line, exit 2 (sailor_cli.main).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from sailor_core.domain import SailorError
+
+app = typer.Typer(help="Measure a model's layers or the network on this machine and store the profile.",
+                  no_args_is_help=True)
+
+Store = Annotated[
+    str | None,
+    typer.Option("--store", help="Store URI: a folder, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX. "
+                 "Default: $SAILOR_STORE, else ./.sailor/store."),
+]
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SailorError(f"{what} must be comma-separated integers like 1,2,4, got {text!r}") from None
+    if not values:
+        raise SailorError(f"{what} is empty; to fix: e.g. {what} 1,2")
+    return values
+
+
+def _open(store: str | None):  # noqa: ANN202 - keeps the store import lazy
+    from profiles_store import open_store
+
+    return open_store(store)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@app.command("model")
+def model_cmd(
+    model: Annotated[str, typer.Option("--model", help="Model name, e.g. gpt-tiny, gpt-small, OPT-350.")],
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    mbs: Annotated[str, typer.Option("--mbs", help="Microbatch sizes, comma-separated.")] = "1,2,4",
+    tp: Annotated[str, typer.Option("--tp", help="TP degrees, comma-separated (each <= GPUs of this node).")] = "1",
+    store: Store = None,
+    gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Label for the results (default: from the device).")] = None,
+    all_blocks: Annotated[bool, typer.Option("--all-blocks", help="Measure every block, not a few copied to the rest.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Profile per-layer forward/backward/optimizer time and activation memory; replace it in the store."""
+    from sailor_core.profiler import ModelProfileSettings, profile_model, save_model_profile
+
+    settings = ModelProfileSettings(
+        model=model, device=device, mbs=_int_list(mbs, "--mbs"), tp=_int_list(tp, "--tp"),
+        gpu_type=gpu_type, all_blocks=all_blocks,
+    )
+    cfg = settings.validate()  # bad input fails before the store is opened or a worker starts
+    st = _open(store)
+    total = len(settings.mbs) * len(settings.tp) * len(settings.measured_layers(cfg))
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=as_json) as bar:
+        task = bar.add_task(f"profiling {cfg.name} on {device}", total=total)
+
+        def progress(msg: dict) -> None:
+            if msg["kind"] == "point":
+                p = msg["point"]
+                bar.update(task, advance=1, description=f"{cfg.name} mbs={p.mbs} tp={p.tp} layer {p.layer}")
+            elif msg["kind"] == "infeasible":
+                bar.update(task, advance=len(settings.measured_layers(cfg)))
+                console.print(f"[yellow]infeasible: mbs={msg['mbs']} tp={msg['tp']}: {msg['reason']}")
+
+        profile = profile_model(settings, progress)
+    rows = save_model_profile(st, profile)
+
+    if as_json:
+        typer.echo(json.dumps(_model_json(profile, rows, st.uri), indent=1))
+        return
+    _print_model(profile, rows, st.uri)
+
+
+def _model_json(profile, rows: int, uri: str) -> dict:
+    return {
+        "model": profile.model,
+        "gpu_type": profile.gpu_type,
+        "store": uri,
+        "rows_written": rows,
+        "framework_overhead_bytes": profile.framework_overhead_bytes,
+        "optimizer_s": {str(k): v for k, v in profile.optimizer_s.items()},
+        "infeasible": [{"mbs": x.mbs, "tp": x.tp, "reason": x.reason} for x in profile.infeasible],
+        "layers": [
+            {"mbs": p.mbs, "tp": p.tp, "layer": p.layer, "forward_s": p.forward_s, "backward_s": p.backward_s,
+             "optimizer_s": p.optimizer_s}
+            for p in profile.profiles
+        ],
+        "measured": [
+            {"mbs": p.mbs, "tp": p.tp, "layer": p.layer, "forward_s": p.forward.median_s, "backward_s": p.backward.median_s,
+             "reps": p.forward.reps, "saved_bytes": p.saved_bytes, "allocated_bytes": p.allocated_bytes}
+            for p in profile.points
+        ],
+    }
+
+
+def _print_model(profile, rows: int, uri: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{profile.model} on {profile.gpu_type}: measured layers (medians)")
+    for c in ("mbs", "tp", "layer", "forward ms", "backward ms", "reps", "kept for backward", "spec", "diff"):
+        t.add_column(c, justify="right")
+    for p in profile.points:
+        spec = profile.spec.layer(p.layer, p.tp).act_memory_bytes * p.mbs
+        diff = (p.saved_bytes - spec) / spec if spec else 0.0
+        t.add_row(str(p.mbs), str(p.tp), str(p.layer), f"{p.forward.median_s * 1e3:.3f}", f"{p.backward.median_s * 1e3:.3f}",
+                  str(p.forward.reps), _fmt_bytes(p.saved_bytes), _fmt_bytes(spec), f"{diff:+.1%}")
+    console = Console()
+    console.print(t)
+    for tp, s in sorted(profile.optimizer_s.items()):
+        console.print(f"optimizer step (whole model, one GPU of tp={tp}): {s * 1e3:.3f} ms")
+    console.print(f"framework overhead on {profile.gpu_type}: {_fmt_bytes(profile.framework_overhead_bytes)}")
+    for x in profile.infeasible:
+        console.print(f"[yellow]infeasible: mbs={x.mbs} tp={x.tp}: {x.reason}")
+    console.print(f"wrote {rows} layer-profile rows for ({profile.model}, {profile.gpu_type}) to {uri}")
+
+
+@app.command("network")
+def network_cmd(
+    workers: Annotated[int, typer.Option("--workers", help="Local worker processes (one GPU each on CUDA).")] = 2,
+    store: Store = None,
+    device: Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl).")] = "cpu",
+    min_bytes: Annotated[int, typer.Option("--min-bytes", help="Smallest message.")] = 64 * 1024,
+    max_bytes: Annotated[int | None, typer.Option("--max-bytes", help="Largest message (default 256 MiB on CPU, 1 GiB on CUDA).")] = None,
+    zone: Annotated[str, typer.Option("--zone", help="Zone label of both ends.")] = "local",
+    gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="GPU type label (default: from the device).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Measure point-to-point and all-reduce time between local workers, fit, and upsert the link."""
+    from sailor_core.profiler import NetworkSettings, profile_network, save_network_profile
+    from sailor_core.profiler.network import summary_rows, to_json
+
+    settings = NetworkSettings(workers=workers, device=device, min_bytes=min_bytes, max_bytes=max_bytes,
+                               zone=zone, gpu_type=gpu_type)
+    settings.validate()
+    st = _open(store)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=as_json) as bar:
+        task = bar.add_task(f"network between {workers} workers", total=len(settings.sizes()))
+
+        def progress(msg: dict) -> None:
+            bar.update(task, completed=msg["done"], description=f"{_fmt_bytes(msg['bytes'])} done")
+
+        profile = profile_network(settings, progress)
+    save_network_profile(st, profile)
+    if as_json:
+        typer.echo(to_json(profile))
+        return
+    from rich.table import Table
+
+    t = Table(title=f"network {profile.link.sender_zone}/{profile.link.sender_gpu} x{workers} workers "
+                    f"(fastest repetition per size)")
+    for c in ("bytes", "p2p ms", "fit ms", "err", "all-reduce ms", "fit ms", "err", "ring from p2p ms"):
+        t.add_column(c, justify="right")
+    for r in summary_rows(profile):
+        t.add_row(_fmt_bytes(r["bytes"]), f"{r['p2p_measured_s'] * 1e3:.3f}", f"{r['p2p_predicted_s'] * 1e3:.3f}",
+                  f"{r['p2p_err']:+.1%}", f"{r['allreduce_measured_s'] * 1e3:.3f}", f"{r['allreduce_predicted_s'] * 1e3:.3f}",
+                  f"{r['allreduce_err']:+.1%}", f"{r['allreduce_ring_s'] * 1e3:.3f}")
+    out = Console()
+    out.print(t)
+    a, b, c = profile.link.fit.coeffs
+    worst = max(abs(e) for e in profile.p2p_errors())
+    out.print(f"p2p fit: bw_GBps = {a:.4g}*u^2 + {b:.4g}*u + {c:.4g}, u = log2(bytes/1e6); max "
+              f"{profile.link.fit.max_bytes_per_s / 1e9:.2f} GB/s; worst error {worst:.1%}")
+    ab = profile.p2p_alpha_beta
+    out.print(f"p2p alpha-beta: latency {ab.latency_s * 1e6:.1f} us, bandwidth {ab.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    ab = profile.allreduce_alpha_beta
+    out.print(f"all-reduce alpha-beta: latency {ab.latency_s * 1e6:.1f} us, bandwidth {ab.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    out.print(f"upserted link {profile.link.sender_zone}:{profile.link.sender_gpu}x1 -> "
+              f"{profile.link.receiver_zone}:{profile.link.receiver_gpu}x1 and intra-node {profile.intra_node.gpu_type}x2 "
+              f"into {st.uri}")
