@@ -1,0 +1,157 @@
+"""Planner benchmark: against the Sailor planner's plans, against brute force, on a large pool, twice.
+
+Prints, measured side by side in one run on this machine:
+1. the 11 published evaluation setups (OPT-350, global batch 1024, the artifact's prices
+   A100-40 3.673385 / V100-16 2.859998 USD/GPU-hour, egress from gcp/communication_cost.json):
+   our plan and the Sailor planner's plan (shapes from the paper's artifact, as in
+   /work/shared/checks/planner_check.py), both scored by our simulator, and our search time;
+2. optimality on small random pools: our best plan against brute force over the whole plan
+   space, both under the simulator;
+3. a pool of 3 GPU types x 256 GPUs in one zone (A100-40, V100-16, GH-96): search time;
+4. determinism: the same request twice gives the same plan.
+
+Usage: .venv/bin/python bench/bench_planner.py [--pools N] [--checks DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from profiles_store.eth_easl import read_eth_easl  # noqa: E402
+from sailor_core.plan_format import plan_from_eth_easl  # noqa: E402
+from sailor_core.planner import Constraints, PlanRequest, SearchOptions, parse_pool, plan, summarize  # noqa: E402
+from sailor_core.planner.core import objective_value  # noqa: E402
+from sailor_core.simulator import simulate  # noqa: E402
+
+REFERENCE = REPO.parent / "shared" / "reference_data"
+
+
+def _setups(checks: Path):
+    spec = importlib.util.spec_from_file_location("planner_check", checks / "planner_check.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.setups()
+
+
+def _request(pool, extra: list[str]) -> PlanRequest:
+    def opt(flag: str) -> str | None:
+        return extra[extra.index(flag) + 1] if flag in extra else None
+
+    cons = Constraints(
+        min_iterations_per_s=float(v) if (v := opt("--min-iterations-per-s")) else None,
+        max_usd_per_iteration=float(v) if (v := opt("--max-usd-per-iteration")) else None,
+    )
+    return PlanRequest(model="OPT-350", global_batch_size=1024, pool=pool, constraints=cons,
+                       objective=opt("--objective") or "max-throughput")
+
+
+def published_setups(book, checks: Path) -> bool:
+    print("== 1. published setups: ours vs the Sailor planner's plan, both scored by our simulator")
+    print(f"{'setup':16} {'goal':5} {'ours':>9} {'Sailor':>9} {'ratio':>6} {'search s':>8}  our plan")
+    ok = True
+    worst_time = 0.0
+    for name, pool_d, extra, goal, ref in _setups(checks):
+        req = _request(parse_pool(pool_d, book), extra)
+        t0 = time.perf_counter()
+        res = plan(req, book)
+        dt = time.perf_counter() - t0
+        worst_time = max(worst_time, dt)
+        theirs = simulate(plan_from_eth_easl(ref, model="OPT-350"), book)
+        mine = res.estimate
+        if mine is None:
+            print(f"{name:16} no plan: {res.nearest_miss}")
+            ok = False
+            continue
+        if goal == "thr":
+            a, b = mine.throughput_iterations_per_s, theirs.throughput_iterations_per_s
+            ratio, unit = a / b, "it/s"
+            good = a >= 0.999 * b
+        else:
+            a, b = mine.usd_per_iteration, theirs.usd_per_iteration
+            ratio, unit = b / a, "USD/it"
+            good = a <= 1.001 * b and mine.throughput_iterations_per_s >= 0.2
+        good &= dt <= 2.0 and mine.fits_memory
+        ok &= good
+        print(f"{name:16} {unit:6} {a:9.4f} {b:9.4f} {ratio:6.3f} {dt:8.3f}  {'' if good else 'SHORT '}"
+              f"{summarize(res.plan)}")
+    print(f"-> {'OK' if ok else 'SHORT'}: at least as good on every setup, slowest search {worst_time:.3f} s (limit 2 s)")
+    return ok
+
+
+def optimality(pools: int) -> bool:
+    sys.path.insert(0, str(REPO / "tests"))
+    from tests.test_planner_optimality import case
+
+    print(f"\n== 2. optimality on {pools} small random pools (brute force over the plan space, simulator-scored)")
+    worst = 0.0
+    n_sim = 0
+    t_ours = t_brute = 0.0
+    for seed in range(pools):
+        t0 = time.perf_counter()
+        req, ours, best, n = case(seed, counts=(2, 4, 6), max_stages=3)
+        t_all = time.perf_counter() - t0
+        n_sim += n
+        if best is None:
+            print(f"seed {seed:3}: no feasible plan exists; planner: {'none' if ours.plan is None else 'FOUND ONE'}")
+            worst = max(worst, 0.0 if ours.plan is None else float("inf"))
+            continue
+        got, opt = objective_value(req.objective, ours.estimate), objective_value(req.objective, best)
+        worst = max(worst, got / opt - 1)
+        t_ours += ours.stats.search_time_s
+        t_brute += t_all - ours.stats.search_time_s
+        print(f"seed {seed:3} {req.objective.value:19} planner/optimum {got / opt:.5f}  "
+              f"(planner {ours.stats.search_time_s:.3f} s, brute force {n} plans)")
+    ok = worst <= 0.01
+    print(f"-> {'OK' if ok else 'SHORT'}: worst gap {worst * 100:.3f}% (limit 1%); planner {t_ours:.2f} s total, "
+          f"brute force {t_brute:.1f} s for {n_sim} simulated plans")
+    return ok
+
+
+def large_pool(book) -> bool:
+    print("\n== 3. 3 GPU types x 256 GPUs in one zone (A100-40, V100-16, GH-96)")
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {g: {"count": 256} for g in ("A100-40", "V100-16", "GH-96")}}}},
+                      book)
+    ok = True
+    for obj in ("max-throughput", "min-cost"):
+        t0 = time.perf_counter()
+        res = plan(PlanRequest(model="OPT-350", global_batch_size=1024, pool=pool, objective=obj), book)
+        dt = time.perf_counter() - t0
+        ok &= dt < 60 and res.plan is not None
+        e = res.estimate
+        print(f"{obj:15} {dt:7.3f} s  {e.throughput_iterations_per_s:.4f} it/s  {e.usd_per_iteration:.4f} USD/it  "
+              f"{summarize(res.plan)}")
+    print(f"-> {'OK' if ok else 'SHORT'}: each under 60 s (the Sailor planner took 4900 s in the paper)")
+    return ok
+
+
+def determinism(book) -> bool:
+    print("\n== 4. determinism")
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {"A100-40": {"count": 80}, "V100-16": {"count": 240}}}}}, book)
+    req = PlanRequest(model="OPT-350", global_batch_size=1024, pool=pool, options=SearchOptions())
+    a, b = plan(req, book), plan(req, book)
+    same = a.plan == b.plan and a.estimate.to_json() == b.estimate.to_json()
+    print(f"-> {'OK' if same else 'SHORT'}: same request twice, same plan: {same}")
+    return same
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pools", type=int, default=24, help="random pools for the optimality check (>= 20)")
+    ap.add_argument("--checks", default=str(REPO.parent / "shared" / "checks"))
+    a = ap.parse_args()
+    book = read_eth_easl(REFERENCE).profile_book("OPT-350")
+    results = [published_setups(book, Path(a.checks)), optimality(a.pools), large_pool(book), determinism(book)]
+    print(f"\n{'OK' if all(results) else 'SHORT'}: {sum(results)}/{len(results)} planner checks pass")
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
