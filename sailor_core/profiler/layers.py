@@ -64,6 +64,10 @@ class ModelProfileSettings:
     policy: RepeatPolicy = field(default_factory=lambda: DEFAULT_POLICY)
     seed: int = 0
     timeout_s: float = 3600.0
+    # CPU only: memory a worker may allocate beyond what it holds after start-up (None: no limit).
+    # Makes a CPU worker slot run out of memory like a GPU of that size would, instead of swapping
+    # or meeting the kernel's out-of-memory killer.
+    memory_limit_bytes: int | None = None
 
     def config(self) -> TransformerConfig:
         return get_config(self.model)
@@ -160,6 +164,18 @@ def _is_oom(e: BaseException) -> bool:
     return type(e).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
 
 
+def _limit_address_space(extra_bytes: int) -> None:
+    """Let this process map at most `extra_bytes` more (RLIMIT_AS): allocations beyond it fail with
+    torch's out-of-memory error instead of swapping."""
+    with open("/proc/self/statm") as f:
+        virtual = int(f.read().split()[0]) * resource.getpagesize()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = virtual + int(extra_bytes)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -190,6 +206,8 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
     try:
         ctx = TPContext(dist.group.WORLD, rank, tp) if tp > 1 else TPContext.single()
         overhead = _warm_up_and_overhead(torch, dev, cuda)
+        if settings.memory_limit_bytes is not None and not cuda:
+            _limit_address_space(settings.memory_limit_bytes)
         if rank == 0:
             emit({"kind": "overhead", "tp": tp, "bytes": overhead})
 
@@ -232,23 +250,26 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
             out = layers[i](x)
             return loss_sum(out, tgt) if i == head else out
 
+        def measure_point(mbs: int) -> list[LayerPoint]:
+            out = []
+            for i, layer in layers.items():
+                x, tgt = make_inputs(i, mbs)
+                run_forward = functools.partial(forward, i, x, tgt)
+                saved, allocated = _saved_for_backward(torch, layer, run_forward, cuda)
+                fwd, bwd = _measure_layer(torch, run_forward, x, settings.policy, timed, agree)
+                out.append(
+                    LayerPoint(
+                        mbs=mbs, tp=tp, layer=i, forward=fwd, backward=bwd, saved_bytes=saved, allocated_bytes=allocated
+                    )
+                )
+            return out
+
         for mbs in sorted(settings.mbs):
             status = torch.zeros(1, dtype=torch.int32, device=dev)
             reason = ""
-            results = []
+            results: list[LayerPoint] = []
             try:
-                for i, layer in layers.items():
-                    x, tgt = make_inputs(i, mbs)
-                    run_forward = functools.partial(forward, i, x, tgt)
-                    saved, allocated = _saved_for_backward(torch, layer, run_forward, cuda)
-                    fwd, bwd = _measure_layer(torch, run_forward, x, settings.policy, timed, agree)
-                    results.append(
-                        LayerPoint(
-                            mbs=mbs, tp=tp, layer=i, forward=fwd, backward=bwd,
-                            saved_bytes=saved, allocated_bytes=allocated,
-                        )
-                    )
-                    del x, tgt, run_forward
+                results = measure_point(mbs)
             except Exception as e:
                 if not _is_oom(e):
                     raise

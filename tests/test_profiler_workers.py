@@ -1,0 +1,117 @@
+"""Profiler end to end with real worker processes (torch.distributed, gloo): the layer profile in a
+local store (TP across processes, atomic replace, nothing written on interruption, out-of-memory
+as infeasible), the network link's fit against its own measurements, and the CLI's bad input."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+
+pytest.importorskip("torch")
+
+from profiles_store import open_store  # noqa: E402
+from sailor_cli.main import main as cli  # noqa: E402
+from sailor_core.profiler import (  # noqa: E402
+    NetworkSettings,
+    profile_model_to_store,
+    profile_network,
+    save_network_profile,
+)
+from sailor_core.profiler.timing import RepeatPolicy  # noqa: E402
+
+FAST = RepeatPolicy(warmup=1, min_reps=3, max_reps=5, rel_err=0.5, time_cap_s=0.2)
+MIB = 1 << 20
+
+
+def test_profile_lands_in_the_store_and_reprofiling_replaces_it(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    rows = profile_model_to_store(store, model="gpt-tiny", device="cpu", mbs=[1, 2], tp=[1, 2], policy=FAST)
+    assert rows == 2 * 2 * 6  # (mbs x tp) x 6 layers
+
+    book = open_store(str(tmp_path / "store")).profile_book("gpt-tiny", ["cpu"])
+    assert book.profiled_points("cpu") == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert set(book.model.tp_degrees) >= {1, 2}
+    for mbs, tp in book.profiled_points("cpu"):
+        layers = book.layers("cpu", mbs, tp)
+        assert [ly.layer for ly in layers] == list(range(6))
+        assert all(ly.forward_s > 0 and ly.backward_s > 0 for ly in layers)
+        assert len({ly.optimizer_s for ly in layers}) == 1 and layers[0].optimizer_s > 0
+        # collapsed blocks: blocks 3 and 4 carry the mean of the measured blocks 1 and 2
+        assert layers[3].forward_s == pytest.approx((layers[1].forward_s + layers[2].forward_s) / 2)
+        assert layers[4].backward_s == layers[3].backward_s
+    assert book.overhead_bytes("cpu") > 50e6 and book.overhead_bytes("cpu") < 4e9
+
+    prov = store.read_table("layer_profiles", {"model": "gpt-tiny", "gpu_type": "cpu"}).to_pylist()[0]
+    settings = json.loads(prov["settings"])
+    assert prov["source"] == "sailor-profiler-layers" and prov["host"]
+    assert {"torch", "device_name", "host", "mbs", "tp", "policy"} <= set(settings)
+
+    # Re-profiling replaces the (model, GPU type) profile as a whole.
+    profile_model_to_store(store, model="gpt-tiny", device="cpu", mbs=[1], tp=[1], policy=FAST)
+    assert open_store(str(tmp_path / "store")).profile_book("gpt-tiny", ["cpu"]).profiled_points("cpu") == [(1, 1)]
+
+
+class _Stop(KeyboardInterrupt):
+    pass
+
+
+def test_an_interrupted_profile_writes_nothing_and_leaves_no_worker(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+
+    def interrupt(msg):
+        if msg["kind"] == "point":
+            raise _Stop()  # as Ctrl-C in the middle of the grid
+
+    with pytest.raises(_Stop):
+        profile_model_to_store(store, model="gpt-tiny", mbs=[1, 2], tp=[1], policy=FAST, progress=interrupt)
+    assert store.layer_profiles("gpt-tiny") == ()
+    assert "gpt-tiny" not in store.model_names()
+    assert multiprocessing.active_children() == []
+
+
+def test_out_of_memory_is_recorded_as_infeasible_and_the_grid_goes_on(tmp_path):
+    from sailor_core.profiler import ModelProfileSettings, profile_model
+
+    # 4096 sequences of gpt-tiny keep ~4 GiB for backward: over a 1.5 GiB worker limit.
+    settings = ModelProfileSettings(model="gpt-tiny", mbs=(1, 4096), policy=FAST, memory_limit_bytes=int(1.5 * 2**30))
+    prof = profile_model(settings)
+    assert [(x.mbs, x.tp) for x in prof.infeasible] == [(4096, 1)]
+    assert "out of memory" in prof.infeasible[0].reason
+    assert {p.mbs for p in prof.profiles} == {1}
+
+
+def test_network_link_predicts_its_measured_transfer_times_within_15_percent(tmp_path):
+    # The bandwidth-bound part of the curve, kept short for the test; bench/bench_network_fit.py
+    # prints the whole default range.
+    settings = NetworkSettings(workers=2, min_bytes=2 * MIB, max_bytes=32 * MIB)
+    prof = profile_network(settings)
+    store = open_store(str(tmp_path / "store"))
+    save_network_profile(store, prof)
+
+    links = open_store(str(tmp_path / "store")).network_links()
+    link = next(lk for lk in links if lk.sender_gpu == "cpu" and lk.sender_zone == "local")
+    assert (link.sender_count, link.receiver_zone, link.receiver_gpu, link.receiver_count) == (1, "local", "cpu", 1)
+    errors = [(link.fit.transfer_time_s(p.message_bytes) - p.p2p_s) / p.p2p_s for p in prof.points]
+    assert len(errors) == 5
+    assert max(abs(e) for e in errors) < 0.15, errors
+    intra = [x for x in store.intra_node_links() if x.gpu_type == "cpu"]
+    assert intra and intra[0].num_gpus == 2 and intra[0].fit.coeffs == pytest.approx(link.fit.coeffs)
+    assert prof.p2p_alpha_beta.bandwidth_bytes_per_s > 0 and prof.allreduce_alpha_beta.latency_s >= 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["profile", "model", "--model", "nope"], "unknown model 'nope'"),
+        (["profile", "model", "--model", "gpt-tiny", "--tp", "8"], "larger than this node"),
+        (["profile", "model", "--model", "gpt-tiny", "--mbs", "one"], "comma-separated integers"),
+        (["profile", "network", "--workers", "1"], "at least 2 workers"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    assert cli([*argv, "--store", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "store").exists()  # nothing written, the store not even created
