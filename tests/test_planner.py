@@ -241,3 +241,26 @@ def test_cli_plan_json_matches_sailor_simulate(tmp_path: Path, capsys) -> None:
     assert rc == 1 and "no feasible plan" in capsys.readouterr().out
     rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "128", "--objective", "fast"])
     assert rc == 2 and "unknown objective" in capsys.readouterr().err
+
+
+def test_spot_and_on_demand_are_distinct_resources(book) -> None:
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {A: [
+        {"count": 8, "market": "on-demand"}, {"count": 8, "market": "spot", "usd_per_gpu_hour": 1.1}]}}}}, book)
+    cheap = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool, objective=Objective.MIN_COST), book)
+    assert cheap.plan is not None and {mk for (_, _, mk) in cheap.plan.gpus_by_place()} == {Market.SPOT}
+    fast = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool), book)
+    assert fast.plan is not None and fast.plan.num_gpus > 8  # needs both markets
+    assert {mk for (_, _, mk) in fast.plan.gpus_by_place()} == {Market.SPOT, Market.ON_DEMAND}
+
+
+def test_mixed_pipelines_use_idle_gpus_and_balance_microbatches(book) -> None:
+    pool = _pool(book, {"us-central1-a": {A: 32, V: 96}})
+    req = PlanRequest(model="OPT-350", global_batch_size=1024, pool=pool)
+    mixed = plan(req, book)
+    single = plan(replace(req, options=replace(req.options, mixed_pipelines=0)), book)
+    assert mixed.plan is not None and single.plan is not None
+    assert mixed.estimate.throughput_iterations_per_s >= single.estimate.throughput_iterations_per_s
+    kinds = [{(r.gpu_type, r.tp) for r in st.replicas} for st in mixed.plan.stages]
+    assert any(len(k) > 1 for k in kinds), "expected a stage with replicas of two GPU kinds"
+    assert sum(p.samples for p in mixed.plan.pipelines) == 1024
+    assert mixed.estimate.fits_memory and "two GPU kinds" in mixed.explanation

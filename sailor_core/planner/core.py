@@ -23,9 +23,10 @@ from sailor_core.domain import (
     split_batch,
 )
 from sailor_core.planner.costs import SimCosts, Slot
+from sailor_core.planner.mixed import mixed_plans
 from sailor_core.planner.request import FrontierPoint, Objective, PlanRequest, PlanResult, SearchStats
-from sailor_core.planner.search import Candidate, Problem, Search, Sketch
-from sailor_core.profiles import ProfileBook
+from sailor_core.planner.search import Problem, Search, Sketch
+from sailor_core.profiles import MissingProfileError, ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
 
 
@@ -148,14 +149,25 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     cands = search.run() if slots else []
     so = sim_options(pool, opts.precision, opts.schedule)
 
+    to_verify = [
+        materialize(cand.sketch, cand.estimate.layouts, slots, model=request.model,
+                    global_batch_size=request.global_batch_size, precision=opts.precision, schedule=opts.schedule)
+        for cand in cands
+    ]
+    if opts.mixed_pipelines and cands:
+        to_verify += mixed_plans(search, cands[: opts.mixed_pipelines], model=request.model,
+                                 global_batch_size=request.global_batch_size, precision=opts.precision,
+                                 schedule=opts.schedule)
     simulated = 0
-    best: tuple[float, ParallelPlan, SimulationResult, Candidate] | None = None
+    best: tuple[float, ParallelPlan, SimulationResult] | None = None
     closest: tuple[float, str] | None = None
-    for cand in cands:
-        pl = materialize(cand.sketch, cand.estimate.layouts, slots, model=request.model,
-                         global_batch_size=request.global_batch_size, precision=opts.precision,
-                         schedule=opts.schedule)
-        r = simulate(pl, book, options=so)
+    for pl in to_verify:
+        try:
+            r = simulate(pl, book, options=so)
+        except MissingProfileError as e:
+            # e.g. a ring mixing two GPU types with no measured link between them
+            costs.missing.add(str(e).split(";")[0])
+            continue
         simulated += 1
         problems = request.constraints.violations(
             usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
@@ -172,7 +184,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             continue
         v = objective_value(request.objective, r)
         if best is None or v < best[0] - 1e-12:
-            best = (v, pl, r, cand)
+            best = (v, pl, r)
 
     frontier, n_front = _frontier(search, slots, request, book, so)
     simulated += n_front
@@ -208,10 +220,10 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             explanation="no feasible plan",
             nearest_miss="; ".join(misses) + (f"; to fix: {hint}" if hint else ""),
         )
-    _, pl, r, cand = best
+    _, pl, r = best
     return PlanResult(
         plan=pl, estimate=r, frontier=frontier, stats=stats,
-        explanation=explain(request, pl, r, cand, slots, frontier),
+        explanation=explain(request, pl, r, slots, frontier),
         nearest_miss="; ".join(misses),
     )
 
@@ -312,7 +324,10 @@ def _frontier(search: Search, slots: Sequence[Slot], request: PlanRequest, book:
             continue
         pl = materialize(sk, lay, slots, model=request.model, global_batch_size=request.global_batch_size,
                          precision=request.options.precision, schedule=request.options.schedule)
-        r = simulate(pl, book, options=so)
+        try:
+            r = simulate(pl, book, options=so)
+        except MissingProfileError:
+            continue
         if not r.fits_memory:
             continue
         out.append(FrontierPoint(iterations_per_s=r.throughput_iterations_per_s, usd_per_iteration=r.usd_per_iteration,
@@ -327,7 +342,7 @@ def _frontier(search: Search, slots: Sequence[Slot], request: PlanRequest, book:
     return tuple(pareto), len(front)
 
 
-def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, cand: Candidate, slots: Sequence[Slot],
+def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: Sequence[Slot],
             frontier: Sequence[FrontierPoint]) -> str:
     """Why these GPUs, why this split: a few plain sentences."""
     lines = []
@@ -350,19 +365,27 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, cand: C
         per_type[(g, mk.value)] += n
     parts = [f"{per_type.get(k, 0)} of {n} {k[0]} ({k[1]})" for k, n in sorted(have.items())]
     lines.append("GPUs used: " + ", ".join(parts) + ".")
-    sk = cand.sketch
-    if sk.num_stages == 1:
+    kinds_per_stage = [{(x.gpu_type, x.tp) for x in st.replicas} for st in pl.stages]
+    mixed = any(len(k) > 1 for k in kinds_per_stage)
+    counts = sorted({p.num_microbatches for p in pl.pipelines})
+    if pl.num_stages == 1 and not mixed:
+        gpu, tp = next(iter(kinds_per_stage[0]))
         lines.append(
-            f"One stage: the whole model fits on one {'GPU' if sk.kinds[0][1] == 1 else f'{sk.kinds[0][1]}-GPU TP group'}, "
-            f"so every GPU runs data parallel ({sk.dp} replicas) with no pipeline bubble."
+            f"One stage: the whole model fits on one {'GPU' if tp == 1 else f'{tp}-GPU TP group'} of {gpu}, "
+            f"so every GPU runs data parallel ({pl.data_parallel} replicas) with no pipeline bubble."
         )
     else:
-        sizes = [b - a + 1 for a, b in sk.bounds]
+        sizes = [st.last_layer - st.first_layer + 1 for st in pl.stages]
         uniform = max(sizes) - min(sizes) <= 1
         lines.append(
-            f"{sk.num_stages} pipeline stages with {sizes} layers "
+            f"{pl.num_stages} pipeline stage(s) with {sizes} layers "
             f"({'an even split' if uniform else 'split to balance stage times on the chosen GPUs'}), "
-            f"{sk.dp} data-parallel pipelines."
+            f"{pl.data_parallel} data-parallel pipelines."
+        )
+    if mixed:
+        lines.append(
+            "Pipelines of two GPU kinds share each stage (per-replica GPU type) to use GPUs a single shape "
+            f"leaves idle; faster pipelines run more microbatches ({counts[0]} to {counts[-1]} each) so all finish together."
         )
     b = r.breakdown
     lines.append(

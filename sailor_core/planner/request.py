@@ -99,6 +99,8 @@ class SearchOptions:
     # Stop adding pipeline stages after this many stage counts in a row whose best plan is more
     # than 5% worse than the best so far (0: search every stage count).
     patience: int = 4
+    # Best single-shape plans that get a second pipeline group on their idle GPUs (0: off).
+    mixed_pipelines: int = 4
     frontier_points: int = 24
     precision: str = "fp32"
     schedule: str = "1f1b"

@@ -1,0 +1,115 @@
+"""Mixed pipelines: a second group of pipelines on the GPUs the best plans leave idle.
+
+Contract: `mixed_plans(search, top, ...)` takes the search's best single-shape plans and, for each,
+plans a second group of data-parallel pipelines with the same microbatch size and layer split on
+the capacity the first group leaves unused (the same stage table, bottleneck sweep and DP, run on
+the leftover pool). The two groups form one plan whose stages hold replicas of two GPU kinds
+(per-replica GPU type, TP and zone); the global batch is shared so that both groups finish
+together: each pipeline of a group runs the same number of microbatches, the faster group more.
+Returns `ParallelPlan`s for the caller to verify with the full simulator. Pure and deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.planner.costs import Layout, Slot
+from sailor_core.planner.search import Candidate, Problem, Search, Sketch
+from sailor_core.simulator import pipeline_time_s
+
+
+def _leftover(slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tuple[Slot, ...]:
+    used: dict[tuple[int, str], int] = {}
+    for (si, tp), lay in zip(sk.kinds, layouts, strict=True):
+        for zone, n in lay:
+            used[(si, zone)] = used.get((si, zone), 0) + n * tp
+    return tuple(
+        replace(s, zones=tuple((z, n - used.get((s.index, z), 0)) for z, n in s.zones)) for s in slots
+    )
+
+
+def _linear_time(search: Search, sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
+    """(a, b) with pipeline seconds = a + b x microbatches, from the simulator's 1F1B composition."""
+    c = search.costs
+    slots = search.pb.slots
+    comp = [c.compute(slots[si].gpu_type, sk.mbs, tp, lo, hi) for (lo, hi), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)]
+    p2p = []
+    for s in range(sk.num_stages - 1):
+        (sa, ta), (sb, tb) = sk.kinds[s], sk.kinds[s + 1]
+        msg = c.boundary_bytes(ta, sk.bounds[s][1], sk.mbs)
+        za, zb = layouts[s][0][0], layouts[s + 1][0][0]
+        p2p.append(c.p2p_s(slots[sa], ta, za, slots[sb], tb, zb, msg))
+    t1 = pipeline_time_s(comp, p2p, 1)[0]
+    t2 = pipeline_time_s(comp, p2p, 2)[0]
+    return t1 - (t2 - t1), t2 - t1
+
+
+def _split(n: int, d_a: int, d_b: int, ta: tuple[float, float], tb: tuple[float, float]) -> tuple[list[int], int] | None:
+    """Microbatch counts: group A round-robin, group B m_b each, minimising the slower group's time."""
+    best: tuple[float, int] | None = None
+    for m_b in range(1, n // d_b + 1):
+        rest = n - d_b * m_b
+        if rest < d_a:
+            break
+        m_a = -(-rest // d_a)
+        t = max(ta[0] + ta[1] * m_a, tb[0] + tb[1] * m_b)
+        if best is None or t < best[0] - 1e-12:
+            best = (t, m_b)
+    if best is None:
+        return None
+    m_b = best[1]
+    base, extra = divmod(n - d_b * m_b, d_a)
+    return [base + (1 if j < extra else 0) for j in range(d_a)], m_b
+
+
+def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
+                schedule: str, per_base: int = 3) -> list[ParallelPlan]:
+    out: list[ParallelPlan] = []
+    pb = search.pb
+    seen: set[tuple[Sketch, Sketch]] = set()
+    for cand in top:
+        a = cand.sketch
+        lay_a = cand.estimate.layouts
+        left = _leftover(pb.slots, a, lay_a)
+        if sum(s.capacity for s in left) == 0:
+            continue
+        max_gpus = None if pb.max_gpus is None else pb.max_gpus - cand.estimate.num_gpus
+        if max_gpus is not None and max_gpus <= 0:
+            continue
+        sub = Search(
+            Problem(num_layers=pb.num_layers, global_batch_size=pb.global_batch_size,
+                    tokens_per_sample=pb.tokens_per_sample, slots=left, mbs_values=(a.mbs,), tp_values=pb.tp_values,
+                    objective=pb.objective, max_gpus=max_gpus, keep=per_base),
+            search.costs,
+        )
+        sub.sweep(a.mbs, a.bounds)
+        n = pb.global_batch_size // a.mbs
+        ta = _linear_time(search, a, lay_a)
+        for b_cand in sub.best()[:per_base]:
+            b = b_cand.sketch
+            if (a, b) in seen or a.dp + b.dp > n:
+                continue
+            seen.add((a, b))
+            lay_b = b_cand.estimate.layouts
+            tb = _linear_time(sub, b, lay_b)
+            split = _split(n, a.dp, b.dp, ta, tb)
+            if split is None:
+                continue
+            counts_a, m_b = split
+            stages = []
+            for s, (first, last) in enumerate(a.bounds):
+                reps: list[Replica] = []
+                for sk, lay in ((a, lay_a), (b, lay_b)):
+                    si, tp = sk.kinds[s]
+                    slot = pb.slots[si]
+                    for zone, k in lay[s]:
+                        reps.extend([Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
+                                             market=slot.market, region=slot.region)] * k)
+                stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+            pipes = [PipelineBatch(microbatch_size=a.mbs, num_microbatches=m) for m in counts_a]
+            pipes += [PipelineBatch(microbatch_size=a.mbs, num_microbatches=m_b)] * b.dp
+            out.append(ParallelPlan(model=model, global_batch_size=global_batch_size, stages=tuple(stages),
+                                    pipelines=tuple(pipes), schedule=schedule, precision=precision))
+    return out
