@@ -27,7 +27,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
 
 from flows.params import SailorParams, validate_params
-from flows.profile import profile
+from flows.profiling import profile
 from flows.replan import RunContext, replan
 from infra.provider import Provider
 from tasks.control import HeartbeatBoard

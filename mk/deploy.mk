@@ -1,5 +1,6 @@
 # `make deploy`: a local Prefect server (unless one is configured), a process work pool and worker,
 # and the deployments of prefect.yaml. `make stop`: stop what deploy started (pid files in .prefect/).
+# Server and worker run in their own sessions (setsid), so stop signals their whole process groups.
 #
 # A server is "configured" when PREFECT_API_URL is set in the environment or a prefect.toml exists
 # here; otherwise deploy starts one on 127.0.0.1:$(SAILOR_PREFECT_PORT) and writes prefect.toml with
@@ -15,7 +16,7 @@ DEPLOY_TOML_MARK    := $(DEPLOY_DIR)/prefect.toml.ours
 
 deploy: $(STAMP)
 	@mkdir -p $(DEPLOY_DIR)
-	@set -e; set -m; \
+	@set -e; \
 	if [ -n "$$PREFECT_API_URL" ]; then \
 	  api="$$PREFECT_API_URL"; echo "using the configured Prefect server $$api"; \
 	elif [ -f prefect.toml ] && [ ! -f $(DEPLOY_TOML_MARK) ]; then \
@@ -26,7 +27,7 @@ deploy: $(STAMP)
 	    echo "Prefect server already running (pid $$(cat $(DEPLOY_DIR)/server.pid))"; \
 	  else \
 	    echo "starting a Prefect server on 127.0.0.1:$(SAILOR_PREFECT_PORT) (log: .prefect/server.log)"; \
-	    PREFECT_API_URL= nohup $(BIN)/prefect server start --host 127.0.0.1 --port $(SAILOR_PREFECT_PORT) \
+	    PREFECT_API_URL= PREFECT_UI_API_URL="$$api" PREFECT_SERVER_API_PORT=$(SAILOR_PREFECT_PORT) setsid nohup $(BIN)/prefect server start --host 127.0.0.1 --port $(SAILOR_PREFECT_PORT) \
 	      > $(DEPLOY_DIR)/server.log 2>&1 & echo $$! > $(DEPLOY_DIR)/server.pid; \
 	  fi; \
 	  printf '# written by make deploy; removed by make stop\n[api]\nurl = "%s"\n' "$$api" > prefect.toml; \
@@ -43,7 +44,7 @@ deploy: $(STAMP)
 	  echo "worker already running (pid $$(cat $(DEPLOY_DIR)/worker.pid))"; \
 	else \
 	  echo "starting a process worker on pool $(SAILOR_POOL) (log: .prefect/worker.log)"; \
-	  PREFECT_WORKER_QUERY_SECONDS=2 nohup $(BIN)/prefect worker start --pool $(SAILOR_POOL) \
+	  PREFECT_WORKER_QUERY_SECONDS=2 setsid nohup $(BIN)/prefect worker start --pool $(SAILOR_POOL) \
 	    > $(DEPLOY_DIR)/worker.log 2>&1 & echo $$! > $(DEPLOY_DIR)/worker.pid; \
 	fi; \
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/prefect --no-prompt deploy --all; \

@@ -25,7 +25,7 @@ def prefect_harness():
 
 @pytest.fixture(scope="session")
 def profiled_store(prefect_harness):
-    from flows.profile import profile
+    from flows.profiling import profile
     from profiles_store.store import open_store
 
     uri = str(Path(tempfile.mkdtemp(prefix="sailor-flow-store-")) / "store")
