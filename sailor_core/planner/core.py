@@ -154,7 +154,10 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
                     global_batch_size=request.global_batch_size, precision=opts.precision, schedule=opts.schedule)
         for cand in cands
     ]
-    if opts.mixed_pipelines and cands:
+    # A second pipeline group adds GPUs to go faster: worth trying for throughput, or for cost
+    # when a minimum throughput must be met; a pure cost objective never gains from more GPUs.
+    wants_speed = request.objective is Objective.MAX_THROUGHPUT or request.constraints.min_iterations_per_s is not None
+    if opts.mixed_pipelines and cands and wants_speed:
         to_verify += mixed_plans(search, cands[: opts.mixed_pipelines], model=request.model,
                                  global_batch_size=request.global_batch_size, precision=opts.precision,
                                  schedule=opts.schedule)
