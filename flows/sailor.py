@@ -216,8 +216,9 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
                   total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval, seed=params.seed,
                   data_uri=params.dataset or "", estimate_s=float(est["iteration_time_s"]))
         job.launched_at = launch(provider, job)
-        record(history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers",
-               {"plan_version": ctx.version, "total_steps": ctx.total_steps})
+        resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
+        record(history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers{resumed}",
+               {"plan_version": ctx.version, "total_steps": ctx.total_steps, "resume_step": job.start_step})
         bar = ProgressBar(run_id, ctx.total_steps)
         deadline_at = t0 + params.deadline_s if params.deadline_s else None
         seen: set[tuple[str, str, str]] = set()

@@ -70,15 +70,20 @@ def test_happy_path_trains_to_completion_and_leaves_nothing(profiled_store, tmp_
     assert r["plans"][0]["plan"]["format"] == "sailor-plan"
     assert any(m["kind"] == "iteration_time" for m in r["measurements"])  # measured vs estimated
     assert_nothing_left(tmp_path, r["run_id"])
-    # A second run with the same name keeps the first one's history.
-    state2 = run(profiled_store, tmp_path, "happy", steps=4)
-    assert state2.is_completed()
+    # A second run with the same name keeps the first one's history; as the scheduled rerun does, it
+    # continues from the first run's checkpoint (step 16) instead of starting over.
+    state2 = run(profiled_store, tmp_path, "happy", steps=20, resume=True)
+    assert state2.is_completed(), state2.message
     from profiles_store.store import open_store
     from tasks.history import RunHistory
 
-    same = [x for x in RunHistory(open_store(profiled_store)).list_runs() if x["name"] == "happy"]
+    h = RunHistory(open_store(profiled_store))
+    same = [x for x in h.list_runs() if x["name"] == "happy"]
     assert len(same) == 2 and same[0]["run_id"] != same[1]["run_id"]
-    assert same[0]["steps_done"] == 16 and same[1]["steps_done"] == 4
+    assert same[0]["steps_done"] == 16 and same[1]["steps_done"] == 20
+    started = [e for e in h.show(same[1]["run_id"])["events"] if e["kind"] == "training_started"]
+    assert started[0]["resume_step"] == 16
+    assert len(h.show(same[0]["run_id"])["events"]) == len(r["events"])  # the first run's history is intact
 
 
 def test_preemption_then_a_price_change_worth_switching(profiled_store, tmp_path):
@@ -148,3 +153,49 @@ def test_a_failure_after_provisioning_still_tears_down(profiled_store, tmp_path)
     assert "provisioned" in kinds(r) and "teardown" in kinds(r)
     vms = provider.list_vms(r["run_id"])
     assert vms and all(v.state == "terminated" for v in vms)
+
+
+def test_cancelling_the_flow_process_tears_everything_down(profiled_store, tmp_path):
+    """What cancelling from the UI does to a process-worker run: SIGTERM to the flow's process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+
+    from profiles_store.store import open_store
+    from tasks.history import RunHistory
+
+    work = tmp_path / "work"
+    code = ("from flows.sailor import sailor; "
+            f"sailor(run_name='cancel', steps=5000, workers=2, objective='max-throughput', store_uri={profiled_store!r}, "
+            f"workdir={str(work)!r})")
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parent.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        h = RunHistory(open_store(profiled_store))
+        end = time.monotonic() + 180
+        run_id = None
+        while time.monotonic() < end and proc.poll() is None:
+            runs = [x for x in h.list_runs() if x["name"] == "cancel"]
+            if runs:
+                run_id = runs[-1]["run_id"]
+                metrics = list((work / "runs" / run_id / "metrics").rglob("*.jsonl"))
+                if any(m.stat().st_size > 0 for m in metrics):
+                    break  # training is under way
+            time.sleep(0.5)
+        assert run_id and proc.poll() is None, "training never started"
+        pids = [json.loads(f.read_text())["pid"] for f in (work / "runs" / run_id / "local" / "vms").glob("*.json")]
+        assert pids and all(p and _group_alive(int(p)) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    r = h.show(run_id)
+    assert r["status"] == "cancelled" and "teardown" in kinds(r)
+    assert_nothing_left(tmp_path, run_id)
+    assert not any(_group_alive(int(p)) for p in pids)
