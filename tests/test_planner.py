@@ -98,6 +98,8 @@ def test_what_if_variations(book) -> None:
     assert apply_what_if(pool, "+4 A100-40 in us-central1-a", book).entries[0].count == 12
     dearer = apply_what_if(pool, "A100-40 price +30%", book)
     assert dearer.entries[0].usd_per_gpu_hour == pytest.approx(3.673385 * 1.3)
+    family = apply_what_if(pool, "A100 on-demand price -10% in us-central1-a", book)
+    assert family.entries[0].usd_per_gpu_hour == pytest.approx(3.673385 * 0.9)
     with pytest.raises(SailorError, match="no pool entry"):
         apply_what_if(pool, "A100-40 spot price +30%", book)
     with pytest.raises(SailorError, match="to fix"):
@@ -264,3 +266,15 @@ def test_mixed_pipelines_use_idle_gpus_and_balance_microbatches(book) -> None:
     assert any(len(k) > 1 for k in kinds), "expected a stage with replicas of two GPU kinds"
     assert sum(p.samples for p in mixed.plan.pipelines) == 1024
     assert mixed.estimate.fits_memory and "two GPU kinds" in mixed.explanation
+
+
+def test_a_stage_spanning_zones_pays_the_cross_zone_link_and_egress(book) -> None:
+    pool = _pool(book, {"us-central1-a": {A: 4}, "us-central1-b": {A: 4}})
+    r = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool), book)
+    assert r.plan is not None and r.plan.num_gpus == 8
+    zones = {z for (z, _, _) in r.plan.gpus_by_place()}
+    assert zones == {"us-central1-a", "us-central1-b"}
+    assert r.estimate.egress_usd_per_iteration > 0  # 0.01 USD/GB between us-central1 zones
+    one_zone = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool,
+                                restrictions=Restrictions(zones=("us-central1-a",))), book)
+    assert one_zone.estimate.egress_usd_per_iteration == 0

@@ -9,6 +9,7 @@ pool contents vary with the seed, and the objective rotates over the three objec
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -56,3 +57,30 @@ def test_within_one_percent_of_brute_force(seed: int) -> None:
     assert ours.plan is not None and ours.estimate.fits_memory
     got, opt = objective_value(req.objective, ours.estimate), objective_value(req.objective, best)
     assert got <= opt * 1.01, f"seed {seed}: planner {got:.6g} vs brute force {opt:.6g} ({req.objective.value})"
+
+
+@pytest.mark.parametrize("seed", range(200, 206))
+def test_constrained_within_one_percent_of_brute_force(seed: int) -> None:
+    """Limits placed mid-frontier, so they bind: min cost with a minimum it/s, max it/s within a budget."""
+    from sailor_core.planner import Constraints
+
+    book = tiny_book(seed)
+    base = PlanRequest(model=MODEL, global_batch_size=16, pool=random_pool(seed, book, (2, 4, 6)),
+                       options=SearchOptions(max_stages=MAX_STAGES))
+    front = plan(base, book).frontier
+    if len(front) < 2:
+        pytest.skip("frontier has a single point: no binding limit to place")
+    mid_thr = (front[0].iterations_per_s + front[-1].iterations_per_s) / 2
+    mid_usd = (front[0].usd_per_iteration + front[-1].usd_per_iteration) / 2
+    if seed % 2:
+        req = replace(base, objective=Objective.MIN_COST, constraints=Constraints(min_iterations_per_s=mid_thr))
+    else:
+        req = replace(base, constraints=Constraints(max_usd_per_iteration=mid_usd))
+    ours = plan(req, book)
+    _, best, _ = exhaustive_best(req, book, max_stages=MAX_STAGES)
+    assert best is not None and ours.plan is not None
+    e = ours.estimate
+    assert not req.constraints.violations(usd_per_iteration=e.usd_per_iteration, usd_per_hour=e.usd_per_hour,
+                                          iterations_per_s=e.throughput_iterations_per_s)
+    got, opt = objective_value(req.objective, e), objective_value(req.objective, best)
+    assert got <= opt * 1.01, f"seed {seed}: planner {got:.6g} vs brute force {opt:.6g}"

@@ -209,7 +209,9 @@ def apply_what_if(pool: ResourcePool, change: str, book: ProfileBook) -> Resourc
         hit = False
         entries = []
         for e in pool.entries:
-            if e.gpu_type == gpu and (only is None or e.market == only) and (zone is None or e.zone == zone):
+            # "A100" names the family: every A100-* type in the pool
+            named = e.gpu_type == gpu or e.gpu_type.startswith(gpu + "-")
+            if named and (only is None or e.market == only) and (zone is None or e.zone == zone):
                 e = replace(e, usd_per_gpu_hour=e.usd_per_gpu_hour * factor)
                 hit = True
             entries.append(e)

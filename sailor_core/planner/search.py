@@ -31,6 +31,7 @@ memory-checked), which the published planner never does (it splits uniformly).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Iterator, Sequence
@@ -132,6 +133,8 @@ class Search:
         self.nearest: tuple[float, str] | None = None  # smallest violation seen, and its reason
         self._p2p_floor: dict[tuple[int, int], float] = {}
         self._round_best = math.inf
+        self._violators: list[tuple[float, int, Candidate]] = []  # best scores that break a limit
+        self._closest: list[tuple[float, int, Candidate]] = []  # smallest breaches of a limit
 
     # -- objective -------------------------------------------------------------------------
     def score(self, e: Estimate) -> float:
@@ -252,6 +255,15 @@ class Search:
         if v > 0:
             if self.nearest is None or v < self.nearest[0]:
                 self.nearest = (v, _describe_violation(self.pb.constraints, e))
+            # Fast (or cheap) plans that break a limit seed the local pass: one changed stage
+            # (a zone, a cheaper GPU) may bring them within it.
+            self._tie += 1
+            heapq.heappush(self._violators, (-cand.score, -self._tie, cand))
+            if len(self._violators) > 8:
+                heapq.heappop(self._violators)
+            heapq.heappush(self._closest, (-v, -self._tie, cand))
+            if len(self._closest) > 8:
+                heapq.heappop(self._closest)
             # Kept only if close: the simulator has the final word on constraints.
             if v > 0.02:
                 return cand
@@ -466,27 +478,33 @@ class Search:
                 d_max = min(d_max, self.pb.max_gpus // max(1, sum(u)))
             ends.append((d_max, p1, p2, u))
         ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
-        best_by_d: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
-        c1: tuple[float, tuple[int, ...]] | None = None
-        c2: tuple[float, tuple[int, ...]] | None = None
-        for d_max, p1, p2, u in ends:
-            if c1 is None or p1 < c1[0] - 1e-12:
-                c1 = (p1, u)
-            if c2 is None or p2 < c2[0] - 1e-12:
-                c2 = (p2, u)
-            best_by_d.append((d_max, c1[1], c2[1]))
+        # With a limit that couples time and money (a budget under max throughput, a minimum speed
+        # under min cost) the answer may sit between the two keys' optima: take the Pareto set.
+        cons = self.pb.constraints
+        coupled = (thr and (cons.max_usd_per_iteration is not None or cons.max_usd_per_hour is not None)) or (
+            not thr and cons.min_iterations_per_s is not None
+        )
+        eligible: list[tuple[float, float, tuple[int, ...]]] = []
+        i = 0
         for d in reversed(d_list):
-            picks: tuple[tuple[int, ...], ...] = ()
-            for d_max, u1, u2 in best_by_d:
-                if d_max >= d:
-                    picks = (u1, u2)  # sorted by d_max desc with running minima: the last valid wins
-                else:
-                    break
-            if not picks:
+            while i < len(ends) and ends[i][0] >= d:
+                bisect.insort(eligible, (ends[i][1], ends[i][2], ends[i][3]))
+                i += 1
+            if not eligible:
                 continue
             if self.bound(tau, lb, n, [d]) >= self.incumbent:
                 continue
-            for pick in dict.fromkeys(picks):
+            front = []
+            low2 = math.inf
+            for _p1, p2, u in eligible:
+                if p2 < low2 - 1e-12:
+                    front.append(u)
+                    low2 = p2
+            if coupled and len(front) > 8:
+                front = [front[round(j * (len(front) - 1) / 7)] for j in range(8)]
+            elif not coupled:
+                front = [front[0], front[-1]]
+            for pick in dict.fromkeys(front):
                 kinds = self._reconstruct(layers, pick)
                 if self.quick_bound(mbs, bounds, kinds, d, n) >= self.incumbent:
                     self.count.pruned += 1
@@ -565,7 +583,9 @@ class Search:
         pb = self.pb
         for _ in range(rounds):
             before = self.incumbent
-            for cand in self.best()[:top]:
+            near = [c for _, _, c in sorted(self._violators, key=lambda t: (-t[0], -t[1]))]
+            near += [c for _, _, c in sorted(self._closest, key=lambda t: (-t[0], -t[1]))]
+            for cand in self.best()[:top] + near:
                 sk = cand.sketch
                 p = sk.num_stages
                 kinds_all = [
@@ -581,7 +601,7 @@ class Search:
                                                first_stage=s == 0, last_stage=s == p - 1):
                             continue
                         kinds = sk.kinds[:s] + (k,) + sk.kinds[s + 1:]
-                        self.consider(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=kinds, dp=sk.dp))
+                        self._neighbor(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=kinds, dp=sk.dp), cand)
                 for s in range(p):
                     for t in range(s + 1, p):
                         if sk.kinds[s] == sk.kinds[t]:
@@ -594,9 +614,21 @@ class Search:
                             for i in (s, t)
                         )
                         if ok:
-                            self.consider(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=tuple(kinds_l), dp=sk.dp))
+                            self._neighbor(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=tuple(kinds_l), dp=sk.dp), cand)
             if self.incumbent >= before:
                 break
+
+    def _neighbor(self, sk: Sketch, seed: Candidate) -> None:
+        """Consider a neighbour; if it looks promising, also with its layers re-split for its GPUs."""
+        c = self.consider(sk)
+        if c is None or sk.num_stages < 2:
+            return
+        v = self.violation(c.estimate)
+        promising = (v <= 0 and c.score <= self.incumbent * 1.1) or (0 < v < self.violation(seed.estimate))
+        if promising:
+            b = self.rebalanced(sk)
+            if b is not None and b != sk.bounds:
+                self.consider(Sketch(mbs=sk.mbs, bounds=b, kinds=sk.kinds, dp=sk.dp))
 
     def rebalance_pass(self) -> None:
         """Re-split the layers of the best sketches for the GPUs they chose (heterogeneous min-max)."""
