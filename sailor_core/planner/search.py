@@ -62,6 +62,7 @@ class Problem:
     keep: int = 24  # best candidates returned
     patience: int = 4  # stop adding stages after this many stage counts without a near-best plan (0: never)
     patience_slack: float = 0.05  # "near-best": within 5% of the best score so far
+    tp_options: int = 2  # per stage and slot, the DP tries the smallest TPs that meet tau, this many
 
 
 @dataclass(frozen=True, order=True)
@@ -441,11 +442,12 @@ class Search:
         for row in table:
             opts = []
             for g, cand in enumerate(row):
-                for tp, t in cand:
-                    if t <= tau:
-                        price = tp * slots[g].usd_per_gpu_hour
-                        opts.append((g, tp, t if thr else price, price if thr else t))
-                        break
+                # The smallest TP that meets tau, and the next larger one: tau sees compute only,
+                # a larger TP can still pay through shorter sends per cycle or a shorter fill.
+                fit = [(tp, t) for tp, t in cand if t <= tau][: self.pb.tp_options]
+                for tp, t in fit:
+                    price = tp * slots[g].usd_per_gpu_hour
+                    opts.append((g, tp, t if thr else price, price if thr else t))
             if not opts:
                 return
             options.append(opts)
@@ -500,8 +502,8 @@ class Search:
                 if p2 < low2 - 1e-12:
                     front.append(u)
                     low2 = p2
-            if coupled and len(front) > 8:
-                front = [front[round(j * (len(front) - 1) / 7)] for j in range(8)]
+            if coupled and len(front) > 32:
+                front = [front[round(j * (len(front) - 1) / 31)] for j in range(32)]
             elif not coupled:
                 front = [front[0], front[-1]]
             for pick in dict.fromkeys(front):
@@ -625,7 +627,7 @@ class Search:
             return
         v = self.violation(c.estimate)
         promising = (v <= 0 and c.score <= self.incumbent * 1.1) or (0 < v < self.violation(seed.estimate))
-        if promising:
+        if promising or self.pb.num_layers <= 12:  # re-splitting a small model is cheap: always
             b = self.rebalanced(sk)
             if b is not None and b != sk.bounds:
                 self.consider(Sketch(mbs=sk.mbs, bounds=b, kinds=sk.kinds, dp=sk.dp))
