@@ -39,6 +39,7 @@ class SailorParams(BaseModel):
     gpu_types: list[str] | None = None
     markets: list[str] | None = None
     max_gpus: int | None = Field(default=None, ge=1)
+    max_stages: int | None = Field(default=None, ge=1, description="most pipeline stages a plan may have")
     provider: Literal["local", "aws", "gcp"] = "local"
     store_uri: str | None = Field(default=None, description="profile store URI; None: $SAILOR_STORE or .sailor/store")
     workdir: str = Field(default=".sailor", min_length=1,

@@ -60,7 +60,7 @@ class RunContext:
         return dict(model=p.model, global_batch_size=p.global_batch_size, pool=pool, book=book, objective=p.objective,
                     max_usd_per_iteration=p.max_usd_per_iteration, max_usd_per_hour=p.max_usd_per_hour,
                     min_iterations_per_s=p.min_iterations_per_s, clouds=p.clouds, regions=p.regions,
-                    gpu_types=p.gpu_types, markets=p.markets,
+                    gpu_types=p.gpu_types, markets=p.markets, max_stages=p.max_stages,
                     max_gpus=min(p.max_gpus or p.workers, p.workers) if p.provider == "local" else p.max_gpus)
 
     def adopt_plan(self, plan: ParallelPlan, est: dict[str, Any], reason: str, frontier: Any = ()) -> None:

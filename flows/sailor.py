@@ -54,7 +54,7 @@ class Deps:
     workdir: Path
     poll_s: float = 0.5
     reconfiguration_estimate_s: float = 15.0
-    stall_timeout_s: float = 600.0
+    stall_timeout_s: float = 180.0
     max_replans: int = 20
     board: HeartbeatBoard = field(default_factory=HeartbeatBoard)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -143,6 +143,7 @@ def sailor(
     gpu_types: list[str] | None = None,
     markets: list[str] | None = None,
     max_gpus: int | None = None,
+    max_stages: int | None = None,
     provider: str = "local",
     store_uri: str | None = None,
     workdir: str = ".sailor",

@@ -328,12 +328,11 @@ class LocalProvider:
 
     def terminate(self, vm_ids: Sequence[str]) -> None:
         with self._lock:
-            for vm_id in vm_ids:
-                rec = self._record(vm_id)
-                if rec is None or rec["state"] in ("terminated", "planned"):
-                    continue
-                if rec["pid"]:
-                    self._stop_group(rec["pid"], self._procs.pop(vm_id, None))
+            recs = [r for r in (self._record(v) for v in vm_ids) if r is not None and r["state"] not in ("terminated", "planned")]
+            # All agents get their SIGTERM at once and share one grace period.
+            self.stop_agents([r["vm_id"] for r in recs])
+            for rec in recs:
+                rec = self._record(rec["vm_id"]) or rec
                 rec.update(state="terminated" if rec["state"] != "preempted" else "preempted",
                            ended_at=rec["ended_at"] or self.clock())
                 self._save(rec)
@@ -345,10 +344,8 @@ class LocalProvider:
             live_proc = bool(rec["pid"]) and rec["state"] != "terminated" and _group_alive(rec["pid"])
             if rec["state"] in LIVE_STATES or live_proc:
                 removed.append(rec["vm_id"])
-                if not dry_run:
-                    if live_proc:
-                        self._stop_group(rec["pid"], self._procs.pop(rec["vm_id"], None))
-                    self.terminate([rec["vm_id"]])
+        if removed and not dry_run:
+            self.terminate(removed)
         return removed
 
     # -- beyond the protocol -------------------------------------------------------------------
@@ -368,6 +365,7 @@ class LocalProvider:
                     if proc is not None:
                         proc.poll()
                     time.sleep(0.05)
+            for rec in recs:
                 self._kill_group(rec["pid"], self._procs.pop(rec["vm_id"], None))
                 # Stopped on purpose: not a lost worker.
                 rec.update(pid=None, exit_code=None)

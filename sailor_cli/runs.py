@@ -39,12 +39,12 @@ def list_runs(
 
     t = Table(title=f"{len(runs)} run(s)")
     for c in ("run_id", "name", "status", "started (UTC)", "steps", "USD", "wall s"):
-        t.add_column(c)
+        t.add_column(c, no_wrap=True)
     for r in runs:
         t.add_row(r["run_id"], r.get("name", ""), r.get("status", ""), r["started_at"][:19],
                   str(r.get("steps_done", "")), f"{r['usd_total']:.6f}" if "usd_total" in r else "",
                   str(r.get("wall_s", "")))
-    Console().print(t)
+    Console(width=max(Console().width, 130)).print(t)
 
 
 @app.command("show")
@@ -61,7 +61,7 @@ def show(
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = Console(width=max(Console().width, 130))
     con.print(f"[bold]{run['run_id']}[/bold] ({run.get('name', '')}): [bold]{run.get('status')}[/bold] "
               f"{run.get('status_reason', '')}")
     for k in ("started_at", "ended_at", "steps_done", "usd_total", "wall_s"):

@@ -75,9 +75,10 @@ def estimate(plan: ParallelPlan, book: ProfileBook) -> dict[str, Any]:
 def run_planner(*, model: str, global_batch_size: int, pool: ResourcePool, book: ProfileBook, objective: str,
                 max_usd_per_iteration: float | None, max_usd_per_hour: float | None,
                 min_iterations_per_s: float | None, clouds: Sequence[str] | None, regions: Sequence[str] | None,
-                gpu_types: Sequence[str] | None, markets: Sequence[str] | None, max_gpus: int | None) -> Any:
+                gpu_types: Sequence[str] | None, markets: Sequence[str] | None, max_gpus: int | None,
+                max_stages: int | None = None) -> Any:
     from sailor_core.planner import plan as planner_plan
-    from sailor_core.planner.request import Constraints, PlanRequest, Restrictions
+    from sailor_core.planner.request import Constraints, PlanRequest, Restrictions, SearchOptions
 
     req = PlanRequest(
         model=model, global_batch_size=global_batch_size, pool=pool, objective=objective,
@@ -85,6 +86,7 @@ def run_planner(*, model: str, global_batch_size: int, pool: ResourcePool, book:
                                 min_iterations_per_s=min_iterations_per_s),
         restrictions=Restrictions(clouds=tuple(clouds or ()), regions=tuple(regions or ()),
                                   gpu_types=tuple(gpu_types or ()), markets=tuple(markets or ()), max_gpus=max_gpus),
+        options=SearchOptions(max_stages=max_stages) if max_stages else SearchOptions(),
     )
     result = planner_plan(req, book)
     if result.plan is None:

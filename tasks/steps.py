@@ -201,6 +201,19 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
                 continue  # a VM this plan no longer uses
             if e.kind in ACTIONABLE:
                 actionable.append(e)
+        # A worker whose generation failed (a peer gone, a collective timed out) waits for a new plan:
+        # to the orchestration that is a lost worker, whatever the provider says about its VM.
+        if ctl is not None:
+            for vm_id, status in ctl.statuses([v.vm_id for v in job.vms]).items():
+                key = ("lost", f"v{job.version}", vm_id)
+                if status.startswith("failed") and key not in seen:
+                    seen.add(key)
+                    e = ProviderEvent(kind=EventKind.LOST, at=utcnow(), vm_id=vm_id,
+                                      detail={"reason": f"worker reported {status[:300]}"})
+                    history.event(job.run_id, "lost", event_reason(e), event_row(e), at=e.at)
+                    emit("lost", job.run_id, {"reason": event_reason(e), **event_row(e)})
+                    log.info("event lost: %s", event_reason(e))
+                    actionable.append(e)
         if actionable:
             return MonitorOutcome(completed=False, events=actionable, progress=prog)
         # Online calibration: measured against estimated iteration time, once per plan version.
@@ -232,7 +245,9 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
         if time.time() - last_progress_at > stall_timeout_s:
             raise RuntimeError(
                 f"no training progress for {stall_timeout_s:.0f}s (step {prog.step} of {job.total_steps}, "
-                f"plan v{job.version}) and no worker was reported lost; to fix: check the worker logs"
+                f"plan v{job.version}: {job.plan.num_stages} stage(s) x {job.plan.data_parallel} replica(s)) while "
+                f"every worker still beat its heartbeat: the runtime hangs on this plan; to fix: see the worker "
+                f"logs (agent-v{job.version}.log in the run's slots) or restrict the plan (e.g. max_stages=1)"
             )
         if deadline_at is not None and time.time() > deadline_at:
             raise RuntimeError(f"deadline reached at step {prog.step} of {job.total_steps}")

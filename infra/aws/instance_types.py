@@ -1,7 +1,8 @@
 """AWS GPU instance types: GPU type and count per VM, vCPUs, and the quota class they count against.
 
 Contract: pure data and lookups. Families p3, p3dn, p4d, p4de, p5, p5e, g5, g6 and g6e. GPU names
-follow the project's `model-memoryGB` convention. Quota codes are the Service Quotas codes of the
+follow the project's `model-memoryGB` convention. CPU instances (c5/c6i/c7i.2xlarge) serve GPU type
+`cpu`, one worker slot per VM, for smoke runs of the whole system. Quota codes are the Service Quotas codes of the
 vCPU limits each class counts against (on-demand and spot), as AWS documents them.
 """
 
@@ -18,7 +19,7 @@ class InstanceShape:
     gpu_type: str
     gpus: int
     vcpus: int
-    quota_class: str  # "P" or "G"
+    quota_class: str  # "P", "G" or "standard"
 
 
 def _shapes() -> dict[str, InstanceShape]:
@@ -36,8 +37,13 @@ def _shapes() -> dict[str, InstanceShape]:
         ("g6.24xlarge", "L4-24", 4, 96), ("g6.48xlarge", "L4-24", 8, 192),
         ("g6e.xlarge", "L40S-48", 1, 4), ("g6e.12xlarge", "L40S-48", 4, 48), ("g6e.48xlarge", "L40S-48", 8, 192),
     ]
-    return {t: InstanceShape(instance_type=t, gpu_type=g, gpus=n, vcpus=v, quota_class=t[0].upper())
-            for t, g, n, v in rows}
+    out = {t: InstanceShape(instance_type=t, gpu_type=g, gpus=n, vcpus=v, quota_class=t[0].upper())
+           for t, g, n, v in rows}
+    # CPU VMs for GPU type "cpu": one worker slot each (the local provider's worker, on a cloud VM),
+    # for smoke runs of the whole system on cheap instances.
+    for t, v in (("c7i.2xlarge", 8), ("c6i.2xlarge", 8), ("c5.2xlarge", 8)):
+        out[t] = InstanceShape(instance_type=t, gpu_type="cpu", gpus=1, vcpus=v, quota_class="standard")
+    return out
 
 
 SHAPES: dict[str, InstanceShape] = _shapes()
@@ -48,6 +54,8 @@ QUOTA_CODES: dict[tuple[str, Market], str] = {
     ("G", Market.ON_DEMAND): "L-DB2E81BA",  # Running On-Demand G and VT instances
     ("P", Market.SPOT): "L-7212CCBC",  # All P Spot Instance Requests
     ("G", Market.SPOT): "L-3819A6DF",  # All G and VT Spot Instance Requests
+    ("standard", Market.ON_DEMAND): "L-1216C47A",  # Running On-Demand Standard (A, C, D, H, I, M, R, T, Z)
+    ("standard", Market.SPOT): "L-34B43A08",  # All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests
 }
 
 

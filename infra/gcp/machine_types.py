@@ -3,7 +3,8 @@
 Contract: pure data. A shape is a machine type plus its GPUs (built in for a2/a3/g2; attached as
 guestAccelerators for N1). Its `instance_type` names both, e.g. `a2-highgpu-4g` or
 `n1-standard-16+nvidia-tesla-v100:2`. `quota_metric` is the regional quota that limits the
-GPUs (the PREEMPTIBLE_ variant applies to spot VMs).
+GPUs (the PREEMPTIBLE_ variant applies to spot VMs). A CPU shape (n2-standard-8) serves GPU type
+`cpu`, one worker slot per VM, limited by its family's vCPU quota.
 """
 
 from __future__ import annotations
@@ -33,18 +34,25 @@ class GceShape:
     attached: bool  # True: N1 host + guestAccelerators; False: GPUs built into the machine type
 
     @property
+    def cpu_only(self) -> bool:
+        return not self.accelerator
+
+    @property
     def instance_type(self) -> str:
         return f"{self.machine_type}+{self.accelerator}:{self.gpus}" if self.attached else self.machine_type
 
     @property
     def gpu_type(self) -> str:
-        return ACCELERATORS[self.accelerator][0]
+        return ACCELERATORS[self.accelerator][0] if self.accelerator else "cpu"
 
     @property
     def family(self) -> str:
         return self.machine_type.split("-", 1)[0]
 
     def quota_metric(self, market: Market) -> str:
+        """The regional quota: GPUs of the accelerator, or for a CPU shape its family's vCPUs."""
+        if self.cpu_only:
+            return f"{self.family.upper()}_CPUS"
         metric = ACCELERATORS[self.accelerator][1]
         return f"PREEMPTIBLE_{metric}" if market is Market.SPOT else metric
 
@@ -68,6 +76,8 @@ def _shapes() -> list[GceShape]:
             v = 8 * n
             out.append(GceShape(machine_type=f"n1-standard-{v}", accelerator=acc, gpus=n, vcpus=v,
                                 memory_gib=3.75 * v, attached=True))
+    # CPU VMs for GPU type "cpu": one worker slot each, for smoke runs of the whole system.
+    out.append(GceShape(machine_type="n2-standard-8", accelerator="", gpus=1, vcpus=8, memory_gib=32, attached=False))
     return out
 
 

@@ -25,10 +25,10 @@ from sailor_core.domain import Market
 
 COMPUTE_SERVICE_ID = "6F81-5844-456A"  # Compute Engine in the Cloud Billing catalog
 
-_FAMILY = {"N1 Predefined": "n1", "A2": "a2", "A3": "a3", "G2": "g2"}
+_FAMILY = {"N1 Predefined": "n1", "N2": "n2", "A2": "a2", "A3": "a3", "G2": "g2"}
 _GPU = {"Tesla V100": "nvidia-tesla-v100", "Tesla T4": "nvidia-tesla-t4", "Tesla A100": "nvidia-tesla-a100",
         "A100 80GB": "nvidia-a100-80gb", "H100 80GB": "nvidia-h100-80gb", "L4": "nvidia-l4"}
-_MACHINE_RE = re.compile(r"^(?:Spot Preemptible )?(N1 Predefined|A2|A3|G2) Instance (Core|Ram)\b")
+_MACHINE_RE = re.compile(r"^(?:Spot Preemptible )?(N1 Predefined|N2|A2|A3|G2) Instance (Core|Ram)\b")
 _GPU_RE = re.compile(r"^(?:Spot Preemptible )?Nvidia (Tesla V100|Tesla T4|Tesla A100|A100 80GB|H100 80GB|L4) GPU\b")
 
 
@@ -73,7 +73,7 @@ def shape_price(table: dict[tuple[str, str, str, Market], float], shape: GceShap
                 market: Market) -> float | None:
     core = table.get((shape.family, "core", region, market))
     ram = table.get((shape.family, "ram", region, market))
-    gpu = table.get(("gpu", shape.accelerator, region, market))
+    gpu = table.get(("gpu", shape.accelerator, region, market)) if shape.accelerator else 0.0
     if core is None or ram is None or gpu is None:
         return None
     return shape.vcpus * core + shape.memory_gib * ram + shape.gpus * gpu

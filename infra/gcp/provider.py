@@ -210,6 +210,8 @@ class GcpProvider:
         """GPUs of this shape still allowed: the region's quota left (GCE counts usage), else our cap."""
         metric = shape.quota_metric(market)
         if metric in quotas:
+            if shape.cpu_only:  # a vCPU quota: whole VMs of this shape, one slot each
+                return int(quotas[metric] // shape.vcpus) * shape.gpus
             return int(quotas[metric]) // shape.gpus * shape.gpus
         used = sum(1 for z, t, m in in_use if z == zone and t == shape.instance_type and m is market)
         return max(0, self.config.max_vms_per_offering - used) * shape.gpus
@@ -251,7 +253,7 @@ class GcpProvider:
             for zone in self._zones(region):
                 accels = self._accels(zone)
                 for shape in shapes:
-                    if shape.accelerator not in accels:
+                    if shape.accelerator and shape.accelerator not in accels:
                         continue
                     for m in mks:
                         q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
@@ -326,7 +328,8 @@ class GcpProvider:
         out = [r.zone]
         for reg in [region] + [x for x in self.config.regions if x != region]:
             if reg in self.config.regions:
-                out += [z for z in self._zones(reg) if z not in out and shape.accelerator in self._accels(z)]
+                out += [z for z in self._zones(reg)
+                        if z not in out and (not shape.accelerator or shape.accelerator in self._accels(z))]
         return out
 
     def _price(self, shape: GceShape, zone: str, market: Market) -> float:
