@@ -24,6 +24,7 @@ from sailor_core.planner import (
     PlanRequest,
     PlanResult,
     Restrictions,
+    SearchOptions,
     apply_what_if,
     load_pool_file,
     summarize,
@@ -59,6 +60,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     what_if: Annotated[list[str] | None, typer.Option("--what-if", help="re-plan with a change, e.g. '+16 V100-16 in us-west1-b' or 'A100-40 spot price +30%'")] = None,
     frontier_png: Annotated[str | None, typer.Option("--frontier-png", help="plot the throughput/cost frontier to this PNG")] = None,
+    wide_frontier: Annotated[bool, typer.Option("--wide-frontier", help="frontier from cheapest to fastest (about 2x search time; on with --frontier-png)")] = False,
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them."""
     from sailor_cli.simulate import load_book
@@ -80,6 +82,7 @@ def plan(
             clouds=_split(clouds), regions=_split(regions), zones=_split(zones), gpu_types=_split(gpu_types),
             markets=tuple(Market.parse(m) for m in _split(markets)), max_gpus=max_gpus,
         ),
+        options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None),
     )
     result = run_planner(request, book)
     variations = []

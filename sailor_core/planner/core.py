@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 
 from sailor_core.domain import (
     Market,
@@ -24,7 +25,14 @@ from sailor_core.domain import (
 )
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.mixed import mixed_plans
-from sailor_core.planner.request import FrontierPoint, Objective, PlanRequest, PlanResult, SearchStats
+from sailor_core.planner.request import (
+    Constraints,
+    FrontierPoint,
+    Objective,
+    PlanRequest,
+    PlanResult,
+    SearchStats,
+)
 from sailor_core.planner.search import Problem, Search, Sketch
 from sailor_core.profiles import MissingProfileError, ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
@@ -189,6 +197,17 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
         if best is None or v < best[0] - 1e-12:
             best = (v, pl, r)
 
+    if opts.wide_frontier and slots:
+        # The main search prunes toward its objective; the other objective's search (no limits)
+        # fills the far end of the frontier. Both explore the same plan space and placement.
+        unconstrained = request.constraints == Constraints()
+        for other in (Objective.MAX_THROUGHPUT, Objective.MIN_COST):
+            if unconstrained and (other is request.objective or (
+                    other is Objective.MIN_COST and request.objective is Objective.MIN_COST_PER_TOKEN)):
+                continue  # the main search already covers this end
+            wide = Search(replace(problem, objective=other, constraints=Constraints()), costs)
+            wide.run()
+            search.points.extend(wide.points)
     frontier, n_front = _frontier(search, slots, request, book, so)
     simulated += n_front
     stats = SearchStats(
@@ -243,10 +262,6 @@ def _over_pool(pl: ParallelPlan, pool: ResourcePool, max_gpus: int | None) -> li
 
 def _relaxed_misses(request: PlanRequest, book: ProfileBook) -> list[str]:
     """Without the constraints: how close do the fastest and the cheapest plans come to them?"""
-    from dataclasses import replace
-
-    from sailor_core.planner.request import Constraints
-
     c = request.constraints
     out = []
     goals = []

@@ -101,6 +101,9 @@ class SearchOptions:
     patience: int = 4
     # Best single-shape plans that get a second pipeline group on their idle GPUs (0: off).
     mixed_pipelines: int = 4
+    # Also search the other objective (unconstrained) so the frontier spans cheapest to fastest;
+    # about doubles the search time. The CLI turns it on for --frontier-png and --wide-frontier.
+    wide_frontier: bool = False
     frontier_points: int = 24
     precision: str = "fp32"
     schedule: str = "1f1b"
