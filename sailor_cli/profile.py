@@ -63,6 +63,7 @@ def model_cmd(
     store: Store = None,
     gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Label for the results (default: from the device).")] = None,
     all_blocks: Annotated[bool, typer.Option("--all-blocks", help="Measure every block, not a few copied to the rest.")] = False,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, or bf16 (autocast, as bf16 plans run).")] = "fp32",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Profile per-layer forward/backward/optimizer time and activation memory; replace it in the store."""
@@ -70,7 +71,7 @@ def model_cmd(
 
     settings = ModelProfileSettings(
         model=model, device=device, mbs=_int_list(mbs, "--mbs"), tp=_int_list(tp, "--tp"),
-        gpu_type=gpu_type, all_blocks=all_blocks,
+        gpu_type=gpu_type, all_blocks=all_blocks, precision=precision,
     )
     cfg = settings.validate()  # bad input fails before the store is opened or a worker starts
     st = _open(store)

@@ -63,6 +63,7 @@ class ModelProfileSettings:
     all_blocks: bool = False
     policy: RepeatPolicy = field(default_factory=lambda: DEFAULT_POLICY)
     seed: int = 0
+    precision: str = "fp32"  # or "bf16": forward under bf16 autocast, as the runtime runs bf16 plans
     timeout_s: float = 3600.0
     # CPU only: memory a worker may allocate beyond what it holds after start-up (None: no limit).
     # Makes a CPU worker slot run out of memory like a GPU of that size would, instead of swapping
@@ -100,6 +101,8 @@ class ModelProfileSettings:
             cfg.check_tp(t)  # heads, FFN and vocabulary must split evenly
         if self.blocks < 1:
             raise SailorError(f"blocks to measure must be >= 1, got {self.blocks}")
+        if self.precision not in ("fp32", "bf16"):
+            raise SailorError(f"precision must be fp32 or bf16, got {self.precision!r}; to fix: --precision fp32")
         return cfg
 
     def measured_layers(self, cfg: TransformerConfig) -> list[int]:
@@ -247,7 +250,11 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
             return x, tgt
 
         def forward(i: int, x, tgt):
-            out = layers[i](x)
+            if settings.precision == "bf16":
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    out = layers[i](x)
+            else:
+                out = layers[i](x)
             return loss_sum(out, tgt) if i == head else out
 
         def measure_point(mbs: int) -> list[LayerPoint]:
@@ -431,6 +438,7 @@ def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], Non
             "profiled_tp": profiled_tps,
             "measured_layers": settings.measured_layers(cfg),
             "all_blocks": settings.all_blocks,
+            "precision": settings.precision,
             "policy": asdict(settings.policy),
             "statistic": "median",
             "infeasible": [asdict(x) for x in infeasible],
