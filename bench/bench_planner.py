@@ -8,9 +8,10 @@ Prints, measured side by side in one run on this machine:
 2. optimality on small random pools: our best plan against brute force over the whole plan
    space, both under the simulator;
 3. a pool of 3 GPU types x 256 GPUs in one zone (A100-40, V100-16, GH-96): search time;
-4. determinism: the same request twice gives the same plan.
+4. determinism: the same request twice gives the same plan;
+and, for information, optimality under binding limits on random worlds (2b).
 
-Usage: .venv/bin/python bench/bench_planner.py [--pools N] [--checks DIR]
+Usage: .venv/bin/python bench/bench_planner.py [--pools N] [--constrained N] [--checks DIR]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from profiles_store.eth_easl import read_eth_easl  # noqa: E402
 from sailor_core.plan_format import plan_from_eth_easl  # noqa: E402
 from sailor_core.planner import Constraints, PlanRequest, SearchOptions, parse_pool, plan, summarize  # noqa: E402
 from sailor_core.planner.core import objective_value  # noqa: E402
+from sailor_core.planner.exhaustive import exhaustive_best  # noqa: E402
 from sailor_core.simulator import simulate  # noqa: E402
 
 REFERENCE = REPO.parent / "shared" / "reference_data"
@@ -115,6 +117,39 @@ def optimality(pools: int) -> bool:
     return ok
 
 
+def constrained(worlds: int) -> None:
+    """Informational: limits placed mid-frontier (min cost with a minimum it/s; max it/s in a budget)."""
+    from dataclasses import replace
+
+    from sailor_core.planner import Objective
+    from tests.planner_fixtures import MODEL, tiny_book
+    from tests.test_planner_optimality import random_pool
+
+    print(f"\n== 2b. constrained optimality on {worlds} random worlds (informational)")
+    gaps = []
+    for seed in range(400, 400 + worlds):
+        book = tiny_book(seed)
+        base = PlanRequest(model=MODEL, global_batch_size=16, pool=random_pool(seed, book, (2, 4, 6)),
+                           options=SearchOptions(max_stages=3))
+        front = plan(base, book).frontier
+        if len(front) < 2:
+            continue
+        mid_thr = (front[0].iterations_per_s + front[-1].iterations_per_s) / 2
+        mid_usd = (front[0].usd_per_iteration + front[-1].usd_per_iteration) / 2
+        req = (replace(base, objective=Objective.MIN_COST, constraints=Constraints(min_iterations_per_s=mid_thr))
+               if seed % 2 else replace(base, constraints=Constraints(max_usd_per_iteration=mid_usd)))
+        ours = plan(req, book)
+        _, best, _ = exhaustive_best(req, book, max_stages=3)
+        if best is None:
+            continue
+        if ours.plan is None:
+            gaps.append(float("inf"))
+            continue
+        gaps.append(objective_value(req.objective, ours.estimate) / objective_value(req.objective, best) - 1)
+    within = sum(g <= 0.01 for g in gaps)
+    print(f"-> {within}/{len(gaps)} constrained worlds within 1% of brute force; worst gap {max(gaps) * 100:.2f}%")
+
+
 def large_pool(book) -> bool:
     print("\n== 3. 3 GPU types x 256 GPUs in one zone (A100-40, V100-16, GH-96)")
     pool = parse_pool({"zones": {"us-central1-a": {"gpus": {g: {"count": 256} for g in ("A100-40", "V100-16", "GH-96")}}}},
@@ -146,9 +181,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pools", type=int, default=24, help="random pools for the optimality check (>= 20)")
     ap.add_argument("--checks", default=str(REPO.parent / "shared" / "checks"))
+    ap.add_argument("--constrained", type=int, default=40, help="random worlds with binding limits (0: skip)")
     a = ap.parse_args()
     book = read_eth_easl(REFERENCE).profile_book("OPT-350")
-    results = [published_setups(book, Path(a.checks)), optimality(a.pools), large_pool(book), determinism(book)]
+    results = [published_setups(book, Path(a.checks)), optimality(a.pools)]
+    if a.constrained:
+        constrained(a.constrained)
+    results += [large_pool(book), determinism(book)]
     print(f"\n{'OK' if all(results) else 'SHORT'}: {sum(results)}/{len(results)} planner checks pass")
     return 0 if all(results) else 1
 
