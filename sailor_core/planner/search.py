@@ -260,10 +260,10 @@ class Search:
             # (a zone, a cheaper GPU) may bring them within it.
             self._tie += 1
             heapq.heappush(self._violators, (-cand.score, -self._tie, cand))
-            if len(self._violators) > 8:
+            if len(self._violators) > 16:
                 heapq.heappop(self._violators)
             heapq.heappush(self._closest, (-v, -self._tie, cand))
-            if len(self._closest) > 8:
+            if len(self._closest) > 16:
                 heapq.heappop(self._closest)
             # Kept only if close: the simulator has the final word on constraints.
             if v > 0.02:
@@ -577,7 +577,7 @@ class Search:
                     yield bal
                 break  # the smallest profiled TP of each GPU type is enough to shape the split
 
-    def local_pass(self, top: int = 8, rounds: int = 2) -> None:
+    def local_pass(self, top: int = 8, rounds: int = 4) -> None:
         """Network-aware polish: the DP sees compute, memory and price only, so among equally fast
         choices (the same GPU in two zones at different prices) it cannot tell which keeps pipeline
         sends and gradient rings inside a zone. Try, on the best sketches, every other GPU kind on
