@@ -1,6 +1,6 @@
 """Fixtures for flow tests: one Prefect test server per session, and a store with gpt-tiny's cpu profile.
 
-Import them into a test module (`from tests.flow_fixtures import prefect_harness, profiled_store`).
+Load them in a test module with `pytest_plugins = ["tests.flow_fixtures"]` (one instance per session).
 The store is profiled once per session by the real `profile` subflow (sailor_core.profiler on this
 machine's CPU, about 30 s), so every flow test plans from measured numbers.
 """

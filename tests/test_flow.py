@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from tests/flow_fixtures.py are parameters here)
 """The `sailor` flow under prefect_test_harness, on the local provider and the real runtime.
 
 Each test trains gpt-tiny for a few dozen steps on 1-2 local worker slots (a few seconds of
@@ -16,7 +15,9 @@ import pytest
 
 from flows.params import InvalidParameters
 from infra.local import LocalProvider, _group_alive
-from tests.flow_fixtures import prefect_harness, profiled_store  # noqa: F401 (fixtures)
+
+# The session fixtures (one test server, one profiled store) are shared by every module that loads them.
+pytest_plugins = ["tests.flow_fixtures"]
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

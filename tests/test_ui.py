@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.flow_fixtures import prefect_harness, profiled_store  # noqa: F401 (fixtures)
+# The session fixtures (one test server, one profiled store) are shared by every module that loads them.
+pytest_plugins = ["tests.flow_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
@@ -57,7 +58,7 @@ def _dom(url: str, profile_dir: Path) -> str:
     return out.stdout
 
 
-def test_the_ui_shows_the_runs_plan_artifact(profiled_store, tmp_path):  # noqa: F811
+def test_the_ui_shows_the_runs_plan_artifact(profiled_store, tmp_path):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
