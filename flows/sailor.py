@@ -68,13 +68,13 @@ def make_provider(params: SailorParams, run_dir: Path, board: HeartbeatBoard | N
         scenario = load_scenario(params.scenario) if params.scenario else None
         return LocalProvider(run_dir / "local", scenario=scenario, heartbeat_timeout_s=params.heartbeat_timeout_s,
                              heartbeats=board.get if board is not None else None)
-    if params.provider == "aws":
-        from infra.aws import AwsProvider  # type: ignore[import-not-found]
+    # aws / gcp: settings from the environment (regions, project, endpoints; docs in infra/cloud.py),
+    # credentials from the SDKs' standard chains, never from parameters.
+    import os
 
-        return AwsProvider()
-    from infra.gcp import GcpProvider  # type: ignore[import-not-found]
+    from infra.cloud import provider_from_env
 
-    return GcpProvider()
+    return provider_from_env(params.provider, env=os.environ, regions=params.regions)
 
 
 def default_deps(params: SailorParams, run_id: str) -> Deps:
