@@ -56,6 +56,8 @@ class Deps:
     reconfiguration_estimate_s: float = 15.0
     stall_timeout_s: float = 180.0
     max_replans: int = 20
+    # Address the workers reach the flow's controller at (the flow binds every interface). Local: loopback.
+    controller_host: str = "127.0.0.1"
     board: HeartbeatBoard = field(default_factory=HeartbeatBoard)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -82,9 +84,11 @@ def default_deps(params: SailorParams, run_id: str) -> Deps:
 
     workdir = Path(params.workdir).resolve()
     run_dir = workdir / "runs" / run_id
+    import os
+
     board = HeartbeatBoard()
     return Deps(provider=make_provider(params, run_dir, board), store=open_store(params.store_uri), workdir=workdir,
-                board=board)
+                board=board, controller_host=os.environ.get("SAILOR_CONTROLLER_HOST", "127.0.0.1"))
 
 
 def run_id_for(run_name: str, flow_run_id: str | None) -> str:
@@ -198,7 +202,8 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         result = make_plan(**ctx.planner_args(pool_from(offers), book))
         plan, est = result.plan, dict(result.estimate.to_json())
         ctx.total_steps = params.total_steps(ctx.base_book.model.sequence_length)
-        check_runnable(plan, params.workers if params.provider == "local" else None)
+        if params.provider == "local":  # cloud plans are checked by the workers on their VMs
+            check_runnable(plan, params.workers)
         ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
         if params.dry_run:
             status, reason = "completed", "dry run: planned, rented nothing"
@@ -215,7 +220,8 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
         job = Job(run_id=run_id, version=ctx.version, plan=plan, vms=vms, run_dir=run_dir,
                   total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval, seed=params.seed,
-                  data_uri=params.dataset or "", estimate_s=float(est["iteration_time_s"]))
+                  data_uri=params.dataset or "", estimate_s=float(est["iteration_time_s"]),
+                  controller_host=deps.controller_host)
         job.launched_at = launch(provider, job)
         resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
         record(history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers{resumed}",

@@ -1,8 +1,8 @@
 """The orchestration's side of the runtime's control protocol, and the heartbeat board.
 
 Contract (no Prefect):
-- `Controller()` hosts one torch TCPStore on 127.0.0.1 (a fresh one per plan version) in the flow's
-  process: the rendezvous of that version's workers, which run the runtime's agent in controlled
+- `Controller(host=...)` hosts one torch TCPStore (a fresh one per plan version) in the flow's process,
+  advertised to the workers at `host` (loopback for the local provider): the rendezvous of that version's workers, which run the runtime's agent in controlled
   mode (`python -m sailor_core.runtime.worker_proc --control HOST:PORT --worker-id VM_ID`, see
   sailor_core/runtime/worker_proc.py). `assign(job, resume)` hands every worker its generation-0
   assignment (rank, world size, plan, training settings); `heartbeats(ids)` and `statuses(ids)`
@@ -60,12 +60,12 @@ def checkpoint_steps(checkpoint_dir: str, num_layers: int) -> int | None:
 
 
 class Controller:
-    def __init__(self, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
         from torch.distributed import TCPStore
 
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s))
-        self.endpoint = f"127.0.0.1:{self.store.port}"
+        # The master store listens on every interface; `host` is the address workers are told.
+        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        self.endpoint = f"{host}:{self.store.port}"
 
     def assign(self, job: Job, *, resume: bool, collective_timeout_s: float = 30.0) -> None:
         from sailor_core.runtime.engine import TrainSettings

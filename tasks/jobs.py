@@ -87,6 +87,7 @@ class Job:
     launched_at: float = 0.0
     start_step: int = 0  # steps done when this version launched (the checkpoint it resumes from)
     estimate_s: float = 0.0  # simulator's iteration time for this plan (calibrated)
+    controller_host: str = "127.0.0.1"  # where the workers reach the flow's controller
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

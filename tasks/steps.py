@@ -64,7 +64,7 @@ def launch(provider: Provider, job: Job) -> float:
         raise SailorError("the orchestration starts one worker process per VM, so every replica must have tp=1; "
                           "to fix: plan with gpus_per_node=1 offerings (TP inside a VM is not supported yet)")
     close_controller(job)
-    ctl = Controller()
+    ctl = Controller(host=job.controller_host)
     job.extra["controller"] = ctl
     job.rendezvous = ctl.endpoint
     resume_step = checkpoint_steps(str(job.checkpoint_dir), job.plan.stages[-1].last_layer + 1)
