@@ -1,0 +1,106 @@
+"""Helpers for the flow runs on aws (moto) and gcp (the Compute fake): a store, an interrupter, a leak check.
+
+- `cloud_store(profiled_store, dest, zones)` copies the session's profiled store and adds the
+  measured local cpu link between the given cloud zones: the runs use CPU VMs (GPU type `cpu`)
+  whose workers run on this machine (tests/fakes/agents_here.py), so that link is what they use.
+- `when_step(workdir, step, action)` runs `action` in a thread once any worker reported `step`.
+- `leaks(secrets, ...)` greps every Prefect log line and artifact, every store row and every file
+  under the run's folder for the given secrets and returns where they were found.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from sailor_core.domain import NetworkLink, Provenance
+
+
+def cloud_store(profiled_store: str, dest: Path, zones: Iterable[str]) -> str:
+    """A copy of the session's profiled store with the cpu link between the given cloud zones.
+
+    The workers of these tests' cloud VMs (GPU type `cpu`, CPU instances) run on this machine, so
+    the link measured between two local workers is the link they use; the provenance says so.
+    """
+    from profiles_store.store import open_store
+
+    shutil.copytree(profiled_store, dest)
+    store = open_store(str(dest))
+    prov = Provenance(source="test: the local cpu link, for cloud VMs whose workers run on this machine")
+    cpu_link = next(lk for lk in store.network_links() if lk.sender_gpu == "cpu")
+    zs = list(zones)
+    store.write_network_links([
+        NetworkLink(sender_zone=a, sender_gpu="cpu", sender_count=1, receiver_zone=b, receiver_gpu="cpu",
+                    receiver_count=1, fit=cpu_link.fit) for a in zs for b in zs], provenance=prov)
+    return str(dest)
+
+
+def max_step(workdir: Path, version: int = 1) -> int:
+    best = 0
+    for f in workdir.glob(f"runs/*/metrics/v{version}/**/*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                best = max(best, int(json.loads(line).get("step", 0)))
+            except ValueError:
+                continue
+    return best
+
+
+def when_step(workdir: Path, step: int, action: Callable[[], None], *, timeout_s: float = 300) -> threading.Thread:
+    def run() -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if max_step(workdir) >= step:
+                action()
+                return
+            time.sleep(0.2)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def leaks(secrets: Iterable[str], *, store_uri: str, folders: Iterable[Path], extra: Iterable[str] = ()) -> list[str]:
+    """Where any secret appears: Prefect logs and artifacts, store rows, files, extra texts."""
+    from prefect.client.orchestration import get_client
+
+    from profiles_store import TABLES
+    from profiles_store.store import open_store
+
+    secrets = [s for s in secrets if s]
+    found: list[str] = []
+
+    def check(where: str, text: str) -> None:
+        for s in secrets:
+            if s in text:
+                found.append(f"{where}: contains a credential")
+
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while True:
+            logs = client.read_logs(limit=200, offset=offset)
+            if not logs:
+                break
+            for lg in logs:
+                check(f"log {lg.flow_run_id}", lg.message)
+            offset += len(logs)
+        for a in client.read_artifacts():
+            check(f"artifact {a.key}", json.dumps(a.data, default=str) + str(a.description or ""))
+    store = open_store(store_uri)
+    for name in TABLES:
+        try:
+            rows = store.read_table(name).to_pylist()
+        except Exception:
+            continue
+        check(f"store table {name}", json.dumps(rows, default=str))
+    for folder in folders:
+        for f in Path(folder).rglob("*"):
+            if f.is_file():
+                check(f"file {f}", f.read_bytes().decode("latin-1"))
+    for i, text in enumerate(extra):
+        check(f"extra {i}", text)
+    return found
