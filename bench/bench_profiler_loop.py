@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -63,15 +64,26 @@ def plans(mbs: int, gbs: int) -> dict[str, ParallelPlan]:
     }
 
 
-def measured_iteration_s(plan_file: Path, steps: int, skip: int, out: Path) -> float:
+def measured_iteration_s(plan_file: Path, steps: int, skip: int, out: Path, timeout_s: float) -> float:
     sailor = str(ROOT / ".venv" / "bin" / "sailor")
-    p = subprocess.run(
+    # Own session, so a run that outlives the timeout is stopped with every worker it started.
+    p = subprocess.Popen(
         [sailor, "train", str(plan_file), "--model", MODEL, "--steps", str(steps), "--seed", "0",
          "--metrics-out", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
     )
+    try:
+        stdout, stderr = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+        raise RuntimeError(f"sailor train did not finish {steps} steps within {timeout_s:.0f} s") from None
     if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["failed"]
+        tail = (stderr or stdout).strip().splitlines()[-1:] or ["failed"]
         raise RuntimeError(f"sailor train failed: {tail[0][:200]}")
     rows = sorted((json.loads(line) for line in out.read_text().splitlines() if line.strip()), key=lambda r: r["step"])
     times = [float(r["iteration_time_s"]) for r in rows[skip:]]
@@ -88,7 +100,9 @@ def main() -> int:
     ap.add_argument("--gbs", type=int, default=8)
     ap.add_argument("--plans", default="single,pp2,dp2,tp2")
     ap.add_argument("--store", default=None, help="store folder (default: a fresh temporary one)")
+    ap.add_argument("--train-timeout", type=float, default=300.0, help="seconds per `sailor train` run")
     a = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tmp = Path(tempfile.mkdtemp(prefix="sailor-loop-"))
     store_uri = a.store or str(tmp / "store")
@@ -113,7 +127,7 @@ def main() -> int:
         pf = tmp / f"{name}.json"
         save_plan_file(plan, pf)
         try:
-            real = measured_iteration_s(pf, a.steps, a.skip, tmp / f"{name}.jsonl")
+            real = measured_iteration_s(pf, a.steps, a.skip, tmp / f"{name}.jsonl", a.train_timeout)
         except RuntimeError as e:
             print(f"{name:8} {sim:12.4f} {'-':>11} {'-':>8}  ({e})")
             continue

@@ -50,7 +50,7 @@ def main() -> int:
     def progress(msg: dict) -> None:
         if msg["kind"] == "point":
             p = msg["point"]
-            print(f"  mbs={p.mbs} tp={p.tp} layer {p.layer}: fwd {p.forward.median_s:.5f} s bwd {p.backward.median_s:.5f} s "
+            print(f"  mbs={p.mbs} tp={p.tp} layer {p.layer}: fwd {p.forward_s:.5f} s bwd {p.backward_s:.5f} s "
                   f"kept {p.saved_bytes / 2**20:.1f} MiB (allocator {(p.allocated_bytes or 0) / 2**20:.1f} MiB)", flush=True)
         else:
             print(f"  {msg}", flush=True)

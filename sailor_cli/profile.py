@@ -117,7 +117,7 @@ def _model_json(profile, rows: int, uri: str) -> dict:
             for p in profile.profiles
         ],
         "measured": [
-            {"mbs": p.mbs, "tp": p.tp, "layer": p.layer, "forward_s": p.forward.median_s, "backward_s": p.backward.median_s,
+            {"mbs": p.mbs, "tp": p.tp, "layer": p.layer, "forward_s": p.forward_s, "backward_s": p.backward_s,
              "reps": p.forward.reps, "saved_bytes": p.saved_bytes, "allocated_bytes": p.allocated_bytes}
             for p in profile.points
         ],
@@ -128,13 +128,13 @@ def _print_model(profile, rows: int, uri: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{profile.model} on {profile.gpu_type}: measured layers (medians)")
+    t = Table(title=f"{profile.model} on {profile.gpu_type}: measured layers (10th percentile)")
     for c in ("mbs", "tp", "layer", "forward ms", "backward ms", "reps", "kept for backward", "spec", "diff"):
         t.add_column(c, justify="right")
     for p in profile.points:
         spec = profile.spec.layer(p.layer, p.tp).act_memory_bytes * p.mbs
         diff = (p.saved_bytes - spec) / spec if spec else 0.0
-        t.add_row(str(p.mbs), str(p.tp), str(p.layer), f"{p.forward.median_s * 1e3:.3f}", f"{p.backward.median_s * 1e3:.3f}",
+        t.add_row(str(p.mbs), str(p.tp), str(p.layer), f"{p.forward_s * 1e3:.3f}", f"{p.backward_s * 1e3:.3f}",
                   str(p.forward.reps), _fmt_bytes(p.saved_bytes), _fmt_bytes(spec), f"{diff:+.1%}")
     console = Console()
     console.print(t)
