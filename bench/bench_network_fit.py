@@ -1,7 +1,7 @@
 """How well the stored network fit predicts the transfers it was fitted on, per message size.
 
 Runs the network profiler between local workers (gloo on CPU, nccl with --device cuda) over the
-default sizes (64 KiB up to 256 MiB on CPU, 1 GiB on CUDA; --max-bytes to change), then prints per
+default sizes (64 KiB up to 64 MiB on CPU, 1 GiB on CUDA; --max-bytes to change), then prints per
 size: the measured point-to-point time (fastest repetition, as stored, and the median), the time
 the stored fit (the store's quadratic in u = log2(x/1e6)) predicts, the alpha-beta prediction, the
 measured all-reduce with its own fit, and the all-reduce the simulator composes from the link fit

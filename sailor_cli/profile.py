@@ -152,7 +152,7 @@ def network_cmd(
     store: Store = None,
     device: Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl).")] = "cpu",
     min_bytes: Annotated[int, typer.Option("--min-bytes", help="Smallest message.")] = 64 * 1024,
-    max_bytes: Annotated[int | None, typer.Option("--max-bytes", help="Largest message (default 256 MiB on CPU, 1 GiB on CUDA).")] = None,
+    max_bytes: Annotated[int | None, typer.Option("--max-bytes", help="Largest message (default 64 MiB on CPU, 1 GiB on CUDA).")] = None,
     zone: Annotated[str, typer.Option("--zone", help="Zone label of both ends.")] = "local",
     gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="GPU type label (default: from the device).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,

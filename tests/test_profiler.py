@@ -126,7 +126,7 @@ def test_cuda_without_a_gpu_is_refused():
 def test_network_sizes_and_validation():
     s = NetworkSettings(min_bytes=64 * 1024, max_bytes=1 << 30)
     assert s.sizes()[0] == 65536 and s.sizes()[-1] == 1 << 30 and len(s.sizes()) == 15
-    assert NetworkSettings().resolved_max_bytes() == 256 << 20  # CPU default
+    assert NetworkSettings().resolved_max_bytes() == 64 << 20  # CPU default
     with pytest.raises(SailorError, match="too few"):
         NetworkSettings(min_bytes=1 << 20, max_bytes=2 << 20).sizes()
     with pytest.raises(SailorError, match="at least 2 workers"):

@@ -44,9 +44,10 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 DEFAULT_MIN_BYTES = 64 * KIB  # the range: 64 KiB ...
 DEFAULT_MAX_BYTES_CUDA = 1 * GIB  # ... to 1 GiB on GPUs
-# On CPU each gloo worker holds the buffer plus gloo's copies; 256 MiB keeps two workers under about
-# 1.5 GiB on a shared machine while still reaching the flat part of the loopback bandwidth curve.
-DEFAULT_MAX_BYTES_CPU = 256 * MIB
+# On CPU the models a CPU plan trains (gpt-tiny, gpt-small) never send more than ~20 MB at once
+# (gpt-small's whole gradient); 64 MiB covers that with margin, reaches the DRAM-bound part of the
+# loopback curve, and keeps the profile near 15 s on a shared 2-core machine (256 MiB took 45 s).
+DEFAULT_MAX_BYTES_CPU = 64 * MIB
 # Per size: `warmup` unrecorded repetitions at each visit, then REPS_PER_VISIT recorded ones; stop at
 # min_reps..max_reps recorded repetitions, a 2% relative standard error, or 2 s spent on the size.
 DEFAULT_POLICY = RepeatPolicy(warmup=1, min_reps=12, max_reps=60, rel_err=0.02, time_cap_s=2.0)
