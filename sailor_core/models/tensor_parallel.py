@@ -25,6 +25,18 @@ from torch import nn
 
 SHARD_ATTR = "sailor_shard_dim"
 
+# How a collective's work handle is awaited. The runtime installs an abortable wait (so a lost peer
+# cannot hang a survivor); the profiler and tests keep the plain one.
+_WAIT: list = [lambda work: work.wait()]
+
+
+def set_wait(fn) -> None:  # type: ignore[no-untyped-def]
+    _WAIT[0] = fn
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> None:
+    _WAIT[0](dist.all_reduce(x, group=group, async_op=True))
+
 
 @dataclass(frozen=True)
 class TPContext:
@@ -52,7 +64,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
+        _all_reduce(g, ctx.group)
         return g, None
 
 
@@ -60,7 +72,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):  # type: ignore[override]
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        _all_reduce(x, group)
         return x
 
     @staticmethod
@@ -74,7 +86,7 @@ class _GatherLastDim(torch.autograd.Function):
         ctx.rank, ctx.size = rank, size
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x, group=group)
+        _WAIT[0](dist.all_gather(parts, x, group=group, async_op=True))
         return torch.cat(parts, dim=-1)
 
     @staticmethod

@@ -41,6 +41,7 @@ from sailor_core.models.config import TransformerConfig
 from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext, shard, shard_slice
 from sailor_core.models.torch_model import StageModel, loss_sum
 from sailor_core.runtime import checkpoint as ckpt
+from sailor_core.runtime import comm
 from sailor_core.runtime.data import TokenDataset, load_tokens
 from sailor_core.runtime.topology import layout, ranks_of, sample_offset
 
@@ -217,7 +218,7 @@ class Trainer:
                                    blocking=blocking)
         if blocking:
             self.checkpointer.wait()
-            dist.barrier()
+            comm.wait(dist.barrier(async_op=True))
 
     def load_checkpoint(self) -> bool:
         """Resume from the newest valid checkpoint (rank 0 decides, everyone loads). False if none."""
@@ -271,7 +272,7 @@ class Trainer:
             inp = None
         else:
             inp = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
-            dist.recv(inp, src=self.recv_fwd_from)
+            comm.wait(dist.irecv(inp, src=self.recv_fwd_from))
             inp.requires_grad_(True)
             x = inp
         with self._autocast():
@@ -293,7 +294,7 @@ class Trainer:
             out.backward()
         else:
             g = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
-            dist.recv(g, src=self.recv_bwd_from)
+            comm.wait(dist.irecv(g, src=self.recv_bwd_from))
             torch.autograd.backward(out, g.to(out.dtype))
         if inp is not None and self.send_bwd_to:
             grad = inp.grad.to(self.comm_dtype).contiguous()
@@ -325,7 +326,7 @@ class Trainer:
             return
         if not self.hetero:
             flat = torch.cat([p.grad.reshape(-1) for _, p in self._params])
-            dist.all_reduce(flat, group=self.dp_group)
+            comm.wait(dist.all_reduce(flat, group=self.dp_group, async_op=True))
             off = 0
             for _, p in self._params:
                 n = p.numel()
@@ -348,7 +349,7 @@ class Trainer:
             if dim is None and self.tp.rank != 0:
                 continue
             flat[off:off + n].view(shape)[shard_slice(shape, dim, self.tp.rank, self.tp.size)] = p.grad
-        dist.all_reduce(flat, group=self.dp_group)
+        comm.wait(dist.all_reduce(flat, group=self.dp_group, async_op=True))
         for p, dim, shape, off, n in views:
             p.grad.copy_(flat[off:off + n].view(shape)[shard_slice(shape, dim, self.tp.rank, self.tp.size)])
 
@@ -378,7 +379,7 @@ class Trainer:
         self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
         self._schedule()
         for work, _ in self._pending:
-            work.wait()
+            comm.wait(work)
         self._pending = []
         self._sync_grads()
         head_reporter = self.model.has_head and self.tp.rank == 0
@@ -389,7 +390,7 @@ class Trainer:
             torch.tensor(jit, device=self.device),
             torch.tensor(stop, device=self.device),
         ])
-        dist.all_reduce(red)
+        comm.wait(dist.all_reduce(red, async_op=True))
         loss, sq, jit_any, stop_any = red.tolist()
         norm = math.sqrt(max(sq, 0.0))
         if self.settings.max_grad_norm > 0 and norm > self.settings.max_grad_norm:

@@ -203,6 +203,7 @@ def _watch(store: Any, gen: int, members: list[int], workers: dict[int, _Worker]
                     continue
                 lost.append(wid)
                 failed_at = failed_at or time.monotonic()
+                store.set(f"g{gen}/abort", str(wid))  # wake survivors blocked on the lost peer
         if len(statuses) + len(lost) == len(members):
             break
         if lost and failed_at is not None and time.monotonic() - failed_at > settings.timeout_s + 30:

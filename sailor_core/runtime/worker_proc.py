@@ -29,7 +29,9 @@ from typing import Any
 import torch.distributed as dist
 
 from sailor_core.models.config import get_config
+from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
+from sailor_core.runtime import comm
 from sailor_core.runtime.data import TokenDataset, load_tokens
 from sailor_core.runtime.engine import Trainer, TrainSettings, backend_for
 from sailor_core.runtime.topology import layout
@@ -38,7 +40,7 @@ HEARTBEAT_S = 2.0
 
 
 def _log(msg: str) -> None:
-    print(f"[sailor-worker {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+    print(f"[sailor-worker {os.getpid()} {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}] {msg}", file=sys.stderr, flush=True)
 
 
 class _DataCache:
@@ -64,6 +66,7 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
     cfg = get_config(settings.model)
     rank, world = int(assignment["rank"]), int(assignment["world_size"])
     me = layout(plan)[rank]
+    _log(f"plan version {settings.plan_version}: joining as rank {rank} of {world}")
     dist.init_process_group(backend_for(me.gpu_type), rank=rank, world_size=world,
                             timeout=timedelta(seconds=settings.timeout_s), **init)
     trainer = None
@@ -72,12 +75,14 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
         trainer = Trainer(plan, cfg, settings, rank, world, local_rank=local_rank, dataset=ds, log=_log)
         if assignment.get("resume"):
             trainer.load_checkpoint()
+        _log(f"plan version {settings.plan_version}: rank {rank} ready at step {trainer.step}")
         return trainer.train()
     finally:
         if trainer is not None:
             trainer.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        _log(f"plan version {settings.plan_version}: rank {rank} left its process group")
 
 
 def controlled(control: str, worker_id: str) -> int:
@@ -94,6 +99,20 @@ def controlled(control: str, worker_id: str) -> int:
                 hb_store.set(f"hb/{worker_id}", str(time.time()))
 
     threading.Thread(target=heartbeat, daemon=True).start()
+    current_gen = [0]
+
+    def watch_abort() -> None:
+        # The controller sets g{gen}/abort when a worker of that generation is lost; waking every
+        # blocked wait here turns a lost peer into a reconfiguration within milliseconds.
+        ab_store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+        while not stop_hb.wait(0.05):
+            with contextlib.suppress(Exception):
+                if not comm.ABORT.is_set() and ab_store.check([f"g{current_gen[0]}/abort"]):
+                    comm.ABORT.set()
+
+    comm.set_watched(True)
+    set_wait(comm.wait)
+    threading.Thread(target=watch_abort, daemon=True).start()
     data = _DataCache()
     gen = 0
     try:
@@ -106,6 +125,8 @@ def controlled(control: str, worker_id: str) -> int:
             a = json.loads(raw)
             if int(a["rank"]) < 0:
                 return 0
+            comm.ABORT.clear()
+            current_gen[0] = gen
             try:
                 status = run_generation(a, data=data, init={"store": PrefixStore(f"g{gen}/pg", store)})
             except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
