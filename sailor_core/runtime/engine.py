@@ -413,6 +413,11 @@ class Trainer:
     def _emit(self, rec: dict[str, Any]) -> None:
         clean = {k: v for k, v in rec.items() if not k.startswith("_")}
         self.history.append(clean)
+        rank_dir = self.settings.extra.get("rank_metrics_dir")
+        if rank_dir:  # per-rank time and memory, for the worker agent's reports
+            with open(os.path.join(rank_dir, f"rank-{self.rank}.jsonl"), "a") as f:
+                f.write(json.dumps({**clean, "rank": self.rank, "stage": self.me.stage,
+                                    "pipeline": self.me.pipeline}) + "\n")
         if self.rank != 0:
             return
         if self.settings.metrics_out:

@@ -2,9 +2,11 @@
 
 Contract (`python -m sailor_core.runtime.worker_proc`):
 - Controlled mode (`--control HOST:PORT --worker-id W`, or env SAILOR_CONTROL / SAILOR_WORKER_ID):
-  the controller hosts a torch TCPStore. For generation g = 0, 1, ... the worker waits for key
-  `g{g}/assign/{W}` (JSON: rank, world_size, plan, settings, resume; rank -1 means "exit"), joins
-  a fresh process group through the store under prefix `g{g}/pg`, trains, and sets
+  the controller hosts a torch TCPStore. For generation g = 0, 1, ... (from SAILOR_FIRST_GENERATION)
+  the worker waits for key `g{g}/assign/{W}` (JSON: rank, world_size, plan, settings, resume,
+  optional local_rank and rendezvous {host, port}; rank -1 means "exit"), joins a fresh process
+  group (through the controller's store under prefix `g{g}/pg`, or through a TCPStore at the
+  rendezvous that its rank 0 hosts), trains, and sets
   `g{g}/status/{W}` to `done`, `stopped` or `failed: <reason>`. After a failure (a peer died, a
   timeout) it drops its process group and waits for generation g+1 in the same process, keeping
   torch imported and the dataset in memory, so a reconfiguration costs a rendezvous and a
@@ -85,8 +87,22 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
         _log(f"plan version {settings.plan_version}: rank {rank} left its process group")
 
 
-def controlled(control: str, worker_id: str) -> int:
+def _pg_store(a: dict[str, Any], control_store: Any, gen: int) -> Any:
+    """The rendezvous of one generation: the assignment's TCPStore (hosted by its rank 0, for jobs
+    spanning machines) or a prefix of the controller's store (one machine)."""
     from torch.distributed import PrefixStore, TCPStore
+
+    rdv = a.get("rendezvous")
+    if not rdv:
+        return PrefixStore(f"g{gen}/pg", control_store)
+    rank = int(a["rank"])
+    st = TCPStore(str(rdv["host"]), int(rdv["port"]), world_size=int(a["world_size"]), is_master=rank == 0,
+                  timeout=timedelta(seconds=float(a["settings"].get("timeout_s", 60))), wait_for_workers=False)
+    return PrefixStore(f"v{a['settings'].get('plan_version', gen)}/pg", st)
+
+
+def controlled(control: str, worker_id: str) -> int:
+    from torch.distributed import TCPStore
 
     host, port = control.rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=600))
@@ -114,7 +130,7 @@ def controlled(control: str, worker_id: str) -> int:
     set_wait(comm.wait)
     threading.Thread(target=watch_abort, daemon=True).start()
     data = _DataCache()
-    gen = 0
+    gen = int(os.environ.get("SAILOR_FIRST_GENERATION", "0"))  # a worker added to a running job
     try:
         while True:
             try:
@@ -128,7 +144,8 @@ def controlled(control: str, worker_id: str) -> int:
             comm.ABORT.clear()
             current_gen[0] = gen
             try:
-                status = run_generation(a, data=data, init={"store": PrefixStore(f"g{gen}/pg", store)})
+                status = run_generation(a, data=data, init={"store": _pg_store(a, store, gen)},
+                                        local_rank=int(a.get("local_rank", 0)))
             except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
                 status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 _log(f"generation {gen} {status}")
