@@ -73,6 +73,10 @@ class TrainSettings:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> TrainSettings:
+        known = set(TrainSettings.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SailorError(f"unknown training settings {unknown}; known: {sorted(known)}")
         d = dict(d)
         d["betas"] = tuple(d.get("betas", (0.9, 0.95)))
         return TrainSettings(**d)
