@@ -278,3 +278,10 @@ def test_a_stage_spanning_zones_pays_the_cross_zone_link_and_egress(book) -> Non
     one_zone = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool,
                                 restrictions=Restrictions(zones=("us-central1-a",))), book)
     assert one_zone.estimate.egress_usd_per_iteration == 0
+
+
+def test_an_empty_pool_after_restrictions_names_the_flags(book) -> None:
+    pool = _pool(book, {"us-central1-a": {A: 8}})
+    r = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool,
+                         restrictions=Restrictions(regions=("nowhere",))), book)
+    assert r.plan is None and "--region" in r.nearest_miss and r.nearest_miss.count("to fix") == 1

@@ -122,7 +122,10 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     pool = request.restrictions.apply(request.pool)
     misses: list[str] = []
     if not pool.entries:
-        misses.append("the pool (after the restrictions) has no GPUs; to fix: add GPUs or relax --restrictions")
+        misses.append(
+            "the pool has no GPUs left after the restrictions; to fix: add GPUs to the pool file or relax "
+            "--cloud/--region/--zone/--gpu-type/--market"
+        )
     # GPU types the store cannot time for this model are left out, and said so.
     usable = []
     for e in pool.entries:
@@ -236,7 +239,9 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             misses.insert(0, f"closest estimate {search.nearest[1]}")
         elif slots:
             misses.insert(0, _memory_miss(book, slots, request))
-        hint = _constraint_hint(request)
+        # The constraint hint only where a constraint is what failed (memory and empty-pool misses
+        # carry their own fix).
+        hint = _constraint_hint(request) if relaxed or closest is not None or search.nearest is not None else ""
         return PlanResult(
             plan=None, estimate=None, frontier=frontier, stats=stats,
             explanation="no feasible plan",
@@ -299,7 +304,7 @@ def _constraint_hint(request: PlanRequest) -> str:
         hints.append("lower --min-iterations-per-s or add faster GPUs")
     if c.max_usd_per_iteration is not None or c.max_usd_per_hour is not None:
         hints.append("raise the budget or add cheaper (spot) GPUs")
-    return "; ".join(hints) if hints else "add GPUs with more memory, or more of them"
+    return "; ".join(hints)
 
 
 def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest) -> str:
