@@ -6,7 +6,8 @@ and prints, per (mbs, tp): forward and backward seconds of the embedding, a bloc
 and the sums over all 26 layers, next to the published GH-96 and A100-40 profiles (the Sailor
 artifact's, in the seed) with the ratios ours / published. Skips (exit 0, "SKIP") without CUDA.
 
-    .venv/bin/python bench/cuda_layer_check.py [--mbs 1,2,4] [--tp 1] [--precision bf16|fp32] [--json OUT.json]
+    .venv/bin/python bench/cuda_layer_check.py [--mbs 1,2,4] [--tp 1] [--precision bf16|fp32] [--json OUT]
+    (--model gpt-tiny --device cpu runs the same path on a CPU, to try the script out)
 """
 
 from __future__ import annotations
@@ -30,41 +31,49 @@ def main() -> int:
     ap.add_argument("--tp", default="1,2,4")
     ap.add_argument("--precision", default="bf16", help="bf16 (autocast, as mixed-precision training runs) or fp32")
     ap.add_argument("--json", default=None, help="also write every number here")
+    ap.add_argument("--model", default=MODEL, help="another model only to try the script out (e.g. gpt-tiny)")
+    ap.add_argument("--device", default="cuda", help="cpu only to try the script out")
     a = ap.parse_args()
 
     import torch
 
-    if not torch.cuda.is_available():
+    if a.device == "cuda" and not torch.cuda.is_available():
         print("SKIP: no CUDA device here; this check profiles OPT-350 on a GPU")
         return 0
 
     from profiles_store import open_store
+    from sailor_core.models.config import get_config
     from sailor_core.profiler import ModelProfileSettings, profile_model, save_model_profile
+    from sailor_core.profiler.env import device_name
 
-    n_gpus = torch.cuda.device_count()
+    cfg = get_config(a.model)
+    n_gpus = torch.cuda.device_count() if a.device == "cuda" else 1
     tps = tuple(t for t in (int(v) for v in a.tp.split(",")) if t <= n_gpus)
     mbs = tuple(int(v) for v in a.mbs.split(","))
-    print(f"device: {torch.cuda.get_device_name(0)} x{n_gpus}; torch {torch.__version__}; mbs {mbs}; tp {tps}; {a.precision}")
+    print(f"device: {device_name(a.device)} x{n_gpus}; torch {torch.__version__}; {cfg.name}; mbs {mbs}; tp {tps}; "
+          f"{a.precision}")
     t0 = time.time()
 
     def progress(msg: dict) -> None:
         if msg["kind"] == "point":
             p = msg["point"]
             print(f"  mbs={p.mbs} tp={p.tp} layer {p.layer}: fwd {p.forward_s:.5f} s bwd {p.backward_s:.5f} s "
-                  f"kept {p.saved_bytes / 2**20:.1f} MiB (allocator {(p.allocated_bytes or 0) / 2**20:.1f} MiB)", flush=True)
+                  f"kept {p.saved_bytes / 2**20:.1f} MiB"
+                  + (f" (allocator {p.allocated_bytes / 2**20:.1f} MiB)" if p.allocated_bytes is not None else ""),
+                  flush=True)
         else:
             print(f"  {msg}", flush=True)
 
-    settings = ModelProfileSettings(model=MODEL, device="cuda", mbs=mbs, tp=tps, precision=a.precision)
+    settings = ModelProfileSettings(model=cfg.name, device=a.device, mbs=mbs, tp=tps, precision=a.precision)
     prof = profile_model(settings, progress)
     print(f"profiled in {time.time() - t0:.1f} s; framework overhead {prof.framework_overhead_bytes / 2**30:.2f} GiB; "
           f"optimizer {prof.optimizer_s}; infeasible {[(x.mbs, x.tp) for x in prof.infeasible]}")
 
     store = open_store(tempfile.mkdtemp(prefix="sailor-cuda-check-"))
     save_model_profile(store, prof)  # the same path as `sailor profile model` (the seed stays below)
-    published = {g: {(p.mbs, p.tp, p.layer): p for p in store.layer_profiles(MODEL, [g])} for g in PUBLISHED}
+    published = {g: {(p.mbs, p.tp, p.layer): p for p in store.layer_profiles(cfg.name, [g])} for g in PUBLISHED}
     ours = {(p.mbs, p.tp, p.layer): p for p in prof.profiles}
-    n_layers = 26
+    n_layers = cfg.num_layers
     report = []
     show = (0, 1, 2, n_layers - 1)
     for (m, t) in sorted({(k[0], k[1]) for k in ours}):
@@ -98,7 +107,7 @@ def main() -> int:
         print(f"optimizer step (whole model, one GPU): {prof.optimizer_s.get(t, float('nan')):.5f} s; published "
               + ", ".join(f"{g} {published[g][(m, t, 0)].optimizer_s:.5f} s" for g in PUBLISHED if (m, t, 0) in published[g]))
     if a.json:
-        Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "precision": a.precision,
+        Path(a.json).write_text(json.dumps({"device": device_name(a.device), "precision": a.precision,
                                             "rows": report, "overhead_bytes": prof.framework_overhead_bytes}, indent=1))
     return 0
 

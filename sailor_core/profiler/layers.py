@@ -480,7 +480,8 @@ def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], Non
 
 def _looks_like_oom(text: str) -> bool:
     t = text.lower()
-    return "out of memory" in t or "exit code -9" in t or "memory" in t and "died" in t
+    # CUDA/CPU allocator messages, or spawn.py's report of a worker the kernel's OOM killer took (-9)
+    return "out of memory" in t or "can't allocate memory" in t or "exit code -9" in t
 
 
 def _complete(

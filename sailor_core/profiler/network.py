@@ -21,8 +21,9 @@ worker runs the same number of collectives. Each size is summarised by its faste
   pair hops, 2(D-1) t(x/D)); it is kept in the provenance and checks that composition;
 - alpha-beta (latency, bandwidth) for both, kept with the profile and in its provenance.
 Nothing is written anywhere: the caller stores the result (see sailor_core.profiler.save).
-Labels: two local workers are one zone and one GPU type; a link between two machines is measured
-by running `network_worker` on each with a shared init_method (the flow does that).
+Labels: two local workers are one zone and one GPU type. `network_worker` takes its rendezvous
+(`init_method`) as an argument, so a link between two machines can be measured by running it on
+each; nothing starts that across machines yet.
 """
 
 from __future__ import annotations
