@@ -3,8 +3,9 @@
 For each plan, side by side in one run: the simulator's iteration time (sailor_core.simulator over
 the store's ProfileBook, built from this machine's fresh profile) and the iteration time the
 training runtime measures for the same plan (`sailor train PLAN --metrics-out`, median over the
-steps after the first `--skip` ones, which include start-up). Prints the error per plan and the
-mean absolute error (the profiler issue's target: under 15%).
+steps after the first `--skip` ones, which include start-up, and their 10th percentile, the
+statistic the profile itself reports). Prints the error per plan and the mean absolute error (the
+profiler issue's target: under 15%).
 
     .venv/bin/python bench/bench_profiler_loop.py [--steps 12] [--plans single,pp2,dp2,tp2] [--store DIR]
 
@@ -64,7 +65,7 @@ def plans(mbs: int, gbs: int) -> dict[str, ParallelPlan]:
     }
 
 
-def measured_iteration_s(plan_file: Path, steps: int, skip: int, out: Path, timeout_s: float) -> float:
+def measured_iterations_s(plan_file: Path, steps: int, skip: int, out: Path, timeout_s: float) -> list[float]:
     sailor = str(ROOT / ".venv" / "bin" / "sailor")
     # Own session, so a run that outlives the timeout is stopped with every worker it started.
     p = subprocess.Popen(
@@ -89,7 +90,15 @@ def measured_iteration_s(plan_file: Path, steps: int, skip: int, out: Path, time
     times = [float(r["iteration_time_s"]) for r in rows[skip:]]
     if not times:
         raise RuntimeError(f"only {len(rows)} steps reported; raise --steps above --skip {skip}")
-    return statistics.median(times)
+    return times
+
+
+def p10(xs: list[float]) -> float:
+    xs = sorted(xs)
+    pos = 0.1 * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def main() -> int:
@@ -109,7 +118,8 @@ def main() -> int:
     chosen = {k: v for k, v in plans(a.mbs, a.gbs).items() if k in a.plans.split(",")}
     tps = sorted({r.tp for p in chosen.values() for st in p.stages for r in st.replicas})
 
-    print(f"load average before: {os.getloadavg()}")
+    print(f"load average before: {os.getloadavg()} on {os.cpu_count()} cores (plans use 1-2 worker processes; "
+          f"a busy machine slows the measured runs, not the profile's 10th percentiles)")
     t0 = time.time()
     store = open_store(store_uri)
     rows = profile_model_to_store(store, model=MODEL, device="cpu", mbs=sorted({1, a.mbs, 2 * a.mbs}), tp=tps)
@@ -120,26 +130,32 @@ def main() -> int:
     print(f"profiled the local network (64 KiB..16 MiB) in {time.time() - t0:.1f} s")
     book = open_store(store_uri).profile_book(MODEL, ["cpu"])
 
-    print(f"\n{'plan':8} {'simulated s':>12} {'measured s':>11} {'error':>8}")
-    errors = []
+    print(f"\n{'plan':8} {'simulated s':>12} {'measured median':>16} {'error':>8} {'measured p10':>13} {'error':>8}")
+    errors, errors_p10 = [], []
     for name, plan in chosen.items():
         sim = simulate(plan, book).iteration_time_s
         pf = tmp / f"{name}.json"
         save_plan_file(plan, pf)
         try:
-            real = measured_iteration_s(pf, a.steps, a.skip, tmp / f"{name}.jsonl", a.train_timeout)
+            times = measured_iterations_s(pf, a.steps, a.skip, tmp / f"{name}.jsonl", a.train_timeout)
         except RuntimeError as e:
-            print(f"{name:8} {sim:12.4f} {'-':>11} {'-':>8}  ({e})")
+            print(f"{name:8} {sim:12.4f} {'-':>16} {'-':>8}  ({e})")
             continue
-        err = (sim - real) / real
+        real, fast = statistics.median(times), p10(times)
+        err, err_fast = (sim - real) / real, (sim - fast) / fast
         errors.append(abs(err))
-        print(f"{name:8} {sim:12.4f} {real:11.4f} {err:+8.1%}")
+        errors_p10.append(abs(err_fast))
+        print(f"{name:8} {sim:12.4f} {real:16.4f} {err:+8.1%} {fast:13.4f} {err_fast:+8.1%}")
     print(f"\nload average after: {os.getloadavg()}")
     if not errors:
         print("no plan could be run")
         return 1
     mean = statistics.fmean(errors)
-    print(f"mean |error| {mean:.1%} over {len(errors)} plans (target < 15%): {'OK' if mean < 0.15 else 'SHORT'}")
+    # The profile reports each layer's 10th percentile (its uncontended cost); the p10 column is the
+    # like-for-like comparison, the median one what a user sees on this machine right now.
+    print(f"mean |error| against the measured median {mean:.1%}, against the measured p10 "
+          f"{statistics.fmean(errors_p10):.1%}, over {len(errors)} plans (target < 15% on the median): "
+          f"{'OK' if mean < 0.15 else 'SHORT'}")
     return 0 if mean < 0.15 else 1
 
 
