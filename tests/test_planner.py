@@ -285,3 +285,14 @@ def test_an_empty_pool_after_restrictions_names_the_flags(book) -> None:
     r = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool,
                          restrictions=Restrictions(regions=("nowhere",))), book)
     assert r.plan is None and "--region" in r.nearest_miss and r.nearest_miss.count("to fix") == 1
+
+
+def test_a_model_too_big_for_any_split_names_the_closest_gpu() -> None:
+    from profiles_store.eth_easl import read_eth_easl
+
+    llama = read_eth_easl(REFERENCE_DATA).profile_book("LLAMA-3-8")
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {"GH-96": {"count": 16}}}}}, llama)
+    r = plan(PlanRequest(model="LLAMA-3-8", global_batch_size=64, pool=pool), llama)
+    # fp32 1F1B: the activations of the in-flight microbatches alone exceed 96 GiB for every split
+    assert r.plan is None
+    assert "closest: GH-96" in r.nearest_miss and "in flight" in r.nearest_miss and "to fix" in r.nearest_miss

@@ -308,22 +308,33 @@ def _constraint_hint(request: PlanRequest) -> str:
 
 
 def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest) -> str:
-    """No stage split fits: report the GPU that comes closest to holding the smallest stage."""
+    """No split fits: report the GPU, TP, microbatch and stage count that come closest, and why."""
+    from sailor_core.planner.search import uniform_partition
+
     costs = SimCosts(book, precision=request.options.precision)
     L = book.model.num_layers
     best: tuple[float, str] | None = None
     for s in slots:
+        cap = book.gpu(s.gpu_type).memory_bytes
         for mbs, tp in book.profiled_points(s.gpu_type):
-            if tp > s.gpus_per_node:
+            if tp > s.gpus_per_node or tp not in book.model.tp_degrees:
                 continue
-            # the lightest possible stage: one block, one microbatch in flight
-            mem = costs.memory_bytes(s.gpu_type, tp, 1, 1, mbs=mbs, in_flight=1)
-            cap = book.gpu(s.gpu_type).memory_bytes
-            over = mem / cap
-            if best is None or over < best[0]:
-                best = (over, f"{s.gpu_type} tp={tp} mbs={mbs}: even one layer of {L} needs {mem / 2**30:.1f} GiB "
-                              f"of {cap / 2**30:.0f} GiB")
-    return f"nothing fits in memory ({best[1] if best else 'no profiled GPU'}); to fix: add GPUs with more memory"
+            for p in range(1, L + 1):
+                # 1F1B: stage i keeps p - i microbatches in flight; the worst stage sets the peak.
+                worst = max(
+                    (costs.sm.stage_memory(s.gpu_type, tp, a, b, mbs=mbs, in_flight=p - i,
+                                           precision=request.options.precision, dp=1)
+                     for i, (a, b) in enumerate(uniform_partition(L, p))),
+                    key=lambda m: m.total_bytes,
+                )
+                ratio = worst.total_bytes / cap
+                if best is None or ratio < best[0]:
+                    act = worst.activations_bytes / worst.total_bytes
+                    best = (ratio, f"{s.gpu_type} tp={tp} mbs={mbs} in {p} stage(s) still needs "
+                                   f"{worst.total_bytes / 2**30:.1f} GiB on its fullest GPU of {cap / 2**30:.0f} GiB "
+                                   f"({act:.0%} activations of the microbatches in flight)")
+    return (f"nothing fits in memory; closest: {best[1] if best else 'no profiled GPU'}; to fix: add GPUs with "
+            f"more memory or larger TP groups (profile a larger --tp), or use a smaller model")
 
 
 def _frontier(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions

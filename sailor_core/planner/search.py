@@ -63,6 +63,7 @@ class Problem:
     patience: int = 4  # stop adding stages after this many stage counts without a near-best plan (0: never)
     patience_slack: float = 0.05  # "near-best": within 5% of the best score so far
     tp_options: int = 2  # per stage and slot, the DP tries the smallest TPs that meet tau, this many
+    tau_step: float = 0.01  # bottleneck thresholds closer than this (relative) are swept as one
 
 
 @dataclass(frozen=True, order=True)
@@ -370,10 +371,15 @@ class Search:
         if not d_list:
             return
         taus = sorted({t for s in range(p) for row in table[s] for _, t in row if t >= max(best_t)})
-        for tau in taus:
+        step = self.pb.tau_step
+        for k, tau in enumerate(taus):
             if self.bound(tau, lb, n, d_list) >= self.incumbent:
                 self.count.pruned += 1
                 break
+            # Thresholds within tau_step of the next one are covered by it (its options include
+            # theirs but for a TP the next one no longer needs): at most that much on the bottleneck.
+            if step and k + 1 < len(taus) and taus[k + 1] <= tau * (1 + step):
+                continue
             self.assign(mbs, bounds, table, tau, n, d_list, lb)
 
     def p2p_floor(self, mbs: int, last: int) -> float:
