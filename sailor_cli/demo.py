@@ -84,7 +84,7 @@ def _print(run: dict, left: list[str]) -> None:
     for p in run["plans"]:
         est = p.get("estimate") or {}
         typer.echo(f"  plan v{p['version']}: {est.get('iteration_time_s', 0):.4f} s/it estimated, "
-                   f"{est.get('usd_per_hour', 0):.4f} USD/h  <- {str(p.get('reason', ''))[:140]}")
+                   f"{est.get('usd_per_hour', 0):.4f} USD/h  <- {" ".join(str(p.get("reason", "")).split())[:160]}")
     typer.echo("  events:")
     for e in run["events"]:
         typer.echo(f"    {e['time'][11:23]} {e['kind']:<16} {str(e.get('reason', ''))[:150]}")

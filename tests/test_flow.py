@@ -56,6 +56,36 @@ def assert_nothing_left(tmp_path: Path, run_id: str) -> None:
         assert not (pid and _group_alive(int(pid))), f"worker process group {pid} outlived the run"
 
 
+WATCHED = ["sailor.preemption", "sailor.price_change", "sailor.replan", "sailor.reconfigured", "sailor.run.completed"]
+
+
+def prefect_events(run_id: str) -> set[str]:
+    """Names of the Prefect events about the run's resource (they reach the server asynchronously)."""
+    import time
+    from datetime import UTC, datetime, timedelta
+
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import (
+        EventAnyResourceFilter,
+        EventFilter,
+        EventNameFilter,
+        EventOccurredFilter,
+    )
+
+    f = EventFilter(event=EventNameFilter(name=WATCHED),
+                    any_resource=EventAnyResourceFilter(id=[f"sailor.run.{run_id}"]),
+                    occurred=EventOccurredFilter(since=datetime.now(UTC) - timedelta(hours=1),
+                                                 until=datetime.now(UTC) + timedelta(minutes=5)))
+    names: set[str] = set()
+    with get_client(sync_client=True) as client:
+        for _ in range(40):
+            names = {e.event for e in client.read_events(filter=f, limit=50).events}
+            if "sailor.run.completed" in names:
+                break
+            time.sleep(0.25)
+    return names
+
+
 def kinds(run) -> list[str]:
     return [e["kind"] for e in run["events"]]
 
@@ -106,6 +136,9 @@ events:
     assert any("preemption" in d["reason"] and "lost" in d["reason"] for d in switches)
     priced = [d for d in switches if "price_change" in d["reason"]]
     assert priced and "switch pays" in priced[0]["reason"] and priced[0]["detail"]["decision"]["gain"] > 0
+    # Every observation went out as a Prefect event about the run, for automations and the UI.
+    names = prefect_events(r["run_id"])
+    assert {"sailor.preemption", "sailor.price_change", "sailor.replan", "sailor.reconfigured"} <= names, names
     # The last plan runs on on-demand: spot became dearer than the switch cost.
     last = r["plans"][-1]["plan"]
     assert {rep["market"] for st in last["stages"] for rep in st["replicas"]} == {"on-demand"}
