@@ -85,12 +85,18 @@ def model_cmd(
                   TimeElapsedColumn(), console=console, transient=as_json) as bar:
         task = bar.add_task(f"profiling {cfg.name} on {device}", total=total)
 
+        per_point = len(settings.measured_layers(cfg))
+        advanced: dict[tuple[int, int], int] = {}
+
         def progress(msg: dict) -> None:
-            if msg["kind"] == "point":
-                p = msg["point"]
-                bar.update(task, advance=1, description=f"{cfg.name} mbs={p.mbs} tp={p.tp} layer {p.layer}")
+            if msg["kind"] == "layer":
+                key = (msg["mbs"], msg["tp"])
+                advanced[key] = advanced.get(key, 0) + 1
+                bar.update(task, advance=1, description=f"{cfg.name} mbs={msg['mbs']} tp={msg['tp']} layer {msg['layer']}")
             elif msg["kind"] == "infeasible":
-                bar.update(task, advance=len(settings.measured_layers(cfg)))
+                key = (msg["mbs"], msg["tp"])
+                bar.update(task, advance=per_point - advanced.get(key, 0))
+                advanced[key] = per_point
                 console.print(f"[yellow]infeasible: mbs={msg['mbs']} tp={msg['tp']}: {msg['reason']}")
 
         profile = profile_model(settings, progress)

@@ -288,6 +288,8 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
                         allocated_bytes=allocated, quantile=settings.quantile,
                     )
                 )
+                if rank == 0:  # progress only; the point's results are sent once all its layers ran
+                    emit({"kind": "layer", "mbs": mbs, "tp": tp, "layer": i})
             return out
 
         for mbs in sorted(settings.mbs):
