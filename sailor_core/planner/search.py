@@ -371,7 +371,8 @@ class Search:
         if not d_list:
             return
         taus = sorted({t for s in range(p) for row in table[s] for _, t in row if t >= max(best_t)})
-        step = self.pb.tau_step
+        # Merging thresholds only pays (and only risks) when there are many of them.
+        step = self.pb.tau_step if len(taus) > 48 else 0.0
         for k, tau in enumerate(taus):
             if self.bound(tau, lb, n, d_list) >= self.incumbent:
                 self.count.pruned += 1
