@@ -115,3 +115,21 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "store").exists()  # nothing written, the store not even created
+
+
+@pytest.mark.gpu
+def test_cuda_profile_times_with_events_and_records_the_allocator_delta():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from sailor_core.models.config import get_config, model_spec
+    from sailor_core.profiler import ModelProfileSettings, profile_model
+
+    prof = profile_model(ModelProfileSettings(model="gpt-tiny", device="cuda", mbs=(1, 2), tp=(1,), policy=FAST))
+    spec = model_spec(get_config("gpt-tiny"), (1,))
+    assert prof.framework_overhead_bytes > 0 and not prof.infeasible
+    for p in prof.points:
+        assert p.allocated_bytes is not None and p.allocated_bytes > 0
+        assert p.saved_bytes == pytest.approx(spec.layer(p.layer, 1).act_memory_bytes * p.mbs, rel=0.10)
+        assert 0 < p.forward_s < 1 and 0 < p.backward_s < 1
