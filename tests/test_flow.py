@@ -233,3 +233,41 @@ def test_cancelling_the_flow_process_tears_everything_down(profiled_store, tmp_p
     assert r["status"] == "cancelled" and "teardown" in kinds(r)
     assert_nothing_left(tmp_path, run_id)
     assert not any(_group_alive(int(p)) for p in pids)
+
+
+def test_a_worker_that_really_dies_is_detected_and_replaced(profiled_store, tmp_path):
+    """Not scripted: a worker process is killed (SIGKILL) mid-training, as a crashed VM would be."""
+    import os
+    import signal
+    import threading
+    import time
+
+    work = tmp_path / "work"
+    killed: list[str] = []
+
+    def assassin() -> None:
+        end = time.monotonic() + 240
+        while time.monotonic() < end and not killed:
+            for rec_file in work.glob("runs/*/local/vms/*.json"):
+                rec = json.loads(rec_file.read_text())
+                metrics = list(rec_file.parent.parent.parent.glob("metrics/v1/*.jsonl"))
+                started = any(m.stat().st_size > 200 for m in metrics)
+                if started and rec.get("pid") and rec.get("seq") == 1 and _group_alive(int(rec["pid"])):
+                    os.killpg(int(rec["pid"]), signal.SIGKILL)
+                    killed.append(rec["vm_id"])
+                    return
+            time.sleep(0.2)
+
+    t = threading.Thread(target=assassin, daemon=True)
+    t.start()
+    state = run(profiled_store, tmp_path, "dies", objective="max-throughput", workers=2, max_gpus=2, steps=40)
+    t.join(timeout=5)
+    assert killed, "the worker was never killed (training did not start?)"
+    assert state.is_completed(), state.message
+    r = history(profiled_store, "dies")
+    lost = [e for e in r["events"] if e["kind"] == "lost"]
+    assert lost and lost[0]["vm_id"] == killed[0]
+    assert "exited" in lost[0]["reason"] or "failed" in lost[0]["reason"]
+    assert any(d["kind"] == "switch" and "lost" in d["reason"] for d in r["decisions"])
+    assert "reconfigured" in kinds(r) and r["steps_done"] == 40
+    assert_nothing_left(tmp_path, r["run_id"])
