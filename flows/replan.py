@@ -144,7 +144,11 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
     provider = ctx.provider
     assert ctx.base_book is not None and ctx.plan is not None
     step = progress.step if progress else job.start_step
-    lost = {e.vm_id for e in events if e.kind in (EventKind.PREEMPTION, EventKind.LOST)} & {v.vm_id for v in job.vms}
+    # A worker whose generation failed because a peer died is collateral, not lost: replace only the
+    # VMs the provider saw go (or, when it saw none, those whose workers failed on their own).
+    gone = [e for e in events if e.kind in (EventKind.PREEMPTION, EventKind.LOST)]
+    hard = {e.vm_id for e in gone if not str(e.detail.get("reason", "")).startswith("worker reported")}
+    lost = (hard or {e.vm_id for e in gone}) & {v.vm_id for v in job.vms}
     kinds = sorted({e.kind.value for e in events}) + (["iteration_time"] if calibration else [])
     trigger_at = min((e.at for e in events), default=datetime.now(UTC)).timestamp()
     if calibration:
