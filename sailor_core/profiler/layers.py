@@ -9,7 +9,8 @@ microbatch size in `settings.mbs` and TP degree in `settings.tp`, with the runti
 - per layer of the store's indexing (0 embedding, 1..L blocks, L+1 final norm + head, the head's
   forward including the loss): forward and backward seconds of one microbatch, warm-up excluded,
   repeated until stable (timing.RepeatPolicy), the 10th percentile reported (DEFAULT_QUANTILE).
-  CPU: perf_counter; CUDA: CUDA events, synchronised before reading;
+  CUDA: CUDA events, synchronised before reading; CPU: the thread's CPU time for work without
+  collectives (tp=1 layers, the optimizer step), perf_counter wall time for TP layers;
 - blocks are identical, so only `settings.blocks` of them are measured and their mean is copied to
   the others (`all_blocks=True` measures every one);
 - optimizer: one AdamW step (the runtime's settings) over the measured layers' parameters, scaled
@@ -232,7 +233,9 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
         if rank == 0:
             emit({"kind": "overhead", "tp": tp, "bytes": overhead})
 
-        def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+        import time
+
+        def timed(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -240,11 +243,16 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
                 end.record()
                 end.synchronize()
                 return start.elapsed_time(end) / 1e3, out
-            import time
-
-            t0 = time.perf_counter()
+            t0 = clock()
             out = fn()
-            return time.perf_counter() - t0, out
+            return clock() - t0, out
+
+        # CPU work without collectives (tp=1 layers, the optimizer step) runs entirely in this thread
+        # (one intra-op thread), so its thread CPU time is its cost whatever else the host runs;
+        # wall time would add the other jobs' time slices. TP layers wait for peers off-CPU inside
+        # their all-reduces, so they keep wall time. See docs/profiler.md for the measurements.
+        cpu_timed = functools.partial(timed, clock=time.thread_time)
+        layer_timed = cpu_timed if (tp == 1 and not cuda) else timed
 
         flag = torch.zeros(1, dtype=torch.int32, device=dev)
 
@@ -281,7 +289,7 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
                 x, tgt = make_inputs(i, mbs)
                 run_forward = functools.partial(forward, i, x, tgt)
                 saved, allocated = _saved_for_backward(torch, layer, run_forward, cuda)
-                fwd, bwd = _measure_layer(torch, run_forward, x, settings.policy, timed, agree)
+                fwd, bwd = _measure_layer(torch, run_forward, x, settings.policy, layer_timed, agree)
                 out.append(
                     LayerPoint(
                         mbs=mbs, tp=tp, layer=i, forward=fwd, backward=bwd, saved_bytes=saved,
@@ -315,7 +323,7 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
                     for p in results:
                         emit({"kind": "point", "point": p})
         params = [p for ly in layers.values() for p in ly.parameters()]
-        opt_s = _optimizer_step_s(torch, params, settings.policy, timed).quantile_s(settings.quantile)
+        opt_s = _optimizer_step_s(torch, params, settings.policy, cpu_timed).quantile_s(settings.quantile)
         if rank == 0:
             emit({"kind": "optimizer", "tp": tp, "seconds": opt_s,
                   "params": sum(p.numel() for ly in layers.values() for p in ly.parameters())})
