@@ -83,8 +83,9 @@ def _print(run: dict, left: list[str]) -> None:
     typer.echo(f"run {run['run_id']}: {run.get('status')} ({run.get('status_reason', '')})")
     for p in run["plans"]:
         est = p.get("estimate") or {}
+        reason = " ".join(str(p.get("reason", "")).split())[:160]
         typer.echo(f"  plan v{p['version']}: {est.get('iteration_time_s', 0):.4f} s/it estimated, "
-                   f"{est.get('usd_per_hour', 0):.4f} USD/h  <- {" ".join(str(p.get("reason", "")).split())[:160]}")
+                   f"{est.get('usd_per_hour', 0):.4f} USD/h  <- {reason}")
     typer.echo("  events:")
     for e in run["events"]:
         typer.echo(f"    {e['time'][11:23]} {e['kind']:<16} {str(e.get('reason', ''))[:150]}")
