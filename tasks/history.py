@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from sailor_core.domain import SailorError
@@ -48,13 +48,20 @@ class RunHistory:
     def __init__(self, store: HistoryStore, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.store = store
         self.clock = clock
+        self._last: datetime | None = None
 
     # -- writes ----------------------------------------------------------------------------------
     def _append(self, table: str, run_id: str, kind: str, reason: str = "", payload: Mapping[str, Any] | None = None,
                 at: datetime | None = None) -> None:
         from profiles_store.store import HistoryRecord
 
-        rec = HistoryRecord(run_id=run_id, kind=kind, time=at or self.clock(), reason=reason, payload=dict(payload or {}))
+        t = at or self.clock()
+        if at is None:
+            # Rows are read back in time order: keep this writer's rows in the order they were written.
+            if self._last is not None and t <= self._last:
+                t = self._last + timedelta(microseconds=1)
+            self._last = t
+        rec = HistoryRecord(run_id=run_id, kind=kind, time=t, reason=reason, payload=dict(payload or {}))
         self.store.append_history(table, [rec])
 
     def run_status(self, run_id: str, status: str, reason: str = "", payload: Mapping[str, Any] | None = None) -> None:

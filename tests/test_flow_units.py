@@ -117,3 +117,27 @@ def test_reconfiguration_reuses_matching_vms_and_assigns_ranks_in_order(tmp_path
     pr = read_progress(job)
     assert pr.step == 9 and pr.steps_this_version == 4 and pr.loss == pytest.approx(4.1)
     assert pr.recent_iteration_s == pytest.approx(0.1)
+
+
+def test_runs_cli_lists_and_shows_runs_as_json(store, tmp_path, capsys):
+    from sailor_cli.main import main
+
+    h = RunHistory(store)
+    h.run_status("demo-1", "running", payload={"name": "demo"})
+    for kind in ("preemption", "price_change", "capacity_change", "replan", "reconfigured"):
+        h.event("demo-1", kind, f"a {kind}")
+    h.run_status("demo-1", "completed", "60 steps done", {"steps_done": 60, "usd_total": 0.01, "wall_s": 30.0})
+    uri = str(store.uri)
+    assert main(["runs", "list", "--store", uri, "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert [(r["run_id"], r["status"], r["steps_done"]) for r in runs] == [("demo-1", "completed", 60)]
+    assert main(["runs", "show", "demo-1", "--store", uri, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["status"] == "completed"
+    assert [e["kind"] for e in shown["events"]] == ["preemption", "price_change", "capacity_change", "replan",
+                                                     "reconfigured"]
+    assert all(datetime.fromisoformat(e["time"]) for e in shown["events"])
+    assert main(["runs", "show", "nope", "--store", uri]) == 2  # one-line error, no traceback
+    assert "sailor runs list" in capsys.readouterr().err
+    assert main(["runs", "show", "demo-1", "--store", uri]) == 0  # the human view renders
+    assert "reconfigured" in capsys.readouterr().out
