@@ -62,8 +62,8 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
 
     def interrupt() -> None:
         vm = next(v for v in aws.list_vms() if v.zone == "us-east-1a")
-        notices.spot_interruption(vm)  # the two-minute notice (compressed here)
-        time.sleep(2.0)
+        notices.spot_interruption(vm)  # the two-minute notice, as the metadata relay reports it
+        time.sleep(10.0)  # the 2-minute notice, compressed: the flow stops the workers (they checkpoint) first
         provider.reclaim(vm.vm_id)  # the VM powers off ...
         client_for("ec2", "us-east-1").terminate_instances(InstanceIds=[vm.vm_id])  # ... and EC2 takes it back
         interrupted.append(vm.vm_id)

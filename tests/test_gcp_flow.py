@@ -10,6 +10,8 @@ no instance and no firewall of the run, and no credential may appear anywhere th
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from infra.catalog import ScriptedPriceSource
@@ -19,7 +21,7 @@ from sailor_core.domain import Market
 from tests.cloud_flow_fixtures import cloud_store, leaks, when_step
 from tests.fakes.agents_here import AgentsHere
 from tests.fakes.gce_fake import GceFake
-from tests.flow_fixtures import prefect_harness  # noqa: F401 (fixture)
+from tests.flow_fixtures import prefect_harness, profiled_store  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.gcp, pytest.mark.usefixtures("prefect_harness")]
 
@@ -55,8 +57,9 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
 
     def preempt() -> None:
         vm = next(v for v in gcp.list_vms() if v.zone == "us-central1-a")
-        provider.reclaim(vm.vm_id)  # the VM stops, its worker with it ...
-        fake.preempt("us-central1-a", vm.vm_id.split("/", 1)[1])  # ... and GCE records the preemption
+        fake.preempt("us-central1-a", vm.vm_id.split("/", 1)[1])  # GCE preempts: the operation, then TERMINATED
+        time.sleep(10.0)  # GCE's 30 s ACPI grace, compressed: the flow stops the workers (they checkpoint) first
+        provider.reclaim(vm.vm_id)  # the VM is off, its worker with it
         preempted.append(vm.vm_id)
 
     watcher = when_step(work, 4, preempt)

@@ -8,7 +8,8 @@ Contract:
 - `offerings()` lists GPU instance types (infra/aws/instance_types.py) offered per availability
   zone (DescribeInstanceTypeOfferings) in the configured regions, priced per market from the price
   source with the fetch time; counts come from the vCPU quotas (Service Quotas) where readable,
-  else `max_vms_per_offering`. A shape without a price is not offered.
+  else `max_vms_per_offering`. A shape without a price is not offered; a sold-out one (quota or
+  cap used, spot interrupted there recently) is reported with count 0 and its price.
 - `provision()` creates one security group per region and run (ingress on the rendezvous and data
   ports only from the group itself and from the run's VMs in other regions, by /32), then
   RunInstances per VM with the image, disk, startup script and, for spot,
@@ -230,11 +231,12 @@ class AwsProvider:
                 for zone in sorted(zones_of.get(shape.instance_type, ())):
                     for m in mks:
                         q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
-                        if q is None or self._spot_blocked(zone, shape.instance_type, m):
+                        if q is None:
                             continue
-                        vms = self._free_vms(zone, shape, m, in_use)
-                        if vms <= 0:
-                            continue
+                        # Sold out (quota or cap used, or spot just interrupted) still reports its price
+                        # with count 0: a caller holding VMs there needs it.
+                        vms = 0 if self._spot_blocked(zone, shape.instance_type, m) else \
+                            self._free_vms(zone, shape, m, in_use)
                         out.append(Offering(
                             cloud="aws", region=region, zone=zone, gpu_type=shape.gpu_type, market=m,
                             count=vms * shape.gpus, gpus_per_node=shape.gpus,

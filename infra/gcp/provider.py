@@ -7,7 +7,8 @@ Contract (the Provider protocol of infra/provider.py):
 - `offerings()` lists, per configured region and zone, the GPU shapes of infra/gcp/machine_types.py
   whose accelerator the zone has (acceleratorTypes.list), priced per market from the price source;
   counts come from the region's GPU quotas (regions.get; PREEMPTIBLE_* for spot) where present,
-  else `max_vms_per_offering`. A shape without a price is not offered.
+  else `max_vms_per_offering`. A shape without a price is not offered; a sold-out one (quota or
+  cap used, spot preempted there recently) is reported with count 0 and its price.
 - `provision()` creates one firewall per run (ingress on the rendezvous and data ports, only from
   VMs carrying the run's network tag to VMs carrying it) and instances.insert per VM with the
   image, boot disk, startup script (metadata `startup-script`), attached GPUs for N1, and
@@ -257,11 +258,12 @@ class GcpProvider:
                         continue
                     for m in mks:
                         q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
-                        if q is None or self._spot_blocked(zone, shape.instance_type, m):
+                        if q is None:
                             continue
-                        gpus = self._free_gpus(zone, shape, m, quotas, in_use)
-                        if gpus <= 0:
-                            continue
+                        # Sold out (quota or cap used, or spot just preempted) still reports its price
+                        # with count 0: a caller holding VMs there needs it.
+                        gpus = 0 if self._spot_blocked(zone, shape.instance_type, m) else \
+                            max(0, self._free_gpus(zone, shape, m, quotas, in_use))
                         out.append(Offering(
                             cloud="gcp", region=region, zone=zone, gpu_type=shape.gpu_type, market=m, count=gpus,
                             gpus_per_node=shape.gpus, usd_per_gpu_hour=q.usd_per_hour / shape.gpus,
