@@ -80,6 +80,8 @@ def test_the_ui_shows_the_runs_plan_artifact(profiled_store, tmp_path):
         assert "Can't connect to Server API" not in dom
         assert key in dom, dom[-3000:]
         assert "Plan v1 for gpt-tiny" in dom
+        frontier = _dom(f"http://127.0.0.1:{port}/artifacts/key/frontier-{run_id}".lower(), tmp_path / "chromium2")
+        assert f"frontier-{run_id}".lower() in frontier and "Pareto frontier of throughput against cost" in frontier
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
