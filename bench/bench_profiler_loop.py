@@ -93,6 +93,29 @@ def measured_iterations_s(plan_file: Path, steps: int, skip: int, out: Path, tim
     return times
 
 
+def _spin(seconds: float, out) -> None:
+    end = time.thread_time() + seconds
+    n = 0
+    t0 = time.perf_counter()
+    while time.thread_time() < end:
+        n += 1
+    out.put(seconds / (time.perf_counter() - t0))  # share of a core this process got
+
+
+def cores_for(workers: int, seconds: float = 1.0) -> float:
+    """Cores `workers` busy processes get together right now (each spins for `seconds` of CPU)."""
+    import multiprocessing as mp
+
+    q = mp.get_context("spawn").Queue()
+    procs = [mp.get_context("spawn").Process(target=_spin, args=(seconds, q)) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    shares = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join()
+    return sum(shares)
+
+
 def p10(xs: list[float]) -> float:
     xs = sorted(xs)
     pos = 0.1 * (len(xs) - 1)
@@ -142,10 +165,12 @@ def main() -> int:
             print(f"{name:8} {sim:12.4f} {'-':>16} {'-':>8}  ({e})")
             continue
         real, fast = statistics.median(times), p10(times)
+        workers = sum(r.tp for st in plan.stages for r in st.replicas)
         err, err_fast = (sim - real) / real, (sim - fast) / fast
         errors.append(abs(err))
         errors_p10.append(abs(err_fast))
-        print(f"{name:8} {sim:12.4f} {real:16.4f} {err:+8.1%} {fast:13.4f} {err_fast:+8.1%}")
+        print(f"{name:8} {sim:12.4f} {real:16.4f} {err:+8.1%} {fast:13.4f} {err_fast:+8.1%}   "
+              f"({workers} worker(s); {cores_for(workers):.2f} cores free for them just after)")
     print(f"\nload average after: {os.getloadavg()}")
     if not errors:
         print("no plan could be run")
