@@ -133,6 +133,8 @@ def main() -> int:
     ap.add_argument("--plans", default="single,pp2,dp2,tp2")
     ap.add_argument("--store", default=None, help="store folder (default: a fresh temporary one)")
     ap.add_argument("--train-timeout", type=float, default=300.0, help="seconds per `sailor train` run")
+    ap.add_argument("--quiet-wait", type=float, default=90.0,
+                    help="seconds to wait, per plan, for the cores its workers need to be free (0: do not wait)")
     a = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -159,18 +161,24 @@ def main() -> int:
         sim = simulate(plan, book).iteration_time_s
         pf = tmp / f"{name}.json"
         save_plan_file(plan, pf)
+        workers = sum(r.tp for st in plan.stages for r in st.replicas)
+        # The simulator gives every worker its own core (GPU); measure when the machine has them.
+        waited, free_before = 0.0, cores_for(workers)
+        while free_before < 0.9 * workers and waited < a.quiet_wait:
+            time.sleep(5.0)
+            waited += 5.0 + workers
+            free_before = cores_for(workers)
         try:
             times = measured_iterations_s(pf, a.steps, a.skip, tmp / f"{name}.jsonl", a.train_timeout)
         except RuntimeError as e:
             print(f"{name:8} {sim:12.4f} {'-':>16} {'-':>8}  ({e})")
             continue
         real, fast = statistics.median(times), p10(times)
-        workers = sum(r.tp for st in plan.stages for r in st.replicas)
         err, err_fast = (sim - real) / real, (sim - fast) / fast
         errors.append(abs(err))
         errors_p10.append(abs(err_fast))
         print(f"{name:8} {sim:12.4f} {real:16.4f} {err:+8.1%} {fast:13.4f} {err_fast:+8.1%}   "
-              f"({workers} worker(s); {cores_for(workers):.2f} cores free for them just after)")
+              f"({workers} worker(s); cores free before/after {free_before:.2f}/{cores_for(workers):.2f})")
     print(f"\nload average after: {os.getloadavg()}")
     if not errors:
         print("no plan could be run")
