@@ -23,7 +23,7 @@ from prefect import flow
 from prefect.logging import get_run_logger
 
 from flows.params import SailorParams
-from infra.provider import EventKind, Provider, ProviderEvent, Vm
+from infra.provider import CapacityError, EventKind, Provider, ProviderEvent, Vm
 from sailor_core.domain import ParallelPlan
 from sailor_core.plan_format import plan_to_dict
 from sailor_core.profiles import ProfileBook
@@ -32,7 +32,16 @@ from tasks.history import RunHistory
 from tasks.jobs import Job, Progress, place, replica_request, slots
 from tasks.planning import NoPlanError, calibrated_book, estimate, plan_violations, pool_from, priced_book
 from tasks.reporting import emit, publish_frontier, publish_plan
-from tasks.steps import fetch_offerings, launch, make_plan, provision, record, stop_workers, terminate
+from tasks.steps import (
+    fetch_offerings,
+    hand_out,
+    make_plan,
+    provision,
+    record,
+    start_agents,
+    stop_workers,
+    terminate,
+)
 
 
 @dataclass(kw_only=True)
@@ -217,14 +226,22 @@ def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> 
 def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[str, Any], held: list[Vm],
                  lost: set[str], trigger_at: float, kinds: list[str], frontier: Any, step: int, reason: str) -> Job:
     provider = ctx.provider
-    stop_workers(provider, job)
     placed, missing = place(cand, held)
     keep = {v.vm_id for v in placed.values()}
     drop = [v.vm_id for v in held if v.vm_id not in keep] + sorted(lost)
-    terminate(provider, drop)
-    ctx.ledger_close(drop)
     ctx.adopt_plan(cand, cand_est, reason, frontier)
-    new_vms = provision(provider, [replica_request(ctx.run_id, ctx.version, s) for s in missing])
+    requests = [replica_request(ctx.run_id, ctx.version, s) for s in missing]
+    stopped = False
+    try:
+        # Rent first, while the old plan still trains: the new VMs' start-up overlaps its last steps.
+        new_vms = provision(provider, requests)
+    except CapacityError:
+        # The new plan needs capacity the old one still holds: free it first.
+        stop_workers(provider, job)
+        terminate(provider, drop)
+        ctx.ledger_close(drop)
+        stopped = True
+        new_vms = provision(provider, requests)
     ctx.ledger_add(new_vms)
     it = iter(new_vms)
     vms = [placed[k] if k in placed else next(it) for k in range(len(slots(cand)))]
@@ -235,5 +252,12 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
               total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval, seed=job.seed,
               data_uri=job.data_uri, estimate_s=float(cand_est["iteration_time_s"]), controller_host=job.controller_host)
     new.extra.update(reconfig_trigger_at=trigger_at, trigger=kinds)
-    new.launched_at = launch(provider, new)
+    if new_vms and not stopped:
+        start_agents(provider, new, [v.vm_id for v in new_vms])
+    if not stopped:
+        stop_workers(provider, job)  # the old plan checkpoints and stops
+        terminate(provider, drop)
+        ctx.ledger_close(drop)
+    start_agents(provider, new, sorted(keep) if not stopped else None)
+    new.launched_at = hand_out(new)
     return new

@@ -3,7 +3,7 @@
 Contract: runs the `sailor` flow in Prefect's ephemeral mode (no server needed; a configured
 server is used if there is one) on the local provider and the local store: gpt-tiny on up to 4
 local worker slots under a 2 USD/hour limit, scripted by scenarios/demo.yaml (a spot worker
-preempted at step 10, the on-demand price doubling at step 30). It prints what happened (plans, events, decisions,
+preempted at step 20, the on-demand price doubling at step 80). It prints what happened (plans, events, decisions,
 reconfiguration times, cost) and checks that no worker process of the run is left. Exit status 0
 when the run completed and nothing was left behind.
 """
@@ -30,7 +30,7 @@ def _prefect_env(workdir: Path) -> None:
 
 
 def demo(
-    steps: int = typer.Option(60, help="training steps"),
+    steps: int = typer.Option(120, help="training steps"),
     workers: int = typer.Option(4, help="local worker slots"),
     scenario: Path = typer.Option(DEMO_SCENARIO, help="scenario file scripting preemptions and prices"),
     store: str = typer.Option(None, "--store", help="store URI (default: $SAILOR_STORE or .sailor/store)"),

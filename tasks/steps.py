@@ -53,26 +53,39 @@ def provision(provider: Provider, requests: Sequence[VmRequest], dry_run: bool =
     return provider.provision(requests, dry_run=dry_run)
 
 
-@task(name="launch-workers", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def launch(provider: Provider, job: Job) -> float:
-    """Host this plan version's controller, hand out the assignments, start the agent on every VM.
+@task(name="start-agents", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def start_agents(provider: Provider, job: Job, vm_ids: Sequence[str] | None = None) -> None:
+    """Start the worker agent on these VMs of the job (all by default).
 
-    Resumes from the newest complete checkpoint in the run's checkpoint folder when there is one.
-    Returns the launch time.
+    The agents meet this plan version's controller (created here on first use) and wait there for
+    their assignment (`hand_out`), so VMs can start early while the previous plan still trains.
     """
     if any(s.spec.tp != 1 for s in slots(job.plan)):
         raise SailorError("the orchestration starts one worker process per VM, so every replica must have tp=1; "
                           "to fix: plan with gpus_per_node=1 offerings (TP inside a VM is not supported yet)")
-    close_controller(job)
-    ctl = Controller(host=job.controller_host)
-    job.extra["controller"] = ctl
-    job.rendezvous = ctl.endpoint
+    if "controller" not in job.extra:
+        ctl = Controller(host=job.controller_host)
+        job.extra["controller"] = ctl
+        job.rendezvous = ctl.endpoint
+    for vm, a in assignments(job):
+        if vm_ids is None or vm.vm_id in vm_ids:
+            provider.bootstrap(vm, a)
+
+
+@task(name="hand-out", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def hand_out(job: Job) -> float:
+    """Give every worker its rank and the plan; resume from the newest complete checkpoint if any."""
     resume_step = checkpoint_steps(str(job.checkpoint_dir), job.plan.stages[-1].last_layer + 1)
     job.start_step = resume_step or 0
-    ctl.assign(job, resume=resume_step is not None)
-    for vm, a in assignments(job):
-        provider.bootstrap(vm, a)
+    job.extra["controller"].assign(job, resume=resume_step is not None)
     return time.time()
+
+
+def launch(provider: Provider, job: Job) -> float:
+    """Start every agent of the job and hand out the plan; returns the launch time."""
+    close_controller(job)
+    start_agents(provider, job)
+    return hand_out(job)
 
 
 def close_controller(job: Job) -> None:
