@@ -279,3 +279,13 @@ def test_spot_price_history_source_reads_ec2(env) -> None:
     assert {"us-east-1a", "us-east-1b"} <= zones
     assert all(q.market is Market.SPOT and q.fetched_at == clock.now and q.usd_per_hour > 0 for q in quotes)
     assert src.quotes(instance_types=["g5.xlarge"], regions=["us-east-1"], markets=[Market.ON_DEMAND]) == []
+
+
+def test_a_request_without_instance_type_gets_the_shape_offered_there(env) -> None:
+    provider, prices, _, _, client_for, _ = env
+    prices.set(instance_type="c7i.2xlarge", zone="us-east-1b", market=Market.SPOT, usd_per_hour=0.12)
+    assert [(o.instance_type, o.count) for o in provider.offerings(gpu_types=["cpu"])] == [("c7i.2xlarge", 3)]
+    (vm,) = provider.provision([VmRequest(run_id="r5", name="w0", zone="us-east-1b", gpu_type="cpu", gpus=1,
+                                          market=Market.SPOT)])
+    assert running(client_for, "us-east-1")[0]["InstanceType"] == "c7i.2xlarge" and vm.usd_per_hour == 0.12
+    assert [(o.instance_type, o.count) for o in provider.offerings(gpu_types=["cpu"])] == [("c7i.2xlarge", 2)]

@@ -205,12 +205,22 @@ class AwsProvider:
                 raise ProviderError(f"{r.name}: unknown instance type {r.instance_type!r}; to fix: use one of "
                                     f"{sorted(SHAPES)}")
             return shape
-        shape = smallest_shape(r.gpu_type, r.gpus)
-        if shape is None:
+        # The cheapest shape with exactly these GPUs that is priced in the zone and market (what
+        # offerings() showed); the smallest one if nothing is priced there.
+        cands = [s for s in SHAPES.values() if s.gpu_type == r.gpu_type and s.gpus == r.gpus]
+        if not cands:
             have = sorted({(s.gpu_type, s.gpus) for s in SHAPES.values() if s.gpu_type == r.gpu_type})
             raise ProviderError(f"{r.name}: no AWS instance type has {r.gpus}x {r.gpu_type}; to fix: ask for one "
                                 f"of {have or sorted({s.gpu_type for s in SHAPES.values()})}")
-        return shape
+        try:
+            quotes = self._quotes([s.instance_type for s in cands], [r.region or default_region(r.zone)], [r.market])
+        except Exception:  # a price feed being down must not stop provisioning
+            quotes = []
+        priced = [(q.usd_per_hour, s.vcpus, s.instance_type, s) for s in cands
+                  if (q := lookup(quotes, instance_type=s.instance_type, zone=r.zone, market=r.market)) is not None]
+        if priced:
+            return min(priced, key=lambda t: t[:3])[3]
+        return smallest_shape(r.gpu_type, r.gpus) or cands[0]
 
     # -- Provider protocol ---------------------------------------------------------------------
     def offerings(
@@ -326,12 +336,12 @@ class AwsProvider:
         return q.usd_per_hour if q else 0.0
 
     def provision(self, requests: Sequence[VmRequest], *, dry_run: bool = False) -> list[Vm]:
-        shapes = {r.name: self._shape(r) for r in requests}
         for r in requests:
             region = r.region or default_region(r.zone)
             if region not in self.config.regions:
                 raise ProviderError(f"{r.name}: region {region} is not among the provider's regions "
                                     f"{list(self.config.regions)}; to fix: add it to AwsConfig.regions")
+        shapes = {r.name: self._shape(r) for r in requests}
         if dry_run:
             return self._dry_run(requests, shapes)
         started: list[Vm] = []
