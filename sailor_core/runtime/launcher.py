@@ -39,6 +39,7 @@ from sailor_core.plan_format import plan_to_dict
 from sailor_core.runtime.engine import TrainSettings
 from sailor_core.runtime.topology import check_runnable, layout
 
+ABORT_GRACE_S = 15.0  # how long survivors get to report after a generation is aborted
 DEFAULT_LOCAL_SLOTS = 16  # processes this machine will host for one job, whatever its core count
 
 
@@ -206,8 +207,15 @@ def _watch(store: Any, gen: int, members: list[int], workers: dict[int, _Worker]
                 store.set(f"g{gen}/abort", str(wid))  # wake survivors blocked on the lost peer
         if len(statuses) + len(lost) == len(members):
             break
-        if lost and failed_at is not None and time.monotonic() - failed_at > settings.timeout_s + 30:
-            break  # survivors did not notice within their timeout: give up on them as well
+        if lost and failed_at is not None and time.monotonic() - failed_at > ABORT_GRACE_S:
+            # survivors wake within milliseconds of the abort key; one that did not is stuck: count
+            # it as lost too, so the next plan does not wait for it
+            for wid in members:
+                if wid not in statuses and wid not in lost:
+                    lost.append(wid)
+                    with contextlib.suppress(ProcessLookupError):
+                        workers[wid].proc.kill()
+            break
         time.sleep(0.02)
     if not lost and all(s in ("done", "stopped") for s in statuses.values()):
         return ("stopped" if "stopped" in statuses.values() else "done"), [], ""

@@ -87,14 +87,18 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
         _log(f"plan version {settings.plan_version}: rank {rank} left its process group")
 
 
-def _pg_store(a: dict[str, Any], control_store: Any, gen: int) -> Any:
+def _pg_store(a: dict[str, Any], control_store: tuple[str, int], gen: int) -> Any:
     """The rendezvous of one generation: the assignment's TCPStore (hosted by its rank 0, for jobs
     spanning machines) or a prefix of the controller's store (one machine)."""
     from torch.distributed import PrefixStore, TCPStore
 
     rdv = a.get("rendezvous")
     if not rdv:
-        return PrefixStore(f"g{gen}/pg", control_store)
+        # a client connection of its own: an aborted generation may leave its store client mid-request,
+        # and the control connection (status, next assignment) must not share that fate
+        host, port = control_store
+        own = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=float(a["settings"].get("timeout_s", 60))))
+        return PrefixStore(f"g{gen}/pg", own)
     rank = int(a["rank"])
     st = TCPStore(str(rdv["host"]), int(rdv["port"]), world_size=int(a["world_size"]), is_master=rank == 0,
                   timeout=timedelta(seconds=float(a["settings"].get("timeout_s", 60))), wait_for_workers=False)
@@ -144,7 +148,7 @@ def controlled(control: str, worker_id: str) -> int:
             comm.ABORT.clear()
             current_gen[0] = gen
             try:
-                status = run_generation(a, data=data, init={"store": _pg_store(a, store, gen)},
+                status = run_generation(a, data=data, init={"store": _pg_store(a, (host, int(port)), gen)},
                                         local_rank=int(a.get("local_rank", 0)))
             except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
                 status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
