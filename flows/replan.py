@@ -31,7 +31,7 @@ from tasks.decisions import PlanCost, decide_switch
 from tasks.history import RunHistory
 from tasks.jobs import Job, Progress, place, replica_request, slots
 from tasks.planning import NoPlanError, calibrated_book, estimate, plan_violations, pool_from, priced_book
-from tasks.reporting import emit, publish_frontier, publish_plan
+from tasks.reporting import emit, publish_cost, publish_frontier, publish_plan, publish_timeline
 from tasks.steps import (
     fetch_offerings,
     hand_out,
@@ -221,6 +221,10 @@ def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> 
     record(ctx.history.decision, ctx.run_id, kind, reason, detail)
     record(ctx.history.event, ctx.run_id, "replan", reason, {"decision": kind, **detail})
     emit("replan", ctx.run_id, {"decision": kind, "reason": reason})
+    # Keep the run's cost and timeline artifacts current while it runs, not only at the end.
+    publish_cost(ctx.run_id, ctx.cost_table())
+    shown = ctx.history.show(ctx.run_id)
+    publish_timeline(ctx.run_id, shown["events"], shown["decisions"])
 
 
 def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[str, Any], held: list[Vm],
