@@ -20,7 +20,16 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from infra.provider import CapacityError, EventKind, Offering, Provider, ProviderEvent, Vm, VmRequest
+from infra.provider import (
+    CapacityError,
+    EventKind,
+    Offering,
+    Provider,
+    ProviderError,
+    ProviderEvent,
+    Vm,
+    VmRequest,
+)
 from sailor_core.domain import SailorError
 from tasks.control import Controller, HeartbeatBoard, checkpoint_steps
 from tasks.history import RunHistory
@@ -160,7 +169,19 @@ def event_reason(e: ProviderEvent) -> str:
     return f"VM {e.vm_id}: {d.get('reason', '')}"
 
 
-@task(name="monitor", cache_policy=NO_CACHE)
+def _retry_on_outside_errors(task, task_run, state) -> bool:
+    """Monitoring resumes after a provider or I/O hiccup; a diagnosis (stall, deadline) is final."""
+    try:
+        state.result()
+    except (ProviderError, OSError):
+        return True
+    except Exception:
+        return False
+    return False
+
+
+@task(name="monitor", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=2,
+      retry_condition_fn=_retry_on_outside_errors)
 def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar, board: HeartbeatBoard, *,
             seen: set[tuple[str, str, str]],
             poll_s: float, deadline_at: float | None, tolerance: float, calibrate_after: int,
