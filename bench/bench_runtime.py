@@ -203,7 +203,8 @@ def bench_reconfiguration(cfg, workdir: str, steps: int) -> dict[str, float]:
     shutil.copytree(ck, ck2)
     out2 = os.path.join(workdir, "cold.jsonl")
     t0 = time.time()
-    run_local(smaller, cfg, TrainSettings(model=cfg.name, steps=resumed_from + 1, metrics_out=out2,
+    # the copy's newest checkpoint is the end of the run above: cold-start one step past it
+    run_local(smaller, cfg, TrainSettings(model=cfg.name, steps=max(r["step"] for r in rows) + 1, metrics_out=out2,
                                           checkpoint_dir=ck2, resume=True), run_dir=os.path.join(workdir, "run-cold"))
     cold_s = json.loads(open(out2).read().splitlines()[0])["time"] - t0
     return {"reconfigure_s": reconf_s, "cold_start_s": cold_s, "ratio": reconf_s / cold_s,
