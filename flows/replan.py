@@ -63,6 +63,7 @@ class RunContext:
     reconfigurations_s: list[float] = field(default_factory=list)
     iteration_times: dict[int, tuple[float, ...]] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    dry_run: str = ""
 
     def planner_args(self, pool: Any, book: ProfileBook) -> dict[str, Any]:
         p = self.params

@@ -110,6 +110,21 @@ def _cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     make_provider(p, run_dir).cleanup(run_id)
 
 
+@task(name="dry-run", cache_policy=NO_CACHE)
+def dry_run_report(provider: Provider, requests: list[Any]) -> str:
+    """What provisioning the plan would do: the provider's exact API requests and the hourly cost."""
+    vms = provider.provision(requests, dry_run=True)
+    report = getattr(provider, "last_dry_run", None)
+    if report is not None:
+        from infra.cloud import format_dry_run
+
+        return format_dry_run(report)
+    lines = [f"dry run on {provider.name}: nothing rented"]
+    lines += [f"  vm {v.name}: {v.gpus}x {v.gpu_type} {v.market.value} in {v.zone} at ${v.usd_per_hour:.4f}/h" for v in vms]
+    lines.append(f"hourly cost: ${sum(v.usd_per_hour for v in vms):.4f}/h")
+    return "\n".join(lines)
+
+
 @task(name="check-runnable", cache_policy=NO_CACHE)
 def check_runnable(plan: Any, slots: int | None) -> None:
     """The runtime's own check, before any VM is rented."""
@@ -206,8 +221,10 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             check_runnable(plan, params.workers)
         ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
         if params.dry_run:
+            ctx.dry_run = dry_run_report(provider, [replica_request(run_id, ctx.version, s) for s in slots(plan)])
+            log.info("%s", ctx.dry_run)
             status, reason = "completed", "dry run: planned, rented nothing"
-            return ctx.summary(status, t0)
+            return {**ctx.summary(status, t0), "dry_run": ctx.dry_run}
         if params.resume:
             prev = _previous_checkpoint(history, deps.workdir, params.run_name, run_id)
             if prev is not None:

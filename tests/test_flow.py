@@ -271,3 +271,13 @@ def test_a_worker_that_really_dies_is_detected_and_replaced(profiled_store, tmp_
     assert any(d["kind"] == "switch" and "lost" in d["reason"] for d in r["decisions"])
     assert "reconfigured" in kinds(r) and r["steps_done"] == 40
     assert_nothing_left(tmp_path, r["run_id"])
+
+
+def test_a_dry_run_plans_and_rents_nothing(profiled_store, tmp_path):
+    state = run(profiled_store, tmp_path, "dry", dry_run=True, objective="max-throughput")
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert "nothing rented" in summary["dry_run"] and "hourly cost: $0.4000/h" in summary["dry_run"]
+    r = history(profiled_store, "dry")
+    assert r["status"] == "completed" and len(r["plans"]) == 1 and "provisioned" not in kinds(r)
+    assert list((tmp_path / "work" / "runs" / r["run_id"] / "local" / "vms").glob("*.json")) == []
