@@ -289,3 +289,46 @@ def test_a_request_without_instance_type_gets_the_shape_offered_there(env) -> No
                                           market=Market.SPOT)])
     assert running(client_for, "us-east-1")[0]["InstanceType"] == "c7i.2xlarge" and vm.usd_per_hour == 0.12
     assert [(o.instance_type, o.count) for o in provider.offerings(gpu_types=["cpu"])] == [("c7i.2xlarge", 2)]
+
+
+class QuotaAnswers:
+    """Service Quotas' GetServiceQuota answers (moto does not serve EC2 quotas): vCPU limits by code."""
+
+    def __init__(self, limits: dict[str, float]) -> None:
+        self.limits = limits
+        self.asked: list[str] = []
+
+    def get_service_quota(self, *, ServiceCode: str, QuotaCode: str) -> dict:
+        assert ServiceCode == "ec2"
+        self.asked.append(QuotaCode)
+        return {"Quota": {"ServiceCode": "ec2", "QuotaCode": QuotaCode, "Value": self.limits[QuotaCode]}}
+
+
+def test_counts_follow_the_vcpu_quotas_less_our_running_vms(moto) -> None:
+    moto.reset()
+    base = client_factory(moto.url)
+    quotas = QuotaAnswers({"L-DB2E81BA": 10.0, "L-3819A6DF": 0.0, "L-417A185B": 96.0, "L-7212CCBC": 192.0})
+
+    def client_for(service: str, region: str):
+        return quotas if service == "service-quotas" else base(service, region)
+
+    prices = ScriptedPriceSource(cloud="aws")
+    for m, p in ((Market.ON_DEMAND, 1.006), (Market.SPOT, 0.4)):
+        prices.set(instance_type="g5.xlarge", zone="us-east-1a", market=m, usd_per_hour=p)
+        prices.set(instance_type="g5.12xlarge", zone="us-east-1a", market=m, usd_per_hour=p * 5)
+    prices.set(instance_type="p4d.24xlarge", zone="us-east-1a", market=Market.SPOT, usd_per_hour=12.0)
+    provider = AwsProvider(AwsConfig(regions=("us-east-1",), zones=("us-east-1a",), image_name=IMAGE),
+                           client_for=client_for, prices=prices)
+    counts = {(o.instance_type, o.market): o.count for o in provider.offerings()}
+    # G on-demand: 10 vCPUs = two g5.xlarge (4 vCPUs) or no g5.12xlarge (48); G spot quota 0: sold out.
+    assert counts[("g5.xlarge", Market.ON_DEMAND)] == 2 and counts[("g5.12xlarge", Market.ON_DEMAND)] == 0
+    assert counts[("g5.xlarge", Market.SPOT)] == 0
+    assert counts[("p4d.24xlarge", Market.SPOT)] == 2 * 8  # 192 vCPUs of P spot = two p4d.24xlarge (96 each)
+    provider.provision([VmRequest(run_id="q", name="w0", zone="us-east-1a", gpu_type="A10G-24", gpus=1)])
+    counts = {(o.instance_type, o.market): o.count for o in provider.offerings()}
+    assert counts[("g5.xlarge", Market.ON_DEMAND)] == 1  # 10 - 4 vCPUs left
+    with pytest.raises(CapacityError, match="SailorCapReached"):
+        provider.provision([VmRequest(run_id="q", name=f"w{i}", zone="us-east-1a", gpu_type="A10G-24", gpus=1)
+                            for i in (1, 2)])
+    assert len(provider.list_vms("q")) == 1
+    provider.cleanup("q")
