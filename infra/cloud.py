@@ -3,7 +3,8 @@
 Contract:
 - `ApiCall` is one request a provider would send (service, region or zone, operation, exact
   parameters); `DryRunReport` is what `provision(..., dry_run=True)` would send and what it would
-  cost per hour; `format_dry_run` prints it. A dry run rents nothing.
+  cost per hour; `format_dry_run` prints it, `dry_run_text(provider, requests)` does both for any
+  provider. A dry run rents nothing.
 - `EventSource` is the protocol of an injectable feed of provider events for a run's VMs;
   `ScriptedEventSource` lets a test or a scenario push spot interruptions, rebalance
   recommendations and preemptions that the clouds' own APIs (moto, the local fake) cannot emit.
@@ -57,6 +58,18 @@ class DryRunReport:
     @property
     def usd_per_hour(self) -> float:
         return sum(v.usd_per_hour for v in self.vms)
+
+
+def dry_run_text(provider: Any, requests: Sequence[Any]) -> str:
+    """What renting `requests` would send and cost, for any provider: a flow's `dry_run` prints this.
+
+    Cloud providers list their exact API requests (`last_dry_run`); others list the VMs and cost.
+    """
+    vms = provider.provision(list(requests), dry_run=True)
+    report = getattr(provider, "last_dry_run", None)
+    if report is None:
+        report = DryRunReport(provider=str(getattr(provider, "name", "?")), calls=(), vms=tuple(vms))
+    return format_dry_run(report)
 
 
 def format_dry_run(report: DryRunReport) -> str:

@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from infra.catalog import ScriptedPriceSource
-from infra.cloud import ScriptedEventSource, format_dry_run
+from infra.cloud import ScriptedEventSource, dry_run_text, format_dry_run
 from infra.gcp import GceClients, GcpConfig, GcpProvider, gce_name
 from infra.provider import CapacityError, EventKind, Provider, ProviderError, VmRequest, WorkerAssignment
 from sailor_core.domain import Market
@@ -148,6 +148,7 @@ def test_dry_run_lists_exact_requests_and_cost_and_creates_nothing(env) -> None:
     text = format_dry_run(rep)
     assert "hourly cost: $3.6800/h" in text
     assert not [r for r in fake.requests if r[0] != "GET"] and fake.instances == {} and fake.firewalls == {}
+    assert dry_run_text(provider, [req("w0", "us-central1-a")]).endswith("hourly cost: $0.8200/h")
 
 
 def test_preemption_operation_and_status_become_events(env) -> None:
