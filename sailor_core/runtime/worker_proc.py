@@ -130,8 +130,9 @@ def controlled(control: str, worker_id: str) -> int:
                 if not comm.ABORT.is_set() and ab_store.check([f"g{current_gen[0]}/abort"]):
                     comm.ABORT.set()
 
-    comm.set_watched(True)
-    set_wait(comm.wait)
+    if os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0":  # 0: plain waits (lost peers then cost a timeout)
+        comm.set_watched(True)
+        set_wait(comm.wait)
     threading.Thread(target=watch_abort, daemon=True).start()
     data = _DataCache()
     gen = int(os.environ.get("SAILOR_FIRST_GENERATION", "0"))  # a worker added to a running job
