@@ -152,14 +152,18 @@ offerings:
   - {market: on-demand, count: 1, usd_per_gpu_hour: 0.30}
 events:
   - {at_step: 4, kind: price_change, market: spot, usd_per_gpu_hour: 0.31}
+  - {at_step: 10, kind: capacity_change, market: on-demand, count: 3}
 """)
-    state = run(profiled_store, tmp_path, "smallprice", scenario=sc, steps=16)
+    state = run(profiled_store, tmp_path, "smallprice", scenario=sc, steps=40)
     assert state.is_completed(), state.message
     r = history(profiled_store, "smallprice")
     priced = [d for d in r["decisions"] if "price_change" in d["reason"]]
     assert priced and priced[0]["kind"] == "stay" and "not worth the switch" in priced[0]["reason"]
     assert priced[0]["detail"]["decision"]["gain"] < 0
     assert "reconfigured" not in kinds(r) and len(r["plans"]) == 1
+    # More on-demand capacity does not make a cheaper plan either: replanned, stayed.
+    cap = [d for d in r["decisions"] if "capacity_change" in d["reason"]]
+    assert "capacity_change" in kinds(r) and cap and cap[0]["kind"] == "stay"
     assert_nothing_left(tmp_path, r["run_id"])
 
 
