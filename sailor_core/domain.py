@@ -185,6 +185,12 @@ class LayerProfile:
             _check(v >= 0 and math.isfinite(v), f"profile {self.model}/{self.gpu_type} layer {self.layer}: {n}={v}")
 
 
+# Message sizes the bandwidth micro-benchmarks sweep (the Sailor artifact's and ours): 64 KiB to 1 GiB,
+# as log2 of the size in MB, the fit's variable.
+FIT_MIN_LOG2_MB = math.log2(64 * 2**10 / 1e6)
+FIT_MAX_LOG2_MB = math.log2(2**30 / 1e6)
+
+
 @dataclass(frozen=True, kw_only=True)
 class BandwidthFit:
     """Bandwidth against message size: bw_gbps(x) = a*u^2 + b*u + c with u = log2(x / 1e6), x in bytes.
@@ -201,8 +207,12 @@ class BandwidthFit:
         _check(self.max_bytes_per_s > 0, f"bandwidth fit max_bytes_per_s must be > 0, got {self.max_bytes_per_s}")
 
     def bandwidth_bytes_per_s(self, message_bytes: float) -> float:
-        """Fitted bandwidth at this message size, clamped to (0, max measured]."""
-        u = math.log2(max(message_bytes, 1.0) / 1e6)
+        """Fitted bandwidth at this message size, clamped to (0, max measured].
+
+        The quadratic is only trusted over the sizes it was fitted on; outside them the bandwidth
+        at the nearest measured size is used (a quadratic extrapolated to 4 KiB can go negative).
+        """
+        u = min(max(math.log2(max(message_bytes, 1.0) / 1e6), FIT_MIN_LOG2_MB), FIT_MAX_LOG2_MB)
         a, b, c = self.coeffs
         bw = (a * u * u + b * u + c) * 1e9
         floor = self.max_bytes_per_s * 1e-3  # a fit extrapolated below zero must not divide by zero

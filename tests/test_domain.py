@@ -128,3 +128,11 @@ def test_published_plan_needs_a_model(tmp_path: Path) -> None:
     f.write_text(json.dumps({"pipeline_list": [], "mbs": 1, "gbs": 1}))
     with pytest.raises(PlanFormatError, match="--model"):
         load_plan_file(f)
+
+
+def test_bandwidth_fit_is_not_extrapolated_below_the_measured_sizes() -> None:
+    # A fit that dives below zero for tiny messages (a < 0) must not predict a 100x slow-down.
+    fit = BandwidthFit(coeffs=(-0.5, 0.0, 10.0), max_bytes_per_s=20e9)
+    at_64k = fit.bandwidth_bytes_per_s(64 * 2**10)
+    assert fit.bandwidth_bytes_per_s(4 * 2**10) == pytest.approx(at_64k)
+    assert at_64k > 1e9
