@@ -39,6 +39,7 @@ from sailor_core.runtime.engine import Trainer, TrainSettings, backend_for
 from sailor_core.runtime.topology import layout
 
 HEARTBEAT_S = 2.0
+_GRAVEYARD: list[Any] = []  # trainers of aborted generations, never freed (see run_generation)
 
 
 def _log(msg: str) -> None:
@@ -79,6 +80,13 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
             trainer.load_checkpoint()
         _log(f"plan version {settings.plan_version}: rank {rank} ready at step {trainer.step}")
         return trainer.train()
+    except BaseException:
+        # An aborted generation may leave gloo work running on its subgroups' threads (blocked on the
+        # lost peer until its timeout). Destroying such a group joins those threads, and Python would
+        # do that at whatever moment the garbage collector frees the trainer - stalling the next
+        # generation. Keep them referenced; their threads end at the timeout.
+        _GRAVEYARD.append(trainer)
+        raise
     finally:
         if trainer is not None:
             trainer.close()
@@ -109,7 +117,6 @@ def controlled(control: str, worker_id: str) -> int:
     from torch.distributed import TCPStore
 
     host, port = control.rsplit(":", 1)
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=600))
     stop_hb = threading.Event()
 
     def heartbeat() -> None:
@@ -139,6 +146,9 @@ def controlled(control: str, worker_id: str) -> int:
     try:
         while True:
             try:
+                # a fresh client per generation: after an aborted generation a connection of this
+                # process was seen to stall, and the control path must not depend on old sockets
+                store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=600))
                 raw = store.get(f"g{gen}/assign/{worker_id}")
             except Exception as e:  # noqa: BLE001 - the controller went away or took too long
                 _log(f"no assignment for generation {gen}: {e}")
@@ -154,7 +164,8 @@ def controlled(control: str, worker_id: str) -> int:
             except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
                 status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 _log(f"generation {gen} {status}")
-            store.set(f"g{gen}/status/{worker_id}", status)
+            TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30)).set(
+                f"g{gen}/status/{worker_id}", status)
             if status in ("done", "stopped"):
                 return 0
             gen += 1
@@ -163,6 +174,10 @@ def controlled(control: str, worker_id: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID` dumps every thread's stack
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--control", default=os.environ.get("SAILOR_CONTROL"))
     ap.add_argument("--worker-id", default=os.environ.get("SAILOR_WORKER_ID"))
