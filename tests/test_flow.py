@@ -124,9 +124,10 @@ offerings:
   - {market: on-demand, count: 2, usd_per_gpu_hour: 0.30}
 events:
   - {at_step: 5, kind: preemption, market: spot, grace_s: 1}
-  - {at_step: 13, kind: price_change, market: spot, usd_per_gpu_hour: 40.0}
+  - {at_step: 20, kind: price_change, market: spot, usd_per_gpu_hour: 40.0}
 """)
-    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=30)
+    # Steps take ~0.1 s here: no calibration replan, so each scripted event lands in its own replan.
+    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=40, calibration_tolerance=9.0)
     assert state.is_completed(), state.message
     r = history(profiled_store, "preempt")
     ks = kinds(r)
@@ -154,7 +155,7 @@ events:
   - {at_step: 4, kind: price_change, market: spot, usd_per_gpu_hour: 0.31}
   - {at_step: 10, kind: capacity_change, market: on-demand, count: 3}
 """)
-    state = run(profiled_store, tmp_path, "smallprice", scenario=sc, steps=40)
+    state = run(profiled_store, tmp_path, "smallprice", scenario=sc, steps=40, calibration_tolerance=9.0)
     assert state.is_completed(), state.message
     r = history(profiled_store, "smallprice")
     priced = [d for d in r["decisions"] if "price_change" in d["reason"]]
