@@ -191,3 +191,20 @@ def test_lost_worker_continues_under_a_smaller_plan(tmp_path, baseline):
     assert last_old - first_new + 1 <= 2  # lost at most the steps since the last checkpoint
     # same global batch and sample order: the loss curve is the uninterrupted one
     assert rel(losses(out), baseline) <= 1e-3
+
+
+def test_tied_head_on_another_stage_matches_one_stage(tmp_path):
+    """opt-tiny ties its head to its embedding; split over stages the two copies must stay one weight."""
+    cfg = get_config("opt-tiny")
+
+    def run(p: ParallelPlan, name: str) -> list[float]:
+        out = tmp_path / f"{name}.jsonl"
+        p = ParallelPlan(model="opt-tiny", global_batch_size=p.global_batch_size, stages=p.stages,
+                         pipelines=p.pipelines)
+        run_local(p, cfg, TrainSettings(model="opt-tiny", steps=5, metrics_out=str(out), timeout_s=30),
+                  run_dir=str(tmp_path / f"run-{name}"))
+        return losses(out)
+
+    one = run(SINGLE, "one")
+    split = run(plan([((0, 2), [rep(), rep(2)]), ((3, 5), [rep(), rep()])], ((2, 2), (2, 2))), "split")
+    assert one[-1] < one[0] and rel(split, one) <= 1e-3

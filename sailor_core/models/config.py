@@ -238,6 +238,8 @@ def _builtin() -> dict[str, TransformerConfig]:
             ffn_hidden_size=1024, sequence_length=256, vocab_size=256, tied_head=False,
         ),
     }
+    # gpt-tiny's shape as an OPT block (ReLU MLP, head tied to the embedding): exercises weight tying
+    out["opt-tiny"] = replace(out["gpt-tiny"], name="opt-tiny", variant="opt", tied_head=True)
     for name, arch in MODEL_ARCHITECTURES.items():
         out[name] = TransformerConfig(name=name, variant=variants.get(name, "gpt-neo"), **arch)
     return out

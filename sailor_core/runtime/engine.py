@@ -129,6 +129,7 @@ class Trainer:
         self.bf16 = plan.precision == "bf16"
         self.comm_dtype = torch.bfloat16 if self.bf16 else torch.float32
         self._build_groups()
+        self._build_tie_group()
         self.model = StageModel(cfg, self.stage.first_layer, self.stage.last_layer, self.tp, settings.seed).to(self.device)
         self._params = list(self.model.named_parameters())
         decay = [p for _, p in self._params if p.dim() >= 2]
@@ -179,6 +180,38 @@ class Trainer:
                 g = dist.new_group(ranks, backend=backend)
                 if self.rank in ranks:
                     self.dp_group, self.hetero = g, True
+
+    def _build_tie_group(self) -> None:
+        """A tied head on another stage than the embedding keeps its own copy; the two copies get the
+        sum of both gradients (Megatron's embedding group), so they stay equal to the single weight."""
+        self.tie_group: Any = None
+        self.tied_split = self.cfg.tied_head and self.plan.num_stages > 1
+        if not self.tied_split:
+            return
+        last = self.plan.num_stages - 1
+        ranks = [r.rank for r in layout(self.plan) if r.stage in (0, last)]
+        g = dist.new_group(ranks, backend=backend_for(self.me.gpu_type))
+        if self.rank in ranks:
+            self.tie_group = g
+
+    def _tied_param(self) -> Any:
+        if self.model.has_embedding:
+            return self.model.layers[0].wte.weight
+        if self.model.has_head:
+            return self.model.layers[-1].out.weight
+        return None
+
+    def _sync_tied(self) -> None:
+        p = self._tied_param()
+        if self.tie_group is None or p is None:
+            return
+        full_shape = (p.shape[0] * self.tp.size, p.shape[1])
+        buf = torch.zeros(full_shape, dtype=torch.float32, device=self.device)
+        idx = shard_slice(full_shape, 0, self.tp.rank, self.tp.size)
+        if self.me.pipeline == 0:  # every replica already holds its stage's total: count one per stage
+            buf[idx] = p.grad
+        comm.wait(dist.all_reduce(buf, group=self.tie_group, async_op=True))
+        p.grad.copy_(buf[idx])
 
     def _init_peers(self) -> None:
         s, j, t = self.me.stage, self.me.pipeline, self.me.tp_rank
@@ -365,6 +398,8 @@ class Trainer:
         for _, p in self._params:
             if getattr(p, SHARD_ATTR, None) is None and self.tp.rank != 0:
                 continue
+            if self.tied_split and self.model.has_head and p is self.model.layers[-1].out.weight:
+                continue  # the head's copy of a tied weight: counted once, on the embedding's stage
             acc += p.grad.float().pow(2).sum()
         return acc
 
@@ -386,6 +421,7 @@ class Trainer:
             comm.wait(work)
         self._pending = []
         self._sync_grads()
+        self._sync_tied()
         head_reporter = self.model.has_head and self.tp.rank == 0
         jit, stop = self._notice_flags()
         red = torch.stack([

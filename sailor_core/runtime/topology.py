@@ -71,16 +71,7 @@ def runtime_problems(plan: ParallelPlan, cfg: TransformerConfig, *, slots: int |
         problems.append(f"the plan needs {n} worker processes but only {slots} slots are available")
     if plan.model and plan.model.lower() != cfg.name.lower():
         problems.append(f"the plan is for model {plan.model!r} but the run trains {cfg.name!r}")
-    if cfg.tied_head and plan.num_stages > 1 and not _same_stage(plan, 0, cfg.num_layers - 1):
-        problems.append(
-            f"model {cfg.name} ties its head to its embedding, which this runtime supports only when both are "
-            f"in one stage; to fix: put layers 0 and {cfg.num_layers - 1} in one stage or use an untied model"
-        )
     return problems
-
-
-def _same_stage(plan: ParallelPlan, a: int, b: int) -> bool:
-    return any(st.first_layer <= a <= st.last_layer and st.first_layer <= b <= st.last_layer for st in plan.stages)
 
 
 def check_runnable(plan: ParallelPlan, cfg: TransformerConfig, *, slots: int | None = None,
