@@ -93,10 +93,14 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
               slots: int | None = None, replan: Callable[[ParallelPlan, set[int], int], ParallelPlan] = shrink_plan,
               on_event: Callable[[dict[str, Any]], None] | None = None, run_dir: str | None = None,
               max_generations: int = 4, python: str = sys.executable) -> RunResult:
-    from torch.distributed import TCPStore  # torch only once the plan is known to be runnable
+    import torch
+    from torch.distributed import TCPStore
 
-    slots = slots or int(os.environ.get("SAILOR_LOCAL_SLOTS", DEFAULT_LOCAL_SLOTS))
-    check_runnable(plan, cfg, slots=slots)
+    cuda = torch.cuda.device_count()
+    uses_gpus = any(r.gpu_type != "cpu" for st in plan.stages for r in st.replicas)
+    # one process per GPU when the plan names GPUs; CPU "slots" otherwise
+    slots = slots or (cuda if uses_gpus and cuda else int(os.environ.get("SAILOR_LOCAL_SLOTS", DEFAULT_LOCAL_SLOTS)))
+    check_runnable(plan, cfg, slots=slots, cuda_devices=cuda)
     run_dir = run_dir or tempfile.mkdtemp(prefix="sailor-run-")
     os.makedirs(run_dir, exist_ok=True)
     events: list[dict[str, Any]] = []
@@ -151,7 +155,7 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
                 workers.pop(w, None)
             survivors = len(workers)
             current = replan(current, lost_ranks, survivors)
-            check_runnable(current, cfg, slots=survivors)
+            check_runnable(current, cfg, slots=survivors, cuda_devices=cuda)
             gen += 1
             plans.append(current)
             resume = True
@@ -171,7 +175,8 @@ def _assign(store: Any, gen: int, plan: ParallelPlan, settings: TrainSettings, w
     s = replace(settings, plan_version=version).to_dict()
     for rank, wid in enumerate(members):
         store.set(f"g{gen}/assign/{wid}", json.dumps(
-            {"rank": rank, "world_size": n, "plan": plan_to_dict(plan), "settings": s, "resume": resume}))
+            {"rank": rank, "world_size": n, "plan": plan_to_dict(plan), "settings": s, "resume": resume,
+             "local_rank": rank}))  # one machine: rank r drives GPU r
     for wid in worker_ids[n:]:
         store.set(f"g{gen}/assign/{wid}", json.dumps({"rank": -1}))
     return members
