@@ -20,7 +20,13 @@ from sailor_core.domain import (
     default_region,
     split_batch,
 )
-from sailor_core.plan_format import PlanFormatError, load_plan_file, plan_from_dict, plan_to_dict, save_plan_file
+from sailor_core.plan_format import (
+    PlanFormatError,
+    load_plan_file,
+    plan_from_dict,
+    plan_to_dict,
+    save_plan_file,
+)
 from tests.conftest import REFERENCE_DATA
 
 VALIDATION = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
