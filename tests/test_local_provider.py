@@ -198,3 +198,24 @@ def test_bad_requests_say_what_is_offered(tmp_path):
     p = LocalProvider(tmp_path)
     with pytest.raises(ProviderError, match="only 'cpu'"):
         p.provision([VmRequest(run_id="r", name="w", zone="local", gpu_type="A100-40", gpus=1)])
+
+
+def test_the_flows_cancellation_hook_cleans_up_from_disk(tmp_path):
+    """The flow's on_cancellation/on_crashed hook finds the run's VMs from the provider's files alone."""
+    import types
+    import uuid
+
+    from flows.sailor import _cleanup_hook, run_id_for
+
+    flow_run = types.SimpleNamespace(id=uuid.uuid4(), parameters={"run_name": "hooked", "steps": 5,
+                                                                   "workdir": str(tmp_path)})
+    run_id = run_id_for("hooked", str(flow_run.id))
+    p = LocalProvider(tmp_path / "runs" / run_id / "local", agent_command=agent("stubborn"), stop_grace_s=0.5)
+    vm = p.provision([req(run_id)])[0]
+    p.bootstrap(vm, assignment(run_id))
+    wait_for(lambda: p.heartbeat(vm.vm_id))
+    pid = int(__import__("json").loads((p.root / "vms" / f"{vm.vm_id}.json").read_text())["pid"])
+    _cleanup_hook(None, flow_run, None)
+    wait_for(lambda: not _group_alive(pid))
+    p.agent_exit_code(vm.vm_id)  # reap
+    assert [v.state for v in p.list_vms(run_id)] == ["terminated"]
