@@ -296,3 +296,25 @@ def test_a_model_too_big_for_any_split_names_the_closest_gpu() -> None:
     # fp32 1F1B: the activations of the in-flight microbatches alone exceed 96 GiB for every split
     assert r.plan is None
     assert "closest: GH-96" in r.nearest_miss and "in flight" in r.nearest_miss and "to fix" in r.nearest_miss
+
+
+
+def test_equally_fast_plans_go_to_the_cheaper_market() -> None:
+    # 3 spot + 4 on-demand GPUs of one type, at most 4 used: every 4-GPU plan is equally fast, and
+    # the cheapest puts as many TP groups on spot as fit (the search alone kept markets apart).
+    b = tiny_book(3, gpus=("fast",), memory_gib=(6.0,), zones=("r1-a",))
+    pool = ResourcePool(entries=(
+        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=3, market=Market.SPOT, gpus_per_node=2,
+                  usd_per_gpu_hour=0.1),
+        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, market=Market.ON_DEMAND, gpus_per_node=2,
+                  usd_per_gpu_hour=0.3),
+    ))
+    res = plan(PlanRequest(model=MODEL, global_batch_size=8, pool=pool, restrictions=Restrictions(max_gpus=4)), b)
+    assert res.plan is not None and res.estimate is not None and res.plan.num_gpus == 4
+    used = res.plan.gpus_by_place()
+    assert used[("r1-a", "fast", Market.SPOT)] >= 2
+    on_demand_only = plan(PlanRequest(model=MODEL, global_batch_size=8, pool=pool,
+                                      restrictions=Restrictions(max_gpus=4, markets=(Market.ON_DEMAND,))), b)
+    assert on_demand_only.estimate is not None
+    assert res.estimate.iteration_time_s == pytest.approx(on_demand_only.estimate.iteration_time_s)
+    assert res.estimate.usd_per_hour < on_demand_only.estimate.usd_per_hour

@@ -92,6 +92,52 @@ def objective_value(objective: Objective, r: SimulationResult) -> float:
     return r.usd_per_million_tokens
 
 
+# Objective values closer than this (relative) are a tie, broken by the other goal: equally fast
+# plans by cost, equally cheap plans by speed. 1e-9 is far below any difference the simulator
+# can resolve from profiles and far above float rounding.
+TIE_RELATIVE = 1e-9
+
+
+def _better(objective: Objective, v: float, r: SimulationResult, best_v: float, best_r: SimulationResult) -> bool:
+    """Is (v, r) a strictly better answer than (best_v, best_r)? Ties go to the other goal."""
+    if v < best_v * (1 - TIE_RELATIVE):
+        return True
+    if v > best_v * (1 + TIE_RELATIVE):
+        return False
+    if objective is Objective.MAX_THROUGHPUT:
+        return r.usd_per_iteration < best_r.usd_per_iteration * (1 - TIE_RELATIVE)
+    return r.iteration_time_s < best_r.iteration_time_s * (1 - TIE_RELATIVE)
+
+
+def cheapest_markets(plan: ParallelPlan, pool: ResourcePool) -> ParallelPlan:
+    """The same plan with each replica on the cheapest market that still has room in its zone.
+
+    Spot and on-demand GPUs of one type in one zone are the same hardware, so moving a replica
+    between markets changes the cost and not the speed. The search places replicas per market;
+    this pass lets a stage mix markets (3 spot + 1 on-demand) where the search kept them apart.
+    Replicas are taken in plan order and each TP group stays on one market. If the greedy fill
+    cannot place every replica, the plan is returned unchanged.
+    """
+    room: dict[tuple[str, str], list[tuple[float, Market, int]]] = defaultdict(list)
+    for e in pool.entries:
+        room[(e.zone, e.gpu_type)].append((e.usd_per_gpu_hour, e.market, e.count))
+    left = {k: sorted(v, key=lambda x: (x[0], x[1].value)) for k, v in room.items()}
+    free = {(z, g, mk): n for (z, g), entries in left.items() for _, mk, n in entries}
+    stages = []
+    for st in plan.stages:
+        reps = []
+        for r in st.replicas:
+            for _, mk, _n in left.get((r.zone, r.gpu_type), ()):
+                if free[(r.zone, r.gpu_type, mk)] >= r.tp:
+                    free[(r.zone, r.gpu_type, mk)] -= r.tp
+                    reps.append(replace(r, market=mk))
+                    break
+            else:
+                return plan
+        stages.append(replace(st, replicas=tuple(reps)))
+    return replace(plan, stages=tuple(stages))
+
+
 def summarize(plan: ParallelPlan) -> str:
     """One line: stages, layers, replicas per stage by GPU type/TP/zone, microbatches."""
     parts = []
@@ -175,7 +221,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     simulated = 0
     best: tuple[float, ParallelPlan, SimulationResult] | None = None
     closest: tuple[float, str] | None = None
-    for pl in to_verify:
+    for pl in dict.fromkeys(cheapest_markets(p, pool) for p in to_verify):
         try:
             r = simulate(pl, book, options=so)
         except MissingProfileError as e:
@@ -197,7 +243,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
                 closest = (gap, f"{summarize(pl)}: " + "; ".join(problems))
             continue
         v = objective_value(request.objective, r)
-        if best is None or v < best[0] - 1e-12:
+        if best is None or _better(request.objective, v, r, best[0], best[2]):
             best = (v, pl, r)
 
     if opts.wide_frontier and slots:
