@@ -78,11 +78,13 @@ def prefect_events(run_id: str) -> set[str]:
                                                  until=datetime.now(UTC) + timedelta(minutes=5)))
     names: set[str] = set()
     with get_client(sync_client=True) as client:
-        for _ in range(40):
+        # The event pipeline batches writes; on a loaded 2-core machine it can lag by tens of seconds.
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
             names = {e.event for e in client.read_events(filter=f, limit=50).events}
             if "sailor.run.completed" in names:
                 break
-            time.sleep(0.25)
+            time.sleep(0.5)
     return names
 
 
