@@ -139,6 +139,7 @@ class Trainer:
             lr=settings.lr, betas=settings.betas, eps=1e-8,
         )
         self._init_peers()
+        self._setup_overlap()
         self.data = dataset
         if self.data is None and (self.model.has_embedding or self.model.has_head):
             self.data = TokenDataset(load_tokens(settings.data), cfg.sequence_length, settings.seed, cfg.vocab_size)
@@ -327,6 +328,8 @@ class Trainer:
 
     def _backward(self, m: int) -> None:
         inp, out = self._stash.pop(m)
+        if self._buckets and m == self.pipe.num_microbatches - 1:
+            self._overlap_on = True  # gradients become final during this backward
         if self.model.has_head:
             out.backward()
         else:
@@ -355,17 +358,73 @@ class Trainer:
         for m in range(n - warmup, n):
             self._backward(m)
 
+    def _setup_overlap(self) -> None:
+        """DDP-style overlap for replicas that shard alike: during the last microbatch's backward each
+        layer's gradients are all-reduced as soon as they are final, while earlier layers compute."""
+        self._buckets: list[list[Any]] = []
+        self._inflight: list[tuple[Any, torch.Tensor, list[Any]]] = []
+        self._overlap_on = False
+        if self.dp_group is None or self.hetero:
+            return
+        for layer in reversed(list(self.model.layers)):  # backward reaches the last layer first
+            ps = [p for p in layer.parameters() if p.requires_grad]
+            if ps:
+                self._buckets.append(ps)
+        owner: dict[int, int] = {}
+        for b, ps in enumerate(self._buckets):
+            for p in ps:
+                owner.setdefault(id(p), b)  # a weight shared by two layers belongs to one bucket
+        self._buckets = [[p for p in ps if owner[id(p)] == b] for b, ps in enumerate(self._buckets)]
+        self._ready = [0] * len(self._buckets)
+        self._next = 0
+        for b, ps in enumerate(self._buckets):
+            for p in ps:
+                p.register_post_accumulate_grad_hook(lambda _p, b=b: self._grad_ready(b))
+
+    def _grad_ready(self, b: int) -> None:
+        if not self._overlap_on:
+            return
+        self._ready[b] += 1
+        # Launch in bucket order only: every rank of the group must issue its collectives in the same
+        # order, whatever order autograd finishes independent branches in.
+        while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next]):
+            ps = self._buckets[self._next]
+            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            self._inflight.append((dist.all_reduce(flat, group=self.dp_group, async_op=True), flat, ps))
+            self._next += 1
+
+    def _finish_overlap(self) -> set[int]:
+        """Wait for the launched bucket all-reduces; returns ids of the parameters they covered."""
+        done: set[int] = set()
+        for work, flat, ps in self._inflight:
+            comm.wait(work)
+            off = 0
+            for p in ps:
+                n = p.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p))
+                off += n
+                done.add(id(p))
+        self._inflight = []
+        self._overlap_on = False
+        self._ready = [0] * len(self._buckets)
+        self._next = 0
+        return done
+
     def _sync_grads(self) -> None:
+        done = self._finish_overlap() if self._buckets else set()
         for _, p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.dp_group is None:
             return
         if not self.hetero:
-            flat = torch.cat([p.grad.reshape(-1) for _, p in self._params])
+            rest = [(n, p) for n, p in self._params if id(p) not in done]
+            if not rest:
+                return
+            flat = torch.cat([p.grad.reshape(-1) for _, p in rest])
             comm.wait(dist.all_reduce(flat, group=self.dp_group, async_op=True))
             off = 0
-            for _, p in self._params:
+            for _, p in rest:
                 n = p.numel()
                 p.grad.copy_(flat[off:off + n].view_as(p))
                 off += n
