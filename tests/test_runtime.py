@@ -208,3 +208,21 @@ def test_tied_head_on_another_stage_matches_one_stage(tmp_path):
     one = run(SINGLE, "one")
     split = run(plan([((0, 2), [rep(), rep(2)]), ((3, 5), [rep(), rep()])], ((2, 2), (2, 2))), "split")
     assert one[-1] < one[0] and rel(split, one) <= 1e-3
+
+
+def test_preemption_notice_takes_a_just_in_time_checkpoint(tmp_path):
+    out, notice, ck = tmp_path / "m.jsonl", tmp_path / "preempt", tmp_path / "ck"
+
+    def touch_after_two_steps():
+        while not (out.exists() and len(out.read_text().splitlines()) >= 2):
+            time.sleep(0.02)
+        notice.write_text("preempted")
+
+    threading.Thread(target=touch_after_two_steps, daemon=True).start()
+    settings = TrainSettings(model="gpt-tiny", steps=12, metrics_out=str(out), checkpoint_dir=str(ck),
+                             preempt_file=str(notice), timeout_s=30)
+    run_local(plan([((0, 2), [rep()]), ((3, 5), [rep()])]), CFG, settings, run_dir=str(tmp_path / "run"))
+    steps = ckpt.list_steps(ckpt.open_storage(str(ck)))
+    # one checkpoint for the notice (taken mid-run, not repeated while the file stays) plus the final one
+    assert len(steps) == 2 and steps[-1] == 12 and 2 <= steps[0] < 12
+    assert ckpt.check_step(ckpt.open_storage(str(ck)), steps[0], CFG.num_layers) is None

@@ -147,6 +147,7 @@ class Trainer:
         self.checkpointer = ckpt.AsyncCheckpointer(self.storage) if self.storage else None
         self.step = 0
         self._saved_step = -1
+        self._preempt_seen: float | None = None
         self.samples_seen = 0
         self.opt_steps = 0
         self.loss_scale = 1.0 / (plan.global_batch_size * cfg.sequence_length)
@@ -464,7 +465,16 @@ class Trainer:
 
     def _notice_flags(self) -> tuple[float, float]:
         s = self.settings
-        jit = _Notices.checkpoint or bool(s.preempt_file and os.path.exists(s.preempt_file))
+        jit = _Notices.checkpoint
+        if s.preempt_file:
+            # a notice is the file appearing or being rewritten, not its mere presence: one checkpoint each
+            try:
+                stamp: float | None = os.stat(s.preempt_file).st_mtime_ns
+            except OSError:
+                stamp = None
+            if stamp is not None and stamp != self._preempt_seen:
+                jit = True
+            self._preempt_seen = stamp
         stop = _Notices.stop or bool(s.stop_file and os.path.exists(s.stop_file))
         _Notices.checkpoint = False
         return float(jit), float(stop)
@@ -491,6 +501,10 @@ class Trainer:
         ])
         comm.wait(dist.all_reduce(red, async_op=True))
         loss, sq, jit_any, stop_any = red.tolist()
+        if jit_any and self.settings.preempt_file:
+            # every rank takes this checkpoint, so every rank has now answered the current notice
+            with contextlib.suppress(OSError):
+                self._preempt_seen = os.stat(self.settings.preempt_file).st_mtime_ns
         norm = math.sqrt(max(sq, 0.0))
         if self.settings.max_grad_norm > 0 and norm > self.settings.max_grad_norm:
             coef = self.settings.max_grad_norm / (norm + 1e-6)
