@@ -21,7 +21,8 @@ from sailor_core.domain import Market
 from tests.cloud_flow_fixtures import cloud_store, leaks, when_step
 from tests.fakes.agents_here import AgentsHere
 from tests.fakes.moto_server import DUMMY_KEY_ID, DUMMY_SECRET, MotoServer, client_factory
-from tests.flow_fixtures import prefect_harness, profiled_store  # noqa: F401 (fixtures)
+
+pytest_plugins = ["tests.flow_fixtures"]  # one Prefect test server per session, shared with test_flow
 
 pytestmark = [pytest.mark.aws, pytest.mark.usefixtures("prefect_harness")]
 
@@ -72,9 +73,9 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
     deps = Deps(provider=provider, store=open_store(store_uri), workdir=work, poll_s=1.5)
     # The budget affords the two spot VMs (0.25/h) but no pair with the on-demand one (>= 0.52/h).
     state = sailor(run_name="aws-spot", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
-                   max_usd_per_hour=0.5, provider="aws", regions=["us-east-1", "us-west-2"], gpu_types=[GPU], steps=20,
+                   max_usd_per_hour=0.5, provider="aws", regions=["us-east-1", "us-west-2"], gpu_types=[GPU], steps=60,
                    checkpoint_interval=4, store_uri=store_uri, workdir=str(work), deps=deps, return_state=True)
-    watcher.join(timeout=5)
+    watcher.join(timeout=30)
     assert state.is_completed(), state.message
     assert interrupted, "the interruption never fired"
 
