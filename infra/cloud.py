@@ -22,16 +22,60 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from infra.catalog import PriceQuote, PriceSource, lookup
-from infra.provider import EventKind, ProviderError, ProviderEvent, Vm
+from infra.provider import EventKind, ProviderError, ProviderEvent, Vm, VmRequest
 from sailor_core.domain import Market, default_region
 
 RUN_TAG = "sailor:run"  # AWS tag key; GCP label key is "sailor-run" (labels allow no ':')
 # Ports the job opens between its own VMs: torchrun's c10d rendezvous and the data/collective range.
 RENDEZVOUS_PORT = 29400
 DATA_PORTS = (29500, 29600)
+
+
+class Shape(Protocol):
+    """What choose_shape needs of a cloud's VM shape (AWS instance type, GCE machine shape)."""
+
+    @property
+    def instance_type(self) -> str: ...
+    @property
+    def gpu_type(self) -> str: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def vcpus(self) -> int: ...
+
+
+S = TypeVar("S", bound=Shape)
+
+
+def choose_shape(
+    r: VmRequest, shapes: Mapping[str, S], quotes: Callable[[Sequence[str], Sequence[str], Sequence[Market]], list[PriceQuote]],
+    *, cloud: str,
+) -> S:
+    """The VM shape for a request: the one it names, else the cheapest shape with exactly its GPUs
+    that is priced in its zone and market (what offerings() showed), else the fewest vCPUs."""
+    if r.instance_type:
+        shape = shapes.get(r.instance_type)
+        if shape is None:
+            raise ProviderError(f"{r.name}: unknown {cloud} shape {r.instance_type!r}; to fix: use one of {sorted(shapes)}")
+        return shape
+    cands = sorted((s for s in shapes.values() if s.gpu_type == r.gpu_type and s.gpus == r.gpus),
+                   key=lambda s: (s.vcpus, s.instance_type))
+    if not cands:
+        have = sorted({(s.gpu_type, s.gpus) for s in shapes.values() if s.gpu_type == r.gpu_type})
+        raise ProviderError(f"{r.name}: no {cloud} shape has {r.gpus}x {r.gpu_type}; to fix: ask for one of "
+                            f"{have or sorted({s.gpu_type for s in shapes.values()})}")
+    try:
+        qs = quotes([s.instance_type for s in cands], [r.region or default_region(r.zone)], [r.market])
+    except Exception:  # a price feed being down must not stop provisioning
+        qs = []
+    priced = [(q.usd_per_hour, s.vcpus, s.instance_type, s) for s in cands
+              if (q := lookup(qs, instance_type=s.instance_type, zone=r.zone, market=r.market)) is not None]
+    if priced:
+        return min(priced, key=lambda t: t[:3])[3]
+    return cands[0]
 
 
 def utcnow() -> datetime:

@@ -82,13 +82,13 @@ def test_sizes_match_torch(variant):
         x = torch.randn(b, cfg.sequence_length, cfg.hidden_size, requires_grad=True)
         ids = torch.randint(0, cfg.vocab_size, (b, cfg.sequence_length))
         if i == 0:
-            def run():
+            def run(layer=layer, ids=ids):
                 return layer(ids)
         elif i == cfg.num_layers - 1:
-            def run():
+            def run(layer=layer, x=x, ids=ids):
                 return loss_sum(layer(x), ids)
         else:
-            def run():
+            def run(layer=layer, x=x):
                 return layer(x)
         per_seq = _saved_bytes(run, list(layer.parameters())) / b
         want = layer_activation_bytes(cfg, i)

@@ -62,8 +62,3 @@ QUOTA_CODES: dict[tuple[str, Market], str] = {
 def shapes_for(gpu_types: list[str] | tuple[str, ...] | None = None) -> list[InstanceShape]:
     return [s for s in SHAPES.values() if not gpu_types or s.gpu_type in gpu_types]
 
-
-def smallest_shape(gpu_type: str, gpus: int) -> InstanceShape | None:
-    """The cheapest-looking shape with exactly `gpus` GPUs of `gpu_type` (fewest vCPUs)."""
-    fits = [s for s in SHAPES.values() if s.gpu_type == gpu_type and s.gpus == gpus]
-    return min(fits, key=lambda s: (s.vcpus, s.instance_type), default=None)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from infra.aws.instance_types import QUOTA_CODES, SHAPES, InstanceShape, smallest_shape
+from infra.aws.instance_types import QUOTA_CODES, SHAPES, InstanceShape
 from infra.bootstrap import assignment_commands, render_startup_script
 from infra.catalog import PriceQuote, PriceSource, lookup
 from infra.cloud import (
@@ -47,6 +47,7 @@ from infra.cloud import (
     EventSource,
     FallbackRecord,
     PriceWatch,
+    choose_shape,
     utcnow,
 )
 from infra.provider import (
@@ -199,28 +200,7 @@ class AwsProvider:
         return qs
 
     def _shape(self, r: VmRequest) -> InstanceShape:
-        if r.instance_type:
-            shape = SHAPES.get(r.instance_type)
-            if shape is None:
-                raise ProviderError(f"{r.name}: unknown instance type {r.instance_type!r}; to fix: use one of "
-                                    f"{sorted(SHAPES)}")
-            return shape
-        # The cheapest shape with exactly these GPUs that is priced in the zone and market (what
-        # offerings() showed); the smallest one if nothing is priced there.
-        cands = [s for s in SHAPES.values() if s.gpu_type == r.gpu_type and s.gpus == r.gpus]
-        if not cands:
-            have = sorted({(s.gpu_type, s.gpus) for s in SHAPES.values() if s.gpu_type == r.gpu_type})
-            raise ProviderError(f"{r.name}: no AWS instance type has {r.gpus}x {r.gpu_type}; to fix: ask for one "
-                                f"of {have or sorted({s.gpu_type for s in SHAPES.values()})}")
-        try:
-            quotes = self._quotes([s.instance_type for s in cands], [r.region or default_region(r.zone)], [r.market])
-        except Exception:  # a price feed being down must not stop provisioning
-            quotes = []
-        priced = [(q.usd_per_hour, s.vcpus, s.instance_type, s) for s in cands
-                  if (q := lookup(quotes, instance_type=s.instance_type, zone=r.zone, market=r.market)) is not None]
-        if priced:
-            return min(priced, key=lambda t: t[:3])[3]
-        return smallest_shape(r.gpu_type, r.gpus) or cands[0]
+        return choose_shape(r, SHAPES, self._quotes, cloud="AWS")
 
     # -- Provider protocol ---------------------------------------------------------------------
     def offerings(

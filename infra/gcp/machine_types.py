@@ -83,7 +83,3 @@ def _shapes() -> list[GceShape]:
 
 SHAPES: dict[str, GceShape] = {s.instance_type: s for s in _shapes()}
 
-
-def smallest_shape(gpu_type: str, gpus: int) -> GceShape | None:
-    fits = [s for s in SHAPES.values() if s.gpu_type == gpu_type and s.gpus == gpus]
-    return min(fits, key=lambda s: (s.vcpus, s.instance_type), default=None)

@@ -46,9 +46,10 @@ from infra.cloud import (
     EventSource,
     FallbackRecord,
     PriceWatch,
+    choose_shape,
     utcnow,
 )
-from infra.gcp.machine_types import SHAPES, GceShape, smallest_shape
+from infra.gcp.machine_types import SHAPES, GceShape
 from infra.provider import (
     CapacityError,
     EventKind,
@@ -223,28 +224,7 @@ class GcpProvider:
         return qs
 
     def _shape(self, r: VmRequest) -> GceShape:
-        if r.instance_type:
-            shape = SHAPES.get(r.instance_type)
-            if shape is None:
-                raise ProviderError(f"{r.name}: unknown GCE shape {r.instance_type!r}; to fix: use one of "
-                                    f"{sorted(SHAPES)}")
-            return shape
-        # The cheapest shape with exactly these GPUs that is priced in the zone and market (what
-        # offerings() showed); the smallest one if nothing is priced there.
-        cands = [s for s in SHAPES.values() if s.gpu_type == r.gpu_type and s.gpus == r.gpus]
-        if not cands:
-            have = sorted({(s.gpu_type, s.gpus) for s in SHAPES.values() if s.gpu_type == r.gpu_type})
-            raise ProviderError(f"{r.name}: no GCE shape has {r.gpus}x {r.gpu_type}; to fix: ask for one of "
-                                f"{have or sorted({s.gpu_type for s in SHAPES.values()})}")
-        try:
-            quotes = self._quotes([s.instance_type for s in cands], [r.region or default_region(r.zone)], [r.market])
-        except Exception:  # a price feed being down must not stop provisioning
-            quotes = []
-        priced = [(q.usd_per_hour, s.vcpus, s.instance_type, s) for s in cands
-                  if (q := lookup(quotes, instance_type=s.instance_type, zone=r.zone, market=r.market)) is not None]
-        if priced:
-            return min(priced, key=lambda t: t[:3])[3]
-        return smallest_shape(r.gpu_type, r.gpus) or cands[0]
+        return choose_shape(r, SHAPES, self._quotes, cloud="GCE")
 
     # -- Provider protocol -------------------------------------------------------------------------
     def offerings(
