@@ -52,20 +52,20 @@ S = TypeVar("S", bound=Shape)
 
 def choose_shape(
     r: VmRequest, shapes: Mapping[str, S], quotes: Callable[[Sequence[str], Sequence[str], Sequence[Market]], list[PriceQuote]],
-    *, cloud: str,
+    *, kind: str,
 ) -> S:
     """The VM shape for a request: the one it names, else the cheapest shape with exactly its GPUs
     that is priced in its zone and market (what offerings() showed), else the fewest vCPUs."""
     if r.instance_type:
         shape = shapes.get(r.instance_type)
         if shape is None:
-            raise ProviderError(f"{r.name}: unknown {cloud} shape {r.instance_type!r}; to fix: use one of {sorted(shapes)}")
+            raise ProviderError(f"{r.name}: unknown {kind} {r.instance_type!r}; to fix: use one of {sorted(shapes)}")
         return shape
     cands = sorted((s for s in shapes.values() if s.gpu_type == r.gpu_type and s.gpus == r.gpus),
                    key=lambda s: (s.vcpus, s.instance_type))
     if not cands:
         have = sorted({(s.gpu_type, s.gpus) for s in shapes.values() if s.gpu_type == r.gpu_type})
-        raise ProviderError(f"{r.name}: no {cloud} shape has {r.gpus}x {r.gpu_type}; to fix: ask for one of "
+        raise ProviderError(f"{r.name}: no {kind} has {r.gpus}x {r.gpu_type}; to fix: ask for one of "
                             f"{have or sorted({s.gpu_type for s in shapes.values()})}")
     try:
         qs = quotes([s.instance_type for s in cands], [r.region or default_region(r.zone)], [r.market])

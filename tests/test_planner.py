@@ -25,17 +25,21 @@ from sailor_core.planner.core import sim_options
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.search import balanced_partition, uniform_partition
 from sailor_core.simulator import simulate
-from tests.conftest import REFERENCE_DATA
 from tests.planner_fixtures import MODEL, tiny_book
 
 A, V = "A100-40", "V100-16"
 
 
-@pytest.fixture(scope="module")
-def book():
-    from profiles_store.eth_easl import read_eth_easl
+def seed_book(model: str, tmp: Path):
+    """The published profiles as a fresh install has them: the store's shipped seed."""
+    from profiles_store.store import open_store
 
-    return read_eth_easl(REFERENCE_DATA).profile_book("OPT-350")
+    return open_store(str(tmp)).profile_book(model)
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    return seed_book("OPT-350", tmp_path_factory.mktemp("store"))
 
 
 ISSUE_POOL = """
@@ -287,10 +291,8 @@ def test_an_empty_pool_after_restrictions_names_the_flags(book) -> None:
     assert r.plan is None and "--region" in r.nearest_miss and r.nearest_miss.count("to fix") == 1
 
 
-def test_a_model_too_big_for_any_split_names_the_closest_gpu() -> None:
-    from profiles_store.eth_easl import read_eth_easl
-
-    llama = read_eth_easl(REFERENCE_DATA).profile_book("LLAMA-3-8")
+def test_a_model_too_big_for_any_split_names_the_closest_gpu(tmp_path: Path) -> None:
+    llama = seed_book("LLAMA-3-8", tmp_path)
     pool = parse_pool({"zones": {"us-central1-a": {"gpus": {"GH-96": {"count": 16}}}}}, llama)
     r = plan(PlanRequest(model="LLAMA-3-8", global_batch_size=64, pool=pool), llama)
     # fp32 1F1B: the activations of the in-flight microbatches alone exceed 96 GiB for every split

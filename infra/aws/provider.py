@@ -200,7 +200,7 @@ class AwsProvider:
         return qs
 
     def _shape(self, r: VmRequest) -> InstanceShape:
-        return choose_shape(r, SHAPES, self._quotes, cloud="AWS")
+        return choose_shape(r, SHAPES, self._quotes, kind="AWS instance type")
 
     # -- Provider protocol ---------------------------------------------------------------------
     def offerings(

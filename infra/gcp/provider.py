@@ -224,7 +224,7 @@ class GcpProvider:
         return qs
 
     def _shape(self, r: VmRequest) -> GceShape:
-        return choose_shape(r, SHAPES, self._quotes, cloud="GCE")
+        return choose_shape(r, SHAPES, self._quotes, kind="GCE shape")
 
     # -- Provider protocol -------------------------------------------------------------------------
     def offerings(
