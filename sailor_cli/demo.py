@@ -36,8 +36,7 @@ def demo(
     store: str = typer.Option(None, "--store", help="store URI (default: $SAILOR_STORE or .sailor/store)"),
     workdir: Path = typer.Option(Path(".sailor"), help="checkpoints, worker metrics and slots go here"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
-    max_stages: int = typer.Option(1, help="most pipeline stages per plan (multi-stage plans hang in the CPU "
-                                           "runtime today; see docs/orchestration.md)"),
+    max_stages: int = typer.Option(None, help="most pipeline stages per plan (default: as many as pay)"),
 ) -> None:
     """Run the sailor flow locally: plan, train gpt-tiny on 4 workers through a preemption and a price change."""
     workdir = workdir.resolve()
