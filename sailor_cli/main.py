@@ -3,7 +3,8 @@
 Contract: each command group lives in its own module of this package and exposes a typer app
 (`app`) or a command function; they are registered here. Errors the user can cause
 (`SailorError`, `ValidationError`) print one line on stderr and exit 2 without a traceback.
-Command modules are imported lazily so `sailor --help` and light commands stay fast.
+Command modules import their heavy dependencies (torch, Prefect, cloud SDKs) inside the
+commands, so registering them all at start stays cheap.
 """
 
 from __future__ import annotations
@@ -45,12 +46,7 @@ _COMMANDS: list[tuple[str, str, str | None]] = [
 
 def _register() -> None:
     for module, attr, group in _COMMANDS:
-        try:
-            mod = importlib.import_module(f"sailor_cli.{module}")
-        except ModuleNotFoundError as e:
-            if e.name == f"sailor_cli.{module}":
-                continue  # that command group is not part of this build yet
-            raise
+        mod = importlib.import_module(f"sailor_cli.{module}")
         obj = getattr(mod, attr)
         if group:
             app.add_typer(obj, name=group)
