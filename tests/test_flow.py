@@ -128,8 +128,10 @@ events:
   - {at_step: 5, kind: preemption, market: spot, grace_s: 1}
   - {at_step: 20, kind: price_change, market: spot, usd_per_gpu_hour: 40.0}
 """)
-    # Steps take ~0.1 s here: no calibration replan, so each scripted event lands in its own replan.
-    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=40, calibration_tolerance=9.0)
+    # Steps take ~0.07 s here: no calibration replan, so each scripted event lands in its own replan.
+    # The old plan keeps training while the flow replans (~2 s on a loaded 2-core machine), so the
+    # price change leaves 80 steps: enough that the run is not over before the new plan starts.
+    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=100, calibration_tolerance=9.0)
     assert state.is_completed(), state.message
     r = history(profiled_store, "preempt")
     ks = kinds(r)
