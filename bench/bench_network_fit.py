@@ -2,7 +2,7 @@
 
 Runs the network profiler between local workers (gloo on CPU, nccl with --device cuda) over the
 default sizes (64 KiB up to 64 MiB on CPU, 1 GiB on CUDA; --max-bytes to change), then prints per
-size: the measured point-to-point time (fastest repetition, as stored, and the median), the time
+size: the measured point-to-point time (20th percentile of the repetitions, as stored, and the median), the time
 the stored fit (the store's quadratic in u = log2(x/1e6)) predicts, the alpha-beta prediction, the
 measured all-reduce with its own fit, and the all-reduce the simulator composes from the link fit
 (ring: 2(D-1) hops of x/D bytes). Ends with the worst errors against the 15% target.

@@ -64,6 +64,7 @@ def model_cmd(
     gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Label for the results (default: from the device).")] = None,
     all_blocks: Annotated[bool, typer.Option("--all-blocks", help="Measure every block, not a few copied to the rest.")] = False,
     precision: Annotated[str, typer.Option("--precision", help="fp32, or bf16 (autocast, as bf16 plans run).")] = "fp32",
+    statistic: Annotated[str, typer.Option("--statistic", help="What a layer's repetitions are summarised by: mean, median or a percentile such as p10.")] = "mean",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Profile per-layer forward/backward/optimizer time and activation memory; replace it in the store."""
@@ -71,7 +72,7 @@ def model_cmd(
 
     settings = ModelProfileSettings(
         model=model, device=device, mbs=_int_list(mbs, "--mbs"), tp=_int_list(tp, "--tp"),
-        gpu_type=gpu_type, all_blocks=all_blocks, precision=precision,
+        gpu_type=gpu_type, all_blocks=all_blocks, precision=precision, statistic=statistic,
     )
     cfg = settings.validate()  # bad input fails before the store is opened or a worker starts
     st = _open(store)
@@ -161,6 +162,7 @@ def network_cmd(
     max_bytes: Annotated[int | None, typer.Option("--max-bytes", help="Largest message (default 64 MiB on CPU, 1 GiB on CUDA).")] = None,
     zone: Annotated[str, typer.Option("--zone", help="Zone label of both ends.")] = "local",
     gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="GPU type label (default: from the device).")] = None,
+    statistic: Annotated[str, typer.Option("--statistic", help="What a size's repetitions are summarised by: a percentile such as p20, median or mean.")] = "p20",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Measure point-to-point and all-reduce time between local workers, fit, and upsert the link."""
@@ -168,7 +170,7 @@ def network_cmd(
     from sailor_core.profiler.network import summary_rows, to_json
 
     settings = NetworkSettings(workers=workers, device=device, min_bytes=min_bytes, max_bytes=max_bytes,
-                               zone=zone, gpu_type=gpu_type)
+                               zone=zone, gpu_type=gpu_type, statistic=statistic)
     settings.validate()
     st = _open(store)
 

@@ -97,6 +97,19 @@ def test_quantiles():
     assert m.quantile_s(0.5) == pytest.approx(2.5)
 
 
+def test_named_statistics_and_a_clear_error_for_an_unknown_one():
+    m = Measurement.of([4.0, 1.0, 3.0, 2.0, 10.0], rel_err=0.1)
+    assert m.stat_s("mean") == pytest.approx(4.0) and m.stat_s("median") == 3.0
+    assert m.stat_s("p0") == 1.0 and m.stat_s("p25") == 2.0 and m.stat_s("p100") == 10.0
+    for bad in ("average", "p", "p101", "q10"):
+        with pytest.raises(SailorError, match="mean, median or a percentile"):
+            m.stat_s(bad)
+    with pytest.raises(SailorError, match="unknown statistic 'avg'"):
+        ModelProfileSettings(model="gpt-tiny", statistic="avg").validate()
+    with pytest.raises(SailorError, match="unknown statistic 'p200'"):
+        NetworkSettings(statistic="p200").validate()
+
+
 # -- settings -------------------------------------------------------------------------------------
 
 

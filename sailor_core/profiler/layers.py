@@ -8,7 +8,7 @@ microbatch size in `settings.mbs` and TP degree in `settings.tp`, with the runti
   CPU, one thread each, as the runtime's workers run); rank 0's times are reported;
 - per layer of the store's indexing (0 embedding, 1..L blocks, L+1 final norm + head, the head's
   forward including the loss): forward and backward seconds of one microbatch, warm-up excluded,
-  repeated until stable (timing.RepeatPolicy), the 10th percentile reported (DEFAULT_QUANTILE).
+  repeated until stable (timing.RepeatPolicy), the mean reported (DEFAULT_STATISTIC).
   CUDA: CUDA events, synchronised before reading; CPU: the thread's CPU time for work without
   collectives (tp=1 layers, the optimizer step), perf_counter wall time for TP layers;
 - blocks are identical, so only `settings.blocks` of them are measured and their mean is copied to
@@ -44,15 +44,16 @@ from sailor_core.domain import LayerProfile, ModelSpec, Provenance, SailorError
 from sailor_core.models.config import TransformerConfig, get_config, model_spec
 from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.spawn import run_workers
-from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule
+from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule, check_statistic
 
 DEFAULT_POLICY = RepeatPolicy(warmup=2, min_reps=5, max_reps=50, rel_err=0.02, time_cap_s=1.0)
-# A layer's time is the 10th percentile of its repetitions. Being descheduled only ever makes a
-# repetition slower, so the low end is the layer's own cost; on a shared CPU host the median is not:
-# on the 2-core dev box at load 4, gpt-tiny's per-layer medians summed to 31 ms per microbatch of
-# 2 while the whole model ran fwd+bwd in 21 ms at its fastest and the runtime's iterations matched
-# that; the 10th percentiles summed to 20.6 ms. On a dedicated GPU the two statistics agree.
-DEFAULT_QUANTILE = 0.1
+# A layer's time is the mean of its repetitions: a training step runs every layer once per
+# microbatch, so its expected time is the sum of the layers' means, their long tails included.
+# Where that matters: a TP layer on CPU waits inside gloo all-reduces whose wake-ups have a long
+# tail (on the 2-core dev box the TP-2 layers' 10th percentiles summed to 10 ms per microbatch of 2,
+# their medians to 19 ms, their means to 23 ms, and the runtime's TP-2 step matched the means). Other
+# jobs on the host do not inflate layers without collectives: those are timed in thread CPU time.
+DEFAULT_STATISTIC = "mean"
 DEFAULT_BLOCKS = 2  # blocks measured when identical blocks are collapsed
 # The runtime's AdamW (sailor_core.runtime.engine; the artifact's ds_config.json): the step's cost
 # does not depend on the values, only on the parameter count, but use the real ones anyway.
@@ -70,7 +71,7 @@ class ModelProfileSettings:
     all_blocks: bool = False
     policy: RepeatPolicy = field(default_factory=lambda: DEFAULT_POLICY)
     seed: int = 0
-    quantile: float = DEFAULT_QUANTILE  # statistic of the repetitions that is reported
+    statistic: str = DEFAULT_STATISTIC  # of the repetitions, reported: mean, median or pNN
     precision: str = "fp32"  # or "bf16": forward under bf16 autocast, as the runtime runs bf16 plans
     timeout_s: float = 3600.0
     # CPU only: memory a worker may allocate beyond what it holds after start-up (None: no limit).
@@ -109,8 +110,7 @@ class ModelProfileSettings:
             cfg.check_tp(t)  # heads, FFN and vocabulary must split evenly
         if self.blocks < 1:
             raise SailorError(f"blocks to measure must be >= 1, got {self.blocks}")
-        if not 0.0 <= self.quantile <= 1.0:
-            raise SailorError(f"quantile must be within [0, 1], got {self.quantile}")
+        check_statistic(self.statistic)
         if self.precision not in ("fp32", "bf16"):
             raise SailorError(f"precision must be fp32 or bf16, got {self.precision!r}; to fix: --precision fp32")
         return cfg
@@ -131,15 +131,15 @@ class LayerPoint:
     backward: Measurement
     saved_bytes: int  # unique storages kept for backward, parameters excluded, for the microbatch
     allocated_bytes: int | None  # CUDA allocator delta across the forward (None on CPU)
-    quantile: float = DEFAULT_QUANTILE
+    statistic: str = DEFAULT_STATISTIC
 
     @property
     def forward_s(self) -> float:
-        return self.forward.quantile_s(self.quantile)
+        return self.forward.stat_s(self.statistic)
 
     @property
     def backward_s(self) -> float:
-        return self.backward.quantile_s(self.quantile)
+        return self.backward.stat_s(self.statistic)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,7 +293,7 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
                 out.append(
                     LayerPoint(
                         mbs=mbs, tp=tp, layer=i, forward=fwd, backward=bwd, saved_bytes=saved,
-                        allocated_bytes=allocated, quantile=settings.quantile,
+                        allocated_bytes=allocated, statistic=settings.statistic,
                     )
                 )
                 if rank == 0:  # progress only; the point's results are sent once all its layers ran
@@ -323,7 +323,7 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
                     for p in results:
                         emit({"kind": "point", "point": p})
         params = [p for ly in layers.values() for p in ly.parameters()]
-        opt_s = _optimizer_step_s(torch, params, settings.policy, cpu_timed).quantile_s(settings.quantile)
+        opt_s = _optimizer_step_s(torch, params, settings.policy, cpu_timed).stat_s(settings.statistic)
         if rank == 0:
             emit({"kind": "optimizer", "tp": tp, "seconds": opt_s,
                   "params": sum(p.numel() for ly in layers.values() for p in ly.parameters())})
@@ -470,7 +470,7 @@ def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], Non
             "all_blocks": settings.all_blocks,
             "precision": settings.precision,
             "policy": asdict(settings.policy),
-            "statistic": f"quantile {settings.quantile}",
+            "statistic": settings.statistic,
             "infeasible": [asdict(x) for x in infeasible],
         },
     )

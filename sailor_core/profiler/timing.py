@@ -4,10 +4,13 @@ Contract: `measure(run_once, policy)` calls `run_once()` (which returns the seco
 took, already synchronised with the device) `policy.warmup` times without recording, then repeats
 until the relative standard error of the mean is below `policy.rel_err`, or `policy.max_reps`
 repetitions, or `policy.time_cap_s` seconds have passed (whichever comes first, but never fewer
-than `policy.min_reps`). A `Measurement` keeps the recorded samples; the layer profiler reports
-their median (on a shared machine single repetitions get descheduled, and the median ignores those
-without hiding a real shift), the network profiler a low quantile (see network.py). `StopRule` is the same rule as a step-by-step object, for loops where every participant of a
-collective must agree on when to stop (the network profiler broadcasts rank 0's decision).
+than `policy.min_reps`). A `Measurement` keeps the recorded samples and summarises them by a
+named statistic (`stat_s`: "mean", "median" or a percentile "p10"); `check_statistic` validates
+one. The layer profiler reports the mean (a training step is a sum of layer times, so its expected
+value is the sum of the layers' expected values, long tails included), the network profiler a low
+percentile (see network.py). `StopRule` is the same rule as a step-by-step object, for loops where
+every participant of a collective must agree on when to stop (the network profiler broadcasts
+rank 0's decision).
 
 Timers: `cpu_timer()` wraps perf_counter; on CUDA the callers record CUDA events around the work and
 synchronise before reading them, so launch queueing is not mistaken for kernel time.
@@ -20,6 +23,8 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from sailor_core.domain import SailorError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +72,11 @@ class Measurement:
     def mean_s(self) -> float:
         return statistics.fmean(self.samples)
 
+    def stat_s(self, statistic: str) -> float:
+        """The samples summarised by `statistic`: "mean", "median" or "pNN" (the NN-th percentile)."""
+        q = check_statistic(statistic)
+        return self.mean_s if q is None else self.quantile_s(q)
+
     def quantile_s(self, q: float) -> float:
         """Linear-interpolated q-quantile (0 <= q <= 1) of the samples."""
         xs = sorted(self.samples)
@@ -74,6 +84,19 @@ class Measurement:
         lo = math.floor(pos)
         hi = min(lo + 1, len(xs) - 1)
         return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def check_statistic(statistic: str) -> float | None:
+    """The quantile a statistic name stands for (None: the mean); a clear error for a bad name."""
+    if statistic == "mean":
+        return None
+    if statistic == "median":
+        return 0.5
+    if statistic.startswith("p") and statistic[1:].isdigit() and 0 <= int(statistic[1:]) <= 100:
+        return int(statistic[1:]) / 100
+    raise SailorError(
+        f"unknown statistic {statistic!r}; to fix: use mean, median or a percentile such as p10 or p20"
+    )
 
 
 def _rel_stderr(samples: list[float]) -> float:
