@@ -28,9 +28,10 @@ def rep(tp: int = 1, gpu: str = "cpu") -> Replica:
     return Replica(gpu_type=gpu, zone="local", tp=tp, gpus_per_node=2)
 
 
-def plan(stages, pipelines=((2, 4),), precision="fp32") -> ParallelPlan:
+def plan(stages, pipelines=((2, 4),), precision="fp32", zero1=False) -> ParallelPlan:
     pipes = tuple(PipelineBatch(microbatch_size=m, num_microbatches=n) for m, n in pipelines)
     return ParallelPlan(model="gpt-tiny", global_batch_size=sum(p.samples for p in pipes), precision=precision,
+                        zero1=zero1,
                         stages=tuple(Stage(first_layer=a, last_layer=b, replicas=tuple(r)) for (a, b), r in stages),
                         pipelines=pipes)
 
@@ -101,6 +102,17 @@ def test_shrink_plan_keeps_the_global_batch():
     assert alone.num_stages == 2 and alone.stages[-1].last_layer == 5 and alone.global_batch_size == 8
 
 
+def test_zero1_owners_split_the_state_evenly():
+    from sailor_core.runtime.engine import zero1_owners
+
+    sizes = [100, 1, 50, 50, 1, 2]
+    owners = zero1_owners(sizes, 2)
+    per = [sum(n for n, o in zip(sizes, owners, strict=True) if o == j) for j in range(2)]
+    assert per == [102, 102] and owners == zero1_owners(sizes, 2)  # balanced and deterministic
+    assert zero1_owners(sizes, 1) == [0] * len(sizes)
+    assert set(zero1_owners([1, 1], 3)) <= {0, 1}  # more replicas than parameters: some own nothing
+
+
 def test_data_order_is_a_function_of_the_sample_index():
     from sailor_core.runtime.data import TokenDataset, load_tokens
 
@@ -160,6 +172,17 @@ def test_checkpoint_reshards_across_plans(tmp_path, baseline):
     # the single-process run equals an uninterrupted run under B (checked above), so compare with it
     assert rel(first, baseline[: STEPS // 2]) <= 1e-3
     assert rel(second, baseline[STEPS // 2 :]) <= 1e-3  # steps 5..8 under B
+
+
+def test_zero1_matches_single_process_and_its_checkpoint_resumes_without_it(tmp_path, baseline):
+    # Optimizer state sharded over 2 replicas of each stage (one with TP 2): same losses as one
+    # process, and the checkpoint it writes holds the full state, so a plan without ZeRO-1 resumes it.
+    z = plan([((0, 2), [rep(2), rep(2)]), ((3, 5), [rep(), rep()])], ((2, 2), (2, 2)), zero1=True)
+    ck = str(tmp_path / "ck")
+    first = train(z, tmp_path, "zero1", steps=STEPS // 2, checkpoint_dir=ck)
+    second = train(PLANS["3stages-uneven"], tmp_path, "after", steps=STEPS, checkpoint_dir=ck, resume=True)
+    assert rel(first, baseline[: STEPS // 2]) <= 1e-3
+    assert rel(second, baseline[STEPS // 2 :]) <= 1e-3
 
 
 def test_lost_worker_continues_under_a_smaller_plan(tmp_path, baseline):

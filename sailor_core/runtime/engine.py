@@ -12,6 +12,13 @@ Contract:
   equal TP ranks; replicas with different TP degrees each place their shards into one full-layout
   buffer and all-reduce it over the whole stage, then take their slice back. Gradient clipping uses
   the global norm of full-layout gradients. Results match a single-process run of the same model.
+- ZeRO-1 (`plan.zero1`, replicas of a stage with one TP degree): each replica keeps AdamW state for
+  the parameters it owns (`zero1_owners`: balanced by size, in parameter order), steps only those
+  after the gradient all-reduce, and broadcasts them to the other replicas; a checkpoint gathers
+  every owner's state first, so it is the same full state a plan without ZeRO-1 writes. Replicas
+  that shard differently keep the full state (logged). Gloo has no reduce-scatter, so gradients are
+  still all-reduced whole: the memory saving is ZeRO-1's, the traffic is an all-reduce plus the
+  parameter broadcast.
 - Between stages activations go by isend/recv: receiving TP rank r reads from sending TP rank
   r mod tp_send; gradients go back from receiving rank t mod tp_recv to sending rank t.
 - Every step ends with one world all-reduce of [loss, grad norm^2, checkpoint flag, stop flag], so a
@@ -107,6 +114,18 @@ def device_for(gpu_type: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
 
 
+def zero1_owners(sizes: list[int], replicas: int) -> list[int]:
+    """Owner replica of each parameter: the largest first, each to the replica owning the fewest
+    elements so far (ties: the lowest index), so every replica keeps about 1/replicas of the state."""
+    load = [0] * replicas
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        j = min(range(replicas), key=lambda j: (load[j], j))
+        owner[i] = j
+        load[j] += sizes[i]
+    return owner
+
+
 def backend_for(gpu_type: str) -> str:
     return "gloo" if gpu_type == "cpu" else "nccl"
 
@@ -132,8 +151,11 @@ class Trainer:
         self._build_tie_group()
         self.model = StageModel(cfg, self.stage.first_layer, self.stage.last_layer, self.tp, settings.seed).to(self.device)
         self._params = list(self.model.named_parameters())
-        decay = [p for _, p in self._params if p.dim() >= 2]
-        no_decay = [p for _, p in self._params if p.dim() < 2]
+        self._param_index = {id(p): i for i, (_, p) in enumerate(self._params)}
+        self._setup_zero1()
+        owned = [p for i, (_, p) in enumerate(self._params) if self._owner[i] == self.me.pipeline]
+        decay = [p for p in owned if p.dim() >= 2]
+        no_decay = [p for p in owned if p.dim() < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=settings.lr, betas=settings.betas, eps=1e-8,
@@ -183,6 +205,50 @@ class Trainer:
                 if self.rank in ranks:
                     self.dp_group, self.hetero = g, True
 
+    def _setup_zero1(self) -> None:
+        """Which replica of my stage owns (keeps optimizer state for and steps) each of my parameters."""
+        dp = len(self.stage.replicas)
+        self.zero1 = self.plan.zero1 and self.dp_group is not None and not self.hetero
+        if self.plan.zero1 and self.hetero and self.rank == 0:
+            self.log("zero1: replicas of a stage shard differently (different TP degrees); "
+                     "every replica keeps the full optimizer state")
+        if not self.zero1:
+            self._owner = [self.me.pipeline] * len(self._params)
+            return
+        self._owner = zero1_owners([p.numel() for _, p in self._params], dp)
+        # my TP rank's peers in the other replicas of my stage, indexed by replica (= pipeline)
+        self._dp_ranks = [ranks_of(self.plan, self.me.stage, j)[self.tp.rank] for j in range(dp)]
+
+    def _zero1_broadcast(self, tensors_of: Callable[[int], list[torch.Tensor]]) -> None:
+        """For every replica j, broadcast `tensors_of(j)` (tensors it owns) from j to the others, in place."""
+        for j, src in enumerate(self._dp_ranks):
+            ts = tensors_of(j)
+            if not ts:
+                continue
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            comm.wait(dist.broadcast(flat, src=src, group=self.dp_group, async_op=True))
+            if j != self.me.pipeline:
+                off = 0
+                for t in ts:
+                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()
+
+    def _zero1_share_params(self) -> None:
+        with torch.no_grad():
+            self._zero1_broadcast(lambda j: [p for i, (_, p) in enumerate(self._params) if self._owner[i] == j])
+
+    def _zero1_gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every parameter's AdamW moments on every replica (for a checkpoint), keyed by id(param)."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for i, (_, p) in enumerate(self._params):
+            st = self.opt.state.get(p, {})
+            mine = self._owner[i] == self.me.pipeline and "exp_avg" in st
+            out[id(p)] = {k: st[k].detach().clone() if mine else torch.zeros_like(p) for k in ("exp_avg", "exp_avg_sq")}
+        if self.opt_steps > 0:  # before the first step nobody has state: zeros everywhere
+            self._zero1_broadcast(lambda j: [out[id(p)][k] for i, (_, p) in enumerate(self._params)
+                                             if self._owner[i] == j for k in ("exp_avg", "exp_avg_sq")])
+        return out
+
     def _build_tie_group(self) -> None:
         """A tied head on another stage than the embedding keeps its own copy; the two copies get the
         sum of both gradients (Megatron's embedding group), so they stay equal to the single weight."""
@@ -231,11 +297,12 @@ class Trainer:
             self.recv_bwd_from = nxt[t % len(nxt)]
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _layer_snapshot(self, li: int, layer: torch.nn.Module) -> dict[str, Any]:
+    def _layer_snapshot(self, li: int, layer: torch.nn.Module,
+                        gathered: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
         params, m1, m2, dims = {}, {}, {}, {}
         for name, p in layer.named_parameters(remove_duplicate=False):
             params[name] = p.detach().to("cpu", copy=True)
-            st = self.opt.state.get(p, {})
+            st = gathered[id(p)] if gathered is not None else self.opt.state.get(p, {})
             m1[name] = st["exp_avg"].detach().to("cpu", copy=True) if "exp_avg" in st else torch.zeros_like(params[name])
             m2[name] = st["exp_avg_sq"].detach().to("cpu", copy=True) if "exp_avg_sq" in st else torch.zeros_like(params[name])
             dims[name] = getattr(p, SHARD_ATTR, None)
@@ -245,19 +312,28 @@ class Trainer:
     def save_checkpoint(self, *, blocking: bool = False) -> None:
         if self.checkpointer is None:
             return
-        if self.me.pipeline == 0 and self._saved_step != self.step:
-            self._saved_step = self.step  # replica 0 of each stage writes its layers; others hold copies
-            states = {li: self._layer_snapshot(li, layer) for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True)}
-            meta = None
-            if self.rank == 0:
-                meta = {"step": self.step, "samples_seen": self.samples_seen, "opt_steps": self.opt_steps,
-                        "model": self.cfg.name, "seed": self.settings.seed, "num_layers": self.cfg.num_layers,
-                        "plan_version": self.settings.plan_version, "time": time.time()}
-            self.checkpointer.save(self.step, states, f"part_s{self.me.stage}_t{self.tp.rank}.json", meta,
-                                   blocking=blocking)
+        # Every rank runs this at the same steps (the decision is part of the step's world all-reduce),
+        # so the ZeRO-1 gather, a collective over the stage's replicas, is reached by all of them.
+        if self._saved_step != self.step:
+            self._saved_step = self.step
+            gathered = self._zero1_gather_state() if self.zero1 else None
+            if self.me.pipeline == 0:  # replica 0 of each stage writes its layers; the others hold copies
+                self._write_checkpoint(gathered, blocking)
         if blocking:
             self.checkpointer.wait()
             comm.wait(dist.barrier(async_op=True))
+
+    def _write_checkpoint(self, gathered: dict[int, dict[str, torch.Tensor]] | None, blocking: bool) -> None:
+        assert self.checkpointer is not None
+        states = {li: self._layer_snapshot(li, layer, gathered)
+                  for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True)}
+        meta = None
+        if self.rank == 0:
+            meta = {"step": self.step, "samples_seen": self.samples_seen, "opt_steps": self.opt_steps,
+                    "model": self.cfg.name, "seed": self.settings.seed, "num_layers": self.cfg.num_layers,
+                    "plan_version": self.settings.plan_version, "time": time.time()}
+        self.checkpointer.save(self.step, states, f"part_s{self.me.stage}_t{self.tp.rank}.json", meta,
+                               blocking=blocking)
 
     def load_checkpoint(self) -> bool:
         """Resume from the newest valid checkpoint (rank 0 decides, everyone loads). False if none."""
@@ -280,7 +356,7 @@ class Trainer:
                 for name, p in layer.named_parameters(remove_duplicate=False):
                     dim = getattr(p, SHARD_ATTR, None)
                     p.copy_(shard(full["params"][name], dim, self.tp.rank, self.tp.size))
-                    if opt_steps > 0:
+                    if opt_steps > 0 and self._owner[self._param_index[id(p)]] == self.me.pipeline:
                         self.opt.state[p] = {
                             "step": torch.tensor(float(opt_steps)),
                             "exp_avg": shard(full["exp_avg"][name], dim, self.tp.rank, self.tp.size).to(self.device),
@@ -481,7 +557,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # every gradient: under ZeRO-1 the optimizer sees only its own
         self._stash: dict[int, Any] = {}
         self._pending: list[Any] = []
         self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -511,6 +587,8 @@ class Trainer:
             for _, p in self._params:
                 p.grad.mul_(coef)
         self.opt.step()
+        if self.zero1:
+            self._zero1_share_params()
         self.opt_steps += 1
         self.step += 1
         self.samples_seen += self.plan.global_batch_size
