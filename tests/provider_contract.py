@@ -13,6 +13,7 @@ To check a provider, subclass `ProviderContract` in a test module and implement 
 
 Each test provisions under its own run id and cleans up in a finally. Tests that need something a
 provider cannot do offline override the matching `supports_*` attribute to False, and say why.
+`Clock` is the settable clock the cloud provider tests hand their providers.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ from infra.provider import (
     WorkerAssignment,
 )
 from sailor_core.domain import Market
+
+
+class Clock:
+    """A clock the test sets: a provider's `clock=` for cooldowns, price fetch times and event times."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def tick(self, s: float = 60) -> None:
+        self.now += timedelta(seconds=s)
 
 
 class ProviderContract:

@@ -8,7 +8,7 @@ a client wrapper that answers RunInstances in chosen zones the way EC2 does.
 from __future__ import annotations
 
 import base64
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
@@ -19,22 +19,12 @@ from infra.cloud import RUN_TAG, ScriptedEventSource, format_dry_run
 from infra.provider import CapacityError, EventKind, Provider, ProviderError, VmRequest, WorkerAssignment
 from sailor_core.domain import Market
 from tests.fakes.moto_server import MotoServer, client_factory
+from tests.provider_contract import Clock
 
 pytestmark = pytest.mark.aws
 
 REGIONS = ("us-east-1", "us-west-2")
 IMAGE = "Deep Learning AMI Ubuntu*"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def tick(self, s: float = 60) -> None:
-        self.now += timedelta(seconds=s)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ zone operation and the instance TERMINATED).
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
@@ -18,22 +18,12 @@ from infra.gcp import GceClients, GcpConfig, GcpProvider, gce_name
 from infra.provider import CapacityError, EventKind, Provider, ProviderError, VmRequest, WorkerAssignment
 from sailor_core.domain import Market
 from tests.fakes.gce_fake import GceFake
+from tests.provider_contract import Clock
 
 pytestmark = pytest.mark.gcp
 
 REGIONS = ("us-central1", "europe-west4")
 V100_1 = "n1-standard-8+nvidia-tesla-v100:1"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def tick(self, s: float = 60) -> None:
-        self.now += timedelta(seconds=s)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """The AWS provider: GPU VMs on EC2 (on-demand and spot) in several regions, behind infra.provider.Provider.
 
 Contract:
+- What both clouds do alike (the offerings loop, zone fallbacks, dry run, spot cooldown, event log)
+  is infra.cloud.CloudProvider's; this module supplies EC2's calls through its hooks.
 - Side effects come in through the constructor: `client_for(service, region)` returns a boto3
   client (default: boto3's standard credential chain; tests point it at moto's server), a price
   source (live feeds or a catalog), an event source for notices EC2's API cannot be polled for,
@@ -31,35 +33,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from infra.aws.instance_types import QUOTA_CODES, SHAPES, InstanceShape
 from infra.bootstrap import assignment_commands, render_startup_script
-from infra.catalog import PriceQuote, PriceSource, lookup
+from infra.catalog import PriceSource
 from infra.cloud import (
     DATA_PORTS,
     RENDEZVOUS_PORT,
     RUN_TAG,
     ApiCall,
-    DryRunReport,
-    EventLog,
+    CloudProvider,
     EventSource,
-    FallbackRecord,
-    PriceWatch,
-    choose_shape,
+    FreeGpus,
+    fallback_zones,
     utcnow,
 )
-from infra.provider import (
-    CapacityError,
-    EventKind,
-    Offering,
-    ProviderError,
-    ProviderEvent,
-    Vm,
-    VmRequest,
-    WorkerAssignment,
-)
+from infra.provider import EventKind, ProviderError, ProviderEvent, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Market, default_region
 
 CAPACITY_CODES = frozenset({"InsufficientInstanceCapacity", "InsufficientCapacity", "InsufficientHostCapacity",
@@ -119,30 +110,23 @@ class AwsConfig:
         self.regions = tuple(self.regions)
 
 
-class AwsProvider:
+class AwsProvider(CloudProvider[InstanceShape]):
+    """EC2's calls behind infra.cloud.CloudProvider, which holds what both clouds do alike."""
+
     name = "aws"
+    SHAPES = SHAPES
+    SHAPE_KIND = "AWS instance type"
+    SPOT_LOSS = "interrupted"
+    config: AwsConfig
 
     def __init__(
         self, config: AwsConfig, *, client_for: ClientFor | None = None, prices: PriceSource,
         event_source: EventSource | None = None, clock: Callable[[], datetime] = utcnow,
     ) -> None:
-        self.config = config
+        super().__init__(config, prices=prices, event_source=event_source, clock=clock)
         self._client_for = client_for or boto3_clients()
-        self.prices = prices
-        self.event_source = event_source
-        self.clock = clock
-        self.fallbacks: list[FallbackRecord] = []
-        self.last_dry_run: DryRunReport | None = None
-        self._log = EventLog()
-        self._watch = PriceWatch(prices, "aws")
         self._region_of: dict[str, str] = {}
-        self._terminated_by_us: set[str] = set()
         self._zone_types: dict[str, dict[str, set[str]]] = {}
-        self._blocked: dict[tuple[str, str], datetime] = {}  # (zone, type) -> spot unusable until
-
-    def _spot_blocked(self, zone: str, instance_type: str, market: Market) -> bool:
-        until = self._blocked.get((zone, instance_type))
-        return market is Market.SPOT and until is not None and self.clock() < until
 
     # -- helpers -------------------------------------------------------------------------------
     def ec2(self, region: str) -> Any:
@@ -191,49 +175,14 @@ class AwsProvider:
             used = sum(SHAPES[t].vcpus for _, t, m in in_use
                        if m is market and t in SHAPES and SHAPES[t].quota_class == shape.quota_class)
             return max(0, int((quota - used) // shape.vcpus))
-        used_here = sum(1 for z, t, m in in_use if z == zone and t == shape.instance_type and m is market)
-        return max(0, self.config.max_vms_per_offering - used_here)
+        return self._cap_left(zone, shape, market, in_use)
 
-    def _quotes(self, shapes: Sequence[str], regions: Sequence[str], markets: Sequence[Market]) -> list[PriceQuote]:
-        qs = self.prices.quotes(instance_types=list(shapes), regions=list(regions), markets=list(markets))
-        self._watch.remember(qs)
-        return qs
-
-    def _shape(self, r: VmRequest) -> InstanceShape:
-        return choose_shape(r, SHAPES, self._quotes, kind="AWS instance type")
-
-    # -- Provider protocol ---------------------------------------------------------------------
-    def offerings(
-        self, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
-        markets: Sequence[Market] | None = None,
-    ) -> list[Offering]:
-        regs = [r for r in self.config.regions if not regions or r in regions]
-        mks = [Market.parse(m) for m in markets] if markets else list(Market)
-        shapes = [s for s in SHAPES.values() if not gpu_types or s.gpu_type in gpu_types]
-        if not regs or not shapes:
-            return []
-        quotes = self._quotes([s.instance_type for s in shapes], regs, mks)
-        out = []
-        for region in regs:
-            zones_of = self._zones_offering(region)
-            in_use = self._in_use(region)
-            for shape in shapes:
-                for zone in sorted(zones_of.get(shape.instance_type, ())):
-                    for m in mks:
-                        q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
-                        if q is None:
-                            continue
-                        # Sold out (quota or cap used, or spot just interrupted) still reports its price
-                        # with count 0: a caller holding VMs there needs it.
-                        vms = 0 if self._spot_blocked(zone, shape.instance_type, m) else \
-                            self._free_vms(zone, shape, m, in_use)
-                        out.append(Offering(
-                            cloud="aws", region=region, zone=zone, gpu_type=shape.gpu_type, market=m,
-                            count=vms * shape.gpus, gpus_per_node=shape.gpus,
-                            usd_per_gpu_hour=q.usd_per_hour / shape.gpus, instance_type=shape.instance_type,
-                            price_fetched_at=q.fetched_at,
-                        ))
-        return out
+    def _region_capacity(self, region: str, shapes: Sequence[InstanceShape],
+                         markets: Sequence[Market]) -> tuple[list[tuple[str, InstanceShape]], FreeGpus[InstanceShape]]:
+        zones_of = self._zones_offering(region)
+        in_use = self._in_use(region)
+        places = [(zone, shape) for shape in shapes for zone in sorted(zones_of.get(shape.instance_type, ()))]
+        return places, lambda zone, shape, m: self._free_vms(zone, shape, m, in_use) * shape.gpus
 
     def _image(self, region: str, calls: list[ApiCall] | None) -> str:
         if region in self.config.image_ids:
@@ -294,49 +243,18 @@ class AwsProvider:
         return p
 
     def _candidates(self, r: VmRequest, shape: InstanceShape) -> list[str]:
-        """The requested zone first, then the other zones of its region, then the other regions."""
-        region = r.region or default_region(r.zone)
-        out = [r.zone]
-        for reg in [region] + [x for x in self.config.regions if x != region]:
-            if reg not in self.config.regions:
-                continue
-            out += [z for z in sorted(self._zones_offering(reg).get(shape.instance_type, ())) if z not in out]
-        return out
+        """fallback_zones over the zones offering the type, less any outside `AwsConfig.zones`."""
+        out = fallback_zones(r, self.config.regions,
+                             lambda reg: sorted(self._zones_offering(reg).get(shape.instance_type, ())))
+        return [z for z in out if not self.config.zones or z in self.config.zones]
 
-    def _price(self, shape: InstanceShape, zone: str, market: Market) -> float:
-        """The hourly price last quoted for this shape (asks the source once if none is known)."""
-        key = (shape.instance_type, zone, market)
-        q = self._watch.last.get(key) or self._watch.last.get((shape.instance_type, default_region(zone), market))
-        if q is None:
-            try:
-                q = lookup(self._quotes([shape.instance_type], [default_region(zone)], [market]),
-                           instance_type=shape.instance_type, zone=zone, market=market)
-            except Exception:  # a VM is still reported when its price feed is down
-                q = None
-        return q.usd_per_hour if q else 0.0
+    def _after_launch(self, requests: Sequence[VmRequest], started: list[Vm]) -> list[Vm]:
+        """Open the ports between the run's regions, then report the VMs with their addresses."""
+        self._sync_security_groups(requests[0].run_id if requests else "")
+        return [self._refresh(v) for v in started]
 
-    def provision(self, requests: Sequence[VmRequest], *, dry_run: bool = False) -> list[Vm]:
-        for r in requests:
-            region = r.region or default_region(r.zone)
-            if region not in self.config.regions:
-                raise ProviderError(f"{r.name}: region {region} is not among the provider's regions "
-                                    f"{list(self.config.regions)}; to fix: add it to AwsConfig.regions")
-        shapes = {r.name: self._shape(r) for r in requests}
-        if dry_run:
-            return self._dry_run(requests, shapes)
-        started: list[Vm] = []
-        try:
-            for r in requests:
-                started.append(self._launch(r, shapes[r.name]))
-            self._sync_security_groups(requests[0].run_id if requests else "")
-            return [self._refresh(v) for v in started]
-        except BaseException:
-            self.terminate([v.vm_id for v in started])
-            raise
-
-    def _dry_run(self, requests: Sequence[VmRequest], shapes: Mapping[str, InstanceShape]) -> list[Vm]:
+    def _dry_run_calls(self, requests: Sequence[VmRequest], shapes: Mapping[str, InstanceShape]) -> list[ApiCall]:
         calls: list[ApiCall] = []
-        vms = []
         seen_regions: set[str] = set()
         for r in requests:
             region = r.region or default_region(r.zone)
@@ -353,48 +271,24 @@ class AwsProvider:
             image = self._image(region, calls)
             calls.append(ApiCall(service="ec2", location=region, operation="RunInstances",
                                  params=self._run_params(r, shape, r.zone, image, f"<sailor-{r.run_id}>")))
-            vms.append(Vm(vm_id=f"dry-run:{r.name}", run_id=r.run_id, name=r.name, zone=r.zone,
-                          gpu_type=shape.gpu_type, gpus=shape.gpus, market=r.market, state="planned",
-                          usd_per_hour=self._price(shape, r.zone, r.market)))
-        self.last_dry_run = DryRunReport(provider="aws", calls=tuple(calls), vms=tuple(vms))
-        return vms
+        return calls
 
-    def _launch(self, r: VmRequest, shape: InstanceShape) -> Vm:
-        tried: list[str] = []
-        for zone in self._candidates(r, shape):
-            region = default_region(zone)
-            if self.config.zones and zone not in self.config.zones:
-                continue
-            if self._spot_blocked(zone, shape.instance_type, r.market):
-                tried.append(f"{zone} (spot interrupted there recently)")
-                continue
-            if self._free_vms(zone, shape, r.market, self._in_use(region)) < 1:
-                tried.append(f"{zone} (SailorCapReached: quota or max_vms_per_offering used up)")
-                continue
-            sg = self._security_group(r.run_id, region)
-            params = self._run_params(r, shape, zone, self._image(region, None), sg)
-            try:
-                inst = self.ec2(region).run_instances(**params)["Instances"][0]
-            except Exception as e:
-                code = _error_code(e)
-                if code not in CAPACITY_CODES:
-                    raise ProviderError(f"{r.name}: RunInstances in {zone} failed: {e}; to fix: check the "
-                                        f"account's quotas and the request above") from e
-                tried.append(f"{zone} ({code})")
-                continue
-            self._region_of[inst["InstanceId"]] = region
-            if zone != r.zone:
-                rec = FallbackRecord(name=r.name, requested_zone=r.zone, zone=zone, reason="; ".join(tried))
-                self.fallbacks.append(rec)
-                self._log.add(r.run_id, [ProviderEvent(
-                    kind=EventKind.CAPACITY_CHANGE, at=self.clock(), vm_id=inst["InstanceId"], zone=r.zone,
-                    gpu_type=shape.gpu_type, market=r.market,
-                    detail={"signal": "capacity-fallback", "key": r.name, "requested_zone": r.zone,
-                            "zone": zone, "tried": list(tried)})])
-            return self._vm(inst, region)
-        raise CapacityError(f"{r.name}: no capacity for {shape.instance_type} ({r.market.value}) in any allowed "
-                            f"zone; tried {', '.join(tried)}; to fix: allow more regions or zones, another GPU "
-                            f"type or the other market")
+    def _place(self, r: VmRequest, shape: InstanceShape, zone: str) -> Vm | str:
+        region = default_region(zone)
+        if self._free_vms(zone, shape, r.market, self._in_use(region)) < 1:
+            return "SailorCapReached: quota or max_vms_per_offering used up"
+        sg = self._security_group(r.run_id, region)
+        params = self._run_params(r, shape, zone, self._image(region, None), sg)
+        try:
+            inst = self.ec2(region).run_instances(**params)["Instances"][0]
+        except Exception as e:
+            code = _error_code(e)
+            if code not in CAPACITY_CODES:
+                raise ProviderError(f"{r.name}: RunInstances in {zone} failed: {e}; to fix: check the "
+                                    f"account's quotas and the request above") from e
+            return code
+        self._region_of[inst["InstanceId"]] = region
+        return self._vm(inst, region)
 
     def _vm(self, inst: Mapping[str, Any], region: str) -> Vm:
         tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
@@ -481,7 +375,7 @@ class AwsProvider:
             new += self.event_source.poll(run_id, vms, since)
         for (_reg, inst), vm in zip(all_vms, vms, strict=True):
             state = inst["State"]["Name"]
-            if state in GONE_STATES and vm.vm_id not in self._terminated_by_us:
+            if state in GONE_STATES and vm.vm_id not in self._removed_by_us:
                 reason = inst.get("StateReason", {}).get("Code", "") or inst.get("StateTransitionReason", "")
                 spot = vm.market is Market.SPOT
                 new.append(ProviderEvent(kind=EventKind.LOST, at=now, vm_id=vm.vm_id, zone=vm.zone,
@@ -489,22 +383,8 @@ class AwsProvider:
                                          detail={"signal": "instance-state", "state": state, "reason": reason,
                                                  "spot": spot}))
         new += self._spot_request_notices(run_id, all_vms, now)
-        live = [v for v in vms if v.state == "running"]
-        try:
-            new += self._watch.check(live, lambda v: self._instance_type(v, all_vms))
-        except Exception:  # a price feed being down is not an event; the last prices stay in force
-            pass
-        self._note_interruptions(new, all_vms, now)
-        self._log.add(run_id, new)
-        return self._log.since(run_id, since)
-
-    def _note_interruptions(self, events: Sequence[ProviderEvent], described: Sequence[tuple[str, dict[str, Any]]],
-                            now: datetime) -> None:
-        types = {i["InstanceId"]: i["InstanceType"] for _, i in described}
-        for e in events:
-            if e.kind in (EventKind.PREEMPTION, EventKind.LOST) and e.market is Market.SPOT and e.vm_id in types \
-                    and e.vm_id not in self._terminated_by_us:
-                self._blocked[(e.zone, types[e.vm_id])] = now + timedelta(seconds=self.config.interruption_cooldown_s)
+        new += self._price_moves(vms, lambda v: self._instance_type(v, all_vms))
+        return self._record_events(run_id, new, {i["InstanceId"]: i["InstanceType"] for _, i in all_vms}, now, since)
 
     @staticmethod
     def _instance_type(vm: Vm, described: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -546,7 +426,7 @@ class AwsProvider:
             if v in self._region_of:
                 by_region.setdefault(self._region_of[v], []).append(v)
         for region, batch in by_region.items():
-            self._terminated_by_us.update(batch)
+            self._removed_by_us.update(batch)
             self.ec2(region).terminate_instances(InstanceIds=batch)
 
     def cleanup(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
@@ -562,7 +442,7 @@ class AwsProvider:
             removed += ids
             ec2 = self.ec2(region)
             if ids and not dry_run:
-                self._terminated_by_us.update(ids)
+                self._removed_by_us.update(ids)
                 ec2.terminate_instances(InstanceIds=ids)
                 self._wait_terminated(ec2, ids)
             tag_filter = ([{"Name": f"tag:{RUN_TAG}", "Values": [run_id]}] if run_id

@@ -1,6 +1,8 @@
 """The GCP provider: GPU VMs on Compute Engine (standard and SPOT) in several regions.
 
 Contract (the Provider protocol of infra/provider.py):
+- What both clouds do alike (the offerings loop, zone fallbacks, dry run, spot cooldown, event log)
+  is infra.cloud.CloudProvider's; this module supplies Compute Engine's calls through its hooks.
 - Side effects come in through the constructor: `GceClients` (google-cloud-compute REST clients
   from google-auth's standard chain; tests point them at a local fake with anonymous
   credentials), a price source, an event source and a clock.
@@ -30,36 +32,25 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from infra.bootstrap import GCP_ASSIGNMENT_KEY, assignment_json, render_startup_script
-from infra.catalog import PriceQuote, PriceSource, lookup
+from infra.catalog import PriceSource
 from infra.cloud import (
     DATA_PORTS,
     RENDEZVOUS_PORT,
     ApiCall,
-    DryRunReport,
-    EventLog,
+    CloudProvider,
     EventSource,
-    FallbackRecord,
-    PriceWatch,
-    choose_shape,
+    FreeGpus,
+    fallback_zones,
     utcnow,
 )
 from infra.gcp.machine_types import SHAPES, GceShape
-from infra.provider import (
-    CapacityError,
-    EventKind,
-    Offering,
-    ProviderError,
-    ProviderEvent,
-    Vm,
-    VmRequest,
-    WorkerAssignment,
-)
+from infra.provider import EventKind, ProviderError, ProviderEvent, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Market, default_region
 
 RUN_LABEL = "sailor-run"
@@ -139,32 +130,25 @@ def _error_codes(e: BaseException) -> list[str]:
     return [c for c in codes if c] or [c for c in STOCKOUT_CODES if c in str(e)]
 
 
-class GcpProvider:
+class GcpProvider(CloudProvider[GceShape]):
+    """Compute Engine's calls behind infra.cloud.CloudProvider, which holds what both clouds do alike."""
+
     name = "gcp"
+    SHAPES = SHAPES
+    SHAPE_KIND = "GCE shape"
+    SPOT_LOSS = "preempted"
+    config: GcpConfig
 
     def __init__(
         self, config: GcpConfig, *, clients: GceClients | None = None, prices: PriceSource,
         event_source: EventSource | None = None, clock: Callable[[], datetime] = utcnow,
     ) -> None:
-        self.config = config
+        super().__init__(config, prices=prices, event_source=event_source, clock=clock)
         self._clients = clients
-        self.prices = prices
-        self.event_source = event_source
-        self.clock = clock
-        self.fallbacks: list[FallbackRecord] = []
-        self.last_dry_run: DryRunReport | None = None
-        self._log = EventLog()
-        self._watch = PriceWatch(prices, "gcp")
         self._zone_accels: dict[str, set[str]] = {}
         self._zones_of: dict[str, list[str]] = {}
-        self._deleted_by_us: set[str] = set()
         self._known: dict[str, dict[str, Vm]] = {}
         self._types: dict[str, str] = {}  # vm id -> instance type
-        self._blocked: dict[tuple[str, str], datetime] = {}  # (zone, shape) -> spot unusable until
-
-    def _spot_blocked(self, zone: str, instance_type: str, market: Market) -> bool:
-        until = self._blocked.get((zone, instance_type))
-        return market is Market.SPOT and until is not None and self.clock() < until
 
     @property
     def c(self) -> GceClients:
@@ -215,50 +199,15 @@ class GcpProvider:
             if shape.cpu_only:  # a vCPU quota: whole VMs of this shape, one slot each
                 return int(quotas[metric] // shape.vcpus) * shape.gpus
             return int(quotas[metric]) // shape.gpus * shape.gpus
-        used = sum(1 for z, t, m in in_use if z == zone and t == shape.instance_type and m is market)
-        return max(0, self.config.max_vms_per_offering - used) * shape.gpus
+        return self._cap_left(zone, shape, market, in_use) * shape.gpus
 
-    def _quotes(self, types: Sequence[str], regions: Sequence[str], markets: Sequence[Market]) -> list[PriceQuote]:
-        qs = self.prices.quotes(instance_types=list(types), regions=list(regions), markets=list(markets))
-        self._watch.remember(qs)
-        return qs
-
-    def _shape(self, r: VmRequest) -> GceShape:
-        return choose_shape(r, SHAPES, self._quotes, kind="GCE shape")
-
-    # -- Provider protocol -------------------------------------------------------------------------
-    def offerings(
-        self, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
-        markets: Sequence[Market] | None = None,
-    ) -> list[Offering]:
-        regs = [r for r in self.config.regions if not regions or r in regions]
-        mks = [Market.parse(m) for m in markets] if markets else list(Market)
-        shapes = [s for s in SHAPES.values() if not gpu_types or s.gpu_type in gpu_types]
-        if not regs or not shapes:
-            return []
-        quotes = self._quotes([s.instance_type for s in shapes], regs, mks)
-        out = []
-        for region in regs:
-            quotas = self._quotas(region)
-            in_use = self._in_use(region) if any(s.quota_metric(m) not in quotas for s in shapes for m in mks) else []
-            for zone in self._zones(region):
-                accels = self._accels(zone)
-                for shape in shapes:
-                    if shape.accelerator and shape.accelerator not in accels:
-                        continue
-                    for m in mks:
-                        q = lookup(quotes, instance_type=shape.instance_type, zone=zone, market=m)
-                        if q is None:
-                            continue
-                        # Sold out (quota or cap used, or spot just preempted) still reports its price
-                        # with count 0: a caller holding VMs there needs it.
-                        gpus = 0 if self._spot_blocked(zone, shape.instance_type, m) else \
-                            max(0, self._free_gpus(zone, shape, m, quotas, in_use))
-                        out.append(Offering(
-                            cloud="gcp", region=region, zone=zone, gpu_type=shape.gpu_type, market=m, count=gpus,
-                            gpus_per_node=shape.gpus, usd_per_gpu_hour=q.usd_per_hour / shape.gpus,
-                            instance_type=shape.instance_type, price_fetched_at=q.fetched_at))
-        return out
+    def _region_capacity(self, region: str, shapes: Sequence[GceShape],
+                         markets: Sequence[Market]) -> tuple[list[tuple[str, GceShape]], FreeGpus[GceShape]]:
+        quotas = self._quotas(region)
+        in_use = self._in_use(region) if any(s.quota_metric(m) not in quotas for s in shapes for m in markets) else []
+        places = [(zone, shape) for zone in self._zones(region) for shape in shapes
+                  if not shape.accelerator or shape.accelerator in self._accels(zone)]
+        return places, lambda zone, shape, m: max(0, self._free_gpus(zone, shape, m, quotas, in_use))
 
     def _tag(self, run_id: str) -> str:
         return gce_name(f"sailor-{run_id}")
@@ -316,101 +265,46 @@ class GcpProvider:
         return body
 
     def _candidates(self, r: VmRequest, shape: GceShape) -> list[str]:
-        region = r.region or default_region(r.zone)
-        out = [r.zone]
-        for reg in [region] + [x for x in self.config.regions if x != region]:
-            if reg in self.config.regions:
-                out += [z for z in self._zones(reg)
-                        if z not in out and (not shape.accelerator or shape.accelerator in self._accels(z))]
-        return out
+        """fallback_zones over the regions' zones that have the shape's accelerator."""
+        return fallback_zones(r, self.config.regions, self._zones,
+                              lambda z: not shape.accelerator or shape.accelerator in self._accels(z))
 
-    def _price(self, shape: GceShape, zone: str, market: Market) -> float:
-        q = self._watch.last.get((shape.instance_type, zone, market)) or \
-            self._watch.last.get((shape.instance_type, default_region(zone), market))
-        if q is None:
-            try:
-                q = lookup(self._quotes([shape.instance_type], [default_region(zone)], [market]),
-                           instance_type=shape.instance_type, zone=zone, market=market)
-            except Exception:  # a VM is still reported when its price feed is down
-                q = None
-        return q.usd_per_hour if q else 0.0
+    def _before_launch(self, requests: Sequence[VmRequest]) -> None:
+        for run_id in sorted({r.run_id for r in requests}):
+            self._firewall(run_id)
 
-    def provision(self, requests: Sequence[VmRequest], *, dry_run: bool = False) -> list[Vm]:
-        for r in requests:
-            region = r.region or default_region(r.zone)
-            if region not in self.config.regions:
-                raise ProviderError(f"{r.name}: region {region} is not among the provider's regions "
-                                    f"{list(self.config.regions)}; to fix: add it to GcpConfig.regions")
-        shapes = {r.name: self._shape(r) for r in requests}
-        if dry_run:
-            return self._dry_run(requests, shapes)
-        created: list[Vm] = []
-        try:
-            for run_id in sorted({r.run_id for r in requests}):
-                self._firewall(run_id)
-            for r in requests:
-                created.append(self._launch(r, shapes[r.name]))
-            return created
-        except BaseException:
-            self.terminate([v.vm_id for v in created])
-            raise
-
-    def _dry_run(self, requests: Sequence[VmRequest], shapes: dict[str, GceShape]) -> list[Vm]:
+    def _dry_run_calls(self, requests: Sequence[VmRequest], shapes: Mapping[str, GceShape]) -> list[ApiCall]:
         calls = [ApiCall(service="compute", location="global", operation="firewalls.insert",
                          params={"project": self.project, "firewallResource": self._firewall_body(run_id)})
                  for run_id in sorted({r.run_id for r in requests})]
-        vms = []
         for r in requests:
-            shape = shapes[r.name]
             calls.append(ApiCall(service="compute", location=r.zone, operation="instances.insert",
                                  params={"project": self.project, "zone": r.zone,
-                                         "instanceResource": self._instance_body(r, shape, r.zone)}))
-            vms.append(Vm(vm_id=f"dry-run:{r.name}", run_id=r.run_id, name=r.name, zone=r.zone,
-                          gpu_type=shape.gpu_type, gpus=shape.gpus, market=r.market, state="planned",
-                          usd_per_hour=self._price(shape, r.zone, r.market)))
-        self.last_dry_run = DryRunReport(provider="gcp", calls=tuple(calls), vms=tuple(vms))
-        return vms
+                                         "instanceResource": self._instance_body(r, shapes[r.name], r.zone)}))
+        return calls
 
-    def _launch(self, r: VmRequest, shape: GceShape) -> Vm:
+    def _place(self, r: VmRequest, shape: GceShape, zone: str) -> Vm | str:
         c = self.c
-        tried: list[str] = []
-        for zone in self._candidates(r, shape):
-            region = default_region(zone)
-            if self._spot_blocked(zone, shape.instance_type, r.market):
-                tried.append(f"{zone} (spot preempted there recently)")
-                continue
-            quotas = self._quotas(region)
-            if shape.quota_metric(r.market) not in quotas and \
-                    self._free_gpus(zone, shape, r.market, quotas, self._in_use(region)) < shape.gpus:
-                tried.append(f"{zone} (SAILOR_CAP_REACHED: max_vms_per_offering used up)")
-                continue
-            body = self._instance_body(r, shape, zone)
-            inst = c.compute_v1.Instance.from_json(_json(body), ignore_unknown_fields=True)
-            try:
-                c.instances.insert(project=self.project, zone=zone, instance_resource=inst).result(
-                    timeout=self.config.op_timeout_s)
-            except Exception as e:
-                codes = _error_codes(e)
-                if not any(code in STOCKOUT_CODES for code in codes):
-                    raise ProviderError(f"{r.name}: instances.insert in {zone} failed: {e}; to fix: check the "
-                                        f"project's quotas and the request (see --dry-run)") from e
-                tried.append(f"{zone} ({codes[0]})")
-                continue
-            vm = self._vm(c.instances.get(project=self.project, zone=zone, instance=body["name"]))
-            self._known.setdefault(r.run_id, {})[vm.vm_id] = vm
-            self._types[vm.vm_id] = shape.instance_type
-            if zone != r.zone:
-                self.fallbacks.append(FallbackRecord(name=r.name, requested_zone=r.zone, zone=zone,
-                                                     reason="; ".join(tried)))
-                self._log.add(r.run_id, [ProviderEvent(
-                    kind=EventKind.CAPACITY_CHANGE, at=self.clock(), vm_id=vm.vm_id, zone=r.zone,
-                    gpu_type=shape.gpu_type, market=r.market,
-                    detail={"signal": "capacity-fallback", "key": r.name, "requested_zone": r.zone, "zone": zone,
-                            "tried": list(tried)})])
-            return vm
-        raise CapacityError(f"{r.name}: no capacity for {shape.instance_type} ({r.market.value}) in any allowed "
-                            f"zone; tried {', '.join(tried)}; to fix: allow more regions or zones, another GPU "
-                            f"type or the other market")
+        region = default_region(zone)
+        quotas = self._quotas(region)
+        if shape.quota_metric(r.market) not in quotas and \
+                self._free_gpus(zone, shape, r.market, quotas, self._in_use(region)) < shape.gpus:
+            return "SAILOR_CAP_REACHED: max_vms_per_offering used up"
+        body = self._instance_body(r, shape, zone)
+        inst = c.compute_v1.Instance.from_json(_json(body), ignore_unknown_fields=True)
+        try:
+            c.instances.insert(project=self.project, zone=zone, instance_resource=inst).result(
+                timeout=self.config.op_timeout_s)
+        except Exception as e:
+            codes = _error_codes(e)
+            if not any(code in STOCKOUT_CODES for code in codes):
+                raise ProviderError(f"{r.name}: instances.insert in {zone} failed: {e}; to fix: check the "
+                                    f"project's quotas and the request (see --dry-run)") from e
+            return codes[0]
+        vm = self._vm(c.instances.get(project=self.project, zone=zone, instance=body["name"]))
+        self._known.setdefault(r.run_id, {})[vm.vm_id] = vm
+        self._types[vm.vm_id] = shape.instance_type
+        return vm
 
     def _vm(self, inst: Any, *, priced: bool = True) -> Vm:
         zone = inst.zone.rsplit("/", 1)[-1]
@@ -483,24 +377,15 @@ class GcpProvider:
                                          detail={"signal": "instance-preempted", "operation": op.name,
                                                  "operation_time": op.insert_time}))
         for vid, vm in known.items():
-            if vid in self._deleted_by_us:
+            if vid in self._removed_by_us:
                 continue
             inst = raw.get(vid)
             if inst is None or inst.status in GONE:
                 new.append(ProviderEvent(kind=EventKind.LOST, at=now, vm_id=vid, zone=vm.zone, gpu_type=vm.gpu_type,
                                          market=vm.market, detail={"signal": "instance-state",
                                                                    "state": inst.status if inst else "DELETED"}))
-        live = [v for v in vms.values() if v.state == "running"]
-        try:
-            new += self._watch.check(live, lambda v: self._instance_type(v, raw))
-        except Exception:  # a price feed being down is not an event; the last prices stay in force
-            pass
-        for e in new:
-            if e.kind in (EventKind.PREEMPTION, EventKind.LOST) and e.market is Market.SPOT and e.vm_id in self._types \
-                    and e.vm_id not in self._deleted_by_us:
-                self._blocked[(e.zone, self._types[e.vm_id])] = now + timedelta(seconds=self.config.interruption_cooldown_s)
-        self._log.add(run_id, new)
-        return self._log.since(run_id, since)
+        new += self._price_moves(vms.values(), lambda v: self._instance_type(v, raw))
+        return self._record_events(run_id, new, self._types, now, since)
 
     def terminate(self, vm_ids: Sequence[str]) -> None:
         c = self.c
@@ -509,7 +394,7 @@ class GcpProvider:
             if not vid or vid.startswith("dry-run:") or "/" not in vid:
                 continue
             zone, name = vid.split("/", 1)
-            self._deleted_by_us.add(vid)
+            self._removed_by_us.add(vid)
             try:
                 ops.append(c.instances.delete(project=self.project, zone=zone, instance=name))
             except Exception as e:
