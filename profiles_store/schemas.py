@@ -174,6 +174,16 @@ _SPECS = [
         key=("gpu_type", "num_gpus"),
     ),
     TableSpec(
+        name="node_allreduce",
+        doc=(
+            "A measured all-reduce among `workers` GPUs of one node (one per worker): its algorithm "
+            "bandwidth x / t(x) for x bytes per worker, same fit as network_links. The simulator uses it "
+            "for a data-parallel group inside one node; elsewhere it composes rings from link hops."
+        ),
+        fields=(_f("gpu_type", _S), _f("workers", _I), *_FIT),
+        key=("gpu_type", "workers"),
+    ),
+    TableSpec(
         name="egress_prices",
         doc="USD per GB sent from one zone to another (0 within a zone).",
         fields=(_f("sender_zone", _S), _f("receiver_zone", _S), _f("usd_per_gb", _F)),

@@ -63,6 +63,7 @@ from sailor_core.domain import (
     Market,
     ModelSpec,
     NetworkLink,
+    NodeAllReduce,
     PoolEntry,
     Provenance,
     SailorError,
@@ -607,6 +608,18 @@ class ProfileStore:
         rows = [dict(gpu_type=x.gpu_type, num_gpus=x.num_gpus, **_fit_cols(x.fit)) for x in links]
         self.write_table("intra_node_links", rows, mode="replace" if replace_all else "upsert", provenance=provenance)
 
+    def node_allreduce(self) -> tuple[NodeAllReduce, ...]:
+        return tuple(
+            NodeAllReduce(gpu_type=r["gpu_type"], workers=r["workers"], fit=_fit(r))
+            for r in self.read_table("node_allreduce").to_pylist()
+        )
+
+    def write_node_allreduce(
+        self, fits: Iterable[NodeAllReduce], *, replace_all: bool = False, provenance: Provenance | None = None
+    ) -> None:
+        rows = [dict(gpu_type=x.gpu_type, workers=x.workers, **_fit_cols(x.fit)) for x in fits]
+        self.write_table("node_allreduce", rows, mode="replace" if replace_all else "upsert", provenance=provenance)
+
     def egress_prices(self) -> tuple[EgressPrice, ...]:
         return tuple(EgressPrice(**r) for r in self.read_table("egress_prices").select(["sender_zone", "receiver_zone", "usd_per_gb"]).to_pylist())
 
@@ -684,6 +697,7 @@ class ProfileStore:
             framework_overhead_bytes={g: b for g, b in self.framework_overhead().items() if g in wanted},
             links=tuple(lk for lk in self.network_links() if lk.sender_gpu in wanted and lk.receiver_gpu in wanted),
             intra_node=tuple(x for x in self.intra_node_links() if x.gpu_type in wanted),
+            node_allreduce=tuple(x for x in self.node_allreduce() if x.gpu_type in wanted),
             egress=self.egress_prices(),
             prices=tuple(p for p in self.prices() if p.gpu_type in wanted),
         )

@@ -211,5 +211,5 @@ def network_cmd(
     ab = profile.allreduce_alpha_beta
     out.print(f"all-reduce alpha-beta: latency {ab.latency_s * 1e6:.1f} us, bandwidth {ab.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     out.print(f"upserted link {profile.link.sender_zone}:{profile.link.sender_gpu}x1 -> "
-              f"{profile.link.receiver_zone}:{profile.link.receiver_gpu}x1 and intra-node {profile.intra_node.gpu_type}x2 "
-              f"into {st.uri}")
+              f"{profile.link.receiver_zone}:{profile.link.receiver_gpu}x1, intra-node {profile.intra_node.gpu_type}x2 "
+              f"and the node's all-reduce over {profile.node_allreduce.workers} workers into {st.uri}")

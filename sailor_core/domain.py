@@ -250,6 +250,19 @@ class IntraNodeLink:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeAllReduce:
+    """A measured all-reduce among `workers` GPUs of one node, one GPU per worker: `fit` is its
+    algorithm bandwidth, x / t(x) for x bytes per worker, in the same form as a link's fit."""
+
+    gpu_type: str
+    workers: int
+    fit: BandwidthFit
+
+    def __post_init__(self) -> None:
+        _check(self.workers >= 2, f"an all-reduce needs at least 2 workers, got {self.workers}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EgressPrice:
     sender_zone: str
     receiver_zone: str

@@ -19,6 +19,7 @@ from sailor_core.domain import (
     Market,
     ModelSpec,
     NetworkLink,
+    NodeAllReduce,
     SailorError,
 )
 
@@ -44,6 +45,8 @@ class ProfileBook:
     framework_overhead_bytes: Mapping[str, int] = field(default_factory=dict)
     links: tuple[NetworkLink, ...] = ()
     intra_node: tuple[IntraNodeLink, ...] = ()
+    # measured all-reduces within one node; where absent, all-reduces are composed from link hops
+    node_allreduce: tuple[NodeAllReduce, ...] = ()
     egress: tuple[EgressPrice, ...] = ()
     prices: tuple[GpuPrice, ...] = ()
 
@@ -58,6 +61,7 @@ class ProfileBook:
             },
         )
         object.__setattr__(self, "_intra", {(x.gpu_type, x.num_gpus): x for x in self.intra_node})
+        object.__setattr__(self, "_node_ar", {(x.gpu_type, x.workers): x for x in self.node_allreduce})
         object.__setattr__(self, "_egress", {(e.sender_zone, e.receiver_zone): e.usd_per_gb for e in self.egress})
         object.__setattr__(
             self, "_prices", {(p.zone, p.gpu_type, p.market): p.usd_per_gpu_hour for p in self.prices}
@@ -104,6 +108,9 @@ class ProfileBook:
 
     def intra_node_link(self, gpu_type: str, num_gpus: int) -> IntraNodeLink | None:
         return self._intra.get((gpu_type, num_gpus))  # type: ignore[attr-defined]
+
+    def node_allreduce_fit(self, gpu_type: str, workers: int) -> NodeAllReduce | None:
+        return self._node_ar.get((gpu_type, workers))  # type: ignore[attr-defined]
 
     def egress_usd_per_gb(self, sender_zone: str, receiver_zone: str) -> float:
         if sender_zone == receiver_zone:

@@ -144,6 +144,21 @@ def test_ring_shortcut_equals_the_simulator(book) -> None:
                                                                      rel=1e-12)
 
 
+def test_ring_shortcut_takes_the_measured_node_all_reduce_like_the_simulator(book) -> None:
+    from sailor_core.domain import NodeAllReduce
+
+    measured = NodeAllReduce(gpu_type=A, workers=2, fit=book.intra_node_link(A, 2).fit)
+    costs = SimCosts(replace(book, node_allreduce=(measured,)))
+    slot = Slot(index=0, gpu_type=A, market=Market.ON_DEMAND, region="us-central1", cloud="gcp", gpus_per_node=4,
+                usd_per_gpu_hour=1.0, zones=(("us-central1-a", 999), ("us-central1-b", 999)))
+    one_node = (("us-central1-a", 2),)
+    for lay, tp in ((one_node, 1), (one_node, 2), ((("us-central1-a", 1), ("us-central1-b", 1)), 1)):
+        got = costs.allreduce_s(slot, tp, lay, 3e8)
+        assert got == pytest.approx(costs.allreduce_reference_s(slot, tp, lay, 3e8), rel=1e-12)
+    # the measured collective (x / bw(x)) replaces the two ring hops of x/2 on the same fit
+    assert costs.allreduce_s(slot, 1, one_node, 3e8) == pytest.approx(measured.fit.transfer_time_s(3e8))
+
+
 def _pool(book, zones: dict[str, dict[str, int]]) -> ResourcePool:
     return parse_pool({"zones": {z: {"gpus": {g: {"count": n} for g, n in gs.items()}} for z, gs in zones.items()}}, book)
 

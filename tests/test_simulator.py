@@ -187,6 +187,22 @@ def test_ring_allreduce_by_hand_with_buckets() -> None:
     assert sm.allreduce_time_s([rep()], [0], 4e8) == 0.0
 
 
+def test_a_data_parallel_group_inside_one_node_uses_the_measured_all_reduce() -> None:
+    from dataclasses import replace
+
+    from sailor_core.domain import NodeAllReduce
+
+    measured = NodeAllReduce(gpu_type="G1", workers=2, fit=const_fit(1.0))  # 1 GB/s algorithm bandwidth
+    sm = SimModel(replace(make_book(inter_gbps=10.0, intra_gbps=100.0), node_allreduce=(measured,)))
+    two = [rep(), rep()]
+    # one node: the measured collective, bucket by bucket (5e8 + 1e8 B at 1 GB/s)
+    assert sm.allreduce_time_s(two, [0, 0], 6e8) == pytest.approx(6e8 / 1e9)
+    # two nodes, other group sizes or TP replicas: the ring composed from link hops, as before
+    assert sm.allreduce_time_s(two, [0, 1], 1e8) == pytest.approx(2 * 1 * (1e8 / 2) / 10e9)
+    assert sm.allreduce_time_s([rep(), rep(), rep()], [0, 0, 0], 1e8) == pytest.approx(2 * 2 * (1e8 / 3) / 100e9)
+    assert sm.node_allreduce_s("G1", 2, 2, 1e8) is None and sm.node_allreduce_s("G2", 2, 1, 1e8) is None
+
+
 def test_memory_terms_by_hand() -> None:
     sm = SimModel(make_book(overhead=1000))
     m = sm.stage_memory("G1", 1, 1, 2, mbs=2, in_flight=3, receives_activations=True, receives_gradients=True)

@@ -33,6 +33,7 @@ from sailor_core.domain import (
     IntraNodeLink,
     Market,
     NetworkLink,
+    NodeAllReduce,
     PoolEntry,
     Provenance,
     SailorError,
@@ -95,11 +96,13 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
         for c in (1, 2)
     ]
     intra = [IntraNodeLink(gpu_type="TestGPU", num_gpus=2, fit=FIT)]
+    node_ar = [NodeAllReduce(gpu_type="TestGPU", workers=w, fit=FIT) for w in (2, 4)]
     egress = [EgressPrice(sender_zone="z-a", receiver_zone="z-b", usd_per_gb=0.02)]
     prices = [GpuPrice(cloud="gcp", zone="z-a", gpu_type="TestGPU", market=Market.SPOT, usd_per_gpu_hour=1.25, fetched_at=T0)]
     quotas = [PoolEntry(zone="z-a", region="z", gpu_type="TestGPU", count=8, market=Market.SPOT, cloud="gcp")]
     store.write_network_links(links, provenance=PROV)
     store.write_intra_node_links(intra, provenance=PROV)
+    store.write_node_allreduce(node_ar, provenance=PROV)
     store.write_egress_prices(egress, provenance=PROV)
     store.write_prices(prices, provenance=PROV)
     store.write_quotas(quotas, provenance=PROV)
@@ -107,6 +110,7 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
 
     assert set(store.network_links()) == set(links)
     assert store.intra_node_links() == tuple(intra)
+    assert set(store.node_allreduce()) == set(node_ar)
     assert store.egress_prices() == tuple(egress)
     assert store.prices() == tuple(prices)
     [q] = store.quotas()
@@ -115,10 +119,11 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
     book = store.profile_book("Tiny")
     assert book.link("z-a", "TestGPU", 2, "z-b", "TestGPU", 2) == links[1]
     assert book.intra_node_link("TestGPU", 2) == intra[0]
+    assert book.node_allreduce_fit("TestGPU", 4) == node_ar[1] and book.node_allreduce_fit("TestGPU", 3) is None
     assert book.egress_usd_per_gb("z-a", "z-b") == 0.02
     assert book.price_usd_per_gpu_hour("z-a", "TestGPU", Market.SPOT) == 1.25
     assert book.overhead_bytes("TestGPU") == 3_000_000_000
-    for name in ("network_links", "intra_node_links", "egress_prices", "gpu_prices", "quotas", "framework_overhead"):
+    for name in ("network_links", "intra_node_links", "node_allreduce", "egress_prices", "gpu_prices", "quotas", "framework_overhead"):
         t = store.read_table(name)
         assert set(t["source"].to_pylist()) == {"test"}, name
         assert set(t["host"].to_pylist()) == {"testhost"}, name

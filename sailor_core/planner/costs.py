@@ -19,6 +19,7 @@ from sailor_core.domain import Market, Replica
 from sailor_core.profiles import MissingProfileError, ProfileBook
 from sailor_core.simulator import StageCompute, model_for
 from sailor_core.simulator import constants as C
+from sailor_core.simulator.model import allreduce_buckets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +173,10 @@ class SimCosts:
         counts: dict[str, int] = {}
         for z, n in layout:
             counts[z] = counts.get(z, 0) + n
+        if len(zones) == 1 and d <= per_node:  # one node: its measured all-reduce, if the store has one
+            measured = self.sm.node_allreduce_s(slot.gpu_type, d, tp, grad_bytes)
+            if measured is not None:
+                return measured
 
         def rep(zone: str) -> Replica:
             return Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
@@ -189,10 +194,8 @@ class SimCosts:
             for i, z in enumerate(zones):
                 hops.append((rep(z), rep(zones[(i + 1) % len(zones)]), False))
         flows = max(1, min(tp, slot.gpus_per_node))
-        n_full, rest = divmod(grad_bytes, C.ALLREDUCE_BUCKET_BYTES)
-        buckets = [float(C.ALLREDUCE_BUCKET_BYTES)] * int(n_full) + ([rest] if rest > 0 else [])
         total = 0.0
-        for bucket in buckets:
+        for bucket in allreduce_buckets(grad_bytes):
             chunk = bucket / d
             step = max(chunk / self.sm.flow_bandwidth_bytes_per_s(a, b, flows, chunk, same_node=same)
                        for a, b, same in hops)

@@ -16,9 +16,10 @@ repetitions (`statistic`, see DEFAULT_STATISTIC: the 20th), and fitted:
 - `intra_node`: the same fit as an `IntraNodeLink` for 2 GPUs of the node, since the workers share
   one machine and the simulator reads a same-node transfer (pipeline send or ring all-reduce hop)
   from the 2-GPU intra-node fit as a GPU pair's bandwidth;
-- `allreduce_fit`: the measured all-reduce of x bytes over all workers in the same form
-  (algorithm bandwidth x / time). The simulator does not read it (it composes all-reduces from
-  pair hops, 2(D-1) t(x/D)); it is kept in the provenance and checks that composition;
+- `allreduce_fit` / `node_allreduce`: the measured all-reduce of x bytes over all workers in the
+  same form (algorithm bandwidth x / time), stored as the node's all-reduce for that many workers:
+  the simulator uses it for a data-parallel group inside one node of this GPU type (elsewhere it
+  composes rings from pair hops, 2(D-1) t(x/D), which on gloo is 1.5-2x optimistic);
 - alpha-beta (latency, bandwidth) for both, kept with the profile and in its provenance.
 Nothing is written anywhere: the caller stores the result (see sailor_core.profiler.save).
 Labels: two local workers are one zone and one GPU type. `network_worker` takes its rendezvous
@@ -34,7 +35,14 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-from sailor_core.domain import BandwidthFit, IntraNodeLink, NetworkLink, Provenance, SailorError
+from sailor_core.domain import (
+    BandwidthFit,
+    IntraNodeLink,
+    NetworkLink,
+    NodeAllReduce,
+    Provenance,
+    SailorError,
+)
 from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.fit import AlphaBeta, fit_alpha_beta, fit_bandwidth, relative_errors
 from sailor_core.profiler.spawn import run_workers
@@ -139,6 +147,7 @@ class NetworkProfile:
     link: NetworkLink
     intra_node: IntraNodeLink
     allreduce_fit: BandwidthFit
+    node_allreduce: NodeAllReduce
     p2p_alpha_beta: AlphaBeta
     allreduce_alpha_beta: AlphaBeta
     points: tuple[SizePoint, ...]
@@ -314,6 +323,7 @@ def fit_network(rows, settings: NetworkSettings, gpu_type: str) -> NetworkProfil
         link=link,
         intra_node=intra,
         allreduce_fit=ar_fit,
+        node_allreduce=NodeAllReduce(gpu_type=gpu_type, workers=settings.workers, fit=ar_fit),
         p2p_alpha_beta=p2p_ab,
         allreduce_alpha_beta=ar_ab,
         points=points,

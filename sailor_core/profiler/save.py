@@ -9,7 +9,8 @@ this module never opens one, so sailor_core does not depend on the store's packa
   overhead. Every write carries the profile's provenance. Called only with a complete profile, so an
   interrupted or failed profile writes nothing; a reader sees the old profile until the replace
   commits (the store's contract).
-- `save_network_profile(store, profile)`: upserts the measured link and its intra-node twin.
+- `save_network_profile(store, profile)`: upserts the measured link, its intra-node twin and the
+  node's measured all-reduce.
 - `profile_model_to_store(store, model=..., ...)` / `profile_network_to_store(store, ...)`: measure
   then save; the same code as `sailor profile model|network`. They return the rows written.
 """
@@ -62,7 +63,8 @@ def save_model_profile(store: Any, profile: ModelProfile) -> int:
 def save_network_profile(store: Any, profile: NetworkProfile) -> int:
     store.write_network_links([profile.link], provenance=profile.provenance)
     store.write_intra_node_links([profile.intra_node], provenance=profile.provenance)
-    return 2
+    store.write_node_allreduce([profile.node_allreduce], provenance=profile.provenance)
+    return 3
 
 
 def _ints(values: Iterable[int] | None, default: tuple[int, ...]) -> tuple[int, ...]:

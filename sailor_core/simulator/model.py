@@ -8,7 +8,9 @@ one model on a set of GPUs and links, each in O(1) after a first call:
 - `optimizer_time_s(...)`: the optimizer step of that stage;
 - `stage_params(tp, first, last)`, `stage_memory(...)`: parameters held per GPU and peak memory;
 - `p2p_time_s(...)`, `allreduce_time_s(...)`: pipeline messages and data-parallel gradient rings on
-  the published bandwidth fits, within a node, a zone, across zones and regions.
+  the published bandwidth fits, within a node, a zone, across zones and regions; a data-parallel
+  group inside one node takes the node's measured all-reduce instead where the store has one
+  (`node_allreduce_s`, written by the network profiler).
 
 `model_for(book)` returns the cached `SimModel` of a book (one per book object), so `simulate` and
 the planner share the same numbers and caches: one model, not two. Pure: no I/O, no globals read
@@ -404,11 +406,23 @@ class SimModel:
             self._ar_memo[key] = hit
         return hit
 
+    def node_allreduce_s(self, gpu_type: str, workers: int, tp: int, grad_bytes_per_gpu: float) -> float | None:
+        """A data-parallel group of `workers` replicas inside one node, from the node's measured
+        all-reduce (bucket by bucket); None where the store has no such measurement. Measured with
+        one GPU per worker, so it stands for tp = 1 replicas only (tp rings at once share the node)."""
+        m = self.book.node_allreduce_fit(gpu_type, workers) if tp == 1 else None
+        if m is None:
+            return None
+        return sum(m.fit.transfer_time_s(b) for b in allreduce_buckets(grad_bytes_per_gpu))
+
     def _allreduce(self, replicas: Sequence[Replica], nodes: Sequence[int], grad_bytes_per_gpu: float) -> float:
         d = len(replicas)
+        if len(set(nodes)) == 1:  # one node: its measured all-reduce, where the store has one
+            measured = self.node_allreduce_s(replicas[0].gpu_type, d, max(r.tp for r in replicas), grad_bytes_per_gpu)
+            if measured is not None:
+                return measured
         order = sorted(range(d), key=lambda i: (replicas[i].region, replicas[i].zone, nodes[i]))
-        n_full, rest = divmod(grad_bytes_per_gpu, C.ALLREDUCE_BUCKET_BYTES)
-        buckets = [C.ALLREDUCE_BUCKET_BYTES] * int(n_full) + ([rest] if rest > 0 else [])
+        buckets = allreduce_buckets(grad_bytes_per_gpu)
         total = 0.0
         for bucket in buckets:
             chunk = bucket / d
@@ -422,6 +436,12 @@ class SimModel:
                 step = max(step, chunk / bw)
             total += 2 * (d - 1) * step
         return total
+
+
+def allreduce_buckets(grad_bytes: float) -> list[float]:
+    """The gradient bytes of one GPU cut into the all-reduce buckets of `ALLREDUCE_BUCKET_BYTES`."""
+    n_full, rest = divmod(grad_bytes, C.ALLREDUCE_BUCKET_BYTES)
+    return [float(C.ALLREDUCE_BUCKET_BYTES)] * int(n_full) + ([rest] if rest > 0 else [])
 
 
 # One SimModel per ProfileBook object. Keyed by id with the book kept alive by the entry, so an id
