@@ -16,7 +16,7 @@ repetitions (`statistic`, see DEFAULT_STATISTIC: the 20th), and fitted:
 - `intra_node`: the same fit as an `IntraNodeLink` for 2 GPUs of the node, since the workers share
   one machine and the simulator reads a same-node transfer (pipeline send or ring all-reduce hop)
   from the 2-GPU intra-node fit as a GPU pair's bandwidth;
-- `allreduce_fit` / `node_allreduce`: the measured all-reduce of x bytes over all workers in the
+- `node_allreduce` (its fit also as `allreduce_fit`): the measured all-reduce of x bytes over all workers in the
   same form (algorithm bandwidth x / time), stored as the node's all-reduce for that many workers:
   the simulator uses it for a data-parallel group inside one node of this GPU type (elsewhere it
   composes rings from pair hops, 2(D-1) t(x/D), which on gloo is 1.5-2x optimistic);
@@ -146,12 +146,15 @@ class SizePoint:
 class NetworkProfile:
     link: NetworkLink
     intra_node: IntraNodeLink
-    allreduce_fit: BandwidthFit
     node_allreduce: NodeAllReduce
     p2p_alpha_beta: AlphaBeta
     allreduce_alpha_beta: AlphaBeta
     points: tuple[SizePoint, ...]
     provenance: Provenance
+
+    @property
+    def allreduce_fit(self) -> BandwidthFit:
+        return self.node_allreduce.fit
 
     def p2p_errors(self) -> list[float]:
         """Relative error of the link fit's predicted time against the measured time, per size."""
@@ -322,7 +325,6 @@ def fit_network(rows, settings: NetworkSettings, gpu_type: str) -> NetworkProfil
     return NetworkProfile(
         link=link,
         intra_node=intra,
-        allreduce_fit=ar_fit,
         node_allreduce=NodeAllReduce(gpu_type=gpu_type, workers=settings.workers, fit=ar_fit),
         p2p_alpha_beta=p2p_ab,
         allreduce_alpha_beta=ar_ab,

@@ -36,7 +36,7 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,9 +155,9 @@ class Trainer:
         self._build_tie_group()
         self.model = StageModel(cfg, self.stage.first_layer, self.stage.last_layer, self.tp, settings.seed).to(self.device)
         self._params = list(self.model.named_parameters())
-        self._param_index = {id(p): i for i, (_, p) in enumerate(self._params)}
         self._setup_zero1()
-        owned = [p for i, (_, p) in enumerate(self._params) if self._owner[i] == self.me.pipeline]
+        owned = self._owned_by[self.me.pipeline] if self.zero1 else [p for _, p in self._params]
+        self._mine = {id(p) for p in owned}  # parameters this rank's optimizer steps
         decay = [p for p in owned if p.dim() >= 2]
         no_decay = [p for p in owned if p.dim() < 2]
         self.opt = torch.optim.AdamW(
@@ -210,20 +210,20 @@ class Trainer:
                     self.dp_group, self.hetero = g, True
 
     def _setup_zero1(self) -> None:
-        """Which replica of my stage owns (keeps optimizer state for and steps) each of my parameters."""
+        """Under ZeRO-1, the parameters each replica of my stage owns (keeps optimizer state for and
+        steps), in parameter order, and my TP rank's peer in each replica."""
         dp = len(self.stage.replicas)
         self.zero1 = self.plan.zero1 and self.dp_group is not None and not self.hetero
         if self.plan.zero1 and self.hetero and self.rank == 0:
             self.log("zero1: replicas of a stage shard differently (different TP degrees); "
                      "every replica keeps the full optimizer state")
         if not self.zero1:
-            self._owner = [self.me.pipeline] * len(self._params)
             return
-        self._owner = zero1_owners([p.numel() for _, p in self._params], dp)
-        # my TP rank's peers in the other replicas of my stage, indexed by replica (= pipeline)
+        owner = zero1_owners([p.numel() for _, p in self._params], dp)
+        self._owned_by = [[p for (_, p), o in zip(self._params, owner, strict=True) if o == j] for j in range(dp)]
         self._dp_ranks = [ranks_of(self.plan, self.me.stage, j)[self.tp.rank] for j in range(dp)]
 
-    def _zero1_broadcast(self, tensors_of: Callable[[int], list[torch.Tensor]]) -> None:
+    def _zero1_broadcast(self, tensors_of: Callable[[int], Sequence[torch.Tensor]]) -> None:
         """For every replica j, broadcast `tensors_of(j)` (tensors it owns) from j to the others, in place."""
         for j, src in enumerate(self._dp_ranks):
             ts = tensors_of(j)
@@ -239,18 +239,17 @@ class Trainer:
 
     def _zero1_share_params(self) -> None:
         with torch.no_grad():
-            self._zero1_broadcast(lambda j: [p for i, (_, p) in enumerate(self._params) if self._owner[i] == j])
+            self._zero1_broadcast(lambda j: self._owned_by[j])
 
     def _zero1_gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every parameter's AdamW moments on every replica (for a checkpoint), keyed by id(param)."""
+        moments = ("exp_avg", "exp_avg_sq")
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for i, (_, p) in enumerate(self._params):
-            st = self.opt.state.get(p, {})
-            mine = self._owner[i] == self.me.pipeline and "exp_avg" in st
-            out[id(p)] = {k: st[k].detach().clone() if mine else torch.zeros_like(p) for k in ("exp_avg", "exp_avg_sq")}
+        for _, p in self._params:
+            st = self.opt.state.get(p, {})  # only the parameters this rank owns have state
+            out[id(p)] = {k: st[k].detach().clone() if k in st else torch.zeros_like(p) for k in moments}
         if self.opt_steps > 0:  # before the first step nobody has state: zeros everywhere
-            self._zero1_broadcast(lambda j: [out[id(p)][k] for i, (_, p) in enumerate(self._params)
-                                             if self._owner[i] == j for k in ("exp_avg", "exp_avg_sq")])
+            self._zero1_broadcast(lambda j: [out[id(p)][k] for p in self._owned_by[j] for k in moments])
         return out
 
     def _build_tie_group(self) -> None:
@@ -360,7 +359,7 @@ class Trainer:
                 for name, p in layer.named_parameters(remove_duplicate=False):
                     dim = getattr(p, SHARD_ATTR, None)
                     p.copy_(shard(full["params"][name], dim, self.tp.rank, self.tp.size))
-                    if opt_steps > 0 and self._owner[self._param_index[id(p)]] == self.me.pipeline:
+                    if opt_steps > 0 and id(p) in self._mine:
                         self.opt.state[p] = {
                             "step": torch.tensor(float(opt_steps)),
                             "exp_avg": shard(full["exp_avg"][name], dim, self.tp.rank, self.tp.size).to(self.device),
