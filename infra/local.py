@@ -1,9 +1,15 @@
-"""The local provider: "VMs" are worker slots on this machine (GPU type `cpu`, zone `local`).
+"""The local provider: "VMs" on this machine, in the zones, device types and markets of a scenario.
 
 Contract (the Provider protocol of infra/provider.py):
-- `offerings()` reports free slots per market at the current scripted price (a scenario file,
-  infra/scenario.py, sets capacities and prices and scripts preemptions and changes).
-- `provision()` reserves slots (a VM record and a slot folder); `bootstrap()` writes the worker
+- `offerings()` reports free VMs per zone, device type and market at the current scripted price
+  (a scenario file, infra/scenario.py, sets zones, capacities, prices and links and scripts
+  preemptions and changes); `gpus_per_node` is the offering's devices per VM.
+- Isolation (`isolation=`): `netns` makes each VM a testbed VM (infra/testbed.py: its own network
+  namespace and address, cpu cgroup at its device type's quota, links shaped per zone pair); `process`
+  makes it a folder and a process group, as before; `auto` takes `netns` where `testbed_support()`
+  allows and otherwise says once why it falls back to `process`. Either way a VM's working folder
+  lives in the run's testbed folder (infra/testbed.py `default_home()`), never under `root`.
+- `provision()` reserves VMs (a VM record and a testbed VM); `bootstrap()` writes the worker
   assignment into the slot and starts the worker agent there as its own process group, with
   SAILOR_ASSIGNMENT_FILE, SAILOR_HEARTBEAT_FILE and SAILOR_SLOT_DIR in its environment.
 - `events(run_id)` advances the scenario (triggers by the run's highest reported step or by seconds
@@ -11,9 +17,13 @@ Contract (the Provider protocol of infra/provider.py):
   (SIGUSR1 by default: the runtime checkpoints just in time), waits its grace period and kills it; a worker is then reported LOST by the same check
   that finds a real one: its process exited without finishing (exit status not 0), or it is alive but
   its heartbeat file has not moved for `heartbeat_timeout_s`.
-- `terminate()` stops the agents (SIGTERM, then SIGKILL after `stop_grace_s`) and frees the slots;
-  `cleanup(run_id)` does that for everything a run left, also from another process, because all state
-  lives as JSON files under `root` (one record per VM, one event log per run). Idempotent.
+- `terminate()` stops the agents (SIGTERM, then SIGKILL after `stop_grace_s`) and removes the VMs
+  (namespace, veth, cgroup); `cleanup(run_id)` does that for everything a run left and tears down its
+  testbed (bridge, folders), also from another process, because all state lives as JSON files under
+  `root` (one record per VM, one event log per run) and the testbed's own record. Idempotent.
+- `host_address(run_id)` is where the run's VMs reach this machine (the bridge address; 127.0.0.1 in
+  process isolation): the controller and the object store bind it. `cluster_info(run_id)` describes
+  the cluster (isolation, zones, regions, device types, per VM its devices and address).
 
 Side effects come in through the constructor: the state folder, the scenario, the clock and the
 command that starts an agent (default: the runtime's `sailor worker --assignment FILE`).
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -45,11 +56,34 @@ from infra.provider import (
     VmRequest,
     WorkerAssignment,
 )
-from infra.scenario import CLOUD, GPU_TYPE, REGION, ZONE, Scenario, ScenarioEvent, default_scenario
+from infra.scenario import CLOUD, Scenario, ScenarioEvent, ScenarioOffering, default_scenario, offering_key
+from infra.testbed import Testbed, TestbedError, TestbedVm, cleanup_stale, leftovers, testbed_support
 from sailor_core.domain import Market
 
 AgentCommand = Callable[[Vm, WorkerAssignment, Path], list[str]]
 LIVE_STATES = ("running", "preempting")
+ISOLATIONS = ("auto", "netns", "process")
+_log = logging.getLogger(__name__)
+_FALLBACK_SAID: list[str] = []  # the fallback to process isolation is said once per process
+
+
+def resolve_isolation(isolation: str, *, support: Callable[[], tuple[bool, str]] = testbed_support,
+                      notify: Callable[[str], None] = _log.warning) -> str:
+    """`netns` or `process` for `auto`/`netns`/`process`; `auto` falls back (and says why, once) without root."""
+    if isolation not in ISOLATIONS:
+        raise ProviderError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}; to fix: use one")
+    if isolation == "process":
+        return "process"
+    ok, why = support()
+    if ok:
+        return "netns"
+    if isolation == "netns":
+        raise ProviderError(f"the testbed (isolation netns) cannot run here: {why}; to fix: run as root with "
+                            f"iproute2 and the cgroup v1 cpu controller, or use isolation auto/process")
+    if not _FALLBACK_SAID:
+        _FALLBACK_SAID.append(why)
+        notify(f"local provider: VMs run as plain processes (isolation process), not isolated testbed VMs: {why}")
+    return "process"
 
 
 def default_agent_command(vm: Vm, assignment: WorkerAssignment, slot: Path) -> list[str]:
@@ -57,6 +91,14 @@ def default_agent_command(vm: Vm, assignment: WorkerAssignment, slot: Path) -> l
     orchestration's controller at the assignment's rendezvous endpoint under the VM's id."""
     return [sys.executable, "-m", "sailor_core.runtime.worker_proc", "--control", assignment.rendezvous_endpoint,
             "--worker-id", vm.vm_id]
+
+
+def _rec_key(rec: dict[str, Any]) -> str:
+    return offering_key(rec.get("zone", "local"), rec["gpu_type"], rec["market"])
+
+
+def _instance_type(o: ScenarioOffering) -> str:
+    return f"local-{o.gpus_per_vm}x{o.gpu_type}"
 
 
 def _now_dt(t: float) -> datetime:
@@ -120,6 +162,10 @@ class LocalProvider:
         notice_signal: int = signal.SIGUSR1,
         env: dict[str, str] | None = None,
         heartbeats: Callable[[str], dict[str, Any] | None] | None = None,
+        isolation: str = "process",
+        testbed_network: str | None = None,
+        support: Callable[[], tuple[bool, str]] = testbed_support,
+        notify: Callable[[str], None] = _log.warning,
     ) -> None:
         self.root = Path(root)
         self.scenario = scenario or default_scenario()
@@ -135,15 +181,30 @@ class LocalProvider:
         self._heartbeats = heartbeats or self._file_heartbeat
         self._lock = threading.RLock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        for d in ("vms", "slots", "events"):
+        self._testbeds: dict[str, Testbed] = {}
+        self._isolation_asked = isolation
+        self._isolation: str | None = None  # resolved on first use: `auto` checks the machine
+        self._support = support
+        self._notify = notify
+        self.testbed_network = testbed_network
+        for d in ("vms", "events"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         if not self._state_path.exists():
+            # Capacity counts VMs per offering (zone/device type/market); prices are per device and hour.
             _write_json(self._state_path, {
-                "prices": {o.market.value: o.usd_per_gpu_hour for o in self.scenario.offerings},
-                "capacity": {o.market.value: o.count for o in self.scenario.offerings},
+                "prices": {o.key: o.usd_per_gpu_hour for o in self.scenario.offerings},
+                "capacity": {o.key: o.count for o in self.scenario.offerings},
                 "fired": {},
                 "run_started": {},
+                "testbeds": {},
             })
+
+    @property
+    def isolation(self) -> str:
+        """`netns` (testbed VMs) or `process` (plain processes): what this provider's new VMs get."""
+        if self._isolation is None:
+            self._isolation = resolve_isolation(self._isolation_asked, support=self._support, notify=self._notify)
+        return self._isolation
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -177,12 +238,16 @@ class LocalProvider:
     @staticmethod
     def _vm(rec: dict[str, Any]) -> Vm:
         return Vm(
-            vm_id=rec["vm_id"], run_id=rec["run_id"], name=rec["name"], zone=ZONE, gpu_type=rec["gpu_type"],
-            gpus=rec["gpus"], market=Market(rec["market"]), address="127.0.0.1", state=rec["state"],
-            usd_per_hour=rec["usd_per_hour"],
+            vm_id=rec["vm_id"], run_id=rec["run_id"], name=rec["name"], zone=rec.get("zone", "local"),
+            gpu_type=rec["gpu_type"], gpus=rec["gpus"], market=Market(rec["market"]),
+            address=rec.get("address") or "127.0.0.1", state=rec["state"], usd_per_hour=rec["usd_per_hour"],
         )
 
     def slot_dir(self, vm_id: str) -> Path:
+        """The VM's working folder (in its testbed's folder, not under `root`)."""
+        rec = self._record(vm_id)
+        if rec is not None and rec.get("slot"):
+            return Path(rec["slot"])
         return self.root / "slots" / vm_id
 
     def _record_event(self, run_id: str, ev: ProviderEvent) -> None:
@@ -211,79 +276,175 @@ class LocalProvider:
         self, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
         markets: Sequence[Market] | None = None,
     ) -> list[Offering]:
-        if regions is not None and REGION not in regions:
-            return []
-        if gpu_types is not None and GPU_TYPE not in gpu_types:
-            return []
+        wanted_markets = None if markets is None else {Market.parse(m) for m in markets}
         with self._lock:
             st = self._state()
-            used = self._used_by_market()
+            used = self._used_vms()
         now = _now_dt(self.clock())
         out = []
-        for market_s, cap in sorted(st["capacity"].items()):
-            market = Market(market_s)
-            if markets is not None and market not in [Market.parse(m) for m in markets]:
+        for o in self.scenario.offerings:
+            if regions is not None and o.region not in regions:
                 continue
-            free = max(0, int(cap) - used.get(market_s, 0))
+            if gpu_types is not None and o.gpu_type not in gpu_types:
+                continue
+            if wanted_markets is not None and o.market not in wanted_markets:
+                continue
+            free_vms = max(0, int(st["capacity"].get(o.key, 0)) - used.get(o.key, 0))
             out.append(Offering(
-                cloud=CLOUD, region=REGION, zone=ZONE, gpu_type=GPU_TYPE, market=market, count=free,
-                gpus_per_node=1, usd_per_gpu_hour=float(st["prices"][market_s]), instance_type="local-slot",
-                price_fetched_at=now,
+                cloud=CLOUD, region=o.region, zone=o.zone, gpu_type=o.gpu_type, market=o.market,
+                count=free_vms * o.gpus_per_vm, gpus_per_node=o.gpus_per_vm,
+                usd_per_gpu_hour=float(st["prices"].get(o.key, o.usd_per_gpu_hour)),
+                instance_type=_instance_type(o), price_fetched_at=now,
             ))
         return out
 
-    def _used_by_market(self) -> dict[str, int]:
-        # A VM under a preemption notice no longer counts: its slot left the capacity with the notice.
+    def _used_vms(self) -> dict[str, int]:
+        # A VM under a preemption notice no longer counts: its capacity left with the notice.
         used: dict[str, int] = {}
         for rec in self._records():
             if rec["state"] == "running":
-                used[rec["market"]] = used.get(rec["market"], 0) + rec["gpus"]
+                key = _rec_key(rec)
+                used[key] = used.get(key, 0) + 1
         return used
+
+    def _offering_for(self, r: VmRequest) -> tuple[ScenarioOffering | None, str]:
+        key = offering_key(r.zone, r.gpu_type, r.market)
+        try:
+            o = self.scenario.offering(key)
+        except KeyError:
+            offered = ", ".join(f"{x.gpu_type} in {x.zone} ({x.market.value})" for x in self.scenario.offerings)
+            return None, f"{r.name}: {r.gpu_type} in zone {r.zone} on {r.market.value} is not offered here ({offered})"
+        if not 1 <= r.gpus <= o.gpus_per_vm:
+            return None, (f"{r.name}: {o.gpu_type} VMs in {o.zone} have {o.gpus_per_vm} device(s), "
+                          f"{r.gpus} requested")
+        return o, ""
 
     def provision(self, requests: Sequence[VmRequest], *, dry_run: bool = False) -> list[Vm]:
         problems = []
+        chosen: list[ScenarioOffering] = []
         for r in requests:
-            if r.zone != ZONE:
-                problems.append(f"{r.name}: zone {r.zone!r} is not offered here (only {ZONE!r})")
-            if r.gpu_type != GPU_TYPE:
-                problems.append(f"{r.name}: GPU type {r.gpu_type!r} is not offered here (only {GPU_TYPE!r})")
-            if r.gpus < 1:
-                problems.append(f"{r.name}: gpus must be >= 1, got {r.gpus}")
+            o, why = self._offering_for(r)
+            if o is None:
+                problems.append(why)
+            else:
+                chosen.append(o)
         if problems:
             raise ProviderError("local provider cannot provision: " + "; ".join(problems)
-                                + "; to fix: plan for GPU type cpu in zone local")
+                                + "; to fix: plan with the zones, device types and VM sizes of the offerings")
         with self._lock:
             st = self._state()
-            used = self._used_by_market()
+            used = self._used_vms()
             want: dict[str, int] = {}
-            for r in requests:
-                want[r.market.value] = want.get(r.market.value, 0) + r.gpus
-            for m, n in want.items():
-                free = int(st["capacity"].get(m, 0)) - used.get(m, 0)
+            for o in chosen:
+                want[o.key] = want.get(o.key, 0) + 1
+            for key, n in want.items():
+                free = int(st["capacity"].get(key, 0)) - used.get(key, 0)
                 if n > free:
+                    o = self.scenario.offering(key)
                     raise CapacityError(
-                        f"local provider has {max(free, 0)} free {m} cpu slots, {n} requested; "
-                        f"to fix: ask for fewer workers or raise that market's count in the scenario"
+                        f"local provider has {max(free, 0)} free {o.market.value} {o.gpu_type} VMs in {o.zone}, "
+                        f"{n} requested; to fix: ask for fewer VMs or raise that offering's count in the scenario"
                     )
             now = self.clock()
             out = []
-            for r in requests:
-                price = float(st["prices"][r.market.value]) * r.gpus
-                rec = {
-                    "vm_id": f"local-{uuid.uuid4().hex[:10]}", "run_id": r.run_id, "name": r.name,
-                    "gpu_type": r.gpu_type, "gpus": r.gpus, "market": r.market.value, "usd_per_hour": price,
-                    "state": "planned" if dry_run else "running", "created_at": now, "seq": len(self._records(r.run_id)),
-                    "pid": None, "started_at": None, "ended_at": None, "lost_reported": False, "reason": "",
+            for r, o in zip(requests, chosen, strict=True):
+                rec: dict[str, Any] = {
+                    "vm_id": f"local-{uuid.uuid4().hex[:10]}", "run_id": r.run_id, "name": r.name, "zone": o.zone,
+                    "region": o.region, "gpu_type": o.gpu_type, "gpus": o.gpus_per_vm, "market": o.market.value,
+                    "usd_per_hour": float(st["prices"].get(o.key, o.usd_per_gpu_hour)) * o.gpus_per_vm,
+                    "state": "planned" if dry_run else "running", "created_at": now,
+                    "seq": len(self._records(r.run_id)), "pid": None, "started_at": None, "ended_at": None,
+                    "lost_reported": False, "reason": "", "address": "", "slot": "",
                 }
                 if not dry_run:
-                    self.slot_dir(rec["vm_id"]).mkdir(parents=True, exist_ok=True)
+                    self._save(rec)  # the record first: a cleanup finds the VM even if what follows fails
+                    tvm = self._create_vm(r.run_id, str(rec["vm_id"]), o)
+                    rec.update(address=tvm.address, slot=tvm.folder, isolation=self._testbed(r.run_id).isolation)
                     self._save(rec)
                     if r.run_id not in st["run_started"]:
                         st["run_started"][r.run_id] = now
                 out.append(self._vm(rec))
             if not dry_run:
+                st = {**self._state(), "run_started": st["run_started"]}
                 _write_json(self._state_path, st)
             return out
+
+    # -- the testbed -------------------------------------------------------------------------
+    def _testbed(self, run_id: str) -> Testbed:
+        """The run's testbed, built on first use (all zones of the scenario, its links)."""
+        with self._lock:
+            tb = self._testbeds.get(run_id)
+            if tb is not None:
+                return tb
+            st = self._state()
+            folder = st.get("testbeds", {}).get(run_id, {}).get("folder")
+            tb = Testbed.open(folder) if folder else None
+            if tb is None:
+                try:
+                    tb = Testbed.create(run_id=run_id, zones=[z for z, _ in self.scenario.zones],
+                                        link_gbps=self.scenario.link_gbps, isolation=self.isolation,
+                                        network=self.testbed_network)
+                except TestbedError as e:
+                    raise ProviderError(str(e)) from e
+                st = self._state()
+                st.setdefault("testbeds", {})[run_id] = {"folder": str(tb.folder), "tag": tb.tag,
+                                                         "isolation": tb.isolation}
+                _write_json(self._state_path, st)
+            self._testbeds[run_id] = tb
+            return tb
+
+    def _create_vm(self, run_id: str, vm_id: str, o: ScenarioOffering) -> TestbedVm:
+        cpu = self.scenario.device_type(o.gpu_type).cpu_per_device
+        try:
+            return self._testbed(run_id).add_vm(vm_id, zone=o.zone, devices=o.gpus_per_vm,
+                                                cpu_cores=None if cpu is None else cpu * o.gpus_per_vm)
+        except TestbedError as e:
+            raise ProviderError(str(e)) from e
+
+    def host_address(self, run_id: str) -> str:
+        """Where the run's VMs reach this machine (bridge address, or 127.0.0.1): bind the controller there."""
+        return self._testbed(run_id).host_address
+
+    def cluster_info(self, run_id: str) -> dict[str, Any]:
+        """The run's cluster for `sailor runs show --json`: isolation, what is offered, per VM its devices."""
+        st = self._state()
+        info = st.get("testbeds", {}).get(run_id)
+        tb = self._testbeds.get(run_id) or (Testbed.open(info["folder"]) if info else None)
+        offered = self.scenario.offerings
+        return {
+            "isolation": tb.isolation if tb else (info or {}).get("isolation", self.isolation),
+            "regions": list(self.scenario.regions),
+            "zones": [{"zone": z, "region": r} for z, r in self.scenario.zones],
+            "device_types": [
+                {"name": d.name, "cpu_per_device": d.cpu_per_device,
+                 "devices_per_vm": sorted({o.gpus_per_vm for o in offered if o.gpu_type == d.name})}
+                for d in self.scenario.device_types],
+            "host_address": tb.host_address if tb else "",
+            "subnet": tb.subnet if tb else "",
+            "links_gbps": {f"{a}>{b}": self.scenario.link_gbps(a, b)
+                           for a, _ in self.scenario.zones for b, _ in self.scenario.zones},
+            "vms": [{"vm_id": r["vm_id"], "name": r["name"], "zone": r.get("zone"), "region": r.get("region"),
+                     "device_type": r["gpu_type"], "devices": r["gpus"], "market": r["market"],
+                     "address": r.get("address") or "127.0.0.1", "state": r["state"]}
+                    for r in self._records(run_id) if r["state"] != "planned"],
+        }
+
+    def leftovers(self, run_id: str) -> list[str]:
+        """What of the run's testbed still exists on this machine (namespaces, links, cgroups, folder)."""
+        info = self._state().get("testbeds", {}).get(run_id)
+        return leftovers(info["tag"], Path(info["folder"])) if info else []
+
+    def spawn(self, vm_id: str, argv: Sequence[str], *, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        """Start `argv` on the VM (inside its namespace and cgroup, or as a plain process group) with its
+        folder as working directory, stdout and stderr appended to `log`."""
+        rec = self._record(vm_id)
+        if rec is None:
+            raise ProviderError(f"unknown VM {vm_id}; to fix: provision it first")
+        tb = self._testbed(rec["run_id"])
+        try:
+            return tb.spawn(vm_id, argv, env=env, log=log)
+        except (OSError, TestbedError) as e:
+            raise ProviderError(f"cannot start {argv[0]} on {vm_id}: {e}; to fix: check the install") from e
 
     def bootstrap(self, vm: Vm, assignment: WorkerAssignment) -> None:
         with self._lock:
@@ -303,14 +464,7 @@ class LocalProvider:
                    "SAILOR_HEARTBEAT_FILE": str(hb), "SAILOR_SLOT_DIR": str(slot), "SAILOR_VM_ID": vm.vm_id,
                    "OMP_NUM_THREADS": assignment.env.get("OMP_NUM_THREADS", "1")}
             argv = self.agent_command(vm, assignment, slot)
-            log = open(slot / f"agent-v{assignment.plan_version}.log", "ab")
-            try:
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(slot),
-                                        start_new_session=True)
-            except OSError as e:
-                raise ProviderError(f"cannot start the worker agent {argv[0]}: {e}; to fix: check the install") from e
-            finally:
-                log.close()
+            proc = self.spawn(vm.vm_id, argv, env=env, log=slot / f"agent-v{assignment.plan_version}.log")
             self._procs[vm.vm_id] = proc
             rec.update(pid=proc.pid, started_at=self.clock(), lost_reported=False, plan_version=assignment.plan_version,
                        exit_code=None)
@@ -333,9 +487,17 @@ class LocalProvider:
             self.stop_agents([r["vm_id"] for r in recs])
             for rec in recs:
                 rec = self._record(rec["vm_id"]) or rec
+                self._remove_testbed_vm(rec)
                 rec.update(state="terminated" if rec["state"] != "preempted" else "preempted",
                            ended_at=rec["ended_at"] or self.clock())
                 self._save(rec)
+
+    def _remove_testbed_vm(self, rec: dict[str, Any]) -> None:
+        """The VM goes away: everything still running in it, its namespace, veth and cgroup."""
+        info = self._state().get("testbeds", {}).get(rec["run_id"])
+        tb = self._testbeds.get(rec["run_id"]) or (Testbed.open(info["folder"]) if info else None)
+        if tb is not None:
+            tb.remove_vm(rec["vm_id"])
 
     def cleanup(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
         removed = []
@@ -344,8 +506,19 @@ class LocalProvider:
             live_proc = bool(rec["pid"]) and rec["state"] != "terminated" and _group_alive(rec["pid"])
             if rec["state"] in LIVE_STATES or live_proc:
                 removed.append(rec["vm_id"])
-        if removed and not dry_run:
+        if dry_run:
+            return removed
+        if removed:
             self.terminate(removed)
+        with self._lock:
+            st = self._state()
+            for rid, info in st.get("testbeds", {}).items():
+                if run_id is not None and rid != run_id:
+                    continue
+                tb = self._testbeds.pop(rid, None) or Testbed.open(info["folder"])
+                if tb is not None:
+                    tb.teardown()
+        cleanup_stale()  # and whatever a killed run of any provider left behind
         return removed
 
     # -- beyond the protocol -------------------------------------------------------------------
@@ -418,31 +591,38 @@ class LocalProvider:
             trigger = {"at_step": ev.at_step} if ev.at_step is not None else {"at_s": ev.at_s}
             detail: dict[str, object] = {"scripted": True, "run_step": step, **trigger}
             if ev.kind == "price_change":
-                assert ev.market is not None and ev.usd_per_gpu_hour is not None
-                old = float(st["prices"].get(ev.market.value, 0.0))
-                st["prices"][ev.market.value] = ev.usd_per_gpu_hour
-                detail.update(old_usd_per_gpu_hour=old, new_usd_per_gpu_hour=ev.usd_per_gpu_hour)
-                self._record_event(run_id, ProviderEvent(
-                    kind=EventKind.PRICE_CHANGE, at=_now_dt(now), zone=ZONE, gpu_type=GPU_TYPE, market=ev.market,
-                    detail=detail))
+                assert ev.usd_per_gpu_hour is not None
+                for o in [o for o in self.scenario.offerings if ev.matches(o)]:  # one event per offering
+                    old = float(st["prices"].get(o.key, o.usd_per_gpu_hour))
+                    st["prices"][o.key] = ev.usd_per_gpu_hour
+                    self._record_event(run_id, ProviderEvent(
+                        kind=EventKind.PRICE_CHANGE, at=_now_dt(now), zone=o.zone, gpu_type=o.gpu_type,
+                        market=o.market, detail={**detail, "old_usd_per_gpu_hour": old,
+                                                 "new_usd_per_gpu_hour": ev.usd_per_gpu_hour}))
             elif ev.kind == "capacity_change":
-                assert ev.market is not None and ev.count is not None
-                old_count = int(st["capacity"].get(ev.market.value, 0))
-                st["capacity"][ev.market.value] = ev.count
-                detail.update(old_count=old_count, new_count=ev.count)
+                assert ev.count is not None
+                o = next(o for o in self.scenario.offerings if ev.matches(o))  # the scenario checked: exactly one
+                old_count = int(st["capacity"].get(o.key, 0))
+                st["capacity"][o.key] = ev.count
+                free_vms = max(0, ev.count - self._used_vms().get(o.key, 0))
+                # What is rentable now, so a replan can weigh capacity that returned (new > old) too.
+                detail.update(old_count=old_count, new_count=ev.count, returned=max(0, ev.count - old_count),
+                              free_vms=free_vms, free_gpus=free_vms * o.gpus_per_vm, gpus_per_node=o.gpus_per_vm,
+                              region=o.region)
                 self._record_event(run_id, ProviderEvent(
-                    kind=EventKind.CAPACITY_CHANGE, at=_now_dt(now), zone=ZONE, gpu_type=GPU_TYPE, market=ev.market,
-                    detail=detail))
+                    kind=EventKind.CAPACITY_CHANGE, at=_now_dt(now), zone=o.zone, gpu_type=o.gpu_type,
+                    market=o.market, detail=detail))
             else:
                 self._preempt(run_id, ev, st, now, detail)
         if changed:
             st["fired"][run_id] = sorted(fired)
             _write_json(self._state_path, st)
-        # Notices whose grace period is over: the slot goes away now.
+        # Notices whose grace period is over: the VM goes away now, with everything running in it.
         for rec in self._records(run_id):
             if rec["state"] == "preempting" and now >= rec["preempt_kill_at"]:
                 if rec["pid"]:
                     self._kill_group(rec["pid"], self._procs.get(rec["vm_id"]))
+                self._remove_testbed_vm(rec)
                 rec.update(state="preempted", ended_at=now)
                 self._save(rec)
 
@@ -452,13 +632,16 @@ class LocalProvider:
         if ev.vm is not None:
             target = next((r for r in self._records(run_id) if r["seq"] == ev.vm and r["state"] == "running"), None)
         else:
-            cands = [r for r in recs if ev.market is None or r["market"] == ev.market.value]
+            cands = [r for r in recs if (ev.market is None or r["market"] == ev.market.value)
+                     and (ev.zone is None or r.get("zone") == ev.zone)
+                     and (ev.gpu_type is None or r["gpu_type"] == ev.gpu_type)]
             target = cands[-1] if cands else None
         if target is None:
             detail["skipped"] = "no running VM matched"
             return
-        # A spot slot taken back is capacity the market no longer has.
-        st["capacity"][target["market"]] = max(0, int(st["capacity"].get(target["market"], 0)) - target["gpus"])
+        # A spot VM taken back is capacity its offering no longer has (until a capacity_change returns it).
+        key = _rec_key(target)
+        st["capacity"][key] = max(0, int(st["capacity"].get(key, 0)) - 1)
         target.update(state="preempting", preempt_kill_at=now + ev.grace_s, reason="preempted (scripted)")
         self._save(target)
         if target["pid"] and _pid_alive(target["pid"]):
@@ -468,8 +651,8 @@ class LocalProvider:
                 pass
         detail.update(grace_s=ev.grace_s, vm_seq=target["seq"])
         self._record_event(run_id, ProviderEvent(
-            kind=EventKind.PREEMPTION, at=_now_dt(now), vm_id=target["vm_id"], zone=ZONE, gpu_type=GPU_TYPE,
-            market=Market(target["market"]), detail=detail))
+            kind=EventKind.PREEMPTION, at=_now_dt(now), vm_id=target["vm_id"], zone=target.get("zone", ""),
+            gpu_type=target["gpu_type"], market=Market(target["market"]), detail=detail))
 
     def _detect_lost(self, run_id: str) -> None:
         now = self.clock()
@@ -501,8 +684,9 @@ class LocalProvider:
                 rec.update(lost_reported=True, reason=reason)
                 self._save(rec)
                 self._record_event(run_id, ProviderEvent(
-                    kind=EventKind.LOST, at=_now_dt(now), vm_id=rec["vm_id"], zone=ZONE, gpu_type=GPU_TYPE,
-                    market=Market(rec["market"]), detail={"reason": rec["reason"], "exit_code": rc}))
+                    kind=EventKind.LOST, at=_now_dt(now), vm_id=rec["vm_id"], zone=rec.get("zone", ""),
+                    gpu_type=rec["gpu_type"], market=Market(rec["market"]),
+                    detail={"reason": rec["reason"], "exit_code": rc}))
             elif not alive:
                 self._save(rec)
 

@@ -196,7 +196,7 @@ def test_cleanup_from_another_process_view_stops_the_agents(tmp_path):
 
 def test_bad_requests_say_what_is_offered(tmp_path):
     p = LocalProvider(tmp_path)
-    with pytest.raises(ProviderError, match="only 'cpu'"):
+    with pytest.raises(ProviderError, match=r"A100-40 in zone local on on-demand is not offered here \(cpu in local"):
         p.provision([VmRequest(run_id="r", name="w", zone="local", gpu_type="A100-40", gpus=1)])
 
 

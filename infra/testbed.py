@@ -1,0 +1,614 @@
+"""The local multi-zone testbed: isolated "VMs" on this machine, joined by shaped links.
+
+Contract:
+- `testbed_support()` says whether this process may build one (root, `ip`, `tc`, the cgroup v1 cpu
+  controller) and, if not, why.
+- `Testbed.create(...)` builds one run's network: a Linux bridge with the host address (the
+  controller and the object store bind to it) in a private /16 of its own (10.213.0.0/16 unless
+  taken or configured). `add_vm()` gives a VM a network namespace (loopback up: the VM's ranks talk
+  over it like NVLink; `eth0` with the address 10.X.<zone>.<n>, zone 1.. in the order given, no
+  default route, so a VM reaches only the host address and the other VMs), the host end of its
+  veth on the bridge, and a cpu cgroup whose quota is `cpu_cores` (devices x cpu_per_device).
+  Links are shaped on the host end of each VM's veth, i.e. on traffic INTO the VM: an htb class per
+  source zone, selected by the sender's zone subnet (10.X.<zone>.0/24), at the scenario's rate for
+  that zone pair; traffic from the host address (controller, object store) falls into a generous
+  default class. Latency is not emulated: the kernel here has no netem.
+- `command(vm, argv)` is the argv that runs `argv` inside the VM (join its cgroup, then
+  `ip netns exec`); `spawn(vm, argv, ...)` starts it in its own process group with the VM's working
+  folder (under the testbed's folder, never the flow's run folder) as cwd.
+- `teardown()` removes everything (processes, namespaces, veths, bridge, cgroups, folders). It is
+  idempotent and works from another process: every name lives in `<home>/<tag>/testbed.json`,
+  written before the resource is created. `cleanup_stale()` tears down testbeds whose owner process
+  is dead, and any resource named like ours whose record is gone; `create()` calls it first.
+- In `process` isolation (no root, no `ip`): no namespaces, cgroups or shaping; a VM is a folder
+  and its processes; addresses are 127.0.0.1. The same API, the same teardown.
+
+Names are unique to the testbed: the tag is 6 hex digits; bridge `sb<tag>br`, veth `sb<tag>h<n>`
+(<= 15 characters, the kernel's limit), namespace `sb-<tag>-<vm>`, cgroup
+`/sys/fs/cgroup/cpu/sailor-testbed/<tag>/<vm>`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_PARENT = "sailor-testbed"
+DEFAULT_NETWORK = "10.213.0.0/16"
+CFS_PERIOD_US = 100_000
+HOST_CLASS_GBPS = 20.0  # the default class: traffic from the host address (controller, object store)
+NETNS_PREFIX = "sb-"
+LINK_PREFIX = "sb"
+RECORD = "testbed.json"
+Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
+
+
+class TestbedError(Exception):
+    """Building the testbed failed; the message says what and how to fix it."""
+
+    __test__ = False  # not a pytest class
+
+
+def default_home() -> Path:
+    """Where testbeds keep their records and VM folders (one place per user: stale cleanup looks here)."""
+    env = os.environ.get("SAILOR_TESTBED_HOME")
+    return Path(env) if env else Path(tempfile.gettempdir()) / f"sailor-testbed-{os.getuid()}"
+
+
+def testbed_support(*, euid: int | None = None, which: Callable[[str], str | None] = shutil.which,
+                    cgroup_cpu: Path = CGROUP_CPU) -> tuple[bool, str]:
+    """(True, "") when namespaces, veths, tc and the cpu cgroup can be used here; else (False, why)."""
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        return False, f"not root (uid {euid}): network namespaces and cgroups need root"
+    for tool in ("ip", "tc"):
+        if which(tool) is None:
+            return False, f"`{tool}` (iproute2) is not installed"
+    if not (cgroup_cpu / "cpu.cfs_quota_us").exists():
+        return False, f"the cgroup v1 cpu controller is not mounted at {cgroup_cpu}"
+    if not os.access(cgroup_cpu, os.W_OK):
+        return False, f"{cgroup_cpu} is not writable"
+    return True, ""
+
+
+def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, check=False)
+
+
+def _pid_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None: no such process); pids are reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _owner_alive(owner: Mapping[str, Any]) -> bool:
+    start = _pid_start(int(owner.get("pid", 0) or 0))
+    return start is not None and start == owner.get("start")
+
+
+def _rate(gbps: float) -> str:
+    return f"{max(1, round(gbps * 1e6))}kbit"
+
+
+def _burst_bytes(gbps: float) -> int:
+    # htb refills its buckets every timer tick; a burst below rate x ~2 ms starves fast classes.
+    return max(32_000, int(gbps * 1e9 / 8 * 0.002))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TestbedVm:
+    """One VM of the testbed as recorded: its names, address, zone, quota and folder."""
+
+    __test__ = False
+
+    key: str
+    index: int
+    zone: str
+    address: str
+    netns: str
+    veth: str
+    cgroup: str
+    folder: str
+    devices: int
+    cpu_cores: float | None
+    interface: str = "eth0"
+
+
+class Testbed:
+    """One run's testbed. Build with `create`, find again with `open`; `teardown` removes it all."""
+
+    __test__ = False
+
+    def __init__(self, folder: Path, record: dict[str, Any], *, runner: Runner = _run) -> None:
+        self.folder = folder
+        self._rec = record
+        self._run = runner
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls, *, run_id: str, zones: Sequence[str], link_gbps: Callable[[str, str], float],
+        isolation: str = "netns", network: str | None = None, home: Path | None = None,
+        runner: Runner = _run,
+    ) -> Testbed:
+        """A new testbed for `run_id` with one subnet per zone (zones in this order: 10.X.1, 10.X.2, ...)."""
+        if isolation not in ("netns", "process"):
+            raise TestbedError(f"isolation must be netns or process, got {isolation!r}; to fix: use one of those")
+        home = home or default_home()
+        home.mkdir(parents=True, exist_ok=True)
+        if len(zones) > 250:
+            raise TestbedError(f"{len(zones)} zones do not fit in one /16 (at most 250); to fix: use fewer zones")
+        cleanup_stale(home=home, runner=runner)
+        tag = uuid.uuid4().hex[:6]
+        folder = home / tag
+        rates = {f"{a}>{b}": float(link_gbps(a, b)) for a in zones for b in zones}
+        record: dict[str, Any] = {
+            "tag": tag, "run_id": run_id, "isolation": isolation, "zones": list(zones), "rates_gbps": rates,
+            "owner": {"pid": os.getpid(), "start": _pid_start(os.getpid())}, "created_at": time.time(),
+            "bridge": f"{LINK_PREFIX}{tag}br" if isolation == "netns" else "", "subnet": "",
+            "host_address": "127.0.0.1", "vms": {}, "procs": {},
+        }
+        with _lock(home):
+            if isolation == "netns":
+                subnet = _free_subnet(network or os.environ.get("SAILOR_TESTBED_NET") or DEFAULT_NETWORK, home, runner)
+                record["subnet"] = str(subnet)
+                record["host_address"] = str(subnet.network_address + 1)
+            folder.mkdir()
+            (folder / "vms").mkdir()
+            _write(folder / RECORD, record)
+        tb = cls(folder, record, runner=runner)
+        if isolation == "netns":
+            try:
+                tb._build_bridge()
+            except BaseException:
+                tb.teardown()
+                raise
+        return tb
+
+    @classmethod
+    def open(cls, folder: str | Path, *, runner: Runner = _run) -> Testbed | None:
+        folder = Path(folder)
+        try:
+            rec = json.loads((folder / RECORD).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return cls(folder, rec, runner=runner)
+
+    # -- what it is --------------------------------------------------------------------------
+    @property
+    def tag(self) -> str:
+        return str(self._rec["tag"])
+
+    @property
+    def run_id(self) -> str:
+        return str(self._rec["run_id"])
+
+    @property
+    def isolation(self) -> str:
+        return str(self._rec["isolation"])
+
+    @property
+    def host_address(self) -> str:
+        """The address VMs reach the host at (bridge address; 127.0.0.1 in process isolation)."""
+        return str(self._rec["host_address"])
+
+    @property
+    def subnet(self) -> str:
+        return str(self._rec["subnet"])
+
+    @property
+    def zones(self) -> list[str]:
+        return list(self._rec["zones"])
+
+    def rate_gbps(self, src_zone: str, dst_zone: str) -> float:
+        return float(self._rec["rates_gbps"][f"{src_zone}>{dst_zone}"])
+
+    def vms(self) -> list[TestbedVm]:
+        return [TestbedVm(**v) for v in sorted(self._rec["vms"].values(), key=lambda v: v["index"])]
+
+    def vm(self, key: str) -> TestbedVm:
+        try:
+            return TestbedVm(**self._rec["vms"][key])
+        except KeyError:
+            raise TestbedError(f"testbed {self.tag} has no VM {key!r}; to fix: add_vm it first") from None
+
+    def describe(self) -> dict[str, Any]:
+        return {"isolation": self.isolation, "tag": self.tag, "subnet": self.subnet, "host_address": self.host_address,
+                "folder": str(self.folder), "links_gbps": dict(self._rec["rates_gbps"])}
+
+    # -- VMs ---------------------------------------------------------------------------------
+    def add_vm(self, key: str, *, zone: str, devices: int = 1, cpu_cores: float | None = None) -> TestbedVm:
+        """Create the VM `key` in `zone`: namespace, address, veth, shaping, cgroup (netns) and its folder."""
+        if zone not in self.zones:
+            raise TestbedError(f"zone {zone!r} is not in this testbed ({', '.join(self.zones)}); to fix: "
+                               f"create the testbed with every zone of the scenario")
+        if key in self._rec["vms"]:
+            return self.vm(key)
+        index = 1 + max((v["index"] for v in self._rec["vms"].values()), default=-1)
+        zone_no = self.zones.index(zone) + 1
+        folder = self.folder / "vms" / key
+        if self.isolation == "netns":
+            net = ipaddress.ip_network(self.subnet)
+            in_zone = sum(1 for v in self._rec["vms"].values() if v["zone"] == zone)
+            if in_zone >= 253:
+                raise TestbedError(f"zone {zone} has 253 VMs already; to fix: use fewer VMs per zone")
+            address = str(net.network_address + zone_no * 256 + in_zone + 2)
+            vm = TestbedVm(key=key, index=index, zone=zone, address=address, netns=f"{NETNS_PREFIX}{self.tag}-{key}",
+                           veth=f"{LINK_PREFIX}{self.tag}h{index}", cgroup=str(CGROUP_CPU / CGROUP_PARENT / self.tag / key),
+                           folder=str(folder), devices=devices, cpu_cores=cpu_cores)
+        else:
+            vm = TestbedVm(key=key, index=index, zone=zone, address="127.0.0.1", netns="", veth="", cgroup="",
+                           folder=str(folder), devices=devices, cpu_cores=cpu_cores)
+        if len(vm.veth) > 15:
+            raise TestbedError(f"veth name {vm.veth} is longer than 15 characters; to fix: fewer VMs per testbed")
+        self._rec["vms"][key] = asdict(vm)
+        self._save()  # the record first: a crash from here on leaves names a teardown can find
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.isolation == "netns":
+            try:
+                self._build_vm(vm, zone_no)
+            except BaseException:
+                self.remove_vm(key)
+                raise
+        return vm
+
+    def remove_vm(self, key: str, *, keep_folder: bool = True) -> None:
+        """The VM goes away: its processes, namespace, veth and cgroup (its folder stays unless asked)."""
+        raw = self._rec["vms"].get(key)
+        if raw is None:
+            return
+        vm = TestbedVm(**raw)
+        self.kill_processes(key)
+        if vm.veth:
+            self._ip("link", "del", vm.veth, ok_missing=True)
+        if vm.netns:
+            self._ip("netns", "del", vm.netns, ok_missing=True)
+        if vm.cgroup:
+            _rmdir_cgroup(Path(vm.cgroup))
+        if not keep_folder:
+            shutil.rmtree(vm.folder, ignore_errors=True)
+        # The VM's record stays (teardown walks it again, harmlessly); `removed` marks it gone.
+        self._rec.setdefault("removed", [])
+        if key not in self._rec["removed"]:
+            self._rec["removed"].append(key)
+        self._save()
+
+    def command(self, key: str, argv: Sequence[str]) -> list[str]:
+        """The argv that runs `argv` inside VM `key`: join its cgroup, then its network namespace."""
+        vm = self.vm(key)
+        if self.isolation != "netns":
+            return list(argv)
+        ip = shutil.which("ip") or "ip"
+        return ["/bin/sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sailor-vm",
+                f"{vm.cgroup}/cgroup.procs", ip, "netns", "exec", vm.netns, *argv]
+
+    def env(self, key: str) -> dict[str, str]:
+        """What a process in the VM should see: its identity, address, interface and scratch folder."""
+        vm = self.vm(key)
+        out = {"SAILOR_VM_DIR": vm.folder, "SAILOR_VM_ADDRESS": vm.address, "SAILOR_VM_ZONE": vm.zone,
+               "SAILOR_VM_DEVICES": str(vm.devices), "SAILOR_HOST_ADDRESS": self.host_address,
+               "TMPDIR": str(Path(vm.folder) / "tmp")}
+        if self.isolation == "netns":
+            # gloo binds the interface's address; the VM's own ranks still meet over loopback.
+            out["GLOO_SOCKET_IFNAME"] = vm.interface
+        return out
+
+    def spawn(self, key: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+              log: Path | None = None) -> subprocess.Popen[bytes]:
+        """Start `argv` inside VM `key` as its own process group, cwd its folder; the pid is recorded."""
+        vm = self.vm(key)
+        (Path(vm.folder) / "tmp").mkdir(parents=True, exist_ok=True)
+        full_env = {**os.environ, **(env or {}), **self.env(key)}
+        out = open(log, "ab") if log is not None else subprocess.DEVNULL
+        try:
+            proc = subprocess.Popen(self.command(key, argv), env=full_env, cwd=vm.folder, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            if log is not None:
+                out.close()  # type: ignore[union-attr]
+        self._rec["procs"].setdefault(key, []).append({"pid": proc.pid, "start": _pid_start(proc.pid)})
+        self._save()
+        return proc
+
+    def kill_processes(self, key: str, *, timeout_s: float = 5.0) -> None:
+        """SIGKILL every process of the VM: its namespace's, its cgroup's and the process groups it spawned."""
+        raw = self._rec["vms"].get(key)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pids = self._vm_pids(key, raw)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            for p in self._rec["procs"].get(key, []):
+                if _pid_start(p["pid"]) == p["start"] and p["start"] is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(p["pid"], signal.SIGKILL)
+            if not pids or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+
+    def _vm_pids(self, key: str, raw: Mapping[str, Any] | None) -> set[int]:
+        pids: set[int] = set()
+        if raw and raw.get("netns"):
+            r = self._run(["ip", "netns", "pids", raw["netns"]])
+            pids |= {int(x) for x in r.stdout.split() if x.isdigit()}
+        if raw and raw.get("cgroup"):
+            with contextlib.suppress(OSError):
+                pids |= {int(x) for x in Path(raw["cgroup"], "cgroup.procs").read_text().split()}
+        return {p for p in pids if _pid_start(p) is not None}
+
+    # -- teardown ----------------------------------------------------------------------------
+    def teardown(self) -> list[str]:
+        """Remove everything this testbed made; return what was removed. Safe to call twice."""
+        removed = []
+        for key in list(self._rec["vms"]):
+            self.kill_processes(key)
+        for raw in list(self._rec["vms"].values()):
+            vm = TestbedVm(**raw)
+            if vm.veth and self._ip("link", "del", vm.veth, ok_missing=True):
+                removed.append(f"veth {vm.veth}")
+            if vm.netns and self._ip("netns", "del", vm.netns, ok_missing=True):
+                removed.append(f"netns {vm.netns}")
+            if vm.cgroup and _rmdir_cgroup(Path(vm.cgroup)):
+                removed.append(f"cgroup {vm.cgroup}")
+        if self._rec.get("bridge") and self._ip("link", "del", self._rec["bridge"], ok_missing=True):
+            removed.append(f"bridge {self._rec['bridge']}")
+        tag_cg = CGROUP_CPU / CGROUP_PARENT / self.tag
+        if self.isolation == "netns" and _rmdir_cgroup(tag_cg):
+            removed.append(f"cgroup {tag_cg}")
+        with contextlib.suppress(OSError):
+            (CGROUP_CPU / CGROUP_PARENT).rmdir()  # only when no other testbed uses it
+        if self.folder.exists():
+            # The record goes last: if anything above failed half-way, a later teardown still finds it.
+            for child in self.folder.iterdir():
+                if child.name != RECORD:
+                    shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+            (self.folder / RECORD).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.folder.rmdir()
+            removed.append(f"folder {self.folder}")
+        return removed
+
+    # -- building ----------------------------------------------------------------------------
+    def _build_bridge(self) -> None:
+        br = self._rec["bridge"]
+        prefix = ipaddress.ip_network(self.subnet).prefixlen
+        self._ip("link", "add", br, "type", "bridge")
+        self._ip("addr", "add", f"{self.host_address}/{prefix}", "dev", br)
+        self._ip("link", "set", br, "up")
+
+    def _build_vm(self, vm: TestbedVm, zone_no: int) -> None:
+        tmp_peer = f"{LINK_PREFIX}{self.tag}p{vm.index}"
+        prefix = ipaddress.ip_network(self.subnet).prefixlen
+        self._ip("netns", "add", vm.netns)
+        self._ip("link", "add", vm.veth, "type", "veth", "peer", "name", tmp_peer)
+        self._ip("link", "set", tmp_peer, "netns", vm.netns)
+        self._ip("-n", vm.netns, "link", "set", tmp_peer, "name", vm.interface)
+        self._ip("-n", vm.netns, "addr", "add", f"{vm.address}/{prefix}", "dev", vm.interface)
+        self._ip("-n", vm.netns, "link", "set", "lo", "up")
+        self._ip("-n", vm.netns, "link", "set", vm.interface, "up")
+        self._ip("link", "set", vm.veth, "master", self._rec["bridge"])
+        self._ip("link", "set", vm.veth, "up")
+        self._shape(vm)
+        cg = Path(vm.cgroup)
+        cg.mkdir(parents=True, exist_ok=True)
+        quota = -1 if vm.cpu_cores is None else max(1000, int(vm.cpu_cores * CFS_PERIOD_US))
+        (cg / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (cg / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def _shape(self, vm: TestbedVm) -> None:
+        """htb on the host end of the VM's veth (traffic into the VM): one class per source zone."""
+        dev = vm.veth
+        net = ipaddress.ip_network(self.subnet)
+        self._tc("qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
+        self._tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", _rate(HOST_CLASS_GBPS),
+                 "burst", str(_burst_bytes(HOST_CLASS_GBPS)), "quantum", "60000")
+        for n, src in enumerate(self.zones, start=1):
+            gbps = self.rate_gbps(src, vm.zone)
+            cls = f"1:{n + 10:x}"
+            self._tc("class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate", _rate(gbps),
+                     "burst", str(_burst_bytes(gbps)), "quantum", "60000")
+            src_net = ipaddress.ip_network(f"{net.network_address + n * 256}/24")
+            self._tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                     "match", "ip", "src", str(src_net), "flowid", cls)
+
+    def _ip(self, *args: str, ok_missing: bool = False) -> bool:
+        return self._tool("ip", args, ok_missing)
+
+    def _tc(self, *args: str) -> bool:
+        return self._tool("tc", args, False)
+
+    def _tool(self, tool: str, args: Sequence[str], ok_missing: bool) -> bool:
+        r = self._run([tool, *args])
+        if r.returncode == 0:
+            return True
+        err = (r.stderr or r.stdout).strip()
+        if ok_missing and any(s in err for s in ("Cannot find device", "No such file", "does not exist",
+                                                 "Invalid argument", "Cannot open network namespace")):
+            return False
+        raise TestbedError(f"`{tool} {' '.join(args)}` failed: {err}; to fix: run as root with iproute2 "
+                           f"installed, or use isolation=process")
+
+    def _save(self) -> None:
+        if self.folder.exists():
+            _write(self.folder / RECORD, self._rec)
+
+
+def cleanup_stale(*, home: Path | None = None, runner: Runner = _run) -> list[str]:
+    """Tear down testbeds whose owner process is dead, and resources named like ours that have no record."""
+    home = home or default_home()
+    removed: list[str] = []
+    # Resources first, records second: a testbed made in between has written its record already.
+    links = _our_links(runner)
+    namespaces = _our_namespaces(runner)
+    cgroups = [p.name for p in (CGROUP_CPU / CGROUP_PARENT).iterdir()] if (CGROUP_CPU / CGROUP_PARENT).is_dir() else []
+    known: set[str] = set()
+    if home.is_dir():
+        for folder in sorted(home.iterdir()):
+            tb = Testbed.open(folder, runner=runner)
+            if tb is None:
+                continue
+            known.add(tb.tag)
+            if not _owner_alive(tb._rec.get("owner", {})):
+                removed += tb.teardown()
+    for name in links:
+        tag = name[len(LINK_PREFIX):len(LINK_PREFIX) + 6]
+        if tag not in known and runner(["ip", "link", "del", name]).returncode == 0:
+            removed.append(f"veth/bridge {name}")
+    for ns in namespaces:
+        tag = ns[len(NETNS_PREFIX):len(NETNS_PREFIX) + 6]
+        if tag not in known:
+            for pid_s in runner(["ip", "netns", "pids", ns]).stdout.split():
+                with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                    os.kill(int(pid_s), signal.SIGKILL)
+            if runner(["ip", "netns", "del", ns]).returncode == 0:
+                removed.append(f"netns {ns}")
+    for tag in cgroups:
+        if tag not in known:
+            base = CGROUP_CPU / CGROUP_PARENT / tag
+            for sub in [p for p in base.iterdir() if p.is_dir()]:
+                for pid in _cgroup_pids(sub):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                _rmdir_cgroup(sub)
+            if _rmdir_cgroup(base):
+                removed.append(f"cgroup {base}")
+    return removed
+
+
+def leftovers(tag: str, folder: Path | None = None, *, runner: Runner = _run) -> list[str]:
+    """What of testbed `tag` still exists: processes, namespaces, links, cgroups, its folder (empty: nothing)."""
+    out = [f"netns {ns}" for ns in _our_namespaces(runner) if ns.startswith(f"{NETNS_PREFIX}{tag}-")]
+    for ns in out:
+        pids = runner(["ip", "netns", "pids", ns.split()[1]]).stdout.split()
+        out += [f"process {p} in {ns}" for p in pids]
+    out += [f"link {name}" for name in _our_links(runner) if name.startswith(f"{LINK_PREFIX}{tag}")]
+    cg = CGROUP_CPU / CGROUP_PARENT / tag
+    if cg.exists():
+        out.append(f"cgroup {cg}")
+    if folder is not None and folder.exists():
+        out.append(f"folder {folder}")
+    rec = Testbed.open(folder) if folder is not None else None
+    for key, procs in (rec._rec.get("procs", {}) if rec else {}).items():
+        out += [f"process {p['pid']} of {key}" for p in procs if p["start"] is not None and _pid_start(p["pid"]) == p["start"]]
+    return out
+
+
+def _our_links(runner: Runner) -> list[str]:
+    r = runner(["ip", "-o", "link", "show"])
+    names = []
+    for line in r.stdout.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) < 2:
+            continue
+        name = parts[1].strip().split("@", 1)[0]
+        # Our names: sb + 6 hex + (br | h<n> | p<n>).
+        if name.startswith(LINK_PREFIX) and len(name) > 9 and _is_hex(name[2:8]) and name[8] in "bhp":
+            names.append(name)
+    return names
+
+
+def _our_namespaces(runner: Runner) -> list[str]:
+    r = runner(["ip", "netns", "list"])
+    out = []
+    for line in r.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(NETNS_PREFIX) and _is_hex(name[3:9]) and name[9:10] == "-":
+            out.append(name)
+    return out
+
+
+def _is_hex(s: str) -> bool:
+    return len(s) == 6 and all(c in "0123456789abcdef" for c in s)
+
+
+def _cgroup_pids(cg: Path) -> list[int]:
+    try:
+        return [int(x) for x in (cg / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def _rmdir_cgroup(cg: Path) -> bool:
+    """Remove a cgroup folder (its processes must be gone; retried briefly while the kernel reaps them)."""
+    if not cg.exists():
+        return False
+    for sub in [p for p in cg.iterdir() if p.is_dir()]:
+        _rmdir_cgroup(sub)
+    for _ in range(100):
+        try:
+            cg.rmdir()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError:
+            for pid in _cgroup_pids(cg):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+    return False
+
+
+def _free_subnet(first: str, home: Path, runner: Runner) -> ipaddress.IPv4Network:
+    """The first /16 from `first` on (second octet upward) that no testbed record and no host address uses."""
+    try:
+        net = ipaddress.ip_network(first)
+    except ValueError as e:
+        raise TestbedError(f"testbed network {first!r} is not a network: {e}; to fix: give one like 10.213.0.0/16") from None
+    if not isinstance(net, ipaddress.IPv4Network) or net.prefixlen != 16 or not net.is_private:
+        raise TestbedError(f"testbed network {first} must be a private IPv4 /16; to fix: give one like 10.213.0.0/16")
+    used: set[ipaddress.IPv4Network] = set()
+    for folder in home.iterdir() if home.is_dir() else []:
+        with contextlib.suppress(OSError, json.JSONDecodeError, ValueError):
+            sub = json.loads((folder / RECORD).read_text()).get("subnet")
+            if sub:
+                used.add(ipaddress.IPv4Network(sub))
+    routes = runner(["ip", "-o", "-4", "addr", "show"]).stdout + runner(["ip", "-4", "route", "show"]).stdout
+    for tok in routes.split():
+        with contextlib.suppress(ValueError):
+            used.add(ipaddress.IPv4Network(tok, strict=False))
+    candidate = net
+    for _ in range(64):
+        if not any(candidate.overlaps(u) for u in used if u.prefixlen > 0):
+            return candidate
+        nxt = int(candidate.network_address) + (1 << 16)
+        candidate = ipaddress.IPv4Network((nxt, 16))
+        if not candidate.is_private:
+            break
+    raise TestbedError(f"no free private /16 from {first} on; to fix: set SAILOR_TESTBED_NET to a free one")
+
+
+@contextlib.contextmanager
+def _lock(home: Path):  # type: ignore[no-untyped-def]
+    with open(home / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _write(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
