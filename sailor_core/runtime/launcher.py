@@ -2,7 +2,8 @@
 
 Contract:
 - `run_local(plan, cfg, settings, slots=...)` rejects a plan the runtime cannot run before any
-  process starts (topology.check_runnable), hosts a TCPStore, starts one worker process per rank
+  process starts (topology.check_runnable), hosts a control server (runtime/protocol.py, loopback, a
+  fresh secret), starts one worker process per rank
   (`python -m sailor_core.runtime.worker_proc`, OMP_NUM_THREADS=1 each), and hands out generation
   0. It returns a `RunResult` when every worker reports done, or raises SailorError with the
   failing worker's reason and log tail.
@@ -20,7 +21,6 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -30,12 +30,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import Any
 
 from sailor_core.domain import ParallelPlan, PipelineBatch, SailorError, Stage, ValidationError, split_batch
 from sailor_core.models.config import TransformerConfig
 from sailor_core.plan_format import plan_to_dict
+from sailor_core.runtime import protocol
 from sailor_core.runtime.engine import TrainSettings
 from sailor_core.runtime.topology import check_runnable, layout
 
@@ -94,7 +94,8 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
               on_event: Callable[[dict[str, Any]], None] | None = None, run_dir: str | None = None,
               max_generations: int = 4, python: str = sys.executable) -> RunResult:
     import torch
-    from torch.distributed import TCPStore
+
+    from sailor_core.runtime.protocol import SECRET_ENV, ControlServer
 
     cuda = torch.cuda.device_count()
     uses_gpus = any(r.gpu_type != "cpu" for st in plan.stages for r in st.replicas)
@@ -111,9 +112,10 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
         if on_event:
             on_event(ev)
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = ControlServer(host="127.0.0.1")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("SAILOR_WORKER_THREADS", "1"),
-               SAILOR_CONTROL=f"127.0.0.1:{store.port}", PYTHONUNBUFFERED="1")
+               SAILOR_CONTROL=store.endpoint, PYTHONUNBUFFERED="1", SAILOR_ADVERTISE_ADDR="127.0.0.1",
+               **{SECRET_ENV: store.secret})
     workers: dict[int, _Worker] = {}
     stopping = threading.Event()
     prev_handlers: dict[int, Any] = {}
@@ -163,6 +165,7 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
                   "world_size": current.num_gpus, "plan": plan_to_dict(current)})
     finally:
         _reap(workers)
+        store.close()
         for sig, h in prev_handlers.items():
             signal.signal(sig, h)
 
@@ -174,11 +177,11 @@ def _assign(store: Any, gen: int, plan: ParallelPlan, settings: TrainSettings, w
     members = worker_ids[:n]
     s = replace(settings, plan_version=version).to_dict()
     for rank, wid in enumerate(members):
-        store.set(f"g{gen}/assign/{wid}", json.dumps(
-            {"rank": rank, "world_size": n, "plan": plan_to_dict(plan), "settings": s, "resume": resume,
-             "local_rank": rank}))  # one machine: rank r drives GPU r
+        store.set(protocol.assign_key(gen, str(wid)), protocol.Assignment(
+            rank=rank, world_size=n, plan=plan_to_dict(plan), settings=s, resume=resume,
+            local_rank=rank).to_json())  # one machine: rank r drives GPU r
     for wid in worker_ids[n:]:
-        store.set(f"g{gen}/assign/{wid}", json.dumps({"rank": -1}))
+        store.set(protocol.assign_key(gen, str(wid)), protocol.Assignment(rank=protocol.EXIT).to_json())
     return members
 
 
@@ -187,7 +190,7 @@ def _release(store: Any, gen: int, workers: dict[int, _Worker], members: list[in
         if wid not in members:
             continue
         with contextlib.suppress(Exception):
-            store.set(f"g{gen}/assign/{wid}", json.dumps({"rank": -1}))
+            store.set(protocol.assign_key(gen, str(wid)), protocol.Assignment(rank=protocol.EXIT).to_json())
 
 
 def _watch(store: Any, gen: int, members: list[int], workers: dict[int, _Worker], settings: TrainSettings,
@@ -200,16 +203,16 @@ def _watch(store: Any, gen: int, members: list[int], workers: dict[int, _Worker]
         for wid in members:
             if wid in statuses:
                 continue
-            key = f"g{gen}/status/{wid}"
-            if store.check([key]):
-                statuses[wid] = store.get(key).decode()
+            key = protocol.status_key(gen, str(wid))
+            if (status := store.get(key)) is not None:
+                statuses[wid] = status
             elif workers[wid].proc.poll() is not None and wid not in lost:
-                if store.check([key]):  # it reported just before exiting
-                    statuses[wid] = store.get(key).decode()
+                if (status := store.get(key)) is not None:  # it reported just before exiting
+                    statuses[wid] = status
                     continue
                 lost.append(wid)
                 failed_at = failed_at or time.monotonic()
-                store.set(f"g{gen}/abort", str(wid))  # wake survivors blocked on the lost peer
+                store.set(protocol.abort_key(gen), str(wid))  # wake survivors blocked on the lost peer
         if len(statuses) + len(lost) == len(members):
             break
         if lost and failed_at is not None and time.monotonic() - failed_at > ABORT_GRACE_S:

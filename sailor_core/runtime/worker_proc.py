@@ -1,19 +1,18 @@
 """A training worker process: one rank per generation, surviving plan changes without restarting.
 
 Contract (`python -m sailor_core.runtime.worker_proc`):
-- Controlled mode (`--control HOST:PORT --worker-id W`, or env SAILOR_CONTROL / SAILOR_WORKER_ID):
-  the controller hosts a torch TCPStore. For generation g = 0, 1, ... (from SAILOR_FIRST_GENERATION)
-  the worker waits for key `g{g}/assign/{W}` (JSON: rank, world_size, plan, settings, resume,
-  optional local_rank and rendezvous {host, port}; rank -1 means "exit"), joins a fresh process
-  group (through the controller's store under prefix `g{g}/pg`, or through a TCPStore at the
-  rendezvous that its rank 0 hosts), trains, and sets
-  `g{g}/status/{W}` to `done`, `stopped` or `failed: <reason>`. After a failure (a peer died, a
-  timeout) it drops its process group and waits for generation g+1 in the same process, keeping
-  torch imported and the dataset in memory, so a reconfiguration costs a rendezvous and a
-  checkpoint load, not a cold start.
+- Controlled mode (`--control HOST:PORT --worker-id W`, or env SAILOR_CONTROL / SAILOR_WORKER_ID, with
+  the run's secret in SAILOR_RUN_SECRET): the controller speaks sailor_core/runtime/protocol.py. For
+  generation g = 0, 1, ... (from SAILOR_FIRST_GENERATION) the worker waits for its assignment
+  (`g<g>/assign/<W>`; rank -1 means "exit", -2 "sit this generation out"), joins a fresh process group
+  through a TCPStore that the generation's rank 0 hosts at SAILOR_ADVERTISE_ADDR (announced under
+  `g<g>/rdv`), trains, reports each step (rank 0, `metrics/v<version>`) and sets `g<g>/status/<W>` to
+  `done`, `stopped` or `failed: <reason>`. After a failure (a peer died, a timeout) it drops its
+  process group and waits for generation g+1 in the same process, keeping torch imported and the
+  dataset in memory, so a reconfiguration costs a rendezvous and a checkpoint load, not a cold start.
 - torchrun mode (`--assignment FILE`, with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT): one
   generation from a JSON file {plan, settings, resume}.
-Heartbeats: in controlled mode the worker sets `hb/{W}` to the current time every few seconds.
+Heartbeats: in controlled mode the worker sets `hb/<W>` to {"time", "step"} every few seconds.
 """
 
 from __future__ import annotations
@@ -33,12 +32,13 @@ import torch.distributed as dist
 from sailor_core.models.config import get_config
 from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
-from sailor_core.runtime import comm
+from sailor_core.runtime import comm, protocol
 from sailor_core.runtime.data import TokenDataset, load_tokens
-from sailor_core.runtime.engine import Trainer, TrainSettings, backend_for
+from sailor_core.runtime.engine import Trainer, TrainSettings, backend_for, select_device
+from sailor_core.runtime.protocol import ControlClient
 from sailor_core.runtime.topology import layout
 
-HEARTBEAT_S = 2.0
+ASSIGNMENT_WAIT_S = 600.0  # how long a worker waits for its next generation before giving up
 _GRAVEYARD: list[Any] = []  # trainers of aborted generations, never freed (see run_generation)
 
 
@@ -62,7 +62,8 @@ class _DataCache:
         return self._ds
 
 
-def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[str, Any], local_rank: int = 0) -> str:
+def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[str, Any], local_rank: int = 0,
+                   on_metrics: Any = None) -> str:
     """Join the process group described by `init`, train, and return 'done' or 'stopped'."""
     plan = plan_from_dict(assignment["plan"])
     settings = TrainSettings.from_dict(assignment["settings"])
@@ -70,12 +71,14 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
     rank, world = int(assignment["rank"]), int(assignment["world_size"])
     me = layout(plan)[rank]
     _log(f"plan version {settings.plan_version}: joining as rank {rank} of {world}")
+    select_device(me.gpu_type, local_rank)  # before any communication: NCCL works on the current GPU
     dist.init_process_group(backend_for(me.gpu_type), rank=rank, world_size=world,
                             timeout=timedelta(seconds=settings.timeout_s), **init)
     trainer = None
     try:
         ds = data.get(settings, cfg.sequence_length, cfg.vocab_size)
-        trainer = Trainer(plan, cfg, settings, rank, world, local_rank=local_rank, dataset=ds, log=_log)
+        trainer = Trainer(plan, cfg, settings, rank, world, local_rank=local_rank, dataset=ds, log=_log,
+                          on_metrics=on_metrics)
         if assignment.get("resume"):
             trainer.load_checkpoint()
         _log(f"plan version {settings.plan_version}: rank {rank} ready at step {trainer.step}")
@@ -95,82 +98,94 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
         _log(f"plan version {settings.plan_version}: rank {rank} left its process group")
 
 
-def _pg_store(a: dict[str, Any], control_store: tuple[str, int], gen: int) -> Any:
-    """The rendezvous of one generation: the assignment's TCPStore (hosted by its rank 0, for jobs
-    spanning machines) or a prefix of the controller's store (one machine)."""
+def _pg_store(a: dict[str, Any], client: ControlClient, gen: int) -> Any:
+    """The rendezvous of one generation: a TCPStore that its rank 0 hosts on its own VM (as torchrun's
+    master does), announced to the other ranks through the controller under `g<g>/rdv`."""
     from torch.distributed import PrefixStore, TCPStore
 
-    rdv = a.get("rendezvous")
-    if not rdv:
-        # a client connection of its own: an aborted generation may leave its store client mid-request,
-        # and the control connection (status, next assignment) must not share that fate
-        host, port = control_store
-        own = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=float(a["settings"].get("timeout_s", 60))))
-        return PrefixStore(f"g{gen}/pg", own)
-    rank = int(a["rank"])
-    st = TCPStore(str(rdv["host"]), int(rdv["port"]), world_size=int(a["world_size"]), is_master=rank == 0,
-                  timeout=timedelta(seconds=float(a["settings"].get("timeout_s", 60))), wait_for_workers=False)
-    return PrefixStore(f"v{a['settings'].get('plan_version', gen)}/pg", st)
+    timeout = timedelta(seconds=float(a["settings"].get("timeout_s", 60)))
+    rank, world = int(a["rank"]), int(a["world_size"])
+    if rank == 0:
+        st = TCPStore(os.environ.get("SAILOR_ADVERTISE_ADDR", "127.0.0.1"), 0, world_size=world, is_master=True,
+                      timeout=timeout, wait_for_workers=False)
+        client.set(protocol.rendezvous_key(gen), f"{os.environ.get('SAILOR_ADVERTISE_ADDR', '127.0.0.1')}:{st.port}")
+    else:
+        host, port = client.wait(protocol.rendezvous_key(gen), timeout.total_seconds()).rsplit(":", 1)
+        st = TCPStore(host, int(port), world_size=world, is_master=False, timeout=timeout)
+    return PrefixStore(f"g{gen}/pg", st)
 
 
-def controlled(control: str, worker_id: str) -> int:
-    from torch.distributed import TCPStore
-
-    host, port = control.rsplit(":", 1)
-    stop_hb = threading.Event()
+def controlled(control: str, worker_id: str, secret: str) -> int:
+    """Controlled mode: one generation after another from the controller (see the module contract)."""
+    client = ControlClient(control, secret)
+    stop = threading.Event()
+    current_gen = [0]
+    last_step = [0]
 
     def heartbeat() -> None:
-        hb_store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
-        while not stop_hb.wait(HEARTBEAT_S):
-            with contextlib.suppress(Exception):
-                hb_store.set(f"hb/{worker_id}", str(time.time()))
-
-    threading.Thread(target=heartbeat, daemon=True).start()
-    current_gen = [0]
+        while not stop.wait(protocol.HEARTBEAT_S):
+            with contextlib.suppress(protocol.ProtocolError):
+                client.set(protocol.heartbeat_key(worker_id), json.dumps({"time": time.time(), "step": last_step[0]}))
 
     def watch_abort() -> None:
-        # The controller sets g{gen}/abort when a worker of that generation is lost; waking every
+        # The controller sets g<g>/abort when a member of that generation is lost; waking every
         # blocked wait here turns a lost peer into a reconfiguration within milliseconds.
-        ab_store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
-        while not stop_hb.wait(0.05):
-            with contextlib.suppress(Exception):
-                if not comm.ABORT.is_set() and ab_store.check([f"g{current_gen[0]}/abort"]):
-                    comm.ABORT.set()
+        while not stop.is_set():
+            gen = current_gen[0]
+            try:
+                hit = client.get(protocol.abort_key(gen), wait_s=5.0)
+            except protocol.ProtocolError:
+                stop.wait(1.0)
+                continue
+            if hit is not None and gen == current_gen[0] and not comm.ABORT.is_set():
+                comm.ABORT.set()
+                while gen == current_gen[0] and not stop.is_set():
+                    stop.wait(0.05)
 
+    threading.Thread(target=heartbeat, daemon=True).start()
     if os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0":  # 0: plain waits (lost peers then cost a timeout)
         comm.set_watched(True)
         set_wait(comm.wait)
     threading.Thread(target=watch_abort, daemon=True).start()
     data = _DataCache()
     gen = int(os.environ.get("SAILOR_FIRST_GENERATION", "0"))  # a worker added to a running job
+
+    def on_metrics(rec: dict[str, Any]) -> None:
+        last_step[0] = int(rec.get("step", last_step[0]))
+        with contextlib.suppress(protocol.ProtocolError):
+            client.append(protocol.metrics_key(int(rec.get("plan_version") or 0)), json.dumps(rec))
+
     try:
         while True:
             try:
-                # a fresh client per generation: after an aborted generation a connection of this
-                # process was seen to stall, and the control path must not depend on old sockets
-                store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=600))
-                raw = store.get(f"g{gen}/assign/{worker_id}")
-            except Exception as e:  # noqa: BLE001 - the controller went away or took too long
+                raw = client.wait(protocol.assign_key(gen, worker_id), ASSIGNMENT_WAIT_S)
+            except protocol.ProtocolError as e:  # the controller went away or took too long
                 _log(f"no assignment for generation {gen}: {e}")
                 return 1
             a = json.loads(raw)
-            if int(a["rank"]) < 0:
+            if int(a["rank"]) == protocol.EXIT:
                 return 0
             comm.ABORT.clear()
             current_gen[0] = gen
+            if int(a["rank"]) == protocol.IDLE:
+                gen += 1
+                continue
             try:
-                status = run_generation(a, data=data, init={"store": _pg_store(a, (host, int(port)), gen)},
-                                        local_rank=int(a.get("local_rank", 0)))
+                status = run_generation(a, data=data, init={"store": _pg_store(a, client, gen)},
+                                        local_rank=int(a.get("local_rank", 0)), on_metrics=on_metrics)
             except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
                 status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 _log(f"generation {gen} {status}")
-            TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30)).set(
-                f"g{gen}/status/{worker_id}", status)
+            try:
+                client.set(protocol.status_key(gen, worker_id), status)
+            except protocol.ProtocolError as e:
+                _log(f"cannot report generation {gen}: {e}")
+                return 1
             if status in ("done", "stopped"):
                 return 0
             gen += 1
     finally:
-        stop_hb.set()
+        stop.set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if status in ("done", "stopped") else 1
     if not (a.control and a.worker_id is not None):
         ap.error("pass --control HOST:PORT and --worker-id, or --assignment FILE under torchrun")
-    return controlled(a.control, str(a.worker_id))
+    secret = os.environ.get(protocol.SECRET_ENV)
+    if not secret:
+        ap.error(f"controlled mode needs the run's secret in ${protocol.SECRET_ENV}")
+    return controlled(a.control, str(a.worker_id), secret)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,300 @@
+"""The worker control protocol, defined once: controller <-> agent <-> worker.
+
+Every side uses this module: `sailor train`'s launcher (sailor_core/runtime/launcher.py), the flow's
+controller (tasks/control.py), the per-VM agent (sailor_core/runtime/agent.py, `sailor worker`) and
+the worker process (sailor_core/runtime/worker_proc.py).
+
+Transport: the controller runs a small HTTP server (`ControlServer`) holding string keys and
+append-only lists. It binds the one address its workers reach it at (loopback on one machine, the
+testbed bridge or the VM network elsewhere), never every interface, and refuses (HTTP 403, nothing
+read or written) every request that does not carry the run's secret in the `X-Sailor-Secret`
+header. Workers read the secret from `SAILOR_RUN_SECRET`; it never appears on a command line.
+
+    PUT  /kv/<key>                 set a value
+    GET  /kv/<key>?wait=S          the value; waits up to S seconds for it to appear (404 if not)
+    POST /list/<key>               append one line
+    GET  /list/<key>?start=N       lines N.. as a JSON array
+
+Keys (one generation g per plan version the workers are handed; a worker id is
+`<vm id>/<local index>` in the flow and `<n>` under `sailor train`):
+
+    g<g>/assign/<worker>   the worker's `Assignment` for generation g (JSON)
+    g<g>/status/<worker>   done | stopped | failed: <reason>
+    g<g>/abort             set when a member of generation g is lost: blocked waits wake up
+    g<g>/rdv               host:port of the generation's process-group store (hosted by its rank 0)
+    hb/<worker>            the worker's latest heartbeat {"time", "step"} (JSON)
+    hb/vm/<vm id>          the agent's heartbeat {"time", "workers": {id: pid}} (JSON)
+    metrics/v<version>     list: one JSON record per training step, from the last stage's first rank
+
+An assignment's `rank` is the worker's global rank; `IDLE` (-2) keeps the process waiting for the next
+generation (a VM with more devices than its replica needs) and `EXIT` (-1) ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import http.client
+import json
+import secrets
+import threading
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+SECRET_ENV = "SAILOR_RUN_SECRET"
+SECRET_HEADER = "X-Sailor-Secret"
+EXIT = -1
+IDLE = -2
+HEARTBEAT_S = 2.0
+
+
+def new_secret() -> str:
+    return secrets.token_hex(16)
+
+
+def assign_key(gen: int, worker: str) -> str:
+    return f"g{gen}/assign/{worker}"
+
+
+def status_key(gen: int, worker: str) -> str:
+    return f"g{gen}/status/{worker}"
+
+
+def abort_key(gen: int) -> str:
+    return f"g{gen}/abort"
+
+
+def rendezvous_key(gen: int) -> str:
+    return f"g{gen}/rdv"
+
+
+def heartbeat_key(worker: str) -> str:
+    return f"hb/{worker}"
+
+
+def vm_heartbeat_key(vm_id: str) -> str:
+    return f"hb/vm/{vm_id}"
+
+
+def metrics_key(version: int) -> str:
+    return f"metrics/v{version}"
+
+
+def worker_id(vm_id: str, local_index: int) -> str:
+    return f"{vm_id}/{local_index}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """What one worker process runs in one generation."""
+
+    rank: int
+    world_size: int = 0
+    plan: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False
+    local_rank: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Assignment:
+        d = json.loads(raw)
+        return cls(rank=int(d["rank"]), world_size=int(d.get("world_size", 0)), plan=d.get("plan") or {},
+                   settings=d.get("settings") or {}, resume=bool(d.get("resume")),
+                   local_rank=int(d.get("local_rank", 0)))
+
+
+class ProtocolError(Exception):
+    """The controller refused a request or could not be reached."""
+
+
+class _Board:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.kv: dict[str, str] = {}
+        self.lists: dict[str, list[str]] = {}
+
+    def set(self, key: str, value: str) -> None:
+        with self.cond:
+            self.kv[key] = value
+            self.cond.notify_all()
+
+    def get(self, key: str, wait_s: float = 0.0) -> str | None:
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while key not in self.kv:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.cond.wait(left)
+            return self.kv[key]
+
+    def append(self, key: str, line: str) -> None:
+        with self.cond:
+            self.lists.setdefault(key, []).append(line)
+
+    def read(self, key: str, start: int = 0) -> list[str]:
+        with self.cond:
+            return list(self.lists.get(key, [])[start:])
+
+
+def _handler(board: _Board, secret: str) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+            pass
+
+        def _authorised(self) -> bool:
+            given = self.headers.get(SECRET_HEADER, "")
+            if hmac.compare_digest(given.encode(), secret.encode()):
+                return True
+            self._reply(403, b"refused: missing or wrong run secret")
+            self.close_connection = True
+            return False
+
+        def _reply(self, code: int, body: bytes = b"") -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> str:
+            n = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(n).decode() if n else ""
+
+        def _route(self) -> tuple[str, str, dict[str, list[str]]]:
+            u = urllib.parse.urlsplit(self.path)
+            kind, _, key = u.path.lstrip("/").partition("/")
+            return kind, urllib.parse.unquote(key), urllib.parse.parse_qs(u.query)
+
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            if not self._authorised():
+                return
+            kind, key, q = self._route()
+            if kind == "kv":
+                value = board.get(key, float(q.get("wait", ["0"])[0]))
+                if value is None:
+                    self._reply(404)
+                else:
+                    self._reply(200, value.encode())
+            elif kind == "list":
+                self._reply(200, json.dumps(board.read(key, int(q.get("start", ["0"])[0]))).encode())
+            else:
+                self._reply(404)
+
+        def do_PUT(self) -> None:  # noqa: N802
+            if not self._authorised():
+                return
+            kind, key, _ = self._route()
+            body = self._body()
+            if kind != "kv":
+                return self._reply(404)
+            board.set(key, body)
+            self._reply(204)
+
+        def do_POST(self) -> None:  # noqa: N802
+            if not self._authorised():
+                return
+            kind, key, _ = self._route()
+            body = self._body()
+            if kind != "list":
+                return self._reply(404)
+            board.append(key, body)
+            self._reply(204)
+
+    return Handler
+
+
+class ControlServer:
+    """The controller's side: binds `host` only; in-process reads and writes skip HTTP."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> None:
+        self.secret = secret or new_secret()
+        self._board = _Board()
+        self._http = ThreadingHTTPServer((host, port), _handler(self._board, self.secret))
+        self._http.daemon_threads = True
+        self.host = host
+        self.port = int(self._http.server_address[1])
+        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="sailor-control", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def set(self, key: str, value: str) -> None:
+        self._board.set(key, value)
+
+    def get(self, key: str, wait_s: float = 0.0) -> str | None:
+        return self._board.get(key, wait_s)
+
+    def read_list(self, key: str, start: int = 0) -> list[str]:
+        return self._board.read(key, start)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._http.shutdown()
+            self._http.server_close()
+
+
+class ControlClient:
+    """A worker's or agent's side. Safe to share between threads (one connection per request)."""
+
+    def __init__(self, endpoint: str, secret: str, *, timeout_s: float = 30.0) -> None:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ProtocolError(f"control endpoint {endpoint!r} is not HOST:PORT")
+        self.host, self.port, self.secret, self.timeout_s = host, int(port), secret, timeout_s
+
+    def _request(self, method: str, path: str, body: str | None = None, timeout_s: float | None = None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
+        try:
+            data = body.encode() if body is not None else None
+            conn.request(method, path, body=data, headers={SECRET_HEADER: self.secret,
+                                                           "Content-Length": str(len(data or b""))})
+            resp = conn.getresponse()
+            payload = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise ProtocolError(f"controller {self.host}:{self.port} unreachable: {e}") from e
+        finally:
+            conn.close()
+        if resp.status == 403:
+            raise ProtocolError(f"controller {self.host}:{self.port} refused the request: {payload.decode()[:200]}")
+        return resp.status, payload
+
+    def set(self, key: str, value: str) -> None:
+        self._request("PUT", "/kv/" + urllib.parse.quote(key, safe="/"), value)
+
+    def get(self, key: str, wait_s: float = 0.0) -> str | None:
+        q = f"?wait={wait_s:g}" if wait_s > 0 else ""
+        status, payload = self._request("GET", "/kv/" + urllib.parse.quote(key, safe="/") + q,
+                                        timeout_s=wait_s + self.timeout_s)
+        return payload.decode() if status == 200 else None
+
+    def wait(self, key: str, timeout_s: float) -> str:
+        """The key's value, waiting in long polls of at most 30 s; ProtocolError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            value = self.get(key, wait_s=max(0.0, min(30.0, left)))
+            if value is not None:
+                return value
+            if left <= 0:
+                raise ProtocolError(f"no {key} from the controller within {timeout_s:.0f}s")
+
+    def check(self, key: str) -> bool:
+        return self.get(key) is not None
+
+    def append(self, key: str, line: str) -> None:
+        self._request("POST", "/list/" + urllib.parse.quote(key, safe="/"), line)
+
+    def read_list(self, key: str, start: int = 0) -> list[str]:
+        _, payload = self._request("GET", "/list/" + urllib.parse.quote(key, safe="/") + f"?start={start}")
+        return list(json.loads(payload or b"[]"))
