@@ -43,8 +43,8 @@ def _split(values: list[str] | None) -> tuple[str, ...]:
 
 def plan(
     pool_file: Annotated[str, typer.Option("--pool", help="pool file (YAML or JSON), see docs/planner.md")],
-    model: Annotated[str, typer.Option("--model", help="model name, e.g. OPT-350")],
     global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="sequences per iteration")],
+    model: Annotated[str | None, typer.Option("--model", help="model name, e.g. OPT-350")] = None,
     objective: Annotated[str, typer.Option("--objective", help="max-throughput | min-cost | min-cost-per-token")] = "max-throughput",
     max_usd_per_iteration: Annotated[float | None, typer.Option("--max-usd-per-iteration")] = None,
     max_usd_per_hour: Annotated[float | None, typer.Option("--max-usd-per-hour")] = None,
@@ -59,12 +59,16 @@ def plan(
     out: Annotated[str | None, typer.Option("--out", help="write the plan here (sailor plan format)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     what_if: Annotated[list[str] | None, typer.Option("--what-if", help="re-plan with a change, e.g. '+16 V100-16 in us-west1-b' or 'A100-40 spot price +30%'")] = None,
+    model_config: Annotated[str | None, typer.Option("--model-config", help="a Hugging Face style config.json (profiled under its name with `sailor profile model --model-config`)")] = None,
     frontier_png: Annotated[str | None, typer.Option("--frontier-png", help="plot the throughput/cost frontier to this PNG")] = None,
     wide_frontier: Annotated[bool, typer.Option("--wide-frontier", help="frontier from cheapest to fastest (about 2x search time; on with --frontier-png)")] = False,
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them."""
     from sailor_cli.simulate import load_book
+    from sailor_core.models.hf_config import resolve_model
 
+    if model_config or model is None:  # the same name `sailor profile model --model-config` stored it under
+        model = resolve_model(model, model_config).name
     book = load_book(model, store)
     if book.model.name != model:
         raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")

@@ -2,8 +2,9 @@
 
 Contract:
 - `sailor profile model --model MODEL [--device cpu|cuda] [--mbs 1,2,4] [--tp 1,2] [--store URI]`
-  measures the grid with sailor_core.profiler (the same code as the flow's profiling tasks),
-  shows a progress bar and a per-layer summary table, then replaces the (model, GPU type) profile
+  (or `--model-config config.json`: a Hugging Face style Llama / GPT-NeoX / OPT config, stored
+  under its name) measures the grid with sailor_core.profiler (the same code as the flow's
+  profiling tasks), shows a progress bar and a per-layer summary table, then replaces the (model, GPU type) profile
   in the store in one commit. `--all-blocks` measures every block instead of a few.
 - `sailor profile network [--workers 2] [--store URI]` measures point-to-point and all-reduce time
   between local workers, prints measured against fitted time per message size, and upserts the link.
@@ -56,7 +57,8 @@ def _fmt_bytes(n: float) -> str:
 
 @app.command("model")
 def model_cmd(
-    model: Annotated[str, typer.Option("--model", help="Model name, e.g. gpt-tiny, gpt-small, OPT-350.")],
+    model: Annotated[str | None, typer.Option("--model", help="Model name, e.g. gpt-tiny, gpt-small, OPT-350 (with --model-config: the name to store it under).")] = None,
+    model_config: Annotated[str | None, typer.Option("--model-config", help="A Hugging Face style config.json (Llama, GPT-NeoX, OPT), path or s3:// / gs:// URI.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     mbs: Annotated[str, typer.Option("--mbs", help="Microbatch sizes, comma-separated.")] = "1,2,4",
     tp: Annotated[str, typer.Option("--tp", help="TP degrees, comma-separated (each <= GPUs of this node).")] = "1",
@@ -68,10 +70,13 @@ def model_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Profile per-layer forward/backward/optimizer time and activation memory; replace it in the store."""
+    from sailor_core.models.hf_config import resolve_model
     from sailor_core.profiler import ModelProfileSettings, profile_model, save_model_profile
 
+    model_cfg = resolve_model(model, model_config)
     settings = ModelProfileSettings(
-        model=model, device=device, mbs=_int_list(mbs, "--mbs"), tp=_int_list(tp, "--tp"),
+        model=model_cfg.name, model_config=model_cfg if model_config else None, device=device,
+        mbs=_int_list(mbs, "--mbs"), tp=_int_list(tp, "--tp"),
         gpu_type=gpu_type, all_blocks=all_blocks, precision=precision, statistic=statistic,
     )
     cfg = settings.validate()  # bad input fails before the store is opened or a worker starts

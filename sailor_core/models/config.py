@@ -2,11 +2,16 @@
 
 Contract:
 - `TransformerConfig` is a frozen, validated description of a decoder-only transformer in one of
-  three variants: 'opt' (learned positions, LayerNorm, ReLU MLP, tied head), 'gpt-neo' (learned
-  positions, LayerNorm, GELU MLP, tied head) and 'llama' (rotary positions, RMSNorm, SwiGLU MLP,
-  untied head, no biases). `tied_head` may be overridden per config.
-- `get_config(name)` returns a built-in config (`BUILTIN_CONFIGS`), e.g. gpt-tiny, gpt-small,
-  OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30 (architectures from sailor_core.catalog).
+  four variants: 'opt' (learned positions, LayerNorm, ReLU MLP, tied head), 'gpt-neo' (learned
+  positions, LayerNorm, GELU MLP, tied head), 'gpt-neox' (rotary positions on `rotary_pct` of each
+  head, LayerNorm, GELU MLP, untied head, optionally the parallel residual) and 'llama' (rotary
+  positions, RMSNorm, SwiGLU MLP, untied head, no biases, grouped-query attention when
+  `num_kv_heads` < `num_heads`). `tied_head` may be overridden per config.
+- One registry: `get_config(name)` finds a built-in config (`BUILTIN_CONFIGS`) or one registered
+  with `register_config` (e.g. read from a Hugging Face config.json by sailor_core.models.hf_config);
+  `to_dict`/`config_from_dict` carry a config to worker processes, so the profiler, planner and
+  runtime size and build the same model from one description.
+  Built-in: gpt-tiny, gpt-small, OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30 (sailor_core.catalog).
 - `model_spec(config, tp_degrees)` returns a `ModelSpec` in the store's layer indexing
   (0 embedding, 1..L blocks, L+1 final norm + head) with, per layer and TP degree:
   `params` held by one GPU of the TP group, `act_input_elems`/`act_output_elems` per sequence, and
@@ -24,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from sailor_core.domain import LayerSpec, ModelSpec, SailorError, ValidationError
 
-VARIANTS = ("opt", "gpt-neo", "llama")
+VARIANTS = ("opt", "gpt-neo", "gpt-neox", "llama")
 
 # Bytes per element of what backward keeps: the runtime keeps fp32 activations unless bf16
 # autocast is on; the spec is stated at fp32 (the profiler measures fp32 by default).
@@ -44,10 +49,14 @@ class TransformerConfig:
     ffn_hidden_size: int
     sequence_length: int
     vocab_size: int
-    tied_head: bool | None = None  # None: the variant's default (opt, gpt-neo tie; llama does not)
+    tied_head: bool | None = None  # None: the variant's default (opt, gpt-neo tie; llama, gpt-neox do not)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    num_kv_heads: int | None = None  # grouped-query attention; None: one KV head per query head
+    rotary_pct: float = 1.0  # share of each head's dimensions that rotary positions turn (gpt-neox)
+    parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (gpt-neox's default)
+    position_offset: int = 0  # learned positions start at this row (OPT keeps 2 unused rows)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -60,10 +69,22 @@ class TransformerConfig:
                 bad(f"{n} must be >= 1, got {getattr(self, n)}")
         if self.hidden_size % self.num_heads:
             bad(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
-        if self.variant == "llama" and self.head_dim % 2:
-            bad(f"rotary positions need an even head dimension, got {self.head_dim}")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+            bad(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.kv_heads != self.num_heads and self.variant != "llama":
+            bad(f"grouped-query attention (num_kv_heads {self.kv_heads}) is only built for variant 'llama'")
+        if not 0.0 < self.rotary_pct <= 1.0:
+            bad(f"rotary_pct must be in (0, 1], got {self.rotary_pct}")
+        if self.rotary and self.rotary_dims % 2:
+            bad(f"rotary positions need an even number of rotated dimensions, got {self.rotary_dims}")
+        if self.parallel_residual and self.variant != "gpt-neox":
+            bad("parallel_residual is a gpt-neox option")
+        if self.position_offset < 0 or (self.position_offset and not self.learned_positions):
+            bad(f"position_offset must be >= 0 and needs learned positions, got {self.position_offset}")
         if self.tied_head is None:
-            object.__setattr__(self, "tied_head", self.variant != "llama")
+            object.__setattr__(self, "tied_head", self.variant in ("opt", "gpt-neo"))
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -76,8 +97,25 @@ class TransformerConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def kv_heads(self) -> int:
+        return int(self.num_kv_heads or self.num_heads)
+
+    @property
+    def qkv_size(self) -> int:
+        """Rows of the fused QKV projection: every query head plus one key and one value per KV head."""
+        return (self.num_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
     def learned_positions(self) -> bool:
-        return self.variant != "llama"
+        return self.variant in ("opt", "gpt-neo")
+
+    @property
+    def rotary(self) -> bool:
+        return self.variant in ("llama", "gpt-neox")
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
 
     @property
     def norm(self) -> str:
@@ -85,7 +123,7 @@ class TransformerConfig:
 
     @property
     def mlp(self) -> str:
-        return {"opt": "relu", "gpt-neo": "gelu", "llama": "swiglu"}[self.variant]
+        return {"opt": "relu", "gpt-neo": "gelu", "gpt-neox": "gelu", "llama": "swiglu"}[self.variant]
 
     @property
     def bias(self) -> bool:
@@ -99,11 +137,11 @@ class TransformerConfig:
         return "head" if index == self.num_layers - 1 else "block"
 
     def check_tp(self, tp: int) -> None:
-        """TP splits heads, FFN and vocabulary evenly; say which does not divide."""
+        """TP splits heads (whole KV groups), FFN and vocabulary evenly; say which does not divide."""
         if tp < 1:
             raise SailorError(f"tp must be >= 1, got {tp}")
-        for what, n in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_hidden_size),
-                        ("vocab_size", self.vocab_size)):
+        for what, n in (("num_heads", self.num_heads), ("num_kv_heads", self.kv_heads),
+                        ("ffn_hidden_size", self.ffn_hidden_size), ("vocab_size", self.vocab_size)):
             if n % tp:
                 raise SailorError(
                     f"model {self.name}: {what}={n} is not divisible by tp={tp}; to fix: use a TP degree dividing {n}"
@@ -117,6 +155,18 @@ class TransformerConfig:
             total -= self.vocab_size * self.hidden_size
         return total
 
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-able fields (worker assignments carry the model this way)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def config_from_dict(d: dict[str, object]) -> TransformerConfig:
+    known = set(TransformerConfig.__dataclass_fields__)
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValidationError(f"model config has unknown fields {unknown}; known: {sorted(known)}")
+    return TransformerConfig(**d)  # type: ignore[arg-type]
+
 
 def _norm_params(cfg: TransformerConfig) -> int:
     return cfg.hidden_size * (1 if cfg.norm == "rmsnorm" else 2)
@@ -128,13 +178,14 @@ def layer_params(cfg: TransformerConfig, index: int, tp: int = 1) -> int:
     kind = cfg.layer_kind(index)
     if kind == "embedding":
         # vocab-parallel token embedding; learned positions are replicated
-        return v * h // tp + (s * h if cfg.learned_positions else 0)
+        return v * h // tp + ((s + cfg.position_offset) * h if cfg.learned_positions else 0)
     if kind == "head":
         # final norm (replicated) + vocab-parallel output projection without bias; a tied head
         # still holds its own copy when it lives on another stage, so it is counted here too
         return _norm_params(cfg) + v * h // tp
     b = 1 if cfg.bias else 0
-    attn = 3 * h * h // tp + b * 3 * h // tp + h * h // tp + b * h
+    q = cfg.qkv_size
+    attn = q * h // tp + b * q // tp + h * h // tp + b * h
     if cfg.mlp == "swiglu":
         mlp = 2 * h * f // tp + f * h // tp
     else:
@@ -161,10 +212,18 @@ def _block_saved_elems(cfg: TransformerConfig, tp: int) -> int:
     and the product.
     """
     s, h, f, nh = cfg.sequence_length, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads
+    # norm input + stats, its output, q/k/v as attention keeps them, attention's output, log-sum-exp
     attn = _norm_saved_elems(cfg, s) + s * h + 3 * s * h // tp + s * h // tp + s * nh // tp
-    if cfg.variant == "llama":
-        attn += 2 * s * h // tp
+    if cfg.kv_heads == nh and cfg.rotary:
+        # the rotated q and k are new tensors next to the QKV output (v stays a view of it), and
+        # attention's output is laid out apart from the out projection's input, which keeps a copy
+        attn += 3 * s * h // tp
+    # grouped-query attention: q (gathered from its groups, rotated), k (rotated, repeated) and v
+    # (repeated to every query head) are new tensors, the QKV output is not kept, and attention's
+    # output is already the out projection's input
     mlp = _norm_saved_elems(cfg, s) + s * h
+    if cfg.parallel_residual:  # both norms read the block's input: kept once
+        mlp -= s * h
     mlp += {"relu": 1, "gelu": 2, "swiglu": 4}[cfg.mlp] * s * f // tp
     return attn + mlp
 
@@ -177,9 +236,10 @@ def layer_activation_bytes(cfg: TransformerConfig, index: int, tp: int = 1) -> i
         # only the token ids are needed to scatter the embedding gradient (plus a mask under TP)
         return s * INDEX_BYTES + (s if tp > 1 else 0)
     if kind == "head":
-        # final norm input + stats, its output (the projection's input), the log-softmax output over
-        # the gathered vocabulary (cross-entropy's backward needs it), and the targets
-        return FP32_BYTES * (_norm_saved_elems(cfg, s) + s * h + s * v) + s * INDEX_BYTES
+        # final norm input + stats, its output (the projection's input), the softmax over this TP
+        # rank's share of the vocabulary (vocab-parallel cross-entropy's backward needs it), and
+        # the targets (under TP: this rank's target indices and a mask of the tokens it owns)
+        return FP32_BYTES * (_norm_saved_elems(cfg, s) + s * h + s * v // tp) + s * INDEX_BYTES + (s if tp > 1 else 0)
     return FP32_BYTES * _block_saved_elems(cfg, tp)
 
 
@@ -246,11 +306,30 @@ def _builtin() -> dict[str, TransformerConfig]:
 
 
 BUILTIN_CONFIGS: dict[str, TransformerConfig] = _builtin()
+_REGISTERED: dict[str, TransformerConfig] = {}
+
+
+def register_config(cfg: TransformerConfig) -> TransformerConfig:
+    """Make `cfg` known to `get_config` in this process (a config read from a file, say).
+
+    A built-in name, or a registered name with another architecture, is refused: one name means
+    one model everywhere (profiles in the store are keyed by it)."""
+    for known in (BUILTIN_CONFIGS, _REGISTERED):
+        for key, old in known.items():
+            if key.lower() == cfg.name.lower() and old != cfg:
+                raise SailorError(
+                    f"model name {cfg.name!r} is already another model's; to fix: give this config another name"
+                )
+    _REGISTERED[cfg.name] = cfg
+    return cfg
 
 
 def get_config(name: str, **overrides: object) -> TransformerConfig:
-    """A built-in config by name (case-insensitive), optionally with fields replaced."""
-    for key, cfg in BUILTIN_CONFIGS.items():
-        if key.lower() == name.lower():
-            return replace(cfg, **overrides) if overrides else cfg  # type: ignore[arg-type]
-    raise SailorError(f"unknown model {name!r}; to fix: use one of {', '.join(BUILTIN_CONFIGS)}")
+    """A built-in or registered config by name (case-insensitive), optionally with fields replaced."""
+    for known in (BUILTIN_CONFIGS, _REGISTERED):
+        for key, cfg in known.items():
+            if key.lower() == name.lower():
+                return replace(cfg, **overrides) if overrides else cfg  # type: ignore[arg-type]
+    raise SailorError(
+        f"unknown model {name!r}; to fix: use one of {', '.join(BUILTIN_CONFIGS)}, or pass --model-config config.json"
+    )

@@ -34,8 +34,8 @@ def set_wait(fn) -> None:  # type: ignore[no-untyped-def]
     _WAIT[0] = fn
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> None:
-    _WAIT[0](dist.all_reduce(x, group=group, async_op=True))
+def _all_reduce(x: torch.Tensor, group: Any, op: Any = None) -> None:
+    _WAIT[0](dist.all_reduce(x, op=op if op is not None else dist.ReduceOp.SUM, group=group, async_op=True))
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,12 @@ def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return x if tp.size == 1 else _ReduceFromTP.apply(x, tp.group)
+
+
+def all_reduce_(x: torch.Tensor, tp: TPContext, op: str = "sum") -> None:
+    """In-place all-reduce over the TP group outside autograd (a no-op for tp == 1)."""
+    if tp.size > 1:
+        _all_reduce(x, tp.group, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
 def gather_last_dim(x: torch.Tensor, tp: TPContext) -> torch.Tensor:

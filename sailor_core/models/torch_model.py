@@ -5,11 +5,19 @@ Contract:
   indexing (0 embedding, 1..L blocks, L+1 final norm + head) holding this TP rank's shards, with
   weights that depend only on (seed, index): the full weights come from `full_layer_state`, and
   every TP degree slices the same full tensors, so every plan starts from the same model.
-- `StageModel(cfg, first, last, tp, seed)` chains layers [first, last] (inclusive); its forward
-  takes token ids (if it holds the embedding) or hidden states, and returns hidden states or, if
-  it holds the head, full-vocabulary logits.
-- `loss_sum(logits, targets)` is the summed token cross-entropy in fp32 (the runtime divides by
-  the global token count so microbatches and pipelines of any size weigh samples exactly).
+- `StageModel(cfg, first, last, tp, seed, recompute=False)` chains layers [first, last]
+  (inclusive); its forward takes token ids (if it holds the embedding) or hidden states, and returns
+  hidden states or, if it holds the head, this TP rank's share of the logits (vocabulary-parallel:
+  rows [r*V/tp, (r+1)*V/tp) of the vocabulary; `StageModel.logits` gathers them). With `recompute`
+  its blocks keep only their input for backward and run their forward again during backward.
+- `loss_sum(logits, targets, tp)` is the summed token cross-entropy in fp32 over vocabulary-
+  parallel logits (Megatron's vocab-parallel cross-entropy: max, sum of exponentials and the
+  target's logit are all-reduced over the TP group, so no rank holds full-vocabulary logits); the
+  runtime divides by the global token count so microbatches and pipelines of any size weigh samples
+  exactly.
+- Attention's fused QKV rows are ordered (KV group, [its query heads..., key, value], head_dim), so
+  an even split over TP ranks gives each rank whole KV groups (grouped-query attention needs
+  num_kv_heads divisible by tp); with one query head per KV head this is (head, q|k|v, head_dim).
 - `layer_full_state(layer)` / `load_full_state(layer, state)` move between a layer's TP shards
   and full-layout tensors keyed by parameter name (`unshard` needs the TP group's pieces; see
   runtime.checkpoint). `param_shard_dims(layer)` says how each parameter is split.
@@ -23,6 +31,7 @@ import hashlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.tensor_parallel import (
@@ -31,6 +40,7 @@ from sailor_core.models.tensor_parallel import (
     RowParallelLinear,
     TPContext,
     VocabParallelEmbedding,
+    all_reduce_,
     gather_last_dim,
     shard,
 )
@@ -52,13 +62,14 @@ class EmbeddingLayer(nn.Module):
         self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.wpe = None
         if cfg.learned_positions:
-            self.wpe = nn.Parameter(torch.empty(cfg.sequence_length, cfg.hidden_size))
+            self.offset = cfg.position_offset
+            self.wpe = nn.Parameter(torch.empty(cfg.sequence_length + self.offset, cfg.hidden_size))
             setattr(self.wpe, SHARD_ATTR, None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.wte(ids)
         if self.wpe is not None:
-            x = x + self.wpe[: ids.shape[-1]]
+            x = x + self.wpe[self.offset: self.offset + ids.shape[-1]]
         return x
 
 
@@ -67,12 +78,14 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.local_heads = cfg.num_heads // tp.size
-        # Full-layout QKV rows are ordered (head, q|k|v, head_dim), so splitting rows evenly gives
-        # each TP rank whole heads with their q, k and v.
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp, bias=cfg.bias)
+        self.local_groups = cfg.kv_heads // tp.size
+        self.group = cfg.num_heads // cfg.kv_heads  # query heads per KV head
+        # Full-layout QKV rows are ordered (KV group, [q_1..q_group, k, v], head_dim), so splitting
+        # rows evenly gives each TP rank whole KV groups with their queries, key and value.
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.qkv_size, tp, bias=cfg.bias)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, bias=cfg.bias)
-        if cfg.variant == "llama":
-            hd = cfg.head_dim
+        if cfg.rotary:
+            hd = cfg.rotary_dims
             inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
             ang = torch.outer(torch.arange(cfg.sequence_length, dtype=torch.float64), inv)
             ang = torch.cat([ang, ang], dim=-1)
@@ -80,16 +93,26 @@ class Attention(nn.Module):
             self.register_buffer("sin", ang.sin().float(), persistent=False)
 
     def _rope(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.shape[-2]
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * self.cos[:s] + torch.cat([-x2, x1], dim=-1) * self.sin[:s]
+        """Rotary positions on the first `rotary_dims` of each head (rotate-half convention)."""
+        s, rd = x.shape[-2], self.cfg.rotary_dims
+        rot = x if rd == x.shape[-1] else x[..., :rd]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rot = rot * self.cos[:s] + torch.cat([-x2, x1], dim=-1) * self.sin[:s]
+        return rot if rd == x.shape[-1] else torch.cat([rot, x[..., rd:]], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.cfg.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
-        if self.cfg.variant == "llama":
+        g, hd = self.group, self.cfg.head_dim
+        qkv = self.qkv(x).view(b, s, self.local_groups, g + 2, hd)
+        if g == 1:
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
+        else:
+            q = qkv[:, :, :, :g].reshape(b, s, self.local_heads, hd).transpose(1, 2)
+            k, v = qkv[:, :, :, g].transpose(1, 2), qkv[:, :, :, g + 1].transpose(1, 2)
+        if self.cfg.rotary:
             q, k = self._rope(q), self._rope(k)
+        if g > 1:  # query head i uses KV head i // g (Hugging Face's repeat_kv)
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(o.transpose(1, 2).reshape(b, s, self.local_heads * self.cfg.head_dim))
 
@@ -120,18 +143,21 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, tp: TPContext):
         super().__init__()
+        self.parallel = cfg.parallel_residual
         self.ln1 = _norm(cfg)
         self.attn = Attention(cfg, tp)
         self.ln2 = _norm(cfg)
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel:  # GPT-NeoX: both branches read the block's input
+            return x + self.attn(self.ln1(x)) + self.mlp(self.ln2(x))
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
 class HeadLayer(nn.Module):
-    """Final norm and the vocabulary projection (vocab-parallel; logits gathered to full width)."""
+    """Final norm and the vocabulary projection; returns this TP rank's vocabulary shard of the logits."""
 
     def __init__(self, cfg: TransformerConfig, tp: TPContext):
         super().__init__()
@@ -140,7 +166,7 @@ class HeadLayer(nn.Module):
         self.out = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_last_dim(self.out(self.norm(x)), self.tp)
+        return self.out(self.norm(x))
 
 
 def _new_layer(cfg: TransformerConfig, index: int, tp: TPContext) -> nn.Module:
@@ -214,8 +240,11 @@ class StageModel(nn.Module):
     """Layers [first, last] of the model on one TP rank; `layer_ids[i]` is the store index of layers[i]."""
 
     def __init__(self, cfg: TransformerConfig, first: int, last: int, tp: TPContext | None = None,
-                 seed: int = 0, states: dict[int, dict[str, torch.Tensor]] | None = None):
+                 seed: int = 0, states: dict[int, dict[str, torch.Tensor]] | None = None,
+                 recompute: bool = False):
         super().__init__()
+        self.tp = tp or TPContext.single()
+        self.recompute = recompute
         if not 0 <= first <= last < cfg.num_layers:
             raise ValueError(f"layer range [{first}, {last}] outside 0..{cfg.num_layers - 1}")
         self.cfg = cfg
@@ -231,10 +260,57 @@ class StageModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x)
+            if self.recompute and isinstance(layer, Block) and torch.is_grad_enabled():
+                # keep only the block's input; its forward (collectives included, in the same order
+                # on every TP rank) runs again during backward
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return x
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (gathered over the TP group) of a stage holding the head."""
+        return gather_last_dim(self(x), self.tp)
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy in fp32 over all tokens of the microbatch."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_sum(logits, targets, self.tp)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy of logits split by vocabulary rows over the TP group (Megatron)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp):  # type: ignore[override]
+        logits = logits.float()
+        mx = logits.max(dim=-1).values
+        all_reduce_(mx, tp, op="max")
+        shifted = logits - mx.unsqueeze(-1)
+        per = logits.shape[-1]
+        lo = tp.rank * per
+        outside = (targets < lo) | (targets >= lo + per)
+        local = (targets - lo).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        all_reduce_(picked, tp)
+        ex = shifted.exp()
+        total = ex.sum(dim=-1)
+        all_reduce_(total, tp)
+        ex.div_(total.unsqueeze(-1))  # this rank's share of the softmax: all backward needs
+        ctx.save_for_backward(ex, local, outside)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        soft, local, outside = ctx.saved_tensors
+        grad = soft.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), (outside.to(grad.dtype) - 1.0).unsqueeze(-1))
+        return grad * g.unsqueeze(-1), None, None
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy in fp32 over all tokens of the microbatch.
+
+    `logits` hold this TP rank's vocabulary rows (all of them for tp=1); the result is the same
+    full-vocabulary loss on every rank of the TP group."""
+    if tp is None or tp.size == 1:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    return _VocabParallelCE.apply(logits, targets, tp).sum()

@@ -1,9 +1,9 @@
 """Layer profiler: per-layer forward, backward and optimizer time and activation memory of a model.
 
 Contract: `profile_model(settings, progress=None) -> ModelProfile` measures the model
-`settings.model` (a built-in config of sailor_core.models) on the device at hand, for every
-microbatch size in `settings.mbs` and TP degree in `settings.tp`, with the runtime's own layers
-(sailor_core.models.torch_model.build_layer, Megatron-style TP layers over a real process group):
+`settings.model` (a built-in config of sailor_core.models, or `settings.model_config`) on the
+device at hand, for every microbatch size in `settings.mbs` and TP degree in `settings.tp`, with
+the runtime's own layers (sailor_core.models.torch_model.build_layer, Megatron-style TP layers over a real process group):
 - every TP degree runs in `tp` spawned worker processes on this node (one GPU each on CUDA; gloo on
   CPU, one thread each, as the runtime's workers run); rank 0's times are reported;
 - per layer of the store's indexing (0 embedding, 1..L blocks, L+1 final norm + head, the head's
@@ -78,9 +78,11 @@ class ModelProfileSettings:
     # Makes a CPU worker slot run out of memory like a GPU of that size would, instead of swapping
     # or meeting the kernel's out-of-memory killer.
     memory_limit_bytes: int | None = None
+    # A model not among the built-ins (e.g. read from a config.json): travels to the spawned workers
+    model_config: TransformerConfig | None = None
 
     def config(self) -> TransformerConfig:
-        return get_config(self.model)
+        return self.model_config if self.model_config is not None else get_config(self.model)
 
     def node_size(self) -> int:
         """GPUs of this node a TP group may use."""
@@ -281,7 +283,7 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
                     out = layers[i](x)
             else:
                 out = layers[i](x)
-            return loss_sum(out, tgt) if i == head else out
+            return loss_sum(out, tgt, ctx) if i == head else out
 
         def measure_point(mbs: int) -> list[LayerPoint]:
             out = []

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from sailor_core.domain import ParallelPlan, SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext, shard, shard_slice
-from sailor_core.models.torch_model import StageModel, loss_sum
+from sailor_core.models.torch_model import StageModel
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime import comm
 from sailor_core.runtime.data import TokenDataset, load_tokens
@@ -397,7 +397,7 @@ class Trainer:
             out = self.model(x)
         if self.model.has_head:
             _, y = self._samples(m)
-            loss = loss_sum(out, y) * self.loss_scale
+            loss = self.model.loss_sum(out, y) * self.loss_scale
             self._loss_acc += loss.detach().float()
             self._stash[m] = (inp, loss)
         else:

@@ -1,0 +1,179 @@
+"""Hugging Face style `config.json` <-> TransformerConfig. Torch-free.
+
+Contract:
+- `config_from_hf(d, name=None)` maps a config.json dict of the Llama (`model_type` "llama",
+  grouped-query attention via `num_key_value_heads`, RoPE), GPT-NeoX ("gpt_neox": partial rotary,
+  parallel residual) or OPT ("opt": pre-norm, learned positions with OPT's offset of 2, tied head)
+  family onto a `TransformerConfig`. The sequence length is `max_position_embeddings` unless
+  `sequence_length` is given. Anything the runtime would build differently (rope scaling, biases
+  Llama does not have, OPT-350m's post-norm or projected embeddings, other activations) is refused
+  with what was wrong and how to fix it, never silently approximated.
+- The model's name is `name`, else the config's `_name_or_path` (last path part), else
+  `<model_type>-<8 hex digits of the config's content>`: one name per architecture, because the
+  profile store keys profiles by it.
+- `load_model_config(path_or_uri)` reads a config.json (local path, or s3:// / gs:// through
+  pyarrow's filesystems), maps it and registers it (`sailor_core.models.config.register_config`),
+  so `get_config(name)` finds it in this process.
+- `hf_config_of(cfg)` is the config.json of a config (the inverse mapping), written next to exported
+  weights so the result loads in the tools people already use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from sailor_core.domain import SailorError
+from sailor_core.models.config import TransformerConfig, register_config
+
+MODEL_TYPES = {"llama": "llama", "gpt_neox": "gpt-neox", "opt": "opt"}
+OPT_POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding keeps two rows before position 0
+
+
+def _bad(what: str, fix: str) -> SailorError:
+    return SailorError(f"model config: {what}; to fix: {fix}")
+
+
+def _int(d: dict[str, Any], key: str) -> int:
+    if key not in d:
+        raise _bad(f"{key} is missing", f"add {key} to config.json")
+    try:
+        return int(d[key])
+    except (TypeError, ValueError):
+        raise _bad(f"{key} must be an integer, got {d[key]!r}", f"fix {key} in config.json") from None
+
+
+def _require(d: dict[str, Any], key: str, allowed: tuple[Any, ...], default: Any) -> None:
+    value = d.get(key, default)
+    if value not in allowed:
+        raise _bad(f"{key}={value!r} is not supported (supported: {', '.join(map(repr, allowed))})",
+                   "use a model of the Llama, GPT-NeoX or OPT family in its standard form")
+
+
+def default_name(d: dict[str, Any]) -> str:
+    src = str(d.get("_name_or_path") or "").rstrip("/")
+    if src:
+        return src.rsplit("/", 1)[-1]
+    canon = json.dumps({k: v for k, v in sorted(d.items()) if not k.startswith("_")}, sort_keys=True)
+    return f"{d.get('model_type', 'model')}-{hashlib.sha256(canon.encode()).hexdigest()[:8]}"
+
+
+def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: int | None = None) -> TransformerConfig:
+    model_type = d.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise _bad(f"model_type {model_type!r} is not supported",
+                   f"use a config.json whose model_type is one of {', '.join(MODEL_TYPES)}")
+    h, nh, layers = _int(d, "hidden_size"), _int(d, "num_attention_heads"), _int(d, "num_hidden_layers")
+    common: dict[str, Any] = dict(
+        name=name or default_name(d), variant=MODEL_TYPES[model_type], num_blocks=layers, hidden_size=h,
+        num_heads=nh, vocab_size=_int(d, "vocab_size"),
+        sequence_length=sequence_length or _int(d, "max_position_embeddings"),
+        init_std=float(d.get("initializer_range", d.get("init_std", 0.02))),
+    )
+    if d.get("head_dim") not in (None, h // max(nh, 1)):
+        raise _bad(f"head_dim {d['head_dim']} differs from hidden_size / num_attention_heads = {h // nh}",
+                   "use a config whose heads split hidden_size evenly")
+    if model_type == "llama":
+        _require(d, "hidden_act", ("silu",), "silu")
+        _require(d, "attention_bias", (False,), False)
+        _require(d, "mlp_bias", (False,), False)
+        _require(d, "rope_scaling", (None,), None)
+        return TransformerConfig(
+            **common, ffn_hidden_size=_int(d, "intermediate_size"),
+            num_kv_heads=int(d.get("num_key_value_heads") or nh), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", 10000.0)), tied_head=bool(d.get("tie_word_embeddings", False)),
+        )
+    if model_type == "gpt_neox":
+        _require(d, "hidden_act", ("gelu",), "gelu")
+        _require(d, "attention_bias", (True,), True)
+        _require(d, "rope_scaling", (None,), None)
+        return TransformerConfig(
+            **common, ffn_hidden_size=_int(d, "intermediate_size"), norm_eps=float(d.get("layer_norm_eps", 1e-5)),
+            rope_theta=float(d.get("rotary_emb_base", d.get("rope_theta", 10000.0))),
+            rotary_pct=float(d.get("rotary_pct", d.get("partial_rotary_factor", 0.25))),
+            parallel_residual=bool(d.get("use_parallel_residual", True)),
+            tied_head=bool(d.get("tie_word_embeddings", False)),
+        )
+    # OPT
+    _require(d, "activation_function", ("relu",), "relu")
+    _require(d, "do_layer_norm_before", (True,), True)
+    _require(d, "enable_bias", (True,), True)
+    _require(d, "layer_norm_elementwise_affine", (True,), True)
+    if int(d.get("word_embed_proj_dim", h)) != h:
+        raise _bad(f"word_embed_proj_dim {d['word_embed_proj_dim']} != hidden_size {h} (projected embeddings)",
+                   "use an OPT model without embedding projections (every size but 350m)")
+    if common["sequence_length"] > _int(d, "max_position_embeddings"):
+        raise _bad("sequence_length is longer than max_position_embeddings", "use a shorter sequence length")
+    return TransformerConfig(
+        **common, ffn_hidden_size=_int(d, "ffn_dim"), norm_eps=1e-5, position_offset=OPT_POSITION_OFFSET,
+        tied_head=bool(d.get("tie_word_embeddings", True)),
+    )
+
+
+def hf_config_of(cfg: TransformerConfig) -> dict[str, Any]:
+    """The config.json describing `cfg` (the inverse of `config_from_hf`)."""
+    base: dict[str, Any] = {
+        "_name_or_path": cfg.name, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_blocks,
+        "num_attention_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.sequence_length, "tie_word_embeddings": bool(cfg.tied_head),
+        "initializer_range": cfg.init_std, "torch_dtype": "float32",
+    }
+    if cfg.variant == "llama":
+        return {**base, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                "intermediate_size": cfg.ffn_hidden_size, "num_key_value_heads": cfg.kv_heads,
+                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
+    if cfg.variant == "gpt-neox":
+        return {**base, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
+                "intermediate_size": cfg.ffn_hidden_size, "layer_norm_eps": cfg.norm_eps,
+                "rotary_emb_base": cfg.rope_theta, "rotary_pct": cfg.rotary_pct,
+                "use_parallel_residual": cfg.parallel_residual, "hidden_act": "gelu"}
+    if cfg.variant == "opt" and cfg.position_offset == OPT_POSITION_OFFSET:
+        return {**base, "model_type": "opt", "architectures": ["OPTForCausalLM"], "ffn_dim": cfg.ffn_hidden_size,
+                "do_layer_norm_before": True, "word_embed_proj_dim": cfg.hidden_size,
+                "activation_function": "relu", "enable_bias": True}
+    raise SailorError(f"model {cfg.name} (variant {cfg.variant}) has no Hugging Face layout; to fix: export a "
+                      f"model built from a Llama, GPT-NeoX or OPT config.json")
+
+
+def read_bytes(uri: str) -> bytes:
+    """A file's bytes from a local path or an object-storage URI (s3://, gs://)."""
+    if "://" not in uri or uri.startswith("file://"):
+        path = uri.removeprefix("file://")
+        if not os.path.isfile(path):
+            raise SailorError(f"{path!r} does not exist; to fix: check the path")
+        with open(path, "rb") as f:
+            return f.read()
+    from pyarrow import fs as pafs  # lazily: only object storage needs it
+
+    try:
+        filesystem, path = pafs.FileSystem.from_uri(uri)
+        with filesystem.open_input_stream(path) as f:
+            return bytes(f.read())
+    except (OSError, ValueError) as e:
+        raise SailorError(f"cannot read {uri!r}: {e}; to fix: check the URI and credentials") from None
+
+
+def load_model_config(uri: str, name: str | None = None) -> TransformerConfig:
+    """Read, map and register a config.json (see module contract)."""
+    try:
+        d = json.loads(read_bytes(uri))
+    except json.JSONDecodeError as e:
+        raise SailorError(f"{uri}: not valid JSON ({e}); to fix: pass a Hugging Face config.json") from None
+    if not isinstance(d, dict):
+        raise SailorError(f"{uri}: not a JSON object; to fix: pass a Hugging Face config.json")
+    return register_config(config_from_hf(d, name))
+
+
+def resolve_model(model: str | None, model_config: str | None) -> TransformerConfig:
+    """The model a command names: `--model-config FILE` (with `--model` as its name, if given), else
+    a built-in or registered `--model`."""
+    if model_config:
+        return load_model_config(model_config, name=model)
+    if not model:
+        raise SailorError("no model given; to fix: pass --model NAME or --model-config config.json")
+    from sailor_core.models.config import get_config
+
+    return get_config(model)
