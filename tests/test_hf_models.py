@@ -99,3 +99,166 @@ def test_sizes_match_torch(family):
         want = layer_activation_bytes(cfg, i)
         # rotary tables do not scale with the batch; the profiler allows 10%
         assert abs(per_seq - want) <= 0.05 * want, (family, i, per_seq, want)
+
+
+# -- weights: safetensors in any plan's layout, out in the original layout -------------------------
+
+TRAIN_LLAMA = {**LLAMA, "_name_or_path": "test/tiny-llama-gqa"}
+
+
+def hf_llama_weights(d: dict, seed: int = 0) -> dict:
+    """Random weights under the names and shapes `transformers` gives a LlamaForCausalLM."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    h, f, v = d["hidden_size"], d["intermediate_size"], d["vocab_size"]
+    hd = h // d["num_attention_heads"]
+    kv = d["num_key_value_heads"] * hd
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    t = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": 1 + rnd(h), "lm_head.weight": rnd(v, h)}
+    for i in range(d["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": 1 + rnd(h), p + "post_attention_layernorm.weight": 1 + rnd(h),
+                  p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                  p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, h),
+                  p + "mlp.gate_proj.weight": rnd(f, h), p + "mlp.up_proj.weight": rnd(f, h),
+                  p + "mlp.down_proj.weight": rnd(h, f)})
+    return t
+
+
+def reference_llama_logits(t: dict, d: dict, ids):
+    """Hugging Face Llama's forward written out from its tensor names (independent of sailor's model)."""
+    import torch
+
+    nh, nkv, eps = d["num_attention_heads"], d["num_key_value_heads"], d["rms_norm_eps"]
+    b, s = ids.shape
+    hd = d["hidden_size"] // nh
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rotate_half(x):
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    inv = 1.0 / (d["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    freqs = torch.outer(torch.arange(s).float(), inv)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    mask = torch.full((s, s), float("-inf")).triu(1)
+    x = t["model.embed_tokens.weight"][ids]
+    for i in range(d["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        y = rms(x, t[p + "input_layernorm.weight"])
+        q = (y @ t[p + "self_attn.q_proj.weight"].T).view(b, s, nh, hd).transpose(1, 2)
+        k = (y @ t[p + "self_attn.k_proj.weight"].T).view(b, s, nkv, hd).transpose(1, 2)
+        v = (y @ t[p + "self_attn.v_proj.weight"].T).view(b, s, nkv, hd).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / hd**0.5 + mask, dim=-1) @ v
+        x = x + att.transpose(1, 2).reshape(b, s, -1) @ t[p + "self_attn.o_proj.weight"].T
+        y = rms(x, t[p + "post_attention_layernorm.weight"])
+        gate, up = y @ t[p + "mlp.gate_proj.weight"].T, y @ t[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+    return rms(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
+
+
+def single_process_logits(cfg, states, ids):
+    import torch
+
+    from sailor_core.models.torch_model import StageModel
+
+    with torch.no_grad():
+        return StageModel(cfg, 0, cfg.num_layers - 1, states=states).logits(ids)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_weights_roundtrip_through_the_runtime_layout(family):
+    import torch
+
+    from sailor_core.models.safetensors_io import hf_to_layers, layers_to_hf
+    from sailor_core.models.torch_model import full_layer_state
+
+    cfg = config_from_hf(FAMILIES[family])
+    ours = {i: full_layer_state(cfg, i, seed=1) for i in range(cfg.num_layers)}
+    hf = layers_to_hf(cfg, ours)
+    back = hf_to_layers(cfg, hf)
+    assert all(torch.equal(back[i][n], ours[i][n]) for i in ours for n in ours[i])
+    if family == "opt":
+        assert "lm_head.weight" not in hf and hf["model.decoder.embed_positions.weight"].shape == (34, 64)
+    with pytest.raises(SailorError, match="no tensor .*to fix"):
+        hf_to_layers(cfg, {k: v for k, v in list(hf.items())[1:]})
+
+
+def test_llama_mapping_matches_hugging_face_forward():
+    import torch
+
+    from sailor_core.models.safetensors_io import hf_to_layers
+
+    cfg = config_from_hf(LLAMA)
+    t = hf_llama_weights(LLAMA)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.sequence_length), generator=torch.Generator().manual_seed(0))
+    ref = reference_llama_logits(t, LLAMA, ids)
+    got = single_process_logits(cfg, hf_to_layers(cfg, t), ids)
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_train_llama_gqa_under_pp2_tp2_export_and_reload(tmp_path):
+    """Done means: config.json + safetensors -> 2 stages x tp 2 on CPU -> export -> same logits in one process."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from sailor_cli.main import main
+    from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+    from sailor_core.models.safetensors_io import hf_to_layers
+    from sailor_core.models.torch_model import StageModel
+    from sailor_core.plan_format import save_plan_file
+    from sailor_core.runtime.data import TokenDataset, load_tokens
+    from sailor_core.runtime.weights import checkpoint_layers
+
+    (tmp_path / "config.json").write_text(json.dumps(TRAIN_LLAMA))
+    initial = hf_llama_weights(TRAIN_LLAMA, seed=3)
+    save_file(initial, str(tmp_path / "model.safetensors"))
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(bytes(torch.randint(32, 127, (20000,), generator=torch.Generator().manual_seed(1)).tolist()))
+    cfg = config_from_hf(TRAIN_LLAMA)
+    rep = Replica(gpu_type="cpu", zone="local", tp=2, gpus_per_node=2)
+    plan = ParallelPlan(model=cfg.name, global_batch_size=4, precision="fp32",
+                        stages=(Stage(first_layer=0, last_layer=2, replicas=(rep,)),
+                                Stage(first_layer=3, last_layer=5, replicas=(rep,))),
+                        pipelines=(PipelineBatch(microbatch_size=2, num_microbatches=2),))
+    save_plan_file(plan, str(tmp_path / "plan.json"))
+    ckpt_dir, out, metrics = tmp_path / "ckpt", tmp_path / "export", tmp_path / "metrics.jsonl"
+    rc = main(["train", str(tmp_path / "plan.json"), "--model-config", str(tmp_path / "config.json"),
+               "--init-weights", str(tmp_path / "model.safetensors"), "--checkpoint-dir", str(ckpt_dir),
+               "--export", str(out), "--steps", "3", "--data", str(data), "--metrics-out", str(metrics),
+               "--timeout", "60"])
+    assert rc == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+    # step 1 trained the imported weights: its loss is the single-process loss of those weights
+    ds = TokenDataset(load_tokens(str(data)), cfg.sequence_length, 0, cfg.vocab_size)
+    x, y = ds.batch(0, 4)
+    with torch.no_grad():
+        model = StageModel(cfg, 0, cfg.num_layers - 1, states=hf_to_layers(cfg, initial))
+        first = (model.loss_sum(model(x), y) / y.numel()).item()
+    assert abs(rows[0]["loss"] - first) <= 1e-5 * abs(first), (rows[0]["loss"], first)
+
+    # the export is in the original layout, trained, and gives the trained model's logits
+    exported = load_file(str(out / "model.safetensors"))
+    assert sorted(exported) == sorted(initial)
+    assert all(exported[k].shape == initial[k].shape for k in initial)
+    assert not torch.equal(exported["model.layers.0.self_attn.k_proj.weight"],
+                           initial["model.layers.0.self_attn.k_proj.weight"])
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
+    trained, step = checkpoint_layers(cfg, str(ckpt_dir))
+    assert step == 3
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.sequence_length), generator=torch.Generator().manual_seed(5))
+    from_run = single_process_logits(cfg, trained, ids)
+    reloaded = single_process_logits(cfg, hf_to_layers(cfg, exported), ids)
+    assert (reloaded - from_run).abs().max().item() <= 1e-5
+    reference = reference_llama_logits(exported, TRAIN_LLAMA, ids)
+    assert (reference - from_run).abs().max().item() <= 1e-5

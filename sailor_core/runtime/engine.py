@@ -50,6 +50,7 @@ from sailor_core.models.torch_model import StageModel
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime import comm
 from sailor_core.runtime.data import TokenDataset, load_tokens
+from sailor_core.runtime.schedule import learning_rate
 from sailor_core.runtime.topology import layout, ranks_of, sample_offset
 
 
@@ -72,6 +73,13 @@ class TrainSettings:
     stop_file: str | None = None
     plan_version: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # a model that is not built in (read from a config.json): TransformerConfig.to_dict()
+    model_config: dict[str, Any] | None = None
+    # learning-rate schedule (sailor_core.runtime.schedule): warmup, then constant, cosine or linear decay
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    recompute: bool = False  # activation recomputation: blocks keep only their input for backward
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -153,7 +161,8 @@ class Trainer:
         self.comm_dtype = torch.bfloat16 if self.bf16 else torch.float32
         self._build_groups()
         self._build_tie_group()
-        self.model = StageModel(cfg, self.stage.first_layer, self.stage.last_layer, self.tp, settings.seed).to(self.device)
+        self.model = StageModel(cfg, self.stage.first_layer, self.stage.last_layer, self.tp, settings.seed,
+                                recompute=settings.recompute).to(self.device)
         self._params = list(self.model.named_parameters())
         self._setup_zero1()
         owned = self._owned_by[self.me.pipeline] if self.zero1 else [p for _, p in self._params]
@@ -598,6 +607,11 @@ class Trainer:
             coef = self.settings.max_grad_norm / (norm + 1e-6)
             for _, p in self._params:
                 p.grad.mul_(coef)
+        for group in self.opt.param_groups:  # the schedule is a function of the optimizer step
+            group["lr"] = self.lr_now = learning_rate(
+                self.opt_steps, base_lr=self.settings.lr, schedule=self.settings.lr_schedule,
+                warmup_steps=self.settings.warmup_steps, total_steps=self.settings.steps,
+                min_lr_ratio=self.settings.min_lr_ratio)
         self.opt.step()
         if self.zero1:
             self._zero1_share_params()
@@ -609,7 +623,7 @@ class Trainer:
                "samples_seen": self.samples_seen, "iteration_time_s": dt, "grad_norm": norm,
                "tokens_per_s": self.plan.global_batch_size * self.cfg.sequence_length / dt,
                "memory_bytes": peak_memory_bytes(self.device), "plan_version": self.settings.plan_version,
-               "world_size": self.world, "time": time.time()}
+               "world_size": self.world, "time": time.time(), "lr": self.lr_now}
         rec["_jit"], rec["_stop"] = jit_any > 0, stop_any > 0
         return rec
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from sailor_core.models.config import get_config
+from sailor_core.models.config import config_from_dict, get_config
 from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
 from sailor_core.runtime import comm, protocol
@@ -67,7 +67,7 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
     """Join the process group described by `init`, train, and return 'done' or 'stopped'."""
     plan = plan_from_dict(assignment["plan"])
     settings = TrainSettings.from_dict(assignment["settings"])
-    cfg = get_config(settings.model)
+    cfg = config_from_dict(settings.model_config) if settings.model_config else get_config(settings.model)
     rank, world = int(assignment["rank"]), int(assignment["world_size"])
     me = layout(plan)[rank]
     _log(f"plan version {settings.plan_version}: joining as rank {rank} of {world}")

@@ -1,0 +1,223 @@
+"""Weights in the ecosystem's layout: Hugging Face tensor names <-> the runtime's full-layout layers.
+
+Contract:
+- `hf_to_layers(cfg, tensors)` maps a Hugging Face state dict (Llama, GPT-NeoX or OPT names, as
+  `transformers` saves them) onto full-layout per-layer states keyed by the store's layer index
+  (0 embedding, 1..L blocks, L+1 final norm + head), each exactly what
+  `torch_model.load_full_state` takes, so `StageModel(..., states=...)` or a checkpoint built from
+  them loads into any plan's stages and TP degrees. Separate q/k/v projections are fused into the
+  runtime's QKV rows (KV group, [its query heads, key, value], head_dim); GPT-NeoX's fused
+  query_key_value already is that layout. A tied head takes the embedding when the file has no
+  lm_head. A missing tensor or a shape that disagrees with the config is a `SailorError`;
+  buffers a checkpoint may carry (rotary inv_freq, attention masks) are ignored.
+- `layers_to_hf(cfg, states)` is the inverse: the same names and shapes `transformers` loads
+  (a tied head is written once, as the embedding, as `save_pretrained` does).
+- `read_safetensors(uri)` reads one `.safetensors` file or every `*.safetensors` of a folder
+  (sharded checkpoints), local or object storage (s3://, gs://); `write_safetensors(tensors, cfg,
+  out)` writes `model.safetensors` and `config.json` (sailor_core.models.hf_config) into a folder or
+  object-storage prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import torch
+
+from sailor_core.domain import SailorError
+from sailor_core.models.config import TransformerConfig
+from sailor_core.models.hf_config import hf_config_of, read_bytes
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+
+# (our name inside a block) -> (Hugging Face name inside layer i), per family; qkv is handled apart
+_BLOCK = {
+    "llama": {"ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight",
+              "attn.proj.weight": "self_attn.o_proj.weight", "mlp.w1.weight": "mlp.gate_proj.weight",
+              "mlp.w3.weight": "mlp.up_proj.weight", "mlp.w2.weight": "mlp.down_proj.weight"},
+    "gpt-neox": {"ln1.weight": "input_layernorm.weight", "ln1.bias": "input_layernorm.bias",
+                 "ln2.weight": "post_attention_layernorm.weight", "ln2.bias": "post_attention_layernorm.bias",
+                 "attn.qkv.weight": "attention.query_key_value.weight",
+                 "attn.qkv.bias": "attention.query_key_value.bias",
+                 "attn.proj.weight": "attention.dense.weight", "attn.proj.bias": "attention.dense.bias",
+                 "mlp.fc1.weight": "mlp.dense_h_to_4h.weight", "mlp.fc1.bias": "mlp.dense_h_to_4h.bias",
+                 "mlp.fc2.weight": "mlp.dense_4h_to_h.weight", "mlp.fc2.bias": "mlp.dense_4h_to_h.bias"},
+    "opt": {"ln1.weight": "self_attn_layer_norm.weight", "ln1.bias": "self_attn_layer_norm.bias",
+            "ln2.weight": "final_layer_norm.weight", "ln2.bias": "final_layer_norm.bias",
+            "attn.proj.weight": "self_attn.out_proj.weight", "attn.proj.bias": "self_attn.out_proj.bias",
+            "mlp.fc1.weight": "fc1.weight", "mlp.fc1.bias": "fc1.bias",
+            "mlp.fc2.weight": "fc2.weight", "mlp.fc2.bias": "fc2.bias"},
+}
+_LAYER_PREFIX = {"llama": "model.layers.", "gpt-neox": "gpt_neox.layers.", "opt": "model.decoder.layers."}
+_SEPARATE_QKV = {"llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "opt": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
+# embedding and head: (our layer kind, our name) -> Hugging Face name
+_ENDS = {
+    "llama": {("embedding", "wte.weight"): "model.embed_tokens.weight", ("head", "norm.weight"): "model.norm.weight",
+              ("head", "out.weight"): "lm_head.weight"},
+    "gpt-neox": {("embedding", "wte.weight"): "gpt_neox.embed_in.weight",
+                 ("head", "norm.weight"): "gpt_neox.final_layer_norm.weight",
+                 ("head", "norm.bias"): "gpt_neox.final_layer_norm.bias", ("head", "out.weight"): "embed_out.weight"},
+    "opt": {("embedding", "wte.weight"): "model.decoder.embed_tokens.weight",
+            ("embedding", "wpe"): "model.decoder.embed_positions.weight",
+            ("head", "norm.weight"): "model.decoder.final_layer_norm.weight",
+            ("head", "norm.bias"): "model.decoder.final_layer_norm.bias", ("head", "out.weight"): "lm_head.weight"},
+}
+
+
+def _family(cfg: TransformerConfig) -> str:
+    hf_config_of(cfg)  # refuses a config without a Hugging Face layout, with the fix
+    return cfg.variant
+
+
+def _fuse_qkv(cfg: TransformerConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Rows (KV group, [q_1..q_g, k, v], head_dim) from q [nh*hd, ...], k and v [nkv*hd, ...]."""
+    g, hd, nkv = cfg.num_heads // cfg.kv_heads, cfg.head_dim, cfg.kv_heads
+    rest = q.shape[1:]
+    parts = [q.reshape(nkv, g, hd, *rest), k.reshape(nkv, 1, hd, *rest), v.reshape(nkv, 1, hd, *rest)]
+    return torch.cat(parts, dim=1).reshape(cfg.qkv_size, *rest)
+
+
+def _split_qkv(cfg: TransformerConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, hd, nkv = cfg.num_heads // cfg.kv_heads, cfg.head_dim, cfg.kv_heads
+    rest = qkv.shape[1:]
+    t = qkv.reshape(nkv, g + 2, hd, *rest)
+    return (t[:, :g].reshape(nkv * g * hd, *rest).clone(), t[:, g].reshape(nkv * hd, *rest).clone(),
+            t[:, g + 1].reshape(nkv * hd, *rest).clone())
+
+
+def _names(cfg: TransformerConfig, index: int) -> dict[str, str]:
+    """Our parameter name -> Hugging Face name for layer `index` (fused qkv excluded)."""
+    fam = _family(cfg)
+    kind = cfg.layer_kind(index)
+    if kind == "block":
+        pre = f"{_LAYER_PREFIX[fam]}{index - 1}."
+        return {ours: pre + theirs for ours, theirs in _BLOCK[fam].items()}
+    return {ours: theirs for (k, ours), theirs in _ENDS[fam].items() if k == kind}
+
+
+def hf_to_layers(cfg: TransformerConfig, tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    from sailor_core.models.torch_model import build_layer
+
+    fam = _family(cfg)
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise SailorError(f"the weights have no tensor {name!r} that model {cfg.name} needs; to fix: pass the "
+                              f"safetensors of the model its config.json describes")
+        used.add(name)
+        return tensors[name].detach().to(torch.float32)
+
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for i in range(cfg.num_layers):
+        shapes = {n: tuple(p.shape) for n, p in build_layer(cfg, i).named_parameters()}
+        state: dict[str, torch.Tensor] = {}
+        for ours, theirs in _names(cfg, i).items():
+            if ours not in shapes:
+                continue
+            if ours == "out.weight" and cfg.tied_head and theirs not in tensors:
+                theirs = _ENDS[fam][("embedding", "wte.weight")]  # save_pretrained writes a tied weight once
+            state[ours] = take(theirs)
+        if cfg.layer_kind(i) == "block" and fam in _SEPARATE_QKV:
+            pre = f"{_LAYER_PREFIX[fam]}{i - 1}."
+            q, k, v = (pre + p for p in _SEPARATE_QKV[fam])
+            state["attn.qkv.weight"] = _fuse_qkv(cfg, take(q + ".weight"), take(k + ".weight"), take(v + ".weight"))
+            if "attn.qkv.bias" in shapes:
+                state["attn.qkv.bias"] = _fuse_qkv(cfg, take(q + ".bias"), take(k + ".bias"), take(v + ".bias"))
+        for n, shape in shapes.items():
+            if n not in state:
+                raise SailorError(f"model {cfg.name}: no weights map to layer {i}'s {n}")
+            if tuple(state[n].shape) != shape:
+                raise SailorError(f"model {cfg.name}: layer {i}'s {n} has shape {tuple(state[n].shape)} in the "
+                                  f"weights but {shape} in the config; to fix: pass the config.json of these weights")
+        out[i] = state
+    unused = sorted(n for n in set(tensors) - used if not n.endswith(IGNORED_SUFFIXES))
+    if unused:
+        raise SailorError(f"the weights hold tensors model {cfg.name} does not use, e.g. {unused[:3]}; to fix: pass "
+                          f"the config.json these weights were saved with")
+    return out
+
+
+def layers_to_hf(cfg: TransformerConfig, states: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    fam = _family(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.num_layers):
+        state = states[i]
+        for ours, theirs in _names(cfg, i).items():
+            if ours not in state or (ours == "out.weight" and cfg.tied_head):
+                continue
+            out[theirs] = state[ours].detach().to("cpu").contiguous().clone()
+        if cfg.layer_kind(i) == "block" and fam in _SEPARATE_QKV:
+            pre = f"{_LAYER_PREFIX[fam]}{i - 1}."
+            for kind in ("weight", "bias"):
+                if f"attn.qkv.{kind}" in state:
+                    for p, t in zip(_SEPARATE_QKV[fam], _split_qkv(cfg, state[f"attn.qkv.{kind}"]), strict=True):
+                        out[f"{pre}{p}.{kind}"] = t.contiguous()
+    return out
+
+
+def read_safetensors(uri: str) -> dict[str, torch.Tensor]:
+    """Every tensor of one .safetensors file, or of all *.safetensors in a folder (local or s3:// / gs://)."""
+    from safetensors.torch import load
+
+    files = _list_safetensors(uri)
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load(read_bytes(f)))
+    return out
+
+
+def _list_safetensors(uri: str) -> list[str]:
+    if uri.endswith(".safetensors"):
+        return [uri]
+    if "://" not in uri or uri.startswith("file://"):
+        path = uri.removeprefix("file://")
+        if not os.path.isdir(path):
+            raise SailorError(f"{path!r} is neither a .safetensors file nor a folder; to fix: check the path")
+        found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    else:
+        from pyarrow import fs as pafs
+
+        filesystem, root = pafs.FileSystem.from_uri(uri)
+        infos = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        scheme = uri.split("://", 1)[0]
+        found = sorted(f"{scheme}://{i.path}" for i in infos if i.base_name.endswith(".safetensors"))
+    if not found:
+        raise SailorError(f"no .safetensors files in {uri!r}; to fix: pass a .safetensors file or the folder holding them")
+    return found
+
+
+def _writer(out: str) -> Callable[[str, bytes], None]:
+    if "://" not in out or out.startswith("file://"):
+        root = out.removeprefix("file://")
+        os.makedirs(root, exist_ok=True)
+
+        def write_local(name: str, data: bytes) -> None:
+            tmp = os.path.join(root, f".{name}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, os.path.join(root, name))
+
+        return write_local
+    from pyarrow import fs as pafs
+
+    filesystem, prefix = pafs.FileSystem.from_uri(out)
+
+    def write_remote(name: str, data: bytes) -> None:
+        with filesystem.open_output_stream(f"{prefix.rstrip('/')}/{name}") as f:
+            f.write(data)
+
+    return write_remote
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], cfg: TransformerConfig, out: str) -> list[str]:
+    """`model.safetensors` and `config.json` into folder or prefix `out`; returns the names written."""
+    from safetensors.torch import save
+
+    write = _writer(out)
+    write("model.safetensors", save(tensors, metadata={"format": "pt"}))
+    write("config.json", json.dumps(hf_config_of(cfg), indent=1).encode())
+    return ["model.safetensors", "config.json"]

@@ -1,0 +1,63 @@
+"""Safetensors in and out of the runtime's plan-independent checkpoints.
+
+Contract:
+- `import_weights(cfg, weights_uri, checkpoint_uri, seed=0)` reads Hugging Face safetensors
+  (sailor_core.models.safetensors_io), maps them to full-layout layers and writes them as a valid
+  checkpoint at step 0 (no optimizer state: AdamW moments are zero, as before a first step). Any plan
+  then starts from them by resuming (`TrainSettings.resume`): the checkpoint loader already shards
+  full-layout layers for every stage split and TP degree. It refuses a checkpoint folder that
+  already holds steps, so a run's progress is never overwritten.
+- `export_weights(cfg, checkpoint_uri, out, step=None)` writes the newest valid (or the given) step's
+  weights as `model.safetensors` + `config.json` in the model's original Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+from sailor_core.domain import SailorError
+from sailor_core.models.config import TransformerConfig
+from sailor_core.models.safetensors_io import hf_to_layers, layers_to_hf, read_safetensors, write_safetensors
+from sailor_core.runtime import checkpoint as ckpt
+
+
+def import_weights(cfg: TransformerConfig, weights_uri: str, checkpoint_uri: str, seed: int = 0) -> int:
+    """Write `weights_uri` as step 0 of the checkpoint at `checkpoint_uri`; returns the layers written."""
+    import torch
+
+    from sailor_core.models.torch_model import build_layer, param_shard_dims
+
+    states = hf_to_layers(cfg, read_safetensors(weights_uri))
+    storage = ckpt.open_storage(checkpoint_uri)
+    if ckpt.list_steps(storage):
+        raise SailorError(f"checkpoint folder {checkpoint_uri!r} already holds steps; to fix: import the weights into "
+                          f"an empty --checkpoint-dir (or resume from the steps there without --init-weights)")
+    layer_states = {}
+    for i, params in states.items():
+        dims = param_shard_dims(build_layer(cfg, i))
+        zeros = {n: torch.zeros_like(t) for n, t in params.items()}
+        layer_states[i] = {"layer": i, "tp": 1, "tp_rank": 0, "shard_dims": dims, "params": params,
+                           "exp_avg": zeros, "exp_avg_sq": dict(zeros)}
+    meta = {"step": 0, "samples_seen": 0, "opt_steps": 0, "model": cfg.name, "seed": seed,
+            "num_layers": cfg.num_layers, "plan_version": 0, "imported_from": weights_uri}
+    ckpt.AsyncCheckpointer(storage).save(0, layer_states, "part_import.json", meta, blocking=True)
+    return len(layer_states)
+
+
+def checkpoint_layers(cfg: TransformerConfig, checkpoint_uri: str, step: int | None = None):  # type: ignore[no-untyped-def]
+    """Full-layout parameters of every layer at `step` (default: the newest valid one), and the step."""
+    storage = ckpt.open_storage(checkpoint_uri)
+    if step is None:
+        step = ckpt.latest_valid_step(storage, cfg.num_layers)
+        if step is None:
+            raise SailorError(f"no valid checkpoint in {checkpoint_uri!r}; to fix: train with --checkpoint-dir first")
+    meta = ckpt.read_meta(storage, step)
+    if meta.get("model") != cfg.name:
+        raise SailorError(f"checkpoint step {step} is of model {meta.get('model')!r}, not {cfg.name!r}; "
+                          f"to fix: pass the model config it was trained with")
+    return {i: ckpt.load_layer_state(storage, step, i)["params"] for i in range(cfg.num_layers)}, step
+
+
+def export_weights(cfg: TransformerConfig, checkpoint_uri: str, out: str, step: int | None = None) -> int:
+    """Export a checkpoint's weights to `out` in the Hugging Face layout; returns the step exported."""
+    layers, step = checkpoint_layers(cfg, checkpoint_uri, step)
+    write_safetensors(layers_to_hf(cfg, layers), cfg, out)
+    return int(step)
