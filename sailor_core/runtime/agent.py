@@ -1,22 +1,21 @@
 """The per-VM worker agent behind `sailor worker` (interface: docs/runtime.md).
 
 Contract:
-- Input: an assignment JSON file, rewritten (atomically, by rename) by the orchestrator for each new
-  plan version: {"plan_version", "plan" (sailor plan dict), "settings" (TrainSettings fields: model,
-  steps, seed, data, checkpoint_dir, checkpoint_every, timeout_s, ...), "ranks" (global ranks this
-  VM runs), "rendezvous" {"host", "port"} (a TCPStore that the VM running rank 0 hosts; use a
-  fresh port per plan version), "resume", "cancel"}.
-- The agent hosts a local control store and runs one persistent worker process per rank
-  (`worker_proc` controlled mode). A new plan version becomes a new generation for the same
-  processes: it sets the running generation's abort key (so ranks blocked on a lost peer wake up),
-  hands out the new ranks, starts processes if it needs more and retires surplus ones.
-- Output: JSON lines on `events` (a file or stdout): `heartbeat` every `heartbeat_s` (workers,
-  pids, alive), `metrics` per rank and step (step, loss on rank 0, iteration_time_s,
-  memory_bytes, plan_version), `status` per worker and plan version (done | stopped | failed:
-  reason), `worker_exited` when a process dies, and `exited` last (done | cancelled | failed).
-- SIGTERM/SIGINT or "cancel": true: workers get SIGTERM (they take a just-in-time checkpoint and
-  stop), are killed after `grace_s`, and the agent exits 0. SIGUSR1 is forwarded (just-in-time
-  checkpoint without stopping).
+- `WorkerAgent(control, vm_id, devices, secret=...)` runs one persistent worker process per device of
+  the VM (`worker_proc` in controlled mode, worker id `<vm id>/<i>`, LOCAL_RANK=i, so rank i of the VM
+  drives device i). The workers take every assignment from the controller themselves
+  (sailor_core/runtime/protocol.py): a new plan version is a new generation for the same processes,
+  and a worker the new plan does not need sits it out. The agent never decides ranks.
+- It beats `hb/vm/<vm id>` every `heartbeat_s` ({"time", "workers": {worker id: pid or null when it
+  exited}}), forwards SIGUSR1 (a preemption notice: the workers checkpoint just in time), and on
+  SIGTERM/SIGINT hands the workers SIGTERM (they checkpoint and stop), kills them after `grace_s`
+  and exits 0.
+- Worker logs live in the VM's own folder (`run_dir`); with `log_uri` (an object-storage or local
+  folder URI under the run's state) they are copied there every `upload_s` and at exit, so nothing
+  is left only on the VM.
+- Exit status: 0 when every worker exited 0 (done, stopped, told to exit) or the agent was told to
+  stop; 1 when a worker failed.
+- JSON lines on `events` (default stdout): `started`, `heartbeat`, `worker_exited`, `exited`.
 """
 
 from __future__ import annotations
@@ -27,33 +26,30 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from datetime import timedelta
 from typing import IO, Any
 
-from sailor_core.domain import SailorError
+from sailor_core.runtime import protocol
 
 
 class WorkerAgent:
-    def __init__(self, assignment_path: str, *, events: IO[str] | None = None, vm_id: str = "",
-                 run_dir: str | None = None, heartbeat_s: float = 2.0, grace_s: float = 30.0,
-                 python: str = sys.executable):
-        self.assignment_path = assignment_path
+    def __init__(self, control: str, vm_id: str, devices: int, *, secret: str, run_dir: str,
+                 log_uri: str | None = None, events: IO[str] | None = None, heartbeat_s: float = protocol.HEARTBEAT_S,
+                 grace_s: float = 30.0, upload_s: float = 15.0, first_generation: int = 0,
+                 advertise_addr: str = "127.0.0.1", python: str = sys.executable):
+        if devices < 1:
+            raise ValueError(f"a VM runs at least one device, got {devices}")
+        self.control, self.vm_id, self.devices, self.secret = control, vm_id, devices, secret
+        self.client = protocol.ControlClient(control, secret)
+        self.run_dir, self.log_uri = run_dir, log_uri
+        os.makedirs(run_dir, exist_ok=True)
         self.events = events or sys.stdout
-        self.vm_id = vm_id or os.uname().nodename
-        self.run_dir = run_dir or tempfile.mkdtemp(prefix="sailor-agent-")
-        os.makedirs(self.run_dir, exist_ok=True)
-        self.heartbeat_s, self.grace_s, self.python = heartbeat_s, grace_s, python
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}  # local worker id -> process
-        self.rank_of: dict[int, int] = {}
-        self.gen = -1
-        self.version: int | None = None
+        self.heartbeat_s, self.grace_s, self.upload_s = heartbeat_s, grace_s, upload_s
+        self.first_generation, self.advertise_addr, self.python = first_generation, advertise_addr, python
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._signal: int | None = None
-        self._offsets: dict[str, int] = {}
 
     def emit(self, ev: dict[str, Any]) -> None:
         line = json.dumps({"event": ev.pop("event"), "vm": self.vm_id, "time": time.time(), **ev})
@@ -61,67 +57,21 @@ class WorkerAgent:
             self.events.write(line + "\n")
             self.events.flush()
 
-    def _read_assignment(self) -> dict[str, Any] | None:
-        try:
-            with open(self.assignment_path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None  # absent or mid-write: try again on the next poll
+    def _log_path(self, local: int) -> str:
+        return os.path.join(self.run_dir, f"worker-{local}.log")
 
-    def _spawn(self, wid: int) -> None:
+    def _spawn(self, local: int) -> None:
+        wid = protocol.worker_id(self.vm_id, local)
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("SAILOR_WORKER_THREADS", "1"), PYTHONUNBUFFERED="1",
-                   SAILOR_CONTROL=f"127.0.0.1:{self.store.port}", SAILOR_FIRST_GENERATION=str(self.gen))
-        log = open(os.path.join(self.run_dir, f"worker-{wid}.log"), "ab")  # noqa: SIM115 - the child's
-        self.procs[wid] = subprocess.Popen([self.python, "-m", "sailor_core.runtime.worker_proc", "--worker-id", str(wid)],
-                                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-
-    def _apply(self, a: dict[str, Any]) -> None:
-        from sailor_core.plan_format import plan_from_dict
-
-        plan = plan_from_dict(a["plan"])
-        ranks = [int(r) for r in a["ranks"]]
-        if any(not 0 <= r < plan.num_gpus for r in ranks):
-            raise SailorError(f"assignment ranks {ranks} outside the plan's 0..{plan.num_gpus - 1}")
-        if self.gen >= 0:
-            self.store.set(f"g{self.gen}/abort", "new plan")
-        self.gen += 1
-        self.version = int(a.get("plan_version", self.gen))
-        alive = sorted(w for w, p in self.procs.items() if p.poll() is None)
-        while len(alive) < len(ranks):
-            wid = max(self.procs, default=-1) + 1
-            self._spawn(wid)
-            alive.append(wid)
-        settings = dict(a["settings"], plan_version=self.version)
-        settings.setdefault("extra", {})["rank_metrics_dir"] = self.run_dir
-        self.rank_of = {}
-        for i, wid in enumerate(alive):
-            if i < len(ranks):
-                self.rank_of[wid] = ranks[i]
-                body = {"rank": ranks[i], "world_size": plan.num_gpus, "plan": a["plan"], "settings": settings,
-                        "resume": bool(a.get("resume")), "local_rank": i, "rendezvous": a.get("rendezvous")}
-            else:
-                body = {"rank": -1}
-            self.store.set(f"g{self.gen}/assign/{wid}", json.dumps(body))
-        self.emit({"event": "assigned", "plan_version": self.version, "ranks": self.rank_of})
-
-    def _tail_metrics(self) -> None:
-        for wid, rank in list(self.rank_of.items()):
-            path = os.path.join(self.run_dir, f"rank-{rank}.jsonl")
-            try:
-                with open(path) as f:
-                    f.seek(self._offsets.get(path, 0))
-                    chunk = f.read()
-                    complete = chunk[: chunk.rfind("\n") + 1]
-                    self._offsets[path] = self._offsets.get(path, 0) + len(complete.encode())
-            except OSError:
-                continue
-            for line in complete.splitlines():
-                with contextlib.suppress(ValueError):
-                    rec = json.loads(line)
-                    keep = ("step", "loss", "iteration_time_s", "memory_bytes", "plan_version", "samples", "stage",
-                            "pipeline", "rank")
-                    self.emit({"event": "metrics", "worker": wid, **{k: rec.get(k) for k in keep}})
+                   SAILOR_CONTROL=self.control, SAILOR_WORKER_ID=wid, LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE=str(self.devices), SAILOR_ADVERTISE_ADDR=self.advertise_addr,
+                   SAILOR_FIRST_GENERATION=str(self.first_generation), **{protocol.SECRET_ENV: self.secret})
+        log = open(self._log_path(local), "ab")  # noqa: SIM115 - the child's for its lifetime
+        try:
+            self.procs[wid] = subprocess.Popen([self.python, "-m", "sailor_core.runtime.worker_proc"], env=env,
+                                               stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir)
+        finally:
+            log.close()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if signum == signal.SIGUSR1:
@@ -129,63 +79,62 @@ class WorkerAgent:
                 with contextlib.suppress(ProcessLookupError):
                     p.send_signal(signal.SIGUSR1)
             return
-        self._signal = signum
         self._stop.set()
 
-    def run(self) -> int:
-        from torch.distributed import TCPStore
+    def _heartbeat(self) -> None:
+        workers = {w: (p.pid if p.poll() is None else None) for w, p in self.procs.items()}
+        with contextlib.suppress(protocol.ProtocolError):
+            self.client.set(protocol.vm_heartbeat_key(self.vm_id), json.dumps({"time": time.time(), "workers": workers}))
+        self.emit({"event": "heartbeat", "workers": workers})
 
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    def upload_logs(self) -> None:
+        if not self.log_uri:
+            return
+        from sailor_core.runtime.checkpoint import open_storage
+
+        try:
+            storage = open_storage(self.log_uri)
+            for local in range(self.devices):
+                with contextlib.suppress(OSError):
+                    with open(self._log_path(local), "rb") as f:
+                        storage.write(f"{self.vm_id}/worker-{local}.log", f.read())
+        except Exception as e:  # noqa: BLE001 - logs are best effort; training must not stop for them
+            self.emit({"event": "log_upload_failed", "reason": str(e)[:200]})
+
+    def run(self) -> int:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, self._on_signal)
-        mtime = None
-        statuses: dict[tuple[int, int], str] = {}
-        last_hb = 0.0
-        outcome = "failed"
+        for local in range(self.devices):
+            self._spawn(local)
+        self.emit({"event": "started", "workers": {w: p.pid for w, p in self.procs.items()}})
+        reported: set[str] = set()
+        last_hb = last_upload = 0.0
         try:
             while not self._stop.is_set():
-                try:
-                    m = os.stat(self.assignment_path).st_mtime_ns
-                except OSError:
-                    m = None
-                if m is not None and m != mtime:
-                    a = self._read_assignment()
-                    if a is not None:
-                        mtime = m
-                        if a.get("cancel"):
-                            self._stop.set()
-                            break
-                        if int(a.get("plan_version", 0)) != self.version:
-                            self._apply(a)
-                for wid, p in list(self.procs.items()):
-                    key = f"g{self.gen}/status/{wid}"
-                    if wid in self.rank_of and (self.gen, wid) not in statuses and self.store.check([key]):
-                        statuses[(self.gen, wid)] = self.store.get(key).decode()
-                        self.emit({"event": "status", "worker": wid, "rank": self.rank_of[wid],
-                                   "plan_version": self.version, "status": statuses[(self.gen, wid)]})
-                    if p.poll() is not None and not getattr(p, "_reported", False):
-                        p._reported = True  # type: ignore[attr-defined]
+                for wid, p in self.procs.items():
+                    if p.poll() is not None and wid not in reported:
+                        reported.add(wid)
                         self.emit({"event": "worker_exited", "worker": wid, "returncode": p.returncode})
-                self._tail_metrics()
-                mine = [statuses.get((self.gen, w)) for w in self.rank_of]
-                if self.rank_of and all(s in ("done", "stopped") for s in mine):
-                    outcome = "done" if all(s == "done" for s in mine) else "stopped"
+                if len(reported) == len(self.procs):
                     break
                 now = time.monotonic()
                 if now - last_hb >= self.heartbeat_s:
                     last_hb = now
-                    self.emit({"event": "heartbeat", "plan_version": self.version, "workers": [
-                        {"worker": w, "pid": p.pid, "rank": self.rank_of.get(w), "alive": p.poll() is None}
-                        for w, p in self.procs.items()]})
-                time.sleep(0.1)
-            if self._stop.is_set():
-                outcome = "cancelled"
+                    self._heartbeat()
+                if now - last_upload >= self.upload_s:
+                    last_upload = now
+                    self.upload_logs()
+                self._stop.wait(0.1)
         finally:
+            stopped = self._stop.is_set()
             self._shutdown()
-            self._tail_metrics()
-            self.emit({"event": "exited", "status": outcome, "plan_version": self.version})
-        return 0 if outcome in ("done", "stopped", "cancelled") else 1
+            self._heartbeat()
+            self.upload_logs()
+        failed = [w for w, p in self.procs.items() if p.returncode not in (0, -signal.SIGTERM, None)]
+        status = "cancelled" if stopped else ("failed" if failed else "done")
+        self.emit({"event": "exited", "status": status, "failed": failed})
+        return 0 if stopped or not failed else 1
 
     def _shutdown(self) -> None:
         for p in self.procs.values():

@@ -298,3 +298,27 @@ class ControlClient:
     def read_list(self, key: str, start: int = 0) -> list[str]:
         _, payload = self._request("GET", "/list/" + urllib.parse.quote(key, safe="/") + f"?start={start}")
         return list(json.loads(payload or b"[]"))
+
+
+def assign_generation(board: Any, gen: int, *, plan: dict[str, Any], settings: dict[str, Any],
+                      resume: bool, vms: list[tuple[str, int, tuple[int, ...]]]) -> list[str]:
+    """Hand out generation `gen`: `vms` lists (vm id, devices, global ranks it runs) in rank order.
+
+    Worker i of a VM runs the VM's i-th rank with local rank i (device i); its other workers sit the
+    generation out. Returns the member worker ids in rank order.
+    """
+    world = sum(len(ranks) for _, _, ranks in vms)
+    members: list[tuple[int, str]] = []
+    for vm_id, devices, ranks in vms:
+        if len(ranks) > devices:
+            raise ValueError(f"VM {vm_id} has {devices} device(s) but was given ranks {list(ranks)}")
+        for i in range(devices):
+            wid = worker_id(vm_id, i)
+            if i < len(ranks):
+                a = Assignment(rank=ranks[i], world_size=world, plan=plan, settings=settings, resume=resume,
+                               local_rank=i)
+                members.append((ranks[i], wid))
+            else:
+                a = Assignment(rank=IDLE)
+            board.set(assign_key(gen, wid), a.to_json())
+    return [w for _, w in sorted(members)]
