@@ -461,7 +461,8 @@ def cleanup_stale(*, home: Path | None = None, runner: Runner = _run) -> list[st
     # Resources first, records second: a testbed made in between has written its record already.
     links = _our_links(runner)
     namespaces = _our_namespaces(runner)
-    cgroups = [p.name for p in (CGROUP_CPU / CGROUP_PARENT).iterdir()] if (CGROUP_CPU / CGROUP_PARENT).is_dir() else []
+    parent = CGROUP_CPU / CGROUP_PARENT
+    cgroups = [p.name for p in parent.iterdir() if p.is_dir() and _is_hex(p.name)] if parent.is_dir() else []
     known: set[str] = set()
     if home.is_dir():
         for folder in sorted(home.iterdir()):

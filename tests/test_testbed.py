@@ -1,0 +1,398 @@
+"""The local multi-zone testbed (infra/testbed.py) and the local provider on it.
+
+Needs root, iproute2 and the cgroup v1 cpu controller (skipped otherwise, with the reason). Every
+test tears down what it built in a finally and then checks that nothing of it is left: no
+namespace, veth, bridge, cgroup, folder or process. Traffic goes only to addresses of namespaces
+these tests create and to their bridge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from infra import local as local_mod
+from infra.local import LocalProvider
+from infra.provider import EventKind, ProviderError, VmRequest, WorkerAssignment
+from infra.scenario import parse_scenario
+from infra.testbed import CGROUP_CPU, CGROUP_PARENT, Testbed, cleanup_stale, leftovers
+from infra.testbed import testbed_support as support_check
+from sailor_core.domain import Market
+from tests.provider_contract import ProviderContract
+
+SUPPORTED, WHY = support_check()
+needs_testbed = pytest.mark.skipif(not SUPPORTED, reason=f"the testbed needs root: {WHY}")
+REPO = Path(__file__).resolve().parent.parent
+
+RECEIVER = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept(); n = 0; t0 = None
+    while True:
+        d = c.recv(1 << 20)
+        if not d:
+            break
+        if t0 is None:
+            t0 = time.perf_counter()
+        n += len(d)
+    print(n, n / (time.perf_counter() - t0), flush=True)
+""")
+SENDER = textwrap.dedent("""
+    import socket, sys
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+    s.sendall(b"x" * int(sys.argv[3])); s.close()
+""")
+BUSY = textwrap.dedent("""
+    import time
+    w0, c0 = time.perf_counter(), time.process_time()
+    x = 0
+    while time.process_time() - c0 < 0.1:
+        x += 1
+    print(time.perf_counter() - w0, time.process_time() - c0)
+""")
+
+
+@contextmanager
+def built(zones: list[str], rates: dict[tuple[str, str], float] | None = None) -> Iterator[Testbed]:
+    rates = rates or {}
+    tb = Testbed.create(run_id="test", zones=zones, link_gbps=lambda a, b: rates.get((a, b), 1.0))
+    try:
+        yield tb
+    finally:
+        tb.teardown()
+        assert leftovers(tb.tag, tb.folder) == []
+
+
+def in_vm(tb: Testbed, key: str, code: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(tb.command(key, [sys.executable, "-c", code, *args]), capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **tb.env(key)}, cwd=tb.vm(key).folder)
+
+
+def transfer_bytes_per_s(tb: Testbed, src: str, dst: str, nbytes: int, port: int = 5301) -> float:
+    """A TCP stream of `nbytes` from VM `src` to VM `dst`, measured at the receiver."""
+    log = tb.folder / f"recv-{dst}-{port}.log"
+    recv = tb.spawn(dst, [sys.executable, "-c", RECEIVER, str(port)], log=log)
+    try:
+        end = time.monotonic() + 20
+        while "ready" not in (log.read_text() if log.exists() else "") and time.monotonic() < end:
+            time.sleep(0.02)
+        r = in_vm(tb, src, SENDER, tb.vm(dst).address, str(port), str(nbytes))
+        assert r.returncode == 0, r.stderr
+        recv.wait(timeout=30)
+    finally:
+        recv.kill()
+        recv.wait()
+    n, rate = log.read_text().split()[-2:]
+    assert int(n) == nbytes
+    return float(rate)
+
+
+@needs_testbed
+def test_vms_are_isolated_and_reach_each_other_and_the_host_address():
+    host_lo = socket.socket()
+    host_lo.bind(("127.0.0.1", 0))
+    host_lo.listen()
+    with built(["z1", "z2"]) as tb:
+        a = tb.add_vm("a", zone="z1", devices=2, cpu_cores=1.0)
+        b = tb.add_vm("b", zone="z2")
+        on_bridge = socket.socket()
+        on_bridge.bind((tb.host_address, 0))
+        on_bridge.listen()
+        try:
+            assert a.address.endswith(".1.2") and b.address.endswith(".2.2") and tb.host_address.endswith(".0.1")
+            links = in_vm(tb, "a", "import socket; print(sorted(n for _, n in socket.if_nameindex()))").stdout
+            assert links.strip() == "['eth0', 'lo']"
+            probe = textwrap.dedent("""
+                import socket, sys
+                def ok(host, port):
+                    try:
+                        socket.create_connection((host, int(port)), timeout=2).close(); return True
+                    except OSError:
+                        return False
+                print(ok("127.0.0.1", sys.argv[1]), ok(sys.argv[2], sys.argv[3]))
+            """)
+            out = in_vm(tb, "a", probe, str(host_lo.getsockname()[1]), tb.host_address,
+                        str(on_bridge.getsockname()[1])).stdout.split()
+            assert out == ["False", "True"]  # the host's loopback is not the VM's; the host address is reachable
+            # VM to VM over the network, and a VM's own ranks over its loopback.
+            assert transfer_bytes_per_s(tb, "a", "b", 1 << 20) > 0
+            srv = tb.spawn("a", [sys.executable, "-c", RECEIVER, "5302"], log=tb.folder / "lo.log")
+            time.sleep(0.5)
+            assert in_vm(tb, "a", SENDER, "127.0.0.1", "5302", "1000").returncode == 0
+            srv.wait(timeout=10)
+            # Its processes run in its folder and its cgroup.
+            where = in_vm(tb, "a", "import os; print(os.getcwd()); print(open('/proc/self/cgroup').read())").stdout
+            assert where.splitlines()[0] == a.folder and f"{CGROUP_PARENT}/{tb.tag}/a" in where
+            assert not Path(a.folder).is_relative_to(REPO)
+        finally:
+            on_bridge.close()
+            host_lo.close()
+
+
+@needs_testbed
+def test_links_are_shaped_per_zone_pair():
+    rates = {("z1", "z1"): 0.4, ("z1", "z2"): 0.08, ("z2", "z1"): 0.08, ("z2", "z2"): 0.4}
+    with built(["z1", "z2"], rates) as tb:
+        tb.add_vm("a1", zone="z1")
+        tb.add_vm("a2", zone="z1")
+        tb.add_vm("b", zone="z2")
+        cross = transfer_bytes_per_s(tb, "a1", "b", 6 << 20)
+        same = transfer_bytes_per_s(tb, "a1", "a2", 12 << 20)
+        shaped_cross = 0.08e9 / 8
+        assert 0.75 * shaped_cross < cross < 1.15 * shaped_cross, cross
+        assert same > 2.5 * cross
+
+
+@needs_testbed
+def test_the_cpu_quota_makes_a_slow_device_type_slower():
+    with built(["z1"]) as tb:
+        tb.add_vm("fast", zone="z1", cpu_cores=1.0)
+        tb.add_vm("slow", zone="z1", cpu_cores=0.05)
+        slow_wall, slow_cpu = map(float, in_vm(tb, "slow", BUSY).stdout.split())
+        fast_wall, fast_cpu = map(float, in_vm(tb, "fast", BUSY).stdout.split())
+        assert slow_cpu / slow_wall < 0.05 * 1.5  # the quota caps it, however idle the machine is
+        # Same work; the fast VM gets what the (shared, busy) machine gives, the slow one at most 5% of a core.
+        assert slow_wall > 2 * fast_wall, (slow_wall, fast_wall)
+        stat = Path(tb.vm("slow").cgroup, "cpu.stat").read_text()
+        assert int(stat.split("nr_throttled")[1].split()[0]) > 0
+
+
+@needs_testbed
+def test_teardown_removes_everything_also_from_another_process():
+    with built(["z1", "z2"]) as tb:
+        tb.add_vm("a", zone="z1", cpu_cores=0.5)
+        tb.add_vm("b", zone="z2")
+        stubborn = tb.spawn("a", [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                  "signal.SIG_IGN); time.sleep(300)"])
+        assert leftovers(tb.tag, tb.folder)
+        code = f"from infra.testbed import Testbed; print(Testbed.open({str(tb.folder)!r}).teardown())"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert f"bridge sb{tb.tag}br" in r.stdout and "netns" in r.stdout
+        stubborn.wait(timeout=5)
+        assert leftovers(tb.tag, tb.folder) == []
+        ip = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"sb{tb.tag}" not in ip and f"sb-{tb.tag}" not in ns
+        assert not (CGROUP_CPU / CGROUP_PARENT / tb.tag).exists() and not tb.folder.exists()
+        assert tb.teardown() == []  # idempotent
+
+
+@needs_testbed
+def test_stale_testbeds_of_a_dead_owner_and_unrecorded_leftovers_are_removed():
+    code = textwrap.dedent("""
+        import os, sys
+        from infra.testbed import Testbed
+        tb = Testbed.create(run_id="crashed", zones=["z1"], link_gbps=lambda a, b: 1.0)
+        tb.add_vm("a", zone="z1", cpu_cores=0.3)
+        p = tb.spawn("a", [sys.executable, "-c", "import time; time.sleep(300)"])
+        print(tb.tag, tb.folder, p.pid, flush=True)
+        os._exit(0)   # a crash: no teardown
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    tag, folder, pid = r.stdout.split()
+    orphan = "f" + os.urandom(3).hex()[1:]  # resources named like ours, with no record at all
+    subprocess.run(["ip", "netns", "add", f"sb-{orphan}-x"], check=True)
+    subprocess.run(["ip", "link", "add", f"sb{orphan}h0", "type", "veth", "peer", "name", f"sb{orphan}p0"], check=True)
+    try:
+        assert leftovers(tag, Path(folder)) and leftovers(orphan)
+        removed = cleanup_stale()
+        assert any(tag in x for x in removed) and any(orphan in x for x in removed)
+        assert leftovers(tag, Path(folder)) == [] and leftovers(orphan) == []
+        time.sleep(0.1)
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+    finally:
+        subprocess.run(["ip", "netns", "del", f"sb-{orphan}-x"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"sb{orphan}h0"], capture_output=True)
+        tb = Testbed.open(folder)
+        if tb is not None:
+            tb.teardown()
+
+
+@needs_testbed
+def test_a_live_owners_testbed_is_not_stale():
+    with built(["z1"]) as tb:
+        tb.add_vm("a", zone="z1")
+        assert not any(tb.tag in x for x in cleanup_stale())
+        assert leftovers(tb.tag, tb.folder)
+
+
+# -- the local provider on the testbed ----------------------------------------------------------
+GEO = {
+    "device_types": {"cpu-fast": {"cpu_per_device": 0.3}, "cpu-slow": {"cpu_per_device": 0.2}},
+    "regions": {
+        "eu": {"eu-west": [{"device_type": "cpu-fast", "devices_per_vm": 2, "market": "on-demand", "count": 2,
+                            "usd_per_gpu_hour": 0.3}],
+               "eu-north": [{"device_type": "cpu-slow", "devices_per_vm": 1, "market": "spot", "count": 2,
+                             "usd_per_gpu_hour": 0.05}]},
+        "us": {"us-east": [{"device_type": "cpu-slow", "devices_per_vm": 1, "market": "on-demand", "count": 1,
+                            "usd_per_gpu_hour": 0.1}]},
+    },
+    "links": {"same_zone_gbps": 1.0, "same_region_gbps": 0.4, "cross_region_gbps": 0.1},
+    "events": [{"at_step": 5, "kind": "preemption", "zone": "eu-north", "market": "spot", "grace_s": 0.3},
+               {"at_step": 8, "kind": "capacity_change", "zone": "eu-north", "market": "spot", "count": 2}],
+}
+HEARTBEAT_AGENT = textwrap.dedent("""
+    import json, os, time
+    hb = os.environ["SAILOR_HEARTBEAT_FILE"]
+    step = 0
+    while True:
+        with open(hb + ".tmp", "w") as f:
+            json.dump({"step": step, "address": os.environ.get("SAILOR_VM_ADDRESS")}, f)
+        os.replace(hb + ".tmp", hb)
+        step += 1
+        time.sleep(0.05)
+""")
+
+
+def heartbeat_agent(vm, assignment, slot) -> list[str]:
+    return [sys.executable, "-c", HEARTBEAT_AGENT]
+
+
+def assignment(run_id: str) -> WorkerAssignment:
+    return WorkerAssignment(run_id=run_id, plan_version=1, plan_json="{}", rendezvous_endpoint="127.0.0.1:1",
+                            ranks=(0,), world_size=1)
+
+
+def wait_for(cond, timeout=15.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+@needs_testbed
+def test_local_provider_runs_vms_in_zones_with_devices_and_addresses(tmp_path):
+    p = LocalProvider(tmp_path / "local", scenario=parse_scenario(GEO), agent_command=heartbeat_agent,
+                      isolation="netns", stop_grace_s=1)
+    run = "geo-test"
+    try:
+        offers = {(o.zone, o.gpu_type, o.market): (o.count, o.gpus_per_node) for o in p.offerings()}
+        assert offers[("eu-west", "cpu-fast", Market.ON_DEMAND)] == (4, 2)
+        assert offers[("eu-north", "cpu-slow", Market.SPOT)] == (2, 1)
+        assert [o.zone for o in p.offerings(regions=["us"])] == ["us-east"]
+        vms = p.provision([
+            VmRequest(run_id=run, name="w0", zone="eu-west", gpu_type="cpu-fast", gpus=2, market=Market.ON_DEMAND),
+            VmRequest(run_id=run, name="w1", zone="eu-north", gpu_type="cpu-slow", gpus=1, market=Market.SPOT),
+            VmRequest(run_id=run, name="w2", zone="us-east", gpu_type="cpu-slow", gpus=1, market=Market.ON_DEMAND),
+        ])
+        host = p.host_address(run)
+        assert host != "127.0.0.1" and len({v.address for v in vms} | {host}) == 4
+        assert vms[0].gpus == 2 and vms[0].usd_per_hour == pytest.approx(0.6)
+        for vm in vms:
+            p.bootstrap(vm, assignment(run))
+        beats = [wait_for(lambda v=vm: p.heartbeat(v.vm_id)) for vm in vms]
+        assert [b["address"] for b in beats] == [v.address for v in vms]  # each agent sees its own VM
+        assert all(not p.slot_dir(v.vm_id).is_relative_to(tmp_path) for v in vms)  # not under the run folder
+        info = p.cluster_info(run)
+        assert info["isolation"] == "netns" and info["regions"] == ["eu", "us"]
+        assert {d["name"]: d["devices_per_vm"] for d in info["device_types"]} == {"cpu-fast": [2], "cpu-slow": [1]}
+        assert [(v["zone"], v["devices"], v["address"]) for v in info["vms"]] == [
+            (v.zone, v.gpus, v.address) for v in vms]
+        # The scripted spot preemption takes the VM away: its namespace goes too.
+        pre = wait_for(lambda: [e for e in p.events(run) if e.kind == EventKind.PREEMPTION])
+        assert pre[0].vm_id == vms[1].vm_id and pre[0].zone == "eu-north"
+        wait_for(lambda: p.events(run) is not None and p.list_vms(run)[1].state == "preempted")
+        ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"-{vms[1].vm_id}" not in ns and f"-{vms[0].vm_id}" in ns
+        # Capacity returns: the capacity_change says what is rentable again.
+        back = wait_for(lambda: [e for e in p.events(run) if e.kind == EventKind.CAPACITY_CHANGE])
+        assert back[0].detail["returned"] == 1 and back[0].detail["free_vms"] == 2
+        assert [o.count for o in p.offerings(gpu_types=["cpu-slow"], markets=[Market.SPOT])] == [2]
+        pids = [json.loads(f.read_text())["pid"] for f in (tmp_path / "local" / "vms").glob("*.json")]
+    finally:
+        p.cleanup(run)
+    assert p.leftovers(run) == []
+    assert not any(local_mod._group_alive(pid) for pid in pids if pid)
+
+
+@needs_testbed
+def test_cleanup_from_another_provider_removes_the_testbed(tmp_path):
+    p = LocalProvider(tmp_path / "local", scenario=parse_scenario(GEO), agent_command=heartbeat_agent,
+                      isolation="netns", stop_grace_s=0.5)
+    vm = p.provision([VmRequest(run_id="r", name="w0", zone="us-east", gpu_type="cpu-slow", gpus=1)])[0]
+    p.bootstrap(vm, assignment("r"))
+    wait_for(lambda: p.heartbeat(vm.vm_id))
+    other = LocalProvider(tmp_path / "local", scenario=parse_scenario(GEO))  # e.g. the flow's cancellation hook
+    assert other.cleanup("r") == [vm.vm_id]
+    assert p.leftovers("r") == []
+
+
+def test_without_root_the_provider_falls_back_to_processes_and_says_so_once(tmp_path):
+    said: list[str] = []
+    local_mod._FALLBACK_SAID.clear()
+    no = lambda: (False, "not root (uid 1000)")  # noqa: E731
+    p = LocalProvider(tmp_path / "a", isolation="auto", support=no, notify=said.append, agent_command=heartbeat_agent)
+    q = LocalProvider(tmp_path / "b", isolation="auto", support=no, notify=said.append)
+    assert p.isolation == "process" and q.isolation == "process"
+    assert len(said) == 1 and "not root" in said[0]
+    try:
+        vm = p.provision([VmRequest(run_id="r", name="w0", zone="local", gpu_type="cpu", gpus=1)])[0]
+        assert vm.address == "127.0.0.1" and p.host_address("r") == "127.0.0.1"
+        p.bootstrap(vm, assignment("r"))
+        wait_for(lambda: p.heartbeat(vm.vm_id))
+        assert p.cluster_info("r")["isolation"] == "process"
+    finally:
+        p.cleanup("r")
+    assert p.leftovers("r") == []
+    with pytest.raises(ProviderError, match="isolation netns.*not root"):
+        _ = LocalProvider(tmp_path / "c", isolation="netns", support=no).isolation
+
+
+def test_a_real_user_without_root_gets_process_isolation():
+    """As user nobody, for real: `auto` resolves to process, a VM runs, and the fallback is said."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to user nobody")
+    tmp_path = Path(tempfile.mkdtemp(prefix="sailor-nobody-"))
+    tmp_path.chmod(0o777)
+    code = textwrap.dedent(f"""
+        import sys, time
+        from infra.local import LocalProvider
+        from infra.provider import VmRequest
+        p = LocalProvider({str(tmp_path / 'local')!r}, isolation="auto")
+        vm = p.provision([VmRequest(run_id="r", name="w0", zone="local", gpu_type="cpu", gpus=1)])[0]
+        proc = p.spawn(vm.vm_id, ["/bin/sh", "-c", "echo hello"], env={{}}, log=p.slot_dir(vm.vm_id) / "x.log")
+        proc.wait()
+        print(p.isolation, vm.address, (p.slot_dir(vm.vm_id) / "x.log").read_text().strip())
+        p.cleanup("r")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("SAILOR_TESTBED_HOME",)}
+    try:
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                           capture_output=True, text=True, cwd=REPO, timeout=60, env={**env, "HOME": str(tmp_path)})
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+        nobody_home = Path(tempfile.gettempdir()) / "sailor-testbed-65534"
+        if {p.name for p in nobody_home.iterdir()} <= {".lock"}:  # what the run made there, now empty
+            shutil.rmtree(nobody_home, ignore_errors=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["process", "127.0.0.1", "hello"]
+    assert "isolation process" in r.stderr and "not root" in r.stderr
+
+
+@needs_testbed
+class TestLocalProviderOnTheTestbed(ProviderContract):
+    @pytest.fixture
+    def provider(self, tmp_path):
+        p = LocalProvider(tmp_path / "local", scenario=parse_scenario(GEO), agent_command=heartbeat_agent,
+                          isolation="netns", stop_grace_s=1)
+        yield p
+        p.cleanup()
+
