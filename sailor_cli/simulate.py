@@ -3,7 +3,8 @@
 Contract: reads the plan (our format or a published `plan_config_*.json` with --format eth-easl and
 --model), loads the model's ProfileBook (from --store, else the default store, else the data
 published with the Sailor artifact), runs `sailor_core.simulator.simulate` and prints a readable
-breakdown, or one JSON object with --json. User errors (bad plan, missing profile) are
+breakdown (per stage: time, activation memory, peak memory; `--recompute all|0,1` simulates
+activation recomputation in those stages), or one JSON object with --json. User errors (bad plan, missing profile) are
 `SailorError`s: the entry point prints them as one line with the fix.
 """
 
@@ -12,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from sailor_core.domain import SailorError
+from sailor_core.domain import ParallelPlan, SailorError
 from sailor_core.plan_format import load_plan_file
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import ReplicaResult, SimOptions, SimulationResult
@@ -84,7 +86,7 @@ def _gb(b: float) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
-def _print_rich(res: SimulationResult, plan_path: str) -> None:
+def _print_rich(res: SimulationResult, plan_path: str, recompute: tuple[bool, ...] = ()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -109,7 +111,7 @@ def _print_rich(res: SimulationResult, plan_path: str) -> None:
     con.print(t)
     st = Table(title="per stage (identical replicas grouped)")
     for h in ("stage", "replicas", "GPU @ zone", "tp", "mbs x m", "s/microbatch", "dp sync s", "in flight",
-              "peak mem", "fits"):
+              "activations", "peak mem", "fits"):
         st.add_column(h)
     groups: list[list[ReplicaResult]] = []
     for r in res.per_stage:
@@ -121,9 +123,11 @@ def _print_rich(res: SimulationResult, plan_path: str) -> None:
     for g in groups:
         r = g[0]
         reps = str(r.replica) if len(g) == 1 else f"{r.replica}-{g[-1].replica}"
-        st.add_row(str(r.stage), reps, f"{r.gpu_type} @ {r.zone}", str(r.tp),
+        label = f"{r.stage} (recompute)" if r.stage < len(recompute) and recompute[r.stage] else str(r.stage)
+        st.add_row(label, reps, f"{r.gpu_type} @ {r.zone}", str(r.tp),
                    f"{r.microbatch_size} x {r.num_microbatches}", f"{r.forward_s + r.backward_s:.4f}",
-                   f"{r.dp_sync_s:.4f}", str(r.in_flight_microbatches), _gb(r.peak_memory_bytes),
+                   f"{r.dp_sync_s:.4f}", str(r.in_flight_microbatches), _gb(r.memory.activations_bytes),
+                   _gb(r.peak_memory_bytes),
                    "yes" if r.fits else f"[red]no: {_gb(max(x.bytes_over for x in g))} over[/red]")
     con.print(st)
 
@@ -140,12 +144,32 @@ def simulate(
     store: Annotated[str | None, typer.Option("--store", help="profile store URI (default: the embedded store)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     schedule: Annotated[str | None, typer.Option("--schedule", help="override: 1f1b | gpipe")] = None,
+    recompute: Annotated[str | None, typer.Option("--recompute", help="override: recompute activations in these stages (all, none, or e.g. 0,1)")] = None,
 ) -> None:
     """Estimate iteration time, peak memory per GPU and cost of PLAN_FILE."""
     plan = load_plan_file(plan_file, fmt=format, model=model)
+    if recompute is not None:
+        plan = _with_recompute(plan, recompute)
     book = load_book(plan.model, store)
     res = run_simulation(plan, book, options=SimOptions(schedule=schedule))
+    flags = tuple(st.recompute for st in plan.stages)
     if as_json:
-        typer.echo(json.dumps(res.to_json()))
+        typer.echo(json.dumps({**res.to_json(), "recompute_stages": [i for i, f in enumerate(flags) if f]}))
     else:
-        _print_rich(res, plan_file)
+        _print_rich(res, plan_file, flags)
+
+
+def _with_recompute(plan: ParallelPlan, spec: str) -> ParallelPlan:
+    """`plan` with activation recomputation in the stages `spec` names (all | none | 0,2,...)."""
+    n = len(plan.stages)
+    if spec.strip() in ("all", "none"):
+        chosen = set(range(n)) if spec.strip() == "all" else set()
+    else:
+        try:
+            chosen = {int(x) for x in spec.split(",") if x.strip()}
+        except ValueError:
+            raise SailorError(f"--recompute must be all, none or stage indices like 0,1, got {spec!r}") from None
+        if any(not 0 <= i < n for i in chosen):
+            raise SailorError(f"--recompute names stages {sorted(chosen)} but the plan has stages 0..{n - 1}; "
+                              f"to fix: use indices below {n}")
+    return replace(plan, stages=tuple(replace(st, recompute=i in chosen) for i, st in enumerate(plan.stages)))

@@ -346,11 +346,15 @@ class Replica:
 
 @dataclass(frozen=True, kw_only=True)
 class Stage:
-    """Layers [first_layer, last_layer] (inclusive) and one replica per data-parallel pipeline."""
+    """Layers [first_layer, last_layer] (inclusive) and one replica per data-parallel pipeline.
+
+    `recompute`: the stage's transformer blocks keep only their input for backward and run their
+    forward again during backward (activation recomputation: less memory, one more forward)."""
 
     first_layer: int
     last_layer: int
     replicas: tuple[Replica, ...]
+    recompute: bool = False
 
     @property
     def layers(self) -> range:

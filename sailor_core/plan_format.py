@@ -51,6 +51,7 @@ def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
         "stages": [
             {
                 "layers": [st.first_layer, st.last_layer],
+                **({"recompute": True} if st.recompute else {}),
                 "replicas": [
                     {
                         "gpu_type": r.gpu_type,
@@ -84,6 +85,7 @@ def plan_from_dict(d: dict[str, Any], *, model: str | None = None) -> ParallelPl
             Stage(
                 first_layer=int(s["layers"][0]),
                 last_layer=int(s["layers"][1]),
+                recompute=bool(s.get("recompute", False)),
                 replicas=tuple(
                     Replica(
                         gpu_type=str(r["gpu_type"]),

@@ -162,7 +162,7 @@ class Trainer:
         self._build_groups()
         self._build_tie_group()
         self.model = StageModel(cfg, self.stage.first_layer, self.stage.last_layer, self.tp, settings.seed,
-                                recompute=settings.recompute).to(self.device)
+                                recompute=settings.recompute or self.stage.recompute).to(self.device)
         self._params = list(self.model.named_parameters())
         self._setup_zero1()
         owned = self._owned_by[self.me.pipeline] if self.zero1 else [p for _, p in self._params]

@@ -143,7 +143,7 @@ def simulate_valid(
         hit = seen.get(sig)
         if hit is None:
             mbs = pb.microbatch_size
-            comp = [sm.stage_compute(r.gpu_type, mbs, r.tp, st.first_layer, st.last_layer)
+            comp = [sm.stage_compute(r.gpu_type, mbs, r.tp, st.first_layer, st.last_layer, st.recompute)
                     for r, st in zip(reps, stages, strict=True)]
             p2p = []
             egress = 0.0
@@ -213,7 +213,7 @@ def simulate_valid(
             mem = sm.stage_memory(
                 r.gpu_type, r.tp, st.first_layer, st.last_layer,
                 mbs=pb.microbatch_size, in_flight=in_flight, precision=precision, zero1=zero1, dp=dp,
-                receives_activations=s > 0, receives_gradients=s < p - 1,
+                receives_activations=s > 0, receives_gradients=s < p - 1, recompute=st.recompute,
             )
             cap = book.gpu(r.gpu_type).memory_bytes
             peak = mem.total_bytes

@@ -3,10 +3,13 @@
 Contract: `SimModel(book)` answers the questions the simulator and the planner's search ask about
 one model on a set of GPUs and links, each in O(1) after a first call:
 
-- `stage_compute(gpu, mbs, tp, first, last)`: forward and backward seconds of one microbatch on
-  layers first..last (inclusive) of one TP group (prefix sums over the per-layer profiles);
+- `stage_compute(gpu, mbs, tp, first, last, recompute=False)`: forward and backward seconds of one
+  microbatch on layers first..last (inclusive) of one TP group (prefix sums over the per-layer
+  profiles); with activation recomputation the backward also runs the blocks' forward again;
 - `optimizer_time_s(...)`: the optimizer step of that stage;
 - `stage_params(tp, first, last)`, `stage_memory(...)`: parameters held per GPU and peak memory;
+  with `recompute` a block keeps only its input per microbatch in flight, and the block being
+  recomputed holds its full activations for one microbatch;
 - `p2p_time_s(...)`, `allreduce_time_s(...)`: pipeline messages and data-parallel gradient rings on
   the published bandwidth fits, within a node, a zone, across zones and regions; a data-parallel
   group inside one node takes the node's measured all-reduce instead where the store has one
@@ -81,7 +84,7 @@ class _Prefix:
 class _SizePrefix:
     """Prefix sums of per-layer sizes for one TP degree."""
 
-    __slots__ = ("params", "act", "act_max", "out_elems", "in_elems", "_acts")
+    __slots__ = ("params", "act", "act_max", "out_elems", "in_elems", "_acts", "blocks", "block_act", "block_in")
 
     def __init__(self, book: ProfileBook, tp: int) -> None:
         m = book.model
@@ -95,6 +98,19 @@ class _SizePrefix:
         self.out_elems = [ly.act_output_elems for ly in layers]
         self.in_elems = [ly.act_input_elems for ly in layers]
         self._acts = [ly.act_memory_bytes for ly in layers]
+        # prefix sums over transformer blocks only (what activation recomputation applies to)
+        self.blocks, self.block_act, self.block_in = [0], [0], [0]
+        for ly in layers:
+            is_block = ly.kind == "block"
+            self.blocks.append(self.blocks[-1] + int(is_block))
+            self.block_act.append(self.block_act[-1] + (ly.act_memory_bytes if is_block else 0))
+            self.block_in.append(self.block_in[-1] + (ly.act_input_elems * C.FP32_BYTES if is_block else 0))
+
+    def is_block(self, i: int) -> bool:
+        return self.blocks[i + 1] > self.blocks[i]
+
+    def max_block_act(self, first: int, last: int) -> int:
+        return max((self._acts[i] for i in range(first, last + 1) if self.is_block(i)), default=0)
 
     def max_act(self, first: int, last: int) -> int:
         key = (first, last)
@@ -116,7 +132,7 @@ class SimModel:
         self._fit_cache: dict[tuple[object, ...], tuple[BandwidthFit, int, bool]] = {}
         self._full_params: dict[int, int] = {}
         # Memo tables: a planner's search asks the same stage questions over and over.
-        self._compute_memo: dict[tuple[str, int, int, int, int], StageCompute] = {}
+        self._compute_memo: dict[tuple[str, int, int, int, int, bool], StageCompute] = {}
         self._memory_memo: dict[tuple[object, ...], StageMemory] = {}
         self._p2p_memo: dict[tuple[object, ...], float] = {}
         self._ar_memo: dict[tuple[object, ...], float] = {}
@@ -181,13 +197,17 @@ class SimModel:
         sb = [max(0.0, sum(wk * y[1][i] for wk, y in zip(w, ys, strict=True))) for i in range(n)]
         return sf, sb, opt_s
 
-    def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute:
+    def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int, recompute: bool = False) -> StageCompute:
         """Forward and backward seconds of one microbatch of `mbs` on layers first..last."""
-        key = (gpu, mbs, tp, first, last)
+        key = (gpu, mbs, tp, first, last, recompute)
         hit = self._compute_memo.get(key)
         if hit is None:
             p = self._prefix_for(gpu, mbs, tp)
-            hit = StageCompute(forward_s=p.fwd[last + 1] - p.fwd[first], backward_s=p.bwd[last + 1] - p.bwd[first])
+            bwd = p.bwd[last + 1] - p.bwd[first]
+            if recompute:  # backward runs each block's forward again first
+                size = self._size(tp)
+                bwd += sum(p.fwd[i + 1] - p.fwd[i] for i in range(first, last + 1) if size.is_block(i))
+            hit = StageCompute(forward_s=p.fwd[last + 1] - p.fwd[first], backward_s=bwd)
             self._compute_memo[key] = hit
         return hit
 
@@ -240,14 +260,17 @@ class SimModel:
         dp: int = 1,
         receives_activations: bool = False,
         receives_gradients: bool = False,
+        recompute: bool = False,
     ) -> StageMemory:
         """Peak bytes on one GPU of a replica that keeps `in_flight` microbatches of `mbs`."""
-        key = (gpu, tp, first, last, mbs, in_flight, precision, zero1, dp, receives_activations, receives_gradients)
+        key = (gpu, tp, first, last, mbs, in_flight, precision, zero1, dp, receives_activations, receives_gradients,
+               recompute)
         hit = self._memory_memo.get(key)
         if hit is None:
             hit = self._stage_memory(
                 gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=precision, zero1=zero1, dp=dp,
                 receives_activations=receives_activations, receives_gradients=receives_gradients,
+                recompute=recompute,
             )
             self._memory_memo[key] = hit
         return hit
@@ -266,6 +289,7 @@ class SimModel:
         dp: int,
         receives_activations: bool,
         receives_gradients: bool,
+        recompute: bool = False,
     ) -> StageMemory:
         s = self._size(tp)
         params = s.params[last + 1] - s.params[first]
@@ -281,7 +305,14 @@ class SimModel:
         # The flat bucket gradients are copied into for the data-parallel all-reduce. It is allocated
         # after the last backward, when the activations are freed and the caching allocator hands
         # their blocks back out: it adds to the peak only where it is larger than what was freed.
-        act = int((s.act[last + 1] - s.act[first]) * mbs * in_flight * act_scale)
+        kept = s.act[last + 1] - s.act[first]
+        recomputing = 0
+        if recompute:
+            # blocks keep only their input per microbatch in flight; during backward one block at a
+            # time holds its full activations again, for one microbatch
+            kept += (s.block_in[last + 1] - s.block_in[first]) - (s.block_act[last + 1] - s.block_act[first])
+            recomputing = s.max_block_act(first, last) * mbs
+        act = int((kept * mbs * in_flight + recomputing) * act_scale)
         workspace = int(C.BACKWARD_WORKSPACE_FACTOR * s.max_act(first, last) * mbs * act_scale)
         msg = C.P2P_BYTES_PER_ELEMENT.get(precision, C.FP32_BYTES)
         p2p = 0
