@@ -117,7 +117,7 @@ def publish_frontier(run_id: str, version: int, points: Sequence[Mapping[str, An
         lines += ["| iterations/s | USD/iteration | USD/hour | GPUs | plan |", "|---|---|---|---|---|"]
         for p in points:
             lines.append(f"| {p['iterations_per_s']:.4f} | {p['usd_per_iteration']:.6f} | {p['usd_per_hour']:.4f} "
-                         f"| {p['num_gpus']} | {p.get('summary', '')} |")
+                         f"| {p['num_gpus']} | {'**chosen**: ' if p.get('chosen') else ''}{p.get('summary', '')} |")
         create_markdown_artifact(key=artifact_key("frontier", run_id), markdown="\n".join(lines),
                                  description="Pareto frontier of throughput against cost, as the simulator scores it")
     except Exception as e:

@@ -92,21 +92,23 @@ def objective_value(objective: Objective, r: SimulationResult) -> float:
     return r.usd_per_million_tokens
 
 
-# Objective values closer than this (relative) are a tie, broken by the other goal: equally fast
-# plans by cost, equally cheap plans by speed. 1e-9 is far below any difference the simulator
-# can resolve from profiles and far above float rounding.
-TIE_RELATIVE = 1e-9
-
-
-def _better(objective: Objective, v: float, r: SimulationResult, best_v: float, best_r: SimulationResult) -> bool:
-    """Is (v, r) a strictly better answer than (best_v, best_r)? Ties go to the other goal."""
-    if v < best_v * (1 - TIE_RELATIVE):
-        return True
-    if v > best_v * (1 + TIE_RELATIVE):
-        return False
+def secondary_value(objective: Objective, r: SimulationResult) -> float:
+    """The other goal, deciding among plans within the tolerance on the objective (lower is better)."""
     if objective is Objective.MAX_THROUGHPUT:
-        return r.usd_per_iteration < best_r.usd_per_iteration * (1 - TIE_RELATIVE)
-    return r.iteration_time_s < best_r.iteration_time_s * (1 - TIE_RELATIVE)
+        return r.usd_per_iteration
+    return r.iteration_time_s
+
+
+def choose(objective: Objective, options: Sequence[tuple[float, ParallelPlan, SimulationResult]], tolerance: float
+           ) -> tuple[float, ParallelPlan, SimulationResult] | None:
+    """Lexicographic choice: of the plans whose objective value is within `tolerance` (relative) of
+    the best, the one best on the other goal (cheapest under max throughput, fastest under the cost
+    objectives); exact ties on both go to the objective, then to the first seen (deterministic)."""
+    if not options:
+        return None
+    best_v = min(v for v, _, _ in options)
+    near = [o for o in options if o[0] <= best_v * (1 + tolerance)]
+    return min(near, key=lambda o: (secondary_value(objective, o[2]), o[0]))
 
 
 def cheapest_markets(plan: ParallelPlan, pool: ResourcePool) -> ParallelPlan:
@@ -200,6 +202,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
         exhaustive_partitions_up_to=opts.exhaustive_partitions_up_to,
         keep=opts.rescore_top,
         patience=opts.patience,
+        tolerance=opts.tolerance,
     )
     costs = SimCosts(book, precision=opts.precision)
     search = Search(problem, costs)
@@ -219,7 +222,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
                                  global_batch_size=request.global_batch_size, precision=opts.precision,
                                  schedule=opts.schedule)
     simulated = 0
-    best: tuple[float, ParallelPlan, SimulationResult] | None = None
+    feasible: list[tuple[float, ParallelPlan, SimulationResult]] = []
     closest: tuple[float, str] | None = None
     for pl in dict.fromkeys(cheapest_markets(p, pool) for p in to_verify):
         try:
@@ -229,22 +232,13 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             costs.missing.add(str(e).split(";")[0])
             continue
         simulated += 1
-        problems = request.constraints.violations(
-            usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
-            iterations_per_s=r.throughput_iterations_per_s,
-        )
-        problems.extend(_over_pool(pl, pool, request.restrictions.max_gpus))
-        if not r.fits_memory:
-            worst = r.oom[0]
-            problems.append(f"stage {worst.stage} replica {worst.replica} is {worst.bytes_over / 2**30:.2f} GiB over memory")
+        problems = _problems(request, pool, pl, r)
         if problems:
             gap = _gap(request, r)
             if closest is None or gap < closest[0]:
                 closest = (gap, f"{summarize(pl)}: " + "; ".join(problems))
             continue
-        v = objective_value(request.objective, r)
-        if best is None or _better(request.objective, v, r, best[0], best[2]):
-            best = (v, pl, r)
+        feasible.append((objective_value(request.objective, r), pl, r))
 
     if opts.wide_frontier and slots:
         # The main search prunes toward its objective; the other objective's search (no limits)
@@ -257,8 +251,15 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             wide = Search(replace(problem, objective=other, constraints=Constraints()), costs)
             wide.run()
             search.points.extend(wide.points)
-    frontier, n_front = _frontier(search, slots, request, book, so)
-    simulated += n_front
+    front_sims = _frontier_sims(search, slots, request, book, so)
+    simulated += len(front_sims)
+    # Frontier plans are simulated plans too: one that meets every limit competes for the choice,
+    # so the chosen plan is never dominated by a point the frontier shows.
+    known = {pl for _, pl, _ in feasible}
+    feasible += [(objective_value(request.objective, r), pl, r) for pl, r in front_sims
+                 if pl not in known and not _problems(request, pool, pl, r)]
+    best = choose(request.objective, feasible, opts.tolerance)
+    frontier = _pareto(front_sims, best[1:] if best is not None else None)
     stats = SearchStats(
         search_time_s=time.perf_counter() - t0,
         configurations=search.count.configurations,
@@ -299,6 +300,19 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
         explanation=explain(request, pl, r, slots, frontier),
         nearest_miss="; ".join(misses),
     )
+
+
+def _problems(request: PlanRequest, pool: ResourcePool, pl: ParallelPlan, r: SimulationResult) -> list[str]:
+    """Why a simulated plan cannot be returned: a broken limit, more GPUs than the pool, memory."""
+    problems = request.constraints.violations(
+        usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
+        iterations_per_s=r.throughput_iterations_per_s,
+    )
+    problems.extend(_over_pool(pl, pool, request.restrictions.max_gpus))
+    if not r.fits_memory:
+        worst = r.oom[0]
+        problems.append(f"stage {worst.stage} replica {worst.replica} is {worst.bytes_over / 2**30:.2f} GiB over memory")
+    return problems
 
 
 def _over_pool(pl: ParallelPlan, pool: ResourcePool, max_gpus: int | None) -> list[str]:
@@ -383,9 +397,9 @@ def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest)
             f"more memory or larger TP groups (profile a larger --tp), or use a smaller model")
 
 
-def _frontier(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions
-              ) -> tuple[tuple[FrontierPoint, ...], int]:
-    """Pareto frontier (more iterations/s, fewer USD/iteration) of the estimated points, re-scored."""
+def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions
+                   ) -> list[tuple[ParallelPlan, SimulationResult]]:
+    """The estimated points' Pareto set (more iterations/s, fewer USD/iteration), simulated; those that fit."""
     pts = sorted(search.points, key=lambda p: (-p[0], p[1], p[2]))
     front: list[tuple[float, float, Sketch]] = []
     cheapest = float("inf")
@@ -408,18 +422,27 @@ def _frontier(search: Search, slots: Sequence[Slot], request: PlanRequest, book:
             r = simulate(pl, book, options=so)
         except MissingProfileError:
             continue
-        if not r.fits_memory:
-            continue
-        out.append(FrontierPoint(iterations_per_s=r.throughput_iterations_per_s, usd_per_iteration=r.usd_per_iteration,
-                                 usd_per_hour=r.usd_per_hour, num_gpus=r.num_gpus, summary=summarize(pl), plan=pl))
-    out.sort(key=lambda f: (-f.iterations_per_s, f.usd_per_iteration))
-    pareto = []
+        if r.fits_memory:
+            out.append((pl, r))
+    return out
+
+
+def _pareto(sims: Sequence[tuple[ParallelPlan, SimulationResult]],
+            chosen: tuple[ParallelPlan, SimulationResult] | None) -> tuple[FrontierPoint, ...]:
+    """Pareto frontier of simulated plans plus the chosen one, fastest first; the chosen plan is marked."""
+    pts = [FrontierPoint(iterations_per_s=r.throughput_iterations_per_s, usd_per_iteration=r.usd_per_iteration,
+                         usd_per_hour=r.usd_per_hour, num_gpus=r.num_gpus, summary=summarize(pl), plan=pl,
+                         chosen=chosen is not None and pl == chosen[0])
+           for pl, r in ([chosen] if chosen is not None else []) + [x for x in sims if chosen is None or x[0] != chosen[0]]]
+    # The chosen plan first among equals, so an identical point does not hide it.
+    pts.sort(key=lambda f: (-f.iterations_per_s, f.usd_per_iteration, not f.chosen))
+    pareto: list[FrontierPoint] = []
     cheapest = float("inf")
-    for f in out:
+    for f in pts:
         if f.usd_per_iteration < cheapest - 1e-12:
             pareto.append(f)
             cheapest = f.usd_per_iteration
-    return tuple(pareto), len(front)
+    return tuple(pareto)
 
 
 def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: Sequence[Slot],

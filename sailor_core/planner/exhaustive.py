@@ -3,8 +3,9 @@
 Contract: `exhaustive_best(request, book, max_stages)` enumerates every sketch the planner's space
 holds for small pools (every microbatch size, stage count up to `max_stages`, every contiguous
 partition, every (slot, TP) per stage, every data-parallel degree that fits, every zone fill
-start), materialises each, runs `simulate()` and returns the best plan that fits in memory and
-meets the constraints, with its result and the number of plans simulated. No pruning, no bounds:
+start, stage-major or whole pipelines per zone first), materialises each, runs `simulate()` and
+returns the best plan that fits in memory and meets the constraints, with its result and the
+number of plans simulated. No pruning, no bounds:
 slow by design, for tests and benchmarks on pools of a few GPUs.
 """
 
@@ -15,7 +16,7 @@ from itertools import combinations, product
 from sailor_core.domain import ParallelPlan
 from sailor_core.planner.core import build_slots, materialize, objective_value, sim_options
 from sailor_core.planner.request import PlanRequest
-from sailor_core.planner.search import Problem, Search, Sketch, _bounds_from_cuts
+from sailor_core.planner.search import PIPELINE_MAJOR, STAGE_MAJOR, Problem, Search, Sketch, _bounds_from_cuts
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimulationResult, simulate
 
@@ -53,11 +54,14 @@ def exhaustive_best(
                     if request.restrictions.max_gpus is not None:
                         d_max = min(d_max, request.restrictions.max_gpus // sum(per_pipe))
                     for d in range(1, min(d_max, n) + 1):
-                        for rot in rotations:
-                            sk = Sketch(mbs=mbs, bounds=bounds, kinds=tuple(kinds), dp=d, zone_rot=tuple(rot))
+                        placed: set[object] = set()
+                        for rot, placement in product(rotations, (STAGE_MAJOR, PIPELINE_MAJOR)):
+                            sk = Sketch(mbs=mbs, bounds=bounds, kinds=tuple(kinds), dp=d, zone_rot=tuple(rot),
+                                        placement=placement)
                             lay = placer.layouts(sk)
-                            if lay is None:
+                            if lay is None or lay in placed:
                                 continue
+                            placed.add(lay)
                             plan = materialize(sk, lay, slots, model=request.model, global_batch_size=gbs,
                                                precision=request.options.precision, schedule=request.options.schedule)
                             r = simulate(plan, book, options=so)

@@ -105,6 +105,10 @@ class SearchOptions:
     # about doubles the search time. The CLI turns it on for --frontier-png and --wide-frontier.
     wide_frontier: bool = False
     frontier_points: int = 24
+    # Lexicographic objectives: plans within this (relative) of the best on the objective are equally
+    # good, and the other goal picks among them: the cheapest (egress included) of the plans within
+    # 0.5% of the best throughput, the fastest of those within 0.5% of the lowest cost (0: exact ties only).
+    tolerance: float = 0.005
     precision: str = "fp32"
     schedule: str = "1f1b"
 
@@ -135,6 +139,7 @@ class FrontierPoint:
     num_gpus: int
     summary: str
     plan: ParallelPlan
+    chosen: bool = False  # the plan the planner returned
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,6 +148,7 @@ class FrontierPoint:
             "usd_per_hour": self.usd_per_hour,
             "num_gpus": self.num_gpus,
             "summary": self.summary,
+            "chosen": self.chosen,
         }
 
 

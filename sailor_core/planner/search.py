@@ -35,7 +35,7 @@ import bisect
 import heapq
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 
 from sailor_core.planner.costs import Costs, Layout, Slot, zone_pairs
@@ -64,6 +64,9 @@ class Problem:
     patience_slack: float = 0.05  # "near-best": within 5% of the best score so far
     tp_options: int = 2  # per stage and slot, the DP tries the smallest TPs that meet tau, this many
     tau_step: float = 0.01  # bottleneck thresholds closer than this (relative) are swept as one
+    # Lexicographic objectives: scores within this (relative) of the best are equally good, and the
+    # other goal decides among them (cost under max throughput, speed under the cost objectives).
+    tolerance: float = 0.005
 
 
 @dataclass(frozen=True, order=True)
@@ -75,10 +78,18 @@ class Sketch:
     kinds: tuple[tuple[int, int], ...]
     dp: int
     zone_rot: tuple[int, ...] = ()  # per slot: which of its zones is filled first (default: the largest)
+    # STAGE_MAJOR: each stage fills its slot's zones in order on its own (a pipeline may cross zones);
+    # PIPELINE_MAJOR: zone by zone, as many whole pipelines as fit first (no cross-zone sends), the
+    # rest stage-major.
+    placement: int = 0
 
     @property
     def num_stages(self) -> int:
         return len(self.bounds)
+
+
+STAGE_MAJOR = 0
+PIPELINE_MAJOR = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +140,7 @@ class Search:
         self.count = Counters()
         self._best: list[tuple[float, int, Candidate]] = []  # max-heap on score via negation
         self._seen: set[Sketch] = set()
+        self._placed: set[tuple[object, ...]] = set()
         self._tie = 0
         self.points: list[tuple[float, float, Sketch]] = []  # (iterations/s, USD/iteration, sketch)
         self.incumbent = math.inf
@@ -137,6 +149,7 @@ class Search:
         self._round_best = math.inf
         self._violators: list[tuple[float, int, Candidate]] = []  # best scores that break a limit
         self._closest: list[tuple[float, int, Candidate]] = []  # smallest breaches of a limit
+        self._near: list[tuple[float, float, int, Candidate]] = []  # (secondary, score, tie, c) within tolerance
 
     # -- objective -------------------------------------------------------------------------
     def score(self, e: Estimate) -> float:
@@ -146,6 +159,18 @@ class Search:
         if o is Objective.MIN_COST:
             return e.usd_per_iteration
         return e.usd_per_iteration / (self.pb.global_batch_size * self.pb.tokens_per_sample) * 1e6
+
+    def secondary(self, e: Estimate) -> float:
+        """The other goal, deciding among plans whose scores are within the tolerance: cost under max
+        throughput, time under the cost objectives."""
+        if self.pb.objective is Objective.MAX_THROUGHPUT:
+            return e.usd_per_iteration
+        return e.iteration_s
+
+    @property
+    def cutoff(self) -> float:
+        """Scores at or above this cannot be chosen: worse than the incumbent by more than the tolerance."""
+        return self.incumbent * (1 + self.pb.tolerance)
 
     def violation(self, e: Estimate) -> float:
         """How far past the constraints (relative; 0 when within)."""
@@ -161,32 +186,75 @@ class Search:
 
     # -- estimate (the simulator's composition, stage by stage) --------------------------------
     def layouts(self, sk: Sketch) -> tuple[Layout, ...] | None:
-        """Fill each stage's D replicas into its slot's zones in order (stages in order)."""
+        """Place each stage's D replicas in its slot's zones (see `Sketch.placement`), pipeline order."""
         free = {i: [n for _, n in s.zones] for i, s in enumerate(self.pb.slots)}
-        out = []
-        for slot_i, tp in sk.kinds:
+        lays: list[list[tuple[str, int]]] = [[] for _ in sk.kinds]
+        need = sk.dp
+        if sk.placement == PIPELINE_MAJOR:
+            need -= self._whole_pipelines(sk, free, lays)
+        for s, (slot_i, tp) in enumerate(sk.kinds):
             slot = self.pb.slots[slot_i]
-            need = sk.dp
-            lay = []
+            left = need
             nz = len(slot.zones)
             rot = sk.zone_rot[slot_i] if sk.zone_rot else 0
             for zi in [(rot + i) % nz for i in range(nz)]:
-                zone = slot.zones[zi][0]
-                if need == 0:
+                if left == 0:
                     break
                 can = slot.usable(free[slot_i][zi], tp) // tp
-                take = min(can, need)
+                take = min(can, left)
                 if take:
-                    lay.append((zone, take))
+                    lays[s].append((slot.zones[zi][0], take))
                     free[slot_i][zi] -= take * tp
-                    need -= take
-            if need:
+                    left -= take
+            if left:
                 return None
-            out.append(tuple(lay))
-        return tuple(out)
+        return tuple(tuple(lay) for lay in lays)
 
-    def estimate(self, sk: Sketch) -> Estimate | None:
-        layouts = self.layouts(sk)
+    def _whole_pipelines(self, sk: Sketch, free: dict[int, list[int]], lays: list[list[tuple[str, int]]]) -> int:
+        """Zone by zone (stage 0's slot's fill order first), as many whole pipelines as fit there."""
+        slots = self.pb.slots
+        g0 = sk.kinds[0][0]
+        nz = len(slots[g0].zones)
+        rot = sk.zone_rot[g0] if sk.zone_rot else 0
+        order = [slots[g0].zones[(rot + i) % nz][0] for i in range(nz)]
+        for g, _ in sk.kinds:
+            order += [z for z, _ in slots[g].zones if z not in order]
+        index = [{z: i for i, (z, _) in enumerate(slots[g].zones)} for g, _ in sk.kinds]
+        placed = 0
+        for zone in order:
+            if placed == sk.dp:
+                break
+            if any(zone not in ix for ix in index):
+                continue
+
+            def room(k: int, zone: str = zone) -> dict[tuple[int, int], int] | None:
+                left: dict[tuple[int, int], int] = {}
+                for s, (g, tp) in enumerate(sk.kinds):
+                    key = (g, index[s][zone])
+                    f = left.get(key, free[g][key[1]])
+                    if slots[g].usable(f, tp) // tp < k:
+                        return None
+                    left[key] = f - k * tp
+                return left
+
+            lo, hi = 0, sk.dp - placed  # the largest k with room(k): room is monotone in k
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if room(mid) is None:
+                    hi = mid - 1
+                else:
+                    lo = mid
+            if lo == 0:
+                continue
+            for (g, zi), f in (room(lo) or {}).items():
+                free[g][zi] = f
+            for lay in lays:
+                lay.append((zone, lo))
+            placed += lo
+        return placed
+
+    def estimate(self, sk: Sketch, layouts: tuple[Layout, ...] | None = None) -> Estimate | None:
+        layouts = layouts or self.layouts(sk)
         if layouts is None:
             return None
         c = self.costs
@@ -245,7 +313,16 @@ class Search:
         self._seen.add(sk)
         if self.pb.max_gpus is not None and sk.dp * sum(tp for _, tp in sk.kinds) > self.pb.max_gpus:
             return None
-        e = self.estimate(sk)
+        layouts = self.layouts(sk)
+        if layouts is None:
+            return None
+        # Placements that put every replica in the same zones are one plan (a zone rotation or a
+        # pipeline-major fill changes nothing on one zone): estimate it once.
+        placed = (sk.mbs, sk.bounds, sk.kinds, sk.dp, layouts)
+        if placed in self._placed:
+            return None
+        self._placed.add(placed)
+        e = self.estimate(sk, layouts)
         self.count.candidates += 1
         if e is None or not math.isfinite(e.iteration_s):
             return None  # no zone room, or a link without a network profile
@@ -277,7 +354,17 @@ class Search:
             heapq.heappop(self._best)
         if v <= 0:
             self.incumbent = min(self.incumbent, cand.score)
+            self._keep_near(cand)
         return cand
+
+    def _keep_near(self, cand: Candidate) -> None:
+        """Keep the best candidates by the other goal among those within the tolerance of the incumbent."""
+        if cand.score > self.cutoff:
+            return
+        self._near.append((self.secondary(cand.estimate), cand.score, self._tie, cand))
+        if len(self._near) > 2 * self.pb.keep:
+            cut = self.cutoff
+            self._near = sorted(x for x in self._near if x[1] <= cut)[: self.pb.keep]
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
@@ -305,8 +392,11 @@ class Search:
         return self.best()
 
     def best(self) -> list[Candidate]:
+        """Best first: within the tolerance of the best score by the other goal, then by score."""
+        cut = self.cutoff
+        near = [c for _, score, _, c in sorted(self._near) if score <= cut]
         items = sorted(self._best, key=lambda t: (-t[0], -t[1]))
-        return [c for _, _, c in items]
+        return list({c.sketch: c for c in near + [c for _, _, c in items]}.values())
 
     def d_values(self, n: int, d_max: int) -> list[int]:
         """The smallest D for each distinct microbatch count ceil(n/D), D <= d_max."""
@@ -374,7 +464,7 @@ class Search:
         # Merging thresholds only pays (and only risks) when there are many of them.
         step = self.pb.tau_step if len(taus) > 48 else 0.0
         for k, tau in enumerate(taus):
-            if self.bound(tau, lb, n, d_list) >= self.incumbent:
+            if self.bound(tau, lb, n, d_list) >= self.cutoff:
                 self.count.pruned += 1
                 break
             # Thresholds within tau_step of the next one are covered by it (its options include
@@ -501,7 +591,7 @@ class Search:
                 i += 1
             if not eligible:
                 continue
-            if self.bound(tau, lb, n, [d]) >= self.incumbent:
+            if self.bound(tau, lb, n, [d]) >= self.cutoff:
                 continue
             front = []
             low2 = math.inf
@@ -515,7 +605,7 @@ class Search:
                 front = [front[0], front[-1]]
             for pick in dict.fromkeys(front):
                 kinds = self._reconstruct(layers, pick)
-                if self.quick_bound(mbs, bounds, kinds, d, n) >= self.incumbent:
+                if self.quick_bound(mbs, bounds, kinds, d, n) >= self.cutoff:
                     self.count.pruned += 1
                     continue
                 self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
@@ -591,7 +681,7 @@ class Search:
         one stage and every swap of two stages' kinds, scored by the full estimate."""
         pb = self.pb
         for _ in range(rounds):
-            before = self.incumbent
+            before = self._progress()
             near = [c for _, _, c in sorted(self._violators, key=lambda t: (-t[0], -t[1]))]
             near += [c for _, _, c in sorted(self._closest, key=lambda t: (-t[0], -t[1]))]
             for cand in self.best()[:top] + near:
@@ -610,7 +700,8 @@ class Search:
                                                first_stage=s == 0, last_stage=s == p - 1):
                             continue
                         kinds = sk.kinds[:s] + (k,) + sk.kinds[s + 1:]
-                        self._neighbor(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=kinds, dp=sk.dp), cand)
+                        self._neighbor(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=kinds, dp=sk.dp,
+                                              placement=sk.placement), cand)
                 for s in range(p):
                     for t in range(s + 1, p):
                         if sk.kinds[s] == sk.kinds[t]:
@@ -623,9 +714,15 @@ class Search:
                             for i in (s, t)
                         )
                         if ok:
-                            self._neighbor(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=tuple(kinds_l), dp=sk.dp), cand)
-            if self.incumbent >= before:
+                            self._neighbor(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=tuple(kinds_l), dp=sk.dp,
+                                                  placement=sk.placement), cand)
+            if self._progress() >= before:
                 break
+
+    def _progress(self) -> tuple[float, float]:
+        """(best score, then the best other goal within the tolerance): lower is progress."""
+        near = [sec for sec, score, _, _ in self._near if score <= self.cutoff]
+        return self.incumbent, min(near, default=math.inf)
 
     def _neighbor(self, sk: Sketch, seed: Candidate) -> None:
         """Consider a neighbour; if it looks promising, also with its layers re-split for its GPUs."""
@@ -637,7 +734,7 @@ class Search:
         if promising or self.pb.num_layers <= 12:  # re-splitting a small model is cheap: always
             b = self.rebalanced(sk)
             if b is not None and b != sk.bounds:
-                self.consider(Sketch(mbs=sk.mbs, bounds=b, kinds=sk.kinds, dp=sk.dp))
+                self.consider(Sketch(mbs=sk.mbs, bounds=b, kinds=sk.kinds, dp=sk.dp, placement=sk.placement))
 
     def rebalance_pass(self) -> None:
         """Re-split the layers of the best sketches for the GPUs they chose (heterogeneous min-max)."""
@@ -648,15 +745,21 @@ class Search:
             b = self.rebalanced(sk)
             if b is not None and b != sk.bounds:
                 self.consider(Sketch(mbs=sk.mbs, bounds=b, kinds=sk.kinds, dp=sk.dp))
-        # Zones of a region differ in their measured links: try starting the fill at each zone.
+        # Zones of a region differ in their measured links: try starting the fill at each zone. With
+        # several stages, also placed whole pipelines per zone first: the same speed where compute
+        # is the bottleneck, without paying egress for every microbatch sent across zones.
         for cand in self.best():
             sk = cand.sketch
             used = sorted({si for si, _ in sk.kinds})
-            for si in used:
-                for r in range(1, len(self.pb.slots[si].zones)):
-                    rot = [0] * self.n_slots
-                    rot[si] = r
-                    self.consider(Sketch(mbs=sk.mbs, bounds=sk.bounds, kinds=sk.kinds, dp=sk.dp, zone_rot=tuple(rot)))
+            placements = (STAGE_MAJOR, PIPELINE_MAJOR) if sk.num_stages > 1 else (STAGE_MAJOR,)
+            for placement in placements:
+                if placement == PIPELINE_MAJOR:
+                    self.consider(replace(sk, zone_rot=(), placement=placement))
+                for si in used:
+                    for r in range(1, len(self.pb.slots[si].zones)):
+                        rot = [0] * self.n_slots
+                        rot[si] = r
+                        self.consider(replace(sk, zone_rot=tuple(rot), placement=placement))
 
     def rebalanced(self, sk: Sketch) -> tuple[tuple[int, int], ...] | None:
         L = self.pb.num_layers
