@@ -27,7 +27,7 @@ from infra import local as local_mod
 from infra.local import LocalProvider
 from infra.provider import EventKind, ProviderError, VmRequest, WorkerAssignment
 from infra.scenario import parse_scenario
-from infra.testbed import CGROUP_CPU, CGROUP_PARENT, Testbed, cleanup_stale, leftovers
+from infra.testbed import CGROUP_CPU, CGROUP_PARENT, Testbed, cleanup_stale, leftovers, stream_bytes_per_s
 from infra.testbed import testbed_support as support_check
 from sailor_core.domain import Market
 from tests.provider_contract import ProviderContract
@@ -36,26 +36,6 @@ SUPPORTED, WHY = support_check()
 needs_testbed = pytest.mark.skipif(not SUPPORTED, reason=f"the testbed needs root: {WHY}")
 REPO = Path(__file__).resolve().parent.parent
 
-RECEIVER = textwrap.dedent("""
-    import socket, sys, time
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
-    print("ready", flush=True)
-    c, _ = s.accept(); n = 0; t0 = None
-    while True:
-        d = c.recv(1 << 20)
-        if not d:
-            break
-        if t0 is None:
-            t0 = time.perf_counter()
-        n += len(d)
-    print(n, n / (time.perf_counter() - t0), flush=True)
-""")
-SENDER = textwrap.dedent("""
-    import socket, sys
-    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
-    s.sendall(b"x" * int(sys.argv[3])); s.close()
-""")
 BUSY = textwrap.dedent("""
     import time
     w0, c0 = time.perf_counter(), time.process_time()
@@ -83,22 +63,7 @@ def in_vm(tb: Testbed, key: str, code: str, *args: str, timeout: float = 30) -> 
 
 
 def transfer_bytes_per_s(tb: Testbed, src: str, dst: str, nbytes: int, port: int = 5301) -> float:
-    """A TCP stream of `nbytes` from VM `src` to VM `dst`, measured at the receiver."""
-    log = tb.folder / f"recv-{dst}-{port}.log"
-    recv = tb.spawn(dst, [sys.executable, "-c", RECEIVER, str(port)], log=log)
-    try:
-        end = time.monotonic() + 20
-        while "ready" not in (log.read_text() if log.exists() else "") and time.monotonic() < end:
-            time.sleep(0.02)
-        r = in_vm(tb, src, SENDER, tb.vm(dst).address, str(port), str(nbytes))
-        assert r.returncode == 0, r.stderr
-        recv.wait(timeout=30)
-    finally:
-        recv.kill()
-        recv.wait()
-    n, rate = log.read_text().split()[-2:]
-    assert int(n) == nbytes
-    return float(rate)
+    return stream_bytes_per_s(tb, src, dst, nbytes, port=port)
 
 
 @needs_testbed
@@ -130,9 +95,11 @@ def test_vms_are_isolated_and_reach_each_other_and_the_host_address():
             assert out == ["False", "True"]  # the host's loopback is not the VM's; the host address is reachable
             # VM to VM over the network, and a VM's own ranks over its loopback.
             assert transfer_bytes_per_s(tb, "a", "b", 1 << 20) > 0
-            srv = tb.spawn("a", [sys.executable, "-c", RECEIVER, "5302"], log=tb.folder / "lo.log")
-            time.sleep(0.5)
-            assert in_vm(tb, "a", SENDER, "127.0.0.1", "5302", "1000").returncode == 0
+            srv = tb.spawn("a", [sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('127.0.0.1', 5302)); "
+                                 "s.listen(); print('ready', flush=True); s.accept()"], log=tb.folder / "lo.log")
+            wait_for(lambda: "ready" in (tb.folder / "lo.log").read_text())
+            lo = "import socket; socket.create_connection(('127.0.0.1', 5302), timeout=5).close()"
+            assert in_vm(tb, "a", lo).returncode == 0
             srv.wait(timeout=10)
             # Its processes run in its folder and its cgroup.
             where = in_vm(tb, "a", "import os; print(os.getcwd()); print(open('/proc/self/cgroup').read())").stdout
