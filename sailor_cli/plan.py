@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from sailor_core.domain import Market, SailorError
-from sailor_core.plan_format import plan_to_dict, save_plan_file
+from sailor_core.plan_format import plan_from_dict, plan_to_dict, save_plan_file
 from sailor_core.planner import (
     Constraints,
     Objective,
@@ -26,11 +26,20 @@ from sailor_core.planner import (
     Restrictions,
     SearchOptions,
     apply_what_if,
-    load_pool_file,
+    parse_pool,
     summarize,
 )
 from sailor_core.planner import (
     plan as run_planner,
+)
+from sailor_core.planner.pool import parse_preemption_rates, read_pool_document
+from sailor_core.planner.risk import (
+    DEFAULT_CHECKPOINT_INTERVAL_STEPS,
+    DEFAULT_RECONFIGURATION_S,
+    SpotRisk,
+    rates_from_history,
+    reconfiguration_from_history,
+    spot_exposure_vm_hours,
 )
 
 
@@ -45,7 +54,7 @@ def plan(
     pool_file: Annotated[str, typer.Option("--pool", help="pool file (YAML or JSON), see docs/planner.md")],
     global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="sequences per iteration")],
     model: Annotated[str | None, typer.Option("--model", help="model name, e.g. OPT-350")] = None,
-    objective: Annotated[str, typer.Option("--objective", help="max-throughput | min-cost | min-cost-per-token")] = "max-throughput",
+    objective: Annotated[str, typer.Option("--objective", help="max-throughput | min-cost | min-cost-per-token | max-goodput")] = "max-throughput",
     max_usd_per_iteration: Annotated[float | None, typer.Option("--max-usd-per-iteration")] = None,
     max_usd_per_hour: Annotated[float | None, typer.Option("--max-usd-per-hour")] = None,
     min_iterations_per_s: Annotated[float | None, typer.Option("--min-iterations-per-s")] = None,
@@ -62,6 +71,8 @@ def plan(
     model_config: Annotated[str | None, typer.Option("--model-config", help="a Hugging Face style config.json (profiled under its name with `sailor profile model --model-config`)")] = None,
     frontier_png: Annotated[str | None, typer.Option("--frontier-png", help="plot the throughput/cost frontier to this PNG")] = None,
     wide_frontier: Annotated[bool, typer.Option("--wide-frontier", help="frontier from cheapest to fastest (about 2x search time; on with --frontier-png)")] = False,
+    checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="steps between checkpoints (spot risk: work lost per preemption)")] = DEFAULT_CHECKPOINT_INTERVAL_STEPS,
+    reconfiguration_s: Annotated[float | None, typer.Option("--reconfiguration-s", help="seconds from a preemption to training again (default: the store's measured mean, else 15)")] = None,
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them."""
     from sailor_cli.simulate import load_book
@@ -72,7 +83,11 @@ def plan(
     book = load_book(model, store)
     if book.model.name != model:
         raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")
-    pool = load_pool_file(pool_file, book)
+    doc = read_pool_document(pool_file)
+    pool = parse_pool(doc, book, source=pool_file)
+    if checkpoint_interval < 1:
+        raise SailorError(f"--checkpoint-interval must be >= 1 step, got {checkpoint_interval}; to fix: pass a positive number")
+    spot_risk = _spot_risk(doc, store, checkpoint_interval, reconfiguration_s)
     request = PlanRequest(
         model=model,
         global_batch_size=global_batch_size,
@@ -87,6 +102,7 @@ def plan(
             markets=tuple(Market.parse(m) for m in _split(markets)), max_gpus=max_gpus,
         ),
         options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None),
+        spot_risk=spot_risk,
     )
     result = run_planner(request, book)
     variations = []
@@ -95,6 +111,7 @@ def plan(
             model=request.model, global_batch_size=request.global_batch_size,
             pool=apply_what_if(pool, change, book), objective=request.objective,
             constraints=request.constraints, restrictions=request.restrictions, options=request.options,
+            spot_risk=request.spot_risk,
         )
         variations.append((change, run_planner(varied, book)))
     if out and result.plan is not None:
@@ -102,13 +119,54 @@ def plan(
     if frontier_png:
         _plot(result, frontier_png)
     if as_json:
-        typer.echo(json.dumps(_to_json(result, variations)))
+        typer.echo(json.dumps(_to_json(result, variations, request.spot_risk)))
     else:
         _print(result, variations, out, frontier_png)
     if result.plan is None:
         # SystemExit, not typer.Exit: click swallows Exit's code when the entry point runs it
         # with standalone_mode=False.
         raise SystemExit(1)
+
+
+def _spot_risk(doc: Any, store: str | None, checkpoint_interval: int, reconfiguration_s: float | None) -> SpotRisk:
+    """Spot preemption rates: the store's run history where it has watched a market long enough, else
+    the pool file's rate; the reconfiguration time: the option, else the store's measured mean."""
+    rates, default = parse_preemption_rates(doc)
+    by_market = dict(rates)
+    sources = [f"{z} {g}: pool file" for (z, g) in by_market]
+    measured_reconf = None
+    try:
+        from profiles_store.store import open_store
+
+        st = open_store(store)
+        plan_rows = []
+        for rec in st.read_history("plans"):
+            try:
+                plan_rows.append((rec.run_id, rec.time, plan_from_dict(dict(rec.payload["plan"]))))
+            except (KeyError, TypeError, ValueError, SailorError):
+                continue  # a row this version cannot read tells nothing about exposure
+        ends = {rec.run_id: rec.time for rec in sorted(st.read_history("runs"), key=lambda r: r.time)
+                if rec.kind in ("completed", "failed", "cancelled", "crashed")}
+        events = [(str(e.payload.get("zone", "")), str(e.payload.get("gpu_type", "")), e.payload.get("market"))
+                  for e in st.read_history("events", kind="preemption")]
+        for key, (rate, n, hours) in rates_from_history(events, spot_exposure_vm_hours(plan_rows, ends)).items():
+            by_market[key] = rate
+            sources = [x for x in sources if not x.startswith(f"{key[0]} {key[1]}:")]
+            sources.append(f"{key[0]} {key[1]}: history, {n} preemption(s) in {hours:.1f} spot VM-hours")
+        measured_reconf = reconfiguration_from_history(
+            float(m.payload["reconfiguration_s"]) for m in st.read_history("measurements", kind="reconfiguration")
+            if "reconfiguration_s" in m.payload)
+    except Exception:  # noqa: BLE001 - no readable store: the pool file's rates stand
+        pass
+    if reconfiguration_s is not None:
+        reconf, src = reconfiguration_s, "--reconfiguration-s"
+    elif measured_reconf is not None:
+        reconf, src = measured_reconf, "measured mean in the store"
+    else:
+        reconf, src = DEFAULT_RECONFIGURATION_S, "default"
+    sources.append(f"reconfiguration {reconf:.1f} s: {src}")
+    return SpotRisk(preemptions_per_vm_hour=tuple(sorted(by_market.items())), default_preemptions_per_vm_hour=default,
+                    reconfiguration_s=reconf, checkpoint_interval_steps=checkpoint_interval, sources=tuple(sources))
 
 
 def _brief(r: PlanResult) -> dict[str, Any]:
@@ -137,7 +195,7 @@ def _diff(base: PlanResult, var: PlanResult) -> dict[str, Any]:
     return d
 
 
-def _to_json(result: PlanResult, variations: list[tuple[str, PlanResult]]) -> dict[str, Any]:
+def _to_json(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_risk: SpotRisk) -> dict[str, Any]:
     return {
         "feasible": result.plan is not None,
         "plan": plan_to_dict(result.plan) if result.plan is not None else None,
@@ -148,6 +206,9 @@ def _to_json(result: PlanResult, variations: list[tuple[str, PlanResult]]) -> di
         "explanation": result.explanation,
         "nearest_miss": result.nearest_miss,
         "frontier": [f.to_json() for f in result.frontier],
+        # nominal and expected (spot preemptions priced in) throughput of the plan, and the risk inputs
+        "goodput": result.goodput.to_json() if result.goodput is not None else None,
+        "spot_risk": spot_risk.to_json(),
         "what_if": [{"change": c, **_diff(result, v)} for c, v in variations],
     }
 

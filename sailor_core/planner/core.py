@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from sailor_core.domain import (
@@ -33,6 +33,7 @@ from sailor_core.planner.request import (
     PlanResult,
     SearchStats,
 )
+from sailor_core.planner.risk import Goodput, goodput
 from sailor_core.planner.search import Problem, Search, Sketch
 from sailor_core.profiles import MissingProfileError, ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
@@ -83,12 +84,14 @@ def sim_options(pool: ResourcePool, precision: str, schedule: str) -> SimOptions
     return SimOptions(prices_usd_per_gpu_hour=prices, precision=precision, schedule=schedule)
 
 
-def objective_value(objective: Objective, r: SimulationResult) -> float:
-    """Lower is better."""
+def objective_value(objective: Objective, r: SimulationResult, useful_fraction: float = 1.0) -> float:
+    """Lower is better. `useful_fraction`: the plan's expected share of time that trains (risk.py)."""
     if objective is Objective.MAX_THROUGHPUT:
         return r.iteration_time_s
     if objective is Objective.MIN_COST:
         return r.usd_per_iteration
+    if objective is Objective.MAX_GOODPUT:
+        return r.usd_per_iteration / useful_fraction if useful_fraction > 0 else float("inf")
     return r.usd_per_million_tokens
 
 
@@ -99,16 +102,18 @@ def secondary_value(objective: Objective, r: SimulationResult) -> float:
     return r.iteration_time_s
 
 
-def choose(objective: Objective, options: Sequence[tuple[float, ParallelPlan, SimulationResult]], tolerance: float
+def choose(objective: Objective, options: Sequence[tuple[float, ParallelPlan, SimulationResult]], tolerance: float,
+           secondary: Callable[[ParallelPlan, SimulationResult], float] | None = None
            ) -> tuple[float, ParallelPlan, SimulationResult] | None:
     """Lexicographic choice: of the plans whose objective value is within `tolerance` (relative) of
     the best, the one best on the other goal (cheapest under max throughput, fastest under the cost
-    objectives); exact ties on both go to the objective, then to the first seen (deterministic)."""
+    objectives, or `secondary`); exact ties on both go to the objective, then to the first seen."""
     if not options:
         return None
     best_v = min(v for v, _, _ in options)
     near = [o for o in options if o[0] <= best_v * (1 + tolerance)]
-    return min(near, key=lambda o: (secondary_value(objective, o[2]), o[0]))
+    other = secondary or (lambda _pl, r: secondary_value(objective, r))
+    return min(near, key=lambda o: (other(o[1], o[2]), o[0]))
 
 
 def cheapest_markets(plan: ParallelPlan, pool: ResourcePool) -> ParallelPlan:
@@ -203,6 +208,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
         keep=opts.rescore_top,
         patience=opts.patience,
         tolerance=opts.tolerance,
+        risk=request.spot_risk,
     )
     costs = SimCosts(book, precision=opts.precision)
     search = Search(problem, costs)
@@ -224,7 +230,21 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     simulated = 0
     feasible: list[tuple[float, ParallelPlan, SimulationResult]] = []
     closest: tuple[float, str] | None = None
-    for pl in dict.fromkeys(cheapest_markets(p, pool) for p in to_verify):
+    risk = request.spot_risk
+    goodput_wanted = request.objective is Objective.MAX_GOODPUT and not risk.riskless
+    # The cheapest market of a replica is the same GPU for less; under spot risk it may also be the
+    # riskier one, so both versions are simulated.
+    variants = [cheapest_markets(p, pool) for p in to_verify] + (to_verify if goodput_wanted else [])
+
+    def value(pl: ParallelPlan, r: SimulationResult) -> float:
+        u = goodput(pl, r.iteration_time_s, r.usd_per_iteration, risk).useful_fraction if goodput_wanted else 1.0
+        return objective_value(request.objective, r, u)
+
+    def expected_time(pl: ParallelPlan, r: SimulationResult) -> float:
+        g = goodput(pl, r.iteration_time_s, r.usd_per_iteration, risk)
+        return 1.0 / g.expected_iterations_per_s if g.expected_iterations_per_s > 0 else float("inf")
+
+    for pl in dict.fromkeys(variants):
         try:
             r = simulate(pl, book, options=so)
         except MissingProfileError as e:
@@ -238,7 +258,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             if closest is None or gap < closest[0]:
                 closest = (gap, f"{summarize(pl)}: " + "; ".join(problems))
             continue
-        feasible.append((objective_value(request.objective, r), pl, r))
+        feasible.append((value(pl, r), pl, r))
 
     if opts.wide_frontier and slots:
         # The main search prunes toward its objective; the other objective's search (no limits)
@@ -256,9 +276,9 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     # Frontier plans are simulated plans too: one that meets every limit competes for the choice,
     # so the chosen plan is never dominated by a point the frontier shows.
     known = {pl for _, pl, _ in feasible}
-    feasible += [(objective_value(request.objective, r), pl, r) for pl, r in front_sims
+    feasible += [(value(pl, r), pl, r) for pl, r in front_sims
                  if pl not in known and not _problems(request, pool, pl, r)]
-    best = choose(request.objective, feasible, opts.tolerance)
+    best = choose(request.objective, feasible, opts.tolerance, expected_time if goodput_wanted else None)
     frontier = _pareto(front_sims, best[1:] if best is not None else None)
     stats = SearchStats(
         search_time_s=time.perf_counter() - t0,
@@ -295,10 +315,11 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             nearest_miss="; ".join(misses) + (f"; to fix: {hint}" if hint else ""),
         )
     _, pl, r = best
+    gp = goodput(pl, r.iteration_time_s, r.usd_per_iteration, risk)
     return PlanResult(
         plan=pl, estimate=r, frontier=frontier, stats=stats,
-        explanation=explain(request, pl, r, slots, frontier),
-        nearest_miss="; ".join(misses),
+        explanation=explain(request, pl, r, slots, frontier, gp),
+        nearest_miss="; ".join(misses), goodput=gp,
     )
 
 
@@ -446,13 +467,14 @@ def _pareto(sims: Sequence[tuple[ParallelPlan, SimulationResult]],
 
 
 def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: Sequence[Slot],
-            frontier: Sequence[FrontierPoint]) -> str:
+            frontier: Sequence[FrontierPoint], gp: Goodput | None = None) -> str:
     """Why these GPUs, why this split: a few plain sentences."""
     lines = []
     goal = {
         Objective.MAX_THROUGHPUT: "the highest throughput",
         Objective.MIN_COST: "the lowest cost per iteration",
         Objective.MIN_COST_PER_TOKEN: "the lowest cost per million tokens",
+        Objective.MAX_GOODPUT: "the most useful iterations per dollar with spot preemptions expected",
     }[request.objective]
     lines.append(
         f"Chosen for {goal}: {r.throughput_iterations_per_s:.4f} it/s, {r.usd_per_iteration:.4f} USD/iteration, "
@@ -495,6 +517,15 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
         f"Iteration {r.iteration_time_s:.3f} s: pipeline compute {b.pipeline_compute_s:.3f} s, p2p {b.pipeline_p2p_s:.3f} s, "
         f"exposed gradient sync {b.dp_sync_exposed_s:.3f} s, optimizer {b.optimizer_s:.3f} s."
     )
+    if gp is not None and gp.preemptions_per_hour > 0:
+        risk = request.spot_risk
+        lines.append(
+            f"Spot risk: {gp.preemptions_per_hour:.3g} preemptions/hour expected on its spot VMs; with checkpoints "
+            f"every {risk.checkpoint_interval_steps} steps and {risk.reconfiguration_s:.0f} s to reconfigure, "
+            f"{gp.useful_fraction:.1%} of the time trains: {gp.expected_iterations_per_s:.4f} useful it/s "
+            f"(nominal {gp.nominal_iterations_per_s:.4f}), {gp.expected_usd_per_useful_iteration:.4f} USD per useful "
+            f"iteration."
+        )
     c = request.constraints
     binding = []
     if c.max_usd_per_iteration is not None:

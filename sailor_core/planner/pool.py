@@ -18,12 +18,14 @@ one file named.
         gpus:
           A100-40:                  # a list: one entry per market
             - {count: 32, gpus_per_node: 4, market: on-demand}
-            - {count: 64, market: spot}
+            - {count: 64, market: spot, preemptions_per_vm_hour: 0.2}
+    preemptions_per_vm_hour: 0.05   # optional: spot entries without their own rate (default 0)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -33,7 +35,7 @@ from typing import Any
 from sailor_core.domain import Market, PoolEntry, ResourcePool, SailorError, ValidationError, default_region
 from sailor_core.profiles import ProfileBook
 
-_ENTRY_KEYS = {"count", "market", "usd_per_gpu_hour", "gpus_per_node"}
+_ENTRY_KEYS = {"count", "market", "usd_per_gpu_hour", "gpus_per_node", "preemptions_per_vm_hour"}
 
 
 class PoolFileError(SailorError):
@@ -41,6 +43,11 @@ class PoolFileError(SailorError):
 
 
 def load_pool_file(path: str | os.PathLike[str], book: ProfileBook) -> ResourcePool:
+    return parse_pool(read_pool_document(path), book, source=str(path))
+
+
+def read_pool_document(path: str | os.PathLike[str]) -> Any:
+    """The pool file's content (YAML or JSON), unparsed: for `parse_pool` and `parse_preemption_rates`."""
     try:
         with open(path) as f:
             text = f.read()
@@ -59,7 +66,7 @@ def load_pool_file(path: str | os.PathLike[str], book: ProfileBook) -> ResourceP
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise PoolFileError(f"pool file {path} is not valid YAML: {e}") from None
-    return parse_pool(data, book, source=str(path))
+    return data
 
 
 def parse_pool(data: Any, book: ProfileBook, *, source: str = "pool") -> ResourcePool:
@@ -70,6 +77,8 @@ def parse_pool(data: Any, book: ProfileBook, *, source: str = "pool") -> Resourc
             f"{source}: expected a mapping with a non-empty 'zones:' mapping of zone name -> {{gpus: ...}}; "
             f"to fix: see the pool file format in docs/planner.md"
         )
+    if "preemptions_per_vm_hour" in data:
+        _rate(data["preemptions_per_vm_hour"], "preemptions_per_vm_hour", errors)
     for zone, zspec in data["zones"].items():
         zone = str(zone)
         where = f"zones.{zone}"
@@ -130,6 +139,11 @@ def _entry(
     if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
         errors.append(f"{where}.gpus_per_node: must be a whole number >= 1, got {gpn!r}")
         return None
+    if "preemptions_per_vm_hour" in item:
+        _rate(item["preemptions_per_vm_hour"], f"{where}.preemptions_per_vm_hour", errors)
+        if market is not Market.SPOT:
+            errors.append(f"{where}.preemptions_per_vm_hour: only spot capacity is preempted; to fix: add "
+                          f"market: spot or drop the rate")
     price = item.get("usd_per_gpu_hour")
     if price is None:
         price = book.price_usd_per_gpu_hour(zone, gpu, market)
@@ -148,6 +162,35 @@ def _entry(
     except (TypeError, ValueError, ValidationError) as e:
         errors.append(f"{where}: {e}")
         return None
+
+
+def _rate(v: Any, where: str, errors: list[str]) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (v >= 0 and math.isfinite(v)):
+        errors.append(f"{where}: must be a number >= 0 (preemptions per VM-hour), got {v!r}")
+        return None
+    return float(v)
+
+
+def parse_preemption_rates(data: Any) -> tuple[tuple[tuple[tuple[str, str], float], ...], float]:
+    """The pool file's spot preemption rates: ((zone, GPU type) -> per VM-hour, ...) and the default
+    for spot entries without one (top-level `preemptions_per_vm_hour`, else 0). Call after parse_pool
+    (which reports malformed values)."""
+    default = 0.0
+    rates: list[tuple[tuple[str, str], float]] = []
+    if not isinstance(data, Mapping):
+        return (), default
+    errors: list[str] = []
+    if "preemptions_per_vm_hour" in data:
+        default = _rate(data["preemptions_per_vm_hour"], "preemptions_per_vm_hour", errors) or 0.0
+    for zone, zspec in (data.get("zones") or {}).items():
+        gpus = zspec.get("gpus") if isinstance(zspec, Mapping) else None
+        for gpu, spec in (gpus or {}).items():
+            for item in spec if isinstance(spec, list) else [spec]:
+                if isinstance(item, Mapping) and "preemptions_per_vm_hour" in item:
+                    r = _rate(item["preemptions_per_vm_hour"], "", errors)
+                    if r is not None:
+                        rates.append(((str(zone), str(gpu)), r))
+    return tuple(rates), default
 
 
 def pool_to_dict(pool: ResourcePool) -> dict[str, Any]:

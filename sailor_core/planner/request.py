@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool, ValidationError
+from sailor_core.planner.risk import Goodput, SpotRisk
 
 
 class Objective(enum.StrEnum):
     MAX_THROUGHPUT = "max-throughput"
     MIN_COST = "min-cost"  # USD per iteration
     MIN_COST_PER_TOKEN = "min-cost-per-token"  # USD per million tokens
+    MAX_GOODPUT = "max-goodput"  # expected useful iterations per USD, spot preemptions priced in (risk.py)
 
     @classmethod
     def parse(cls, value: str | Objective) -> Objective:
@@ -122,6 +124,9 @@ class PlanRequest:
     constraints: Constraints = field(default_factory=Constraints)
     restrictions: Restrictions = field(default_factory=Restrictions)
     options: SearchOptions = field(default_factory=SearchOptions)
+    # Preemption rates, reconfiguration time and checkpoint interval: what max-goodput optimises, and
+    # what every answer's expected throughput is computed with (rates 0: expected = nominal).
+    spot_risk: SpotRisk = field(default_factory=SpotRisk)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "objective", Objective.parse(self.objective))
@@ -180,6 +185,7 @@ class PlanResult:
     stats: SearchStats
     explanation: str
     nearest_miss: str = ""
+    goodput: Goodput | None = None  # the plan's nominal and expected throughput under the request's spot risk
 
     @property
     def feasible(self) -> bool:

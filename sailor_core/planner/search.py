@@ -40,6 +40,7 @@ from itertools import combinations
 
 from sailor_core.planner.costs import Costs, Layout, Slot, zone_pairs
 from sailor_core.planner.request import Constraints, Objective
+from sailor_core.planner.risk import SpotRisk, useful_fraction_of
 from sailor_core.simulator import StageCompute, pipeline_time_s
 
 SECONDS_PER_HOUR = 3600.0
@@ -67,6 +68,7 @@ class Problem:
     # Lexicographic objectives: scores within this (relative) of the best are equally good, and the
     # other goal decides among them (cost under max throughput, speed under the cost objectives).
     tolerance: float = 0.005
+    risk: SpotRisk | None = None  # spot preemptions: scores max-goodput, and every estimate's useful fraction
 
 
 @dataclass(frozen=True, order=True)
@@ -99,6 +101,7 @@ class Estimate:
     usd_per_hour: float
     num_gpus: int
     layouts: tuple[Layout, ...]
+    useful_fraction: float = 1.0  # expected share of wall time that trains, given spot preemptions (risk.py)
 
     @property
     def iterations_per_s(self) -> float:
@@ -158,13 +161,17 @@ class Search:
             return e.iteration_s
         if o is Objective.MIN_COST:
             return e.usd_per_iteration
+        if o is Objective.MAX_GOODPUT:
+            return e.usd_per_iteration / e.useful_fraction if e.useful_fraction > 0 else math.inf
         return e.usd_per_iteration / (self.pb.global_batch_size * self.pb.tokens_per_sample) * 1e6
 
     def secondary(self, e: Estimate) -> float:
         """The other goal, deciding among plans whose scores are within the tolerance: cost under max
-        throughput, time under the cost objectives."""
+        throughput, time under the cost objectives (expected time per useful iteration under goodput)."""
         if self.pb.objective is Objective.MAX_THROUGHPUT:
             return e.usd_per_iteration
+        if self.pb.objective is Objective.MAX_GOODPUT:
+            return e.iteration_s / e.useful_fraction if e.useful_fraction > 0 else math.inf
         return e.iteration_s
 
     @property
@@ -305,7 +312,22 @@ class Search:
             usd_per_hour=usd_iter / iteration * SECONDS_PER_HOUR,
             num_gpus=gpus,
             layouts=layouts,
+            useful_fraction=self.useful_fraction(sk, layouts, iteration),
         )
+
+    def useful_fraction(self, sk: Sketch, layouts: Sequence[Layout], iteration_s: float) -> float:
+        """The share of wall time that trains given the spot VMs this placement rents (risk.py)."""
+        risk = self.pb.risk
+        if risk is None or risk.riskless:
+            return 1.0
+        gpus: dict[tuple[int, str], int] = {}
+        for (si, tp), lay in zip(sk.kinds, layouts, strict=True):
+            for zone, k in lay:
+                gpus[(si, zone)] = gpus.get((si, zone), 0) + k * tp
+        slots = self.pb.slots
+        lam = sum(-(-n // slots[si].gpus_per_node) * risk.rate(zone, slots[si].gpu_type, slots[si].market)
+                  for (si, zone), n in gpus.items())
+        return useful_fraction_of(lam, iteration_s, risk)
 
     def consider(self, sk: Sketch) -> Candidate | None:
         if sk in self._seen:
@@ -583,6 +605,8 @@ class Search:
         coupled = (thr and (cons.max_usd_per_iteration is not None or cons.max_usd_per_hour is not None)) or (
             not thr and cons.min_iterations_per_s is not None
         )
+        risk = self.pb.risk
+        risky = self.pb.objective is Objective.MAX_GOODPUT and risk is not None and not risk.riskless
         eligible: list[tuple[float, float, tuple[int, ...]]] = []
         i = 0
         for d in reversed(d_list):
@@ -603,12 +627,31 @@ class Search:
                 front = [front[round(j * (len(front) - 1) / 31)] for j in range(32)]
             elif not coupled:
                 front = [front[0], front[-1]]
+            if risky:
+                # Price and time alone always prefer spot; at this D the risk of each state's spot VMs
+                # decides: add the states best by an estimate of the goodput score.
+                m = -(-n // d)
+                ranked = sorted(eligible, key=lambda e: (self._approx_goodput(e[0], e[1], e[2], d, m, tau), e))
+                front += [u for _, _, u in ranked[:2]]
             for pick in dict.fromkeys(front):
                 kinds = self._reconstruct(layers, pick)
                 if self.quick_bound(mbs, bounds, kinds, d, n) >= self.cutoff:
                     self.count.pruned += 1
                     continue
                 self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
+
+    def _approx_goodput(self, usd_per_hour: float, fill_s: float, use: tuple[int, ...], d: int, m: int,
+                        tau: float) -> float:
+        """Goodput score of a DP end state at D, before placement: time fill + (m - 1) tau, each
+        slot's VMs at the rate of its first zone."""
+        risk = self.pb.risk
+        assert risk is not None
+        t = fill_s + (m - 1) * tau
+        slots = self.pb.slots
+        lam = sum(-(-d * g_use // slots[g].gpus_per_node) * risk.rate(slots[g].zones[0][0], slots[g].gpu_type,
+                                                                    slots[g].market)
+                  for g, g_use in enumerate(use) if g_use)
+        return d * usd_per_hour * t / SECONDS_PER_HOUR / useful_fraction_of(lam, t, risk)
 
     def quick_bound(self, mbs: int, bounds: Sequence[tuple[int, int]], kinds: Sequence[tuple[int, int]], d: int,
                     n: int) -> float:
