@@ -400,6 +400,7 @@ class Testbed:
         br = self._rec["bridge"]
         prefix = ipaddress.ip_network(self.subnet).prefixlen
         self._ip("link", "add", br, "type", "bridge")
+        _no_ipv6(br)
         self._ip("addr", "add", f"{self.host_address}/{prefix}", "dev", br)
         self._ip("link", "set", br, "up")
 
@@ -407,7 +408,11 @@ class Testbed:
         tmp_peer = f"{LINK_PREFIX}{self.tag}p{vm.index}"
         prefix = ipaddress.ip_network(self.subnet).prefixlen
         self._ip("netns", "add", vm.netns)
+        # IPv4 only: gloo takes the first address of GLOO_SOCKET_IFNAME, which must not be a link-local v6 one.
+        self._ip("netns", "exec", vm.netns, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
+                 "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6")
         self._ip("link", "add", vm.veth, "type", "veth", "peer", "name", tmp_peer)
+        _no_ipv6(vm.veth)
         self._ip("link", "set", tmp_peer, "netns", vm.netns)
         self._ip("-n", vm.netns, "link", "set", tmp_peer, "name", vm.interface)
         self._ip("-n", vm.netns, "addr", "add", f"{vm.address}/{prefix}", "dev", vm.interface)
@@ -600,6 +605,11 @@ def _our_namespaces(runner: Runner) -> list[str]:
 
 def _is_hex(s: str) -> bool:
     return len(s) == 6 and all(c in "0123456789abcdef" for c in s)
+
+
+def _no_ipv6(dev: str) -> None:
+    with contextlib.suppress(OSError):
+        Path(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6").write_text("1")
 
 
 def _cgroup_pids(cg: Path) -> list[int]:

@@ -110,6 +110,30 @@ def test_vms_are_isolated_and_reach_each_other_and_the_host_address():
             host_lo.close()
 
 
+GLOO = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    rank, master = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:29511", rank=rank, world_size=2)
+    x = torch.full((1 << 18,), float(rank + 1))
+    dist.all_reduce(x)
+    print(rank, os.environ["SAILOR_VM_ADDRESS"], float(x[0]), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@needs_testbed
+def test_torch_gloo_runs_across_vms_of_two_zones():
+    with built(["z1", "z2"]) as tb:
+        a = tb.add_vm("a", zone="z1")
+        b = tb.add_vm("b", zone="z2")
+        procs = [tb.spawn(k, [sys.executable, "-c", GLOO, str(r), a.address], log=tb.folder / f"{k}.log",
+                          env={"OMP_NUM_THREADS": "1"}) for r, k in enumerate(("a", "b"))]
+        for p in procs:
+            p.wait(timeout=120)
+        out = [(tb.folder / f"{k}.log").read_text().splitlines()[-1].split() for k in ("a", "b")]
+        assert out == [["0", a.address, "3.0"], ["1", b.address, "3.0"]]
+
+
 @needs_testbed
 def test_links_are_shaped_per_zone_pair():
     rates = {("z1", "z1"): 0.4, ("z1", "z2"): 0.08, ("z2", "z1"): 0.08, ("z2", "z2"): 0.4}
