@@ -521,6 +521,21 @@ def stream_bytes_per_s(tb: Testbed, src: str, dst: str, nbytes: int, *, port: in
     return float(rate)
 
 
+def stale_testbeds(*, home: Path | None = None, runner: Runner = _run) -> list[str]:
+    """The tags `cleanup_stale` would remove: testbeds of a dead owner, and our names without a record."""
+    home = home or default_home()
+    parent = CGROUP_CPU / CGROUP_PARENT
+    tags = {n[len(LINK_PREFIX):len(LINK_PREFIX) + 6] for n in _our_links(runner)}
+    tags |= {n[len(NETNS_PREFIX):len(NETNS_PREFIX) + 6] for n in _our_namespaces(runner)}
+    tags |= {p.name for p in parent.iterdir() if p.is_dir() and _is_hex(p.name)} if parent.is_dir() else set()
+    live: set[str] = set()
+    for folder in sorted(home.iterdir()) if home.is_dir() else []:
+        tb = Testbed.open(folder, runner=runner)
+        if tb is not None:
+            (live if _owner_alive(tb._rec.get("owner", {})) else tags).add(tb.tag)
+    return sorted(tags - live)
+
+
 def cleanup_stale(*, home: Path | None = None, runner: Runner = _run) -> list[str]:
     """Tear down testbeds whose owner process is dead, and resources named like ours that have no record."""
     home = home or default_home()

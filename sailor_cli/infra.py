@@ -147,12 +147,18 @@ def _configured(name: str) -> bool:
 
 @app.command("cleanup")
 def cleanup(
-    provider: str = typer.Option(None, "--provider", help="aws or gcp (default: every configured cloud)"),
+    provider: str = typer.Option(None, "--provider", help="aws, gcp or local (default: every configured cloud)"),
     run: str = typer.Option(None, "--run", help="run id (default: every sailor run)"),
     region: list[str] = typer.Option(None, "--region", help="region to search (repeatable; default: configured)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed; remove nothing"),
 ) -> None:
-    """Find and remove every resource a run (or every run) left: VMs, disks, security groups, firewalls."""
+    """Find and remove every resource a run (or every run) left: VMs, disks, security groups, firewalls.
+
+    `--provider local` removes local testbeds whose owner process is dead (namespaces, veths,
+    bridges, cgroups, VM folders and their processes; infra/testbed.py); `--run` does not apply."""
+    if provider == "local":
+        _cleanup_local(dry_run)
+        return
     names = [provider] if provider else [n for n in ("aws", "gcp") if _configured(n)]
     verb = "would remove" if dry_run else "removed"
     total = 0
@@ -165,3 +171,18 @@ def cleanup(
         if not removed:
             typer.echo(f"{name}: nothing left by {'run ' + run if run else 'any sailor run'}")
     typer.echo(f"{verb} {total} resource(s)")
+
+
+def _cleanup_local(dry_run: bool) -> None:
+    from infra.testbed import cleanup_stale, default_home, stale_testbeds
+
+    if dry_run:
+        found = stale_testbeds()
+        for tag in found:
+            typer.echo(f"local: would remove testbed {tag} (under {default_home()})")
+        typer.echo(f"would remove {len(found)} testbed(s)")
+        return
+    removed = cleanup_stale()
+    for r in removed:
+        typer.echo(f"local: removed {r}")
+    typer.echo(f"removed {len(removed)} resource(s)")

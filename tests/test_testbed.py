@@ -27,8 +27,17 @@ from infra import local as local_mod
 from infra.local import LocalProvider
 from infra.provider import EventKind, ProviderError, VmRequest, WorkerAssignment
 from infra.scenario import parse_scenario
-from infra.testbed import CGROUP_CPU, CGROUP_PARENT, Testbed, cleanup_stale, leftovers, stream_bytes_per_s
+from infra.testbed import (
+    CGROUP_CPU,
+    CGROUP_PARENT,
+    Testbed,
+    cleanup_stale,
+    leftovers,
+    stale_testbeds,
+    stream_bytes_per_s,
+)
 from infra.testbed import testbed_support as support_check
+from sailor_cli.main import main
 from sailor_core.domain import Market
 from tests.provider_contract import ProviderContract
 
@@ -184,7 +193,7 @@ def test_teardown_removes_everything_also_from_another_process():
 
 
 @needs_testbed
-def test_stale_testbeds_of_a_dead_owner_and_unrecorded_leftovers_are_removed():
+def test_stale_testbeds_of_a_dead_owner_and_unrecorded_leftovers_are_removed(capsys):
     code = textwrap.dedent("""
         import os, sys
         from infra.testbed import Testbed
@@ -201,9 +210,13 @@ def test_stale_testbeds_of_a_dead_owner_and_unrecorded_leftovers_are_removed():
     subprocess.run(["ip", "link", "add", f"sb{orphan}h0", "type", "veth", "peer", "name", f"sb{orphan}p0"], check=True)
     try:
         assert leftovers(tag, Path(folder)) and leftovers(orphan)
+        assert {tag, orphan} <= set(stale_testbeds())
+        assert main(["infra", "cleanup", "--provider", "local", "--dry-run"]) in (0, None)
+        assert f"would remove testbed {tag}" in capsys.readouterr().out and leftovers(tag, Path(folder))
         removed = cleanup_stale()
         assert any(tag in x for x in removed) and any(orphan in x for x in removed)
         assert leftovers(tag, Path(folder)) == [] and leftovers(orphan) == []
+        assert not {tag, orphan} & set(stale_testbeds())
         time.sleep(0.1)
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
     finally:
