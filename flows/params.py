@@ -51,7 +51,9 @@ class SailorParams(BaseModel):
     token_budget: int | None = Field(default=None, ge=1)
     checkpoint_interval: int = Field(default=10, ge=1, description="steps between checkpoints")
     scenario: str | None = Field(default=None, description="local provider: YAML file scripting events")
-    workers: int = Field(default=4, ge=1, le=64, description="local provider: worker slots on this machine")
+    workers: int = Field(default=4, ge=1, le=64, description="local provider: most devices a plan may use")
+    isolation: Literal["auto", "netns", "process"] = Field(
+        default="auto", description="local provider: netns (isolated testbed VMs, needs root), process, or auto")
     seed: int = 0
     # Replanning: a new plan is adopted only when it saves more than this many seconds (max-throughput)
     # or dollars (cost objectives) over the remaining work, net of the reconfiguration cost.

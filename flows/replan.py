@@ -253,9 +253,9 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
     record(ctx.history.event, ctx.run_id, "provisioned",
            f"plan v{ctx.version}: kept {len(keep)} VMs, rented {len(new_vms)}, released {len(drop)}",
            {"kept": sorted(keep), "rented": [v.vm_id for v in new_vms], "released": drop, "plan_version": ctx.version})
-    new = Job(run_id=ctx.run_id, version=ctx.version, plan=cand, vms=vms, run_dir=job.run_dir,
-              total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval, seed=job.seed,
-              data_uri=job.data_uri, estimate_s=float(cand_est["iteration_time_s"]), controller_host=job.controller_host)
+    new = Job(run_id=ctx.run_id, version=ctx.version, plan=cand, vms=vms, run_dir=job.run_dir, state=job.state,
+              code=job.code, total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval, seed=job.seed,
+              data_uri=job.data_uri, estimate_s=float(cand_est["iteration_time_s"]), controller=job.controller)
     new.extra.update(reconfig_trigger_at=trigger_at, trigger=kinds)
     if new_vms and not stopped:
         start_agents(provider, new, [v.vm_id for v in new_vms])

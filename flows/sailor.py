@@ -14,9 +14,10 @@ at `store_uri`). Tests pass their own `Deps` (e.g. a provider whose agent cannot
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,19 +31,20 @@ from flows.params import SailorParams, validate_params
 from flows.profiling import profile
 from flows.replan import RunContext, replan
 from infra.provider import Provider
-from tasks.control import HeartbeatBoard
+from tasks.control import Controller, HeartbeatBoard
 from tasks.history import RunHistory, new_run_id
-from tasks.jobs import Job, replica_request, slots
+from tasks.jobs import CodeRef, Job, replica_request, slots
 from tasks.planning import calibrated_book, pool_from, priced_book
 from tasks.reporting import ProgressBar, emit, publish_cost, publish_timeline
+from tasks.runstate import RunState, TestbedObjectStore, build_wheel, project_root, publish_wheel, state_for
 from tasks.steps import (
-    close_controller,
     fetch_offerings,
     launch,
     make_plan,
     monitor,
     provision,
     record,
+    save_metrics,
     teardown,
 )
 
@@ -56,9 +58,14 @@ class Deps:
     reconfiguration_estimate_s: float = 15.0
     stall_timeout_s: float = 180.0
     max_replans: int = 20
-    # Address the workers reach the flow's controller at (the flow binds every interface). Local: loopback.
+    # The one address the workers reach the flow's controller at (it binds only that one).
     controller_host: str = "127.0.0.1"
     board: HeartbeatBoard = field(default_factory=HeartbeatBoard)
+    # Where the run's state lives (tasks/runstate.py); None: derived from the store URI.
+    state: RunState | None = None
+    # A wheel of this checkout for the VMs (tasks/runstate.py); False: VMs run what they have installed.
+    ship_wheel: bool = True
+    closers: list[Callable[[], None]] = field(default_factory=list)  # run after teardown (object store, ...)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -69,7 +76,7 @@ def make_provider(params: SailorParams, run_dir: Path, board: HeartbeatBoard | N
 
         scenario = load_scenario(params.scenario) if params.scenario else None
         return LocalProvider(run_dir / "local", scenario=scenario, heartbeat_timeout_s=params.heartbeat_timeout_s,
-                             heartbeats=board.get if board is not None else None)
+                             heartbeats=board.get if board is not None else None, isolation=params.isolation)
     # aws / gcp: settings from the environment (regions, project, endpoints; docs in infra/cloud.py),
     # credentials from the SDKs' standard chains, never from parameters.
     import os
@@ -87,8 +94,22 @@ def default_deps(params: SailorParams, run_id: str) -> Deps:
     import os
 
     board = HeartbeatBoard()
-    return Deps(provider=make_provider(params, run_dir, board), store=open_store(params.store_uri), workdir=workdir,
-                board=board, controller_host=os.environ.get("SAILOR_CONTROLLER_HOST", "127.0.0.1"))
+    provider = make_provider(params, run_dir, board)
+    deps = Deps(provider=provider, store=open_store(params.store_uri), workdir=workdir, board=board,
+                state=state_for(params.store_uri, run_id, run_dir))
+    host = "127.0.0.1"
+    host_address = getattr(provider, "host_address", None)
+    if host_address is not None:  # the local provider: where its VMs reach this machine
+        host = host_address(run_id)
+        if getattr(provider, "isolation", "process") == "netns" and deps.state is not None \
+                and not deps.state.is_object_storage:
+            # Isolated VMs share no disk with the flow: the run's state goes to an object store they reach.
+            objects = TestbedObjectStore(workdir / "objects", host)
+            deps.closers.append(objects.close)
+            deps.state = objects.state(run_id)
+            provider.env.update(deps.state.vm_env)  # type: ignore[attr-defined]
+    deps.controller_host = os.environ.get("SAILOR_CONTROLLER_HOST", host)
+    return deps
 
 
 def run_id_for(run_name: str, flow_run_id: str | None) -> str:
@@ -138,13 +159,51 @@ def check_runnable(plan: Any, slots: int | None) -> None:
     runtime_check(plan, cfg, slots=slots)
 
 
-def _previous_checkpoint(history: RunHistory, workdir: Path, run_name: str, run_id: str) -> Path | None:
+def _previous_checkpoint(history: RunHistory, deps: Deps, run_name: str, run_id: str) -> RunState | None:
+    """The state of the newest earlier run of this name that left a checkpoint."""
+    from sailor_core.runtime.checkpoint import open_storage
+
     prev = [r for r in history.list_runs() if r.get("name") == run_name and r["run_id"] != run_id]
     for r in reversed(prev):
-        ck = workdir / "runs" / r["run_id"] / "checkpoints"
-        if ck.is_dir() and any(ck.iterdir()):
-            return ck
+        state = _state_of(deps, r["run_id"])
+        with contextlib.suppress(Exception):
+            if any(d.startswith("step_") for d in open_storage(state.checkpoints()).listdir("")):
+                return state
     return None
+
+
+def _state_of(deps: Deps, run_id: str) -> RunState:
+    """Another run's state, reached the way this run reaches its own."""
+    assert deps.state is not None
+    mine = deps.state.uri.rstrip("/").rsplit("/", 1)[0]
+    if deps.state.is_object_storage:
+        base, _, query = deps.state.flow_uri.partition("?")
+        other = base.rstrip("/").rsplit("/", 1)[0] + f"/{run_id}" + (f"?{query}" if query else "")
+        return RunState(uri=f"{mine}/{run_id}", flow_uri=other, vm_uri=other)
+    folder = str(deps.workdir / "runs" / run_id / "state")
+    return RunState(uri=folder, flow_uri=folder, vm_uri=folder)
+
+
+def _copy_checkpoints(src: RunState, dst: RunState) -> int:
+    """Copy every checkpoint file of one run's state into another's; returns the files copied."""
+    from sailor_core.runtime.checkpoint import open_storage
+
+    a, b = open_storage(src.checkpoints()), open_storage(dst.checkpoints())
+    n = 0
+    for step in a.listdir(""):
+        for name in a.listdir(step):
+            b.write(f"{step}/{name}", a.read(f"{step}/{name}"))
+            n += 1
+    return n
+
+
+def _ship_code(deps: Deps) -> CodeRef:
+    """Build this checkout's wheel and put it beside the run's state, for every VM to install."""
+    if not deps.ship_wheel or deps.state is None:
+        return CodeRef()
+    wheel = build_wheel(project_root() / "build" / "sailor-wheels")
+    url, sha = publish_wheel(deps.state, wheel)
+    return CodeRef(url=url, sha256=sha, extras=deps.provider.name if deps.provider.name in ("aws", "gcp") else "")
 
 
 @flow(name="sailor", log_prints=True, on_cancellation=[_cleanup_hook], on_crashed=[_cleanup_hook])
@@ -172,6 +231,7 @@ def sailor(
     checkpoint_interval: int = 10,
     scenario: str | None = None,
     workers: int = 4,
+    isolation: str = "auto",
     seed: int = 0,
     min_gain: float = 0.0,
     heartbeat_timeout_s: float = 20.0,
@@ -196,6 +256,8 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
     t0 = time.time()
     ctx = RunContext(run_id=run_id, params=params, provider=provider, history=history, run_dir=run_dir,
                      reconfiguration_estimate_s=deps.reconfiguration_estimate_s)
+    state = deps.state or state_for(params.store_uri, run_id, run_dir)
+    deps.state = state
     record(history.run_status, run_id, "running", f"started on provider {params.provider}",
            {"name": params.run_name, "provider": params.provider, "model": params.model,
             "flow_run_id": str(runtime_flow_run.id or ""), "params": params.model_dump(mode="json")})
@@ -226,19 +288,25 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             status, reason = "completed", "dry run: planned, rented nothing"
             return {**ctx.summary(status, t0), "dry_run": ctx.dry_run}
         if params.resume:
-            prev = _previous_checkpoint(history, deps.workdir, params.run_name, run_id)
+            prev = _previous_checkpoint(history, deps, params.run_name, run_id)
             if prev is not None:
-                shutil.copytree(prev, run_dir / "checkpoints", dirs_exist_ok=True)
-                log.info("resuming from the checkpoints of %s", prev.parent.name)
+                _copy_checkpoints(prev, state)
+                log.info("resuming from the checkpoints of %s", prev.uri)
+        code = _ship_code(deps)
+        controller = Controller(host=deps.controller_host)
+        cluster = getattr(provider, "cluster_info", None)
+        record(history.event, run_id, "cluster", "where the run's VMs and state live", {
+            "cluster": {**(cluster(run_id) if cluster else {"isolation": "cloud", "provider": provider.name}),
+                        "wheel_sha256": code.sha256, "state_uri": state.uri,
+                        "checkpoint_uri": state.checkpoints("public"), "controller": controller.endpoint}})
         vms = provision(provider, [replica_request(run_id, ctx.version, s) for s in slots(plan)])
         ctx.ledger_add(vms)
         record(history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
                {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
         emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
-        job = Job(run_id=run_id, version=ctx.version, plan=plan, vms=vms, run_dir=run_dir,
+        job = Job(run_id=run_id, version=ctx.version, plan=plan, vms=vms, run_dir=run_dir, state=state, code=code,
                   total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval, seed=params.seed,
-                  data_uri=params.dataset or "", estimate_s=float(est["iteration_time_s"]),
-                  controller_host=deps.controller_host)
+                  data_uri=params.dataset or "", estimate_s=float(est["iteration_time_s"]), controller=controller)
         job.launched_at = launch(provider, job)
         resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
         record(history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers{resumed}",
@@ -252,6 +320,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
                           tolerance=params.calibration_tolerance, calibrate_after=5,
                           calibrated=bool(job.extra.get("calibrated")), stall_timeout_s=deps.stall_timeout_s)
             ctx.observe(job, out.progress)
+            save_metrics(job)  # this version's steps so far, into the run's state
             if out.completed:
                 break
             replans += 1
@@ -267,8 +336,10 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         reason = f"{type(e).__name__}: {e}"[:500]
         raise
     finally:
-        if job is not None:
-            close_controller(job)
+        if job is not None and job.controller is not None:
+            with contextlib.suppress(Exception):
+                save_metrics(job)
+            job.controller.close()
         removed: list[str] = []
         try:
             removed = teardown(provider, run_id)
@@ -276,6 +347,15 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             reason = (reason + f"; teardown failed: {e}")[:800]
             status = "failed"
         ctx.ledger_close_all()
+        cluster_info = getattr(provider, "cluster_info", None)
+        if cluster_info is not None and job is not None:  # the VMs the run had, as they ended
+            with contextlib.suppress(Exception):
+                history.event(run_id, "cluster", "the run's VMs at teardown", {"cluster": {
+                    **cluster_info(run_id), "wheel_sha256": job.code.sha256, "state_uri": state.uri,
+                    "checkpoint_uri": state.checkpoints("public")}})
+        for close in deps.closers:
+            with contextlib.suppress(Exception):
+                close()
         try:
             history.event(run_id, "teardown", f"removed {len(removed)} VMs still running" if removed
                           else "no VM left to remove", {"removed": removed})

@@ -1,19 +1,25 @@
-"""The VM startup script: install the project, wait for the run's assignment, start the worker agent.
+"""The VM bootstrap: one script installs the run's wheel and starts `sailor worker`, on every provider.
 
 Contract:
-- `render_startup_script(cloud=..., install_spec=..., run_id=..., vm_name=...)` returns a bash
-  script for cloud-init (AWS user data) or GCE's `startup-script` metadata key. It creates a venv,
-  installs `install_spec` (a pip requirement such as `sailor-prefect[aws]==0.1.0`, a wheel URL or a
-  git URL), then waits for the assignment: on AWS `bootstrap()` writes it to ASSIGNMENT_FILE
-  through SSM Run Command (`assignment_commands`); on GCP the script reads it from the instance
-  metadata attribute `sailor-assignment` (and keeps watching it: a new plan version's assignment
-  restarts the agent). It then runs the runtime's worker in controlled mode
-  (`python -m sailor_core.runtime.worker_proc --control <rendezvous> --worker-id <vm id>`, both from
-  the assignment) under systemd, and a second unit, `python -m infra.metadata --exec ...`, that
-  polls the metadata service (SAILOR_METADATA=aws|gcp) and SIGTERMs the worker on an imminent
-  interruption notice, so it checkpoints just in time.
-- The script carries no credentials: the VM's rights come from its instance role / service
-  account. `render_startup_script` refuses an `env` that names secrets.
+- `AGENT_SCRIPT` (bash, the same bytes everywhere) is what runs on a VM once its assignment is there
+  (`$SAILOR_ASSIGNMENT_FILE`, JSON, see `assignment_json`). It finds a Python >= 3.11 (installing
+  python3.11 with the system's package manager when the image has none), creates a venv under
+  `$SAILOR_HOME` (default /opt/sailor), downloads the run's wheel (`wheel_url`: s3:// through boto3
+  with the VM's role, gs:// through gcloud, file:// or a path), checks its sha256 against the
+  assignment, installs exactly that wheel, and `exec`s `sailor worker` with the assignment's controller,
+  VM id, device count, log URI and advertised address, the run secret in `$SAILOR_RUN_SECRET` (or,
+  when the assignment names a `command`, `sailor <command...>`: a one-off job such as profiling). A VM
+  whose venv already holds that wheel skips the install. Where the image already carries the
+  dependencies (the local testbed stands in for such an image: `$SAILOR_DEPS_SITE` names their
+  site-packages), the wheel installs with `--no-deps`; elsewhere pip installs it with its `extras`.
+- `render_startup_script(cloud=..., run_id=..., vm_name=...)` returns the cloud-init (AWS user data)
+  or GCE `startup-script` around it: wait for the assignment (AWS: SSM Run Command writes
+  ASSIGNMENT_FILE, `assignment_commands`; GCP: the instance metadata attribute `sailor-assignment`,
+  watched for new versions), then run `AGENT_SCRIPT` under systemd, plus a unit that SIGTERMs it on an
+  interruption notice from the metadata service (`python -m infra.metadata`).
+- The scripts carry no credentials: the VM's rights come from its instance role / service account.
+  `render_startup_script` refuses an `env` that names secrets. The run's secret (which only lets a
+  worker talk to its own run's controller) travels in the assignment, never in a script.
 - Rendering is pure: the same arguments give the same script (tests compare it byte for byte).
 """
 
@@ -28,28 +34,84 @@ from infra.cloud import forbid_credentials
 from infra.provider import WorkerAssignment
 
 ASSIGNMENT_FILE = "/etc/sailor/assignment.json"
-VENV = "/opt/sailor/venv"
+SAILOR_HOME = "/opt/sailor"
+VENV = f"{SAILOR_HOME}/venv"
+AGENT_PATH = f"{SAILOR_HOME}/sailor-agent.sh"
+
+AGENT_SCRIPT = r"""#!/bin/bash
+# sailor agent bootstrap: install the run's wheel, then run `sailor worker`. Same script on every provider.
+set -euo pipefail
+: "${SAILOR_ASSIGNMENT_FILE:?the assignment file}"
+home="${SAILOR_HOME:-/opt/sailor}"
+mkdir -p "$home"
+py="${SAILOR_PYTHON:-}"
+for c in python3.13 python3.12 python3.11 python3; do
+  [ -z "$py" ] || break
+  if command -v "$c" >/dev/null && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then py=$(command -v "$c"); break; fi
+done
+if [ -z "$py" ]; then  # an image whose Python is too old: install one
+  if command -v apt-get >/dev/null; then apt-get update -q && apt-get install -y -q python3.11 python3.11-venv
+  elif command -v dnf >/dev/null; then dnf install -y -q python3.11; fi
+  py=$(command -v python3.11) || { echo "sailor: no Python >= 3.11 and none could be installed" >&2; exit 3; }
+fi
+field() { "$py" -c 'import json, sys; v = json.load(open(sys.argv[1])).get(sys.argv[2], ""); print(v if not isinstance(v, (list, dict)) else json.dumps(v))' "$SAILOR_ASSIGNMENT_FILE" "$1"; }
+wheel_url=$(field wheel_url); want=$(field wheel_sha256)
+venv="$home/venv"
+if [ -n "$wheel_url" ] && [ "$(cat "$venv/.sailor-wheel" 2>/dev/null)" != "$want" ]; then
+  rm -rf "$venv" "$home/wheel"; mkdir -p "$home/wheel"
+  dest="$home/wheel/$(basename "${wheel_url%%\?*}")"
+  if [ -n "${SAILOR_DEPS_SITE:-}" ]; then
+    "$py" -m venv --without-pip "$venv"
+    echo "$SAILOR_DEPS_SITE" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sailor-deps.pth"
+    pip=("$venv/bin/python" -m pip install -q --no-deps --no-index)
+  else
+    "$py" -m venv "$venv"; "$venv/bin/pip" install -q --upgrade pip boto3
+    pip=("$venv/bin/pip" install -q)
+  fi
+  case "$wheel_url" in
+    s3://*) "$venv/bin/python" -c 'import boto3, sys; b, _, k = sys.argv[1][5:].partition("/"); boto3.client("s3").download_file(b, k, sys.argv[2])' "$wheel_url" "$dest" ;;
+    gs://*) gcloud storage cp "$wheel_url" "$dest" ;;
+    *) cp "${wheel_url#file://}" "$dest" ;;
+  esac
+  got=$(sha256sum "$dest" | cut -d" " -f1)
+  [ "$got" = "$want" ] || { echo "sailor: wheel $wheel_url has sha256 $got, the run expects $want" >&2; exit 3; }
+  extras=$(field extras)
+  "${pip[@]}" "$dest${extras:+[$extras]}"
+  echo "$want" > "$venv/.sailor-wheel"
+fi
+bin="$venv/bin"; [ -x "$bin/sailor" ] || bin="$(dirname "$py")"
+addr=$(field advertise_address); [ -n "$addr" ] || addr=$(hostname -I 2>/dev/null | cut -d" " -f1)
+SAILOR_RUN_SECRET=$(field run_secret); export SAILOR_RUN_SECRET
+if [ "$(field command)" != "" ] && [ "$(field command)" != "[]" ]; then  # a one-off job (e.g. profiling)
+  mapfile -t cmd < <("$py" -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["command"]))' "$SAILOR_ASSIGNMENT_FILE")
+  exec "$bin/sailor" "${cmd[@]}"
+fi
+exec "$bin/sailor" worker --control "$(field rendezvous_endpoint)" --vm-id "$(field vm_id)" \
+  --devices "$(field devices)" --run-dir "$home/vm" --log-uri "$(field log_uri)" \
+  --advertise-addr "${addr:-127.0.0.1}" --first-generation "$(field first_generation)"
+"""
 GCP_ASSIGNMENT_KEY = "sailor-assignment"
 GCP_METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"
 
 
 def render_startup_script(
-    *, cloud: str, install_spec: str, run_id: str, vm_name: str, env: Mapping[str, str] | None = None,
-    python: str = "python3",
+    *, cloud: str, run_id: str, vm_name: str, env: Mapping[str, str] | None = None, install_spec: str = "",
 ) -> str:
+    """The cloud's startup script; `install_spec` is accepted for compatibility and unused (the run's
+    wheel comes with the assignment)."""
     if cloud not in ("aws", "gcp"):
         raise ValueError(f"cloud must be 'aws' or 'gcp', got {cloud!r}")
     env = dict(env or {})
     forbid_credentials(env, where=f"startup script of {vm_name}")
     env.update(SAILOR_RUN_ID=run_id, SAILOR_VM_NAME=vm_name, SAILOR_METADATA=cloud,
-               SAILOR_ASSIGNMENT_FILE=ASSIGNMENT_FILE)
+               SAILOR_ASSIGNMENT_FILE=ASSIGNMENT_FILE, SAILOR_HOME=SAILOR_HOME)
     env_lines = "\n".join(f"Environment={shlex.quote(f'{k}={v}')}" for k, v in sorted(env.items()))
     if cloud == "gcp":
         url = f"{GCP_METADATA_URL}/{GCP_ASSIGNMENT_KEY}"
         wait = f"""until curl -sf -H "Metadata-Flavor: Google" "{url}" -o {ASSIGNMENT_FILE}.tmp; do sleep 5; done
 mv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE}
 # A new plan version sets a new assignment: install it and restart the agent (it checkpoints on SIGTERM).
-cat > /opt/sailor/watch-assignment.sh <<'WATCH'
+cat > {SAILOR_HOME}/watch-assignment.sh <<'WATCH'
 #!/bin/bash
 while true; do
   if curl -sf -H "Metadata-Flavor: Google" "{url}?wait_for_change=true&timeout_sec=300" -o {ASSIGNMENT_FILE}.new \\
@@ -60,36 +122,27 @@ while true; do
   sleep 1
 done
 WATCH
-chmod +x /opt/sailor/watch-assignment.sh
-nohup /opt/sailor/watch-assignment.sh >/var/log/sailor-assignment.log 2>&1 &"""
+chmod +x {SAILOR_HOME}/watch-assignment.sh
+nohup {SAILOR_HOME}/watch-assignment.sh >/var/log/sailor-assignment.log 2>&1 &"""
     else:
         wait = f"until [ -s {ASSIGNMENT_FILE} ]; do sleep 5; done  # written by SSM Run Command (bootstrap)"
     return f"""#!/bin/bash
 # sailor startup script: run {run_id}, vm {vm_name}. Carries no credentials.
 set -euo pipefail
 exec > >(tee -a /var/log/sailor-startup.log) 2>&1
-mkdir -p /etc/sailor /opt/sailor
-if ! [ -x {VENV}/bin/sailor ]; then
-  {python} -m venv {VENV}
-  {VENV}/bin/pip install --quiet --upgrade pip
-  {VENV}/bin/pip install --quiet {shlex.quote(install_spec)}
-fi
+mkdir -p /etc/sailor {SAILOR_HOME}
+cat > {AGENT_PATH} <<'AGENT'
+{AGENT_SCRIPT}AGENT
+chmod +x {AGENT_PATH}
 {wait}
-# The runtime's worker in controlled mode, under the VM's id, meeting the controller of the assignment.
-cat > /opt/sailor/run-worker.sh <<'RUN'
-#!/bin/bash
-set -euo pipefail
-read -r endpoint vm_id < <({VENV}/bin/python -c 'import json, sys; a = json.load(open(sys.argv[1])); print(a["rendezvous_endpoint"], a["vm_id"])' {ASSIGNMENT_FILE})
-exec {VENV}/bin/python -m sailor_core.runtime.worker_proc --control "$endpoint" --worker-id "$vm_id"
-RUN
-chmod +x /opt/sailor/run-worker.sh
+# The agent: installs the run's wheel from the assignment, then runs `sailor worker` (one worker per GPU).
 cat > /etc/systemd/system/sailor-worker.service <<'UNIT'
 [Unit]
 Description=sailor worker agent (run {run_id})
 After=network-online.target
 [Service]
 {env_lines}
-ExecStart=/opt/sailor/run-worker.sh
+ExecStart=/bin/bash {AGENT_PATH}
 KillSignal=SIGTERM
 TimeoutStopSec=110
 Restart=on-failure
@@ -97,7 +150,7 @@ RestartSec=5
 [Install]
 WantedBy=multi-user.target
 UNIT
-# Interruption notices from the metadata service: SIGTERM the worker at once (it checkpoints on SIGTERM).
+# Interruption notices from the metadata service: SIGTERM the agent at once (its workers checkpoint on SIGTERM).
 cat > /etc/systemd/system/sailor-notice.service <<'UNIT'
 [Unit]
 Description=sailor interruption-notice watcher (run {run_id})

@@ -31,7 +31,6 @@ command that starts an agent (default: the runtime's `sailor worker --assignment
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from infra.bootstrap import AGENT_SCRIPT, assignment_json
 from infra.provider import (
     CapacityError,
     EventKind,
@@ -87,10 +87,16 @@ def resolve_isolation(isolation: str, *, support: Callable[[], tuple[bool, str]]
 
 
 def default_agent_command(vm: Vm, assignment: WorkerAssignment, slot: Path) -> list[str]:
-    """The runtime's worker in controlled mode (sailor_core/runtime/worker_proc.py): it meets the
-    orchestration's controller at the assignment's rendezvous endpoint under the VM's id."""
-    return [sys.executable, "-m", "sailor_core.runtime.worker_proc", "--control", assignment.rendezvous_endpoint,
-            "--worker-id", vm.vm_id]
+    """The VM bootstrap every provider runs (infra/bootstrap.py AGENT_SCRIPT, written into the VM's
+    folder): install the run's wheel, then `sailor worker` with one worker per device."""
+    return ["bash", str(slot / "sailor-agent.sh")]
+
+
+def _deps_site() -> str:
+    """This interpreter's site-packages: the testbed VMs' stand-in for an image with the dependencies."""
+    import sysconfig
+
+    return sysconfig.get_paths()["purelib"]
 
 
 def _rec_key(rec: dict[str, Any]) -> str:
@@ -457,12 +463,17 @@ class LocalProvider:
             if rec["pid"] and _pid_alive(rec["pid"]):
                 self._stop_group(rec["pid"], self._procs.pop(vm.vm_id, None))
             slot = self.slot_dir(vm.vm_id)
-            _write_json(slot / "assignment.json", dataclasses.asdict(assignment))
+            # What SSM / instance metadata deliver on a cloud VM: the assignment, on the VM's own disk.
+            (slot / "assignment.json").write_text(assignment_json(assignment, vm.vm_id))
+            (slot / "sailor-agent.sh").write_text(AGENT_SCRIPT)
             hb = slot / "heartbeat.json"
             hb.unlink(missing_ok=True)
             env = {**os.environ, **self.env, **assignment.env, "SAILOR_ASSIGNMENT_FILE": str(slot / "assignment.json"),
                    "SAILOR_HEARTBEAT_FILE": str(hb), "SAILOR_SLOT_DIR": str(slot), "SAILOR_VM_ID": vm.vm_id,
+                   "SAILOR_HOME": str(slot / "sailor"), "SAILOR_PYTHON": sys.executable, "SAILOR_DEPS_SITE": _deps_site(),
                    "OMP_NUM_THREADS": assignment.env.get("OMP_NUM_THREADS", "1")}
+            if rec.get("isolation") == "netns":
+                env["GLOO_SOCKET_IFNAME"] = "eth0"  # the VM's one interface to the other VMs
             argv = self.agent_command(vm, assignment, slot)
             proc = self.spawn(vm.vm_id, argv, env=env, log=slot / f"agent-v{assignment.plan_version}.log")
             self._procs[vm.vm_id] = proc

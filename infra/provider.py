@@ -118,6 +118,20 @@ class WorkerAssignment:
     checkpoint_interval: int = 0
     seed: int = 0
     metrics_uri: str = ""
+    # How the VM joins (infra/bootstrap.py AGENT_SCRIPT): `rendezvous_endpoint` is the run's controller,
+    # `run_secret` the key every control message carries; the VM installs exactly the wheel at
+    # `wheel_url` (checked against `wheel_sha256`, with `extras`), runs one worker per device and
+    # copies its worker logs under `log_uri`. `first_generation`: the generation a VM joining a running
+    # job waits for; `advertise_address`: where the other VMs reach it (empty: its first address).
+    run_secret: str = field(default="", repr=False)
+    devices: int = 1
+    wheel_url: str = ""
+    wheel_sha256: str = ""
+    extras: str = ""
+    log_uri: str = ""
+    first_generation: int = 0
+    advertise_address: str = ""
+    command: tuple[str, ...] = ()  # a one-off `sailor` command to run instead of the worker (e.g. profiling)
 
 
 @runtime_checkable

@@ -103,10 +103,12 @@ class LocalS3Server(_Server):
     name = "rclone-s3"
 
     def __init__(
-        self, root: str | os.PathLike[str] | None = None, *, access_key: str = "sailor", secret_key: str = "sailor-secret"
+        self, root: str | os.PathLike[str] | None = None, *, access_key: str = "sailor", secret_key: str = "sailor-secret",
+        extra_addresses: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.root = Path(root) if root is not None else None
+        self.extra_addresses = extra_addresses  # also bound (same port), e.g. the local testbed's host address
         self.access_key = access_key
         self.secret_key = secret_key
 
@@ -119,6 +121,7 @@ class LocalS3Server(_Server):
             self.root.mkdir(parents=True, exist_ok=True)
         argv = [
             _find_binary("rclone"), "serve", "s3", "--addr", f"127.0.0.1:{self.port}",
+            *(x for a in self.extra_addresses for x in ("--addr", f"{a}:{self.port}")),
             "--auth-key", f"{self.access_key},{self.secret_key}", "--config", "/dev/null",
             # The in-memory backend stores objects as objects. Over a folder, pyarrow's S3 delete (which
             # PUTs a "dir/" marker after the DELETE) makes rclone briefly list the folder as an empty

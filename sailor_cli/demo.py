@@ -37,6 +37,8 @@ def demo(
     workdir: Path = typer.Option(Path(".sailor"), help="checkpoints, worker metrics and slots go here"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
     max_stages: int = typer.Option(None, help="most pipeline stages per plan (default: as many as pay)"),
+    isolation: str = typer.Option("auto", help="VMs as isolated testbed VMs (netns, needs root), plain processes "
+                                               "(process), or netns where permitted (auto)"),
 ) -> None:
     """Run the sailor flow locally: plan, train gpt-tiny on 4 workers through a preemption and a price change."""
     workdir = workdir.resolve()
@@ -47,7 +49,7 @@ def demo(
 
     typer.echo(f"sailor demo: gpt-tiny, {steps} steps on up to {workers} local workers, scenario {scenario}")
     state = sailor(run_name="demo", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
-                   max_usd_per_hour=2.0, max_stages=max_stages, provider="local", scenario=str(scenario), workers=workers, steps=steps,
+                   max_usd_per_hour=2.0, max_stages=max_stages, provider="local", scenario=str(scenario), workers=workers, steps=steps, isolation=isolation,
                    checkpoint_interval=10, store_uri=store, workdir=str(workdir), return_state=True)
     history = RunHistory(open_store(store))
     runs = [r for r in history.list_runs() if r.get("name") == "demo"]

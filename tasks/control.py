@@ -1,13 +1,13 @@
-"""The orchestration's side of the runtime's control protocol, and the heartbeat board.
+"""The orchestration's side of the worker control protocol (sailor_core/runtime/protocol.py).
 
 Contract (no Prefect):
-- `Controller(host=...)` hosts one torch TCPStore (a fresh one per plan version) in the flow's process,
-  advertised to the workers at `host` (loopback for the local provider): the rendezvous of that version's workers, which run the runtime's agent in controlled
-  mode (`python -m sailor_core.runtime.worker_proc --control HOST:PORT --worker-id VM_ID`, see
-  sailor_core/runtime/worker_proc.py). `assign(job, resume)` hands every worker its generation-0
-  assignment (rank, world size, plan, training settings); `heartbeats(ids)` and `statuses(ids)`
-  read what the workers report (`hb/<id>` every few seconds, `g0/status/<id>` at the end).
-  `close()` releases the port.
+- `Controller(host=...)`: one per run. Its server binds `host`, the one address the run's VMs reach
+  the flow at (loopback for VMs on this machine, the testbed's bridge address, the flow's VM
+  address on a cloud), and refuses any client without the run's `secret`. Plan version v is
+  generation v: `assign(job, resume)` hands every worker of every VM its assignment (one worker per
+  device; ranks per VM from tasks/jobs.vm_ranks); `heartbeats(vm_ids)` reads the agents' beats,
+  `statuses(vm_ids, version)` what each VM's workers reported at the end of a generation (a VM is
+  `failed: ...` as soon as one of its workers is), `metrics(version)` the per-step records.
 - `HeartbeatBoard`: the latest heartbeat time and training step per VM, written by the monitor from
   the controller and read by the local provider (its `heartbeats` source), so a hung worker is found
   by the provider's own timeout the same way a dead one is.
@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 from sailor_core.plan_format import plan_to_dict
-from tasks.jobs import Job
+from tasks.jobs import Job, vm_ranks
 
 
 class HeartbeatBoard:
@@ -60,52 +59,69 @@ def checkpoint_steps(checkpoint_dir: str, num_layers: int) -> int | None:
 
 
 class Controller:
-    def __init__(self, *, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
-        from torch.distributed import TCPStore
+    def __init__(self, *, host: str = "127.0.0.1") -> None:
+        from sailor_core.runtime.protocol import ControlServer
 
-        # The master store listens on every interface; `host` is the address workers are told.
-        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-        self.endpoint = f"{host}:{self.store.port}"
+        self.server = ControlServer(host=host)
+        self.endpoint, self.secret = self.server.endpoint, self.server.secret
+        self._devices: dict[str, int] = {}
+        self._metrics: dict[int, list[dict[str, Any]]] = {}
 
-    def assign(self, job: Job, *, resume: bool, collective_timeout_s: float = 30.0) -> None:
+    def assign(self, job: Job, *, resume: bool, collective_timeout_s: float = 30.0) -> list[str]:
+        """Generation `job.version` for every worker of the job's VMs; returns the members in rank order."""
         from sailor_core.runtime.engine import TrainSettings
+        from sailor_core.runtime.protocol import assign_generation
 
-        plan = plan_to_dict(job.plan)
-        for rank, vm in enumerate(job.vms):
-            settings = TrainSettings(
-                model=job.plan.model, steps=job.total_steps, seed=job.seed, data=job.data_uri or None,
-                checkpoint_dir=str(job.checkpoint_dir), checkpoint_every=job.checkpoint_interval, resume=resume,
-                metrics_out=str(job.metrics_file(vm)), plan_version=job.version, timeout_s=collective_timeout_s,
-            )
-            self.store.set(f"g0/assign/{vm.vm_id}", json.dumps(
-                {"rank": rank, "world_size": len(job.vms), "plan": plan, "settings": settings.to_dict(),
-                 "resume": resume}))
-
-    def _get(self, key: str) -> str | None:
-        try:
-            if self.store.check([key]):
-                return self.store.get(key).decode()
-        except Exception:
-            return None
-        return None
+        settings = TrainSettings(
+            model=job.plan.model, steps=job.total_steps, seed=job.seed, data=job.data_uri or None,
+            checkpoint_dir=job.state.checkpoints("vm"), checkpoint_every=job.checkpoint_interval, resume=resume,
+            plan_version=job.version, timeout_s=collective_timeout_s,
+        )
+        vms = [(vm.vm_id, max(vm.gpus, 1), ranks) for vm, ranks in vm_ranks(job)]
+        self._devices.update({v: n for v, n, _ in vms})
+        return assign_generation(self.server, job.version, plan=plan_to_dict(job.plan), settings=settings.to_dict(),
+                                 resume=resume, vms=vms)
 
     def heartbeats(self, vm_ids: list[str]) -> dict[str, float]:
+        from sailor_core.runtime.protocol import vm_heartbeat_key
+
         out = {}
         for v in vm_ids:
-            raw = self._get(f"hb/{v}")
+            raw = self.server.get(vm_heartbeat_key(v))
             if raw is not None:
                 try:
-                    out[v] = float(raw)
-                except ValueError:
+                    out[v] = float(json.loads(raw)["time"])
+                except (ValueError, KeyError, TypeError):
                     continue
         return out
 
-    def statuses(self, vm_ids: list[str]) -> dict[str, str]:
-        return {v: s for v in vm_ids if (s := self._get(f"g0/status/{v}")) is not None}
+    def statuses(self, vm_ids: list[str], version: int) -> dict[str, str]:
+        from sailor_core.runtime.protocol import status_key, worker_id
+
+        out = {}
+        for v in vm_ids:
+            got = [s for i in range(self._devices.get(v, 1))
+                   if (s := self.server.get(status_key(version, worker_id(v, i)))) is not None]
+            failed = [s for s in got if s.startswith("failed")]
+            if failed:
+                out[v] = failed[0]
+            elif got:
+                out[v] = "stopped" if "stopped" in got else got[0]
+        return out
+
+    def metrics(self, version: int) -> list[dict[str, Any]]:
+        from sailor_core.runtime.protocol import metrics_key
+
+        rows = self._metrics.setdefault(version, [])
+        for line in self.server.read_list(metrics_key(version), start=len(rows)):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                rows.append({})
+        return rows
 
     def close(self) -> None:
-        # Dropping the last reference shuts the store's server down.
-        self.store = None  # type: ignore[assignment]
+        self.server.close()
 
 
 def now() -> float:

@@ -140,4 +140,6 @@ class RunHistory:
             {"kind": r.kind, "time": _iso(r.time), **dict(r.payload)}
             for r in self.store.read_history("measurements", run_id=run_id)
         ]
+        # where the run's VMs and state lived (isolation, zones, device types, VMs, wheel, checkpoints)
+        out["cluster"] = next((e["cluster"] for e in reversed(out["events"]) if e["kind"] == "cluster"), None)
         return out

@@ -4,19 +4,20 @@ Contract (no Prefect here, so it is testable alone):
 - `replica_requests(plan, run_id, version)`: one VM per (stage, replica) TP group, in rank order;
   `vm_matches(vm, replica)` tells whether a VM already rented can host a replica of a new plan,
   so a reconfiguration provisions only the difference.
-- `assignments(job, ...)`: the `WorkerAssignment` of each VM: the plan as JSON, its ranks (stage-
-  major: stage 0 replica 0 gets ranks 0..tp-1, then stage 0 replica 1, ...), the world size, a fresh
-  rendezvous endpoint per plan version, the shared checkpoint folder and the metrics file.
-- `read_progress(job)`: what the workers reported (one JSON line per step in each VM's metrics
-  file, at least `step`, `loss`, `iteration_time_s`): the highest step any worker finished, recent
-  iteration times, the latest loss. Steps count from 1 and are global over plan versions (a resumed
-  worker goes on from the checkpoint's step).
+- `vm_ranks(job)`: the global ranks each VM runs (stage-major: stage 0 replica 0 gets ranks 0..tp-1,
+  then stage 0 replica 1, ...), one per device, so a tp=2 replica runs on one 2-device VM.
+- `assignments(job, ...)`: the `WorkerAssignment` of each VM: the plan as JSON, its ranks and devices,
+  the world size, the run's controller and secret, the run's wheel, and where checkpoints and logs
+  live (the run's state in object storage, tasks/runstate.py: nothing on the flow's disk).
+- `read_progress(job)`: what the workers reported to the controller (one record per step, at least
+  `step`, `loss`, `iteration_time_s`): the highest step finished, recent iteration times, the latest
+  loss. Steps count from 1 and are global over plan versions (a resumed worker goes on from the
+  checkpoint's step).
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 from infra.provider import Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import ParallelPlan, Replica
 from sailor_core.plan_format import plan_to_dict
+from tasks.runstate import RunState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,10 +68,13 @@ def place(plan: ParallelPlan, reusable: list[Vm]) -> tuple[dict[int, Vm], list[S
     return placed, missing
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@dataclass(frozen=True, kw_only=True)
+class CodeRef:
+    """The wheel every VM of the run installs (tasks/runstate.py)."""
+
+    url: str = ""
+    sha256: str = ""
+    extras: str = ""
 
 
 @dataclass(kw_only=True)
@@ -81,38 +86,43 @@ class Job:
     run_dir: Path
     total_steps: int
     checkpoint_interval: int
+    state: RunState
     seed: int = 0
     data_uri: str = ""
-    rendezvous: str = ""
+    code: CodeRef = field(default_factory=CodeRef)
     launched_at: float = 0.0
     start_step: int = 0  # steps done when this version launched (the checkpoint it resumes from)
     estimate_s: float = 0.0  # simulator's iteration time for this plan (calibrated)
-    controller_host: str = "127.0.0.1"  # where the workers reach the flow's controller
+    controller: Any = None  # tasks.control.Controller: one per run, shared by its plan versions
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+    def num_layers(self) -> int:
+        return self.plan.stages[-1].last_layer + 1
 
-    def metrics_file(self, vm: Vm) -> Path:
-        return self.run_dir / "metrics" / f"v{self.version}" / f"{vm.vm_id}.jsonl"
+
+def vm_ranks(job: Job) -> list[tuple[Vm, tuple[int, ...]]]:
+    out, rank = [], 0
+    for s, vm in zip(slots(job.plan), job.vms, strict=True):
+        out.append((vm, tuple(range(rank, rank + s.spec.tp))))
+        rank += s.spec.tp
+    return out
 
 
 def assignments(job: Job) -> list[tuple[Vm, WorkerAssignment]]:
     plan_json = json.dumps(plan_to_dict(job.plan))
     world = job.plan.num_gpus
+    ctl = job.controller
     out = []
-    rank = 0
-    for s, vm in zip(slots(job.plan), job.vms, strict=True):
-        ranks = tuple(range(rank, rank + s.spec.tp))
-        rank += s.spec.tp
-        mf = job.metrics_file(vm)
-        mf.parent.mkdir(parents=True, exist_ok=True)
+    for (s, (vm, ranks)) in zip(slots(job.plan), vm_ranks(job), strict=True):
         out.append((vm, WorkerAssignment(
-            run_id=job.run_id, plan_version=job.version, plan_json=plan_json, rendezvous_endpoint=job.rendezvous,
-            ranks=ranks, world_size=world, checkpoint_uri=str(job.checkpoint_dir), data_uri=job.data_uri,
-            model=job.plan.model, total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval,
-            seed=job.seed, metrics_uri=str(mf),
+            run_id=job.run_id, plan_version=job.version, plan_json=plan_json,
+            rendezvous_endpoint=ctl.endpoint if ctl else "", ranks=ranks, world_size=world,
+            checkpoint_uri=job.state.checkpoints("vm"), data_uri=job.data_uri, model=job.plan.model,
+            total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval, seed=job.seed,
+            run_secret=ctl.secret if ctl else "", devices=max(vm.gpus, 1), wheel_url=job.code.url,
+            wheel_sha256=job.code.sha256, extras=job.code.extras, log_uri=job.state.logs("vm"),
+            first_generation=job.version, advertise_address=vm.address,
             env={"SAILOR_STAGE": str(s.stage), "SAILOR_REPLICA": str(s.replica)},
         )))
     return out
@@ -128,32 +138,13 @@ class Progress:
     iteration_times: tuple[float, ...] = ()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text()
-    except OSError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return rows
-
-
 def read_progress(job: Job, *, warmup_steps: int = 2, window: int = 10) -> Progress:
+    rows = job.controller.metrics(job.version) if job.controller is not None else []
     rows_by_step: dict[int, dict[str, Any]] = {}
-    for vm in job.vms:
-        for r in read_metrics(job.metrics_file(vm)):
-            if "step" not in r:
-                continue
-            s = int(r["step"])
-            prev = rows_by_step.get(s, {})
-            merged = {**prev, **{k: v for k, v in r.items() if v is not None}}
-            if prev.get("loss") is not None and r.get("loss") is None:
-                merged["loss"] = prev["loss"]
-            rows_by_step[s] = merged
+    for r in rows:
+        if "step" in r:
+            rows_by_step[int(r["step"])] = {**rows_by_step.get(int(r["step"]), {}),
+                                            **{k: v for k, v in r.items() if v is not None}}
     if not rows_by_step:
         return Progress(step=job.start_step, steps_this_version=0, loss=None, recent_iteration_s=None, first_step_at=None)
     steps = sorted(rows_by_step)

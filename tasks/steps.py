@@ -30,12 +30,12 @@ from infra.provider import (
     Vm,
     VmRequest,
 )
-from sailor_core.domain import SailorError
-from tasks.control import Controller, HeartbeatBoard, checkpoint_steps
+from tasks.control import HeartbeatBoard, checkpoint_steps
 from tasks.history import RunHistory
-from tasks.jobs import Job, Progress, assignments, read_progress, slots
+from tasks.jobs import Job, Progress, assignments, read_progress
 from tasks.planning import run_planner
 from tasks.reporting import ProgressBar, emit
+from tasks.runstate import flush_metrics
 
 
 def _no_retry_on_capacity(task, task_run, state) -> bool:
@@ -64,18 +64,9 @@ def provision(provider: Provider, requests: Sequence[VmRequest], dry_run: bool =
 
 @task(name="start-agents", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def start_agents(provider: Provider, job: Job, vm_ids: Sequence[str] | None = None) -> None:
-    """Start the worker agent on these VMs of the job (all by default).
-
-    The agents meet this plan version's controller (created here on first use) and wait there for
-    their assignment (`hand_out`), so VMs can start early while the previous plan still trains.
-    """
-    if any(s.spec.tp != 1 for s in slots(job.plan)):
-        raise SailorError("the orchestration starts one worker process per VM, so every replica must have tp=1; "
-                          "to fix: plan with gpus_per_node=1 offerings (TP inside a VM is not supported yet)")
-    if "controller" not in job.extra:
-        ctl = Controller(host=job.controller_host)
-        job.extra["controller"] = ctl
-        job.rendezvous = ctl.endpoint
+    """Bootstrap the agent on these VMs of the job (all by default): it installs the run's wheel and
+    runs one worker per device, which meet the run's controller and wait there for their assignment
+    (`hand_out`), so VMs can start early while the previous plan still trains."""
     for vm, a in assignments(job):
         if vm_ids is None or vm.vm_id in vm_ids:
             provider.bootstrap(vm, a)
@@ -84,23 +75,16 @@ def start_agents(provider: Provider, job: Job, vm_ids: Sequence[str] | None = No
 @task(name="hand-out", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def hand_out(job: Job) -> float:
     """Give every worker its rank and the plan; resume from the newest complete checkpoint if any."""
-    resume_step = checkpoint_steps(str(job.checkpoint_dir), job.plan.stages[-1].last_layer + 1)
+    resume_step = checkpoint_steps(job.state.checkpoints("flow"), job.num_layers)
     job.start_step = resume_step or 0
-    job.extra["controller"].assign(job, resume=resume_step is not None)
+    job.controller.assign(job, resume=resume_step is not None)
     return time.time()
 
 
 def launch(provider: Provider, job: Job) -> float:
     """Start every agent of the job and hand out the plan; returns the launch time."""
-    close_controller(job)
     start_agents(provider, job)
     return hand_out(job)
-
-
-def close_controller(job: Job) -> None:
-    ctl = job.extra.pop("controller", None)
-    if ctl is not None:
-        ctl.close()
 
 
 @task(name="stop-workers", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
@@ -109,7 +93,13 @@ def stop_workers(provider: Provider, job: Job) -> None:
     stop = getattr(provider, "stop_agents", None)
     if stop is not None:
         stop([v.vm_id for v in job.vms])
-    close_controller(job)
+
+
+@task(name="save-metrics", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def save_metrics(job: Job) -> None:
+    """The plan version's per-step records, from the controller to the run's state in object storage."""
+    if job.controller is not None:
+        flush_metrics(job.state, job.version, job.controller.metrics(job.version))
 
 
 @task(name="terminate", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE)
@@ -149,6 +139,7 @@ class MonitorOutcome:
     reason: str = ""
 
 
+METRICS_FLUSH_S = 10.0  # how often the per-step records reach the run's state while it trains
 ACTIONABLE = (EventKind.PREEMPTION, EventKind.LOST, EventKind.PRICE_CHANGE, EventKind.CAPACITY_CHANGE)
 
 
@@ -190,16 +181,19 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
     log = get_run_logger()
     seen_step = -1
     last_log = 0.0
-    last_progress_at = time.time()
+    last_progress_at = last_flush = time.time()
     while True:
         prog = read_progress(job)
-        ctl = job.extra.get("controller")
+        ctl = job.controller
         beats = ctl.heartbeats([v.vm_id for v in job.vms]) if ctl is not None else {}
         for v in job.vms:
             board.beat(v.vm_id, at=beats.get(v.vm_id), step=prog.step)
         if prog.step != seen_step:
             last_progress_at = time.time()
             bar.update(prog.step)
+            if time.time() - last_flush > METRICS_FLUSH_S and ctl is not None:
+                flush_metrics(job.state, job.version, ctl.metrics(job.version))
+                last_flush = time.time()
             if time.time() - last_log > 5 or prog.step >= job.total_steps:
                 it = f"{prog.recent_iteration_s:.3f}s/it" if prog.recent_iteration_s else "warming up"
                 loss = f"loss {prog.loss:.4f}" if prog.loss is not None else ""
@@ -238,7 +232,7 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
         # A worker whose generation failed (a peer gone, a collective timed out) waits for a new plan:
         # to the orchestration that is a lost worker, whatever the provider says about its VM.
         if ctl is not None:
-            for vm_id, status in ctl.statuses([v.vm_id for v in job.vms]).items():
+            for vm_id, status in ctl.statuses([v.vm_id for v in job.vms], job.version).items():
                 key = ("lost", f"v{job.version}", vm_id)
                 if status.startswith("failed") and key not in seen:
                     seen.add(key)
@@ -274,14 +268,14 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
                     return MonitorOutcome(completed=True, progress=prog)
                 raise RuntimeError(
                     f"every worker of plan v{job.version} exited cleanly at step {prog.step} of {job.total_steps}; "
-                    f"to fix: check the worker logs under the run's slots"
+                    f"to fix: check the worker logs under {job.state.logs('public')}"
                 )
         if time.time() - last_progress_at > stall_timeout_s:
             raise RuntimeError(
                 f"no training progress for {stall_timeout_s:.0f}s (step {prog.step} of {job.total_steps}, "
                 f"plan v{job.version}: {job.plan.num_stages} stage(s) x {job.plan.data_parallel} replica(s)) while "
                 f"every worker still beat its heartbeat: the runtime hangs on this plan; to fix: see the worker "
-                f"logs (agent-v{job.version}.log in the run's slots) or restrict the plan (e.g. max_stages=1)"
+                f"logs under {job.state.logs('public')} or restrict the plan (e.g. max_stages=1)"
             )
         if deadline_at is not None and time.time() > deadline_at:
             raise RuntimeError(f"deadline reached at step {prog.step} of {job.total_steps}")

@@ -10,9 +10,11 @@ import pytest
 from flows.params import InvalidParameters, validate_params
 from infra.provider import Vm
 from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
+from tasks.control import Controller
 from tasks.decisions import PlanCost, decide_switch
 from tasks.history import RunHistory, UnknownRunError, new_run_id
-from tasks.jobs import Job, assignments, place, read_progress
+from tasks.jobs import Job, assignments, place, read_progress, vm_ranks
+from tasks.runstate import state_for
 
 
 def test_parameters_name_every_bad_field():
@@ -105,18 +107,45 @@ def _vm(i: int, market: Market = Market.SPOT) -> Vm:
 def test_reconfiguration_reuses_matching_vms_and_assigns_ranks_in_order(tmp_path):
     placed, missing = place(_plan(3), [_vm(0), _vm(1, Market.ON_DEMAND), _vm(2)])
     assert [v.vm_id for v in placed.values()] == ["vm0", "vm2"] and len(missing) == 1
-    job = Job(run_id="r", version=2, plan=_plan(2), vms=[_vm(0), _vm(2)], run_dir=tmp_path, total_steps=10,
-              checkpoint_interval=5, rendezvous="127.0.0.1:1")
-    a = assignments(job)
-    assert [x.ranks for _, x in a] == [(0,), (1,)] and {x.world_size for _, x in a} == {2}
-    assert json.loads(a[0][1].plan_json)["format"] == "sailor-plan" and a[0][1].total_steps == 10
-    # Progress: rank 0 reports loss; steps are global across versions.
-    mf = job.metrics_file(job.vms[0])
-    mf.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10, "iteration_time_s": 0.1}) + "\n"
-                          for s in range(6, 10)) + '{"step": 10, "lo')
-    pr = read_progress(job)
-    assert pr.step == 9 and pr.steps_this_version == 4 and pr.loss == pytest.approx(4.1)
-    assert pr.recent_iteration_s == pytest.approx(0.1)
+    ctl = Controller()
+    try:
+        job = Job(run_id="r", version=2, plan=_plan(2), vms=[_vm(0), _vm(2)], run_dir=tmp_path, total_steps=10,
+                  checkpoint_interval=5, state=state_for(None, "r", tmp_path), controller=ctl)
+        a = assignments(job)
+        assert [x.ranks for _, x in a] == [(0,), (1,)] and {x.world_size for _, x in a} == {2}
+        assert json.loads(a[0][1].plan_json)["format"] == "sailor-plan" and a[0][1].total_steps == 10
+        assert a[0][1].rendezvous_endpoint == ctl.endpoint and a[0][1].run_secret == ctl.secret
+        assert a[0][1].checkpoint_uri.startswith(str(tmp_path)) and a[0][1].first_generation == 2
+        # Progress: from what the workers reported to the controller; steps are global across versions.
+        for s in range(6, 10):
+            ctl.server._board.append("metrics/v2", json.dumps({"step": s, "loss": 5.0 - s / 10, "iteration_time_s": 0.1}))
+        ctl.server._board.append("metrics/v2", '{"step": 10, "lo')
+        pr = read_progress(job)
+        assert pr.step == 9 and pr.steps_this_version == 4 and pr.loss == pytest.approx(4.1)
+        assert pr.recent_iteration_s == pytest.approx(0.1)
+    finally:
+        ctl.close()
+
+
+def test_a_multi_device_vm_runs_a_tp_group_and_its_spare_devices_sit_out(tmp_path):
+    plan = ParallelPlan(model="gpt-tiny", global_batch_size=4, stages=(
+        Stage(first_layer=0, last_layer=2, replicas=(Replica(gpu_type="cpu", zone="local", tp=1),)),
+        Stage(first_layer=3, last_layer=5, replicas=(Replica(gpu_type="cpu", zone="local", tp=2),))),
+        pipelines=(PipelineBatch(microbatch_size=2, num_microbatches=2),))
+    vms = [Vm(vm_id="a", run_id="r", name="a", zone="local", gpu_type="cpu", gpus=2, market=Market.SPOT),
+           Vm(vm_id="b", run_id="r", name="b", zone="local", gpu_type="cpu", gpus=2, market=Market.SPOT)]
+    ctl = Controller()
+    try:
+        job = Job(run_id="r", version=1, plan=plan, vms=vms, run_dir=tmp_path, total_steps=4, checkpoint_interval=2,
+                  state=state_for(None, "r", tmp_path), controller=ctl)
+        assert [(v.vm_id, r) for v, r in vm_ranks(job)] == [("a", (0,)), ("b", (1, 2))]
+        members = ctl.assign(job, resume=False)
+        assert members == ["a/0", "b/0", "b/1"]
+        got = {w: json.loads(ctl.server.get(f"g1/assign/{w}")) for w in ("a/0", "a/1", "b/0", "b/1")}
+        assert [got[w]["rank"] for w in ("a/0", "a/1", "b/0", "b/1")] == [0, -2, 1, 2]
+        assert got["b/1"]["local_rank"] == 1 and got["b/1"]["world_size"] == 3
+    finally:
+        ctl.close()
 
 
 def test_runs_cli_lists_and_shows_runs_as_json(store, tmp_path, capsys):

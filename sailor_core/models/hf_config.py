@@ -146,14 +146,9 @@ def read_bytes(uri: str) -> bytes:
             raise SailorError(f"{path!r} does not exist; to fix: check the path")
         with open(path, "rb") as f:
             return f.read()
-    from pyarrow import fs as pafs  # lazily: only object storage needs it
+    from sailor_core.uris import read_uri  # lazily: only object storage needs pyarrow
 
-    try:
-        filesystem, path = pafs.FileSystem.from_uri(uri)
-        with filesystem.open_input_stream(path) as f:
-            return bytes(f.read())
-    except (OSError, ValueError) as e:
-        raise SailorError(f"cannot read {uri!r}: {e}; to fix: check the URI and credentials") from None
+    return read_uri(uri)
 
 
 def load_model_config(uri: str, name: str | None = None) -> TransformerConfig:

@@ -171,7 +171,7 @@ def read_safetensors(uri: str) -> dict[str, torch.Tensor]:
 
 
 def _list_safetensors(uri: str) -> list[str]:
-    if uri.endswith(".safetensors"):
+    if uri.partition("?")[0].endswith(".safetensors"):
         return [uri]
     if "://" not in uri or uri.startswith("file://"):
         path = uri.removeprefix("file://")
@@ -181,10 +181,13 @@ def _list_safetensors(uri: str) -> list[str]:
     else:
         from pyarrow import fs as pafs
 
-        filesystem, root = pafs.FileSystem.from_uri(uri)
+        from sailor_core.uris import filesystem_for
+
+        filesystem, root = filesystem_for(uri)
         infos = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-        scheme = uri.split("://", 1)[0]
-        found = sorted(f"{scheme}://{i.path}" for i in infos if i.base_name.endswith(".safetensors"))
+        base, _, query = uri.partition("?")
+        found = sorted(f"{base.rstrip('/')}/{i.base_name}" + (f"?{query}" if query else "")
+                       for i in infos if i.base_name.endswith(".safetensors"))
     if not found:
         raise SailorError(f"no .safetensors files in {uri!r}; to fix: pass a .safetensors file or the folder holding them")
     return found
@@ -202,9 +205,9 @@ def _writer(out: str) -> Callable[[str, bytes], None]:
             os.replace(tmp, os.path.join(root, name))
 
         return write_local
-    from pyarrow import fs as pafs
+    from sailor_core.uris import filesystem_for
 
-    filesystem, prefix = pafs.FileSystem.from_uri(out)
+    filesystem, prefix = filesystem_for(out)
 
     def write_remote(name: str, data: bytes) -> None:
         with filesystem.open_output_stream(f"{prefix.rstrip('/')}/{name}") as f:

@@ -211,13 +211,18 @@ def _handler(board: _Board, secret: str) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a worker killed mid-request (preempted, stopped) is routine, not an error to print
+
+
 class ControlServer:
     """The controller's side: binds `host` only; in-process reads and writes skip HTTP."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> None:
         self.secret = secret or new_secret()
         self._board = _Board()
-        self._http = ThreadingHTTPServer((host, port), _handler(self._board, self.secret))
+        self._http = _QuietServer((host, port), _handler(self._board, self.secret))
         self._http.daemon_threads = True
         self.host = host
         self.port = int(self._http.server_address[1])

@@ -33,9 +33,10 @@ from sailor_core.models.config import config_from_dict, get_config
 from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
 from sailor_core.runtime import comm, protocol
-from sailor_core.runtime.data import TokenDataset, load_tokens
+from sailor_core.runtime.data import TokenDataset
 from sailor_core.runtime.engine import Trainer, TrainSettings, backend_for, select_device
 from sailor_core.runtime.protocol import ControlClient
+from sailor_core.runtime.token_shards import ShardedTokenDataset, open_dataset
 from sailor_core.runtime.topology import layout
 
 ASSIGNMENT_WAIT_S = 600.0  # how long a worker waits for its next generation before giving up
@@ -51,12 +52,12 @@ class _DataCache:
 
     def __init__(self) -> None:
         self._key: Any = None
-        self._ds: TokenDataset | None = None
+        self._ds: TokenDataset | ShardedTokenDataset | None = None
 
-    def get(self, settings: TrainSettings, seq_len: int, vocab: int) -> TokenDataset:
+    def get(self, settings: TrainSettings, seq_len: int, vocab: int) -> TokenDataset | ShardedTokenDataset:
         key = (settings.data, seq_len, settings.seed, vocab)
         if self._key != key:
-            self._ds = TokenDataset(load_tokens(settings.data), seq_len, settings.seed, vocab)
+            self._ds = open_dataset(settings.data, seq_len, settings.seed, vocab)  # prepared shards or bytes
             self._key = key
         assert self._ds is not None
         return self._ds

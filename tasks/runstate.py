@@ -1,0 +1,168 @@
+"""Where a run's state lives, and the code its VMs run: nothing a worker writes lands on the flow's disk.
+
+Contract (no Prefect here):
+- `RunState` names one folder of object storage (or, for VMs that share this machine's disk, a
+  local folder) three ways: `uri`, the public name shown in `sailor runs show` (never credentials);
+  `flow_uri`, how the flow reaches it; `vm_uri`, how the VMs reach it (their network may see the
+  server at another address). `vm_env` is what a VM needs besides (on the local testbed the object
+  store's keys stand in for a cloud VM's instance role; on a cloud it is empty). Under it:
+  `checkpoints/` (the runtime's layout, sailor_core/runtime/checkpoint.py), `logs/<vm>/worker-<i>.log`,
+  `metrics/v<version>.jsonl` (one record per step, written by the flow from what the controller got)
+  and `code/<wheel>`.
+- `state_for(store_uri, run_id, run_dir)`: `<store>/runs/<run_id>` when the store is s3:// or gs://
+  (a cloud VM reaches it with its own role), else a local folder under the run's folder.
+- `TestbedObjectStore`: the local testbed's object store, `rclone serve s3` over a folder under the
+  work dir (kept across runs), bound to 127.0.0.1 and the testbed's host address only.
+- `build_wheel(cache)`: a wheel of this project's source tree, built once per content hash;
+  `publish_wheel(state, wheel)` copies it under `code/` and returns (URL for the VM, sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from sailor_core.domain import SailorError
+
+STATE_BUCKET = "sailor-runs"
+
+
+def join(uri: str, *parts: str) -> str:
+    """`uri` with path parts appended before its query string."""
+    base, sep, query = uri.partition("?")
+    path = "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
+    return path + (sep + query if sep else "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunState:
+    uri: str
+    flow_uri: str
+    vm_uri: str
+    vm_env: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_object_storage(self) -> bool:
+        return "://" in self.uri and not self.uri.startswith("file://")
+
+    def checkpoints(self, side: str = "flow") -> str:
+        return join(self._side(side), "checkpoints")
+
+    def logs(self, side: str = "vm") -> str:
+        return join(self._side(side), "logs")
+
+    def _side(self, side: str) -> str:
+        return {"flow": self.flow_uri, "vm": self.vm_uri, "public": self.uri}[side]
+
+    def write(self, path: str, data: bytes) -> None:
+        from sailor_core.runtime.checkpoint import open_storage
+
+        open_storage(self.flow_uri).write(path, data)
+
+    def read(self, path: str) -> bytes:
+        from sailor_core.runtime.checkpoint import open_storage
+
+        return open_storage(self.flow_uri).read(path)
+
+
+def state_for(store_uri: str | None, run_id: str, run_dir: Path) -> RunState:
+    if store_uri and store_uri.startswith(("s3://", "gs://")):
+        uri = join(store_uri, "runs", run_id)
+        return RunState(uri=uri.partition("?")[0], flow_uri=uri, vm_uri=uri)
+    folder = str((run_dir / "state").resolve())
+    return RunState(uri=folder, flow_uri=folder, vm_uri=folder)
+
+
+class TestbedObjectStore:
+    """The testbed's S3 server: the flow reaches it on 127.0.0.1, the VMs at the host address."""
+
+    __test__ = False
+
+    def __init__(self, root: Path, host_address: str) -> None:
+        from profiles_store.local_servers import LocalS3Server
+
+        self.host_address = host_address
+        self.server = LocalS3Server(root, extra_addresses=() if host_address == "127.0.0.1" else (host_address,))
+        self.server.start()
+        self.server.create_bucket(STATE_BUCKET)
+
+    def state(self, run_id: str) -> RunState:
+        s = self.server
+        vm_endpoint = f"{self.host_address}:{s.port}"
+        vm_uri = f"s3://{STATE_BUCKET}/runs/{run_id}?endpoint_override={quote(vm_endpoint, safe='')}&scheme=http"
+        env = {"AWS_ENDPOINT_URL": f"http://{vm_endpoint}", "AWS_ACCESS_KEY_ID": s.access_key,
+               "AWS_SECRET_ACCESS_KEY": s.secret_key, "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required", "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
+               "AWS_EC2_METADATA_DISABLED": "true"}
+        return RunState(uri=f"s3://{STATE_BUCKET}/runs/{run_id}", flow_uri=s.uri(STATE_BUCKET, f"runs/{run_id}"),
+                        vm_uri=vm_uri, vm_env=env)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def project_root() -> Path:
+    import sailor_core
+
+    root = Path(sailor_core.__file__).resolve().parent.parent
+    if not (root / "pyproject.toml").exists():
+        raise SailorError(f"no pyproject.toml beside {root / 'sailor_core'}: the VMs' wheel is built from a "
+                          f"source checkout; to fix: run from a checkout of the project (pip install -e .)")
+    return root
+
+
+def _source_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    files = [root / "pyproject.toml"]
+    for pkg in ("sailor_cli", "sailor_core", "profiles_store", "infra", "tasks", "flows"):
+        files += sorted(p for p in (root / pkg).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    for p in files:
+        h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_wheel(cache: Path) -> Path:
+    """This checkout as a wheel, built once per content (pip, no dependencies, no build isolation)."""
+    root = project_root()
+    out = cache / _source_hash(root)
+    found = sorted(out.glob("*.whl")) if out.is_dir() else []
+    if found:
+        return found[0]
+    tmp = cache / f"build-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp),
+                        str(root)], capture_output=True, text=True, cwd=str(cache))
+    wheels = sorted(tmp.glob("*.whl"))
+    if r.returncode != 0 or not wheels:
+        raise SailorError(f"building the project's wheel failed: {(r.stderr or r.stdout).strip()[-300:]}; "
+                          f"to fix: check that `pip wheel --no-deps {root}` works")
+    try:
+        tmp.rename(out)
+    except OSError:  # a concurrent build of the same content won
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(out.glob("*.whl"))[0]
+
+
+def publish_wheel(state: RunState, wheel: Path) -> tuple[str, str]:
+    """Copy the wheel under the run's state; return (where the VM downloads it, its sha256)."""
+    data = wheel.read_bytes()
+    state.write(f"code/{wheel.name}", data)
+    url = join(state.vm_uri, "code", wheel.name).partition("?")[0] if state.is_object_storage \
+        else str(Path(state.vm_uri) / "code" / wheel.name)
+    return url, hashlib.sha256(data).hexdigest()
+
+
+def flush_metrics(state: RunState, version: int, rows: list[dict[str, Any]]) -> None:
+    """The per-step records of one plan version, as JSON lines under the run's state."""
+    import json
+
+    state.write(f"metrics/v{version}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
