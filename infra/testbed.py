@@ -386,9 +386,10 @@ class Testbed:
             (CGROUP_CPU / CGROUP_PARENT).rmdir()  # only when no other testbed uses it
         if self.folder.exists():
             # The record goes last: if anything above failed half-way, a later teardown still finds it.
-            for child in self.folder.iterdir():
-                if child.name != RECORD:
-                    shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # another process's teardown may race this one
+                for child in self.folder.iterdir():
+                    if child.name != RECORD:
+                        shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
             (self.folder / RECORD).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.folder.rmdir()
