@@ -647,9 +647,9 @@ def _rmdir_cgroup(cg: Path) -> bool:
         try:
             cg.rmdir()
             return True
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):  # gone, or not ours to remove (not root)
             return False
-        except OSError:
+        except OSError:  # EBUSY: processes still in it
             for pid in _cgroup_pids(cg):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
