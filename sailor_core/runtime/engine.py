@@ -19,8 +19,16 @@ Contract:
   that shard differently keep the full state (logged). Gloo has no reduce-scatter, so gradients are
   still all-reduced whole: the memory saving is ZeRO-1's, the traffic is an all-reduce plus the
   parameter broadcast.
-- Between stages activations go by isend/recv: receiving TP rank r reads from sending TP rank
-  r mod tp_send; gradients go back from receiving rank t mod tp_recv to sending rank t.
+- Between stages activations go forward and gradients back: receiving TP rank r reads from sending
+  TP rank r mod tp_send; gradients go back from receiving rank t mod tp_recv to sending rank t.
+  Every exchange is one `dist.batch_isend_irecv` in the schedule's order (Megatron's pairing: a
+  1F1B steady-state step sends its activation and receives its gradient in one batch, then sends
+  its input gradient and receives the next activation in one batch), so no rank ever waits for a
+  send to complete before posting the receive its peer is sending to: the schedules cannot deadlock
+  when a send blocks until the matching receive is posted (NCCL), not only when sends are buffered
+  (gloo). tests/test_blocking_p2p.py runs every schedule under such sends.
+- A CUDA rank makes its own GPU current (`select_device`, from the local rank) before any
+  communication; collectives that allocate on a device (barrier, object broadcast) are given it.
 - Every step ends with one world all-reduce of [loss, grad norm^2, checkpoint flag, stop flag], so a
   preemption notice (SIGUSR1 or `settings.preempt_file` appearing) on any rank makes every rank take
   a just-in-time checkpoint at that step, and SIGTERM (or a stop file) checkpoints and stops.
@@ -122,6 +130,20 @@ def device_for(gpu_type: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
 
 
+def select_device(gpu_type: str, local_rank: int) -> torch.device:
+    """This rank's device, made current on CUDA: NCCL and every collective that allocates on "the
+    current device" then use this rank's GPU, not GPU 0 (several ranks of one VM would share it)."""
+    device = device_for(gpu_type, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def device_ids(device: torch.device) -> list[int] | None:
+    """`device_ids` for `dist.barrier`: NCCL's barrier allocates on the device given (else it guesses)."""
+    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+
+
 # Gradient bucket size for the data-parallel all-reduce: torch DDP's default `bucket_cap_mb`.
 BUCKET_CAP_BYTES = 25 * 1024 * 1024
 
@@ -156,7 +178,7 @@ class Trainer:
         self.on_metrics = on_metrics
         self.stage = plan.stages[self.me.stage]
         self.pipe = plan.pipelines[self.me.pipeline]
-        self.device = device_for(self.me.gpu_type, local_rank)
+        self.device = select_device(self.me.gpu_type, local_rank)
         self.bf16 = plan.precision == "bf16"
         self.comm_dtype = torch.bfloat16 if self.bf16 else torch.float32
         self._build_groups()
@@ -307,6 +329,11 @@ class Trainer:
             nxt = ranks_of(self.plan, s + 1, j)
             self.send_fwd_to_list = [nxt[r] for r in range(len(nxt)) if r % tp_me == t]
             self.recv_bwd_from = nxt[t % len(nxt)]
+        if self.device.type == "cuda":
+            # NCCL builds a group's communicator at its first collective, and a batch of point-to-point
+            # operations may only be that first call if every rank of the group takes part: make the
+            # world's communicator now, on this rank's GPU.
+            comm.wait(dist.barrier(async_op=True, device_ids=device_ids(self.device)))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _layer_snapshot(self, li: int, layer: torch.nn.Module,
@@ -333,7 +360,7 @@ class Trainer:
                 self._write_checkpoint(gathered, blocking)
         if blocking:
             self.checkpointer.wait()
-            comm.wait(dist.barrier(async_op=True))
+            comm.wait(dist.barrier(async_op=True, device_ids=device_ids(self.device)))
 
     def _write_checkpoint(self, gathered: dict[int, dict[str, torch.Tensor]] | None, blocking: bool) -> None:
         assert self.checkpointer is not None
@@ -355,7 +382,7 @@ class Trainer:
         if self.rank == 0:
             step = ckpt.latest_valid_step(self.storage, self.cfg.num_layers, self.log)
             decision = [None if step is None else (step, ckpt.read_meta(self.storage, step))]
-        dist.broadcast_object_list(decision, src=0)
+        dist.broadcast_object_list(decision, src=0, device=self.device)
         if decision[0] is None:
             return False
         step, meta = decision[0]
@@ -393,15 +420,14 @@ class Trainer:
     def _act_shape(self) -> tuple[int, int, int]:
         return (self.pipe.microbatch_size, self.cfg.sequence_length, self.cfg.hidden_size)
 
-    def _forward(self, m: int) -> None:
+    def _forward(self, m: int, inp: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward of microbatch m on the received activation `inp` (None on the first stage).
+        Returns the activation to send to the next stage (None on the last)."""
         if self.model.has_embedding:
             x, _ = self._samples(m)
-            inp = None
         else:
-            inp = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
-            comm.wait(dist.irecv(inp, src=self.recv_fwd_from))
-            inp.requires_grad_(True)
-            x = inp
+            assert inp is not None
+            x = inp.requires_grad_(True)
         with self._autocast():
             out = self.model(x)
         if self.model.has_head:
@@ -409,43 +435,74 @@ class Trainer:
             loss = self.model.loss_sum(out, y) * self.loss_scale
             self._loss_acc += loss.detach().float()
             self._stash[m] = (inp, loss)
-        else:
-            msg = out.detach().to(self.comm_dtype).contiguous()
-            for dst in self.send_fwd_to_list:
-                self._pending.append((dist.isend(msg, dst=dst), msg))
-            self._stash[m] = (inp, out)
+            return None
+        self._stash[m] = (inp, out)
+        return out.detach().to(self.comm_dtype).contiguous()
 
-    def _backward(self, m: int) -> None:
+    def _backward(self, m: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of microbatch m given its output's gradient (None on the last stage). Returns
+        the gradient of its input to send to the previous stage (None when nobody receives it)."""
         inp, out = self._stash.pop(m)
         if self._buckets and m == self.pipe.num_microbatches - 1:
             self._overlap_on = True  # gradients become final during this backward
         if self.model.has_head:
             out.backward()
         else:
-            g = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
-            comm.wait(dist.irecv(g, src=self.recv_bwd_from))
-            torch.autograd.backward(out, g.to(out.dtype))
-        if inp is not None and self.send_bwd_to:
-            grad = inp.grad.to(self.comm_dtype).contiguous()
-            for dst in self.send_bwd_to:
-                self._pending.append((dist.isend(grad, dst=dst), grad))
+            assert grad_out is not None
+            torch.autograd.backward(out, grad_out.to(out.dtype))
+        if inp is None or not self.send_bwd_to:
+            return None
+        return inp.grad.to(self.comm_dtype).contiguous()
+
+    def _p2p(self, send: torch.Tensor | None, to: Sequence[int], recv_from: int | None) -> torch.Tensor | None:
+        """One batch of point-to-point operations: `send` to every rank in `to` and, if `recv_from` is
+        set, one activation-shaped tensor from it, which is returned once it has arrived. All of a
+        batch's operations are posted together, so a peer whose own batch sends to us while it
+        receives from us meets our receive whatever the send's semantics. Works of a batch without a
+        receive are waited for at the end of the step (the tensor stays referenced until then)."""
+        ops = []
+        buf = None
+        if recv_from is not None:
+            buf = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buf, recv_from))
+        if send is not None:
+            ops += [dist.P2POp(dist.isend, send, dst) for dst in to]
+        if not ops:
+            return buf
+        works = dist.batch_isend_irecv(ops)
+        if buf is None:
+            self._pending += [(w, send) for w in works]
+        else:
+            for w in works:
+                comm.wait(w)
+        return buf
 
     def _schedule(self) -> None:
+        """GPipe (all forwards, then all backwards) or 1F1B (Megatron's order: stage s runs
+        min(S - s - 1, n) warm-up forwards, then alternates one forward and one backward, then
+        drains the backwards). Each line below is one batch of point-to-point operations; the
+        steady state pairs "send activation, receive gradient" and "send gradient, receive the next
+        activation", which the neighbouring stage issues as the mirror-image batches."""
         n, s, S = self.pipe.num_microbatches, self.me.stage, self.plan.num_stages
+        prev, nxt = self.recv_fwd_from, self.recv_bwd_from  # None at the first / last stage
+        fwd_to, bwd_to = self.send_fwd_to_list, self.send_bwd_to
         if self.plan.schedule == "gpipe":
             for m in range(n):
-                self._forward(m)
+                self._p2p(self._forward(m, self._p2p(None, (), prev)), fwd_to, None)
             for m in range(n):
-                self._backward(m)
+                self._p2p(self._backward(m, self._p2p(None, (), nxt)), bwd_to, None)
             return
         warmup = min(S - s - 1, n)
         for m in range(warmup):
-            self._forward(m)
-        for i in range(n - warmup):
-            self._forward(warmup + i)
-            self._backward(i)
-        for m in range(n - warmup, n):
-            self._backward(m)
+            self._p2p(self._forward(m, self._p2p(None, (), prev)), fwd_to, None)
+        steady = n - warmup
+        inp = self._p2p(None, (), prev) if steady else None
+        for i in range(steady):
+            grad_out = self._p2p(self._forward(warmup + i, inp), fwd_to, nxt)
+            last = i == steady - 1
+            inp = self._p2p(self._backward(i, grad_out), bwd_to, None if last else prev)
+        for m in range(steady, n):
+            self._p2p(self._backward(m, self._p2p(None, (), nxt)), bwd_to, None)
 
     def _setup_overlap(self) -> None:
         """DDP-style overlap for replicas that shard alike: during the last microbatch's backward the
