@@ -393,8 +393,10 @@ class LocalProvider:
                 except TestbedError as e:
                     raise ProviderError(str(e)) from e
                 st = self._state()
+                # Kept after teardown: cluster_info still describes the run, leftovers still finds its names.
                 st.setdefault("testbeds", {})[run_id] = {"folder": str(tb.folder), "tag": tb.tag,
-                                                         "isolation": tb.isolation}
+                                                         "isolation": tb.isolation, "subnet": tb.subnet,
+                                                         "host_address": tb.host_address}
                 _write_json(self._state_path, st)
             self._testbeds[run_id] = tb
             return tb
@@ -425,8 +427,8 @@ class LocalProvider:
                 {"name": d.name, "cpu_per_device": d.cpu_per_device,
                  "devices_per_vm": sorted({o.gpus_per_vm for o in offered if o.gpu_type == d.name})}
                 for d in self.scenario.device_types],
-            "host_address": tb.host_address if tb else "",
-            "subnet": tb.subnet if tb else "",
+            "host_address": tb.host_address if tb else (info or {}).get("host_address", ""),
+            "subnet": tb.subnet if tb else (info or {}).get("subnet", ""),
             "links_gbps": {f"{a}>{b}": self.scenario.link_gbps(a, b)
                            for a, _ in self.scenario.zones for b, _ in self.scenario.zones},
             "vms": [{"vm_id": r["vm_id"], "name": r["name"], "zone": r.get("zone"), "region": r.get("region"),

@@ -325,6 +325,8 @@ def test_local_provider_runs_vms_in_zones_with_devices_and_addresses(tmp_path):
         p.cleanup(run)
     assert p.leftovers(run) == []
     assert not any(local_mod._group_alive(pid) for pid in pids if pid)
+    after = p.cluster_info(run)  # the run's cluster as it ended, for its history
+    assert after["isolation"] == "netns" and after["host_address"] == host and len(after["vms"]) == 3
 
 
 @needs_testbed
