@@ -86,6 +86,10 @@ def _gb(b: float) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f} MiB"
+
+
 def _print_rich(res: SimulationResult, plan_path: str, recompute: tuple[bool, ...] = ()) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -126,7 +130,7 @@ def _print_rich(res: SimulationResult, plan_path: str, recompute: tuple[bool, ..
         label = f"{r.stage} (recompute)" if r.stage < len(recompute) and recompute[r.stage] else str(r.stage)
         st.add_row(label, reps, f"{r.gpu_type} @ {r.zone}", str(r.tp),
                    f"{r.microbatch_size} x {r.num_microbatches}", f"{r.forward_s + r.backward_s:.4f}",
-                   f"{r.dp_sync_s:.4f}", str(r.in_flight_microbatches), _gb(r.memory.activations_bytes),
+                   f"{r.dp_sync_s:.4f}", str(r.in_flight_microbatches), _mib(r.memory.activations_bytes),
                    _gb(r.peak_memory_bytes),
                    "yes" if r.fits else f"[red]no: {_gb(max(x.bytes_over for x in g))} over[/red]")
     con.print(st)
