@@ -221,6 +221,7 @@ def _exchange(batched: bool) -> Callable[[int, int], None]:
     def body(rank: int, world: int) -> None:
         peer = 1 - rank
         out, into = torch.full((4,), float(rank)), torch.empty(4)
+        works: list[Any]
         if batched:
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)])
         else:  # the pre-fix engine's order: send first, then receive
@@ -237,3 +238,35 @@ def test_wrapper_turns_an_unbatched_exchange_into_a_deadlock(tmp_path):
     assert errors and all("deadlock: rank" in e for e in errors), errors
     assert run_job(2, _exchange(batched=True), tmp_path / "batched", rendezvous_s=3.0) == []
     assert run_job(2, _exchange(batched=False), tmp_path / "gloo", rendezvous_s=None) == []  # gloo buffers
+
+
+# -- device selection and the GPU check, without a GPU -----------------------------------------------
+
+
+def test_each_cuda_rank_makes_its_own_gpu_current(monkeypatch):
+    from sailor_core.runtime.engine import backend_for, device_ids, select_device
+
+    made_current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    got = [select_device("A100-40", local_rank) for local_rank in range(5)]
+    assert got == made_current == [torch.device("cuda", r % 4) for r in range(5)]
+    assert select_device("cpu", 3) == torch.device("cpu") and len(made_current) == 5  # CPU ranks touch no GPU
+    assert device_ids(torch.device("cuda", 2)) == [2] and device_ids(torch.device("cpu")) is None
+    assert backend_for("A100-40") == "nccl" and backend_for("cpu") == "gloo"
+
+
+def test_gpu_check_prints_skip_lines_without_cuda():
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: run bench/gpu_check.py itself")
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "gpu_check.py")], capture_output=True, text=True,
+                       timeout=120, cwd=repo)
+    checks = [ln for ln in r.stdout.splitlines() if ln.startswith("CHECK ")]
+    assert r.returncode == 0, r.stderr
+    assert [c.split(":")[0] for c in checks] == [f"CHECK {n}" for n in (
+        "cuda", "train-1rank", "train-1f1b-2stages", "train-tp2", "profile-opt350")]
+    assert all(": SKIP " in c for c in checks), checks
