@@ -58,7 +58,7 @@ from infra.provider import (
 )
 from infra.scenario import CLOUD, Scenario, ScenarioEvent, ScenarioOffering, default_scenario, offering_key
 from infra.testbed import Testbed, TestbedError, TestbedVm, cleanup_stale, leftovers, testbed_support
-from sailor_core.domain import Market
+from sailor_core.domain import GpuType, Market
 
 AgentCommand = Callable[[Vm, WorkerAssignment, Path], list[str]]
 LIVE_STATES = ("running", "preempting")
@@ -409,6 +409,15 @@ class LocalProvider:
         except TestbedError as e:
             raise ProviderError(str(e)) from e
 
+    def device_types(self) -> list[GpuType]:
+        """The scenario's device types as GPU types (memory per device, the largest VM offered), for the
+        store (`ProfileStore.write_gpu_types`) and the planner."""
+        out = []
+        for d in self.scenario.device_types:
+            sizes = [o.gpus_per_vm for o in self.scenario.offerings if o.gpu_type == d.name]
+            out.append(GpuType(name=d.name, memory_bytes=int(d.memory_gib * 2**30), gpus_per_node=max(sizes, default=1)))
+        return out
+
     def host_address(self, run_id: str) -> str:
         """Where the run's VMs reach this machine (bridge address, or 127.0.0.1): bind the controller there."""
         return self._testbed(run_id).host_address
@@ -424,7 +433,7 @@ class LocalProvider:
             "regions": list(self.scenario.regions),
             "zones": [{"zone": z, "region": r} for z, r in self.scenario.zones],
             "device_types": [
-                {"name": d.name, "cpu_per_device": d.cpu_per_device,
+                {"name": d.name, "cpu_per_device": d.cpu_per_device, "memory_gib": d.memory_gib,
                  "devices_per_vm": sorted({o.gpus_per_vm for o in offered if o.gpu_type == d.name})}
                 for d in self.scenario.device_types],
             "host_address": tb.host_address if tb else (info or {}).get("host_address", ""),

@@ -12,9 +12,9 @@ Two forms. The short one (scenarios/demo.yaml) is one zone `local` of 1-device `
 
 The testbed form (scenarios/geo.yaml) has regions of zones, device types and links:
 
-    device_types:                    # a device's speed: the CPU cores one device may use (cpu cgroup quota)
-      cpu-fast: {cpu_per_device: 0.5}
-      cpu-slow: {cpu_per_device: 0.25}
+    device_types:                    # a device's speed: the CPU cores one device may use (cpu cgroup quota);
+      cpu-fast: {cpu_per_device: 0.5}   # memory_gib: what the planner may fill per device (default 8)
+      cpu-slow: {cpu_per_device: 0.25, memory_gib: 4}
     regions:
       eu:                            # region -> zone -> offerings
         eu-west:
@@ -74,12 +74,16 @@ class ScenarioError(SailorError):
     """A scenario file is malformed; the message lists every problem."""
 
 
+DEFAULT_MEMORY_GIB = 8.0  # the catalog's `cpu` type (sailor_core/catalog.py)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceType:
-    """A device type of the testbed; `cpu_per_device` cores per device (None: no quota)."""
+    """A device type of the testbed; `cpu_per_device` cores per device (None: no quota), its memory."""
 
     name: str
     cpu_per_device: float | None = None
+    memory_gib: float = DEFAULT_MEMORY_GIB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,11 +279,13 @@ def _device_types(raw: Any, errors: list[str]) -> tuple[DeviceType, ...]:
         if not isinstance(spec, dict):
             errors.append(f"{where}: must be a mapping like {{cpu_per_device: 0.5}}, got {spec!r}")
             continue
-        _unknown(spec, {"cpu_per_device"}, where, errors)
+        _unknown(spec, {"cpu_per_device", "memory_gib"}, where, errors)
         cpu = _num(spec, "cpu_per_device", where, errors, positive=True)
+        mem = _num(spec, "memory_gib", where, errors, positive=True)
         if "cpu_per_device" not in spec:
             errors.append(f"{where}: needs cpu_per_device (the cores one device may use, e.g. 0.5)")
-        out.append(DeviceType(name=str(name), cpu_per_device=None if cpu is None else float(cpu)))
+        out.append(DeviceType(name=str(name), cpu_per_device=None if cpu is None else float(cpu),
+                              memory_gib=DEFAULT_MEMORY_GIB if mem is None else float(mem)))
     return tuple(out)
 
 

@@ -100,3 +100,19 @@ def test_events_narrow_by_zone_and_device_type_and_capacity_can_return():
         "events": [{"at_s": 5, "kind": "capacity_change", "market": "spot", "count": 3}],
     }).events[0]
     assert back.count == 3 and back.zone is None
+
+
+def test_device_types_carry_their_memory_and_vm_size_to_the_store(tmp_path):
+    from infra.local import LocalProvider
+
+    sc = parse_scenario({
+        "device_types": {"big": {"cpu_per_device": 0.2, "memory_gib": 2}, "small": {"cpu_per_device": 0.1}},
+        "regions": {"r": {"z": [{"device_type": "big", "devices_per_vm": 2, "count": 1, "usd_per_gpu_hour": 1},
+                                {"device_type": "small", "count": 1, "usd_per_gpu_hour": 1}]}},
+    })
+    types = {g.name: g for g in LocalProvider(tmp_path, scenario=sc).device_types()}
+    assert types["big"].memory_bytes == 2 * 2**30 and types["big"].gpus_per_node == 2
+    assert types["small"].memory_bytes == 8 * 2**30 and types["small"].gpus_per_node == 1
+    with pytest.raises(ScenarioError, match="device_types.big.memory_gib: must be a number > 0"):
+        parse_scenario({"device_types": {"big": {"cpu_per_device": 0.2, "memory_gib": 0}},
+                        "regions": {"r": {"z": [{"device_type": "big", "count": 1, "usd_per_gpu_hour": 1}]}}})
