@@ -12,6 +12,7 @@ import pytest
 from sailor_core.domain import SailorError
 from sailor_core.models.config import get_config, layer_activation_bytes, layer_params, model_spec
 from sailor_core.models.hf_config import config_from_hf, hf_config_of, load_model_config
+from tests.store_fixtures import BUCKET, s3_server  # noqa: F401 - the session's S3 server fixture
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
          "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -262,3 +263,116 @@ def test_train_llama_gqa_under_pp2_tp2_export_and_reload(tmp_path):
     assert (reloaded - from_run).abs().max().item() <= 1e-5
     reference = reference_llama_logits(exported, TRAIN_LLAMA, ids)
     assert (reference - from_run).abs().max().item() <= 1e-5
+
+
+def _ln(x, w, b, eps=1e-5):
+    import torch
+
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def _attend(q, k, v):
+    import torch
+
+    s, hd = q.shape[-2], q.shape[-1]
+    mask = torch.full((s, s), float("-inf")).triu(1)
+    return torch.softmax(q @ k.transpose(-1, -2) / hd**0.5 + mask, dim=-1) @ v
+
+
+def reference_neox_logits(t: dict, d: dict, ids):
+    """Hugging Face GPT-NeoX's forward from its tensor names: fused per-head [q|k|v], partial rotary, parallel residual."""
+    import torch
+
+    nh = d["num_attention_heads"]
+    b, s = ids.shape
+    hd = d["hidden_size"] // nh
+    rd = int(hd * d["rotary_pct"])
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rd, 2).float() / rd))
+    freqs = torch.outer(torch.arange(s).float(), inv)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+
+    def rope(x):
+        r, rest = x[..., :rd], x[..., rd:]
+        half = torch.cat((-r[..., rd // 2:], r[..., : rd // 2]), dim=-1)
+        return torch.cat((r * cos + half * sin, rest), dim=-1)
+
+    x = t["gpt_neox.embed_in.weight"][ids]
+    for i in range(d["num_hidden_layers"]):
+        p = f"gpt_neox.layers.{i}."
+        y = _ln(x, t[p + "input_layernorm.weight"], t[p + "input_layernorm.bias"])
+        qkv = (y @ t[p + "attention.query_key_value.weight"].T + t[p + "attention.query_key_value.bias"])
+        q, k, v = qkv.view(b, s, nh, 3 * hd).transpose(1, 2).chunk(3, dim=-1)
+        att = _attend(rope(q), rope(k), v).transpose(1, 2).reshape(b, s, -1)
+        att = att @ t[p + "attention.dense.weight"].T + t[p + "attention.dense.bias"]
+        y2 = _ln(x, t[p + "post_attention_layernorm.weight"], t[p + "post_attention_layernorm.bias"])
+        h4 = torch.nn.functional.gelu(y2 @ t[p + "mlp.dense_h_to_4h.weight"].T + t[p + "mlp.dense_h_to_4h.bias"])
+        x = x + att + h4 @ t[p + "mlp.dense_4h_to_h.weight"].T + t[p + "mlp.dense_4h_to_h.bias"]
+    x = _ln(x, t["gpt_neox.final_layer_norm.weight"], t["gpt_neox.final_layer_norm.bias"])
+    return x @ t["embed_out.weight"].T
+
+
+def reference_opt_logits(t: dict, d: dict, ids):
+    """Hugging Face OPT's forward from its tensor names: positions offset by 2, pre-norm, tied head."""
+    import torch
+
+    nh = d["num_attention_heads"]
+    b, s = ids.shape
+    hd = d["hidden_size"] // nh
+    emb = t["model.decoder.embed_tokens.weight"]
+    x = emb[ids] + t["model.decoder.embed_positions.weight"][torch.arange(s) + 2]
+    for i in range(d["num_hidden_layers"]):
+        p = f"model.decoder.layers.{i}."
+        y = _ln(x, t[p + "self_attn_layer_norm.weight"], t[p + "self_attn_layer_norm.bias"])
+
+        def proj(name, y=y, p=p):
+            return (y @ t[f"{p}self_attn.{name}.weight"].T + t[f"{p}self_attn.{name}.bias"]).view(b, s, nh, hd).transpose(1, 2)
+
+        att = _attend(proj("q_proj"), proj("k_proj"), proj("v_proj")).transpose(1, 2).reshape(b, s, -1)
+        x = x + att @ t[p + "self_attn.out_proj.weight"].T + t[p + "self_attn.out_proj.bias"]
+        y = _ln(x, t[p + "final_layer_norm.weight"], t[p + "final_layer_norm.bias"])
+        x = x + torch.relu(y @ t[p + "fc1.weight"].T + t[p + "fc1.bias"]) @ t[p + "fc2.weight"].T + t[p + "fc2.bias"]
+    x = _ln(x, t["model.decoder.final_layer_norm.weight"], t["model.decoder.final_layer_norm.bias"])
+    return x @ emb.T
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "opt"])
+def test_neox_and_opt_mappings_match_hugging_face_forward(family):
+    import torch
+
+    from sailor_core.models.safetensors_io import layers_to_hf
+    from sailor_core.models.torch_model import full_layer_state
+
+    d = FAMILIES[family]
+    cfg = config_from_hf(d)
+    g = torch.Generator().manual_seed(7)
+    # perturb every tensor (norm weights and biases too), so a swapped name cannot go unnoticed
+    states = {i: {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in full_layer_state(cfg, i).items()}
+              for i in range(cfg.num_layers)}
+    if cfg.tied_head:
+        states[cfg.num_layers - 1]["out.weight"] = states[0]["wte.weight"]
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.sequence_length), generator=g)
+    ref = (reference_neox_logits if family == "gpt_neox" else reference_opt_logits)(layers_to_hf(cfg, states), d, ids)
+    got = single_process_logits(cfg, states, ids)
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.s3
+def test_weights_from_and_to_object_storage(s3_server, tmp_path):  # noqa: F811
+    import torch
+    from safetensors.torch import save
+
+    from sailor_core.models.safetensors_io import read_safetensors
+    from sailor_core.runtime.weights import checkpoint_layers, export_weights, import_weights
+
+    cfg = config_from_hf(LLAMA)
+    t = hf_llama_weights(LLAMA, seed=4)
+    with s3_server.filesystem().open_output_stream(f"{BUCKET}/weights/in/model.safetensors") as f:
+        f.write(save(t))
+    import_weights(cfg, s3_server.uri(BUCKET, "weights/in"), str(tmp_path / "ckpt"))
+    layers, step = checkpoint_layers(cfg, str(tmp_path / "ckpt"))
+    assert step == 0
+    with pytest.raises(SailorError, match="already holds steps"):
+        import_weights(cfg, s3_server.uri(BUCKET, "weights/in"), str(tmp_path / "ckpt"))
+    export_weights(cfg, str(tmp_path / "ckpt"), s3_server.uri(BUCKET, "weights/out"))
+    back = read_safetensors(s3_server.uri(BUCKET, "weights/out/model.safetensors"))
+    assert sorted(back) == sorted(t) and all(torch.equal(back[k], t[k]) for k in t)
