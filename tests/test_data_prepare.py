@@ -105,6 +105,11 @@ def test_prepare_jsonl_on_s3_then_stream_only_the_needed_windows(s3_server, toke
     x, y = ds.batch(10, 4)
     assert ds.bytes_read - before == 4 * (seq + 1) * 2 < len(want) * 2 // 10
     assert x.shape == (4, seq) and np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())
+    # reading ahead (as training workers do) gives the same samples
+    ahead = ShardedTokenDataset(out, seq, seed=0, vocab_size=256, prefetch=2)
+    for first in (0, 4, 8, 2):
+        assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(ahead.batch(first, 4), ds.batch(first, 4),
+                                                                          strict=True))
     with pytest.raises(SailorError, match=r"vocabulary of \d+ but the model has 50") as err:
         ShardedTokenDataset(out, seq, vocab_size=50)
     assert "sailor-secret" not in str(err.value)

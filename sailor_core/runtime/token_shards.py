@@ -13,7 +13,9 @@ Contract (the layout `sailor data prepare` writes under a folder or object-stora
   is a seeded bijection of [0, n) per epoch (a Feistel network with cycle walking), so any plan,
   and a plan change mid-run, sees every window once per epoch in the same order: none skipped,
   none repeated. A sample is read with ranged reads of exactly its bytes from the shards it spans
-  (`bytes_read` counts them), so no worker copies the corpus.
+  (`bytes_read` counts them), so no worker copies the corpus. `batch` reads its samples
+  concurrently and, with `prefetch` > 0, starts reading the next `prefetch` batches' samples in the
+  background (object-storage latency overlaps training; the samples are the same either way).
 - `open_dataset(uri, seq_len, seed, vocab_size)` opens a prepared dataset when `uri` holds an
   index.json, else the byte-level corpus of sailor_core.runtime.data (the demo's default).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,7 @@ FORMAT_NAME = "sailor-tokens"
 FORMAT_VERSION = 1
 INDEX = "index.json"
 FEISTEL_ROUNDS = 4
+READ_THREADS = 8  # concurrent ranged reads per worker
 
 
 def shard_name(i: int) -> str:
@@ -93,7 +97,7 @@ class _Shard:
 class ShardedTokenDataset:
     """Windows of a prepared dataset, read on demand from its shards (see module contract)."""
 
-    def __init__(self, uri: str, seq_len: int, seed: int = 0, vocab_size: int | None = None):
+    def __init__(self, uri: str, seq_len: int, seed: int = 0, vocab_size: int | None = None, prefetch: int = 0):
         self.filesystem, self.root = open_root(uri)
         index = read_index(self.filesystem, self.root)
         uri = redact(uri)  # for messages
@@ -121,6 +125,9 @@ class ShardedTokenDataset:
         self.bytes_read = 0
         self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.prefetch = prefetch
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: dict[int, Future[torch.Tensor]] = {}
 
     def window(self, g: int) -> int:
         epoch, i = divmod(g, self.num_windows)
@@ -141,8 +148,9 @@ class ShardedTokenDataset:
                 f = self._files.get(sh.name)
                 if f is None:
                     f = self._files[sh.name] = self.filesystem.open_input_file(f"{self.root}/{sh.name}")
-                raw = f.read_at(n * self.dtype.itemsize, (lo - sh.start) * self.dtype.itemsize)
-            self.bytes_read += len(raw)
+            raw = f.read_at(n * self.dtype.itemsize, (lo - sh.start) * self.dtype.itemsize)  # thread-safe
+            with self._lock:
+                self.bytes_read += len(raw)
             out[got:got + n] = np.frombuffer(raw, dtype=self.dtype)
             got += n
         if got != count:
@@ -153,9 +161,22 @@ class ShardedTokenDataset:
         w = self.window(g)
         return torch.from_numpy(self._read(w * self.seq_len, self.seq_len + 1).astype(np.int64))
 
+    def _future(self, g: int) -> Future[torch.Tensor]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="sailor-shards")
+        fut = self._ahead.pop(g, None)
+        return fut if fut is not None else self._pool.submit(self.sample, g)
+
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets of samples first .. first+count-1, each [count, seq_len]."""
-        w = torch.stack([self.sample(first + i) for i in range(count)])
+        futures = [self._future(first + i) for i in range(count)]
+        for g in range(first + count, first + count * (1 + self.prefetch)):
+            if g not in self._ahead:
+                self._ahead[g] = self._future(g)
+        # a plan change or a re-run step asks for other samples: drop read-ahead it will not use
+        for g in [g for g in self._ahead if g < first]:
+            del self._ahead[g]
+        w = torch.stack([f.result() for f in futures])
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
@@ -171,11 +192,14 @@ def is_prepared(uri: str | None) -> bool:
         return False
 
 
+DEFAULT_PREFETCH = 2  # batches read ahead by a training worker
+
+
 def open_dataset(uri: str | None, seq_len: int, seed: int = 0, vocab_size: int = 256) -> Any:
     """A prepared (sharded, tokenized) dataset if `uri` holds one, else the byte-level corpus."""
     if is_prepared(uri):
         assert uri is not None
-        return ShardedTokenDataset(uri, seq_len, seed, vocab_size)
+        return ShardedTokenDataset(uri, seq_len, seed, vocab_size, prefetch=DEFAULT_PREFETCH)
     from sailor_core.runtime.data import TokenDataset, load_tokens
 
     return TokenDataset(load_tokens(uri), seq_len, seed, vocab_size)
