@@ -98,9 +98,18 @@ def _names(cfg: TransformerConfig, index: int) -> dict[str, str]:
     return {ours: theirs for (k, ours), theirs in _ENDS[fam].items() if k == kind}
 
 
-def hf_to_layers(cfg: TransformerConfig, tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
-    from sailor_core.models.torch_model import build_layer
+def layer_shapes(cfg: TransformerConfig, index: int) -> dict[str, tuple[int, ...]]:
+    """Full-layout parameter shapes of layer `index`, without allocating or initialising it."""
+    from sailor_core.models.tensor_parallel import TPContext
+    from sailor_core.models.torch_model import _new_layer
 
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in _new_layer(cfg, index, TPContext.single()).named_parameters()}
+
+
+def hf_to_layers(cfg: TransformerConfig, tensors: dict[str, torch.Tensor],
+                 layers: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Full-layout states of `layers` (default: all; with all, unused tensors are an error)."""
     fam = _family(cfg)
     used: set[str] = set()
 
@@ -112,8 +121,8 @@ def hf_to_layers(cfg: TransformerConfig, tensors: dict[str, torch.Tensor]) -> di
         return tensors[name].detach().to(torch.float32)
 
     out: dict[int, dict[str, torch.Tensor]] = {}
-    for i in range(cfg.num_layers):
-        shapes = {n: tuple(p.shape) for n, p in build_layer(cfg, i).named_parameters()}
+    for i in range(cfg.num_layers) if layers is None else layers:
+        shapes = layer_shapes(cfg, i)
         state: dict[str, torch.Tensor] = {}
         for ours, theirs in _names(cfg, i).items():
             if ours not in shapes:
@@ -135,7 +144,7 @@ def hf_to_layers(cfg: TransformerConfig, tensors: dict[str, torch.Tensor]) -> di
                                   f"weights but {shape} in the config; to fix: pass the config.json of these weights")
         out[i] = state
     unused = sorted(n for n in set(tensors) - used if not n.endswith(IGNORED_SUFFIXES))
-    if unused:
+    if unused and layers is None:
         raise SailorError(f"the weights hold tensors model {cfg.name} does not use, e.g. {unused[:3]}; to fix: pass "
                           f"the config.json these weights were saved with")
     return out

@@ -2,8 +2,9 @@
 
 Contract:
 - `import_weights(cfg, weights_uri, checkpoint_uri, seed=0)` reads Hugging Face safetensors
-  (sailor_core.models.safetensors_io), maps them to full-layout layers and writes them as a valid
-  checkpoint at step 0 (no optimizer state: AdamW moments are zero, as before a first step). Any plan
+  (sailor_core.models.safetensors_io), maps them to full-layout layers and writes them, one layer
+  at a time, as a valid checkpoint at step 0 (optimizer step 0: no AdamW moments are stored; a
+  resumed run starts them at zero, as before a first step). Any plan
   then starts from them by resuming (`TrainSettings.resume`): the checkpoint loader already shards
   full-layout layers for every stage split and TP degree. It refuses a checkpoint folder that
   already holds steps, so a run's progress is never overwritten.
@@ -17,29 +18,33 @@ from sailor_core.domain import SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.safetensors_io import hf_to_layers, layers_to_hf, read_safetensors, write_safetensors
 from sailor_core.runtime import checkpoint as ckpt
+from sailor_core.uris import redact
 
 
 def import_weights(cfg: TransformerConfig, weights_uri: str, checkpoint_uri: str, seed: int = 0) -> int:
     """Write `weights_uri` as step 0 of the checkpoint at `checkpoint_uri`; returns the layers written."""
     import torch
 
-    from sailor_core.models.torch_model import build_layer, param_shard_dims
+    from sailor_core.models.tensor_parallel import TPContext
+    from sailor_core.models.torch_model import _new_layer, param_shard_dims
 
-    states = hf_to_layers(cfg, read_safetensors(weights_uri))
+    tensors = read_safetensors(weights_uri)
+    hf_to_layers(cfg, {n: t.to("meta") for n, t in tensors.items()})  # every name and shape, before writing
     storage = ckpt.open_storage(checkpoint_uri)
     if ckpt.list_steps(storage):
         raise SailorError(f"checkpoint folder {checkpoint_uri!r} already holds steps; to fix: import the weights into "
                           f"an empty --checkpoint-dir (or resume from the steps there without --init-weights)")
-    layer_states = {}
-    for i, params in states.items():
-        dims = param_shard_dims(build_layer(cfg, i))
-        zeros = {n: torch.zeros_like(t) for n, t in params.items()}
-        layer_states[i] = {"layer": i, "tp": 1, "tp_rank": 0, "shard_dims": dims, "params": params,
-                           "exp_avg": zeros, "exp_avg_sq": dict(zeros)}
-    meta = {"step": 0, "samples_seen": 0, "opt_steps": 0, "model": cfg.name, "seed": seed,
-            "num_layers": cfg.num_layers, "plan_version": 0, "imported_from": weights_uri}
-    ckpt.AsyncCheckpointer(storage).save(0, layer_states, "part_import.json", meta, blocking=True)
-    return len(layer_states)
+    writer = ckpt.AsyncCheckpointer(storage)
+    for i in range(cfg.num_layers):  # one layer in memory at a time, as the checkpoint's own writers do
+        with torch.device("meta"):
+            dims = param_shard_dims(_new_layer(cfg, i, TPContext.single()))
+        state = {"layer": i, "tp": 1, "tp_rank": 0, "shard_dims": dims,
+                 "params": hf_to_layers(cfg, tensors, [i])[i], "exp_avg": {}, "exp_avg_sq": {}}
+        last = i == cfg.num_layers - 1
+        meta = {"step": 0, "samples_seen": 0, "opt_steps": 0, "model": cfg.name, "seed": seed,
+                "num_layers": cfg.num_layers, "plan_version": 0, "imported_from": redact(weights_uri)}
+        writer.save(0, {i: state}, f"part_import_{i:04d}.json", meta if last else None, blocking=True)
+    return cfg.num_layers
 
 
 def checkpoint_layers(cfg: TransformerConfig, checkpoint_uri: str, step: int | None = None):  # type: ignore[no-untyped-def]
