@@ -14,9 +14,11 @@ Contract (the Provider protocol of infra/provider.py):
   SAILOR_ASSIGNMENT_FILE, SAILOR_HEARTBEAT_FILE and SAILOR_SLOT_DIR in its environment.
 - `events(run_id)` advances the scenario (triggers by the run's highest reported step or by seconds
   since its first VM) and detects lost workers. A scripted preemption sends the agent a notice
-  (SIGUSR1 by default: the runtime checkpoints just in time), waits its grace period and kills it; a worker is then reported LOST by the same check
-  that finds a real one: its process exited without finishing (exit status not 0), or it is alive but
-  its heartbeat file has not moved for `heartbeat_timeout_s`.
+  (SIGUSR1 by default: the runtime checkpoints just in time), waits its grace period, then the VM goes
+  away with everything running in it (and its namespace); its offering's capacity shrinks by one
+  until a `capacity_change` returns it. A worker is then reported LOST by the same check that finds
+  a real one: its process exited without finishing (exit status not 0), or it is alive but its
+  heartbeat has not moved for `heartbeat_timeout_s`.
 - `terminate()` stops the agents (SIGTERM, then SIGKILL after `stop_grace_s`) and removes the VMs
   (namespace, veth, cgroup); `cleanup(run_id)` does that for everything a run left and tears down its
   testbed (bridge, folders), also from another process, because all state lives as JSON files under
