@@ -376,3 +376,9 @@ def test_weights_from_and_to_object_storage(s3_server, tmp_path):  # noqa: F811
     export_weights(cfg, str(tmp_path / "ckpt"), s3_server.uri(BUCKET, "weights/out"))
     back = read_safetensors(s3_server.uri(BUCKET, "weights/out/model.safetensors"))
     assert sorted(back) == sorted(t) and all(torch.equal(back[k], t[k]) for k in t)
+
+
+def test_flops_per_token_by_hand():
+    cfg = config_from_hf(LLAMA)  # h 64, 4 heads of 16 (2 KV), ffn 160, 4 blocks, vocab 320, seq 32
+    block = 64 * (4 + 2 * 2) * 16 + 64 * 64 + 3 * 64 * 160 + 2 * 64  # qkv, out proj, SwiGLU, 2 RMSNorms
+    assert cfg.flops_per_token() == 6 * (4 * block + 320 * 64) + 12 * 4 * 4 * 16 * 32

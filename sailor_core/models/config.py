@@ -17,7 +17,8 @@ Contract:
   `params` held by one GPU of the TP group, `act_input_elems`/`act_output_elems` per sequence, and
   `act_memory_bytes` kept for backward per sequence. The activation formula counts exactly the
   tensors that sailor_core.models.torch_model saves for backward (see `_block_saved_elems`), so a
-  profiler that hooks torch's saved tensors finds the same bytes.
+  profiler that hooks torch's saved tensors finds the same bytes. `flops_per_token()` is the
+  training FLOPs per token (6N + 12 L H Q T).
 
 The torch implementation lives in torch_model.py / tensor_parallel.py; importing this module (or
 the package) never imports torch, so the planner and simulator can use it.
@@ -154,6 +155,16 @@ class TransformerConfig:
         if self.tied_head:
             total -= self.vocab_size * self.hidden_size
         return total
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward = 3 x forward), PaLM's / nanoGPT's estimate:
+        6 x the parameters that multiply activations (blocks and the vocabulary projection; the
+        embedding lookup does no arithmetic) + 12 x layers x heads x head_dim x sequence (attention
+        scores and their weighted sum, causal mask not discounted). Recomputation adds a forward of
+        the blocks that this count, like MFU's, leaves out."""
+        blocks = sum(layer_params(self, i) for i in range(1, self.num_blocks + 1))
+        matmul = blocks + self.vocab_size * self.hidden_size
+        return 6 * matmul + 12 * self.num_blocks * self.num_heads * self.head_dim * self.sequence_length
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-able fields (worker assignments carry the model this way)."""

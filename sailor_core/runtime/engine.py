@@ -208,6 +208,7 @@ class Trainer:
         self.samples_seen = 0
         self.opt_steps = 0
         self.loss_scale = 1.0 / (plan.global_batch_size * cfg.sequence_length)
+        self.flops_per_token = cfg.flops_per_token()  # for the metrics' model FLOP/s (MFU = that / peak)
         self.history: list[dict[str, Any]] = []
         _Notices.install()
 
@@ -680,7 +681,8 @@ class Trainer:
                "samples_seen": self.samples_seen, "iteration_time_s": dt, "grad_norm": norm,
                "tokens_per_s": self.plan.global_batch_size * self.cfg.sequence_length / dt,
                "memory_bytes": peak_memory_bytes(self.device), "plan_version": self.settings.plan_version,
-               "world_size": self.world, "time": time.time(), "lr": self.lr_now}
+               "world_size": self.world, "time": time.time(), "lr": self.lr_now,
+               "model_flops_per_s": self.plan.global_batch_size * self.cfg.sequence_length * self.flops_per_token / dt}
         rec["_jit"], rec["_stop"] = jit_any > 0, stop_any > 0
         return rec
 
