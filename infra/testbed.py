@@ -165,17 +165,21 @@ class Testbed:
         if len(zones) > 250:
             raise TestbedError(f"{len(zones)} zones do not fit in one /16 (at most 250); to fix: use fewer zones")
         cleanup_stale(home=home, runner=runner)
-        tag = uuid.uuid4().hex[:6]
-        folder = home / tag
         rates = {f"{a}>{b}": float(link_gbps(a, b)) for a in zones for b in zones}
         record: dict[str, Any] = {
-            "tag": tag, "run_id": run_id, "isolation": isolation, "zones": list(zones), "rates_gbps": rates,
+            "tag": "", "run_id": run_id, "isolation": isolation, "zones": list(zones), "rates_gbps": rates,
             "owner": {"pid": os.getpid(), "start": _pid_start(os.getpid())}, "created_at": time.time(),
-            "bridge": f"{LINK_PREFIX}{tag}br" if isolation == "netns" else "", "subnet": "",
+            "bridge": "", "subnet": "",
             "host_address": "127.0.0.1", "vms": {}, "procs": {},
         }
         with _lock(home):
+            tag = uuid.uuid4().hex[:6]
+            while (home / tag).exists() or tag in stale_testbeds(home=home, runner=runner):
+                tag = uuid.uuid4().hex[:6]
+            folder = home / tag
+            record["tag"] = tag
             if isolation == "netns":
+                record["bridge"] = f"{LINK_PREFIX}{tag}br"
                 subnet = _free_subnet(network or os.environ.get("SAILOR_TESTBED_NET") or DEFAULT_NETWORK, home, runner)
                 record["subnet"] = str(subnet)
                 record["host_address"] = str(subnet.network_address + 1)
