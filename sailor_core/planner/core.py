@@ -24,6 +24,7 @@ from sailor_core.domain import (
     split_batch,
 )
 from sailor_core.planner.costs import SimCosts, Slot
+from sailor_core.planner.groups import group_plans
 from sailor_core.planner.mixed import mixed_plans
 from sailor_core.planner.request import (
     Constraints,
@@ -157,10 +158,17 @@ def summarize(plan: ParallelPlan) -> str:
             f"{n}x{g}(tp{tp}{', spot' if mk == 'spot' else ''})@{z}" for (g, tp, z, mk), n in groups.items()
         )
         parts.append(f"layers {st.first_layer}-{st.last_layer}: {reps}")
-    mb = plan.pipelines[0]
+    by_size: dict[int, list[int]] = {}
+    for p in plan.pipelines:
+        by_size.setdefault(p.microbatch_size, []).append(p.num_microbatches)
+    if len(by_size) == 1:
+        (size, counts), = by_size.items()
+        batches = f"microbatch {size} x {max(counts)}"
+    else:  # per-pipeline microbatch sizes: one group per size
+        batches = "microbatches " + " + ".join(f"{size} x {max(c)} ({len(c)} pipelines)" for size, c in by_size.items())
     return (
-        f"{plan.num_stages} stage(s) x {plan.data_parallel} pipeline(s), {plan.num_gpus} GPUs, microbatch "
-        f"{mb.microbatch_size} x {max(p.num_microbatches for p in plan.pipelines)} | " + " | ".join(parts)
+        f"{plan.num_stages} stage(s) x {plan.data_parallel} pipeline(s), {plan.num_gpus} GPUs, {batches} | "
+        + " | ".join(parts)
     )
 
 
@@ -226,7 +234,14 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     if opts.mixed_pipelines and cands and wants_speed:
         to_verify += mixed_plans(search, cands[: opts.mixed_pipelines], model=request.model,
                                  global_batch_size=request.global_batch_size, precision=opts.precision,
-                                 schedule=opts.schedule)
+                                 schedule=opts.schedule, own_microbatch=opts.per_pipeline_microbatches)
+    # Pipelines of several kinds pay where GPU types differ (zones and markets of one type are
+    # already mixed by placement and cheapest_markets).
+    if opts.max_shapes >= 2 and cands and wants_speed and len({s.gpu_type for s in slots}) > 1:
+        to_verify += group_plans(search, cands, model=request.model,
+                                 global_batch_size=request.global_batch_size, precision=opts.precision,
+                                 schedule=opts.schedule, max_groups=opts.max_shapes,
+                                 own_microbatch=opts.per_pipeline_microbatches)
     simulated = 0
     feasible: list[tuple[float, ParallelPlan, SimulationResult]] = []
     closest: tuple[float, str] | None = None

@@ -1,11 +1,12 @@
 """Mixed pipelines: a second group of pipelines on the GPUs the best plans leave idle.
 
 Contract: `mixed_plans(search, top, ...)` takes the search's best single-shape plans and, for each,
-plans a second group of data-parallel pipelines with the same microbatch size and layer split on
-the capacity the first group leaves unused (the same stage table, bottleneck sweep and DP, run on
-the leftover pool). The two groups form one plan whose stages hold replicas of two GPU kinds
-(per-replica GPU type, TP and zone); the global batch is shared so that both groups finish
-together: each pipeline of a group runs the same number of microbatches, the faster group more.
+plans a second group of data-parallel pipelines with the same layer split, and each microbatch
+size in turn, on the capacity the first group leaves unused (the same stage table, bottleneck
+sweep and DP, run on the leftover pool). The two groups form one plan whose stages hold replicas
+of two GPU kinds (per-replica GPU type, TP and zone), each group with its own microbatch size;
+the global batch is shared exactly so that both groups finish together: each pipeline of a group
+runs about the same number of microbatches, the faster group more.
 Returns `ParallelPlan`s for the caller to verify with the full simulator. Pure and deterministic.
 """
 
@@ -46,26 +47,31 @@ def _linear_time(search: Search, sk: Sketch, layouts: Sequence[Layout]) -> tuple
     return t1 - (t2 - t1), t2 - t1
 
 
-def _split(n: int, d_a: int, d_b: int, ta: tuple[float, float], tb: tuple[float, float]) -> tuple[list[int], int] | None:
-    """Microbatch counts: group A round-robin, group B m_b each, minimising the slower group's time."""
+def _split(gbs: int, mbs_a: int, d_a: int, mbs_b: int, d_b: int, ta: tuple[float, float], tb: tuple[float, float]
+           ) -> tuple[list[int], int] | None:
+    """Microbatch counts that share the global batch exactly: group A's d_a pipelines take
+    microbatches of mbs_a round-robin, each of group B's d_b pipelines m_b microbatches of mbs_b;
+    m_b minimises the slower group's time (b_a sum m_a + b_b d_b m_b = gbs)."""
     best: tuple[float, int] | None = None
-    for m_b in range(1, n // d_b + 1):
-        rest = n - d_b * m_b
-        if rest < d_a:
+    for m_b in range(1, gbs // (d_b * mbs_b) + 1):
+        rest = gbs - d_b * m_b * mbs_b
+        if rest < d_a * mbs_a:
             break
-        m_a = -(-rest // d_a)
+        if rest % mbs_a:
+            continue
+        m_a = -(-(rest // mbs_a) // d_a)
         t = max(ta[0] + ta[1] * m_a, tb[0] + tb[1] * m_b)
         if best is None or t < best[0] - 1e-12:
             best = (t, m_b)
     if best is None:
         return None
     m_b = best[1]
-    base, extra = divmod(n - d_b * m_b, d_a)
+    base, extra = divmod((gbs - d_b * m_b * mbs_b) // mbs_a, d_a)
     return [base + (1 if j < extra else 0) for j in range(d_a)], m_b
 
 
 def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
-                schedule: str, per_base: int = 3) -> list[ParallelPlan]:
+                schedule: str, per_base: int = 3, own_microbatch: bool = True) -> list[ParallelPlan]:
     out: list[ParallelPlan] = []
     pb = search.pb
     seen: set[tuple[Sketch, Sketch]] = set()
@@ -78,38 +84,41 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
         max_gpus = None if pb.max_gpus is None else pb.max_gpus - cand.estimate.num_gpus
         if max_gpus is not None and max_gpus <= 0:
             continue
-        sub = Search(
-            Problem(num_layers=pb.num_layers, global_batch_size=pb.global_batch_size,
-                    tokens_per_sample=pb.tokens_per_sample, slots=left, mbs_values=(a.mbs,), tp_values=pb.tp_values,
-                    objective=pb.objective, max_gpus=max_gpus, keep=per_base),
-            search.costs,
-        )
-        sub.sweep(a.mbs, a.bounds)
-        n = pb.global_batch_size // a.mbs
         ta = _linear_time(search, a, lay_a)
-        for b_cand in sub.best()[:per_base]:
-            b = b_cand.sketch
-            if (a, b) in seen or a.dp + b.dp > n:
-                continue
-            seen.add((a, b))
-            lay_b = b_cand.estimate.layouts
-            tb = _linear_time(sub, b, lay_b)
-            split = _split(n, a.dp, b.dp, ta, tb)
-            if split is None:
-                continue
-            counts_a, m_b = split
-            stages = []
-            for s, (first, last) in enumerate(a.bounds):
-                reps: list[Replica] = []
-                for sk, lay in ((a, lay_a), (b, lay_b)):
-                    si, tp = sk.kinds[s]
-                    slot = pb.slots[si]
-                    for zone, k in lay[s]:
-                        reps.extend([Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
-                                             market=slot.market, region=slot.region)] * k)
-                stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
-            pipes = [PipelineBatch(microbatch_size=a.mbs, num_microbatches=m) for m in counts_a]
-            pipes += [PipelineBatch(microbatch_size=a.mbs, num_microbatches=m_b)] * b.dp
-            out.append(ParallelPlan(model=model, global_batch_size=global_batch_size, stages=tuple(stages),
-                                    pipelines=tuple(pipes), schedule=schedule, precision=precision))
+        # The second group has its own microbatch size: slower or smaller GPUs may run (or only fit)
+        # a smaller one, and the counts then balance the two groups' finish times.
+        for mbs_b in pb.mbs_values if own_microbatch else (a.mbs,):
+            sub = Search(
+                Problem(num_layers=pb.num_layers, global_batch_size=pb.global_batch_size,
+                        tokens_per_sample=pb.tokens_per_sample, slots=left, mbs_values=(mbs_b,),
+                        tp_values=pb.tp_values, objective=pb.objective, max_gpus=max_gpus, keep=per_base),
+                search.costs,
+            )
+            sub.sweep(mbs_b, a.bounds)
+            for b_cand in sub.best()[:per_base]:
+                b = b_cand.sketch
+                if (a, b) in seen:
+                    continue
+                seen.add((a, b))
+                lay_b = b_cand.estimate.layouts
+                tb = _linear_time(sub, b, lay_b)
+                split = _split(global_batch_size, a.mbs, a.dp, b.mbs, b.dp, ta, tb)
+                if split is None:
+                    continue
+                counts_a, m_b = split
+                stages = []
+                for s, (first, last) in enumerate(a.bounds):
+                    reps: list[Replica] = []
+                    for sk, lay in ((a, lay_a), (b, lay_b)):
+                        si, tp = sk.kinds[s]
+                        slot = pb.slots[si]
+                        for zone, k in lay[s]:
+                            reps.extend([Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp,
+                                                 gpus_per_node=slot.gpus_per_node, market=slot.market,
+                                                 region=slot.region)] * k)
+                    stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+                pipes = [PipelineBatch(microbatch_size=a.mbs, num_microbatches=m) for m in counts_a]
+                pipes += [PipelineBatch(microbatch_size=b.mbs, num_microbatches=m_b)] * b.dp
+                out.append(ParallelPlan(model=model, global_batch_size=global_batch_size, stages=tuple(stages),
+                                        pipelines=tuple(pipes), schedule=schedule, precision=precision))
     return out

@@ -103,6 +103,11 @@ class SearchOptions:
     patience: int = 4
     # Best single-shape plans that get a second pipeline group on their idle GPUs (0: off).
     mixed_pipelines: int = 4
+    # A second pipeline group may run its own microbatch size (False: the first group's size only).
+    per_pipeline_microbatches: bool = True
+    # Pipeline kinds per plan chosen jointly on the whole pool (groups.py): up to this many replica
+    # shapes per stage (1: off; 2: the two-shape space).
+    max_shapes: int = 4
     # Also search the other objective (unconstrained) so the frontier spans cheapest to fastest;
     # about doubles the search time. The CLI turns it on for --frontier-png and --wide-frontier.
     wide_frontier: bool = False

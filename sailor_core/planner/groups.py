@@ -1,0 +1,236 @@
+"""Any-shape stages: pipelines of several kinds, chosen together on the whole pool.
+
+Contract: `group_plans(search, top, ...)` returns `ParallelPlan`s for the caller to verify with the
+full simulator. Pure and deterministic. For the layer splits of the best single-shape plans (the
+first `splits` distinct ones) it
+1. collects pipeline *types*: a microbatch size and one (slot, TP) per stage, from the bottleneck
+   sweep and DP run on the whole pool and on each slot alone (so types on slow or small GPUs
+   exist even when the fastest types would take every GPU), for every profiled microbatch size;
+2. chooses how many pipelines of each type to run, jointly: for every combination of up to
+   `max_groups` types (of the `types_kept` best by samples per second per GPU) and counts that fit
+   the pool together, the iteration time of the combination when the global batch is shared so
+   every pipeline finishes together, T = (B + sum_t x_t a_t r_t) / sum_t x_t r_t with
+   r_t = b_t / c_t samples per second of a type-t pipeline (microbatch b_t, cycle c_t, fill a_t:
+   the simulator's 1F1B pipeline time a_t + c_t m for m microbatches), the network and gradient
+   rings left to the verification;
+3. materialises the best combinations: each type's pipelines placed on what the earlier ones left,
+   the global batch split exactly (microbatch counts per pipeline, each type its own size).
+A stage then holds replicas of as many shapes (GPU type, TP, zone) as types were chosen: the
+paper splits D over every GPU type in a stage. `max_groups=2` is the two-shape space of mixed.py,
+searched jointly instead of on the leftovers of one plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from itertools import combinations
+
+from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.planner.costs import Layout, Slot
+from sailor_core.planner.mixed import _leftover, _linear_time
+from sailor_core.planner.request import Constraints, Objective
+from sailor_core.planner.search import Candidate, Problem, Search, Sketch
+
+
+@dataclass(frozen=True)
+class PipeType:
+    """One kind of pipeline: its sketch (dp is ignored), GPUs per slot, fill a and cycle c (seconds)."""
+
+    sketch: Sketch
+    use: tuple[int, ...]
+    fill_s: float
+    cycle_s: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.sketch.mbs / self.cycle_s
+
+
+def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequence[int], keep: int
+           ) -> list[PipeType]:
+    pb = search.pb
+    out: dict[tuple[int, tuple[tuple[int, int], ...]], PipeType] = {}
+    pools: list[tuple[Slot, ...]] = [pb.slots]
+    if len(pb.slots) > 1:
+        # each slot alone: the types a slow or small GPU can run, which the whole pool's best hide
+        pools += [tuple(s if s.index == g.index else replace(s, zones=tuple((z, 0) for z, _ in s.zones))
+                        for s in pb.slots) for g in pb.slots]
+    for mbs in mbs_values:
+        for slots in pools:
+            sub = Search(replace(pb, slots=slots, mbs_values=(mbs,), keep=keep, constraints=Constraints(),
+                                 objective=Objective.MAX_THROUGHPUT), search.costs)
+            sub.sweep(mbs, bounds)
+            for cand in sub.best():
+                sk = cand.sketch
+                key = (sk.mbs, sk.kinds)
+                if key in out:
+                    continue
+                use = [0] * len(pb.slots)
+                for si, tp in sk.kinds:
+                    use[si] += tp
+                fill, cycle = _linear_time(sub, sk, cand.estimate.layouts)
+                if cycle > 0 and math.isfinite(cycle):
+                    out[key] = PipeType(sketch=replace(sk, dp=1, zone_rot=()), use=tuple(use), fill_s=fill,
+                                        cycle_s=cycle)
+    ranked = sorted(out.values(), key=lambda t: (-t.samples_per_s / sum(t.use), t.sketch))
+    # Diverse first: the best two of each set of slots a type uses, then the rest (TP and microbatch
+    # variants of one GPU kind would otherwise fill every combination).
+    seen: dict[tuple[int, ...], int] = {}
+    rounds: list[list[PipeType]] = [[], [], []]
+    for t in ranked:
+        support = tuple(g for g, u in enumerate(t.use) if u)
+        seen[support] = seen.get(support, 0) + 1
+        rounds[min(seen[support], 3) - 1].append(t)
+    return rounds[0] + rounds[1] + rounds[2]
+
+
+def _balanced_time(gbs: int, types: Sequence[PipeType], counts: Sequence[int]) -> float:
+    rate = sum(x * t.samples_per_s for t, x in zip(types, counts, strict=True))
+    if rate <= 0:
+        return math.inf
+    return (gbs + sum(x * t.fill_s * t.samples_per_s for t, x in zip(types, counts, strict=True))) / rate
+
+
+def _counts(types: Sequence[PipeType], caps: Sequence[int], max_gpus: int | None, gbs: int, steps: int = 16
+            ) -> list[list[int]]:
+    """Count vectors that fit together: the first type's count over its range (at most `steps`
+    values), the others as many as then fit, in order; every type at least one pipeline."""
+    def fit(left: list[int], t: PipeType, gpus_left: float) -> int:
+        x = min((left[g] // u for g, u in enumerate(t.use) if u), default=0)
+        return int(min(x, gpus_left // max(1, sum(t.use))))
+
+    first = types[0]
+    top = fit(list(caps), first, math.inf if max_gpus is None else max_gpus)
+    values = sorted({max(1, round(top * (i + 1) / steps)) for i in range(steps)}) if top else []
+    out = []
+    for x0 in values:
+        left = [c - x0 * u for c, u in zip(caps, first.use, strict=True)]
+        gpus_left = math.inf if max_gpus is None else max_gpus - x0 * sum(first.use)
+        xs = [x0]
+        for t in types[1:]:
+            x = fit(left, t, gpus_left)
+            if x < 1:
+                break
+            xs.append(x)
+            left = [c - x * u for c, u in zip(left, t.use, strict=True)]
+            gpus_left -= x * sum(t.use)
+        # every pipeline needs at least one microbatch of its size
+        if len(xs) == len(types) and sum(x * t.sketch.mbs for t, x in zip(types, xs, strict=True)) <= gbs:
+            out.append(xs)
+    return out
+
+
+def split_batch_by_finish(gbs: int, types: Sequence[PipeType], counts: Sequence[int]) -> list[list[int]] | None:
+    """Microbatch counts per pipeline (per type) summing to exactly gbs samples, the latest finish
+    as early as the integers allow: fill each pipeline up to a common finish time, then take back
+    microbatches from the pipelines that finish last until the batch is exact (None if it cannot be)."""
+    lo, hi = 0.0, max(t.fill_s + t.cycle_s * gbs for t in types)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = sum(x * max(1, int((mid - t.fill_s) // t.cycle_s)) * t.sketch.mbs for t, x in zip(types, counts, strict=True))
+        if got >= gbs:
+            hi = mid
+        else:
+            lo = mid
+    m = [[max(1, int((hi - t.fill_s) // t.cycle_s))] * x for t, x in zip(types, counts, strict=True)]
+    total = sum(sum(ms) * t.sketch.mbs for t, ms in zip(types, m, strict=True))
+
+    def pick(latest: bool, room: int) -> tuple[int, int] | None:
+        """The pipeline to take from (latest finish, keeps >= 1) or give to (earliest finish after), size <= room."""
+        best: tuple[float, int, int] | None = None
+        for i, (t, ms) in enumerate(zip(types, m, strict=True)):
+            if t.sketch.mbs > room:
+                continue
+            for j, k in enumerate(ms):
+                if latest and k > 1:
+                    key = -(t.fill_s + t.cycle_s * k)
+                elif not latest:
+                    key = t.fill_s + t.cycle_s * (k + 1)
+                else:
+                    continue
+                if best is None or key < best[0]:
+                    best = (key, i, j)
+        return None if best is None else (best[1], best[2])
+
+    for _ in range(4 * (sum(counts) + gbs)):
+        if total == gbs:
+            return m
+        if total > gbs:
+            # take back from the pipeline that finishes last; if no size fits the excess, overshoot
+            # into a deficit that smaller microbatches then fill
+            at = pick(True, total - gbs) or pick(True, gbs)
+            if at is None:
+                return None
+            m[at[0]][at[1]] -= 1
+            total -= types[at[0]].sketch.mbs
+        else:
+            at = pick(False, gbs - total)
+            if at is None:
+                return None
+            m[at[0]][at[1]] += 1
+            total += types[at[0]].sketch.mbs
+    return m if total == gbs else None
+
+
+def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
+                schedule: str, max_groups: int = 4, own_microbatch: bool = True, types_kept: int = 8,
+                per_base: int = 4, splits: int = 2) -> list[ParallelPlan]:
+    pb = search.pb
+    caps = [s.capacity for s in pb.slots]
+    out: list[ParallelPlan] = []
+    done: set[tuple[tuple[int, int], ...]] = set()
+    for cand in top:  # the layer splits of the best plans, `splits` of them
+        bounds = cand.sketch.bounds
+        if bounds in done:
+            continue
+        if len(done) == splits:
+            break
+        done.add(bounds)
+        mbs_values = pb.mbs_values if own_microbatch else (cand.sketch.mbs,)
+        types = _types(search, bounds, mbs_values, keep=2)[:types_kept]
+        scored: list[tuple[float, tuple[int, ...], list[int]]] = []
+        for k in range(2, max_groups + 1):
+            for combo in combinations(range(len(types)), k):
+                chosen = [types[i] for i in combo]
+                for counts in _counts(chosen, caps, pb.max_gpus, global_batch_size):
+                    scored.append((_balanced_time(global_batch_size, chosen, counts), combo, counts))
+        scored.sort(key=lambda s: (s[0], s[1], s[2]))
+        for _, combo, counts in scored[:per_base]:
+            pl = _materialize([types[i] for i in combo], counts, pb, search, model=model,
+                              global_batch_size=global_batch_size, precision=precision, schedule=schedule)
+            if pl is not None:
+                out.append(pl)
+    return out
+
+
+def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, search: Search, *, model: str,
+                 global_batch_size: int, precision: str, schedule: str) -> ParallelPlan | None:
+    micro = split_batch_by_finish(global_batch_size, types, counts)
+    if micro is None:
+        return None
+    slots = pb.slots
+    placed: list[tuple[Sketch, tuple[Layout, ...]]] = []
+    for t, x in zip(types, counts, strict=True):
+        sub = Search(replace(pb, slots=slots), search.costs)
+        sk = replace(t.sketch, dp=x)
+        lay = sub.layouts(sk)
+        if lay is None:
+            return None
+        placed.append((sk, lay))
+        slots = _leftover(slots, sk, lay)
+    stages = []
+    for s, (first, last) in enumerate(types[0].sketch.bounds):
+        reps: list[Replica] = []
+        for sk, lay in placed:
+            si, tp = sk.kinds[s]
+            slot = pb.slots[si]
+            for zone, k in lay[s]:
+                reps.extend([Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
+                                     market=slot.market, region=slot.region)] * k)
+        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+    pipes = [PipelineBatch(microbatch_size=t.sketch.mbs, num_microbatches=m)
+             for t, ms in zip(types, micro, strict=True) for m in ms]
+    return ParallelPlan(model=model, global_batch_size=global_batch_size, stages=tuple(stages), pipelines=tuple(pipes),
+                        schedule=schedule, precision=precision)
