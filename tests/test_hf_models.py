@@ -45,7 +45,7 @@ def test_unsupported_configs_say_what_and_how_to_fix():
     with pytest.raises(SailorError, match="model_type 'bert'.*to fix"):
         config_from_hf({**LLAMA, "model_type": "bert"})
     with pytest.raises(SailorError, match="rope_scaling.*to fix"):
-        config_from_hf({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}})
+        config_from_hf({**LLAMA, "rope_scaling": {"type": "yarn", "factor": 2.0}})
     with pytest.raises(SailorError, match="do_layer_norm_before"):
         config_from_hf({**OPT, "do_layer_norm_before": False})
     with pytest.raises(SailorError, match="word_embed_proj_dim"):
@@ -382,3 +382,45 @@ def test_flops_per_token_by_hand():
     cfg = config_from_hf(LLAMA)  # h 64, 4 heads of 16 (2 KV), ffn 160, 4 blocks, vocab 320, seq 32
     block = 64 * (4 + 2 * 2) * 16 + 64 * 64 + 3 * 64 * 160 + 2 * 64  # qkv, out proj, SwiGLU, 2 RMSNorms
     assert cfg.flops_per_token() == 6 * (4 * block + 320 * 64) + 12 * 4 * 4 * 16 * 32
+
+
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+
+
+def hf_llama3_inv_freq(base: float, dim: int, rs: dict):
+    """transformers' _compute_llama3_parameters, written out."""
+    import math
+
+    import torch
+
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    old = rs["original_max_position_embeddings"]
+    low_w, high_w = old / rs["low_freq_factor"], old / rs["high_freq_factor"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_w, inv / rs["factor"], inv)
+    smooth = (old / wavelen - rs["low_freq_factor"]) / (rs["high_freq_factor"] - rs["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / rs["factor"] + smooth * scaled
+    medium = ~(wavelen < high_w) * ~(wavelen > low_w)
+    return torch.where(medium, smoothed, scaled)
+
+
+def test_llama3_rope_scaling_matches_hugging_face():
+    import torch
+
+    from sailor_core.models.torch_model import rope_inv_freq
+
+    # rope_theta 100 puts the 8 frequencies of a 16-wide head on both sides of both wavelength bounds
+    d = {**LLAMA, "rope_theta": 100.0, "rope_scaling": LLAMA31_SCALING}
+    cfg = config_from_hf(d)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_positions) == ("llama3", 8.0, 64)
+    assert config_from_hf(hf_config_of(cfg), name=cfg.name) == cfg
+    want = hf_llama3_inv_freq(100.0, 16, LLAMA31_SCALING)
+    got = rope_inv_freq(cfg)
+    plain = rope_inv_freq(config_from_hf({**d, "rope_scaling": None}))
+    assert torch.allclose(got.float(), want, rtol=1e-6)
+    assert (got < plain).any() and (got == plain).any() and not torch.equal(got, plain / 8)  # all three regimes
+    lin = config_from_hf({**d, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert torch.allclose(rope_inv_freq(lin), plain / 2)
+    with pytest.raises(SailorError, match="rope_scaling .*dynamic.*to fix"):
+        config_from_hf({**d, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})

@@ -58,6 +58,13 @@ class TransformerConfig:
     rotary_pct: float = 1.0  # share of each head's dimensions that rotary positions turn (gpt-neox)
     parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (gpt-neox's default)
     position_offset: int = 0  # learned positions start at this row (OPT keeps 2 unused rows)
+    # rotary frequency scaling for contexts longer than trained: None, "linear" (frequencies / factor)
+    # or "llama3" (Llama 3.1's: low frequencies / factor, high kept, a smooth ramp between)
+    rope_scaling: str | None = None
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -80,6 +87,13 @@ class TransformerConfig:
             bad(f"rotary_pct must be in (0, 1], got {self.rotary_pct}")
         if self.rotary and self.rotary_dims % 2:
             bad(f"rotary positions need an even number of rotated dimensions, got {self.rotary_dims}")
+        if self.rope_scaling not in (None, "linear", "llama3") or (self.rope_scaling and not self.rotary):
+            bad(f"rope_scaling must be linear or llama3 on a rotary model, got {self.rope_scaling!r}")
+        if self.rope_scaling and self.rope_factor <= 0:
+            bad(f"rope_factor must be > 0, got {self.rope_factor}")
+        if self.rope_scaling == "llama3" and (self.rope_original_max_positions < 1
+                                              or self.rope_high_freq_factor <= self.rope_low_freq_factor):
+            bad("llama3 rope scaling needs original_max_position_embeddings >= 1 and high_freq_factor > low_freq_factor")
         if self.parallel_residual and self.variant != "gpt-neox":
             bad("parallel_residual is a gpt-neox option")
         if self.position_offset < 0 or (self.position_offset and not self.learned_positions):

@@ -4,10 +4,12 @@ Contract:
 - `config_from_hf(d, name=None)` maps a config.json dict of the Llama (`model_type` "llama",
   grouped-query attention via `num_key_value_heads`, RoPE), GPT-NeoX ("gpt_neox": partial rotary,
   parallel residual) or OPT ("opt": pre-norm, learned positions with OPT's offset of 2, tied head)
-  family onto a `TransformerConfig`. The sequence length is `max_position_embeddings` unless
-  `sequence_length` is given. Anything the runtime would build differently (rope scaling, biases
-  Llama does not have, OPT-350m's post-norm or projected embeddings, other activations) is refused
-  with what was wrong and how to fix it, never silently approximated.
+  family onto a `TransformerConfig`; rotary models may carry `rope_scaling` of type "linear" or
+  "llama3" (Llama 3.1 and later). The sequence length is `max_position_embeddings` unless
+  `sequence_length` is given. Anything the runtime would build differently (other rope scalings
+  such as dynamic or yarn, biases Llama does not have, OPT-350m's post-norm or projected
+  embeddings, other activations) is refused with what was wrong and how to fix it, never silently
+  approximated.
 - The model's name is `name`, else the config's `_name_or_path` (last path part), else
   `<model_type>-<8 hex digits of the config's content>`: one name per architecture, because the
   profile store keys profiles by it.
@@ -60,6 +62,35 @@ def default_name(d: dict[str, Any]) -> str:
     return f"{d.get('model_type', 'model')}-{hashlib.sha256(canon.encode()).hexdigest()[:8]}"
 
 
+def _rope_scaling(d: dict[str, Any]) -> dict[str, Any]:
+    rs = d.get("rope_scaling")
+    if rs is None:
+        return {}
+    kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
+    if kind not in ("linear", "llama3"):
+        raise _bad(f"rope_scaling {rs!r} is not supported (supported: linear, llama3)",
+                   "use a model without rope scaling or with linear / llama3 scaling")
+    out: dict[str, Any] = {"rope_scaling": kind, "rope_factor": float(rs.get("factor", 1.0))}
+    if kind == "llama3":
+        try:
+            out.update(rope_low_freq_factor=float(rs["low_freq_factor"]),
+                       rope_high_freq_factor=float(rs["high_freq_factor"]),
+                       rope_original_max_positions=int(rs["original_max_position_embeddings"]))
+        except KeyError as e:
+            raise _bad(f"llama3 rope_scaling has no {e.args[0]}", "use the config.json the model was published with") from None
+    return out
+
+
+def _rope_scaling_json(cfg: TransformerConfig) -> dict[str, Any] | None:
+    if cfg.rope_scaling is None:
+        return None
+    out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_positions)
+    return out
+
+
 def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: int | None = None) -> TransformerConfig:
     model_type = d.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -79,18 +110,16 @@ def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: 
         _require(d, "hidden_act", ("silu",), "silu")
         _require(d, "attention_bias", (False,), False)
         _require(d, "mlp_bias", (False,), False)
-        _require(d, "rope_scaling", (None,), None)
         return TransformerConfig(
-            **common, ffn_hidden_size=_int(d, "intermediate_size"),
+            **common, **_rope_scaling(d), ffn_hidden_size=_int(d, "intermediate_size"),
             num_kv_heads=int(d.get("num_key_value_heads") or nh), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(d.get("rope_theta", 10000.0)), tied_head=bool(d.get("tie_word_embeddings", False)),
         )
     if model_type == "gpt_neox":
         _require(d, "hidden_act", ("gelu",), "gelu")
         _require(d, "attention_bias", (True,), True)
-        _require(d, "rope_scaling", (None,), None)
         return TransformerConfig(
-            **common, ffn_hidden_size=_int(d, "intermediate_size"), norm_eps=float(d.get("layer_norm_eps", 1e-5)),
+            **common, **_rope_scaling(d), ffn_hidden_size=_int(d, "intermediate_size"), norm_eps=float(d.get("layer_norm_eps", 1e-5)),
             rope_theta=float(d.get("rotary_emb_base", d.get("rope_theta", 10000.0))),
             rotary_pct=float(d.get("rotary_pct", d.get("partial_rotary_factor", 0.25))),
             parallel_residual=bool(d.get("use_parallel_residual", True)),
@@ -124,12 +153,13 @@ def hf_config_of(cfg: TransformerConfig) -> dict[str, Any]:
         return {**base, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
                 "intermediate_size": cfg.ffn_hidden_size, "num_key_value_heads": cfg.kv_heads,
                 "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-                "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
+                "attention_bias": False, "mlp_bias": False, "rope_scaling": _rope_scaling_json(cfg)}
     if cfg.variant == "gpt-neox":
         return {**base, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
                 "intermediate_size": cfg.ffn_hidden_size, "layer_norm_eps": cfg.norm_eps,
                 "rotary_emb_base": cfg.rope_theta, "rotary_pct": cfg.rotary_pct,
-                "use_parallel_residual": cfg.parallel_residual, "hidden_act": "gelu"}
+                "use_parallel_residual": cfg.parallel_residual, "hidden_act": "gelu",
+                "rope_scaling": _rope_scaling_json(cfg)}
     if cfg.variant == "opt" and cfg.position_offset == OPT_POSITION_OFFSET:
         return {**base, "model_type": "opt", "architectures": ["OPTForCausalLM"], "ffn_dim": cfg.ffn_hidden_size,
                 "do_layer_norm_before": True, "word_embed_proj_dim": cfg.hidden_size,

@@ -27,6 +27,7 @@ Activations kept for backward match config.layer_activation_bytes (the profiler 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -85,8 +86,7 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.qkv_size, tp, bias=cfg.bias)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, bias=cfg.bias)
         if cfg.rotary:
-            hd = cfg.rotary_dims
-            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+            inv = rope_inv_freq(cfg)
             ang = torch.outer(torch.arange(cfg.sequence_length, dtype=torch.float64), inv)
             ang = torch.cat([ang, ang], dim=-1)
             self.register_buffer("cos", ang.cos().float(), persistent=False)
@@ -115,6 +115,24 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(o.transpose(1, 2).reshape(b, s, self.local_heads * self.cfg.head_dim))
+
+
+def rope_inv_freq(cfg: TransformerConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (float64), with the config's scaling (Hugging Face's rope_init_fn)."""
+    hd = cfg.rotary_dims
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if cfg.rope_scaling == "linear":
+        return inv / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        old = cfg.rope_original_max_positions
+        low_wavelen, high_wavelen = old / cfg.rope_low_freq_factor, old / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+        smooth = (old / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
 
 
 class MLP(nn.Module):
