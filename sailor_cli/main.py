@@ -41,6 +41,7 @@ _COMMANDS: list[tuple[str, str, str | None]] = [
     ("runs", "app", "runs"),
     ("infra", "app", "infra"),
     ("demo", "demo", None),
+    ("replay", "replay", None),
     ("data", "app", "data"),
 ]
 

@@ -1,0 +1,284 @@
+"""`sailor replay`: a whole training job replayed over a trace of availability and prices, per policy.
+
+Contract: reads the trace (ours: JSON or a changes CSV, incl. a price history exported from the
+store; the Sailor artifact's `gpu_trace_*.csv` and `trace_based/*.json`; or `synthetic`, generated
+from --synthetic-* options), the model's ProfileBook (the same loader as `sailor plan`), builds a
+`ReplayJob` and runs `sailor_core.replay` for one policy or all of them (`--policy all`, the
+default, on one shared memoised planner). Prints a side-by-side table and, when both ran, how
+Sailor's policy compares with relaunch-same (time and cost ratios), or one JSON object with
+--json; `--timeline-png` plots progress, spend and GPUs rented over time. Exit 0 when the replay
+ran (a policy that never reached the budget is an answer, marked unfinished); user errors are one
+line (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from sailor_core.domain import Market, SailorError, ValidationError
+from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
+from sailor_core.profiles import ProfileBook
+from sailor_core.replay import (
+    DEFAULT_GRACE_S,
+    DEFAULT_PERIOD_S,
+    POLICIES,
+    Planner,
+    ReplayJob,
+    ReplayResult,
+    SyntheticSpec,
+    Trace,
+    TraceError,
+    compare,
+    parse_artifact_csv,
+    parse_artifact_json,
+    parse_changes_csv,
+    parse_sailor_trace,
+    policy_named,
+    synthetic_trace,
+    trace_to_json,
+)
+from sailor_core.replay import (
+    replay as run_replay,
+)
+
+# The replay's default search: the planner's, narrowed (one stage count past the best, no mixed
+# pipeline groups, 4 plans re-scored, uniform/balanced partitions beyond 8) so a 2,048-GPU pool
+# plans in a fraction of a second; `--search full` is the flow's own search.
+FAST_SEARCH = dict(patience=1, mixed_pipelines=0, rescore_top=4, exhaustive_partitions_up_to=8)
+
+
+def replay(
+    trace: Annotated[str, typer.Option("--trace", help="trace file (docs/replay.md), or 'synthetic'")],
+    model: Annotated[str, typer.Option("--model", help="model name, e.g. OPT-350")],
+    global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="sequences per iteration")],
+    steps: Annotated[int | None, typer.Option("--steps", help="steps to train")] = None,
+    token_budget: Annotated[int | None, typer.Option("--token-budget", help="tokens to train (instead of --steps)")] = None,
+    policy: Annotated[str, typer.Option("--policy", help=f"{' | '.join(POLICIES)} | all")] = "all",
+    objective: Annotated[str, typer.Option("--objective", help="max-throughput | min-cost | min-cost-per-token")] = "max-throughput",
+    max_usd_per_iteration: Annotated[float | None, typer.Option("--max-usd-per-iteration")] = None,
+    max_usd_per_hour: Annotated[float | None, typer.Option("--max-usd-per-hour")] = None,
+    min_iterations_per_s: Annotated[float | None, typer.Option("--min-iterations-per-s")] = None,
+    markets: Annotated[list[str] | None, typer.Option("--market", help="only these markets: spot, on-demand")] = None,
+    max_gpus: Annotated[int | None, typer.Option("--max-gpus", help="use at most this many GPUs")] = None,
+    max_stages: Annotated[int | None, typer.Option("--max-stages", help="most pipeline stages per plan")] = None,
+    search: Annotated[str, typer.Option("--search", help="fast (default) | full: the flow's own planner search")] = "fast",
+    checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="steps between checkpoints")] = 100,
+    reconfiguration_s: Annotated[float | None, typer.Option("--reconfiguration-s", help="seconds from a decision to training on the new plan (default: the store's measured mean, else 15)")] = None,
+    grace_s: Annotated[float, typer.Option("--grace-s", help="seconds between a preemption notice and the VM's stop")] = DEFAULT_GRACE_S,
+    no_checkpoint_on_notice: Annotated[bool, typer.Option("--no-checkpoint-on-notice", help="the runtime writes no checkpoint on a notice: steps since the last one are redone")] = False,
+    min_gain: Annotated[float, typer.Option("--min-gain", help="a switch must save more than this (s or USD)")] = 0.0,
+    period_s: Annotated[float, typer.Option("--period-s", help="the periodic policy's interval")] = DEFAULT_PERIOD_S,
+    trace_zone: Annotated[str, typer.Option("--trace-zone", help="artifact JSON traces: their zone")] = "us-central1-a",
+    trace_gpu_type: Annotated[str, typer.Option("--trace-gpu-type", help="artifact JSON traces: their GPU type")] = "A100-40",
+    trace_market: Annotated[str, typer.Option("--trace-market", help="artifact traces: their market")] = "on-demand",
+    trace_gpus: Annotated[int | None, typer.Option("--trace-gpus", help="price-only traces: GPUs each place offers")] = None,
+    price: Annotated[float | None, typer.Option("--price", help="artifact traces: USD per GPU-hour (default: the store's)")] = None,
+    synthetic_gpus: Annotated[int, typer.Option("--synthetic-gpus", help="synthetic trace: GPUs at full availability")] = 2048,
+    synthetic_days: Annotated[float, typer.Option("--synthetic-days", help="synthetic trace: days")] = 14.0,
+    synthetic_seed: Annotated[int, typer.Option("--synthetic-seed", help="synthetic trace: random seed")] = 0,
+    save_trace: Annotated[str | None, typer.Option("--save-trace", help="write the trace replayed (our JSON format)")] = None,
+    store: Annotated[str | None, typer.Option("--store", help="profile store URI (default: the embedded store)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    timeline_png: Annotated[str | None, typer.Option("--timeline-png", help="plot the replay's timeline to this PNG")] = None,
+) -> None:
+    """Replay a training job over a trace of GPU availability and prices, and compare reaction policies."""
+    from sailor_cli.simulate import load_book
+
+    if (steps is None) == (token_budget is None):
+        raise SailorError("give exactly one of --steps and --token-budget; to fix: add one of them")
+    if search not in ("fast", "full"):
+        raise SailorError(f"unknown --search {search!r}; to fix: use fast or full")
+    names = list(POLICIES) if policy == "all" else [policy]
+    policy_named(names[0])  # an unknown name fails before anything is loaded
+    book = load_book(model, store)
+    if book.model.name != model:
+        raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")
+    tr = _load_trace(trace, book, zone=trace_zone, gpu_type=trace_gpu_type, market=trace_market, gpus=trace_gpus,
+                     price=price, spec=SyntheticSpec(total_gpus=synthetic_gpus, days=synthetic_days, seed=synthetic_seed))
+    unknown = sorted({p.gpu_type for p in tr.places if not book.profiled_points(p.gpu_type)})
+    if unknown:
+        raise SailorError(f"the trace offers {', '.join(unknown)}, which the store has no {model} profile for; "
+                          f"to fix: profile them (sailor profile model) or drop those columns")
+    if save_trace:
+        Path(save_trace).write_text(json.dumps(trace_to_json(tr)))
+    seq = book.model.sequence_length
+    total = steps if steps is not None else max(1, math.ceil((token_budget or 0) / (global_batch_size * seq)))
+    reconf, reconf_src = _reconfiguration(reconfiguration_s, store)
+    opts: dict[str, Any] = dict(FAST_SEARCH) if search == "fast" else {}
+    if max_stages:
+        opts["max_stages"] = max_stages
+    try:
+        job = ReplayJob(
+            model=model, global_batch_size=global_batch_size, total_steps=total, tokens_per_step=global_batch_size * seq,
+            objective=Objective.parse(objective).value,
+            constraints=Constraints(max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
+                                    min_iterations_per_s=min_iterations_per_s),
+            restrictions=Restrictions(markets=tuple(Market.parse(m) for m in _split(markets)), max_gpus=max_gpus),
+            search=SearchOptions(**opts), checkpoint_interval=checkpoint_interval, reconfiguration_s=reconf,
+            grace_s=grace_s, checkpoint_on_notice=not no_checkpoint_on_notice, min_gain=min_gain, period_s=period_s,
+        )
+    except ValidationError as e:
+        raise SailorError(f"{e}; to fix: correct that option") from None
+    if len(names) > 1:
+        results = compare(tr, book, job, names)
+    else:
+        results = [run_replay(tr, book, job, policy_named(names[0]), name=names[0], planner=Planner(book, job),
+                              period_s=job.period_s if names[0] == "periodic" else None)]
+    doc = _to_json(tr, job, results, reconf_src, search)
+    if timeline_png:
+        _plot(results, tr, timeline_png)
+    if as_json:
+        typer.echo(json.dumps(doc))
+    else:
+        _print(doc, timeline_png)
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [x.strip() for v in values or [] for x in v.split(",") if x.strip()]
+
+
+def _load_trace(path: str, book: ProfileBook, *, zone: str, gpu_type: str, market: str, gpus: int | None,
+                price: float | None, spec: SyntheticSpec) -> Trace:
+    def gpn(g: str) -> int:
+        known = book.gpu_types.get(g)
+        return known.gpus_per_node if known else 1
+
+    def prices(z: str, g: str, m: Market) -> float | None:
+        return price if price is not None else book.price_usd_per_gpu_hour(z, g, m)
+
+    if path == "synthetic":
+        return synthetic_trace(spec, prices, gpn)
+    p = Path(path)
+    if not p.is_file():
+        raise SailorError(f"trace {path} does not exist; to fix: check the path, or use --trace synthetic")
+    text = p.read_text()
+    mk = Market.parse(market)
+    try:
+        if p.suffix == ".json":
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path} is not valid JSON ({e}); to fix: see the trace formats in docs/replay.md") from None
+            if isinstance(data, list):
+                return parse_artifact_json(data, zone=zone, gpu_type=gpu_type, market=mk, gpus_per_node=gpn(gpu_type),
+                                           prices=prices, source=p.name)
+            return parse_sailor_trace(data, source=p.name)
+        head = text.splitlines()[0] if text else ""
+        if "Timestamp" in head.split(","):
+            return parse_artifact_csv(text, market=mk, gpus_per_node=gpn, prices=prices, source=p.name)
+        return parse_changes_csv(text, gpus_per_node=gpn, default_count=gpus, source=p.name)
+    except ValidationError as e:
+        raise TraceError(f"{path}: {e}; to fix: see the trace formats in docs/replay.md") from None
+
+
+def _reconfiguration(given: float | None, store: str | None) -> tuple[float, str]:
+    from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S, reconfiguration_from_history
+
+    if given is not None:
+        return given, "--reconfiguration-s"
+    try:
+        from profiles_store.store import open_store
+
+        rows = open_store(store).read_history("measurements", kind="reconfiguration")
+        measured = reconfiguration_from_history(float(r.payload["reconfiguration_s"]) for r in rows
+                                                if "reconfiguration_s" in r.payload)
+    except Exception:  # noqa: BLE001 - no store or no history: the documented default
+        measured = None
+    if measured is None:
+        return DEFAULT_RECONFIGURATION_S, "default (the flow's estimate; the store has no measurement)"
+    return measured, f"the store's measured mean over {len(rows)} reconfiguration(s)"
+
+
+def ratios(results: list[ReplayResult]) -> dict[str, Any] | None:
+    by = {r.policy: r for r in results}
+    s, b = by.get("sailor"), by.get("relaunch-same")
+    if s is None or b is None or not s.finished:
+        return None
+    out: dict[str, Any] = {"baseline": "relaunch-same", "baseline_finished": b.finished}
+    # An unfinished baseline has not reached the budget: its time and spend so far are lower bounds.
+    out["time_ratio"] = s.time_to_train_s / b.time_to_train_s if b.time_to_train_s else None
+    out["cost_ratio"] = s.usd / b.usd if b.usd else None
+    out["sooner"] = (not b.finished) or s.time_to_train_s < b.time_to_train_s
+    out["cheaper"] = b.finished and s.usd < b.usd
+    return out
+
+
+def _to_json(tr: Trace, job: ReplayJob, results: list[ReplayResult], reconf_src: str, search: str) -> dict[str, Any]:
+    return {
+        "trace": {"name": tr.name, "places": len(tr.places), "points": len(tr.points),
+                  "duration_h": round(tr.duration_s / 3600, 3), "max_gpus": tr.max_gpus},
+        "job": {"model": job.model, "global_batch_size": job.global_batch_size, "total_steps": job.total_steps,
+                "tokens": job.total_steps * job.tokens_per_step, "objective": job.objective,
+                "checkpoint_interval": job.checkpoint_interval, "reconfiguration_s": job.reconfiguration_s,
+                "reconfiguration_source": reconf_src, "grace_s": job.grace_s,
+                "checkpoint_on_notice": job.checkpoint_on_notice, "period_s": job.period_s, "search": search},
+        "results": [r.to_json(detail=True) for r in results],
+        "sailor_vs_relaunch_same": ratios(results),
+    }
+
+
+def _print(doc: dict[str, Any], png: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=None if sys.stdout.isatty() else 160)
+    t, j = doc["trace"], doc["job"]
+    con.print(f"trace: {t['name']}: {t['places']} places, {t['points']} changes over {t['duration_h']:.1f} h, "
+              f"up to {t['max_gpus']} GPUs")
+    con.print(f"job: {j['model']}, batch {j['global_batch_size']}, {j['total_steps']} steps ({j['tokens']:.3g} tokens), "
+              f"{j['objective']}; checkpoint every {j['checkpoint_interval']} steps, reconfiguration "
+              f"{j['reconfiguration_s']:.1f} s ({j['reconfiguration_source']}), grace {j['grace_s']:g} s")
+    tab = Table(title="replay per policy (simulated)")
+    for h in ("policy", "done", "time to train (h)", "USD", "goodput (steps/s)", "GPU-h wasted", "redone steps",
+              "reconfig (s)", "waiting (h)", "switches", "planner calls", "replay (s)"):
+        tab.add_column(h)
+    for r in doc["results"]:
+        tab.add_row(r["policy"], "yes" if r["finished"] else f"no ({r['steps_done']:.0f} steps)",
+                    f"{r['time_to_train_h']:.2f}", f"{r['usd']:.2f}", f"{r['goodput_steps_per_s']:.4g}",
+                    f"{r['gpu_hours_wasted']:.2f}", f"{r['redone_steps']:.0f}", f"{r['reconfiguration_s']:.0f}",
+                    f"{r['waiting_s'] / 3600:.2f}", str(r["switches"]),
+                    f"{r['planner_calls']} (+{r['planner_hits']} memo)", f"{r['wall_s']:.2f}")
+    con.print(tab)
+    rt = doc["sailor_vs_relaunch_same"]
+    if rt:
+        unfinished = "" if rt["baseline_finished"] else " (relaunch-same did not finish: its figures are lower bounds)"
+        con.print(f"sailor vs relaunch-same: time x{rt['time_ratio']:.3f}, cost x{rt['cost_ratio']:.3f}{unfinished}")
+    if png:
+        con.print(f"timeline plot: {png}")
+
+
+def _plot(results: list[ReplayResult], tr: Trace, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    for r in results:
+        hs = [p[0] / 3600 for p in r.progress]
+        axes[0].plot(hs, [p[1] for p in r.progress], label=r.policy)
+        axes[1].plot(hs, [p[2] for p in r.progress], label=r.policy)
+        xs, ys = [], []
+        for sg in r.segments:
+            xs += [sg.start_s / 3600, sg.end_s / 3600]
+            ys += [sg.gpus if sg.state == "train" else 0] * 2
+        axes[2].plot(xs, ys, label=r.policy, linewidth=1)
+    axes[0].set_ylabel("steps done")
+    axes[1].set_ylabel("USD spent")
+    axes[2].set_ylabel("GPUs training")
+    axes[2].set_xlabel("hours since start")
+    avail = [(pt.at_s / 3600, sum(pt.counts)) for pt in tr.points]
+    ax2 = axes[2].twinx()
+    ax2.step([a for a, _ in avail], [b for _, b in avail], where="post", color="grey", alpha=0.4)
+    ax2.set_ylabel("GPUs available", color="grey")
+    axes[0].legend(loc="lower right")
+    axes[0].set_title(f"replay: {tr.name}"[:100], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""Is a new plan worth the switch? Pure arithmetic over the remaining work; no I/O, no Prefect.
+
+Used by the replan subflow (through tasks.decisions) and by the trace replay (sailor_core.replay),
+so a replayed job decides exactly as a live run does.
+
+Contract: `decide_switch(...)` compares finishing the remaining steps on the current plan with
+reconfiguring to the candidate and finishing there, under the run's objective, and returns a
+`SwitchDecision` with the numbers and a one-line reason a person can read in the run history.
+
+    stay:    time = R * t_cur                          cost = R * c_cur
+    switch:  time = T_reconf + (R + L) * t_new         cost = T_reconf * h_new / 3600 + (R + L) * c_new
+
+R remaining steps, L steps lost since the last checkpoint (redone under the new plan), t the
+(calibrated) iteration time in s, c the USD per iteration, h the USD per hour of the new plan's
+VMs (billed while they start up), T_reconf the reconfiguration time (measured in this run when it
+has reconfigured before, else the caller's estimate). Under max-throughput the gain is seconds
+saved; under the cost objectives it is dollars saved. A switch happens when gain > min_gain.
+A current plan that cannot go on (workers lost) or now breaks a limit is always left, if the
+candidate can run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanCost:
+    iteration_time_s: float
+    usd_per_iteration: float
+    usd_per_hour: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwitchDecision:
+    switch: bool
+    forced: bool
+    reason: str
+    gain: float
+    gain_unit: str
+    stay_time_s: float
+    stay_usd: float
+    switch_time_s: float
+    switch_usd: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decide_switch(
+    *,
+    objective: str,
+    current: PlanCost | None,
+    candidate: PlanCost,
+    remaining_steps: int,
+    lost_steps: int,
+    reconfiguration_s: float,
+    min_gain: float = 0.0,
+    current_broken: str = "",
+    same_plan: bool = False,
+) -> SwitchDecision:
+    """`current` None or `current_broken` non-empty: the current plan cannot continue (or breaks a limit)."""
+    r = max(0, remaining_steps)
+    sw_time = reconfiguration_s + (r + lost_steps) * candidate.iteration_time_s
+    sw_usd = reconfiguration_s * candidate.usd_per_hour / 3600.0 + (r + lost_steps) * candidate.usd_per_iteration
+    unit = "s" if objective == "max-throughput" else "USD"
+    if current is None or current_broken:
+        why = current_broken or "the current plan cannot continue"
+        return SwitchDecision(switch=True, forced=True, reason=f"{why}; adopting the new plan",
+                              gain=float("inf"), gain_unit=unit, stay_time_s=float("inf"), stay_usd=float("inf"),
+                              switch_time_s=sw_time, switch_usd=sw_usd)
+    st_time = r * current.iteration_time_s
+    st_usd = r * current.usd_per_iteration
+    if same_plan:
+        return SwitchDecision(switch=False, forced=False, reason="the best plan is the current plan", gain=0.0,
+                              gain_unit=unit, stay_time_s=st_time, stay_usd=st_usd, switch_time_s=sw_time,
+                              switch_usd=sw_usd)
+    gain = st_time - sw_time if unit == "s" else st_usd - sw_usd
+    if unit == "s":
+        numbers = (f"{r} steps left: stay {st_time:.1f}s, switch {sw_time:.1f}s "
+                   f"(incl. {reconfiguration_s:.1f}s reconfiguration, {lost_steps} steps redone)")
+        fmt = f"{gain:+.1f}s"
+    else:
+        numbers = (f"{r} steps left: stay {st_usd:.6f} USD, switch {sw_usd:.6f} USD "
+                   f"(incl. {reconfiguration_s:.1f}s reconfiguration, {lost_steps} steps redone)")
+        fmt = f"{gain:+.6f} USD"
+    switch = gain > min_gain
+    verdict = "switch pays" if switch else "not worth the switch"
+    return SwitchDecision(switch=switch, forced=False, reason=f"{verdict}: gain {fmt} (threshold {min_gain:g}); {numbers}",
+                          gain=gain, gain_unit=unit, stay_time_s=st_time, stay_usd=st_usd, switch_time_s=sw_time,
+                          switch_usd=sw_usd)

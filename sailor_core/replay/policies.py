@@ -1,0 +1,165 @@
+"""Reaction policies: what a job does when availability or prices change. Each is a small pure
+function of the `View` the engine shows it, returning an `Action` (stay, switch to a plan, wait).
+
+- `sailor`: the flow's own loop. At every change it re-plans against what can be rented now and
+  switches when `decide_switch` (the very function the replan subflow calls) says the gain over the
+  remaining work pays for the reconfiguration and the steps redone; a plan that lost GPUs is
+  always left for the best feasible one.
+- `relaunch_same`: what SkyPilot managed jobs do. Keep the first plan's shape (the same GPU types
+  and counts, the same stages); when it loses GPUs, relaunch that shape wherever it fits now, each
+  group of GPUs on the cheapest (zone, market) with room for it; if it fits nowhere, wait. Prices
+  are never a reason to move.
+- `static`: the first plan, on its own GPUs; when they go, wait until they are all back.
+- `periodic`: the deployment's cost-aware rerun. Between scheduled runs (every `period_s`) nothing
+  is re-planned and a plan that lost GPUs waits; at each scheduled run it re-plans and switches as
+  `sailor` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from sailor_core.decisions import decide_switch
+from sailor_core.domain import Market, ParallelPlan, ResourcePool, SailorError
+from sailor_core.profiles import MissingProfileError
+from sailor_core.replay.engine import Action, Policy, View, counts_of, missing_gpus
+
+POLICIES = ("sailor", "relaunch-same", "static", "periodic")
+
+
+def _first(v: View) -> Action:
+    cand = v.planner.best(v.pool)
+    if cand is None:
+        return Action(kind="wait", reason="no feasible plan with the GPUs available now")
+    return Action(kind="switch", plan=cand.plan, reason="best plan for the request")
+
+
+def sailor(v: View) -> Action:
+    cand = v.planner.best(v.pool)
+    if cand is None:
+        if v.current is None or v.lost:
+            return Action(kind="wait", reason="no feasible plan with the GPUs available now; waiting")
+        return Action(kind="stay", reason="no feasible plan with current offerings; staying on the current plan")
+    if v.initial is None:
+        return Action(kind="switch", plan=cand.plan, reason="best plan for the request")
+    unusable = v.current is None or v.lost
+    d = decide_switch(
+        objective=v.job.objective, current=None if unusable else v.current_cost, candidate=cand.cost,
+        remaining_steps=v.remaining_steps, lost_steps=v.lost_steps, reconfiguration_s=v.job.reconfiguration_s,
+        min_gain=v.job.min_gain, current_broken=v.broken if v.current is not None else "nothing rented",
+        same_plan=(cand.plan == v.current) and not unusable,
+    )
+    return Action(kind="switch" if d.switch else "stay", plan=cand.plan if d.switch else None, reason=d.reason,
+                  decision=d)
+
+
+def relocate(plan: ParallelPlan, pool: ResourcePool, markets: tuple[Market, ...] = (),
+             usable: Callable[[ParallelPlan], bool] = lambda p: True) -> ParallelPlan | None:
+    """The same plan moved to where it fits now, cheapest first; None if it fits nowhere.
+
+    SkyPilot relaunches a job's cluster in one zone: the whole plan moves to the cheapest zone that
+    has room for all of its GPUs (its own zone first at equal price); a plan that spanned zones
+    and fits in no single one keeps its zones' grouping, each group moved greedily to the
+    cheapest zone with room. Inside a zone each replica takes the cheapest market with room for
+    its TP group. `usable` rejects a move the simulator cannot price (no network profile there).
+    """
+    free0 = counts_of(pool)
+    price = {(e.zone, e.gpu_type, e.market): e.usd_per_gpu_hour for e in pool.entries}
+    region = {e.zone: e.region for e in pool.entries}
+    zones = sorted({e.zone for e in pool.entries})
+    own = sorted({r.zone for st in plan.stages for r in st.replicas})
+
+    def place(reps_by_zone: dict[str, str]) -> ParallelPlan | None:
+        free = dict(free0)
+        stages = []
+        for st in plan.stages:
+            reps = []
+            for r in st.replicas:
+                z = reps_by_zone[r.zone]
+                opts = sorted((price[k], k[2] != r.market, k[2].value, k) for k, c in free.items()
+                              if k[0] == z and k[1] == r.gpu_type and c >= r.tp and (not markets or k[2] in markets))
+                if not opts:
+                    return None
+                k = opts[0][3]
+                free[k] -= r.tp
+                reps.append(replace(r, zone=z, market=k[2], region=region.get(z, r.region)))
+            stages.append(replace(st, replicas=tuple(reps)))
+        return replace(plan, stages=tuple(stages))
+
+    tried = []
+    for z in zones:
+        moved = place({o: z for o in own})
+        if moved is not None:
+            tried.append((_hourly(moved, price), z not in own, z, moved))
+    if len(own) > 1:
+        mapping: dict[str, str] = {}
+        for o in own:
+            for z in sorted(zones, key=lambda z: (z != o, z)):
+                trial = place({**mapping, o: z, **{x: x for x in own if x not in mapping and x != o}})
+                if trial is not None:
+                    mapping[o] = z
+                    break
+        spread = place({o: mapping.get(o, o) for o in own})
+        if spread is not None:
+            tried.append((_hourly(spread, price), True, "~", spread))
+    for _, _, _, cand in sorted(tried, key=lambda t: t[:3]):
+        if cand == plan or usable(cand):
+            return cand
+    return None
+
+
+def _hourly(plan: ParallelPlan, price: dict[tuple[str, str, Market], float]) -> float:
+    return sum(n * price.get(k, 0.0) for k, n in plan.gpus_by_place().items())
+
+
+def _priceable(v: View) -> Callable[[ParallelPlan], bool]:
+    def ok(plan: ParallelPlan) -> bool:
+        try:
+            v.planner.cost(plan, v.pool)
+        except MissingProfileError:
+            return False
+        return True
+    return ok
+
+
+def relaunch_same(v: View) -> Action:
+    if v.initial is None:
+        return _first(v)
+    if v.current is not None and not v.lost:
+        return Action(kind="stay", reason="the plan still has its GPUs")
+    moved = relocate(v.initial, v.pool, v.job.restrictions.markets, _priceable(v))
+    if moved is None:
+        return Action(kind="wait", reason=f"the first plan's {v.initial.num_gpus} GPUs fit nowhere now; waiting")
+    where = ", ".join(sorted(f"{n}x {g} {m.value} @{z}" for (z, g, m), n in moved.gpus_by_place().items()))
+    return Action(kind="switch", plan=moved, reason=f"relaunched the same shape on {where}")
+
+
+def static(v: View) -> Action:
+    if v.initial is None:
+        return _first(v)
+    if v.current is not None and not v.lost:
+        return Action(kind="stay", reason="the plan still has its GPUs")
+    if missing_gpus(v.initial, v.pool):
+        return Action(kind="wait", reason="waiting for the first plan's GPUs to come back")
+    return Action(kind="switch", plan=v.initial, reason="the first plan's GPUs are back")
+
+
+def periodic(v: View) -> Action:
+    if v.initial is None:
+        return _first(v)
+    if "tick" in v.trigger:
+        return sailor(v)
+    if v.current is None or v.lost:
+        return Action(kind="wait", reason="GPUs lost; waiting for the next scheduled run")
+    return Action(kind="stay", reason="changes wait for the next scheduled run")
+
+
+def policy_named(name: str) -> Policy:
+    table: dict[str, Policy] = {"sailor": sailor, "relaunch-same": relaunch_same, "static": static,
+                                "periodic": periodic}
+    try:
+        return table[name]
+    except KeyError:
+        raise SailorError(f"unknown policy {name!r}; to fix: use one of {', '.join(POLICIES)} or all") from None
+
