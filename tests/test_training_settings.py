@@ -106,3 +106,28 @@ def test_schedule_clipping_and_recompute_under_pp_tp_match_one_process(tmp_path)
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * b["grad_norm"]
     assert one[-1]["loss"] < one[0]["loss"]
+
+
+def test_sailor_simulate_recompute_on_a_published_plan(capsys):
+    from sailor_cli.main import main
+    from tests.conftest import REFERENCE_DATA
+
+    runs = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
+    plans = sorted(runs.glob("**/plan_config_N4_D1.json"))
+    if not plans:
+        pytest.skip("published reference data not present")
+    args = ["simulate", str(plans[0]), "--format", "eth-easl", "--model", "OPT-350"]
+    out = {}
+    for rc in ("none", "all"):
+        assert main([*args, "--recompute", rc, "--json"]) == 0
+        out[rc] = json.loads(capsys.readouterr().out)
+    assert out["none"]["recompute_stages"] == [] and out["all"]["recompute_stages"] == list(range(len(
+        {r["stage"] for r in out["all"]["per_stage"]})))
+    for a, b in zip(out["none"]["per_stage"], out["all"]["per_stage"], strict=True):
+        assert b["memory"]["activations_bytes"] < a["memory"]["activations_bytes"]
+        assert b["backward_s"] > a["backward_s"] and b["forward_s"] == a["forward_s"]
+    assert out["all"]["iteration_time_s"] > out["none"]["iteration_time_s"]
+    assert main([*args, "--recompute", "0"]) == 0
+    assert "0 (recompute)" in capsys.readouterr().out
+    assert main([*args, "--recompute", "9"]) == 2
+    assert "to fix" in capsys.readouterr().err
