@@ -77,18 +77,197 @@ def _has_local_link(book: ProfileBook) -> bool:
         book.intra_node_link(LOCAL_GPU, 2) is not None
 
 
+def _cheapest(offers: Sequence[Any], **match: Any) -> Any | None:
+    fits = [o for o in offers if o.count > 0 and all(getattr(o, k) == v for k, v in match.items())]
+    return min(fits, key=lambda o: (o.usd_per_gpu_hour * o.gpus_per_node, o.zone)) if fits else None
+
+
+def _known_types(store: Any, gpu_types: Sequence[str]) -> list[str]:
+    known = set(store.gpu_types())
+    return [g for g in gpu_types if g in known]
+
+
+def _missing(store: Any, model: str, gpu_types: Sequence[str], offers: Sequence[Any]) -> tuple[list[str], list[Any], list[Any]]:
+    """What planning over `offers` lacks: layer profiles (types), links (zone pairs), intra-node links (offers)."""
+    present = _known_types(store, gpu_types)
+    book = store.profile_book(model, present) if present else None
+    types = [g for g in gpu_types if book is None or g not in present or not book.profiled_points(g)]
+    ends = sorted({(o.zone, o.gpu_type) for o in offers if o.count > 0})
+    links = store.network_links()
+    have = {(lk.sender_zone, lk.sender_gpu, lk.receiver_zone, lk.receiver_gpu) for lk in links}
+    pairs: dict[tuple[str, str], list[tuple[tuple[str, str], tuple[str, str]]]] = {}
+    for i, a in enumerate(ends):
+        for b in ends[i:]:
+            if a == b and sum(o.count for o in offers if (o.zone, o.gpu_type) == a) < 2:
+                continue  # one VM of it at most: no two VMs of it ever talk
+            if (a[0], a[1], b[0], b[1]) not in have and (b[0], b[1], a[0], a[1]) not in have:
+                pairs.setdefault(tuple(sorted((a[0], b[0]))), []).append((a, b))  # type: ignore[arg-type]
+    intra = {(lk.gpu_type, lk.num_gpus) for lk in store.intra_node_links()}
+    multi = [o for o in offers if o.count > 0 and o.gpus_per_node >= 2 and (o.gpu_type, 2) not in intra]
+    multi = list({o.gpu_type: o for o in multi}.values())
+    return types, list(pairs.items()), multi
+
+
+@task(name="profile-on-vms", cache_policy=NO_CACHE)
+def profile_on_vms(store: Any, model: str, types: list[str], pairs: list[Any], multi: list[Any],
+                   offers: Sequence[Any], remote: Any) -> dict[str, Any]:
+    """Rent VMs, run the profilers there (layers per device type, links per zone pair, the node's
+    own link for multi-device VMs), import the results into the store, release the VMs."""
+    from profiles_store import open_store
+
+    log = get_run_logger()
+    measured: dict[str, Any] = {"layers": [], "links": [], "intra_node": []}
+    vms: dict[tuple[str, str], list[Any]] = {}
+    try:
+        def vm_of(zone: str, gpu: str | None, avoid: Sequence[Any] = ()) -> Any | None:
+            for (z, g), have in vms.items():
+                for v in have:
+                    if z == zone and (gpu is None or g == gpu) and v not in avoid:
+                        return v
+            o = _cheapest(offers, zone=zone, **({"gpu_type": gpu} if gpu else {}))
+            if o is None:
+                return None
+            try:
+                v = remote.rent(o)
+            except Exception as e:  # noqa: BLE001 - no capacity left there: measure what can be
+                log.info("cannot rent a %s VM in %s for profiling: %s", gpu or "any", zone, e)
+                return None
+            vms.setdefault((zone, o.gpu_type), []).append(v)
+            return v
+
+        jobs, where = [], {}
+        for g in types:
+            o = _cheapest(offers, gpu_type=g)
+            v = o and vm_of(o.zone, g)
+            if v is None:
+                raise MissingProfileError(f"no VM of {g} can be rented to profile {model} on it; to fix: allow a "
+                                          f"zone or market that offers {g}")
+            tps = ",".join(str(t) for t in (1, 2, 4, 8) if t <= max(v.gpus, 1))
+            jobs.append((v, ["profile", "model", "--model", model, "--device", _device(o), "--gpu-type", g,
+                             "--tp", tps, "--store", remote.store_uri("vm", f"layers-{g}")]))
+            where[v.vm_id] = ("layers", g, o.zone)
+        for o in multi:
+            v = vm_of(o.zone, o.gpu_type)
+            if v is None or v.gpus < 2:
+                continue
+            cmd = ["profile", "network", "--workers", "2", "--zone", o.zone, "--gpu-type", o.gpu_type,
+                   "--max-bytes", str(8 * 1024 * 1024), "--store", remote.store_uri("vm", f"node-{o.gpu_type}")]
+            if v.vm_id in where:  # one command per VM at a time: this one waits for the next round
+                continue
+            jobs.append((v, cmd))
+            where[v.vm_id] = ("node", o.gpu_type, o.zone)
+        _run_and_import(remote, jobs, where, store, model, measured, log, open_store)
+        # the node links a busy VM could not take in the first round
+        jobs, where = [], {}
+        for o in multi:
+            if o.gpu_type in measured["intra_node"]:
+                continue
+            v = vm_of(o.zone, o.gpu_type)
+            if v is None or v.gpus < 2:
+                continue
+            jobs.append((v, ["profile", "network", "--workers", "2", "--zone", o.zone, "--gpu-type", o.gpu_type,
+                             "--max-bytes", str(8 * 1024 * 1024), "--store", remote.store_uri("vm", f"node-{o.gpu_type}")]))
+            where[v.vm_id] = ("node", o.gpu_type, o.zone)
+        _run_and_import(remote, jobs, where, store, model, measured, log, open_store)
+        for (za, zb), combos in pairs:  # one zone pair at a time: links measured alone
+            a = vm_of(za, None)
+            b = vm_of(zb, None, avoid=[a])
+            if a is None or b is None:
+                log.info("cannot measure %s <-> %s: no two VMs there", za, zb)
+                continue
+            key = f"links/{za}/{zb}"
+            name = f"link-{za}-{zb}"
+            ends = (f"{za}:{a.gpu_type}", f"{zb}:{b.gpu_type}")
+            jobs = [(v, ["profile", "link", "--rank", str(r), "--from", ends[0], "--to", ends[1], "--key", key,
+                         "--store", remote.store_uri("vm", name)]) for r, v in enumerate((a, b))]
+            codes = remote.run(jobs)
+            if any(codes.values()):
+                raise SailorError(f"measuring {za} <-> {zb} failed on the VMs (exit {codes}); to fix: see the VM logs "
+                                  f"under the run's state")
+            _import_links(open_store(remote.store_uri("flow", name)), store, combos,
+                          (za, zb), a, b)
+            measured["links"].append(f"{za}<->{zb}")
+    finally:
+        remote.release()
+    return measured
+
+
+def _device(offer: Any) -> str:
+    return "cpu" if offer.cloud == "local" else "cuda"
+
+
+def _run_and_import(remote: Any, jobs: list[Any], where: dict[str, Any], store: Any, model: str,
+                    measured: dict[str, Any], log: Any, open_store: Any) -> None:
+    if not jobs:
+        return
+    log.info("profiling on %d rented VM(s): %s", len(jobs), sorted(f"{k} {g} in {z}" for k, g, z in where.values()))
+    codes = remote.run(jobs)
+    bad = {v: c for v, c in codes.items() if c}
+    if bad:
+        raise SailorError(f"profiling failed on VMs {bad}; to fix: see their logs under the run's state")
+    for vm, _ in jobs:
+        kind, g, zone = where[vm.vm_id]
+        src = open_store(remote.store_uri("flow", f"{'layers' if kind == 'layers' else 'node'}-{g}"))
+        prov = _provenance(vm, zone, remote.run_id)
+        if kind == "layers":
+            store.write_gpu_types([src.gpu_types()[g]], provenance=prov)
+            store.replace_layer_profiles(model, g, src.layer_profiles(model, [g]), provenance=prov)
+            if g in src.framework_overhead():
+                store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=prov)
+            measured["layers"].append(g)
+        else:
+            store.write_intra_node_links([x for x in src.intra_node_links() if x.gpu_type == g], provenance=prov)
+            store.write_node_allreduce([x for x in src.node_allreduce() if x.gpu_type == g], provenance=prov)
+            measured["intra_node"].append(g)
+
+
+def _import_links(src: Any, store: Any, combos: list[Any], zones: tuple[str, str], a: Any, b: Any) -> None:
+    """The measured link of a zone pair, for every device-type pair of those zones the plans may use:
+    on one network the link is the zones', measured once between two of their VMs."""
+    from dataclasses import replace
+
+    measured = next(lk for lk in src.network_links() if (lk.sender_zone, lk.receiver_zone) == zones)
+    rows = []
+    for (za, ga), (zb, gb) in combos:
+        fwd = replace(measured, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)
+        rows += [fwd, replace(fwd, sender_zone=zb, sender_gpu=gb, receiver_zone=za, receiver_gpu=ga)]
+    store.write_network_links(rows, provenance=_provenance(a, zones[0], "", peer=b))
+
+
+def _provenance(vm: Any, zone: str, run_id: str, peer: Any = None) -> Any:
+    import json
+    from datetime import UTC, datetime
+
+    from sailor_core.domain import Provenance
+
+    info = {"vm": vm.vm_id, "zone": zone, "gpu_type": vm.gpu_type, "run": run_id or vm.run_id}
+    if peer is not None:
+        info.update(peer_vm=peer.vm_id, peer_zone=peer.zone, peer_gpu_type=peer.gpu_type)
+    return Provenance(source="sailor-profile-on-vm", host=vm.vm_id, recorded_at=datetime.now(UTC),
+                      settings=json.dumps(info, sort_keys=True))
+
+
 @flow(name="profile", log_prints=True)
-def profile(store: Any, model: str, gpu_types: list[str], mbs: list[int] | None = None) -> ProfileBook:
+def profile(store: Any, model: str, gpu_types: list[str], mbs: list[int] | None = None, *,
+            offers: Sequence[Any] = (), remote: Any = None) -> ProfileBook:
+    """See the module contract; with `remote` (tasks/remote.VmCommands) missing profiles of rentable
+    device types and links between offered zones are measured on rented VMs."""
     log = get_run_logger()
     ensure_model(store, model)
+    if remote is not None and offers:
+        types, pairs, multi = _missing(store, model, [g for g in gpu_types if g != LOCAL_GPU], offers)
+        if types or pairs or multi:
+            measured = profile_on_vms(store, model, types, pairs, multi, offers, remote)
+            log.info("measured on rented VMs: %s", measured)
+            remote.measured = measured
     book = load_book(store, model, gpu_types)
     missing = [g for g in gpu_types if not book.profiled_points(g)]
-    remote = [g for g in missing if g != LOCAL_GPU]
-    if remote:
+    elsewhere = [g for g in missing if g != LOCAL_GPU]
+    if elsewhere:
         raise MissingProfileError(
-            f"the store has no layer profiles of {model} on {remote}; to fix: run "
+            f"the store has no layer profiles of {model} on {elsewhere}; to fix: run "
             f"`sailor profile model --model {model} --device cuda` on a machine with that GPU type "
-            f"(--store pointing at this store), or restrict gpu_types to {sorted(set(gpu_types) - set(remote))}"
+            f"(--store pointing at this store), or restrict gpu_types to {sorted(set(gpu_types) - set(elsewhere))}"
         )
     if LOCAL_GPU in missing:
         log.info("profiling %s on this machine's CPU (mbs %s): the store has no cpu profile yet", model, mbs or [1, 2, 4])

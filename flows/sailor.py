@@ -35,6 +35,7 @@ from tasks.control import Controller, HeartbeatBoard
 from tasks.history import RunHistory, new_run_id
 from tasks.jobs import CodeRef, Job, replica_request, slots
 from tasks.planning import calibrated_book, pool_from, priced_book
+from tasks.remote import VmCommands
 from tasks.reporting import ProgressBar, emit, publish_cost, publish_timeline
 from tasks.runstate import RunState, TestbedObjectStore, build_wheel, project_root, publish_wheel, state_for
 from tasks.steps import (
@@ -265,13 +266,17 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
     log.info("run %s: %s on %s, objective %s", run_id, params.model, params.provider, params.objective)
     status, reason = "failed", ""
     job: Job | None = None
+    controller: Controller | None = None
     try:
         offers = fetch_offerings(provider, regions=params.regions, gpu_types=params.gpu_types, markets=params.markets)
         if not any(o.count > 0 for o in offers):
             raise RuntimeError(f"provider {params.provider} offers no GPUs matching the request; "
                                f"to fix: allow more regions, GPU types or markets")
         gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
-        ctx.base_book = profile(deps.store, params.model, gpu_set)
+        code = _ship_code(deps)
+        controller = Controller(host=deps.controller_host)
+        remote = VmCommands(provider, controller, state, code, run_id)
+        ctx.base_book = profile(deps.store, params.model, gpu_set, offers=offers, remote=remote)
         ctx.calibration = history.calibration(gpu_set)
         if ctx.calibration:
             log.info("using online calibration from earlier runs: %s", ctx.calibration)
@@ -292,8 +297,6 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             if prev is not None:
                 _copy_checkpoints(prev, state)
                 log.info("resuming from the checkpoints of %s", prev.uri)
-        code = _ship_code(deps)
-        controller = Controller(host=deps.controller_host)
         cluster = getattr(provider, "cluster_info", None)
         record(history.event, run_id, "cluster", "where the run's VMs and state live", {
             "cluster": {**(cluster(run_id) if cluster else {"isolation": "cloud", "provider": provider.name}),
@@ -339,7 +342,8 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         if job is not None and job.controller is not None:
             with contextlib.suppress(Exception):
                 save_metrics(job)
-            job.controller.close()
+        if controller is not None:
+            controller.close()
         removed: list[str] = []
         try:
             removed = teardown(provider, run_id)

@@ -82,9 +82,14 @@ fi
 bin="$venv/bin"; [ -x "$bin/sailor" ] || bin="$(dirname "$py")"
 addr=$(field advertise_address); [ -n "$addr" ] || addr=$(hostname -I 2>/dev/null | cut -d" " -f1)
 SAILOR_RUN_SECRET=$(field run_secret); export SAILOR_RUN_SECRET
+SAILOR_CONTROL=$(field rendezvous_endpoint); SAILOR_VM_ID=$(field vm_id); SAILOR_ADVERTISE_ADDR="${addr:-127.0.0.1}"
+export SAILOR_CONTROL SAILOR_VM_ID SAILOR_ADVERTISE_ADDR
 if [ "$(field command)" != "" ] && [ "$(field command)" != "[]" ]; then  # a one-off job (e.g. profiling)
   mapfile -t cmd < <("$py" -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["command"]))' "$SAILOR_ASSIGNMENT_FILE")
-  exec "$bin/sailor" "${cmd[@]}"
+  rc=0; "$bin/sailor" "${cmd[@]}" || rc=$?
+  pyrun="$bin/python"; [ -x "$pyrun" ] || pyrun="$py"
+  "$pyrun" -m sailor_core.runtime.protocol set "jobs/$SAILOR_VM_ID/$(field plan_version)" "$rc"  # job_key
+  exit "$rc"
 fi
 exec "$bin/sailor" worker --control "$(field rendezvous_endpoint)" --vm-id "$(field vm_id)" \
   --devices "$(field devices)" --run-dir "$home/vm" --log-uri "$(field log_uri)" \

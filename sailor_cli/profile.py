@@ -218,3 +218,50 @@ def network_cmd(
     out.print(f"upserted link {profile.link.sender_zone}:{profile.link.sender_gpu}x1 -> "
               f"{profile.link.receiver_zone}:{profile.link.receiver_gpu}x1, intra-node {profile.intra_node.gpu_type}x2 "
               f"and the node's all-reduce over {profile.node_allreduce.workers} workers into {st.uri}")
+
+
+def _zone_type(text: str, what: str) -> tuple[str, str]:
+    zone, sep, gpu = text.partition(":")
+    if not zone or not sep or not gpu:
+        raise SailorError(f"{what} must be ZONE:TYPE like us-east:cpu-fast, got {text!r}")
+    return zone, gpu
+
+
+@app.command("link")
+def link_cmd(
+    rank: Annotated[int, typer.Option("--rank", help="0 on the sending VM, 1 on the receiving one.")],
+    src: Annotated[str, typer.Option("--from", help="ZONE:TYPE of rank 0's VM.")],
+    dst: Annotated[str, typer.Option("--to", help="ZONE:TYPE of rank 1's VM.")],
+    key: Annotated[str, typer.Option("--key", help="Controller key the two ends meet under.")],
+    store: Store = None,
+    max_bytes: Annotated[int, typer.Option("--max-bytes", help="Largest message.")] = 4 * 1024 * 1024,
+    timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the other end.")] = 600.0,
+) -> None:
+    """Measure the link between this VM and one other (run on both); rank 0 stores it both ways.
+
+    Run by the flow's profile subflow on rented VMs (the run's controller from $SAILOR_CONTROL and
+    $SAILOR_RUN_SECRET, this VM's address from $SAILOR_ADVERTISE_ADDR).
+    """
+    import os
+    from dataclasses import replace
+
+    from sailor_core.profiler.network import LINK_POLICY, NetworkSettings, measure_link
+    from sailor_core.runtime.protocol import client_from_env
+
+    if rank not in (0, 1):
+        raise SailorError(f"--rank must be 0 or 1, got {rank}")
+    ends = (_zone_type(src, "--from"), _zone_type(dst, "--to"))
+    settings = NetworkSettings(workers=2, device="cpu", max_bytes=max_bytes, timeout_s=timeout_s, allreduce=False,
+                               policy=LINK_POLICY)
+    settings.validate()
+    st = _open(store) if rank == 0 else None
+    prof = measure_link(settings, rank=rank, rendezvous=client_from_env(), key=key,
+                        advertise_addr=os.environ.get("SAILOR_ADVERTISE_ADDR", "127.0.0.1"), ends=ends)
+    if prof is None or st is None:
+        return
+    back = replace(prof.link, sender_zone=prof.link.receiver_zone, sender_gpu=prof.link.receiver_gpu,
+                   receiver_zone=prof.link.sender_zone, receiver_gpu=prof.link.sender_gpu)
+    st.write_network_links([prof.link, back], provenance=prof.provenance)
+    a, b, c = prof.link.fit.coeffs
+    typer.echo(f"link {src} <-> {dst}: max {prof.link.fit.max_bytes_per_s / 1e6:.1f} MB/s "
+               f"(fit {a:.4g}, {b:.4g}, {c:.4g})")

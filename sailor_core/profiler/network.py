@@ -62,6 +62,8 @@ DEFAULT_MAX_BYTES_CPU = 64 * MIB
 # A percentile needs samples: on the dev box, three profiles with at most 60 repetitions per size
 # fitted their own points within 12-15 % at worst; with up to 150, within 9-11 % (18 s in all).
 DEFAULT_POLICY = RepeatPolicy(warmup=1, min_reps=30, max_reps=150, rel_err=0.01, time_cap_s=3.0)
+# Between two rented VMs, over links as slow as 100 Mbit/s: fewer repetitions, a shorter cap per size.
+LINK_POLICY = RepeatPolicy(warmup=1, min_reps=6, max_reps=60, rel_err=0.02, time_cap_s=1.5)
 REPS_PER_VISIT = 3
 # The statistic a size is summarised by: the 20th percentile of its repetitions. On a shared host a
 # transfer larger than the socket buffer needs both workers on a core at once; when they are not,
@@ -86,6 +88,7 @@ class NetworkSettings:
     policy: RepeatPolicy = field(default_factory=lambda: DEFAULT_POLICY)
     statistic: str = DEFAULT_STATISTIC  # of each size's repetitions: mean, median or pNN
     timeout_s: float = 1800.0
+    allreduce: bool = True  # False: point-to-point only (a link between two machines)
 
     def resolved_max_bytes(self) -> int:
         if self.max_bytes is not None:
@@ -242,7 +245,7 @@ def network_worker(rank: int, world_size: int, init_method: str, emit: Callable[
                     continue
                 buf = storage[: size // 4]
                 t_visit = time.perf_counter()
-                for kind, step in (("p2p", ping_pong), ("ar", all_reduce)):
+                for kind, step in (("p2p", ping_pong), ("ar", all_reduce))[: 2 if settings.allreduce else 1]:
                     for rep in range(policy.warmup + REPS_PER_VISIT):
                         seconds = step(buf)
                         if rep >= policy.warmup:
@@ -250,7 +253,7 @@ def network_worker(rank: int, world_size: int, init_method: str, emit: Callable[
                 spent[i] += time.perf_counter() - t_visit
             if rank == 0:
                 for i in range(len(sizes)):
-                    if not int(done[i]) and rules[i, "p2p"].done() and rules[i, "ar"].done():
+                    if not int(done[i]) and rules[i, "p2p"].done() and (rules[i, "ar"].done() or not settings.allreduce):
                         done[i] = 1
             dist.broadcast(done, src=0)  # every rank follows rank 0's schedule
             if rank == 0:
@@ -263,12 +266,14 @@ def network_worker(rank: int, world_size: int, init_method: str, emit: Callable[
                                 "total": len(sizes),
                                 "bytes": sizes[i],
                                 "p2p_s": rules[i, "p2p"].result().stat_s(settings.statistic),
-                                "allreduce_s": rules[i, "ar"].result().stat_s(settings.statistic),
+                                "allreduce_s": rules[i, "ar" if settings.allreduce else "p2p"].result().stat_s(
+                                    settings.statistic),
                             }
                         )
         if rank != 0:
             return None
-        return [(size, rules[i, "p2p"].result(), rules[i, "ar"].result()) for i, size in enumerate(sizes)]
+        ar = "ar" if settings.allreduce else "p2p"
+        return [(size, rules[i, "p2p"].result(), rules[i, ar].result()) for i, size in enumerate(sizes)]
     finally:
         dist.destroy_process_group()
 
@@ -374,3 +379,34 @@ def to_json(profile: NetworkProfile) -> str:
         },
         indent=1,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Between two machines (VMs): one process on each, meeting through the run's controller
+
+
+def measure_link(settings: NetworkSettings, *, rank: int, rendezvous: Any, key: str, advertise_addr: str,
+                 ends: tuple[tuple[str, str], tuple[str, str]]) -> NetworkProfile | None:
+    """Measure the link between this machine and one other; rank 0 returns the fitted profile.
+
+    `rendezvous` is the run's control client (sailor_core/runtime/protocol.py): rank 0 picks a port
+    on `advertise_addr` and announces `tcp://addr:port` under `key`; rank 1 waits for it. `ends`:
+    ((zone, gpu type) of rank 0, (zone, gpu type) of rank 1), the labels of the link.
+    """
+    import socket
+
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind((advertise_addr, 0))
+            port = s.getsockname()[1]
+        init = f"tcp://{advertise_addr}:{port}"
+        rendezvous.set(key, init)
+    else:
+        init = rendezvous.wait(key, settings.timeout_s)
+    rows = network_worker(rank, 2, init, lambda msg: None, settings)
+    if rank != 0:
+        return None
+    (za, ga), (zb, gb) = ends
+    prof = fit_network(rows, replace(settings, zone=za), ga)
+    link = replace(prof.link, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)
+    return replace(prof, link=link)

@@ -327,3 +327,26 @@ def assign_generation(board: Any, gen: int, *, plan: dict[str, Any], settings: d
                 a = Assignment(rank=IDLE)
             board.set(assign_key(gen, wid), a.to_json())
     return [w for _, w in sorted(members)]
+
+
+def client_from_env(timeout_s: float = 30.0) -> ControlClient:
+    """The run's controller as a VM's process sees it: $SAILOR_CONTROL and $SAILOR_RUN_SECRET."""
+    import os
+
+    endpoint, secret = os.environ.get("SAILOR_CONTROL", ""), os.environ.get(SECRET_ENV, "")
+    if not endpoint or not secret:
+        raise ProtocolError(f"no controller: set SAILOR_CONTROL (HOST:PORT) and ${SECRET_ENV}")
+    return ControlClient(endpoint, secret, timeout_s=timeout_s)
+
+
+def job_key(vm_id: str, job: int) -> str:
+    """Where a VM reports the exit status of a one-off command (e.g. profiling) it was given."""
+    return f"jobs/{vm_id}/{job}"
+
+
+if __name__ == "__main__":  # `python -m sailor_core.runtime.protocol set KEY VALUE`, for the VM bootstrap
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "set":
+        sys.exit("usage: python -m sailor_core.runtime.protocol set KEY VALUE")
+    client_from_env().set(sys.argv[2], sys.argv[3])
