@@ -234,16 +234,17 @@ def _print(doc: dict[str, Any], png: str | None) -> None:
     con.print(f"job: {j['model']}, batch {j['global_batch_size']}, {j['total_steps']} steps ({j['tokens']:.3g} tokens), "
               f"{j['objective']}; checkpoint every {j['checkpoint_interval']} steps, reconfiguration "
               f"{j['reconfiguration_s']:.1f} s ({j['reconfiguration_source']}), grace {j['grace_s']:g} s")
-    tab = Table(title="replay per policy (simulated)")
-    for h in ("policy", "done", "time to train (h)", "USD", "goodput (steps/s)", "GPU-h wasted", "redone steps",
-              "reconfig (s)", "waiting (h)", "switches", "planner calls", "replay (s)"):
-        tab.add_column(h)
+    tab = Table(title="replay per policy (simulated): hours and USD to train, goodput in useful steps/s, GPU-hours "
+                      "wasted on redone steps and reconfiguration")
+    for h in ("policy", "done", "hours", "USD", "steps/s", "wasted GPU-h", "redone", "reconf s", "wait h",
+              "switches", "planner", "replay s"):
+        tab.add_column(h, no_wrap=h == "policy")
     for r in doc["results"]:
-        tab.add_row(r["policy"], "yes" if r["finished"] else f"no ({r['steps_done']:.0f} steps)",
+        tab.add_row(r["policy"], "yes" if r["finished"] else f"no: {r['steps_done']:.0f}",
                     f"{r['time_to_train_h']:.2f}", f"{r['usd']:.2f}", f"{r['goodput_steps_per_s']:.4g}",
                     f"{r['gpu_hours_wasted']:.2f}", f"{r['redone_steps']:.0f}", f"{r['reconfiguration_s']:.0f}",
                     f"{r['waiting_s'] / 3600:.2f}", str(r["switches"]),
-                    f"{r['planner_calls']} (+{r['planner_hits']} memo)", f"{r['wall_s']:.2f}")
+                    f"{r['planner_calls']}+{r['planner_hits']}", f"{r['wall_s']:.2f}")
     con.print(tab)
     rt = doc["sailor_vs_relaunch_same"]
     if rt:

@@ -39,7 +39,7 @@ from sailor_core.planner import plan as run_planner
 from sailor_core.planner.core import sim_options
 from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S  # the flow's estimate before it measured one
 from sailor_core.profiles import ProfileBook
-from sailor_core.replay.trace import Trace
+from sailor_core.replay.trace import Trace, TracePoint
 from sailor_core.simulator import simulate
 
 # GCP gives a Spot VM 30 s between the preemption notice and the stop (AWS gives 120 s).
@@ -189,6 +189,7 @@ class Action:
     reason: str
     plan: ParallelPlan | None = None
     decision: SwitchDecision | None = None
+    record: bool = True  # False: a routine "nothing to do" not worth a line in the decisions
 
 
 Policy = Callable[[View], Action]
@@ -311,6 +312,17 @@ def _advance(s: _State, until: float, total: int) -> None:
     s.t = end
 
 
+def _when(pt: TracePoint, s: _State) -> float:
+    """When a trace point takes effect: its time, or when the job reaches its step."""
+    if pt.at_step is None:
+        return pt.at_s
+    if s.step + 1e-9 >= pt.at_step:
+        return s.t
+    if s.plan is None or s.cost is None:
+        return math.inf  # nothing trains: the step is never reached
+    return max(s.t, s.ready_at) + (pt.at_step - s.step) * s.cost.iteration_time_s
+
+
 def _violations(job: ReplayJob, c: PlanCost) -> list[str]:
     return job.constraints.violations(usd_per_iteration=c.usd_per_iteration, usd_per_hour=c.usd_per_hour,
                                       iterations_per_s=1.0 / c.iteration_time_s if c.iteration_time_s > 0 else math.inf)
@@ -355,7 +367,7 @@ def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, n
             s.done_at = s.t
         if s.done_at is not None:
             break
-        nxt_change = times[i + 1] if i + 1 < len(times) else math.inf
+        nxt_change = _when(trace.points[i + 1], s) if i + 1 < len(times) else math.inf
         nxt = min(nxt_change, next_tick)
         if nxt == math.inf:
             # Nothing changes any more: train to the end, or stop if nothing is rented.
@@ -404,7 +416,7 @@ def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: R
             v = _violations(job, s.cost)
             if v:
                 broken = "the current plan now breaks a limit: " + "; ".join(v)
-    step_i = int(s.step)
+    step_i = int(s.step + 1e-6)  # a step reached by arithmetic may fall a hair short
     view = View(t_s=s.t, trigger=trigger, pool=pool, job=job, planner=planner, current=s.plan,
                 current_cost=s.cost if s.plan is not None else None, lost=lost, broken=broken, initial=s.initial,
                 remaining_steps=job.total_steps - step_i,
@@ -415,7 +427,7 @@ def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: R
         kind = "wait"
     if kind == "switch" and (action.plan is None or missing_gpus(action.plan, pool)):
         raise SailorError(f"policy chose a plan that does not fit the GPUs available at {s.t:.0f}s (a bug in the policy)")
-    if kind != "stay" or broken or action.decision is not None:
+    if kind != "stay" or broken or action.record:
         s.decisions.append(Decision(t_s=s.t, trigger=trigger, kind=kind, reason=action.reason, step=step_i))
     if kind == "stay":
         return

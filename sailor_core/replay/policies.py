@@ -127,7 +127,7 @@ def relaunch_same(v: View) -> Action:
     if v.initial is None:
         return _first(v)
     if v.current is not None and not v.lost:
-        return Action(kind="stay", reason="the plan still has its GPUs")
+        return Action(kind="stay", reason="the plan still has its GPUs", record=False)
     moved = relocate(v.initial, v.pool, v.job.restrictions.markets, _priceable(v))
     if moved is None:
         return Action(kind="wait", reason=f"the first plan's {v.initial.num_gpus} GPUs fit nowhere now; waiting")
@@ -139,7 +139,7 @@ def static(v: View) -> Action:
     if v.initial is None:
         return _first(v)
     if v.current is not None and not v.lost:
-        return Action(kind="stay", reason="the plan still has its GPUs")
+        return Action(kind="stay", reason="the plan still has its GPUs", record=False)
     if missing_gpus(v.initial, v.pool):
         return Action(kind="wait", reason="waiting for the first plan's GPUs to come back")
     return Action(kind="switch", plan=v.initial, reason="the first plan's GPUs are back")
@@ -152,7 +152,7 @@ def periodic(v: View) -> Action:
         return sailor(v)
     if v.current is None or v.lost:
         return Action(kind="wait", reason="GPUs lost; waiting for the next scheduled run")
-    return Action(kind="stay", reason="changes wait for the next scheduled run")
+    return Action(kind="stay", reason="changes wait for the next scheduled run", record=False)
 
 
 def policy_named(name: str) -> Policy:

@@ -72,11 +72,16 @@ class Place:
 
 @dataclass(frozen=True, kw_only=True)
 class TracePoint:
-    """From `at_s` on: `counts[k]` GPUs at `usd_per_gpu_hour[k]` in place k."""
+    """From `at_s` on: `counts[k]` GPUs at `usd_per_gpu_hour[k]` in place k.
+
+    A point with `at_step` takes effect when the job has trained that many steps instead (a
+    run's own history, or a scenario scripted by step); its `at_s` is then ignored.
+    """
 
     at_s: float
     counts: tuple[int, ...]
     usd_per_gpu_hour: tuple[float, ...]
+    at_step: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,9 +101,16 @@ class Trace:
         if dup:
             raise TraceError(f"trace {self.name!r} lists a place twice: {dup[0]}; to fix: merge its columns")
         last = -math.inf
+        last_step = 0
+        by_step = any(pt.at_step is not None for pt in self.points[1:])
         n = len(self.places)
         for i, pt in enumerate(self.points):
-            if not pt.at_s > last:
+            if by_step and i > 0:
+                if pt.at_step is None or pt.at_step < last_step:
+                    raise TraceError(f"trace {self.name!r} point {i}: at_step {pt.at_step} is not at or after "
+                                     f"step {last_step}; to fix: give every point after the first a step, in order")
+                last_step = pt.at_step
+            elif not pt.at_s > last:
                 raise TraceError(f"trace {self.name!r} point {i}: at_s {pt.at_s} is not after {last}; "
                                  f"to fix: sort the points by time, one per time")
             last = pt.at_s
@@ -107,6 +119,10 @@ class Trace:
                                  f"{len(pt.usd_per_gpu_hour)} prices for {n} places; to fix: one of each per place")
             if any(c < 0 for c in pt.counts) or any(not (u >= 0 and math.isfinite(u)) for u in pt.usd_per_gpu_hour):
                 raise TraceError(f"trace {self.name!r} point {i}: counts and prices must be >= 0")
+
+    @property
+    def by_step(self) -> bool:
+        return any(pt.at_step is not None for pt in self.points[1:])
 
     @property
     def duration_s(self) -> float:

@@ -1,0 +1,93 @@
+"""A run the flow really made, as a replay: its trace and its job, from the run's stored history.
+
+Contract: pure. `run_trace(run, initial)` takes the run as `RunHistory.show` returns it (plain
+dicts: params, events, decisions) and the pool the run started with (the provider's offerings at
+the start; for the local provider, its scenario's), and returns a step-based `Trace` with one
+point per replan the flow made, at the step it made it, holding the pool as the stored events
+left it by then: a preemption removes the preempted VM's GPUs from its place, a price change
+sets the place's price, a capacity change sets its number of VMs. `run_job(run, ...)` is the
+`ReplayJob` of the run's parameters, deciding as the flow does (its reconfiguration estimate,
+its search, no plan reuse across pools). Replayed under the `sailor` policy, the replay meets
+the same events at the same steps and decides with the same planner and `decide_switch`;
+`decisions_of(run)` lists what the flow decided, to compare.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from sailor_core.domain import Market, PoolEntry, ResourcePool, SailorError
+from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
+from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S
+from sailor_core.replay.engine import ReplayJob
+from sailor_core.replay.trace import Place, Trace, TracePoint
+
+Key = tuple[str, str, Market]
+
+
+def _key(row: Mapping[str, Any]) -> Key | None:
+    if not row.get("zone") or not row.get("gpu_type") or not row.get("market"):
+        return None
+    return (str(row["zone"]), str(row["gpu_type"]), Market.parse(str(row["market"])))
+
+
+def run_trace(run: Mapping[str, Any], initial: ResourcePool) -> Trace:
+    entries: dict[Key, PoolEntry] = {(e.zone, e.gpu_type, e.market): e for e in initial.entries}
+    if not entries:
+        raise SailorError(f"run {run.get('run_id')}: the starting pool is empty; to fix: pass the offerings it began with")
+    order = list(entries)
+    count = {k: e.count for k, e in entries.items()}
+    price = {k: e.usd_per_gpu_hour for k, e in entries.items()}
+    places = tuple(Place(zone=e.zone, gpu_type=e.gpu_type, market=e.market, region=e.region, cloud=e.cloud,
+                         gpus_per_node=e.gpus_per_node) for e in entries.values())
+
+    def point(at_step: int | None) -> TracePoint:
+        return TracePoint(at_s=0.0, counts=tuple(count[k] for k in order),
+                          usd_per_gpu_hour=tuple(price[k] for k in order), at_step=at_step)
+
+    points = [point(None)]
+    for ev in run.get("events", []):
+        kind = ev.get("kind")
+        k = _key(ev)
+        if kind == "preemption" and k in count:
+            count[k] = max(0, count[k] - entries[k].gpus_per_node)
+        elif kind == "price_change" and k in price and ev.get("new_usd_per_gpu_hour") is not None:
+            price[k] = float(ev["new_usd_per_gpu_hour"])
+        elif kind == "capacity_change" and k in count and ev.get("new_count") is not None:
+            count[k] = int(ev["new_count"]) * entries[k].gpus_per_node
+        elif kind == "replan":
+            points.append(point(int(ev.get("step", 0))))
+    return Trace(name=f"run {run.get('run_id', '')}", places=places, points=tuple(points))
+
+
+def run_job(run: Mapping[str, Any], *, sequence_length: int,
+            reconfiguration_s: float = DEFAULT_RECONFIGURATION_S) -> ReplayJob:
+    p = run.get("params") or {}
+    if not p:
+        raise SailorError(f"run {run.get('run_id')} has no stored parameters; to fix: replay a run the flow recorded")
+    gbs = int(p["global_batch_size"])
+    steps = p.get("steps") or max(1, math.ceil(int(p["token_budget"]) / (gbs * sequence_length)))
+    workers = p.get("workers")
+    max_gpus = p.get("max_gpus")
+    if p.get("provider") == "local" and workers:  # the flow's rule (RunContext.planner_args)
+        max_gpus = min(max_gpus or workers, workers)
+    search = SearchOptions(max_stages=int(p["max_stages"])) if p.get("max_stages") else SearchOptions()
+    return ReplayJob(
+        model=str(p["model"]), global_batch_size=gbs, total_steps=int(steps), tokens_per_step=gbs * sequence_length,
+        objective=Objective.parse(p.get("objective", "min-cost")).value,
+        constraints=Constraints(max_usd_per_iteration=p.get("max_usd_per_iteration"),
+                                max_usd_per_hour=p.get("max_usd_per_hour"),
+                                min_iterations_per_s=p.get("min_iterations_per_s")),
+        restrictions=Restrictions(clouds=tuple(p.get("clouds") or ()), regions=tuple(p.get("regions") or ()),
+                                  gpu_types=tuple(p.get("gpu_types") or ()),
+                                  markets=tuple(Market.parse(m) for m in p.get("markets") or ()), max_gpus=max_gpus),
+        search=search, checkpoint_interval=int(p.get("checkpoint_interval", 10)), reconfiguration_s=reconfiguration_s,
+        min_gain=float(p.get("min_gain", 0.0)), reuse_dominating_plans=False,
+    )
+
+
+def decisions_of(run: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """What the flow decided at each replan: (switch | stay, step)."""
+    return [(str(d["kind"]), int((d.get("detail") or {}).get("step", -1))) for d in run.get("decisions", [])]
