@@ -69,6 +69,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     what_if: Annotated[list[str] | None, typer.Option("--what-if", help="re-plan with a change, e.g. '+16 V100-16 in us-west1-b' or 'A100-40 spot price +30%'")] = None,
     model_config: Annotated[str | None, typer.Option("--model-config", help="a Hugging Face style config.json (profiled under its name with `sailor profile model --model-config`)")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="training sequence length of a --model-config model, as profiled")] = None,
     frontier_png: Annotated[str | None, typer.Option("--frontier-png", help="plot the throughput/cost frontier to this PNG")] = None,
     wide_frontier: Annotated[bool, typer.Option("--wide-frontier", help="frontier from cheapest to fastest (about 2x search time; on with --frontier-png)")] = False,
     checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="steps between checkpoints (spot risk: work lost per preemption)")] = DEFAULT_CHECKPOINT_INTERVAL_STEPS,
@@ -78,8 +79,8 @@ def plan(
     from sailor_cli.simulate import load_book
     from sailor_core.models.hf_config import resolve_model
 
-    if model_config or model is None:  # the same name `sailor profile model --model-config` stored it under
-        model = resolve_model(model, model_config).name
+    if model_config or model is None or seq_len is not None:  # the name `sailor profile model --model-config` used
+        model = resolve_model(model, model_config, seq_len).name
     book = load_book(model, store)
     if book.model.name != model:
         raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")

@@ -59,6 +59,7 @@ def _fmt_bytes(n: float) -> str:
 def model_cmd(
     model: Annotated[str | None, typer.Option("--model", help="Model name, e.g. gpt-tiny, gpt-small, OPT-350 (with --model-config: the name to store it under).")] = None,
     model_config: Annotated[str | None, typer.Option("--model-config", help="A Hugging Face style config.json (Llama, GPT-NeoX, OPT), path or s3:// / gs:// URI.")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Training sequence length of a --model-config model (default: its max_position_embeddings).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     mbs: Annotated[str, typer.Option("--mbs", help="Microbatch sizes, comma-separated.")] = "1,2,4",
     tp: Annotated[str, typer.Option("--tp", help="TP degrees, comma-separated (each <= GPUs of this node).")] = "1",
@@ -73,7 +74,7 @@ def model_cmd(
     from sailor_core.models.hf_config import resolve_model
     from sailor_core.profiler import ModelProfileSettings, profile_model, save_model_profile
 
-    model_cfg = resolve_model(model, model_config)
+    model_cfg = resolve_model(model, model_config, seq_len)
     settings = ModelProfileSettings(
         model=model_cfg.name, model_config=model_cfg if model_config else None, device=device,
         mbs=_int_list(mbs, "--mbs"), tp=_int_list(tp, "--tp"),

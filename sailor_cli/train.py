@@ -41,6 +41,7 @@ def train(
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
     timeout_s: float = typer.Option(60.0, "--timeout", help="Seconds before a silent peer counts as lost"),
     model_config: str | None = typer.Option(None, "--model-config", help="Hugging Face style config.json (Llama, GPT-NeoX, OPT)"),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Training sequence length of a --model-config model"),
     init_weights: str | None = typer.Option(None, "--init-weights", help="Start from these safetensors (file or folder, local or s3://)"),
     export: str | None = typer.Option(None, "--export", help="Write the trained weights here as safetensors + config.json"),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant | cosine | linear (after warmup)"),
@@ -56,7 +57,7 @@ def train(
     from sailor_core.runtime.launcher import run_local
     from sailor_core.runtime.schedule import check_schedule
 
-    cfg = resolve_model(model, model_config)
+    cfg = resolve_model(model, model_config, seq_len)
     check_schedule(lr_schedule, warmup_steps, min_lr_ratio)
     plan = load_plan_file(plan_file, fmt=fmt, model=cfg.name)
     if resume and not checkpoint_dir:

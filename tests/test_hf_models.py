@@ -424,3 +424,28 @@ def test_llama3_rope_scaling_matches_hugging_face():
     assert torch.allclose(rope_inv_freq(lin), plain / 2)
     with pytest.raises(SailorError, match="rope_scaling .*dynamic.*to fix"):
         config_from_hf({**d, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+
+
+def test_training_sequence_shorter_than_the_models_positions():
+    import torch
+
+    from sailor_core.models.hf_config import resolve_model
+    from sailor_core.models.safetensors_io import hf_to_layers, layers_to_hf
+    from sailor_core.models.torch_model import full_layer_state
+
+    opt = config_from_hf(OPT, sequence_length=16)
+    assert opt.name.endswith("-seq16") and opt.sequence_length == 16 and opt.position_rows == 32 + 2
+    states = {i: full_layer_state(opt, i, seed=2) for i in range(opt.num_layers)}
+    hf = layers_to_hf(opt, states)
+    assert hf["model.decoder.embed_positions.weight"].shape == (34, 64)  # the published table, whole
+    assert hf_config_of(opt)["max_position_embeddings"] == 32
+    assert all(torch.equal(hf_to_layers(opt, hf)[i][n], states[i][n]) for i in states for n in states[i])
+    llama = config_from_hf(LLAMA, sequence_length=16)
+    t = hf_llama_weights(LLAMA)
+    ids = torch.randint(0, llama.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    got = single_process_logits(llama, hf_to_layers(llama, t), ids)
+    assert (got - reference_llama_logits(t, LLAMA, ids)).abs().max().item() < 1e-5
+    with pytest.raises(SailorError, match="outside 1..max_position_embeddings=32"):
+        config_from_hf(LLAMA, sequence_length=64)
+    with pytest.raises(SailorError, match="--seq-len .*--model-config"):
+        resolve_model("gpt-tiny", None, 64)

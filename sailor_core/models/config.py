@@ -58,6 +58,9 @@ class TransformerConfig:
     rotary_pct: float = 1.0  # share of each head's dimensions that rotary positions turn (gpt-neox)
     parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (gpt-neox's default)
     position_offset: int = 0  # learned positions start at this row (OPT keeps 2 unused rows)
+    # positions the model was built for (Hugging Face's max_position_embeddings; None: sequence_length):
+    # a learned position table has this many rows (+ offset) whatever length is trained
+    max_positions: int | None = None
     # rotary frequency scaling for contexts longer than trained: None, "linear" (frequencies / factor)
     # or "llama3" (Llama 3.1's: low frequencies / factor, high kept, a smooth ramp between)
     rope_scaling: str | None = None
@@ -96,6 +99,8 @@ class TransformerConfig:
             bad("llama3 rope scaling needs original_max_position_embeddings >= 1 and high_freq_factor > low_freq_factor")
         if self.parallel_residual and self.variant != "gpt-neox":
             bad("parallel_residual is a gpt-neox option")
+        if self.max_positions is not None and self.max_positions < self.sequence_length:
+            bad(f"sequence_length {self.sequence_length} is longer than max_positions {self.max_positions}")
         if self.position_offset < 0 or (self.position_offset and not self.learned_positions):
             bad(f"position_offset must be >= 0 and needs learned positions, got {self.position_offset}")
         if self.tied_head is None:
@@ -123,6 +128,11 @@ class TransformerConfig:
     @property
     def learned_positions(self) -> bool:
         return self.variant in ("opt", "gpt-neo")
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of a learned position table."""
+        return (self.max_positions or self.sequence_length) + self.position_offset
 
     @property
     def rotary(self) -> bool:
@@ -199,11 +209,11 @@ def _norm_params(cfg: TransformerConfig) -> int:
 
 def layer_params(cfg: TransformerConfig, index: int, tp: int = 1) -> int:
     """Parameters one GPU of a `tp`-way group holds for this layer (replicated tensors counted fully)."""
-    h, f, v, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.sequence_length
+    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
     kind = cfg.layer_kind(index)
     if kind == "embedding":
         # vocab-parallel token embedding; learned positions are replicated
-        return v * h // tp + ((s + cfg.position_offset) * h if cfg.learned_positions else 0)
+        return v * h // tp + (cfg.position_rows * h if cfg.learned_positions else 0)
     if kind == "head":
         # final norm (replicated) + vocab-parallel output projection without bias; a tied head
         # still holds its own copy when it lives on another stage, so it is counted here too

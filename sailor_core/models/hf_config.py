@@ -11,8 +11,9 @@ Contract:
   embeddings, other activations) is refused with what was wrong and how to fix it, never silently
   approximated.
 - The model's name is `name`, else the config's `_name_or_path` (last path part), else
-  `<model_type>-<8 hex digits of the config's content>`: one name per architecture, because the
-  profile store keys profiles by it.
+  `<model_type>-<8 hex digits of the config's content>`, with `-seq<N>` appended when a training
+  sequence length N other than `max_position_embeddings` is asked for: one name per architecture,
+  because the profile store keys profiles by it.
 - `load_model_config(path_or_uri)` reads a config.json (local path, or s3:// / gs:// through
   pyarrow's filesystems), maps it and registers it (`sailor_core.models.config.register_config`),
   so `get_config(name)` finds it in this process.
@@ -97,10 +98,16 @@ def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: 
         raise _bad(f"model_type {model_type!r} is not supported",
                    f"use a config.json whose model_type is one of {', '.join(MODEL_TYPES)}")
     h, nh, layers = _int(d, "hidden_size"), _int(d, "num_attention_heads"), _int(d, "num_hidden_layers")
+    max_pos = _int(d, "max_position_embeddings")
+    if sequence_length is not None and not 1 <= sequence_length <= max_pos:
+        raise _bad(f"sequence length {sequence_length} is outside 1..max_position_embeddings={max_pos}",
+                   f"train sequences of at most {max_pos} tokens")
+    if name is None:
+        name = default_name(d) + (f"-seq{sequence_length}" if sequence_length and sequence_length != max_pos else "")
     common: dict[str, Any] = dict(
-        name=name or default_name(d), variant=MODEL_TYPES[model_type], num_blocks=layers, hidden_size=h,
+        name=name, variant=MODEL_TYPES[model_type], num_blocks=layers, hidden_size=h,
         num_heads=nh, vocab_size=_int(d, "vocab_size"),
-        sequence_length=sequence_length or _int(d, "max_position_embeddings"),
+        sequence_length=sequence_length or max_pos, max_positions=max_pos,
         init_std=float(d.get("initializer_range", d.get("init_std", 0.02))),
     )
     if d.get("head_dim") not in (None, h // max(nh, 1)):
@@ -133,8 +140,6 @@ def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: 
     if int(d.get("word_embed_proj_dim", h)) != h:
         raise _bad(f"word_embed_proj_dim {d['word_embed_proj_dim']} != hidden_size {h} (projected embeddings)",
                    "use an OPT model without embedding projections (every size but 350m)")
-    if common["sequence_length"] > _int(d, "max_position_embeddings"):
-        raise _bad("sequence_length is longer than max_position_embeddings", "use a shorter sequence length")
     return TransformerConfig(
         **common, ffn_hidden_size=_int(d, "ffn_dim"), norm_eps=1e-5, position_offset=OPT_POSITION_OFFSET,
         tied_head=bool(d.get("tie_word_embeddings", True)),
@@ -146,7 +151,7 @@ def hf_config_of(cfg: TransformerConfig) -> dict[str, Any]:
     base: dict[str, Any] = {
         "_name_or_path": cfg.name, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_blocks,
         "num_attention_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.sequence_length, "tie_word_embeddings": bool(cfg.tied_head),
+        "max_position_embeddings": cfg.max_positions or cfg.sequence_length, "tie_word_embeddings": bool(cfg.tied_head),
         "initializer_range": cfg.init_std, "torch_dtype": "float32",
     }
     if cfg.variant == "llama":
@@ -181,7 +186,7 @@ def read_bytes(uri: str) -> bytes:
     return read_uri(uri)
 
 
-def load_model_config(uri: str, name: str | None = None) -> TransformerConfig:
+def load_model_config(uri: str, name: str | None = None, sequence_length: int | None = None) -> TransformerConfig:
     """Read, map and register a config.json (see module contract)."""
     try:
         d = json.loads(read_bytes(uri))
@@ -189,14 +194,17 @@ def load_model_config(uri: str, name: str | None = None) -> TransformerConfig:
         raise SailorError(f"{uri}: not valid JSON ({e}); to fix: pass a Hugging Face config.json") from None
     if not isinstance(d, dict):
         raise SailorError(f"{uri}: not a JSON object; to fix: pass a Hugging Face config.json")
-    return register_config(config_from_hf(d, name))
+    return register_config(config_from_hf(d, name, sequence_length))
 
 
-def resolve_model(model: str | None, model_config: str | None) -> TransformerConfig:
-    """The model a command names: `--model-config FILE` (with `--model` as its name, if given), else
-    a built-in or registered `--model`."""
+def resolve_model(model: str | None, model_config: str | None, sequence_length: int | None = None) -> TransformerConfig:
+    """The model a command names: `--model-config FILE` (with `--model` as its name, if given, and
+    `--seq-len` as its training sequence length), else a built-in or registered `--model`."""
     if model_config:
-        return load_model_config(model_config, name=model)
+        return load_model_config(model_config, name=model, sequence_length=sequence_length)
+    if sequence_length is not None:
+        raise SailorError("--seq-len sets the training sequence length of a --model-config model; to fix: pass "
+                          "--model-config config.json with it (a built-in model has its own length)")
     if not model:
         raise SailorError("no model given; to fix: pass --model NAME or --model-config config.json")
     from sailor_core.models.config import get_config

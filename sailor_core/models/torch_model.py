@@ -64,7 +64,7 @@ class EmbeddingLayer(nn.Module):
         self.wpe = None
         if cfg.learned_positions:
             self.offset = cfg.position_offset
-            self.wpe = nn.Parameter(torch.empty(cfg.sequence_length + self.offset, cfg.hidden_size))
+            self.wpe = nn.Parameter(torch.empty(cfg.position_rows, cfg.hidden_size))
             setattr(self.wpe, SHARD_ATTR, None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
