@@ -430,8 +430,11 @@ class LocalProvider:
         info = st.get("testbeds", {}).get(run_id)
         tb = self._testbeds.get(run_id) or (Testbed.open(info["folder"]) if info else None)
         offered = self.scenario.offerings
+        isolation = tb.isolation if tb else (info or {}).get("isolation", self.isolation)
         return {
-            "isolation": tb.isolation if tb else (info or {}).get("isolation", self.isolation),
+            "isolation": isolation,
+            # Only isolated VMs have shaped links and cpu quotas; plain processes share this machine freely.
+            "links_shaped": isolation == "netns",
             "regions": list(self.scenario.regions),
             "zones": [{"zone": z, "region": r} for z, r in self.scenario.zones],
             "device_types": [

@@ -306,7 +306,8 @@ def test_local_provider_runs_vms_in_zones_with_devices_and_addresses(tmp_path):
         assert [b["address"] for b in beats] == [v.address for v in vms]  # each agent sees its own VM
         assert all(not p.slot_dir(v.vm_id).is_relative_to(tmp_path) for v in vms)  # not under the run folder
         info = p.cluster_info(run)
-        assert info["isolation"] == "netns" and info["regions"] == ["eu", "us"]
+        assert info["isolation"] == "netns" and info["links_shaped"] and info["regions"] == ["eu", "us"]
+        assert info["links_gbps"]["eu-west>us-east"] == 0.1
         assert {d["name"]: d["devices_per_vm"] for d in info["device_types"]} == {"cpu-fast": [2], "cpu-slow": [1]}
         assert [(v["zone"], v["devices"], v["address"]) for v in info["vms"]] == [
             (v.zone, v.gpus, v.address) for v in vms]
@@ -354,7 +355,7 @@ def test_without_root_the_provider_falls_back_to_processes_and_says_so_once(tmp_
         assert vm.address == "127.0.0.1" and p.host_address("r") == "127.0.0.1"
         p.bootstrap(vm, assignment("r"))
         wait_for(lambda: p.heartbeat(vm.vm_id))
-        assert p.cluster_info("r")["isolation"] == "process"
+        assert p.cluster_info("r")["isolation"] == "process" and not p.cluster_info("r")["links_shaped"]
     finally:
         p.cleanup("r")
     assert p.leftovers("r") == []
