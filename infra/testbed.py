@@ -306,6 +306,9 @@ class Testbed:
     def command(self, key: str, argv: Sequence[str]) -> list[str]:
         """The argv that runs `argv` inside VM `key`: join its cgroup, then its network namespace."""
         vm = self.vm(key)
+        if key in self._rec.get("removed", []):
+            raise TestbedError(f"VM {key} of testbed {self.tag} is gone (preempted or terminated); to fix: "
+                               f"provision a new VM")
         if self.isolation != "netns":
             return list(argv)
         ip = shutil.which("ip") or "ip"

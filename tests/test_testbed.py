@@ -31,6 +31,7 @@ from infra.testbed import (
     CGROUP_CPU,
     CGROUP_PARENT,
     Testbed,
+    TestbedError,
     cleanup_stale,
     leftovers,
     stale_testbeds,
@@ -190,6 +191,18 @@ def test_teardown_removes_everything_also_from_another_process():
         assert f"sb{tb.tag}" not in ip and f"sb-{tb.tag}" not in ns
         assert not (CGROUP_CPU / CGROUP_PARENT / tb.tag).exists() and not tb.folder.exists()
         assert tb.teardown() == []  # idempotent
+
+
+@needs_testbed
+def test_a_removed_vm_is_gone_and_runs_nothing():
+    with built(["z1"]) as tb:
+        a = tb.add_vm("a", zone="z1", cpu_cores=0.5)
+        p = tb.spawn("a", [sys.executable, "-c", "import time; time.sleep(300)"])
+        tb.remove_vm("a")
+        p.wait(timeout=5)
+        assert f"netns {a.netns}" not in leftovers(tb.tag) and not Path(a.cgroup).exists()
+        with pytest.raises(TestbedError, match="is gone"):
+            tb.spawn("a", ["true"])
 
 
 @needs_testbed
