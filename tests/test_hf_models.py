@@ -449,3 +449,28 @@ def test_training_sequence_shorter_than_the_models_positions():
         config_from_hf(LLAMA, sequence_length=64)
     with pytest.raises(SailorError, match="--seq-len .*--model-config"):
         resolve_model("gpt-tiny", None, 64)
+
+
+def test_sharded_export_reloads(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from sailor_core.models.safetensors_io import export_groups, hf_to_layers, read_safetensors
+    from sailor_core.runtime.weights import checkpoint_layers, export_weights, import_weights
+
+    cfg = config_from_hf(LLAMA)
+    t = hf_llama_weights(LLAMA, seed=6)
+    (tmp_path / "in").mkdir()
+    save_file(t, str(tmp_path / "in" / "model.safetensors"))
+    import_weights(cfg, str(tmp_path / "in"), str(tmp_path / "ckpt"))
+    groups = export_groups(cfg, 100_000)  # ~100 kB files: several
+    assert [i for g in groups for i in g] == list(range(cfg.num_layers)) and len(groups) > 2
+    export_weights(cfg, str(tmp_path / "ckpt"), str(tmp_path / "out"), max_shard_bytes=100_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert files == [f"model-{k:05d}-of-{len(groups):05d}.safetensors" for k in range(1, len(groups) + 1)]
+    assert sorted(index["weight_map"]) == sorted(t) and set(index["weight_map"].values()) == set(files)
+    back = read_safetensors(str(tmp_path / "out"))  # the folder: every shard, lazily
+    assert sorted(back) == sorted(t) and all(torch.equal(back[k], t[k]) for k in t)
+    layers, _ = checkpoint_layers(cfg, str(tmp_path / "ckpt"))
+    assert all(torch.equal(hf_to_layers(cfg, back)[i][n], layers[i][n]) for i in layers for n in layers[i])

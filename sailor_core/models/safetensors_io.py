@@ -13,16 +13,19 @@ Contract:
 - `layers_to_hf(cfg, states)` is the inverse: the same names and shapes `transformers` loads
   (a tied head is written once, as the embedding, as `save_pretrained` does).
 - `read_safetensors(uri)` reads one `.safetensors` file or every `*.safetensors` of a folder
-  (sharded checkpoints), local or object storage (s3://, gs://); `write_safetensors(tensors, cfg,
-  out)` writes `model.safetensors` and `config.json` (sailor_core.models.hf_config) into a folder or
-  object-storage prefix.
+  (sharded checkpoints), local (lazily: a tensor is read when asked for) or object storage
+  (s3://, gs://, read whole); `write_safetensors(tensors, cfg, out)` writes `model.safetensors` and
+  `config.json` (sailor_core.models.hf_config) into a folder or object-storage prefix;
+  `write_safetensors_sharded` writes transformers' sharded layout (files of at most 5 GB by
+  default, `export_groups`, with `model.safetensors.index.json`) one group of layers at a time.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -107,7 +110,7 @@ def layer_shapes(cfg: TransformerConfig, index: int) -> dict[str, tuple[int, ...
         return {n: tuple(p.shape) for n, p in _new_layer(cfg, index, TPContext.single()).named_parameters()}
 
 
-def hf_to_layers(cfg: TransformerConfig, tensors: dict[str, torch.Tensor],
+def hf_to_layers(cfg: TransformerConfig, tensors: Mapping[str, torch.Tensor],
                  layers: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """Full-layout states of `layers` (default: all; with all, unused tensors are an error)."""
     fam = _family(cfg)
@@ -151,9 +154,10 @@ def hf_to_layers(cfg: TransformerConfig, tensors: dict[str, torch.Tensor],
 
 
 def layers_to_hf(cfg: TransformerConfig, states: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors of the layers in `states` (all of them, or a group of a sharded export)."""
     fam = _family(cfg)
     out: dict[str, torch.Tensor] = {}
-    for i in range(cfg.num_layers):
+    for i in sorted(states):
         state = states[i]
         for ours, theirs in _names(cfg, i).items():
             if ours not in state or (ours == "out.weight" and cfg.tied_head):
@@ -168,15 +172,49 @@ def layers_to_hf(cfg: TransformerConfig, states: dict[int, dict[str, torch.Tenso
     return out
 
 
-def read_safetensors(uri: str) -> dict[str, torch.Tensor]:
-    """Every tensor of one .safetensors file, or of all *.safetensors in a folder (local or s3:// / gs://)."""
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Tensors of local .safetensors files, each read from its file only when asked for (memory-
+    mapped by safetensors), so a model far larger than memory can be mapped layer by layer."""
+
+    def __init__(self, paths: list[str]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(p, framework="pt") for p in paths]
+        self._where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118 - not a dict
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Shape-only (meta device) stand-ins of every tensor, read from the files' headers."""
+        return {k: torch.empty(self._where[k].get_slice(k).get_shape(), device="meta") for k in self._where}
+
+
+def read_safetensors(uri: str) -> Mapping[str, torch.Tensor]:
+    """Every tensor of one .safetensors file, or of all *.safetensors in a folder: lazily from local
+    files (`LazyTensors`), read whole from object storage (s3:// / gs://)."""
     from safetensors.torch import load
 
     files = _list_safetensors(uri)
+    if all("://" not in f or f.startswith("file://") for f in files):
+        return LazyTensors([f.removeprefix("file://") for f in files])
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load(read_bytes(f)))
     return out
+
+
+def meta_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Shape-only stand-ins of `tensors`, without reading their data where it is lazy."""
+    if isinstance(tensors, LazyTensors):
+        return tensors.meta()
+    return {n: t.to("meta") for n, t in tensors.items()}
 
 
 def _list_safetensors(uri: str) -> list[str]:
@@ -225,11 +263,54 @@ def _writer(out: str) -> Callable[[str, bytes], None]:
     return write_remote
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], cfg: TransformerConfig, out: str) -> list[str]:
-    """`model.safetensors` and `config.json` into folder or prefix `out`; returns the names written."""
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default max_shard_size ("5GB")
+
+
+def export_groups(cfg: TransformerConfig, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[list[int]]:
+    """Consecutive layers per output file, each file at most `max_shard_bytes` of fp32 tensors (a
+    layer larger than that gets a file of its own)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i in range(cfg.num_layers):
+        shapes = layer_shapes(cfg, i)
+        if cfg.tied_head and cfg.layer_kind(i) == "head":
+            shapes.pop("out.weight", None)  # written once, as the embedding
+        n = 4 * sum(math.prod(s) for s in shapes.values())
+        if groups[-1] and size + n > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def write_safetensors_sharded(parts: Iterable[dict[str, torch.Tensor]], num_parts: int, cfg: TransformerConfig,
+                              out: str) -> list[str]:
+    """Write `num_parts` tensor groups as `model.safetensors` (one part) or `model-0000k-of-0000n.safetensors`
+    plus `model.safetensors.index.json` (transformers' sharded layout), then `config.json`, into folder or
+    prefix `out`, holding one part in memory at a time; returns the names written."""
     from safetensors.torch import save
 
     write = _writer(out)
-    write("model.safetensors", save(tensors, metadata={"format": "pt"}))
+    names: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, tensors in enumerate(parts):
+        name = "model.safetensors" if num_parts == 1 else f"model-{k + 1:05d}-of-{num_parts:05d}.safetensors"
+        write(name, save(tensors, metadata={"format": "pt"}))
+        names.append(name)
+        weight_map.update({t: name for t in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(names) != num_parts:
+        raise SailorError(f"export wrote {len(names)} weight files, expected {num_parts}")
+    if num_parts > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        write("model.safetensors.index.json", json.dumps(index, indent=1).encode())
+        names.append("model.safetensors.index.json")
     write("config.json", json.dumps(hf_config_of(cfg), indent=1).encode())
-    return ["model.safetensors", "config.json"]
+    return [*names, "config.json"]
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], cfg: TransformerConfig, out: str) -> list[str]:
+    """`model.safetensors` and `config.json` into folder or prefix `out`; returns the names written."""
+    return write_safetensors_sharded([tensors], 1, cfg, out)

@@ -8,15 +8,25 @@ Contract:
   then starts from them by resuming (`TrainSettings.resume`): the checkpoint loader already shards
   full-layout layers for every stage split and TP degree. It refuses a checkpoint folder that
   already holds steps, so a run's progress is never overwritten.
-- `export_weights(cfg, checkpoint_uri, out, step=None)` writes the newest valid (or the given) step's
-  weights as `model.safetensors` + `config.json` in the model's original Hugging Face layout.
+- `export_weights(cfg, checkpoint_uri, out, step=None, max_shard_bytes=5e9)` writes the newest valid
+  (or the given) step's weights in the model's original Hugging Face layout: `model.safetensors`, or
+  transformers' sharded files with `model.safetensors.index.json` when larger than one shard,
+  plus `config.json`; one file's layers are in memory at a time.
 """
 
 from __future__ import annotations
 
 from sailor_core.domain import SailorError
 from sailor_core.models.config import TransformerConfig
-from sailor_core.models.safetensors_io import hf_to_layers, layers_to_hf, read_safetensors, write_safetensors
+from sailor_core.models.safetensors_io import (
+    DEFAULT_SHARD_BYTES,
+    export_groups,
+    hf_to_layers,
+    layers_to_hf,
+    meta_tensors,
+    read_safetensors,
+    write_safetensors_sharded,
+)
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.uris import redact
 
@@ -29,7 +39,7 @@ def import_weights(cfg: TransformerConfig, weights_uri: str, checkpoint_uri: str
     from sailor_core.models.torch_model import _new_layer, param_shard_dims
 
     tensors = read_safetensors(weights_uri)
-    hf_to_layers(cfg, {n: t.to("meta") for n, t in tensors.items()})  # every name and shape, before writing
+    hf_to_layers(cfg, meta_tensors(tensors))  # every name and shape, before anything is read or written
     storage = ckpt.open_storage(checkpoint_uri)
     if ckpt.list_steps(storage):
         raise SailorError(f"checkpoint folder {checkpoint_uri!r} already holds steps; to fix: import the weights into "
@@ -50,19 +60,28 @@ def import_weights(cfg: TransformerConfig, weights_uri: str, checkpoint_uri: str
 def checkpoint_layers(cfg: TransformerConfig, checkpoint_uri: str, step: int | None = None):  # type: ignore[no-untyped-def]
     """Full-layout parameters of every layer at `step` (default: the newest valid one), and the step."""
     storage = ckpt.open_storage(checkpoint_uri)
+    step = _checked_step(cfg, storage, checkpoint_uri, step)
+    return {i: ckpt.load_layer_state(storage, step, i)["params"] for i in range(cfg.num_layers)}, step
+
+
+def export_weights(cfg: TransformerConfig, checkpoint_uri: str, out: str, step: int | None = None,
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
+    """Export a checkpoint's weights to `out` in the Hugging Face layout; returns the step exported."""
+    storage = ckpt.open_storage(checkpoint_uri)
+    step = _checked_step(cfg, storage, checkpoint_uri, step)
+    groups = export_groups(cfg, max_shard_bytes)
+    parts = (layers_to_hf(cfg, {i: ckpt.load_layer_state(storage, step, i)["params"] for i in g}) for g in groups)
+    write_safetensors_sharded(parts, len(groups), cfg, out)
+    return step
+
+
+def _checked_step(cfg: TransformerConfig, storage: ckpt.CheckpointStorage, uri: str, step: int | None) -> int:
     if step is None:
         step = ckpt.latest_valid_step(storage, cfg.num_layers)
         if step is None:
-            raise SailorError(f"no valid checkpoint in {checkpoint_uri!r}; to fix: train with --checkpoint-dir first")
+            raise SailorError(f"no valid checkpoint in {redact(uri)!r}; to fix: train with --checkpoint-dir first")
     meta = ckpt.read_meta(storage, step)
     if meta.get("model") != cfg.name:
         raise SailorError(f"checkpoint step {step} is of model {meta.get('model')!r}, not {cfg.name!r}; "
                           f"to fix: pass the model config it was trained with")
-    return {i: ckpt.load_layer_state(storage, step, i)["params"] for i in range(cfg.num_layers)}, step
-
-
-def export_weights(cfg: TransformerConfig, checkpoint_uri: str, out: str, step: int | None = None) -> int:
-    """Export a checkpoint's weights to `out` in the Hugging Face layout; returns the step exported."""
-    layers, step = checkpoint_layers(cfg, checkpoint_uri, step)
-    write_safetensors(layers_to_hf(cfg, layers), cfg, out)
     return int(step)
