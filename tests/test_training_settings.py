@@ -131,3 +131,23 @@ def test_sailor_simulate_recompute_on_a_published_plan(capsys):
     assert "0 (recompute)" in capsys.readouterr().out
     assert main([*args, "--recompute", "9"]) == 2
     assert "to fix" in capsys.readouterr().err
+
+
+def test_vocab_parallel_head_on_replicas_of_different_tp_matches_one_process(tmp_path):
+    """The last stage's replicas split the vocabulary differently (tp 1 and tp 2): their loss and
+    gradients meet in the full layout and match one process."""
+    cfg = _llama()
+
+    def rep(t):
+        return Replica(gpu_type="cpu", zone="local", tp=t, gpus_per_node=2)
+
+    one = _run(cfg, ParallelPlan(model=cfg.name, global_batch_size=4,
+                                 stages=(Stage(first_layer=0, last_layer=5, replicas=(rep(1),)),),
+                                 pipelines=(PipelineBatch(microbatch_size=2, num_microbatches=2),)), tmp_path, "one")
+    mixed = _run(cfg, ParallelPlan(model=cfg.name, global_batch_size=4,
+                                   stages=(Stage(first_layer=0, last_layer=2, replicas=(rep(1), rep(1))),
+                                           Stage(first_layer=3, last_layer=5, replicas=(rep(1), rep(2)))),
+                                   pipelines=(PipelineBatch(microbatch_size=1, num_microbatches=2),
+                                              PipelineBatch(microbatch_size=2, num_microbatches=1))), tmp_path, "mixed")
+    for a, b in zip(mixed, one, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
