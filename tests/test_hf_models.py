@@ -153,9 +153,14 @@ def reference_llama_logits(t: dict, d: dict, ids):
     for i in range(d["num_hidden_layers"]):
         p = f"model.layers.{i}."
         y = rms(x, t[p + "input_layernorm.weight"])
-        q = (y @ t[p + "self_attn.q_proj.weight"].T).view(b, s, nh, hd).transpose(1, 2)
-        k = (y @ t[p + "self_attn.k_proj.weight"].T).view(b, s, nkv, hd).transpose(1, 2)
-        v = (y @ t[p + "self_attn.v_proj.weight"].T).view(b, s, nkv, hd).transpose(1, 2)
+
+        def proj(name, y=y, p=p):  # Qwen2 has biases on q, k and v
+            bias = t.get(f"{p}self_attn.{name}.bias")
+            return y @ t[f"{p}self_attn.{name}.weight"].T + (0 if bias is None else bias)
+
+        q = proj("q_proj").view(b, s, nh, hd).transpose(1, 2)
+        k = proj("k_proj").view(b, s, nkv, hd).transpose(1, 2)
+        v = proj("v_proj").view(b, s, nkv, hd).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
         att = torch.softmax(q @ k.transpose(-1, -2) / hd**0.5 + mask, dim=-1) @ v
@@ -474,3 +479,33 @@ def test_sharded_export_reloads(tmp_path):
     assert sorted(back) == sorted(t) and all(torch.equal(back[k], t[k]) for k in t)
     layers, _ = checkpoint_layers(cfg, str(tmp_path / "ckpt"))
     assert all(torch.equal(hf_to_layers(cfg, back)[i][n], layers[i][n]) for i in layers for n in layers[i])
+
+
+def test_mistral_and_qwen2_are_llama_with_their_differences():
+    import torch
+
+    from sailor_core.models.safetensors_io import hf_to_layers, layers_to_hf
+
+    mistral = config_from_hf({**LLAMA, "model_type": "mistral", "sliding_window": 4096})
+    assert mistral.variant == "llama" and hf_config_of(mistral)["architectures"] == ["MistralForCausalLM"]
+    assert config_from_hf(hf_config_of(mistral), name=mistral.name) == mistral
+    with pytest.raises(SailorError, match="sliding-window attention over 16 tokens.*--seq-len 16"):
+        config_from_hf({**LLAMA, "model_type": "mistral", "sliding_window": 16})
+    assert config_from_hf({**LLAMA, "model_type": "mistral", "sliding_window": 16}, sequence_length=16).sliding_window == 16
+
+    d = {**LLAMA, "model_type": "qwen2", "sliding_window": 8, "use_sliding_window": False}
+    qwen = config_from_hf(d)
+    assert qwen.qkv_bias and qwen.sliding_window is None
+    assert layer_params(qwen, 1) == layer_params(config_from_hf(LLAMA), 1) + qwen.qkv_size
+    t = hf_llama_weights(LLAMA, seed=8)
+    g = torch.Generator().manual_seed(9)
+    for i in range(LLAMA["num_hidden_layers"]):
+        for name, n in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+            t[f"model.layers.{i}.self_attn.{name}.bias"] = torch.randn(n, generator=g) * 0.05
+    ids = torch.randint(0, qwen.vocab_size, (2, qwen.sequence_length), generator=g)
+    states = hf_to_layers(qwen, t)
+    got = single_process_logits(qwen, states, ids)
+    assert (got - reference_llama_logits(t, d, ids)).abs().max().item() < 1e-5
+    back = layers_to_hf(qwen, states)
+    assert sorted(back) == sorted(t) and all(torch.equal(back[k], t[k]) for k in t)
+    assert hf_config_of(qwen)["architectures"] == ["Qwen2ForCausalLM"]

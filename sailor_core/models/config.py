@@ -61,6 +61,9 @@ class TransformerConfig:
     # positions the model was built for (Hugging Face's max_position_embeddings; None: sequence_length):
     # a learned position table has this many rows (+ offset) whatever length is trained
     max_positions: int | None = None
+    qkv_bias: bool = False  # biases on the query/key/value projections only (Qwen2); other variants' own biases
+    sliding_window: int | None = None  # attention window of the source model (>= sequence_length: full attention)
+    hf_model_type: str | None = None  # the config.json's model_type it was read from (llama, mistral, qwen2, ...)
     # rotary frequency scaling for contexts longer than trained: None, "linear" (frequencies / factor)
     # or "llama3" (Llama 3.1's: low frequencies / factor, high kept, a smooth ramp between)
     rope_scaling: str | None = None
@@ -99,6 +102,11 @@ class TransformerConfig:
             bad("llama3 rope scaling needs original_max_position_embeddings >= 1 and high_freq_factor > low_freq_factor")
         if self.parallel_residual and self.variant != "gpt-neox":
             bad("parallel_residual is a gpt-neox option")
+        if self.qkv_bias and self.variant != "llama":
+            bad("qkv_bias is a llama-family option (the other variants have biases everywhere)")
+        if self.sliding_window is not None and self.sliding_window < self.sequence_length:
+            bad(f"sliding-window attention over {self.sliding_window} tokens is not built (sequence_length "
+                f"{self.sequence_length}); to fix: train sequences of at most {self.sliding_window} tokens")
         if self.max_positions is not None and self.max_positions < self.sequence_length:
             bad(f"sequence_length {self.sequence_length} is longer than max_positions {self.max_positions}")
         if self.position_offset < 0 or (self.position_offset and not self.learned_positions):
@@ -220,7 +228,7 @@ def layer_params(cfg: TransformerConfig, index: int, tp: int = 1) -> int:
         return _norm_params(cfg) + v * h // tp
     b = 1 if cfg.bias else 0
     q = cfg.qkv_size
-    attn = q * h // tp + b * q // tp + h * h // tp + b * h
+    attn = q * h // tp + (1 if cfg.bias or cfg.qkv_bias else 0) * q // tp + h * h // tp + b * h
     if cfg.mlp == "swiglu":
         mlp = 2 * h * f // tp + f * h // tp
     else:

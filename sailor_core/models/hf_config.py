@@ -2,7 +2,9 @@
 
 Contract:
 - `config_from_hf(d, name=None)` maps a config.json dict of the Llama (`model_type` "llama",
-  grouped-query attention via `num_key_value_heads`, RoPE), GPT-NeoX ("gpt_neox": partial rotary,
+  grouped-query attention via `num_key_value_heads`, RoPE; "mistral" and "qwen2", the same
+  architecture with, for Qwen2, biases on q/k/v, and a sliding window no shorter than the trained
+  sequence), GPT-NeoX ("gpt_neox": partial rotary,
   parallel residual) or OPT ("opt": pre-norm, learned positions with OPT's offset of 2, tied head)
   family onto a `TransformerConfig`; rotary models may carry `rope_scaling` of type "linear" or
   "llama3" (Llama 3.1 and later). The sequence length is `max_position_embeddings` unless
@@ -31,7 +33,8 @@ from typing import Any
 from sailor_core.domain import SailorError
 from sailor_core.models.config import TransformerConfig, register_config
 
-MODEL_TYPES = {"llama": "llama", "gpt_neox": "gpt-neox", "opt": "opt"}
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt_neox": "gpt-neox", "opt": "opt"}
+LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 OPT_POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding keeps two rows before position 0
 
 
@@ -113,12 +116,20 @@ def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: 
     if d.get("head_dim") not in (None, h // max(nh, 1)):
         raise _bad(f"head_dim {d['head_dim']} differs from hidden_size / num_attention_heads = {h // nh}",
                    "use a config whose heads split hidden_size evenly")
-    if model_type == "llama":
+    if model_type in LLAMA_FAMILY:
         _require(d, "hidden_act", ("silu",), "silu")
         _require(d, "attention_bias", (False,), False)
         _require(d, "mlp_bias", (False,), False)
+        window = d.get("sliding_window")
+        if model_type == "qwen2" and not d.get("use_sliding_window", False):
+            window = None  # Qwen2 keeps a window size in its config but attends in full unless told
+        if window is not None and int(window) < common["sequence_length"]:
+            raise _bad(f"sliding-window attention over {window} tokens is not built",
+                       f"train sequences of at most {window} tokens (--seq-len {window})")
         return TransformerConfig(
             **common, **_rope_scaling(d), ffn_hidden_size=_int(d, "intermediate_size"),
+            qkv_bias=model_type == "qwen2", sliding_window=int(window) if window is not None else None,
+            hf_model_type=model_type,
             num_kv_heads=int(d.get("num_key_value_heads") or nh), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(d.get("rope_theta", 10000.0)), tied_head=bool(d.get("tie_word_embeddings", False)),
         )
@@ -155,10 +166,18 @@ def hf_config_of(cfg: TransformerConfig) -> dict[str, Any]:
         "initializer_range": cfg.init_std, "torch_dtype": "float32",
     }
     if cfg.variant == "llama":
-        return {**base, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                "intermediate_size": cfg.ffn_hidden_size, "num_key_value_heads": cfg.kv_heads,
-                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-                "attention_bias": False, "mlp_bias": False, "rope_scaling": _rope_scaling_json(cfg)}
+        kind = cfg.hf_model_type or "llama"
+        out = {**base, "model_type": kind, "architectures": [LLAMA_FAMILY[kind]],
+               "intermediate_size": cfg.ffn_hidden_size, "num_key_value_heads": cfg.kv_heads,
+               "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+               "rope_scaling": _rope_scaling_json(cfg)}
+        if kind == "llama":
+            out.update(attention_bias=False, mlp_bias=False)
+        elif kind == "mistral":
+            out["sliding_window"] = cfg.sliding_window
+        else:
+            out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+        return out
     if cfg.variant == "gpt-neox":
         return {**base, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
                 "intermediate_size": cfg.ffn_hidden_size, "layer_norm_eps": cfg.norm_eps,

@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.group = cfg.num_heads // cfg.kv_heads  # query heads per KV head
         # Full-layout QKV rows are ordered (KV group, [q_1..q_group, k, v], head_dim), so splitting
         # rows evenly gives each TP rank whole KV groups with their queries, key and value.
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.qkv_size, tp, bias=cfg.bias)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.qkv_size, tp, bias=cfg.bias or cfg.qkv_bias)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, bias=cfg.bias)
         if cfg.rotary:
             inv = rope_inv_freq(cfg)
