@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - AdamW imports it lazily (10 s on a busy box): the forked ranks inherit it
 import torch.distributed as dist
 
 from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
