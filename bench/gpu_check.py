@@ -33,7 +33,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -131,6 +133,45 @@ def check_training(device: str, n_dev: int, model: str, steps: int, work: Path) 
     return verdicts
 
 
+def compare_with_published(profiles: Sequence[Any], published: Callable[[str], Sequence[Any]], own: str) -> tuple[bool, str]:
+    """Our OPT-350 layer profiles against the published ones (`published(gpu_type)` lists a type's
+    LayerProfiles). Per (mbs, tp): forward + backward summed over the layers. Fails on a
+    non-positive or non-finite time, on a sum that does not grow with the microbatch, and, where
+    `own` (the device's GPU type) is published, on a sum outside a factor PUBLISHED_BAND of its."""
+    ours: dict[tuple[int, int], float] = {}
+    for p in profiles:
+        if not (math.isfinite(p.forward_s) and math.isfinite(p.backward_s) and p.forward_s > 0 and p.backward_s >= 0):
+            return False, f"layer {p.layer} mbs={p.mbs} tp={p.tp}: fwd {p.forward_s} s bwd {p.backward_s} s"
+        ours[(p.mbs, p.tp)] = ours.get((p.mbs, p.tp), 0.0) + p.forward_s + p.backward_s
+    n_layers = len({p.layer for p in profiles})
+    pub: dict[str, dict[tuple[int, int], float]] = {}
+    for g in (own, *PUBLISHED):
+        sums: dict[tuple[int, int], float] = {}
+        counts: dict[tuple[int, int], int] = {}
+        for p in published(g):
+            sums[(p.mbs, p.tp)] = sums.get((p.mbs, p.tp), 0.0) + p.forward_s + p.backward_s
+            counts[(p.mbs, p.tp)] = counts.get((p.mbs, p.tp), 0) + 1
+        complete = {k: v for k, v in sums.items() if counts[k] == n_layers}  # a partial profile is no total
+        if complete:
+            pub[g] = complete
+        if g == own and g in pub:
+            break  # the device's own type is published: compare with it alone
+    parts, bad = [], []
+    for key in sorted(ours):
+        ratios = {g: ours[key] / pub[g][key] for g in pub if pub[g].get(key)}
+        parts.append(f"mbs={key[0]} tp={key[1]} {ours[key] * 1e3:.1f} ms"
+                     + "".join(f", x{r:.2f} of {g}" for g, r in ratios.items()))
+        if own in ratios and not 1 / PUBLISHED_BAND <= ratios[own] <= PUBLISHED_BAND:
+            bad.append(f"mbs={key[0]} tp={key[1]} is x{ratios[own]:.2f} of the published {own}")
+    for tp in sorted({t for _, t in ours}):
+        seq = [ours[(m, tp)] for m in sorted(m for m, t in ours if t == tp)]
+        if any(b <= a for a, b in zip(seq, seq[1:], strict=False)):
+            bad.append(f"tp={tp}: time does not grow with the microbatch ({[round(s * 1e3, 1) for s in seq]} ms)")
+    scope = f"published {own}" if own in pub else f"{own} is not published; ratios to {', '.join(PUBLISHED)}"
+    detail = f"fwd+bwd summed over {n_layers} layers; {scope}: " + "; ".join(parts)
+    return not bad, ("; ".join(bad) + " | " if bad else "") + detail
+
+
 def check_profile(n_dev: int, mbs: tuple[int, ...], precision: str) -> str:
     from profiles_store import open_store
     from sailor_core.profiler import ModelProfileSettings, profile_model
@@ -141,39 +182,15 @@ def check_profile(n_dev: int, mbs: tuple[int, ...], precision: str) -> str:
     t0 = time.monotonic()
     try:
         prof = profile_model(ModelProfileSettings(model="OPT-350", device="cuda", mbs=mbs, tp=tps, precision=precision))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - one FAIL line per check
         return line(name, "FAIL", f"the profiler failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-    ours: dict[tuple[int, int], float] = {}
-    for p in prof.profiles:
-        if not (math.isfinite(p.forward_s) and math.isfinite(p.backward_s) and p.forward_s > 0 and p.backward_s >= 0):
-            return line(name, "FAIL", f"layer {p.layer} mbs={p.mbs} tp={p.tp}: fwd {p.forward_s} s bwd {p.backward_s} s")
-        ours[(p.mbs, p.tp)] = ours.get((p.mbs, p.tp), 0.0) + p.forward_s + p.backward_s
     store = open_store(tempfile.mkdtemp(prefix="sailor-gpu-check-"))  # the shipped seed: published profiles
-    own = default_gpu_type("cuda")
-    pub: dict[str, dict[tuple[int, int], float]] = {}
-    for g in (own, *PUBLISHED):
-        for p in store.layer_profiles("OPT-350", [g]):
-            pub.setdefault(g, {})
-            pub[g][(p.mbs, p.tp)] = pub[g].get((p.mbs, p.tp), 0.0) + p.forward_s + p.backward_s
-        if g == own and g in pub:
-            break  # the device's own type is published: compare with it alone
-    parts, bad = [], []
-    for key in sorted(ours):
-        ratios = {g: ours[key] / pub[g][key] for g in pub if pub[g].get(key)}
-        parts.append(f"mbs={key[0]} tp={key[1]} {ours[key] * 1e3:.1f} ms"
-                     + "".join(f", x{r:.2f} of {g}" for g, r in ratios.items()))
-        if own in ratios and not 1 / PUBLISHED_BAND <= ratios[own] <= PUBLISHED_BAND:
-            bad.append(f"mbs={key[0]} tp={key[1]} is x{ratios[own]:.2f} of the published {own}")
-    for t in tps:
-        seq = [ours[(m, t)] for m in sorted(m for m, tt in ours if tt == t)]
-        if any(b <= a for a, b in zip(seq, seq[1:], strict=False)):
-            bad.append(f"tp={t}: time does not grow with the microbatch ({[round(s * 1e3, 1) for s in seq]} ms)")
-    scope = f"published {own}" if own in pub else f"{own} is not published; ratios to {', '.join(PUBLISHED)}"
-    detail = (f"fwd+bwd summed over {len({p.layer for p in prof.profiles})} layers, {precision}, "
-              f"{time.monotonic() - t0:.0f} s; {scope}: " + "; ".join(parts))
+    ok, detail = compare_with_published(prof.profiles, lambda g: store.layer_profiles("OPT-350", [g]),
+                                        default_gpu_type("cuda"))
+    detail += f" ({precision}, {time.monotonic() - t0:.0f} s)"
     if prof.infeasible:
         detail += f"; out of memory at {[(x.mbs, x.tp) for x in prof.infeasible]}"
-    return line(name, "FAIL" if bad else "OK", ("; ".join(bad) + " | " if bad else "") + detail)
+    return line(name, "OK" if ok else "FAIL", detail)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,9 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         n_dev = torch.cuda.device_count()
         nccl = torch.distributed.is_nccl_available()
         names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(n_dev)}))
+        v = torch.cuda.nccl.version() if nccl else "missing"
         verdicts.append(line("cuda", "OK" if nccl else "FAIL",
                              f"{n_dev} x {names}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
-                             f"nccl {'.'.join(map(str, torch.cuda.nccl.version())) if nccl else 'missing'}"))
+                             f"nccl {'.'.join(map(str, v)) if isinstance(v, tuple) else v}"))
     else:
         n_dev = 2
         line("cuda", "SKIP", "--device cpu: training checks over gloo on CPU workers")

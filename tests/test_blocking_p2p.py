@@ -271,3 +271,33 @@ def test_gpu_check_prints_skip_lines_without_cuda():
     assert [c.split(":")[0] for c in checks] == [f"CHECK {n}" for n in (
         "cuda", "train-1rank", "train-1f1b-2stages", "train-tp2", "profile-opt350")]
     assert all(": SKIP " in c for c in checks), checks
+
+
+def test_gpu_check_compares_a_profile_with_the_published_one(tmp_path):
+    import dataclasses
+    import importlib.util
+
+    from profiles_store import open_store
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    store = open_store(str(tmp_path / "store"))  # the shipped seed: the artifact's published profiles
+
+    def published(gpu_type: str) -> list[Any]:
+        return store.layer_profiles("OPT-350", [gpu_type])
+
+    same = [p for p in published("GH-96") if p.tp == 1 and p.mbs in (1, 2, 4)]
+    ok, detail = gpu_check.compare_with_published(same, published, "GH-96")
+    assert ok and "x1.00 of GH-96" in detail and "A100-40" not in detail, detail
+    slow = [dataclasses.replace(p, forward_s=3 * p.forward_s, backward_s=3 * p.backward_s) for p in same]
+    ok, detail = gpu_check.compare_with_published(slow, published, "GH-96")
+    assert not ok and "x3.00 of the published GH-96" in detail, detail
+    ok, detail = gpu_check.compare_with_published(slow, published, "H200")  # a type the artifact did not profile
+    assert ok and "H200 is not published" in detail and "of A100-40" in detail, detail
+    flat = [dataclasses.replace(p, forward_s=1e-3, backward_s=1e-3) for p in same]
+    ok, detail = gpu_check.compare_with_published(flat, published, "H200")
+    assert not ok and "does not grow with the microbatch" in detail, detail
+    broken = [dataclasses.replace(same[0], forward_s=0.0), *same[1:]]  # a layer that took no time: not measured
+    assert not gpu_check.compare_with_published(broken, published, "GH-96")[0]
