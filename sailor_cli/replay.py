@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -54,9 +55,10 @@ FAST_SEARCH = dict(patience=1, mixed_pipelines=0, rescore_top=4, exhaustive_part
 
 
 def replay(
-    trace: Annotated[str, typer.Option("--trace", help="trace file (docs/replay.md), or 'synthetic'")],
-    model: Annotated[str, typer.Option("--model", help="model name, e.g. OPT-350")],
-    global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="sequences per iteration")],
+    trace: Annotated[str | None, typer.Option("--trace", help="trace file (docs/replay.md), or 'synthetic'")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="model name, e.g. OPT-350")] = None,
+    global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", help="sequences per iteration")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="replay a run the flow made (its id in `sailor runs list`) and compare decisions")] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="steps to train")] = None,
     token_budget: Annotated[int | None, typer.Option("--token-budget", help="tokens to train (instead of --steps)")] = None,
     policy: Annotated[str, typer.Option("--policy", help=f"{' | '.join(POLICIES)} | all")] = "all",
@@ -90,6 +92,11 @@ def replay(
     """Replay a training job over a trace of GPU availability and prices, and compare reaction policies."""
     from sailor_cli.simulate import load_book
 
+    if run is not None:
+        _replay_run(run, store, as_json)
+        return
+    if trace is None or model is None or global_batch_size is None:
+        raise SailorError("give --trace, --model and --global-batch-size (or --run RUN_ID); to fix: add the missing ones")
     if (steps is None) == (token_budget is None):
         raise SailorError("give exactly one of --steps and --token-budget; to fix: add one of them")
     if search not in ("fast", "full"):
@@ -137,6 +144,64 @@ def replay(
         typer.echo(json.dumps(doc))
     else:
         _print(doc, timeline_png)
+
+
+def run_inputs(store_uri: str | None, run_id: str, workdir: Path) -> tuple[dict[str, Any], Trace, ProfileBook, ReplayJob]:
+    """A finished run as the replay sees it: its history, trace, calibrated book and job.
+
+    The starting pool is what the run's provider offered at its start; a local run's provider is
+    rebuilt from the run's scenario (its offerings are a function of the file) in `workdir`.
+    The book is the store's, priced and calibrated as the flow had it when the run started.
+    """
+    from infra.local import LocalProvider
+    from infra.scenario import load_scenario
+    from profiles_store.store import open_store
+    from sailor_core.replay.history import run_job, run_trace
+    from tasks.history import RunHistory
+    from tasks.planning import calibrated_book, pool_from, priced_book
+
+    st = open_store(store_uri)
+    r = RunHistory(st).show(run_id)
+    p = r.get("params") or {}
+    if p.get("provider") != "local":
+        raise SailorError(f"run {run_id} ran on {p.get('provider')!r}: only local runs can be replayed from their history "
+                          f"(their offerings at the start follow from their scenario); to fix: pick a local run")
+    if p.get("scenario") and not Path(p["scenario"]).is_file():
+        raise SailorError(f"run {run_id}'s scenario {p['scenario']} is gone; to fix: replay where the file is")
+    provider = LocalProvider(workdir, scenario=load_scenario(p["scenario"]) if p.get("scenario") else None)
+    offers = provider.offerings(regions=p.get("regions"), gpu_types=p.get("gpu_types"),
+                                markets=[Market.parse(m) for m in p["markets"]] if p.get("markets") else None)
+    gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
+    started = datetime.fromisoformat(r["started_at"])
+    factors: dict[str, float] = {}  # the flow's starting calibration: the newest factor per type before the run
+    for m in sorted(st.read_history("measurements", kind="calibration"), key=lambda m: m.time):
+        if m.time < started and m.run_id != run_id and m.payload.get("gpu_type") in gpu_set:
+            factors[str(m.payload["gpu_type"])] = float(m.payload["factor"])
+    book = calibrated_book(priced_book(st.profile_book(str(p["model"]), gpu_set), offers), factors)
+    return r, run_trace(r, pool_from(offers)), book, run_job(r, sequence_length=book.model.sequence_length)
+
+
+def _replay_run(run_id: str, store: str | None, as_json: bool) -> None:
+    import tempfile
+
+    from sailor_core.replay.history import decisions_of
+
+    with tempfile.TemporaryDirectory(prefix="sailor-replay-") as tmp:
+        r, tr, book, job = run_inputs(store, run_id, Path(tmp))
+    res = run_replay(tr, book, job, policy_named("sailor"), name="sailor")
+    flow = decisions_of(r)
+    ours = [(d.kind, d.step) for d in res.decisions if d.trigger != "start"]
+    doc = {"run_id": run_id, "flow_decisions": flow, "replay_decisions": ours, "same": flow == ours,
+           "result": res.to_json(detail=True)}
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    typer.echo(f"run {run_id}: {len(flow)} decisions by the flow, {len(ours)} by the replay "
+               f"({'the same' if flow == ours else 'they differ'})")
+    for k in range(max(len(flow), len(ours))):
+        a = f"{flow[k][0]} at step {flow[k][1]}" if k < len(flow) else "-"
+        b = f"{ours[k][0]} at step {ours[k][1]}" if k < len(ours) else "-"
+        typer.echo(f"  flow: {a:<24} replay: {b}")
 
 
 def _split(values: list[str] | None) -> list[str]:

@@ -273,6 +273,10 @@ class _State:
     waiting_s: float = 0.0
     switches: int = 0
     done_at: float | None = None
+    drain_until: float = 0.0  # a plan under notice trains until then (drain_* describe it)
+    drain_it: float = 0.0
+    drain_usd_per_hour: float = 0.0
+    drain_gpus: int = 0
     decisions: list[Decision] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     progress: list[tuple[float, float, float]] = field(default_factory=list)
@@ -291,6 +295,21 @@ class _State:
 
 def _advance(s: _State, until: float, total: int) -> None:
     """Train and pay from s.t to `until` (or to the last step, if it comes first)."""
+    if s.drain_until > s.t:
+        # A plan under a preemption notice trains on until it is stopped (its progress is kept:
+        # the runtime checkpointed on the notice and checkpoints again when stopped).
+        end = min(until, s.drain_until)
+        need_s = (total - s.step) * s.drain_it
+        if s.t + need_s <= end:
+            end = s.t + need_s
+            s.done_at = end
+        s.step = min(float(total), s.step + (end - s.t) / s.drain_it)
+        s.usd += s.drain_usd_per_hour * (end - s.t) / 3600.0
+        s.gpu_hours += s.drain_gpus * (end - s.t) / 3600.0
+        if s.done_at is not None:
+            s.segment(s.t, end, "train")
+            s.t = end
+            return
     if s.plan is None or s.cost is None:
         s.segment(s.t, until, "wait")
         s.waiting_s += until - s.t
@@ -318,33 +337,43 @@ def _when(pt: TracePoint, s: _State) -> float:
         return pt.at_s
     if s.step + 1e-9 >= pt.at_step:
         return s.t
+    step, t = s.step, s.t
+    if s.drain_until > s.t:
+        reach = s.t + (pt.at_step - s.step) * s.drain_it
+        if reach <= s.drain_until:
+            return reach
+        step, t = s.step + (s.drain_until - s.t) / s.drain_it, s.drain_until
     if s.plan is None or s.cost is None:
         return math.inf  # nothing trains: the step is never reached
-    return max(s.t, s.ready_at) + (pt.at_step - s.step) * s.cost.iteration_time_s
-
-
-def _violations(job: ReplayJob, c: PlanCost) -> list[str]:
-    return job.constraints.violations(usd_per_iteration=c.usd_per_iteration, usd_per_hour=c.usd_per_hour,
-                                      iterations_per_s=1.0 / c.iteration_time_s if c.iteration_time_s > 0 else math.inf)
+    return max(t, s.ready_at) + (pt.at_step - step) * s.cost.iteration_time_s
 
 
 def _notice(s: _State, job: ReplayJob, t: float) -> None:
     """The trace took GPUs the plan holds: the old plan trains through the grace window, then goes."""
     assert s.plan is not None and s.cost is not None
-    window = min(job.grace_s, job.reconfiguration_s) if job.checkpoint_on_notice else job.grace_s
-    training = max(0.0, t + window - max(t, s.ready_at))
-    gained = min(training / s.cost.iteration_time_s, job.total_steps - s.step)
-    s.usd += s.cost.usd_per_hour * window / 3600.0
-    s.gpu_hours += s.gpus * window / 3600.0
-    reached = s.step + gained
     if job.checkpoint_on_notice:
-        s.step = reached
+        # Trains on until the flow stops it for the new plan (or the VMs go), progress kept.
+        window = min(job.grace_s, job.reconfiguration_s)
+        if t + window > max(t, s.ready_at):
+            s.drain_until, s.drain_it = t + window, s.cost.iteration_time_s
+            s.drain_usd_per_hour, s.drain_gpus = s.cost.usd_per_hour, s.gpus
         return
+    # No checkpoint on the notice: the old plan trains until its VMs go, then everything since the
+    # last periodic checkpoint is lost and redone.
+    training = max(0.0, t + job.grace_s - max(t, s.ready_at))
+    reached = s.step + min(training / s.cost.iteration_time_s, job.total_steps - s.step)
+    s.usd += s.cost.usd_per_hour * job.grace_s / 3600.0
+    s.gpu_hours += s.gpus * job.grace_s / 3600.0
     kept = math.floor(reached / job.checkpoint_interval) * job.checkpoint_interval
     redone = reached - kept
     s.redone += redone
     s.wasted_gpu_hours += redone * s.cost.iteration_time_s * s.gpus / 3600.0
     s.step = float(kept)
+
+
+def _violations(job: ReplayJob, c: PlanCost) -> list[str]:
+    return job.constraints.violations(usd_per_iteration=c.usd_per_iteration, usd_per_hour=c.usd_per_hour,
+                                      iterations_per_s=1.0 / c.iteration_time_s if c.iteration_time_s > 0 else math.inf)
 
 
 def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, name: str = "",
@@ -361,7 +390,7 @@ def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, n
     trigger = "start"
     while True:
         pool = trace.pool_at(i)
-        _decide(s, job, planner, policy, pool, trigger)
+        _decide(s, job, planner, policy, pool, trigger, trace.taken_at(i) if i else {})
         s.progress.append((s.t, s.step, s.usd))
         if s.step >= job.total_steps and s.done_at is None:
             s.done_at = s.t
@@ -403,12 +432,18 @@ def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, n
     )
 
 
-def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: ResourcePool, trigger: str) -> None:
-    lost = bool(s.plan is not None and missing_gpus(s.plan, pool))
+def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: ResourcePool, trigger: str,
+            taken: dict[PlaceKey, int]) -> None:
+    gone: dict[PlaceKey, int] = {}
+    if s.plan is not None:
+        gone = missing_gpus(s.plan, pool)
+        for k, n in s.plan.gpus_by_place().items():  # running VMs reclaimed: the job's among them
+            if taken.get(k, 0) > 0:
+                gone[k] = max(gone.get(k, 0), min(n, taken[k]))
+    lost = bool(gone)
     broken = ""
     if s.plan is not None:
         if lost:
-            gone = missing_gpus(s.plan, pool)
             broken = (f"{sum(gone.values())} GPU(s) of the plan gone ("
                       + ", ".join(f"{n}x {g} {m.value} @{z}" for (z, g, m), n in sorted(gone.items())) + ")")
         else:

@@ -4,8 +4,10 @@ Contract: pure. `run_trace(run, initial)` takes the run as `RunHistory.show` ret
 dicts: params, events, decisions) and the pool the run started with (the provider's offerings at
 the start; for the local provider, its scenario's), and returns a step-based `Trace` with one
 point per replan the flow made, at the step it made it, holding the pool as the stored events
-left it by then: a preemption removes the preempted VM's GPUs from its place, a price change
-sets the place's price, a capacity change sets its number of VMs. `run_job(run, ...)` is the
+left it by then: a preemption takes the preempted VM from the job and its GPUs from the place's
+capacity, a lost worker takes its VM from the job (the capacity stays), a price change sets the
+place's price, a capacity change sets its number of VMs. Calibrations the run made mid-way (its
+`iteration_time` replans) are not replayed: the book stays as calibrated at the run's start. `run_job(run, ...)` is the
 `ReplayJob` of the run's parameters, deciding as the flow does (its reconfiguration estimate,
 its search, no plan reuse across pools). Replayed under the `sailor` policy, the replay meets
 the same events at the same steps and decides with the same planner and `decide_switch`;
@@ -21,7 +23,7 @@ from typing import Any
 from sailor_core.domain import Market, PoolEntry, ResourcePool, SailorError
 from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
 from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S
-from sailor_core.replay.engine import ReplayJob
+from sailor_core.replay.engine import DEFAULT_GRACE_S, ReplayJob
 from sailor_core.replay.trace import Place, Trace, TracePoint
 
 Key = tuple[str, str, Market]
@@ -43,16 +45,28 @@ def run_trace(run: Mapping[str, Any], initial: ResourcePool) -> Trace:
     places = tuple(Place(zone=e.zone, gpu_type=e.gpu_type, market=e.market, region=e.region, cloud=e.cloud,
                          gpus_per_node=e.gpus_per_node) for e in entries.values())
 
+    taken = {k: 0 for k in order}
+
     def point(at_step: int | None) -> TracePoint:
-        return TracePoint(at_s=0.0, counts=tuple(count[k] for k in order),
-                          usd_per_gpu_hour=tuple(price[k] for k in order), at_step=at_step)
+        pt = TracePoint(at_s=0.0, counts=tuple(count[k] for k in order),
+                        usd_per_gpu_hour=tuple(price[k] for k in order), at_step=at_step,
+                        taken=tuple(taken[k] for k in order) if any(taken.values()) else ())
+        for k in order:
+            taken[k] = 0
+        return pt
 
     points = [point(None)]
     for ev in run.get("events", []):
         kind = ev.get("kind")
         k = _key(ev)
         if kind == "preemption" and k in count:
-            count[k] = max(0, count[k] - entries[k].gpus_per_node)
+            count[k] = max(0, count[k] - entries[k].gpus_per_node)  # the VM and its capacity go
+            taken[k] += entries[k].gpus_per_node
+        elif kind == "lost":
+            # A worker that died: its VM is released, the capacity stays. A worker's own report
+            # names no place: the plan lost a worker wherever it runs.
+            for x in [k] if k in taken else order:
+                taken[x] += entries[x].gpus_per_node
         elif kind == "price_change" and k in price and ev.get("new_usd_per_gpu_hour") is not None:
             price[k] = float(ev["new_usd_per_gpu_hour"])
         elif kind == "capacity_change" and k in count and ev.get("new_count") is not None:
@@ -74,6 +88,7 @@ def run_job(run: Mapping[str, Any], *, sequence_length: int,
     if p.get("provider") == "local" and workers:  # the flow's rule (RunContext.planner_args)
         max_gpus = min(max_gpus or workers, workers)
     search = SearchOptions(max_stages=int(p["max_stages"])) if p.get("max_stages") else SearchOptions()
+    graces = [float(e["grace_s"]) for e in run.get("events", []) if e.get("kind") == "preemption" and "grace_s" in e]
     return ReplayJob(
         model=str(p["model"]), global_batch_size=gbs, total_steps=int(steps), tokens_per_step=gbs * sequence_length,
         objective=Objective.parse(p.get("objective", "min-cost")).value,
@@ -85,6 +100,7 @@ def run_job(run: Mapping[str, Any], *, sequence_length: int,
                                   markets=tuple(Market.parse(m) for m in p.get("markets") or ()), max_gpus=max_gpus),
         search=search, checkpoint_interval=int(p.get("checkpoint_interval", 10)), reconfiguration_s=reconfiguration_s,
         min_gain=float(p.get("min_gain", 0.0)), reuse_dominating_plans=False,
+        grace_s=max(graces) if graces else DEFAULT_GRACE_S,
     )
 
 

@@ -75,13 +75,16 @@ class TracePoint:
     """From `at_s` on: `counts[k]` GPUs at `usd_per_gpu_hour[k]` in place k.
 
     A point with `at_step` takes effect when the job has trained that many steps instead (a
-    run's own history, or a scenario scripted by step); its `at_s` is then ignored.
+    run's own history, or a scenario scripted by step); its `at_s` is then ignored. `taken[k]`
+    GPUs of running VMs in place k are reclaimed at this point (preempted, or workers lost): a
+    job holding GPUs there loses them even if the place still has free capacity (empty: none).
     """
 
     at_s: float
     counts: tuple[int, ...]
     usd_per_gpu_hour: tuple[float, ...]
     at_step: int | None = None
+    taken: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +120,9 @@ class Trace:
             if len(pt.counts) != n or len(pt.usd_per_gpu_hour) != n:
                 raise TraceError(f"trace {self.name!r} point {i}: {len(pt.counts)} counts and "
                                  f"{len(pt.usd_per_gpu_hour)} prices for {n} places; to fix: one of each per place")
+            if pt.taken and len(pt.taken) != n:
+                raise TraceError(f"trace {self.name!r} point {i}: {len(pt.taken)} taken counts for {n} places; "
+                                 f"to fix: one per place, or none")
             if any(c < 0 for c in pt.counts) or any(not (u >= 0 and math.isfinite(u)) for u in pt.usd_per_gpu_hour):
                 raise TraceError(f"trace {self.name!r} point {i}: counts and prices must be >= 0")
 
@@ -132,6 +138,10 @@ class Trace:
     @property
     def max_gpus(self) -> int:
         return max(sum(p.counts) for p in self.points)
+
+    def taken_at(self, i: int) -> dict[tuple[str, str, Market], int]:
+        pt = self.points[i]
+        return {pl.key: n for pl, n in zip(self.places, pt.taken, strict=True) if n > 0} if pt.taken else {}
 
     def pool_at(self, i: int) -> ResourcePool:
         pool = self._pools.get(i)
@@ -150,8 +160,9 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
         "format": TRACE_FORMAT, "version": TRACE_VERSION, "name": trace.name,
         "places": [{"zone": p.zone, "gpu_type": p.gpu_type, "market": p.market.value, "region": p.region,
                     "cloud": p.cloud, "gpus_per_node": p.gpus_per_node} for p in trace.places],
-        "points": [{"at_s": pt.at_s, "counts": list(pt.counts), "usd_per_gpu_hour": list(pt.usd_per_gpu_hour)}
-                   for pt in trace.points],
+        "points": [{"at_s": pt.at_s, "counts": list(pt.counts), "usd_per_gpu_hour": list(pt.usd_per_gpu_hour),
+                    **({"at_step": pt.at_step} if pt.at_step is not None else {}),
+                    **({"taken": list(pt.taken)} if pt.taken else {})} for pt in trace.points],
     }
 
 
@@ -159,7 +170,8 @@ def _merge_equal(points: Sequence[TracePoint]) -> tuple[TracePoint, ...]:
     """Drop points that change nothing (the replay decides only where something changed)."""
     out: list[TracePoint] = []
     for pt in points:
-        if out and out[-1].counts == pt.counts and out[-1].usd_per_gpu_hour == pt.usd_per_gpu_hour:
+        if out and out[-1].counts == pt.counts and out[-1].usd_per_gpu_hour == pt.usd_per_gpu_hour \
+                and not any(pt.taken):
             continue
         out.append(pt)
     return tuple(out)
@@ -176,8 +188,10 @@ def parse_sailor_trace(data: Any, *, source: str = "trace") -> Trace:
         places = tuple(Place(zone=str(p["zone"]), gpu_type=str(p["gpu_type"]), market=p.get("market", "on-demand"),
                              region=str(p.get("region") or ""), cloud=str(p.get("cloud") or "gcp"),
                              gpus_per_node=int(p.get("gpus_per_node") or 1)) for p in data["places"])
-        points = tuple(TracePoint(at_s=float(pt["at_s"]), counts=tuple(int(c) for c in pt["counts"]),
-                                  usd_per_gpu_hour=tuple(float(u) for u in pt["usd_per_gpu_hour"]))
+        points = tuple(TracePoint(at_s=float(pt.get("at_s", 0.0)), counts=tuple(int(c) for c in pt["counts"]),
+                                  usd_per_gpu_hour=tuple(float(u) for u in pt["usd_per_gpu_hour"]),
+                                  at_step=int(pt["at_step"]) if pt.get("at_step") is not None else None,
+                                  taken=tuple(int(c) for c in pt.get("taken") or ()))
                        for pt in data["points"])
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"{source}: malformed sailor trace ({type(e).__name__}: {e}); "
