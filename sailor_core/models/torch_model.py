@@ -85,19 +85,14 @@ class Attention(nn.Module):
         # rows evenly gives each TP rank whole KV groups with their queries, key and value.
         self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.qkv_size, tp, bias=cfg.bias or cfg.qkv_bias)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, bias=cfg.bias)
-        if cfg.rotary:
-            inv = rope_inv_freq(cfg)
-            ang = torch.outer(torch.arange(cfg.sequence_length, dtype=torch.float64), inv)
-            ang = torch.cat([ang, ang], dim=-1)
-            self.register_buffer("cos", ang.cos().float(), persistent=False)
-            self.register_buffer("sin", ang.sin().float(), persistent=False)
 
     def _rope(self, x: torch.Tensor) -> torch.Tensor:
         """Rotary positions on the first `rotary_dims` of each head (rotate-half convention)."""
         s, rd = x.shape[-2], self.cfg.rotary_dims
+        cos, sin = rope_tables(self.cfg, x.device)
         rot = x if rd == x.shape[-1] else x[..., :rd]
         x1, x2 = rot.chunk(2, dim=-1)
-        rot = rot * self.cos[:s] + torch.cat([-x2, x1], dim=-1) * self.sin[:s]
+        rot = rot * cos[:s] + torch.cat([-x2, x1], dim=-1) * sin[:s]
         return rot if rd == x.shape[-1] else torch.cat([rot, x[..., rd:]], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +110,23 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(o.transpose(1, 2).reshape(b, s, self.local_heads * self.cfg.head_dim))
+
+
+_ROPE_TABLES: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_tables(cfg: TransformerConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's rotary angles, [sequence_length, rotary_dims] in fp32: one
+    pair per (rotary settings, device) in the process, shared by every layer (one table per layer
+    would hold, e.g., 2 x 4 MiB x 32 layers at 8192 positions of 128 dimensions)."""
+    key = (cfg.sequence_length, cfg.rotary_dims, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
+           cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_positions, str(device))
+    hit = _ROPE_TABLES.get(key)
+    if hit is None:
+        ang = torch.outer(torch.arange(cfg.sequence_length, dtype=torch.float64), rope_inv_freq(cfg))
+        ang = torch.cat([ang, ang], dim=-1)
+        hit = _ROPE_TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
+    return hit
 
 
 def rope_inv_freq(cfg: TransformerConfig) -> torch.Tensor:
