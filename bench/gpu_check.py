@@ -14,13 +14,15 @@ Checks, each printed as `CHECK <name>: OK|SKIP|FAIL <details>`:
   2048 every activation sent is 8 MiB in fp32, large enough that NCCL's sends wait for their
   receives): the losses must be within 1e-3 (relative) of train-1rank.
 - train-tp2: one stage with tp = 2 over 2 GPUs: the same test.
+- train-dp2 (2 GPUs) and train-1f1b-2stages-dp2 (4 GPUs): two data-parallel replicas, whose NCCL
+  gradient all-reduces overlap the backward (and, with 2 stages, the pipeline's sends): the same test.
 - profile-opt350: OPT-350's layers profiled with CUDA events by sailor_core.profiler (tp 1, and 2
   where 2 GPUs exist; bf16 autocast by default), compared with the published profiles in the seed
   store: where the device's own GPU type is published, the summed forward+backward time of every
   microbatch size must be within a factor PUBLISHED_BAND of it; otherwise the ratios to the
   published GH-96 and A100-40 are printed and only sanity is checked (positive, growing with the
   microbatch). bench/cuda_layer_check.py prints the per-layer table.
-A 1-GPU machine runs train-1rank and the profile and SKIPs the checks that need 2 GPUs; a machine
+A 1-GPU machine runs train-1rank and the profile and SKIPs the checks that need 2 or 4 GPUs; a machine
 without CUDA SKIPs every check. Exit status: 1 if a check FAILed, else 0.
 """
 
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LOSS_REL_TOL = 1e-3  # as tests/test_runtime.py: a plan's losses against one process
 PUBLISHED_BAND = 2.0  # our layer-time sum / the published one, same GPU type: host and software differ
 PUBLISHED = ("GH-96", "A100-40")  # shown for a GPU type the artifact did not profile
+TRAINING_CHECKS = ("train-1rank", "train-1f1b-2stages", "train-tp2", "train-dp2", "train-1f1b-2stages-dp2")
 RUNTIME_GPU_LABEL = "A100-80"  # plan label for a GPU the catalog lacks: the runtime only tells 'cpu' from CUDA
 
 
@@ -51,16 +54,18 @@ def line(name: str, verdict: str, detail: str) -> str:
     return verdict
 
 
-def _plan(gpu_type: str, stages: list[tuple[int, int, int]], mbs: int, n_micro: int, num_layers: int, model: str,
+def _plan(gpu_type: str, stages: list[tuple[int, int, int]], dp: int, mbs: int, n_micro: int, model: str,
           gpus_per_node: int):
+    """Stages (first layer, last layer, tp) with `dp` replicas each; the global batch is always
+    mbs x n_micro, split evenly over the pipelines, so every plan's losses compare with one GPU's."""
     from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
 
-    rep = [Replica(gpu_type=gpu_type, zone="local", tp=tp, gpus_per_node=gpus_per_node) for _, _, tp in stages]
-    assert stages[-1][1] == num_layers - 1
-    return ParallelPlan(model=model, global_batch_size=mbs * n_micro, precision="fp32",
-                        stages=tuple(Stage(first_layer=a, last_layer=b, replicas=(r,))
-                                     for (a, b, _), r in zip(stages, rep, strict=True)),
-                        pipelines=(PipelineBatch(microbatch_size=mbs, num_microbatches=n_micro),))
+    return ParallelPlan(
+        model=model, global_batch_size=mbs * n_micro, precision="fp32",
+        stages=tuple(Stage(first_layer=a, last_layer=b,
+                           replicas=(Replica(gpu_type=gpu_type, zone="local", tp=tp, gpus_per_node=gpus_per_node),) * dp)
+                     for a, b, tp in stages),
+        pipelines=(PipelineBatch(microbatch_size=mbs, num_microbatches=n_micro // dp),) * dp)
 
 
 def _train(plan, cfg, steps: int, run_dir: Path) -> list[float]:
@@ -99,20 +104,25 @@ def check_training(device: str, n_dev: int, model: str, steps: int, work: Path) 
         gpu_type, note = "cpu", "cpu workers, gloo"
     mbs, n_micro = 1, 4
     half = n_layers // 2
-    plans: dict[str, tuple[list[tuple[int, int, int]], int]] = {
-        "train-1rank": ([(0, n_layers - 1, 1)], 1),
-        "train-1f1b-2stages": ([(0, half - 1, 1), (half, n_layers - 1, 1)], 2),
-        "train-tp2": ([(0, n_layers - 1, 2)], 2),
+    whole, two = [(0, n_layers - 1, 1)], [(0, half - 1, 1), (half, n_layers - 1, 1)]
+    plans: dict[str, tuple[list[tuple[int, int, int]], int]] = {  # stages, data-parallel replicas
+        "train-1rank": (whole, 1),
+        "train-1f1b-2stages": (two, 1),
+        "train-tp2": ([(0, n_layers - 1, 2)], 1),
+        "train-dp2": (whole, 2),  # NCCL all-reduces overlapped with the backward
+        "train-1f1b-2stages-dp2": (two, 2),  # the same, interleaved with the pipeline's sends
     }
+    assert tuple(plans) == TRAINING_CHECKS
     reference: list[float] | None = None
-    for name, (stages, need) in plans.items():
+    for name, (stages, dp) in plans.items():
+        need = dp * sum(tp for _, _, tp in stages)
         if need > n_dev:
             verdicts.append(line(name, "SKIP", f"needs {need} GPUs, this machine has {n_dev}"))
             continue
         if name != "train-1rank" and reference is None:
             verdicts.append(line(name, "SKIP", "no reference: train-1rank did not pass"))
             continue
-        p = _plan(gpu_type, stages, mbs, n_micro, n_layers, cfg.name, gpus_per_node=max(2, n_dev))
+        p = _plan(gpu_type, stages, dp, mbs, n_micro, cfg.name, gpus_per_node=max(2, n_dev))
         t0 = time.monotonic()
         try:
             got = _train(p, cfg, steps, work / name)
@@ -120,7 +130,7 @@ def check_training(device: str, n_dev: int, model: str, steps: int, work: Path) 
             tail = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
             verdicts.append(line(name, "FAIL", f"{type(e).__name__}: {tail} (logs in {work / name})"))
             continue
-        took = f"{time.monotonic() - t0:.0f} s; {note}; {model}, {steps} steps of {n_micro} x {mbs}"
+        took = f"{time.monotonic() - t0:.0f} s; {note}; {model}, {steps} steps, global batch {mbs * n_micro} in microbatches of {mbs}"
         if name == "train-1rank":
             ok = len(got) == steps and got[-1] < got[0]
             reference = got if ok else None
@@ -212,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda":
         if not torch.cuda.is_available():
             print("no CUDA device here: every check skips")
-            for name in ("cuda", "train-1rank", "train-1f1b-2stages", "train-tp2", "profile-opt350"):
+            for name in ("cuda", *TRAINING_CHECKS, "profile-opt350"):
                 line(name, "SKIP", "no CUDA device (torch.cuda.is_available() is False)")
             return 0
         n_dev = torch.cuda.device_count()
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{n_dev} x {names}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
                              f"nccl {'.'.join(map(str, v)) if isinstance(v, tuple) else v}"))
     else:
-        n_dev = 2
+        n_dev = 4  # worker processes standing in for GPUs
         line("cuda", "SKIP", "--device cpu: training checks over gloo on CPU workers")
     try:
         verdicts += check_training(a.device, n_dev, a.model, a.steps, work)

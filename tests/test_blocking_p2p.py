@@ -269,7 +269,8 @@ def test_gpu_check_prints_skip_lines_without_cuda():
     checks = [ln for ln in r.stdout.splitlines() if ln.startswith("CHECK ")]
     assert r.returncode == 0, r.stderr
     assert [c.split(":")[0] for c in checks] == [f"CHECK {n}" for n in (
-        "cuda", "train-1rank", "train-1f1b-2stages", "train-tp2", "profile-opt350")]
+        "cuda", "train-1rank", "train-1f1b-2stages", "train-tp2", "train-dp2", "train-1f1b-2stages-dp2",
+        "profile-opt350")]
     assert all(": SKIP " in c for c in checks), checks
 
 
