@@ -21,7 +21,7 @@ app = typer.Typer(help="Prepare training data: tokenize text into shards in obje
 @app.command("prepare")
 def prepare_cmd(
     inputs: Annotated[list[str], typer.Argument(help="jsonl / parquet / text files or folders (local, s3://, gs://)")],
-    tokenizer: Annotated[str, typer.Option("--tokenizer", help="Hugging Face tokenizer.json (path or URI)")],
+    tokenizer: Annotated[str, typer.Option("--tokenizer", help="Hugging Face tokenizer.json, or the model folder holding it (path or URI)")],
     out: Annotated[str, typer.Option("--out", help="Folder or s3:// / gs:// prefix for the shards and index.json")],
     text_field: Annotated[str, typer.Option("--text-field", help="JSON field / Parquet column with the text")] = "text",
     shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard")] = 1 << 24,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,7 +62,8 @@ def test_prepare_local_parquet_and_text(tmp_path, tokenizer_json):
     pq.write_table(pa.table({"body": docs[:30]}), str(tmp_path / "in" / "a.parquet"))
     for i, d in enumerate(docs[30:]):
         (tmp_path / "in" / f"b{i:02d}.txt").write_text(d)
-    index = prepare_dataset([str(tmp_path / "in")], tokenizer_json, str(tmp_path / "out"), text_field="body",
+    model_dir = str(Path(tokenizer_json).parent)  # a model's folder holding tokenizer.json
+    index = prepare_dataset([str(tmp_path / "in")], model_dir, str(tmp_path / "out"), text_field="body",
                             shard_tokens=300)
     want = expected_stream(tokenizer_json, docs)
     assert index["documents"] == 40 and index["total_tokens"] == len(want) and index["dtype"] == "uint16"

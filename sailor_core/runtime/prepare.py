@@ -4,8 +4,9 @@ Contract: `prepare_dataset(inputs, tokenizer_uri, out, ...)` reads every input (
 `.jsonl`/`.json`/`.parquet`/`.txt`/`.md` file under a folder or object-storage prefix, in sorted
 path order), one document per JSON line (field `text_field`), per Parquet row (column
 `text_field`) or per text file; encodes them in order with a Hugging Face `tokenizer.json`
-(`tokenizers` package; no special tokens added, the end-of-sequence id appended per document when
-the tokenizer has one: `eos` "auto" looks for </s>, <|endoftext|>, <|end_of_text|>, <eos>); and
+(`tokenizers` package; a folder or prefix means its tokenizer.json; no special tokens added, the
+end-of-sequence id appended per document when the tokenizer has one: `eos` "auto" looks for </s>,
+<|endoftext|>, <|end_of_text|>, <eos>); and
 writes shards of `shard_tokens` tokens, then index.json, to `out` (a folder or s3:// / gs://
 prefix). A non-empty `out` (one with an index) is refused, a document without the field is an
 error naming the file and line, and nothing is half-visible: readers look at index.json, written
@@ -96,10 +97,14 @@ def _documents(filesystem: Any, path: str, name: str, text_field: str) -> Iterat
 
 
 def load_tokenizer(uri: str) -> tuple[Any, str]:
+    """A tokenizer.json (path or URI, or the folder / prefix of a model holding one) and its digest."""
     from tokenizers import Tokenizer
 
     from sailor_core.models.hf_config import read_bytes
 
+    base, sep, query = uri.partition("?")
+    if not base.endswith(".json"):  # a model's folder: its tokenizer.json
+        uri = f"{base.rstrip('/')}/tokenizer.json{sep}{query}"
     raw = read_bytes(uri)
     try:
         return Tokenizer.from_str(raw.decode()), hashlib.sha256(raw).hexdigest()
