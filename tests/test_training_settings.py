@@ -24,6 +24,8 @@ def test_warmup_then_cosine_or_linear_decay():
     assert learning_rate(9, schedule="constant", **kw) == 1.0
     with pytest.raises(SailorError, match="one of constant, cosine, linear"):
         check_schedule("step", 0, 0.0)
+    with pytest.raises(SailorError, match="one of constant, cosine, linear"):
+        learning_rate(0, base_lr=1.0, schedule="cosnie")
 
 
 def test_recompute_trades_activation_memory_for_a_second_forward_by_hand():

@@ -29,6 +29,8 @@ def check_schedule(schedule: str, warmup_steps: int, min_lr_ratio: float) -> Non
 
 def learning_rate(opt_step: int, *, base_lr: float, schedule: str = "constant", warmup_steps: int = 0,
                   total_steps: int = 1, min_lr_ratio: float = 0.0) -> float:
+    if schedule not in SCHEDULES:
+        check_schedule(schedule, warmup_steps, min_lr_ratio)  # raises, naming the schedules
     if opt_step < warmup_steps:
         return base_lr * (opt_step + 1) / (warmup_steps + 1)
     if schedule == "constant":
