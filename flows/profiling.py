@@ -91,7 +91,13 @@ def _missing(store: Any, model: str, gpu_types: Sequence[str], offers: Sequence[
     """What planning over `offers` lacks: layer profiles (types), links (zone pairs), intra-node links (offers)."""
     present = _known_types(store, gpu_types)
     book = store.profile_book(model, present) if present else None
-    types = [g for g in gpu_types if book is None or g not in present or not book.profiled_points(g)]
+    def lacks(g: str) -> bool:  # no profile, or none at the TP degrees its VMs allow
+        if book is None or g not in present or not book.profiled_points(g):
+            return True
+        most = max((o.gpus_per_node for o in offers if o.gpu_type == g and o.count > 0), default=1)
+        return max(t for _, t in book.profiled_points(g)) < min(most, 2)
+
+    types = [g for g in gpu_types if lacks(g)]
     ends = sorted({(o.zone, o.gpu_type) for o in offers if o.count > 0})
     links = store.network_links()
     have = {(lk.sender_zone, lk.sender_gpu, lk.receiver_zone, lk.receiver_gpu) for lk in links}
@@ -137,7 +143,9 @@ def profile_on_vms(store: Any, model: str, types: list[str], pairs: list[Any], m
 
         jobs, where = [], {}
         for g in types:
-            o = _cheapest(offers, gpu_type=g)
+            # the type's largest VMs: TP degrees up to their device count are profiled there
+            most = max((o.gpus_per_node for o in offers if o.gpu_type == g and o.count > 0), default=1)
+            o = _cheapest(offers, gpu_type=g, gpus_per_node=most)
             v = o and vm_of(o.zone, g)
             if v is None:
                 raise MissingProfileError(f"no VM of {g} can be rented to profile {model} on it; to fix: allow a "

@@ -29,7 +29,7 @@ from sailor_core.plan_format import plan_to_dict
 from sailor_core.profiles import ProfileBook
 from tasks.decisions import PlanCost, decide_switch
 from tasks.history import RunHistory
-from tasks.jobs import Job, Progress, place, replica_request, slots
+from tasks.jobs import Job, Progress, node_request, nodes, place
 from tasks.planning import NoPlanError, calibrated_book, estimate, plan_violations, pool_from, priced_book
 from tasks.reporting import emit, publish_cost, publish_frontier, publish_plan, publish_timeline
 from tasks.steps import (
@@ -235,7 +235,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
     keep = {v.vm_id for v in placed.values()}
     drop = [v.vm_id for v in held if v.vm_id not in keep] + sorted(lost)
     ctx.adopt_plan(cand, cand_est, reason, frontier)
-    requests = [replica_request(ctx.run_id, ctx.version, s) for s in missing]
+    requests = [node_request(ctx.run_id, ctx.version, n) for n in missing]
     stopped = False
     try:
         # Rent first, while the old plan still trains: the new VMs' start-up overlaps its last steps.
@@ -249,7 +249,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
         new_vms = provision(provider, requests)
     ctx.ledger_add(new_vms)
     it = iter(new_vms)
-    vms = [placed[k] if k in placed else next(it) for k in range(len(slots(cand)))]
+    vms = [placed[k] if k in placed else next(it) for k in range(len(nodes(cand)))]
     record(ctx.history.event, ctx.run_id, "provisioned",
            f"plan v{ctx.version}: kept {len(keep)} VMs, rented {len(new_vms)}, released {len(drop)}",
            {"kept": sorted(keep), "rented": [v.vm_id for v in new_vms], "released": drop, "plan_version": ctx.version})

@@ -33,7 +33,7 @@ from flows.replan import RunContext, replan
 from infra.provider import Provider
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import RunHistory, new_run_id
-from tasks.jobs import CodeRef, Job, replica_request, slots
+from tasks.jobs import CodeRef, Job, node_requests
 from tasks.planning import calibrated_book, pool_from, priced_book
 from tasks.remote import VmCommands
 from tasks.reporting import ProgressBar, emit, publish_cost, publish_timeline
@@ -288,7 +288,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             check_runnable(plan, params.workers)
         ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
         if params.dry_run:
-            ctx.dry_run = dry_run_report(provider, [replica_request(run_id, ctx.version, s) for s in slots(plan)])
+            ctx.dry_run = dry_run_report(provider, node_requests(run_id, ctx.version, plan))
             log.info("%s", ctx.dry_run)
             status, reason = "completed", "dry run: planned, rented nothing"
             return {**ctx.summary(status, t0), "dry_run": ctx.dry_run}
@@ -302,7 +302,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             "cluster": {**(cluster(run_id) if cluster else {"isolation": "cloud", "provider": provider.name}),
                         "wheel_sha256": code.sha256, "state_uri": state.uri,
                         "checkpoint_uri": state.checkpoints("public"), "controller": controller.endpoint}})
-        vms = provision(provider, [replica_request(run_id, ctx.version, s) for s in slots(plan)])
+        vms = provision(provider, node_requests(run_id, ctx.version, plan))
         ctx.ledger_add(vms)
         record(history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
                {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})

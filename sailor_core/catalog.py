@@ -33,3 +33,9 @@ MODEL_ARCHITECTURES: dict[str, dict[str, int]] = {
     "OPT-30": dict(num_blocks=48, hidden_size=7168, num_heads=56, sequence_length=2048, vocab_size=50272, ffn_hidden_size=28672),
     "LLAMA-3-8": dict(num_blocks=33, hidden_size=4096, num_heads=32, sequence_length=2048, vocab_size=128256, ffn_hidden_size=14336),
 }
+
+
+def is_cpu_type(gpu_type: str) -> bool:
+    """A device type that runs on CPU cores: `cpu`, and the local testbed's `cpu-<speed>` types, which
+    stand in for GPU types of different speed (infra/scenario.py)."""
+    return gpu_type == "cpu" or gpu_type.startswith("cpu-")

@@ -1,9 +1,10 @@
 """A training job as the orchestration sees it: a plan version running on a set of VMs.
 
 Contract (no Prefect here, so it is testable alone):
-- `replica_requests(plan, run_id, version)`: one VM per (stage, replica) TP group, in rank order;
-  `vm_matches(vm, replica)` tells whether a VM already rented can host a replica of a new plan,
-  so a reconfiguration provisions only the difference.
+- `nodes(plan)`: the plan's VMs: its replicas packed into VMs of `gpus_per_node` devices exactly as
+  the simulator packs them; `node_requests(run_id, version, plan)` rents them; `vm_matches(vm, node)`
+  tells whether a VM already rented can be a node of a new plan, so a reconfiguration provisions
+  only the difference (`place`).
 - `vm_ranks(job)`: the global ranks each VM runs (stage-major: stage 0 replica 0 gets ranks 0..tp-1,
   then stage 0 replica 1, ...), one per device, so a tp=2 replica runs on one 2-device VM.
 - `assignments(job, ...)`: the `WorkerAssignment` of each VM: the plan as JSON, its ranks and devices,
@@ -44,26 +45,69 @@ def slots(plan: ParallelPlan) -> list[Slot]:
     return [Slot(stage=i, replica=j, spec=r) for i, st in enumerate(plan.stages) for j, r in enumerate(st.replicas)]
 
 
-def vm_matches(vm: Vm, r: Replica) -> bool:
-    return vm.gpu_type == r.gpu_type and vm.zone == r.zone and vm.market == r.market and vm.gpus >= r.tp
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """One VM of a plan: replicas of one (zone, device type, market) packed into a VM of the replicas'
+    `gpus_per_node` devices exactly as the simulator packs them (sailor_core.simulator.place_nodes), so
+    replicas the simulator puts on one node (a TP group, or stages that talk over the node's own
+    links) share one VM."""
+
+    index: int
+    slots: tuple[Slot, ...]
+
+    @property
+    def spec(self) -> Replica:
+        return self.slots[0].spec
+
+    @property
+    def devices(self) -> int:
+        return max(self.spec.gpus_per_node, self.used)
+
+    @property
+    def used(self) -> int:
+        return sum(s.spec.tp for s in self.slots)
+
+    @property
+    def name(self) -> str:
+        return f"n{self.index}"
 
 
-def replica_request(run_id: str, version: int, s: Slot) -> VmRequest:
-    return VmRequest(run_id=run_id, name=f"v{version}-{s.name}", zone=s.spec.zone, region=s.spec.region,
-                     gpu_type=s.spec.gpu_type, gpus=s.spec.tp, market=s.spec.market)
+def nodes(plan: ParallelPlan) -> list[Node]:
+    from sailor_core.simulator.core import place_nodes
+
+    ids = place_nodes(plan)
+    groups: dict[int, list[Slot]] = {}
+    for s in slots(plan):
+        groups.setdefault(ids[s.stage][s.replica], []).append(s)
+    return [Node(index=i, slots=tuple(group)) for i, (_, group) in enumerate(sorted(groups.items()))]
 
 
-def place(plan: ParallelPlan, reusable: list[Vm]) -> tuple[dict[int, Vm], list[Slot]]:
-    """Map slots to VMs we already have; return (slot index -> VM, slots still needing a VM)."""
+def vm_matches(vm: Vm, node: Node) -> bool:
+    r = node.spec
+    return vm.gpu_type == r.gpu_type and vm.zone == r.zone and vm.market == r.market and vm.gpus >= node.used
+
+
+def node_request(run_id: str, version: int, node: Node) -> VmRequest:
+    r = node.spec
+    return VmRequest(run_id=run_id, name=f"v{version}-{node.name}", zone=r.zone, region=r.region,
+                     gpu_type=r.gpu_type, gpus=node.devices, market=r.market)
+
+
+def node_requests(run_id: str, version: int, plan: ParallelPlan) -> list[VmRequest]:
+    return [node_request(run_id, version, n) for n in nodes(plan)]
+
+
+def place(plan: ParallelPlan, reusable: list[Vm]) -> tuple[dict[int, Vm], list[Node]]:
+    """Map the plan's nodes to VMs we already have; return (node index -> VM, nodes still needing a VM)."""
     free = list(reusable)
     placed: dict[int, Vm] = {}
-    missing: list[Slot] = []
-    for k, s in enumerate(slots(plan)):
-        vm = next((v for v in free if vm_matches(v, s.spec)), None)
+    missing: list[Node] = []
+    for n in nodes(plan):
+        vm = next((v for v in free if vm_matches(v, n)), None)
         if vm is None:
-            missing.append(s)
+            missing.append(n)
         else:
-            placed[k] = vm
+            placed[n.index] = vm
             free.remove(vm)
     return placed, missing
 
@@ -82,7 +126,7 @@ class Job:
     run_id: str
     version: int
     plan: ParallelPlan
-    vms: list[Vm]  # one per slot, in slot (rank) order
+    vms: list[Vm]  # one per node of the plan (tasks.jobs.nodes), in node order
     run_dir: Path
     total_steps: int
     checkpoint_interval: int
@@ -102,10 +146,16 @@ class Job:
 
 
 def vm_ranks(job: Job) -> list[tuple[Vm, tuple[int, ...]]]:
-    out, rank = [], 0
-    for s, vm in zip(slots(job.plan), job.vms, strict=True):
-        out.append((vm, tuple(range(rank, rank + s.spec.tp))))
+    """The global ranks each VM runs: its nodes' replicas' TP ranks (ranks are stage-major, as
+    sailor_core.runtime.topology lays them out), one per device."""
+    first, rank = {}, 0
+    for s in slots(job.plan):
+        first[(s.stage, s.replica)] = rank
         rank += s.spec.tp
+    out = []
+    for n, vm in zip(nodes(job.plan), job.vms, strict=True):
+        ranks = [first[(s.stage, s.replica)] + t for s in n.slots for t in range(s.spec.tp)]
+        out.append((vm, tuple(ranks)))
     return out
 
 
@@ -114,7 +164,7 @@ def assignments(job: Job) -> list[tuple[Vm, WorkerAssignment]]:
     world = job.plan.num_gpus
     ctl = job.controller
     out = []
-    for (s, (vm, ranks)) in zip(slots(job.plan), vm_ranks(job), strict=True):
+    for n, (vm, ranks) in zip(nodes(job.plan), vm_ranks(job), strict=True):
         out.append((vm, WorkerAssignment(
             run_id=job.run_id, plan_version=job.version, plan_json=plan_json,
             rendezvous_endpoint=ctl.endpoint if ctl else "", ranks=ranks, world_size=world,
@@ -123,7 +173,7 @@ def assignments(job: Job) -> list[tuple[Vm, WorkerAssignment]]:
             run_secret=ctl.secret if ctl else "", devices=max(vm.gpus, 1), wheel_url=job.code.url,
             wheel_sha256=job.code.sha256, extras=job.code.extras, log_uri=job.state.logs("vm"),
             first_generation=job.version, advertise_address=vm.address,
-            env={"SAILOR_STAGE": str(s.stage), "SAILOR_REPLICA": str(s.replica)},
+            env={"SAILOR_REPLICAS": ",".join(f"s{s.stage}r{s.replica}" for s in n.slots)},
         )))
     return out
 

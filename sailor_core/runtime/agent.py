@@ -36,7 +36,7 @@ from sailor_core.runtime import protocol
 class WorkerAgent:
     def __init__(self, control: str, vm_id: str, devices: int, *, secret: str, run_dir: str,
                  log_uri: str | None = None, events: IO[str] | None = None, heartbeat_s: float = protocol.HEARTBEAT_S,
-                 grace_s: float = 30.0, upload_s: float = 15.0, first_generation: int = 0,
+                 grace_s: float = 30.0, upload_s: float = 30.0, first_generation: int = 0,
                  advertise_addr: str = "127.0.0.1", python: str = sys.executable):
         if devices < 1:
             raise ValueError(f"a VM runs at least one device, got {devices}")
@@ -87,6 +87,13 @@ class WorkerAgent:
             self.client.set(protocol.vm_heartbeat_key(self.vm_id), json.dumps({"time": time.time(), "workers": workers}))
         self.emit({"event": "heartbeat", "workers": workers})
 
+    @staticmethod
+    def _every(period_s: float, fn: Any, done: threading.Event) -> None:
+        while True:
+            fn()
+            if done.wait(period_s):
+                return
+
     def upload_logs(self) -> None:
         if not self.log_uri:
             return
@@ -109,7 +116,13 @@ class WorkerAgent:
             self._spawn(local)
         self.emit({"event": "started", "workers": {w: p.pid for w, p in self.procs.items()}})
         reported: set[str] = set()
-        last_hb = last_upload = 0.0
+        done = threading.Event()
+        # Beats and uploads on threads of their own: a slow upload (the first one imports pyarrow, on
+        # a VM with a fraction of a core) must never hold back the heartbeat the flow judges us by.
+        beats = threading.Thread(target=self._every, args=(self.heartbeat_s, self._heartbeat, done), daemon=True)
+        uploads = threading.Thread(target=self._every, args=(self.upload_s, self.upload_logs, done), daemon=True)
+        beats.start()
+        uploads.start()
         try:
             while not self._stop.is_set():
                 for wid, p in self.procs.items():
@@ -118,17 +131,12 @@ class WorkerAgent:
                         self.emit({"event": "worker_exited", "worker": wid, "returncode": p.returncode})
                 if len(reported) == len(self.procs):
                     break
-                now = time.monotonic()
-                if now - last_hb >= self.heartbeat_s:
-                    last_hb = now
-                    self._heartbeat()
-                if now - last_upload >= self.upload_s:
-                    last_upload = now
-                    self.upload_logs()
                 self._stop.wait(0.1)
         finally:
             stopped = self._stop.is_set()
             self._shutdown()
+            done.set()
+            uploads.join(timeout=self.grace_s)
             self._heartbeat()
             self.upload_logs()
         failed = [w for w, p in self.procs.items() if p.returncode not in (0, -signal.SIGTERM, None)]

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sailor_core.catalog import is_cpu_type
 from sailor_core.domain import ParallelPlan, SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext, shard, shard_slice
@@ -125,7 +126,7 @@ class _Notices:
 
 
 def device_for(gpu_type: str, local_rank: int) -> torch.device:
-    if gpu_type == "cpu":
+    if is_cpu_type(gpu_type):
         return torch.device("cpu")
     return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
 
@@ -161,7 +162,7 @@ def zero1_owners(sizes: list[int], replicas: int) -> list[int]:
 
 
 def backend_for(gpu_type: str) -> str:
-    return "gloo" if gpu_type == "cpu" else "nccl"
+    return "gloo" if is_cpu_type(gpu_type) else "nccl"
 
 
 class Trainer:

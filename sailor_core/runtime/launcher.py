@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sailor_core.catalog import is_cpu_type
 from sailor_core.domain import ParallelPlan, PipelineBatch, SailorError, Stage, ValidationError, split_batch
 from sailor_core.models.config import TransformerConfig
 from sailor_core.plan_format import plan_to_dict
@@ -49,6 +50,20 @@ class RunResult:
     generations: int
     plans: list[ParallelPlan]
     events: list[dict[str, Any]] = field(default_factory=list)
+    interrupted_by: int | None = None  # the signal that stopped the run (it checkpointed first)
+
+
+def check_settings(settings: TrainSettings) -> None:
+    """Settings no worker could train with, refused before any process starts."""
+    bad = []
+    if not settings.lr > 0:
+        bad.append(f"--lr must be a positive learning rate, got {settings.lr}")
+    if not settings.timeout_s > 0:
+        bad.append(f"--timeout must be a positive number of seconds, got {settings.timeout_s}")
+    if settings.steps < 1:
+        bad.append(f"--steps must be at least 1, got {settings.steps}")
+    if bad:
+        raise ValidationError("; ".join(bad) + "; to fix: pass valid values")
 
 
 def shrink_plan(plan: ParallelPlan, lost_ranks: set[int], survivors: int) -> ParallelPlan:
@@ -98,10 +113,11 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
     from sailor_core.runtime.protocol import SECRET_ENV, ControlServer
 
     cuda = torch.cuda.device_count()
-    uses_gpus = any(r.gpu_type != "cpu" for st in plan.stages for r in st.replicas)
+    uses_gpus = any(not is_cpu_type(r.gpu_type) for st in plan.stages for r in st.replicas)
     # one process per GPU when the plan names GPUs; CPU "slots" otherwise
     slots = slots or (cuda if uses_gpus and cuda else int(os.environ.get("SAILOR_LOCAL_SLOTS", DEFAULT_LOCAL_SLOTS)))
     check_runnable(plan, cfg, slots=slots, cuda_devices=cuda)
+    check_settings(settings)
     run_dir = run_dir or tempfile.mkdtemp(prefix="sailor-run-")
     os.makedirs(run_dir, exist_ok=True)
     events: list[dict[str, Any]] = []
@@ -118,10 +134,12 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
                **{SECRET_ENV: store.secret})
     workers: dict[int, _Worker] = {}
     stopping = threading.Event()
+    stopped_by: list[int] = []
     prev_handlers: dict[int, Any] = {}
 
     def forward(signum: int, _frame: Any) -> None:
         stopping.set()
+        stopped_by.append(signum)
         for w in workers.values():
             if w.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -148,7 +166,7 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
             if outcome in ("done", "stopped"):
                 _release(store, gen + 1, workers, members)
                 emit({"event": "finished", "status": outcome, "plan_version": gen})
-                return RunResult(outcome, gen + 1, plans, events)
+                return RunResult(outcome, gen + 1, plans, events, stopped_by[0] if stopped_by else None)
             if not lost or settings.checkpoint_dir is None or gen + 1 >= max_generations or stopping.is_set():
                 hint = "" if settings.checkpoint_dir else " (without --checkpoint-dir the job cannot resume)"
                 raise SailorError(f"training failed in plan version {gen}: {reason}{hint}")
@@ -161,6 +179,8 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
             gen += 1
             plans.append(current)
             resume = True
+            # a checkpoint the lost worker left half-written must not be written over by the next plan
+            _quarantine_invalid(settings.checkpoint_dir, cfg.num_layers, emit)
             emit({"event": "reconfigured", "plan_version": gen, "lost_workers": sorted(lost),
                   "world_size": current.num_gpus, "plan": plan_to_dict(current)})
     finally:
@@ -168,6 +188,14 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
         store.close()
         for sig, h in prev_handlers.items():
             signal.signal(sig, h)
+
+
+def _quarantine_invalid(checkpoint_dir: str, num_layers: int, emit: Callable[[dict[str, Any]], None]) -> None:
+    from sailor_core.runtime import checkpoint as ckpt
+
+    _, skipped = ckpt.resume_point(ckpt.open_storage(checkpoint_dir), num_layers)
+    for s in skipped:
+        emit({"event": "checkpoint_skipped", "step": s.step, "reason": s.reason, "moved_to": s.moved_to})
 
 
 def _assign(store: Any, gen: int, plan: ParallelPlan, settings: TrainSettings, worker_ids: list[int],

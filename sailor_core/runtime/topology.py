@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sailor_core.catalog import GPU_TYPES
+from sailor_core.catalog import GPU_TYPES, is_cpu_type
 from sailor_core.domain import ParallelPlan, SailorError
 from sailor_core.models.config import TransformerConfig
 
@@ -54,12 +54,13 @@ def runtime_problems(plan: ParallelPlan, cfg: TransformerConfig, *, slots: int |
     problems = list(plan.violations(cfg.num_layers))
     gpu_types = {r.gpu_type for st in plan.stages for r in st.replicas}
     for g in sorted(gpu_types):
-        if g not in GPU_TYPES:
-            problems.append(f"unknown GPU type {g!r} (known: {', '.join(GPU_TYPES)})")
-        elif g != "cpu" and cuda_devices == 0:
+        if g not in GPU_TYPES and not is_cpu_type(g):
+            problems.append(f"unknown GPU type {g!r} (known: {', '.join(GPU_TYPES)}, or cpu-<name> for CPU devices)")
+        elif not is_cpu_type(g) and cuda_devices == 0:
             problems.append(f"GPU type {g!r} needs CUDA but this machine has none; plans for this machine use 'cpu'")
-    if "cpu" in gpu_types and len(gpu_types) > 1:
-        problems.append(f"a plan cannot mix 'cpu' workers with GPUs ({sorted(gpu_types)})")
+    cpu = {g for g in gpu_types if is_cpu_type(g)}
+    if cpu and len(cpu) < len(gpu_types):
+        problems.append(f"a plan cannot mix CPU workers with GPUs ({sorted(gpu_types)})")
     for s, st in enumerate(plan.stages):
         for j, r in enumerate(st.replicas):
             try:
