@@ -3,7 +3,8 @@
 Contract: `filesystem_for(uri) -> (pyarrow filesystem, path)` resolves a URI once; the path is
 absolute for local files and `bucket/prefix` for object storage. S3 URIs take the query parameters
 `endpoint_override` (host:port or http(s)://host:port), `access_key`, `secret_key`, `region` and
-`scheme` (the store's URI form, so one URI reaches an S3-compatible server without environment
+`scheme`, GCS URIs `endpoint_override`, `anonymous`, `project_id` and `retry_seconds` (the store's
+URI forms, so one URI reaches an S3-compatible server or a GCS emulator without environment
 set-up); anything else goes to pyarrow's own URI parser. pyarrow is imported lazily: the planner
 and simulator never reach this module.
 """
@@ -22,6 +23,12 @@ def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
+def _split_endpoint(endpoint: str) -> tuple[str, str | None]:
+    """'http://host:port' -> ('host:port', 'http'); 'host:port' -> ('host:port', None)."""
+    m = re.match(r"^(https?)://(.+?)/?$", endpoint)
+    return (m.group(2), m.group(1)) if m else (endpoint.rstrip("/"), None)
+
+
 def filesystem_for(uri: str) -> tuple[Any, str]:
     from pyarrow import fs as pafs
 
@@ -34,13 +41,24 @@ def filesystem_for(uri: str) -> tuple[Any, str]:
             kwargs: dict[str, Any] = dict(access_key=q["access_key"], secret_key=q.get("secret_key", ""),
                                           region=q.get("region", "us-east-1"))
             if endpoint := q.get("endpoint_override"):
-                m = re.match(r"^(https?)://(.+?)/?$", endpoint)
-                host, scheme = (m.group(2), m.group(1)) if m else (endpoint, None)
+                host, scheme = _split_endpoint(endpoint)
                 kwargs.update(endpoint_override=host, scheme=q.get("scheme") or scheme or "https")
                 # S3-compatible servers reject the AWS SDK's default trailing checksums
                 os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
                 os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
             return pafs.S3FileSystem(**kwargs), (parts.netloc + "/" + parts.path.strip("/")).rstrip("/")
+        if parts.scheme in ("gs", "gcs") and parts.query:
+            gkw: dict[str, Any] = dict(anonymous=q.get("anonymous", "").lower() in ("1", "true", "yes"))
+            if q.get("project_id"):
+                gkw["project_id"] = q["project_id"]
+            if q.get("retry_seconds"):
+                from datetime import timedelta
+
+                gkw["retry_time_limit"] = timedelta(seconds=float(q["retry_seconds"]))
+            if endpoint := q.get("endpoint_override"):
+                host, scheme = _split_endpoint(endpoint)
+                gkw.update(endpoint_override=host, scheme=q.get("scheme") or scheme or "https")
+            return pafs.GcsFileSystem(**gkw), (parts.netloc + "/" + parts.path.strip("/")).rstrip("/")
         filesystem, path = pafs.FileSystem.from_uri(uri)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad URI
         raise SailorError(f"cannot open {redact(uri)!r}: {e}; to fix: check the URI and credentials") from None

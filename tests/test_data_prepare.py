@@ -14,7 +14,7 @@ import pytest
 
 from sailor_core.domain import SailorError
 from sailor_core.runtime.token_shards import ShardedTokenDataset, is_prepared, permute
-from tests.store_fixtures import BUCKET, s3_server  # noqa: F401 - the session's S3 server fixture
+from tests.store_fixtures import BUCKET, gcs_server, s3_server  # noqa: F401 - the session's servers
 
 WORDS = ("the model trains on shards streamed from object storage while the planner picks gpus "
          "and every worker reads only the windows it needs in one global order across plan changes").split()
@@ -164,3 +164,18 @@ def test_training_streams_the_shards_and_a_plan_change_keeps_the_sample_order(s3
     for s in range(1, 7):
         assert abs(changed[s]["loss"] - one[s]["loss"]) <= 1e-3 * one[s]["loss"], (s, changed[s]["loss"], one[s]["loss"])
     assert one[6]["loss"] < one[1]["loss"]
+
+
+@pytest.mark.gcp
+def test_prepare_to_gcs_and_stream(gcs_server, tokenizer_json, tmp_path):  # noqa: F811
+    from sailor_core.runtime.prepare import prepare_dataset
+
+    docs = documents(50, seed=3)
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    out = gcs_server.uri(BUCKET, "prepared/gcs")
+    index = prepare_dataset([str(tmp_path / "d.jsonl")], tokenizer_json, out, shard_tokens=500)
+    want = expected_stream(tokenizer_json, docs)
+    ds = ShardedTokenDataset(out, 16, seed=1, vocab_size=256)
+    assert index["total_tokens"] == len(want) and len(index["shards"]) > 1
+    w = ds.window(7)
+    assert np.array_equal(ds.sample(7).numpy(), want[w * 16: w * 16 + 17])
