@@ -302,14 +302,14 @@ def _print(doc: dict[str, Any], png: str | None) -> None:
     tab = Table(title="replay per policy (simulated): hours and USD to train, goodput in useful steps/s, GPU-hours "
                       "wasted on redone steps and reconfiguration")
     for h in ("policy", "done", "hours", "USD", "steps/s", "wasted GPU-h", "redone", "reconf s", "wait h",
-              "switches", "planner", "replay s"):
+              "switches", "planner", "replay s (cpu)"):
         tab.add_column(h, no_wrap=h == "policy")
     for r in doc["results"]:
         tab.add_row(r["policy"], "yes" if r["finished"] else f"no: {r['steps_done']:.0f}",
                     f"{r['time_to_train_h']:.2f}", f"{r['usd']:.2f}", f"{r['goodput_steps_per_s']:.4g}",
                     f"{r['gpu_hours_wasted']:.2f}", f"{r['redone_steps']:.0f}", f"{r['reconfiguration_s']:.0f}",
                     f"{r['waiting_s'] / 3600:.2f}", str(r["switches"]),
-                    f"{r['planner_calls']}+{r['planner_hits']}", f"{r['wall_s']:.2f}")
+                    f"{r['planner_calls']}+{r['planner_hits']}", f"{r['wall_s']:.2f} ({r['cpu_s']:.2f})")
     con.print(tab)
     rt = doc["sailor_vs_relaunch_same"]
     if rt:

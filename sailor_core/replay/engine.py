@@ -237,6 +237,7 @@ class ReplayResult:
     planner_hits: int
     planner_s: float
     wall_s: float
+    cpu_s: float  # this process's CPU time for the replay (the wall time grows with the machine's load)
 
     def to_json(self, *, detail: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -249,6 +250,7 @@ class ReplayResult:
             "waiting_s": round(self.waiting_s, 3), "switches": self.switches,
             "decision_points": len(self.decisions), "planner_calls": self.planner_calls,
             "planner_hits": self.planner_hits, "planner_s": round(self.planner_s, 3), "wall_s": round(self.wall_s, 3),
+            "cpu_s": round(self.cpu_s, 3),
         }
         if detail:
             out["decisions"] = [{"t_s": d.t_s, "trigger": d.trigger, "kind": d.kind, "step": d.step, "reason": d.reason}
@@ -379,7 +381,7 @@ def _violations(job: ReplayJob, c: PlanCost) -> list[str]:
 def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, name: str = "",
            period_s: float | None = None, planner: Planner | None = None) -> ReplayResult:
     """Replay the job over the trace under `policy` (ticks every `period_s` when given)."""
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     planner = planner or Planner(book, job)
     calls0, hits0, search0 = planner.calls, planner.hits, planner.search_s
     s = _State()
@@ -428,7 +430,7 @@ def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, n
         gpu_hours_wasted=s.wasted_gpu_hours, redone_steps=s.redone, reconfiguration_s=s.reconf_s,
         waiting_s=s.waiting_s, switches=s.switches, decisions=tuple(s.decisions), segments=tuple(s.segments),
         progress=tuple(s.progress), planner_calls=planner.calls - calls0, planner_hits=planner.hits - hits0,
-        planner_s=planner.search_s - search0, wall_s=time.perf_counter() - wall0,
+        planner_s=planner.search_s - search0, wall_s=time.perf_counter() - wall0, cpu_s=time.process_time() - cpu0,
     )
 
 

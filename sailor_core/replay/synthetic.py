@@ -6,10 +6,11 @@ same trace). Every place (zone x GPU type x market) starts with its share of `to
 `1 - spot_discount`). Time advances on a grid of `step_s`; in each step, independently:
 
 - spot preemption waves: a spot place at full capacity loses a uniform 50-100% of it with
-  probability `preemptions_per_day * step_s / 1 day`; a place below full capacity gets it back
-  with probability `step_s / recovery_s` (a geometric wait of mean `recovery_s`);
-- regional stockouts: with probability `stockouts_per_week * step_s / 1 week` a region's
-  on-demand capacity drops to 0 for `stockout_s`;
+  probability `preemptions_per_day * step_s / 1 day`, running VMs included (a job holding GPUs
+  there loses them: the point's `taken`); a place below full capacity gets it back with
+  probability `step_s / recovery_s` (a geometric wait of mean `recovery_s`);
+- regional outages: with probability `stockouts_per_week * step_s / 1 week` a region's on-demand
+  capacity drops to 0 for `stockout_s` (a trace's count is what a job may hold, so VMs go too);
 - spot price moves: the price of a GPU type in a region (clouds price per region, so its zones
   move together) is multiplied by exp(N(0, price_volatility)) with probability
   `price_changes_per_day * step_s / 1 day`, kept between 10% and 100% of the on-demand price.
@@ -99,12 +100,14 @@ def synthetic_trace(spec: SyntheticSpec, prices: PriceLookup, gpus_per_node: Cal
                 out_until[r] = t + spec.stockout_s
             elif r in out_until and t >= out_until[r]:
                 del out_until[r]
+        taken = [0] * len(places)
         for k, p in enumerate(places):
             if p.market is Market.SPOT:
                 if counts[k] == full[k]:
                     if rng.random() < p_preempt:
                         keep = rng.uniform(0.0, 0.5) * full[k]
                         counts[k] = int(keep) // p.gpus_per_node * p.gpus_per_node
+                        taken[k] = full[k] - counts[k]  # running VMs are reclaimed, not only free ones
                 elif rng.random() < p_recover:
                     counts[k] = full[k]
             else:
@@ -113,7 +116,8 @@ def synthetic_trace(spec: SyntheticSpec, prices: PriceLookup, gpus_per_node: Cal
             if rng.random() < p_price:
                 moved = spot[key] * math.exp(rng.gauss(0.0, spec.price_volatility))
                 spot[key] = min(on_demand[key], max(0.1 * on_demand[key], moved))
-        pt = TracePoint(at_s=t, counts=tuple(counts), usd_per_gpu_hour=price_row())
+        pt = TracePoint(at_s=t, counts=tuple(counts), usd_per_gpu_hour=price_row(),
+                        taken=tuple(taken) if any(taken) else ())
         if pt.counts != points[-1].counts or pt.usd_per_gpu_hour != points[-1].usd_per_gpu_hour:
             points.append(pt)
     name = (f"synthetic: {len(spec.zones)} zones x {len(spec.gpu_types)} GPU types x {len(spec.markets)} markets, "
