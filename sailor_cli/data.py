@@ -1,7 +1,7 @@
 """`sailor data`: prepare training data.
 
 Contract: `sailor data prepare INPUT... --tokenizer tokenizer.json --out URI [--text-field text]
-[--shard-tokens N] [--eos auto|none|TOKEN] [--json]` tokenizes jsonl / parquet / text files (local
+[--shard-tokens N] [--eos auto|none|TOKEN] [--add-special-tokens] [--json]` tokenizes jsonl / parquet / text files (local
 paths or s3:// / gs:// URIs, files or folders) with a Hugging Face tokenizer.json into sharded token
 files with an index (sailor_core.runtime.prepare, layout in sailor_core.runtime.token_shards) at
 URI; `sailor train --data URI` then streams them. Prints one line per shard and a summary, or the
@@ -26,6 +26,7 @@ def prepare_cmd(
     text_field: Annotated[str, typer.Option("--text-field", help="JSON field / Parquet column with the text")] = "text",
     shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard")] = 1 << 24,
     eos: Annotated[str, typer.Option("--eos", help="End-of-document token: auto, none, or a token of the tokenizer")] = "auto",
+    add_special_tokens: Annotated[bool, typer.Option("--add-special-tokens", help="Let the tokenizer add its special tokens (e.g. Llama's beginning of text) to each document")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the index as JSON")] = False,
 ) -> None:
     """Tokenize INPUTS with TOKENIZER into shards plus index.json at OUT."""
@@ -36,7 +37,7 @@ def prepare_cmd(
             typer.echo(f"wrote {msg['name']}: {msg['tokens']} tokens ({msg['documents']} documents so far)")
 
     index = prepare_dataset(list(inputs), tokenizer, out, text_field=text_field, shard_tokens=shard_tokens,
-                            eos=eos, progress=progress)
+                            eos=eos, add_special_tokens=add_special_tokens, progress=progress)
     if as_json:
         typer.echo(json.dumps(index))
         return

@@ -179,3 +179,19 @@ def test_prepare_to_gcs_and_stream(gcs_server, tokenizer_json, tmp_path):  # noq
     assert index["total_tokens"] == len(want) and len(index["shards"]) > 1
     w = ds.window(7)
     assert np.array_equal(ds.sample(7).numpy(), want[w * 16: w * 16 + 17])
+
+
+def test_special_tokens_only_when_asked(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from sailor_core.runtime.prepare import prepare_dataset
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "d.txt").write_text("a b a")
+    for flag, want in ((False, [3, 4, 3, 2]), (True, [1, 3, 4, 3, 2])):
+        out = tmp_path / f"out{flag}"
+        prepare_dataset([str(tmp_path / "d.txt")], str(tmp_path / "tokenizer.json"), str(out), add_special_tokens=flag)
+        assert np.fromfile(out / "shard_00000.bin", dtype="<u2").tolist() == want

@@ -4,9 +4,10 @@ Contract: `prepare_dataset(inputs, tokenizer_uri, out, ...)` reads every input (
 `.jsonl`/`.json`/`.parquet`/`.txt`/`.md` file under a folder or object-storage prefix, in sorted
 path order), one document per JSON line (field `text_field`), per Parquet row (column
 `text_field`) or per text file; encodes them in order with a Hugging Face `tokenizer.json`
-(`tokenizers` package; a folder or prefix means its tokenizer.json; no special tokens added, the
-end-of-sequence id appended per document when the tokenizer has one: `eos` "auto" looks for </s>,
-<|endoftext|>, <|end_of_text|>, <eos>); and
+(`tokenizers` package; a folder or prefix means its tokenizer.json; the tokenizer's own special
+tokens, e.g. Llama's beginning-of-text, only with `add_special_tokens`; the end-of-sequence id
+appended per document when the tokenizer has one: `eos` "auto" looks for </s>, <|endoftext|>,
+<|end_of_text|>, <eos>); and
 writes shards of `shard_tokens` tokens, then index.json, to `out` (a folder or s3:// / gs://
 prefix). A non-empty `out` (one with an index) is refused, a document without the field is an
 error naming the file and line, and nothing is half-visible: readers look at index.json, written
@@ -128,6 +129,7 @@ def _eos_id(tok: Any, eos: str | None) -> int | None:
 
 def prepare_dataset(inputs: list[str], tokenizer_uri: str, out: str, *, text_field: str = "text",
                     shard_tokens: int = DEFAULT_SHARD_TOKENS, eos: str | None = "auto",
+                    add_special_tokens: bool = False,
                     progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     if shard_tokens < 1:
         raise SailorError(f"shard size must be >= 1 token, got {shard_tokens}")
@@ -166,7 +168,7 @@ def prepare_dataset(inputs: list[str], tokenizer_uri: str, out: str, *, text_fie
 
     def encode(texts: list[str]) -> None:
         nonlocal pending_n
-        for enc in tok.encode_batch(texts, add_special_tokens=False):
+        for enc in tok.encode_batch(texts, add_special_tokens=add_special_tokens):
             ids = np.asarray(enc.ids + ([eos_id] if eos_id is not None else []), dtype=np.int64)
             pending.append(ids)
             pending_n += len(ids)
@@ -190,6 +192,7 @@ def prepare_dataset(inputs: list[str], tokenizer_uri: str, out: str, *, text_fie
     index = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "dtype": dtype_for(vocab), "vocab_size": vocab,
              "eos_id": eos_id, "total_tokens": sum(s["tokens"] for s in shards), "documents": docs,
              "tokenizer_sha256": tok_sha, "sources": [n for _, _, n in files], "text_field": text_field,
+             "add_special_tokens": add_special_tokens,
              "shards": shards}
     with filesystem.open_output_stream(f"{root}/{INDEX}") as f:
         f.write(json.dumps(index, indent=1).encode())
