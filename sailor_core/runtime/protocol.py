@@ -19,8 +19,11 @@ Keys (one generation g per plan version the workers are handed; a worker id is
 `<vm id>/<local index>` in the flow and `<n>` under `sailor train`):
 
     g<g>/assign/<worker>   the worker's `Assignment` for generation g (JSON)
-    g<g>/status/<worker>   done | stopped | failed: <reason>
+    g<g>/status/<worker>   done | stopped | switched | failed: <reason>
     g<g>/abort             set when a member of generation g is lost: blocked waits wake up
+    g<g>/stop              end generation g at the next step, checkpointed; its workers go on to g+1
+                           keeping their state in memory (status `switched`)
+    g<g>/loaded/<worker>   how the worker resumed in generation g: memory | checkpoint | none
     g<g>/rdv               host:port of the generation's process-group store (hosted by its rank 0)
     hb/<worker>            the worker's latest heartbeat {"time", "step"} (JSON)
     hb/vm/<vm id>          the agent's heartbeat {"time", "workers": {id: pid}} (JSON)
@@ -65,6 +68,17 @@ def status_key(gen: int, worker: str) -> str:
 
 def abort_key(gen: int) -> str:
     return f"g{gen}/abort"
+
+
+def stop_key(gen: int) -> str:
+    """Set by the controller to end generation g at the next step boundary, with a checkpoint, so its
+    workers go on to g+1 with their state in memory (a plan change without restarts)."""
+    return f"g{gen}/stop"
+
+
+def loaded_key(gen: int, worker: str) -> str:
+    """How the worker resumed in generation g: memory, checkpoint or none."""
+    return f"g{gen}/loaded/{worker}"
 
 
 def rendezvous_key(gen: int) -> str:

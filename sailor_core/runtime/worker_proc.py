@@ -34,7 +34,7 @@ from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
 from sailor_core.runtime import comm, protocol
 from sailor_core.runtime.data import TokenDataset
-from sailor_core.runtime.engine import Trainer, TrainSettings, backend_for, select_device
+from sailor_core.runtime.engine import Trainer, TrainSettings, _Notices, backend_for, select_device
 from sailor_core.runtime.protocol import ControlClient
 from sailor_core.runtime.token_shards import ShardedTokenDataset, open_dataset
 from sailor_core.runtime.topology import layout
@@ -64,8 +64,13 @@ class _DataCache:
 
 
 def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[str, Any], local_rank: int = 0,
-                   on_metrics: Any = None) -> str:
-    """Join the process group described by `init`, train, and return 'done' or 'stopped'."""
+                   on_metrics: Any = None, previous: Trainer | None = None,
+                   kept: list[Any] | None = None) -> str:
+    """Join the process group described by `init`, train, and return 'done' or 'stopped'.
+
+    `previous`: the trainer of this process's last generation, if it ended cleanly; where it holds the
+    same shard at the resume step, its state is kept from memory instead of loaded. `kept` receives
+    (this trainer, how it resumed)."""
     plan = plan_from_dict(assignment["plan"])
     settings = TrainSettings.from_dict(assignment["settings"])
     cfg = config_from_dict(settings.model_config) if settings.model_config else get_config(settings.model)
@@ -80,8 +85,9 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
         ds = data.get(settings, cfg.sequence_length, cfg.vocab_size)
         trainer = Trainer(plan, cfg, settings, rank, world, local_rank=local_rank, dataset=ds, log=_log,
                           on_metrics=on_metrics)
-        if assignment.get("resume"):
-            trainer.load_checkpoint()
+        loaded = trainer.resume(previous) if assignment.get("resume") else "none"
+        if kept is not None:
+            kept[:] = [trainer, loaded]
         _log(f"plan version {settings.plan_version}: rank {rank} ready at step {trainer.step}")
         return trainer.train()
     except BaseException:
@@ -143,13 +149,33 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
                 while gen == current_gen[0] and not stop.is_set():
                     stop.wait(0.05)
 
+    switching = [-1]  # the generation the controller asked to end for a plan change
+    training = [-1]  # the generation this process trains in now (-1: none: waiting, or sitting one out)
+
+    def watch_stop() -> None:
+        # g<g>/stop: finish the current step, checkpoint, and go on to g+1 keeping the state in memory.
+        while not stop.is_set():
+            gen = current_gen[0]
+            try:
+                hit = client.get(protocol.stop_key(gen), wait_s=5.0)
+            except protocol.ProtocolError:
+                stop.wait(1.0)
+                continue
+            if hit is not None and gen == current_gen[0] == training[0] and switching[0] != gen:
+                switching[0] = gen
+                _Notices.stop = True  # every rank agrees on the step through the step's all-reduce
+                while gen == current_gen[0] and not stop.is_set():
+                    stop.wait(0.05)
+
     threading.Thread(target=heartbeat, daemon=True).start()
+    threading.Thread(target=watch_stop, daemon=True).start()
     if os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0":  # 0: plain waits (lost peers then cost a timeout)
         comm.set_watched(True)
         set_wait(comm.wait)
     threading.Thread(target=watch_abort, daemon=True).start()
     data = _DataCache()
     gen = int(os.environ.get("SAILOR_FIRST_GENERATION", "0"))  # a worker added to a running job
+    previous: Trainer | None = None
 
     def on_metrics(rec: dict[str, Any]) -> None:
         last_step[0] = int(rec.get("step", last_step[0]))
@@ -171,13 +197,24 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
             if int(a["rank"]) == protocol.IDLE:
                 gen += 1
                 continue
+            kept: list[Any] = []
+            training[0] = gen
             try:
                 status = run_generation(a, data=data, init={"store": _pg_store(a, client, gen)},
-                                        local_rank=int(a.get("local_rank", 0)), on_metrics=on_metrics)
+                                        local_rank=int(a.get("local_rank", 0)), on_metrics=on_metrics,
+                                        previous=previous, kept=kept)
             except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
                 status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 _log(f"generation {gen} {status}")
+            training[0] = -1
+            # Only a generation that ended cleanly at a step boundary leaves state worth keeping.
+            previous = None
+            if status == "stopped" and switching[0] == gen:
+                status, previous = "switched", (kept[0] if kept else None)
+                _Notices.stop = False
             try:
+                if kept:
+                    client.set(protocol.loaded_key(gen, worker_id), str(kept[1]))
                 client.set(protocol.status_key(gen, worker_id), status)
             except protocol.ProtocolError as e:
                 _log(f"cannot report generation {gen}: {e}")
