@@ -376,8 +376,46 @@ class Trainer:
         self.checkpointer.save(self.step, states, f"part_s{self.me.stage}_t{self.tp.rank}.json", meta,
                                blocking=blocking)
 
-    def load_checkpoint(self) -> bool:
-        """Resume from the newest valid checkpoint (rank 0 decides, everyone loads). False if none."""
+    def shard_key(self) -> tuple[Any, ...]:
+        """What this rank holds: the same key means the same tensors, shard for shard."""
+        return (self.cfg.name, self.stage.first_layer, self.stage.last_layer, self.tp.rank, self.tp.size, self.zero1)
+
+    def resume(self, previous: Trainer | None) -> str:
+        """Resume every rank at the newest valid checkpoint's step (rank 0 decides): a rank whose
+        previous generation's trainer holds exactly this shard at exactly that step keeps its model
+        and optimizer state from memory; every other rank loads the checkpoint. Collective. Returns
+        'memory', 'checkpoint' or 'none' (no checkpoint: a fresh start)."""
+        if self.storage is None:
+            return "none"
+        step: list[Any] = [None]
+        if self.rank == 0:
+            step = [ckpt.latest_valid_step(self.storage, self.cfg.num_layers, self.log)]
+        dist.broadcast_object_list(step, src=0, device=self.device)
+        if step[0] is None:
+            return "none"
+        if previous is not None and previous.step == step[0] and previous.shard_key() == self.shard_key() \
+                and not self.zero1:
+            self._adopt(previous)
+            self.log(f"rank {self.rank}: kept its state from memory at step {self.step}")
+            return "memory"
+        self.load_checkpoint(step=int(step[0]))
+        return "checkpoint"
+
+    def _adopt(self, old: Trainer) -> None:
+        with torch.no_grad():
+            for (name, p), (old_name, q) in zip(self._params, old._params, strict=True):
+                assert name == old_name, (name, old_name)
+                p.copy_(q.detach().to(self.device))
+                if q in old.opt.state:
+                    self.opt.state[p] = {k: (v.to(self.device) if v.dim() else v.clone()) for k, v in old.opt.state[q].items()}
+        self.step, self.samples_seen, self.opt_steps = old.step, old.samples_seen, old.opt_steps
+        self._saved_step = old._saved_step
+
+    def load_checkpoint(self, step: int | None = None) -> bool:
+        """Resume from the newest valid checkpoint (rank 0 decides, everyone loads). False if none.
+        With `step` (agreed by every rank already), load that one without deciding again."""
+        if step is not None and self.storage is not None:
+            return self._load_step(step, ckpt.read_meta(self.storage, step))
         if self.storage is None:
             return False
         decision: list[Any] = [None]
@@ -387,7 +425,9 @@ class Trainer:
         dist.broadcast_object_list(decision, src=0, device=self.device)
         if decision[0] is None:
             return False
-        step, meta = decision[0]
+        return self._load_step(*decision[0])
+
+    def _load_step(self, step: int, meta: dict[str, Any]) -> bool:
         if meta.get("model") != self.cfg.name:
             raise SailorError(f"checkpoint step {step} is of model {meta.get('model')!r}, not {self.cfg.name!r}")
         opt_steps = int(meta["opt_steps"])
