@@ -104,7 +104,7 @@ def _missing(store: Any, model: str, gpu_types: Sequence[str], offers: Sequence[
     pairs: dict[tuple[str, str], list[tuple[tuple[str, str], tuple[str, str]]]] = {}
     for i, a in enumerate(ends):
         for b in ends[i:]:
-            if a == b and sum(o.count for o in offers if (o.zone, o.gpu_type) == a) < 2:
+            if a == b and sum(o.count // max(o.gpus_per_node, 1) for o in offers if (o.zone, o.gpu_type) == a) < 2:
                 continue  # one VM of it at most: no two VMs of it ever talk
             if (a[0], a[1], b[0], b[1]) not in have and (b[0], b[1], a[0], a[1]) not in have:
                 pairs.setdefault(tuple(sorted((a[0], b[0]))), []).append((a, b))  # type: ignore[arg-type]

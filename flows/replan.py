@@ -5,9 +5,10 @@ something that may change the best plan (a preemption notice, a lost worker, a p
 change, or measured iteration time off the estimate). It re-plans against current offerings and
 the calibrated profiles, decides with `tasks.decisions.decide_switch` whether the new plan is worth
 the switch (gain over the remaining work against the cost of reconfiguring), records the decision
-and its reason, and when switching: stops the workers (they checkpoint on the notice), keeps the
-VMs the new plan can use, terminates the rest, provisions only the difference and relaunches every
-worker on the new plan, resuming from the latest checkpoint. It returns the job to monitor next
+and its reason, and when switching: provisions only the difference (the new VMs boot while the old
+plan trains on, if it is still whole), ends the old generation at a step with a checkpoint, releases
+the VMs the new plan drops, and hands the new plan to every worker in place: processes on kept VMs
+go on running, and a rank that keeps its shard keeps its state in memory (others load the checkpoint). It returns the job to monitor next
 (the same one when staying). Workers lost with no feasible plan left fail the run.
 """
 
@@ -39,7 +40,6 @@ from tasks.steps import (
     provision,
     record,
     start_agents,
-    stop_workers,
     terminate,
 )
 
@@ -230,22 +230,29 @@ def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> 
 
 def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[str, Any], held: list[Vm],
                  lost: set[str], trigger_at: float, kinds: list[str], frontier: Any, step: int, reason: str) -> Job:
+    """Switch to `cand` without restarting what stays: VMs the new plan keeps keep their worker
+    processes (and, where a rank keeps its shard, its state in memory); new VMs boot while the old plan
+    still trains if it is whole; then the old generation ends at a step with a checkpoint, the VMs
+    the new plan drops are released, and every worker gets the new generation in place."""
     provider = ctx.provider
+    ctl = job.controller
     placed, missing = place(cand, held)
     keep = {v.vm_id for v in placed.values()}
     drop = [v.vm_id for v in held if v.vm_id not in keep] + sorted(lost)
     ctx.adopt_plan(cand, cand_est, reason, frontier)
     requests = [node_request(ctx.run_id, ctx.version, n) for n in missing]
-    stopped = False
+    members = list(job.extra.get("members", []))
+    pids_before = ctl.worker_pids(sorted(keep))
+    ended = False
     try:
         # Rent first, while the old plan still trains: the new VMs' start-up overlaps its last steps.
         new_vms = provision(provider, requests)
     except CapacityError:
-        # The new plan needs capacity the old one still holds: free it first.
-        stop_workers(provider, job)
+        # The new plan needs capacity the old one still holds: end the old generation and free it first.
+        ctl.end_generation(job.version, members, broken=bool(lost))
+        ended = True
         terminate(provider, drop)
         ctx.ledger_close(drop)
-        stopped = True
         new_vms = provision(provider, requests)
     ctx.ledger_add(new_vms)
     it = iter(new_vms)
@@ -255,14 +262,30 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
            {"kept": sorted(keep), "rented": [v.vm_id for v in new_vms], "released": drop, "plan_version": ctx.version})
     new = Job(run_id=ctx.run_id, version=ctx.version, plan=cand, vms=vms, run_dir=job.run_dir, state=job.state,
               code=job.code, total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval, seed=job.seed,
-              data_uri=job.data_uri, estimate_s=float(cand_est["iteration_time_s"]), controller=job.controller)
-    new.extra.update(reconfig_trigger_at=trigger_at, trigger=kinds)
-    if new_vms and not stopped:
+              data_uri=job.data_uri, estimate_s=float(cand_est["iteration_time_s"]), controller=ctl)
+    new.extra.update(reconfig_trigger_at=trigger_at, trigger=kinds, pids_before=pids_before)
+    if new_vms:
         start_agents(provider, new, [v.vm_id for v in new_vms])
-    if not stopped:
-        stop_workers(provider, job)  # the old plan checkpoints and stops
+        ctl.watch(new_vms)
+        if not lost and not ended:  # the old plan is whole: it trains on until the new VMs are up
+            _wait_ready(ctl, [v.vm_id for v in new_vms], timeout_s=BOOT_TIMEOUT_S)
+    if not ended:
+        ctl.end_generation(job.version, members, broken=bool(lost))
         terminate(provider, drop)
         ctx.ledger_close(drop)
-    start_agents(provider, new, sorted(keep) if not stopped else None)
+    # A kept VM whose agent is gone (it failed, or was stopped) gets a fresh one; the rest go on in place.
+    exit_code = getattr(provider, "agent_exit_code", None)
+    dead = [v for v in sorted(keep) if exit_code is not None and exit_code(v) is not None]
+    if dead:
+        start_agents(provider, new, dead)
     new.launched_at = hand_out(new)
     return new
+
+
+BOOT_TIMEOUT_S = 180.0  # how long the old plan may go on training while the new VMs start
+
+
+def _wait_ready(ctl: Any, vm_ids: list[str], *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ctl.ready(vm_ids) and time.monotonic() < deadline:
+        time.sleep(0.2)

@@ -310,6 +310,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         job = Job(run_id=run_id, version=ctx.version, plan=plan, vms=vms, run_dir=run_dir, state=state, code=code,
                   total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval, seed=params.seed,
                   data_uri=params.dataset or "", estimate_s=float(est["iteration_time_s"]), controller=controller)
+        job.extra["provisioned_at"] = time.time()
         job.launched_at = launch(provider, job)
         resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
         record(history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers{resumed}",

@@ -15,6 +15,7 @@ Contract (no Prefect):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -79,8 +80,19 @@ class Controller:
         )
         vms = [(vm.vm_id, max(vm.gpus, 1), ranks) for vm, ranks in vm_ranks(job)]
         self._devices.update({v: n for v, n, _ in vms})
+        job.extra["members"] = [w for w in self._members(vms)]
         return assign_generation(self.server, job.version, plan=plan_to_dict(job.plan), settings=settings.to_dict(),
                                  resume=resume, vms=vms)
+
+    @staticmethod
+    def _members(vms: list[tuple[str, int, tuple[int, ...]]]) -> list[str]:
+        from sailor_core.runtime.protocol import worker_id
+
+        return [worker_id(v, i) for v, _, ranks in vms for i in range(len(ranks))]
+
+    def watch(self, vms: list[Any]) -> None:
+        """Know these VMs' device counts before they are handed a generation (for `ready`)."""
+        self._devices.update({v.vm_id: max(v.gpus, 1) for v in vms})
 
     def heartbeats(self, vm_ids: list[str]) -> dict[str, float]:
         from sailor_core.runtime.protocol import vm_heartbeat_key
@@ -108,6 +120,51 @@ class Controller:
             elif got:
                 out[v] = "stopped" if "stopped" in got else got[0]
         return out
+
+    def worker_pids(self, vm_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Each VM's worker processes as its agent last reported them: {worker id: pid, or None if exited}."""
+        from sailor_core.runtime.protocol import vm_heartbeat_key
+
+        out = {}
+        for v in vm_ids:
+            raw = self.server.get(vm_heartbeat_key(v))
+            if raw is not None:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    out[v] = dict(json.loads(raw)["workers"])
+        return out
+
+    def loaded_from(self, version: int) -> dict[str, int]:
+        """How the workers of generation `version` got their state: counts of memory / checkpoint / none."""
+        from sailor_core.runtime.protocol import loaded_key, worker_id
+
+        counts: dict[str, int] = {}
+        for v, n in self._devices.items():
+            for i in range(n):
+                how = self.server.get(loaded_key(version, worker_id(v, i)))
+                if how is not None:
+                    counts[how] = counts.get(how, 0) + 1
+        return counts
+
+    def end_generation(self, version: int, members: list[str], *, broken: bool, timeout_s: float = 60.0) -> dict[str, str]:
+        """Ask generation `version` to stop at its next step with a checkpoint (its workers go on to the
+        next generation, state kept); a broken one (a member lost) is aborted instead. Waits until
+        every member reported, or `timeout_s`; returns their statuses."""
+        from sailor_core.runtime.protocol import abort_key, status_key, stop_key
+
+        self.server.set(abort_key(version) if broken else stop_key(version), "plan change")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = {w: s for w in members if (s := self.server.get(status_key(version, w))) is not None}
+            if len(got) == len(members) or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
+    def ready(self, vm_ids: list[str]) -> bool:
+        """Whether every worker of these VMs has started (beats its heartbeat)."""
+        from sailor_core.runtime.protocol import heartbeat_key, worker_id
+
+        return all(self.server.get(heartbeat_key(worker_id(v, i))) is not None
+                   for v in vm_ids for i in range(self._devices.get(v, 1)))
 
     def metrics(self, version: int) -> list[dict[str, Any]]:
         from sailor_core.runtime.protocol import metrics_key

@@ -130,6 +130,28 @@ def make_plan(**kw: Any) -> Any:
     return run_planner(**kw)
 
 
+def record_reconfigured(job: Job, history: RunHistory, step: int) -> None:
+    """The `reconfigured` event of a plan version's first step: how long the switch took, how many
+    worker processes went on running (same PIDs as before it), and how the ranks got their state."""
+    secs = float(job.extra["first_step_at"]) - float(job.extra["reconfig_trigger_at"])
+    job.extra["reconfiguration_s"] = secs
+    ctl = job.controller
+    before: dict[str, dict[str, Any]] = job.extra.get("pids_before", {})
+    now = ctl.worker_pids([v.vm_id for v in job.vms]) if ctl is not None else {}
+    kept = sum(1 for vm, pids in before.items() for w, pid in pids.items()
+               if pid is not None and now.get(vm, {}).get(w) == pid)
+    loaded = ctl.loaded_from(job.version) if ctl is not None else {}
+    trig = ", ".join(job.extra.get("trigger", []))
+    reason = (f"plan v{job.version} trained its first step {secs:.1f}s after the {trig} event; {kept} worker "
+              f"process(es) kept running; state from {loaded or 'nowhere (fresh start)'}")
+    payload = {"plan_version": job.version, "reconfiguration_s": secs, "step": step, "workers": len(job.vms),
+               "kept_processes": kept, "loaded_from": loaded}
+    history.event(job.run_id, "reconfigured", reason, payload)
+    history.measurement(job.run_id, "reconfiguration", payload, reason)
+    emit("reconfigured", job.run_id, {"reason": reason, **payload})
+    get_run_logger().info("reconfigured: %s", reason)
+
+
 @dataclass
 class MonitorOutcome:
     completed: bool
@@ -203,16 +225,14 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
         if prog.steps_this_version and "first_step_at" not in job.extra:
             job.extra["first_step_at"] = time.time()
             if "reconfig_trigger_at" in job.extra:
-                secs = job.extra["first_step_at"] - float(job.extra["reconfig_trigger_at"])
-                job.extra["reconfiguration_s"] = secs
-                trig = ", ".join(job.extra.get("trigger", []))
-                reason = f"plan v{job.version} trained its first step {secs:.1f}s after the {trig} event"
-                payload = {"plan_version": job.version, "reconfiguration_s": secs, "step": prog.step,
-                           "workers": len(job.vms)}
-                history.event(job.run_id, "reconfigured", reason, payload)
-                history.measurement(job.run_id, "reconfiguration", payload, reason)
-                emit("reconfigured", job.run_id, {"reason": reason, **payload})
-                log.info("reconfigured: %s", reason)
+                record_reconfigured(job, history, prog.step)
+            elif "provisioned_at" in job.extra:
+                secs = job.extra["first_step_at"] - float(job.extra["provisioned_at"])
+                job.extra["cold_start_s"] = secs
+                reason = f"plan v{job.version} trained its first step {secs:.1f}s after its VMs were provisioned"
+                history.measurement(job.run_id, "cold_start", {"plan_version": job.version, "cold_start_s": secs},
+                                    reason)
+                log.info("cold start: %s", reason)
         if prog.step >= job.total_steps:
             return MonitorOutcome(completed=True, progress=prog)
         actionable = []
