@@ -14,6 +14,7 @@ go on running, and a rank that keeps its shard keeps its state in memory (others
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -185,7 +186,18 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
         if v:
             broken = "the current plan now breaks a limit: " + "; ".join(v)
     try:
-        result = make_plan(**ctx.planner_args(pool_from(offers, held), book))
+        result = None
+        if lost and held:
+            # Shrink first: the best plan on the VMs still held starts in seconds (their processes go on
+            # in place); one that needs new VMs would wait for them to boot. Capacity that comes back
+            # later (a capacity_change) is weighed then, like any other change.
+            try:
+                none_free = [dataclasses.replace(o, count=0) for o in offers]  # their zones' regions, no capacity
+                result = make_plan(**ctx.planner_args(pool_from(none_free, held), book))
+            except NoPlanError:
+                result = None
+        if result is None:
+            result = make_plan(**ctx.planner_args(pool_from(offers, held), book))
     except NoPlanError as e:
         if lost:
             raise

@@ -37,7 +37,8 @@ is per device and hour. A (zone, device type, market) appears once. Latency is n
 format: this machine's kernel has no netem, so only bandwidth is emulated (docs/orchestration.md).
 
     events:                          # each fires once, when its trigger is reached
-      - {at_step: 8, kind: preemption, market: spot, zone: eu-north}   # the newest matching VM (or vm: N)
+      - {at_step: 8, kind: preemption, market: spot, zone: eu-north}   # the newest matching VM (no market,
+                                                                       # zone: the newest VM of the run; or vm: N)
       - {at_step: 16, kind: price_change, market: spot, usd_per_gpu_hour: 0.6}   # every matching offering
       - {at_s: 40, kind: capacity_change, zone: eu-north, market: spot, count: 2}   # exactly one offering
 
@@ -212,7 +213,9 @@ def load_scenario(path: str | Path) -> Scenario:
     except FileNotFoundError:
         raise ScenarioError(f"scenario file {p} does not exist; to fix: check the path (examples in scenarios/)") from None
     except yaml.YAMLError as e:
-        raise ScenarioError(f"scenario file {p} is not valid YAML: {e}; {_FIX}") from None
+        from sailor_core.planner.pool import yaml_problem
+
+        raise ScenarioError(f"scenario file {p} is not valid YAML: {yaml_problem(e)}; {_FIX}") from None
     return parse_scenario(raw or {}, name=p.stem)
 
 
@@ -386,9 +389,6 @@ def _event(e: Any, where: str, index: int, offerings: list[ScenarioOffering], er
         return None
     if kind == "capacity_change" and (market is None or count is None):
         errors.append(f"{where}: a capacity_change needs market and count")
-        return None
-    if kind == "preemption" and market is None and vm is None:
-        errors.append(f"{where}: a preemption needs market (its newest VM) or vm (index in provisioning order)")
         return None
     ev = ScenarioEvent(
         index=index, kind=kind, at_step=at_step, at_s=at_s, market=market, zone=zone, gpu_type=gpu_type, vm=vm,
