@@ -94,6 +94,18 @@ def default_agent_command(vm: Vm, assignment: WorkerAssignment, slot: Path) -> l
     return ["bash", str(slot / "sailor-agent.sh")]
 
 
+def prepare_vm_folder(folder: Path, vm: Vm, assignment: WorkerAssignment) -> dict[str, str]:
+    """Put on a VM's own disk what a cloud VM gets from SSM or its instance metadata (the assignment)
+    and its startup script (the bootstrap, infra/bootstrap.py); return the environment the bootstrap
+    runs with. On this machine the VM's Python is this one and its image's packages are this venv's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "assignment.json").write_text(assignment_json(assignment, vm.vm_id))
+    (folder / "sailor-agent.sh").write_text(AGENT_SCRIPT)
+    return {**assignment.env, "SAILOR_ASSIGNMENT_FILE": str(folder / "assignment.json"), "SAILOR_VM_ID": vm.vm_id,
+            "SAILOR_HOME": str(folder / "sailor"), "SAILOR_PYTHON": sys.executable, "SAILOR_DEPS_SITE": _deps_site(),
+            "OMP_NUM_THREADS": assignment.env.get("OMP_NUM_THREADS", "1")}
+
+
 def _deps_site() -> str:
     """This interpreter's site-packages: the testbed VMs' stand-in for an image with the dependencies."""
     import sysconfig
@@ -479,15 +491,10 @@ class LocalProvider:
             if rec["pid"] and _pid_alive(rec["pid"]):
                 self._stop_group(rec["pid"], self._procs.pop(vm.vm_id, None))
             slot = self.slot_dir(vm.vm_id)
-            # What SSM / instance metadata deliver on a cloud VM: the assignment, on the VM's own disk.
-            (slot / "assignment.json").write_text(assignment_json(assignment, vm.vm_id))
-            (slot / "sailor-agent.sh").write_text(AGENT_SCRIPT)
             hb = slot / "heartbeat.json"
             hb.unlink(missing_ok=True)
-            env = {**os.environ, **self.env, **assignment.env, "SAILOR_ASSIGNMENT_FILE": str(slot / "assignment.json"),
-                   "SAILOR_HEARTBEAT_FILE": str(hb), "SAILOR_SLOT_DIR": str(slot), "SAILOR_VM_ID": vm.vm_id,
-                   "SAILOR_HOME": str(slot / "sailor"), "SAILOR_PYTHON": sys.executable, "SAILOR_DEPS_SITE": _deps_site(),
-                   "OMP_NUM_THREADS": assignment.env.get("OMP_NUM_THREADS", "1")}
+            env = {**os.environ, **self.env, **prepare_vm_folder(slot, vm, assignment),
+                   "SAILOR_HEARTBEAT_FILE": str(hb), "SAILOR_SLOT_DIR": str(slot)}
             if rec.get("isolation") == "netns":
                 env["GLOO_SOCKET_IFNAME"] = "eth0"  # the VM's one interface to the other VMs
             argv = self.agent_command(vm, assignment, slot)

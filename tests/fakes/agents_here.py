@@ -2,8 +2,9 @@
 
 On a real VM the startup script starts the runtime's worker once the assignment arrives. Offline
 there is no VM to run it, so `AgentsHere` wraps a cloud provider and does every provider call
-through it (the assignment still goes out by SSM or instance metadata), then also starts that VM's
-worker as a process on this machine, with the same command the local provider uses. `reclaim(vm)`
+through it (the assignment still goes out by SSM or instance metadata), then also runs that VM's
+bootstrap (the same script the startup script installs: the run's wheel, then `sailor worker`) as
+a process on this machine, as the local provider does. `reclaim(vm)`
 plays the cloud taking a spot VM back: its worker is killed like a VM that powers off.
 The worker's environment is scrubbed of cloud credentials, as a VM's would lack the controller's.
 """
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.local import default_agent_command
+from infra.local import default_agent_command, prepare_vm_folder
 from infra.provider import Vm, WorkerAssignment
 
 SCRUB = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
@@ -60,7 +61,7 @@ class AgentsHere:
         slot = self.root / vm.vm_id.replace("/", "_")
         slot.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in SCRUB}
-        env.update(assignment.env, OMP_NUM_THREADS="1", SAILOR_VM_ID=vm.vm_id, PYTHONUNBUFFERED="1")
+        env.update(prepare_vm_folder(slot, vm, assignment), PYTHONUNBUFFERED="1")
         log = open(slot / f"agent-v{assignment.plan_version}.log", "ab")
         try:
             self.procs[vm.vm_id] = subprocess.Popen(default_agent_command(vm, assignment, slot), stdout=log,
