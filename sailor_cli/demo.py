@@ -16,6 +16,8 @@ from pathlib import Path
 
 import typer
 
+from sailor_core.domain import SailorError
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SCENARIO = REPO / "scenarios" / "demo.yaml"
 
@@ -43,19 +45,27 @@ def demo(
     """Run the sailor flow locally: plan, train gpt-tiny on 4 workers through a preemption and a price change."""
     workdir = workdir.resolve()
     _prefect_env(workdir)
-    from flows.sailor import sailor
+    from flows.params import validate_params
+    from flows.sailor import run_id_for, sailor
     from profiles_store.store import open_store
     from tasks.history import RunHistory
 
+    params = dict(run_name="demo", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
+                  max_usd_per_hour=2.0, max_stages=max_stages, provider="local", scenario=str(scenario),
+                  workers=workers, steps=steps, isolation=isolation, checkpoint_interval=10, store_uri=store,
+                  workdir=str(workdir))
+    validate_params({k: v for k, v in params.items() if v is not None})  # a user error: one line, exit 2
     typer.echo(f"sailor demo: gpt-tiny, {steps} steps on up to {workers} local workers, scenario {scenario}")
-    state = sailor(run_name="demo", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
-                   max_usd_per_hour=2.0, max_stages=max_stages, provider="local", scenario=str(scenario), workers=workers, steps=steps, isolation=isolation,
-                   checkpoint_interval=10, store_uri=store, workdir=str(workdir), return_state=True)
+    state = sailor(**params, return_state=True)
+    # this demo's own run (its flow run's id), never merely the newest run named "demo" in the store
+    run_id = run_id_for("demo", str(state.state_details.flow_run_id or ""))
     history = RunHistory(open_store(store))
-    runs = [r for r in history.list_runs() if r.get("name") == "demo"]
-    if not runs:
-        raise typer.Exit(1)
-    run = history.show(runs[-1]["run_id"])
+    try:
+        run = history.show(run_id)
+    except SailorError:
+        typer.echo(f"error: the flow ended {state.type.value.lower()} before it recorded run {run_id}: "
+                   f"{state.message or ''}"[:400], err=True)
+        raise typer.Exit(1) from None
     left = _left_behind(workdir / "runs" / run["run_id"] / "local", run["run_id"])
     if as_json:
         typer.echo(json.dumps({**run, "processes_left": left}, indent=2, default=str))

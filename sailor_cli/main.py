@@ -10,7 +10,9 @@ commands, so registering them all at start stays cheap.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 
 import typer
 
@@ -56,21 +58,43 @@ def _register() -> None:
             app.command(name=module)(obj)
 
 
+class Terminated(BaseException):
+    """SIGTERM turned into an exception, so `finally` blocks clean up before the process exits 143."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+def _on_sigterm(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
+def _interrupted(e: BaseException) -> int:
+    """Exit status of an interruption: 128 + the signal (130 SIGINT, 143 SIGTERM)."""
+    code = 128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT)
+    typer.echo(f"interrupted by {signal.Signals(code - 128).name}; cleaned up, nothing more was done", err=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; the exit status is 0 on success, 2 for a user error, 1 for a failure and
+    128 + signal when interrupted (after the command's cleanup ran)."""
     _register()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        app(args=argv, standalone_mode=False)
+        rv = app(args=argv, standalone_mode=False)
     except (SailorError, ValidationError) as e:
         typer.echo(f"error: {e}", err=True)
         return 2
     except FileNotFoundError as e:
         typer.echo(f"error: {e.filename or e}: no such file; to fix: check the path", err=True)
         return 2
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        return _interrupted(e)
     except SystemExit as e:
-        return int(e.code or 0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except Exception as e:  # click's usage errors come here in non-standalone mode
         import click
 
@@ -79,15 +103,24 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, click.ClickException):
             e.show()
             return e.exit_code
-        if isinstance(e, click.exceptions.Abort):
+        if isinstance(e, click.exceptions.Abort) or type(e).__name__ == "Abort":
+            # click turns Ctrl-C into Abort; its cause tells an interruption from a refused prompt
+            if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt | Terminated):
+                return _interrupted(e.__cause__ or e.__context__)  # type: ignore[arg-type]
             return 1
         # typer >= 0.29 vendors click (typer._click): its usage errors are not click's classes
         if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
             e.show()
-            return int(e.exit_code)
-        if type(e).__name__ in ("Exit", "Abort"):
+            return int(getattr(e, "exit_code"))  # noqa: B009 - Exception has no exit_code for mypy
+        if type(e).__name__ == "Exit":
             return int(getattr(e, "exit_code", 1) or 0)
         raise
+    # In non-standalone mode click returns `typer.Exit(n)`'s code (or the command's return value);
+    # typer turns Ctrl-C into Exit(130), so it arrives here too.
+    if isinstance(rv, int) and not isinstance(rv, bool):
+        if rv == 128 + signal.SIGINT:
+            typer.echo("interrupted by SIGINT; cleaned up, nothing more was done", err=True)
+        return rv
     return 0
 
 

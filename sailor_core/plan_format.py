@@ -79,6 +79,10 @@ def plan_from_dict(d: dict[str, Any], *, model: str | None = None) -> ParallelPl
             f"plan format version {version} is not supported (this sailor reads version {FORMAT_VERSION}); "
             f"to fix: re-create the plan with this version's `sailor plan`"
         )
+    named = d.get("model")
+    if model and named and str(named) != model:
+        raise PlanFormatError(f"the plan file is a plan for {named}, but --model says {model}; to fix: drop --model "
+                              f"(the plan's model is used) or make a plan for {model} with `sailor plan`")
     errors: list[str] = []
     try:
         stages = tuple(
@@ -177,8 +181,17 @@ def load_plan_file(path: str | os.PathLike[str], *, fmt: str = "auto", model: st
             d = json.load(f)
     except FileNotFoundError:
         raise PlanFormatError(f"plan file {path} does not exist") from None
+    except IsADirectoryError:
+        raise PlanFormatError(f"plan file {path} is a directory; to fix: pass the plan's JSON file "
+                              f"(e.g. the one `sailor plan --out FILE` wrote)") from None
     except json.JSONDecodeError as e:
         raise PlanFormatError(f"plan file {path} is not valid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanFormatError(f"cannot read plan file {path}: {e}; to fix: check the path and its permissions") from None
+    if not isinstance(d, dict):
+        raise PlanFormatError(f"plan file {path} holds a JSON {type(d).__name__ if d is not None else 'null'}, "
+                              f"not a plan object; to fix: pass a file written by `sailor plan --out` "
+                              f"(see docs/formats.md)")
     if fmt == "auto":
         fmt = "eth-easl" if "pipeline_list" in d else "sailor"
     if fmt == "eth-easl":

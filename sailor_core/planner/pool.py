@@ -58,15 +58,24 @@ def read_pool_document(path: str | os.PathLike[str]) -> Any:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PoolFileError(f"pool file {path} is not valid JSON: {e}") from None
+            raise PoolFileError(f"pool file {path} is not valid JSON: {e}; to fix: correct it there "
+                                f"(format in docs/planner.md)") from None
     else:
         import yaml  # YAML is a superset of JSON: one parser covers both
 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise PoolFileError(f"pool file {path} is not valid YAML: {e}") from None
+            raise PoolFileError(f"pool file {path} is not valid YAML: {yaml_problem(e)}; to fix: correct it there "
+                                f"(format in docs/planner.md)") from None
     return data
+
+
+def yaml_problem(e: Exception) -> str:
+    """PyYAML's multi-line message as one line: where, then what."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(getattr(e, "problem", None) or e).split())
 
 
 def parse_pool(data: Any, book: ProfileBook, *, source: str = "pool") -> ResourcePool:

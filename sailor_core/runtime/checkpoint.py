@@ -9,6 +9,12 @@ Contract:
 - A checkpoint is *valid* only if meta.json exists and, for every layer 0..L+1, the shard files of
   one TP degree are all listed in parts and match their digests. `latest_valid_step` walks back
   from the newest step and skips incomplete or corrupt ones (with the reason).
+- A checkpoint that is not valid is never deleted or overwritten: `resume_point` (called before a
+  run resumes) moves every invalid checkpoint newer than the one it resumes from to
+  `quarantine/step_NNNNNNNN[.k]/`, with `QUARANTINED.json` {step, reason, time} beside its files,
+  so a run that goes on from an older step cannot write over it and a person can inspect it.
+- Retention (`AsyncCheckpointer.keep_last`) removes a checkpoint only when it is older than a newer
+  *valid* one and more than `keep_last` steps are kept; an invalid old one is quarantined instead.
 - `load_layer_state(storage, step, layer)` returns full-layout tensors (shards concatenated along
   their shard dimension), so a checkpoint written under one plan (stages, DP, TP) loads under any.
 - `AsyncCheckpointer.save` takes an in-memory snapshot (tensors already copied) and serialises and
@@ -25,7 +31,9 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +47,7 @@ class CheckpointStorage(Protocol):
     def exists(self, path: str) -> bool: ...
     def listdir(self, path: str) -> list[str]: ...
     def delete_tree(self, path: str) -> None: ...
+    def move_tree(self, src: str, dst: str) -> None: ...  # dst must not exist
 
 
 class LocalStorage:
@@ -75,6 +84,10 @@ class LocalStorage:
     def delete_tree(self, path: str) -> None:
         shutil.rmtree(self._p(path), ignore_errors=True)
 
+    def move_tree(self, src: str, dst: str) -> None:
+        os.makedirs(os.path.dirname(self._p(dst)), exist_ok=True)
+        os.rename(self._p(src), self._p(dst))
+
 
 class PyArrowStorage:
     """Object storage through pyarrow.fs (S3, GCS); object PUTs are atomic, so write is too."""
@@ -82,7 +95,9 @@ class PyArrowStorage:
     def __init__(self, uri: str):
         from pyarrow import fs as pafs
 
-        self._fs, self._root = pafs.FileSystem.from_uri(uri)
+        from sailor_core.uris import filesystem_for
+
+        self._fs, self._root = filesystem_for(uri)
         self._pafs = pafs
 
     def _p(self, path: str) -> str:
@@ -109,13 +124,25 @@ class PyArrowStorage:
         except OSError:
             pass
 
+    def move_tree(self, src: str, dst: str) -> None:
+        # object stores have no directory rename: copy every object, then delete the source
+        sel = self._pafs.FileSelector(self._p(src), recursive=True, allow_not_found=True)
+        base = self._p(src).rstrip("/") + "/"
+        for info in self._fs.get_file_info(sel):
+            if info.type == self._pafs.FileType.File:
+                self._fs.copy_file(info.path, self._p(dst).rstrip("/") + "/" + info.path[len(base):])
+        self.delete_tree(src)
+
 
 def open_storage(uri: str) -> CheckpointStorage:
     if "://" in uri and not uri.startswith("file://"):
         try:
             return PyArrowStorage(uri)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad URI
-            raise SailorError(f"cannot open checkpoint storage {uri!r}: {e}; to fix: check the URI and credentials") from None
+            from sailor_core.uris import redact
+
+            raise SailorError(f"cannot open checkpoint storage {redact(uri)!r}: {e}; to fix: check the URI and "
+                              f"credentials") from None
     return LocalStorage(uri.removeprefix("file://"))
 
 
@@ -180,10 +207,26 @@ class AsyncCheckpointer:
             raise SailorError(f"writing a checkpoint failed: {e}") from e
 
     def _prune(self, newest: int) -> None:
+        """Keep the newest `keep_last` steps; drop an older one only below a newer valid checkpoint.
+
+        The step just written may not be valid yet (other stages still writing), so the anchor is
+        the newest step that checks out now; nothing at or above it is touched."""
+        meta = json.loads(self.storage.read(f"{step_dir(newest)}/meta.json"))
+        num_layers = int(meta.get("num_layers", 0))
         steps = sorted(list_steps(self.storage))
-        for s in steps[: max(0, len(steps) - self.keep_last)]:
-            if s < newest:
-                self.storage.delete_tree(step_dir(s))
+        old = steps[: max(0, len(steps) - self.keep_last)]
+        if not old or not num_layers:
+            return
+        anchor = next((s for s in reversed(steps) if s > old[-1] and check_step(self.storage, s, num_layers) is None),
+                      None)
+        if anchor is None:
+            return  # no newer valid checkpoint: keep everything
+        for s in old:
+            reason = check_step(self.storage, s, num_layers)
+            if reason is None or reason.startswith("no meta.json"):
+                self.storage.delete_tree(step_dir(s))  # valid, or a write that never finished
+            else:
+                quarantine(self.storage, s, reason)
 
 
 def list_steps(storage: CheckpointStorage) -> list[int]:
@@ -235,8 +278,8 @@ def _layer_files(listed: dict[str, str], layer: int) -> list[str] | None:
     by_tp: dict[int, set[int]] = {}
     for name in listed:
         if name.startswith(prefix):
-            t, tp = name[len(prefix):-3].split("of")
-            by_tp.setdefault(int(tp), set()).add(int(t))
+            rank_s, degree_s = name[len(prefix):-3].split("of")
+            by_tp.setdefault(int(degree_s), set()).add(int(rank_s))
     for tp, have in sorted(by_tp.items()):
         if have == set(range(tp)):
             return [layer_file(layer, t, tp) for t in range(tp)]
@@ -251,6 +294,53 @@ def latest_valid_step(storage: CheckpointStorage, num_layers: int, log: Any = No
         if log:
             log(f"skipping checkpoint step {step}: {reason}")
     return None
+
+
+QUARANTINE = "quarantine"
+
+
+def quarantine(storage: CheckpointStorage, step: int, reason: str) -> str:
+    """Move the checkpoint of `step` aside with its reason; returns where it went (relative path)."""
+    names = set(storage.listdir(QUARANTINE))
+    dst = step_dir(step)
+    k = 1
+    while dst in names:
+        dst, k = f"{step_dir(step)}.{k}", k + 1
+    storage.move_tree(step_dir(step), f"{QUARANTINE}/{dst}")
+    storage.write(f"{QUARANTINE}/{dst}/QUARANTINED.json",
+                  json.dumps({"step": step, "reason": reason, "time": time.time()}).encode())
+    return f"{QUARANTINE}/{dst}"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    step: int
+    reason: str
+    moved_to: str
+
+    def line(self) -> str:
+        return f"checkpoint step {self.step} skipped: {self.reason}; moved aside to {self.moved_to}"
+
+
+def resume_point(storage: CheckpointStorage, num_layers: int) -> tuple[int | None, list[Skipped]]:
+    """The newest valid step (None: none), after quarantining every invalid checkpoint above it."""
+    skipped: list[Skipped] = []
+    for step in reversed(list_steps(storage)):
+        reason = check_step(storage, step, num_layers)
+        if reason is None:
+            return step, skipped
+        skipped.append(Skipped(step, reason, quarantine(storage, step, reason)))
+    return None, skipped
+
+
+def no_resume_error(uri: str, skipped: list[Skipped]) -> SailorError:
+    """The error of a resume that found nothing to resume from (each skipped checkpoint and why)."""
+    if not skipped:
+        return SailorError(f"--resume found no checkpoint in {uri}; to fix: pass the folder the run checkpointed "
+                           f"to, or --resume-or-start to start from step 0 when there is none")
+    why = "; ".join(f"step {s.step}: {s.reason} (moved to {s.moved_to})" for s in skipped)
+    return SailorError(f"--resume found no valid checkpoint in {uri}: {why}; to fix: restore a checkpoint, or pass "
+                       f"--resume-or-start to start from step 0")
 
 
 def read_meta(storage: CheckpointStorage, step: int) -> dict[str, Any]:

@@ -186,8 +186,8 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
     finally:
         _reap(workers)
         store.close()
-        for sig, h in prev_handlers.items():
-            signal.signal(sig, h)
+        for signum, h in prev_handlers.items():
+            signal.signal(signum, h)
 
 
 def _quarantine_invalid(checkpoint_dir: str, num_layers: int, emit: Callable[[dict[str, Any]], None]) -> None:

@@ -1,0 +1,219 @@
+"""Every command's exit status tells the truth: 0 success, 2 user error (one line), 1 failure, 128+signal
+when interrupted (after cleanup). One test per command group, through the real entry point in a
+subprocess (`python -m sailor_cli.main`), so what a shell sees is what is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+GPT_TINY_2_STAGES = {
+    "format": "sailor-plan", "version": 1, "model": "gpt-tiny", "global_batch_size": 8, "precision": "fp32",
+    "schedule": "1f1b",
+    "stages": [{"layers": [0, 2], "replicas": [{"gpu_type": "cpu", "gpus_per_node": 1, "market": "on-demand",
+                                                "region": "local", "tp": 1, "zone": "local"}]},
+               {"layers": [3, 5], "replicas": [{"gpu_type": "cpu", "gpus_per_node": 1, "market": "on-demand",
+                                                "region": "local", "tp": 1, "zone": "local"}]}],
+    "pipelines": [{"microbatch_size": 2, "num_microbatches": 4}],
+}
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    # a private TMPDIR shows whether the command left a temporary folder behind
+    (tmp / "tmp").mkdir(exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp / "tmp"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "SAILOR_STORE": str(tmp / "store"), "PREFECT_HOME": str(tmp / "prefect")}
+
+
+def sailor(tmp: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sailor_cli.main", *argv], capture_output=True, text=True,
+                          cwd=REPO, env=_env(tmp), timeout=timeout)
+
+
+def start(tmp: Path, *argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "sailor_cli.main", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env(tmp))
+
+
+def one_line_error(p: subprocess.CompletedProcess[str] | tuple[int, str, str]) -> str:
+    err = p.stderr if isinstance(p, subprocess.CompletedProcess) else p[2]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "to fix" in lines[0], err
+    return lines[0]
+
+
+def finish(p: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return p.returncode, out, err
+
+
+def _ours_left(tmp: Path) -> list[str]:
+    # torch keeps its compile cache (torchinductor_*) in TMPDIR; that one is not ours
+    return [x.name for x in (tmp / "tmp").iterdir() if x.name.startswith("sailor")]
+
+
+def wait_for(pred, timeout: float, what: str) -> None:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- demo -----------------------------------------------------------------------------------------
+def test_demo_with_invalid_parameters_is_a_user_error(tmp_path):
+    p = sailor(tmp_path, "demo", "--workers", "0", "--steps", "5", "--workdir", str(tmp_path / "wd"))
+    assert p.returncode == 2, (p.returncode, p.stdout[-800:], p.stderr[-800:])
+    assert "workers" in one_line_error(p)
+
+
+def test_demo_whose_flow_fails_exits_1_and_reports_its_own_run(tmp_path):
+    """The flow fails (the scenario offers nothing): exit 1 and this run's status, not another's."""
+    (tmp_path / "none.yaml").write_text("offerings:\n  - {market: spot, count: 0, usd_per_gpu_hour: 0.1}\n")
+    p = sailor(tmp_path, "demo", "--steps", "5", "--scenario", str(tmp_path / "none.yaml"),
+               "--workdir", str(tmp_path / "wd"), "--json", timeout=240)
+    assert p.returncode == 1, (p.returncode, p.stdout[-1500:], p.stderr[-1500:])
+    doc = json.loads(p.stdout[p.stdout.index("{\n"):])
+    assert doc["status"] == "failed" and "offers no GPUs" in doc["status_reason"]
+
+
+# -- plan -----------------------------------------------------------------------------------------
+def test_plan_interrupted_by_sigint_exits_130_and_writes_no_plan(tmp_path):
+    """The pool file is a FIFO nobody writes, so the command is reliably busy when SIGINT lands."""
+    fifo = tmp_path / "pool.json"
+    os.mkfifo(fifo)
+    out = tmp_path / "plan.json"
+    p = start(tmp_path, "plan", "--pool", str(fifo), "--model", "OPT-350", "--global-batch-size", "8",
+              "--out", str(out))
+    try:
+        wait_for(lambda: Path(f"/proc/{p.pid}/wchan").read_text().strip() in ("wait_for_partner", "fifo_open")
+                 or p.poll() is not None, 60, "plan to open its pool file")
+        assert p.poll() is None
+        p.send_signal(signal.SIGINT)
+        rc, _, err = finish(p, 60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 130, (rc, err)
+    assert "interrupted by SIGINT" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_plan_user_error_and_infeasible(tmp_path):
+    (tmp_path / "pool.yaml").write_text("zones: [unclosed\n")
+    p = sailor(tmp_path, "plan", "--pool", str(tmp_path / "pool.yaml"), "--model", "OPT-350",
+               "--global-batch-size", "8")
+    assert p.returncode == 2, p.stderr
+    assert "pool" in one_line_error(p)
+
+
+# -- profile --------------------------------------------------------------------------------------
+def test_profile_interrupted_by_sigint_exits_130_and_stores_nothing(tmp_path):
+    store = tmp_path / "pstore"
+    p = start(tmp_path, "profile", "model", "--model", "gpt-tiny", "--mbs", "1,2,4,8", "--store", str(store))
+    try:
+        # the progress bar goes to stderr once measuring started; give it a moment into the measurement
+        time.sleep(6)
+        assert p.poll() is None, finish(p)
+        p.send_signal(signal.SIGINT)
+        rc, _, err = finish(p, 60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 130, (rc, err[-1500:])
+    assert "interrupted by SIGINT" in err and "Traceback" not in err
+    listed = sailor(tmp_path, "profiles", "list", "--store", str(store), "--json")
+    assert listed.returncode == 0
+    assert not [r for r in json.loads(listed.stdout) if r["model"] == "gpt-tiny"]
+
+
+# -- train ----------------------------------------------------------------------------------------
+def test_train_stopped_by_sigterm_exits_143_after_checkpointing(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(GPT_TINY_2_STAGES))
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    p = start(tmp_path, "train", str(plan), "--steps", "500", "--checkpoint-dir", str(ck),
+              "--metrics-out", str(metrics))
+    try:
+        wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3 or p.poll() is not None, 120,
+                 "three training steps")
+        assert p.poll() is None, finish(p)
+        p.send_signal(signal.SIGTERM)
+        rc, out, err = finish(p, 90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 143, (rc, out[-800:], err[-800:])
+    assert "stopped by SIGTERM" in err and "--resume" in err and "Traceback" not in err
+    from sailor_core.runtime import checkpoint as ckpt
+
+    last = max(json.loads(ln)["step"] for ln in metrics.read_text().splitlines() if ln.strip())
+    assert ckpt.latest_valid_step(ckpt.open_storage(str(ck)), 6) == last  # no step lost
+    assert _ours_left(tmp_path) == []  # no sailor-train-* folder left behind
+
+
+def test_train_leaves_no_temporary_folder(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(GPT_TINY_2_STAGES))
+    p = sailor(tmp_path, "train", str(plan), "--steps", "2")
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert "done: 2 steps" in p.stdout
+    assert _ours_left(tmp_path) == []
+
+
+@pytest.mark.parametrize("content", ["[1,2,3]", "null", "DIR"])
+@pytest.mark.parametrize("command", ["simulate", "train"])
+def test_plan_file_that_is_no_plan_object_is_one_line(tmp_path, command, content):
+    path = tmp_path / "plan.json"
+    if content == "DIR":
+        path.mkdir()
+    else:
+        path.write_text(content)
+    argv = [command, str(path)] + (["--steps", "2"] if command == "train" else [])
+    p = sailor(tmp_path, *argv)
+    assert p.returncode == 2, (p.returncode, p.stderr[-1500:])
+    assert str(path) in one_line_error(p)
+
+
+def test_train_refuses_a_model_other_than_the_plans(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(GPT_TINY_2_STAGES))
+    p = sailor(tmp_path, "train", str(plan), "--model", "gpt-small", "--steps", "2")
+    assert p.returncode == 2, p.stderr[-1500:]
+    line = one_line_error(p)
+    assert "gpt-tiny" in line and "gpt-small" in line
+    assert "started" not in p.stdout
+
+
+@pytest.mark.parametrize("flag", [("--lr", "-1"), ("--timeout", "0")])
+def test_train_refuses_bad_settings_before_workers_start(tmp_path, flag):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(GPT_TINY_2_STAGES))
+    p = sailor(tmp_path, "train", str(plan), "--steps", "2", *flag)
+    assert p.returncode == 2, p.stderr[-1500:]
+    assert flag[0] in one_line_error(p)
+    assert "started" not in p.stdout
+
+
+# -- runs -----------------------------------------------------------------------------------------
+def test_runs_show_unknown_id_is_a_user_error(tmp_path):
+    p = sailor(tmp_path, "runs", "show", "nope-123")
+    assert p.returncode == 2
+    one_line_error(p)
