@@ -8,7 +8,14 @@ import subprocess
 
 import pytest
 
-from infra.bootstrap import ASSIGNMENT_FILE, assignment_commands, assignment_json, render_startup_script
+from infra.bootstrap import (
+    AGENT_PATH,
+    AGENT_SCRIPT,
+    ASSIGNMENT_FILE,
+    assignment_commands,
+    assignment_json,
+    render_startup_script,
+)
 from infra.provider import ProviderError, WorkerAssignment
 
 pytestmark = pytest.mark.aws
@@ -27,8 +34,9 @@ def test_startup_script_is_valid_bash_deterministic_and_starts_the_worker(cloud:
     path = tmp_path / "s.sh"
     path.write_text(s)
     subprocess.run(["bash", "-n", str(path)], check=True)
-    assert "python -m sailor_core.runtime.worker_proc --control \"$endpoint\" --worker-id \"$vm_id\"" in s
-    assert f"a[\"rendezvous_endpoint\"], a[\"vm_id\"])' {ASSIGNMENT_FILE}" in s
+    # the one bootstrap every provider runs, written out and started by systemd
+    assert f"cat > {AGENT_PATH} <<'AGENT'\n{AGENT_SCRIPT}AGENT\n" in s and f"ExecStart=/bin/bash {AGENT_PATH}" in s
+    assert f"Environment=SAILOR_ASSIGNMENT_FILE={ASSIGNMENT_FILE}" in s
     assert 'python -m infra.metadata --exec "systemctl kill --signal=SIGTERM sailor-worker.service"' in s
     assert "Environment=SAILOR_METADATA=" + cloud in s
     assert ("sailor-assignment?wait_for_change=true" in s) == (cloud == "gcp")
@@ -51,4 +59,4 @@ def test_ssm_commands_write_the_assignment_the_worker_reads(tmp_path) -> None:
     subprocess.run(["bash", "-euc", "\n".join(cmds)], check=True)
     got = json.loads((target / "assignment.json").read_text())
     # every field, as the local provider writes it, plus the worker id the VM's worker runs under
-    assert got == {**dataclasses.asdict(A), "ranks": [2, 3], "vm_id": "i-0abc"}
+    assert got == {**dataclasses.asdict(A), "ranks": [2, 3], "command": [], "vm_id": "i-0abc"}
