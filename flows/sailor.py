@@ -30,7 +30,7 @@ from prefect.runtime import flow_run as runtime_flow_run
 from flows.params import SailorParams, validate_params
 from flows.profiling import profile
 from flows.replan import RunContext, replan
-from infra.provider import Provider
+from infra.provider import CapacityError, Provider
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import RunHistory, new_run_id
 from tasks.jobs import CodeRef, Job, node_requests
@@ -48,6 +48,8 @@ from tasks.steps import (
     save_metrics,
     teardown,
 )
+
+FIRST_PROVISION_TRIES = 3  # plans tried when the first provisioning meets a stockout
 
 
 @dataclass(kw_only=True)
@@ -302,7 +304,23 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             "cluster": {**(cluster(run_id) if cluster else {"isolation": "cloud", "provider": provider.name}),
                         "wheel_sha256": code.sha256, "state_uri": state.uri,
                         "checkpoint_uri": state.checkpoints("public"), "controller": controller.endpoint}})
-        vms = provision(provider, node_requests(run_id, ctx.version, plan))
+        for attempt in range(FIRST_PROVISION_TRIES):
+            try:
+                vms = provision(provider, node_requests(run_id, ctx.version, plan))
+                break
+            except CapacityError as e:
+                # A stockout between planning and renting: plan again on what is offered now.
+                if attempt + 1 == FIRST_PROVISION_TRIES:
+                    raise
+                offers = fetch_offerings(provider, regions=params.regions, gpu_types=params.gpu_types,
+                                         markets=params.markets)
+                book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
+                result = make_plan(**ctx.planner_args(pool_from(offers), book))
+                plan, est = result.plan, dict(result.estimate.to_json())
+                ctx.adopt_plan(plan, est, f"the first provisioning found less than planned ({e}); "
+                                          f"planned again on what is offered now", result.frontier)
+                record(history.event, run_id, "capacity_change", f"stockout at first provisioning: {e}",
+                       {"plan_version": ctx.version})
         ctx.ledger_add(vms)
         record(history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
                {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
