@@ -124,9 +124,16 @@ def dry_run_text(provider: Any, requests: Sequence[Any]) -> str:
 def format_dry_run(report: DryRunReport) -> str:
     lines = [f"dry run on {report.provider}: {len(report.calls)} API request(s), nothing rented"]
     lines += [f"  {c.render()}" for c in report.calls]
+    # a price of 0 means no quote was found (the feed is down or has no such offering), never free
+    unknown = [v for v in report.vms if not v.usd_per_hour > 0]
     for v in report.vms:
-        lines.append(f"  vm {v.name}: {v.gpus}x {v.gpu_type} {v.market.value} in {v.zone} at ${v.usd_per_hour:.4f}/h")
-    lines.append(f"hourly cost: ${report.usd_per_hour:.4f}/h")
+        price = f"${v.usd_per_hour:.4f}/h" if v.usd_per_hour > 0 else "an unknown price (no quote from the price feed)"
+        lines.append(f"  vm {v.name}: {v.gpus}x {v.gpu_type} {v.market.value} in {v.zone} at {price}")
+    if unknown:
+        lines.append(f"hourly cost: unknown ({len(unknown)} of {len(report.vms)} VM(s) have no price quote; the others "
+                     f"cost ${report.usd_per_hour:.4f}/h)")
+    else:
+        lines.append(f"hourly cost: ${report.usd_per_hour:.4f}/h")
     return "\n".join(lines)
 
 

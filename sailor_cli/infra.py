@@ -46,6 +46,19 @@ _NO_CREDENTIALS = {
 }
 
 
+# Exception classes (by name, anywhere in the MRO, so no SDK is imported here) that mean the cloud's
+# API could not be reached: botocore, google-api-core / google-auth, requests, urllib3.
+_UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+                "ServiceUnavailable", "DeadlineExceeded", "RetryError", "TransportError", "ConnectionError",
+                "Timeout", "NewConnectionError", "MaxRetryError")
+# An answer from the cloud that refused the call (credentials, permissions, bad request).
+_REFUSED = ("ClientError", "GoogleAPICallError", "RefreshError")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
 def _call(fn, *args, **kw):
     from infra.provider import ProviderError
 
@@ -54,9 +67,23 @@ def _call(fn, *args, **kw):
     except ProviderError as e:
         raise SailorError(str(e)) from None
     except Exception as e:
+        names = {c.__name__ for c in type(e).__mro__}
         if type(e).__name__ in _NO_CREDENTIALS:
             raise SailorError(_NO_CREDENTIALS[type(e).__name__]) from None
+        if names & set(_UNREACHABLE) or isinstance(e, OSError | TimeoutError):
+            raise CloudUnreachable(f"cannot reach the cloud's API ({type(e).__name__}: {_one_line(e)}); to fix: "
+                                   f"check the network and the endpoint/region settings (SAILOR_AWS_ENDPOINT_URL, "
+                                   f"SAILOR_GCE_ENDPOINT, regions), then retry") from None
+        if names & set(_REFUSED):
+            raise SailorError(f"the cloud refused the request ({type(e).__name__}: {_one_line(e)}); to fix: check "
+                              f"the credentials, their permissions and the request's settings") from None
         raise
+
+
+class CloudUnreachable(SailorError):
+    """The cloud's API did not answer (network, endpoint, outage): a failure (exit 1), not a user error."""
+
+    exit_code = 1
 
 
 @app.command("offerings")

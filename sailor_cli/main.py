@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         rv = app(args=argv, standalone_mode=False)
     except (SailorError, ValidationError) as e:
         typer.echo(f"error: {e}", err=True)
-        return 2
+        # 2: the user can fix the input; an error of the outside world (cloud unreachable) sets exit_code 1
+        return int(getattr(e, "exit_code", 2))
     except FileNotFoundError as e:
         typer.echo(f"error: {e.filename or e}: no such file; to fix: check the path", err=True)
         return 2

@@ -74,6 +74,7 @@ def plan(
     wide_frontier: Annotated[bool, typer.Option("--wide-frontier", help="frontier from cheapest to fastest (about 2x search time; on with --frontier-png)")] = False,
     checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="steps between checkpoints (spot risk: work lost per preemption)")] = DEFAULT_CHECKPOINT_INTERVAL_STEPS,
     reconfiguration_s: Annotated[float | None, typer.Option("--reconfiguration-s", help="seconds from a preemption to training again (default: the store's measured mean, else 15)")] = None,
+    large_batch: Annotated[bool, typer.Option("--large-batch", help=f"plan a global batch above {MAX_PLAIN_GLOBAL_BATCH} sequences (refused without it)")] = False,
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them."""
     from sailor_cli.simulate import load_book
@@ -81,6 +82,7 @@ def plan(
 
     if model_config or model is None or seq_len is not None:  # the name `sailor profile model --model-config` used
         model = resolve_model(model, model_config, seq_len).name
+    _check_batch(global_batch_size, large_batch)
     book = load_book(model, store)
     if book.model.name != model:
         raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")
@@ -168,6 +170,26 @@ def _spot_risk(doc: Any, store: str | None, checkpoint_interval: int, reconfigur
     sources.append(f"reconfiguration {reconf:.1f} s: {src}")
     return SpotRisk(preemptions_per_vm_hour=tuple(sorted(by_market.items())), default_preemptions_per_vm_hour=default,
                     reconfiguration_s=reconf, checkpoint_interval_steps=checkpoint_interval, sources=tuple(sources))
+
+
+# Published large runs use global batches of about 1-4 thousand sequences (GPT-3: 1536 x 2048 tokens,
+# Llama 2/3: 1024 x 4096); 64 Ki sequences is already 16x past them. Beyond it a batch is far more
+# likely a typo (an extra few zeros) than a plan: refused unless confirmed with --large-batch.
+MAX_PLAIN_GLOBAL_BATCH = 65536
+
+
+def _check_batch(global_batch_size: int, confirmed: bool) -> None:
+    if global_batch_size < 1:
+        raise SailorError(f"--global-batch-size must be at least 1 sequence, got {global_batch_size}; to fix: pass a "
+                          f"positive number")
+    if global_batch_size <= MAX_PLAIN_GLOBAL_BATCH:
+        return
+    if not confirmed:
+        raise SailorError(f"--global-batch-size {global_batch_size:.3g} sequences is more than {MAX_PLAIN_GLOBAL_BATCH} "
+                          f"(published large runs use 1-4 thousand); to fix: check the number, or pass --large-batch "
+                          f"if you mean it")
+    typer.echo(f"warning: a global batch of {global_batch_size:.3g} sequences is far above published runs "
+               f"(1-4 thousand); planning it because of --large-batch", err=True)
 
 
 def _brief(r: PlanResult) -> dict[str, Any]:

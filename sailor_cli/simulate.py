@@ -57,12 +57,14 @@ def load_book(model: str, store: str | None) -> ProfileBook:
         from profiles_store import open_store  # type: ignore[attr-defined,no-redef]
     except ImportError:
         open_store = None
+    store_error: SailorError | None = None
     if open_store is not None:
         try:
             return open_store(store).profile_book(model)  # type: ignore[no-any-return]
-        except SailorError:
+        except SailorError as e:
             if store:
                 raise  # the user named this store: its error is the answer
+            store_error = e  # e.g. the model has no profile (yet): that, not the fallback's miss, is the answer
         except Exception:  # noqa: BLE001 - an unreadable default store falls back to the published data
             if store:
                 raise
@@ -72,6 +74,8 @@ def load_book(model: str, store: str | None) -> ProfileBook:
             f"published Sailor data (eth-easl-sailor/) or install the store"
         )
     root = _reference_root()
+    if root is None and store_error is not None:
+        raise store_error
     if root is None:
         raise SailorError(
             f"no profiles for model {model}: the default store has none and the published data was not found; "
@@ -79,7 +83,12 @@ def load_book(model: str, store: str | None) -> ProfileBook:
         )
     from profiles_store.eth_easl import read_eth_easl
 
-    return read_eth_easl(root).profile_book(model)
+    try:
+        return read_eth_easl(root).profile_book(model)
+    except SailorError:
+        if store_error is not None:
+            raise store_error from None  # the published data lacks it too: say what the store lacks
+        raise
 
 
 def _gb(b: float) -> str:

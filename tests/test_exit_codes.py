@@ -217,3 +217,54 @@ def test_runs_show_unknown_id_is_a_user_error(tmp_path):
     p = sailor(tmp_path, "runs", "show", "nope-123")
     assert p.returncode == 2
     one_line_error(p)
+
+
+def test_plan_refuses_an_absurd_global_batch_without_confirmation(tmp_path):
+    (tmp_path / "pool.json").write_text(json.dumps({"zones": {"us-central1-a": {"gpus": {"A100-40": {
+        "count": 8, "gpus_per_node": 4, "usd_per_gpu_hour": 3.67}}}}}))
+    for batch in ("1000000000000", str(10**26)):
+        p = sailor(tmp_path, "plan", "--pool", str(tmp_path / "pool.json"), "--model", "OPT-350",
+                   "--global-batch-size", batch, "--json")
+        assert p.returncode == 2, (p.returncode, p.stderr[-800:])
+        assert "--large-batch" in one_line_error(p)
+
+
+def test_plan_for_a_model_without_profiles_names_the_store_not_the_published_data(tmp_path):
+    (tmp_path / "pool.json").write_text(json.dumps({"zones": {"us-central1-a": {"gpus": {"A100-40": {
+        "count": 8, "gpus_per_node": 4, "usd_per_gpu_hour": 3.67}}}}}))
+    p = sailor(tmp_path, "plan", "--pool", str(tmp_path / "pool.json"), "--model", "gpt-small",
+               "--global-batch-size", "8")
+    assert p.returncode == 2
+    line = one_line_error(p)
+    assert "published data was not found" not in line and "store" in line
+
+
+# -- infra ----------------------------------------------------------------------------------------
+def _unreachable_cloud(tmp: Path) -> dict[str, str]:
+    # port 9 (discard) on loopback: nothing listens, so every API call is refused at once
+    return {**_env(tmp), "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_EC2_METADATA_DISABLED": "true", "SAILOR_AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+            "SAILOR_AWS_REGIONS": "us-east-1", "SAILOR_GCP_PROJECT": "p", "SAILOR_GCE_ENDPOINT": "http://127.0.0.1:9",
+            "SAILOR_GCP_REGIONS": "us-central1", "AWS_MAX_ATTEMPTS": "1"}
+
+
+@pytest.mark.parametrize("argv", [
+    ["infra", "offerings", "--provider", "aws"],
+    ["infra", "cleanup", "--provider", "aws", "--dry-run"],
+    ["infra", "cleanup", "--provider", "gcp", "--dry-run"],
+    ["infra", "offerings", "--provider", "gcp"],
+])
+def test_infra_with_the_cloud_unreachable_is_one_line_and_a_failure(tmp_path, argv):
+    p = subprocess.run([sys.executable, "-m", "sailor_cli.main", *argv], capture_output=True, text=True, cwd=REPO,
+                       env=_unreachable_cloud(tmp_path), timeout=120)
+    assert p.returncode == 1, (p.returncode, p.stdout[-500:], p.stderr[-1500:])
+    assert "cannot reach the cloud" in one_line_error(p)
+
+
+def test_provision_dry_run_never_shows_an_unknown_price_as_zero(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "sailor_cli.main", "infra", "provision", "--provider", "aws", "--run", "r1",
+                        "--zone", "us-east-1a", "--gpu-type", "A10G-24", "--dry-run"], capture_output=True, text=True,
+                       cwd=REPO, env=_unreachable_cloud(tmp_path), timeout=120)
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert "$0.0000/h" not in p.stdout.split("hourly cost")[0].splitlines()[-1]
+    assert "unknown price" in p.stdout and "hourly cost: unknown" in p.stdout
