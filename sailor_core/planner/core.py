@@ -129,6 +129,8 @@ def cheapest_markets(plan: ParallelPlan, pool: ResourcePool) -> ParallelPlan:
     room: dict[tuple[str, str], list[tuple[float, Market, int]]] = defaultdict(list)
     for e in pool.entries:
         room[(e.zone, e.gpu_type)].append((e.usd_per_gpu_hour, e.market, e.count))
+    if all(len(v) == 1 for v in room.values()):
+        return plan  # one market per GPU type and zone: nothing to move
     left = {k: sorted(v, key=lambda x: (x[0], x[1].value)) for k, v in room.items()}
     free = {(z, g, mk): n for (z, g), entries in left.items() for _, mk, n in entries}
     stages = []
@@ -138,7 +140,7 @@ def cheapest_markets(plan: ParallelPlan, pool: ResourcePool) -> ParallelPlan:
             for _, mk, _n in left.get((r.zone, r.gpu_type), ()):
                 if free[(r.zone, r.gpu_type, mk)] >= r.tp:
                     free[(r.zone, r.gpu_type, mk)] -= r.tp
-                    reps.append(replace(r, market=mk))
+                    reps.append(r if r.market is mk else replace(r, market=mk))
                     break
             else:
                 return plan

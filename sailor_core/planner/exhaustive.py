@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from itertools import combinations, product
 
-from sailor_core.domain import ParallelPlan
+from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
 from sailor_core.planner.core import build_slots, materialize, objective_value, sim_options
+from sailor_core.planner.costs import Slot
+from sailor_core.planner.mixed import _leftover
 from sailor_core.planner.request import PlanRequest
 from sailor_core.planner.search import PIPELINE_MAJOR, STAGE_MAJOR, Problem, Search, Sketch, _bounds_from_cuts
 from sailor_core.profiles import ProfileBook
@@ -79,3 +81,138 @@ def exhaustive_best(
     if best is None:
         return None, None, simulated
     return best[1], best[2], simulated
+
+
+def exhaustive_groups_best(
+    request: PlanRequest, book: ProfileBook, *, max_stages: int, max_groups: int = 3
+) -> tuple[ParallelPlan | None, SimulationResult | None, int]:
+    """Brute force over plans whose pipelines come in up to `max_groups` kinds (groups.py's space).
+
+    A kind is a microbatch size and one (slot, TP) per stage over a shared layer split; every
+    combination of distinct kinds with pipeline counts that fit the pool together is placed kind
+    by kind (each on what the earlier left, stage-major fill), and every way to share the global
+    batch between the kinds is simulated (pipelines of one kind split their kind's microbatches
+    evenly: identical pipelines gain nothing from an uneven split). Single-kind plans are
+    included, so the answer is the optimum of the per-pipeline-microbatch, any-shape space.
+    Objective: the request's, without the tolerance (the pure optimum).
+    """
+    pool = request.restrictions.apply(request.pool)
+    slots = build_slots(pool)
+    L = book.model.num_layers
+    gbs = request.global_batch_size
+    so = sim_options(pool, request.options.precision, request.options.schedule)
+    caps = [s.capacity for s in slots]
+    max_gpus = request.restrictions.max_gpus
+    best: tuple[float, ParallelPlan, SimulationResult] | None = None
+    simulated = 0
+    mbs_all = sorted({m for s in slots for m, _ in book.profiled_points(s.gpu_type)})
+    for p in range(1, min(max_stages, L) + 1):
+        for cuts in combinations(range(1, L), p - 1):
+            bounds = _bounds_from_cuts(cuts, L)
+            kinds_of = {
+                mbs: [(s.index, tp) for s in slots for m, tp in book.profiled_points(s.gpu_type)
+                      if m == mbs and tp <= s.gpus_per_node]
+                for mbs in mbs_all
+            }
+            types = [(mbs, kinds) for mbs in mbs_all for kinds in product(kinds_of[mbs], repeat=p)]
+            uses = []
+            for _mbs, kinds in types:
+                use = [0] * len(slots)
+                for si, tp in kinds:
+                    use[si] += tp
+                uses.append(use)
+            for combo, counts in _selections(uses, caps, max_gpus, max_groups):
+                for split in _batch_splits(gbs, [types[i][0] for i in combo], counts):
+                    plan = _group_plan(request, slots, bounds, [types[i] for i in combo], counts, split)
+                    if plan is None:
+                        continue
+                    r = simulate(plan, book, options=so)
+                    simulated += 1
+                    if not r.fits_memory or request.constraints.violations(
+                        usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
+                        iterations_per_s=r.throughput_iterations_per_s,
+                    ):
+                        continue
+                    v = objective_value(request.objective, r)
+                    if best is None or v < best[0]:
+                        best = (v, plan, r)
+    if best is None:
+        return None, None, simulated
+    return best[1], best[2], simulated
+
+
+def _selections(uses: list[list[int]], caps: list[int], max_gpus: int | None, max_groups: int
+                ) -> list[tuple[list[int], list[int]]]:
+    """Every set of up to max_groups distinct kinds with pipeline counts (each >= 1) that fit the pool together."""
+    out: list[tuple[list[int], list[int]]] = []
+
+    def rec(start: int, left: list[int], gpus: int, kinds: list[int], counts: list[int]) -> None:
+        if kinds:
+            out.append((list(kinds), list(counts)))
+        if len(kinds) == max_groups:
+            return
+        for i in range(start, len(uses)):
+            x = 1
+            while True:
+                need = [u * x for u in uses[i]]
+                g = gpus + sum(need)
+                if any(n > c for n, c in zip(need, left, strict=True)) or (max_gpus is not None and g > max_gpus):
+                    break
+                rec(i + 1, [c - n for c, n in zip(left, need, strict=True)], g, kinds + [i], counts + [x])
+                x += 1
+
+    rec(0, list(caps), 0, [], [])
+    return out
+
+
+def _batch_splits(gbs: int, sizes: list[int], counts: list[int]) -> list[list[int]]:
+    """Microbatches per kind (at least one per pipeline) whose samples add up to gbs."""
+    out: list[list[int]] = []
+
+    def rec(i: int, left: int, acc: list[int]) -> None:
+        if i == len(sizes) - 1:
+            if left % sizes[i] == 0 and left // sizes[i] >= counts[i]:
+                out.append(acc + [left // sizes[i]])
+            return
+        reserve = sum(c * b for c, b in zip(counts[i + 1:], sizes[i + 1:], strict=True))
+        n = counts[i]
+        while n * sizes[i] <= left - reserve:
+            rec(i + 1, left - n * sizes[i], acc + [n])
+            n += 1
+
+    rec(0, gbs, [])
+    return out
+
+
+def _group_plan(request: PlanRequest, slots: tuple[Slot, ...], bounds: tuple[tuple[int, int], ...],
+                types: list[tuple[int, tuple[tuple[int, int], ...]]], counts: list[int], split: list[int]
+                ) -> ParallelPlan | None:
+    """Place each kind's pipelines on what the earlier kinds left (the planner's fill), share its microbatches evenly."""
+    left = slots
+    placed = []
+    for (mbs, kinds), x in zip(types, counts, strict=True):
+        placer = Search(Problem(num_layers=bounds[-1][1] + 1, global_batch_size=request.global_batch_size,
+                                tokens_per_sample=1, slots=left, mbs_values=(), tp_values=()),
+                        costs=None)  # type: ignore[arg-type]
+        sk = Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=x)
+        lay = placer.layouts(sk)
+        if lay is None:
+            return None
+        placed.append((sk, lay))
+        left = _leftover(left, sk, lay)
+    stages = []
+    for s, (first, last) in enumerate(bounds):
+        reps: list[Replica] = []
+        for sk, lay in placed:
+            si, tp = sk.kinds[s]
+            slot = slots[si]
+            for zone, k in lay[s]:
+                reps.extend([Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
+                                     market=slot.market, region=slot.region)] * k)
+        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+    pipes: list[PipelineBatch] = []
+    for (mbs, _), x, n in zip(types, counts, split, strict=True):
+        base, extra = divmod(n, x)
+        pipes += [PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0)) for j in range(x)]
+    return ParallelPlan(model=request.model, global_batch_size=request.global_batch_size, stages=tuple(stages),
+                        pipelines=tuple(pipes), schedule=request.options.schedule, precision=request.options.precision)

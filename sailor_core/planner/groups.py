@@ -74,6 +74,13 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
                 if cycle > 0 and math.isfinite(cycle):
                     out[key] = PipeType(sketch=replace(sk, dp=1, zone_rot=()), use=tuple(use), fill_s=fill,
                                         cycle_s=cycle)
+    # One stage moved to another GPU kind: types that mix kinds the sweeps' best never pair (a
+    # middle GPU for the first stage of a pipeline whose other stages keep the fastest).
+    for t in sorted(out.values(), key=lambda t: (-t.samples_per_s / sum(t.use), t.sketch))[:4]:
+        for variant in _variants(search, t.sketch):
+            key = (variant.sketch.mbs, variant.sketch.kinds)
+            if key not in out:
+                out[key] = variant
     ranked = sorted(out.values(), key=lambda t: (-t.samples_per_s / sum(t.use), t.sketch))
     # Diverse first: the best two of each set of slots a type uses, then the rest (TP and microbatch
     # variants of one GPU kind would otherwise fill every combination).
@@ -86,6 +93,38 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
     return rounds[0] + rounds[1] + rounds[2]
 
 
+def _variants(search: Search, sk: Sketch) -> list[PipeType]:
+    pb = search.pb
+    c = search.costs
+    p = sk.num_stages
+    out = []
+    for s, (first, last) in enumerate(sk.bounds):
+        for g, slot in enumerate(pb.slots):
+            if g == sk.kinds[s][0] or not slot.capacity:
+                continue
+            for tp in pb.tp_values:
+                if tp > slot.gpus_per_node or not c.profiled(slot.gpu_type, sk.mbs, tp):
+                    continue
+                if not c.fits(slot.gpu_type, tp, first, last, mbs=sk.mbs, in_flight=p - s, first_stage=s == 0,
+                              last_stage=s == p - 1):
+                    continue
+                kinds = sk.kinds[:s] + ((g, tp),) + sk.kinds[s + 1:]
+                use = [0] * len(pb.slots)
+                for si, t in kinds:
+                    use[si] += t
+                if any(u > s_.capacity for u, s_ in zip(use, pb.slots, strict=True)):
+                    continue
+                v = replace(sk, kinds=kinds, dp=1)
+                lay = search.layouts(v)
+                if lay is None:
+                    continue
+                fill, cycle = _linear_time(search, v, lay)
+                if cycle > 0 and math.isfinite(cycle):
+                    out.append(PipeType(sketch=v, use=tuple(use), fill_s=fill, cycle_s=cycle))
+                break  # the smallest TP that fits
+    return out
+
+
 def _balanced_time(gbs: int, types: Sequence[PipeType], counts: Sequence[int]) -> float:
     rate = sum(x * t.samples_per_s for t, x in zip(types, counts, strict=True))
     if rate <= 0:
@@ -93,7 +132,7 @@ def _balanced_time(gbs: int, types: Sequence[PipeType], counts: Sequence[int]) -
     return (gbs + sum(x * t.fill_s * t.samples_per_s for t, x in zip(types, counts, strict=True))) / rate
 
 
-def _counts(types: Sequence[PipeType], caps: Sequence[int], max_gpus: int | None, gbs: int, steps: int = 16
+def _counts(types: Sequence[PipeType], caps: Sequence[int], max_gpus: int | None, gbs: int, steps: int = 8
             ) -> list[list[int]]:
     """Count vectors that fit together: the first type's count over its range (at most `steps`
     values), the others as many as then fit, in order; every type at least one pipeline."""
