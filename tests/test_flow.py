@@ -31,8 +31,10 @@ def scenario(tmp_path: Path, text: str) -> str:
 def run(store: str, tmp_path: Path, name: str, **kw):
     from flows.sailor import sailor
 
+    # Plain-process VMs: these tests are about decisions; tests/test_testbed_flow.py runs isolated VMs.
     args = dict(run_name=name, model="gpt-tiny", global_batch_size=8, objective="min-cost", provider="local",
-                workers=2, steps=24, checkpoint_interval=4, store_uri=store, workdir=str(tmp_path / "work"))
+                workers=2, steps=24, checkpoint_interval=4, store_uri=store, workdir=str(tmp_path / "work"),
+                isolation="process")
     args.update(kw)
     return sailor(**args, return_state=True)
 
