@@ -84,3 +84,30 @@ def test_constrained_within_one_percent_of_brute_force(seed: int) -> None:
                                           iterations_per_s=e.throughput_iterations_per_s)
     got, opt = objective_value(req.objective, e), objective_value(req.objective, best)
     assert got <= opt * 1.01, f"seed {seed}: planner {got:.6g} vs brute force {opt:.6g}"
+
+
+GROUP_GPUS = ("fast", "mid", "slow")
+
+
+def group_world(seed: int, gbs: int = 8):
+    """Three GPU types in one zone, 1-3 of each, TP 1: small enough to brute-force pipeline kinds."""
+    book = tiny_book(seed, gpus=GROUP_GPUS, memory_gib=(6.0, 4.0, 3.0), zones=("r1-a",), tps=(1,))
+    rng = random.Random(seed)
+    pool = ResourcePool(entries=tuple(
+        PoolEntry(zone="r1-a", region="r1", gpu_type=g, count=rng.choice((1, 2, 3)), gpus_per_node=2,
+                  usd_per_gpu_hour=3.0 / (1 + k)) for k, g in enumerate(GROUP_GPUS)))
+    return book, PlanRequest(model=MODEL, global_batch_size=gbs, pool=pool, options=SearchOptions(max_stages=2))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 4, 6, 7, 9])
+def test_any_shape_per_pipeline_microbatch_space_within_one_percent_of_brute_force(seed: int) -> None:
+    """Brute force over every set of up to 3 pipeline kinds (own microbatch size, own GPU kinds per
+    stage), their counts and every way to share the batch; the planner within 1% of it."""
+    from sailor_core.planner.exhaustive import exhaustive_groups_best
+
+    book, req = group_world(seed)
+    ours = plan(req, book)
+    _, best, n = exhaustive_groups_best(req, book, max_stages=2, max_groups=3)
+    assert n > 0 and best is not None and ours.plan is not None
+    got, opt = objective_value(req.objective, ours.estimate), objective_value(req.objective, best)
+    assert got <= opt * 1.01, f"seed {seed}: planner {got:.6g} vs brute force {opt:.6g}"
