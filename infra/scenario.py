@@ -65,6 +65,9 @@ ZONE = "local"
 REGION = "local"
 CLOUD = "local"
 EVENT_KINDS = ("preemption", "price_change", "capacity_change")
+# `demo:` says what job `sailor demo --scenario FILE` trains on this cluster (its flags still win).
+DEMO_KEYS: dict[str, Any] = {"model": str, "global_batch_size": int, "steps": int, "workers": int,
+                             "objective": str, "max_usd_per_hour": (int, float)}
 DEVICES_PER_VM = (1, 2, 4)
 DEFAULT_LINKS_GBPS = {"same_zone_gbps": 2.0, "same_region_gbps": 0.5, "cross_region_gbps": 0.1}
 DEFAULT_CPU_BUDGET_CORES = 2.0
@@ -154,6 +157,7 @@ class Scenario:
     device_types: tuple[DeviceType, ...] = (DeviceType(name=GPU_TYPE),)
     links: Links = field(default_factory=Links)
     cpu_budget_cores: float = DEFAULT_CPU_BUDGET_CORES
+    demo: dict[str, Any] = field(default_factory=dict)  # the job `sailor demo` runs here (its defaults)
 
     @property
     def zones(self) -> tuple[tuple[str, str], ...]:
@@ -414,8 +418,16 @@ def parse_scenario(raw: dict[str, Any], *, name: str = "") -> Scenario:
     errors: list[str] = []
     if not isinstance(raw, dict):
         raise ScenarioError(f"a scenario must be a mapping with 'offerings' (or 'regions') and 'events'; {_FIX}")
-    _unknown(raw, {"offerings", "events", "name", "regions", "device_types", "links", "cpu_budget_cores"},
+    _unknown(raw, {"offerings", "events", "name", "regions", "device_types", "links", "cpu_budget_cores", "demo"},
              "scenario", errors)
+    demo = raw.get("demo") or {}
+    if not isinstance(demo, dict):
+        errors.append("demo: must be a mapping such as {global_batch_size: 1, steps: 40}")
+        demo = {}
+    _unknown(demo, set(DEMO_KEYS), "demo", errors)
+    for key, kind in DEMO_KEYS.items():
+        if key in demo and not isinstance(demo[key], kind):
+            errors.append(f"demo.{key}: must be {getattr(kind, '__name__', 'a number')}, got {demo[key]!r}")
     testbed = "regions" in raw
     offerings: list[ScenarioOffering] = []
     if testbed:
@@ -463,4 +475,5 @@ def parse_scenario(raw: dict[str, Any], *, name: str = "") -> Scenario:
     return Scenario(
         offerings=tuple(offerings) or DEFAULT_OFFERINGS, events=tuple(events), name=str(raw.get("name") or name),
         device_types=device_types or (DeviceType(name=GPU_TYPE),), links=links, cpu_budget_cores=budget,
+        demo=dict(demo),
     )
