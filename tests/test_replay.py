@@ -273,3 +273,52 @@ def test_cli_errors_are_one_line(tmp_path):
     ]:
         rc, _, err = cli(tmp_path, *args)
         assert rc == 2 and needle in err and err.count("\n") == 1 and "to fix" in err, err
+
+
+# -- a run's history as a trace ------------------------------------------------------------------------
+
+def test_a_runs_events_become_step_points_that_take_the_jobs_vms():
+    from sailor_core.domain import PoolEntry, ResourcePool
+    from sailor_core.replay.history import decisions_of, run_job, run_trace
+
+    start = ResourcePool(entries=(
+        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, market=SPOT, gpus_per_node=2, usd_per_gpu_hour=1.0),
+        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, market=OD, gpus_per_node=2, usd_per_gpu_hour=3.0)))
+    run = {
+        "run_id": "r-1",
+        "params": {"model": MODEL, "global_batch_size": 16, "steps": 400, "objective": "min-cost", "provider": "local",
+                   "workers": 4, "checkpoint_interval": 10, "min_gain": 0.0},
+        "events": [
+            {"kind": "preemption", "zone": "r1-a", "gpu_type": "fast", "market": "spot", "grace_s": 2},
+            {"kind": "replan", "step": 50},
+            {"kind": "price_change", "zone": "r1-a", "gpu_type": "fast", "market": "spot", "new_usd_per_gpu_hour": 9.0},
+            {"kind": "replan", "step": 120},
+            {"kind": "lost", "vm_id": "vm-7"},  # a worker's own report names no place
+            {"kind": "replan", "step": 120},
+        ],
+        "decisions": [{"kind": "switch", "detail": {"step": 50}}, {"kind": "stay", "detail": {"step": 120}}],
+    }
+    tr = run_trace(run, start)
+    assert [p.at_step for p in tr.points] == [None, 50, 120, 120]
+    assert tr.points[1].counts == (2, 4) and tr.points[1].taken == (2, 0)  # the preempted VM and its capacity
+    assert tr.points[2].usd_per_gpu_hour == (9.0, 3.0) and tr.points[2].taken == ()
+    assert tr.points[3].counts == (2, 4) and tr.points[3].taken == (2, 2)  # wherever the plan runs
+    j = run_job(run, sequence_length=1024)
+    assert (j.total_steps, j.objective, j.grace_s, j.restrictions.max_gpus) == (400, "min-cost", 2.0, 4)
+    assert not j.reuse_dominating_plans and decisions_of(run) == [("switch", 50), ("stay", 120)]
+    r = replay(tr, BOOK, j, policy_named("sailor"), name="sailor")
+    steps = [d.step for d in r.decisions if d.trigger != "start"]
+    assert steps == [50, 120, 120] and r.finished
+
+
+def test_a_plan_under_notice_trains_through_its_window_then_the_new_one_starts():
+    places = [("r1-a", "fast", OD), ("r1-b", "fast", OD)]
+    tr = Trace(name="t", places=tuple(Place(zone=z, gpu_type=g, market=m, gpus_per_node=2) for z, g, m in places),
+               points=(TracePoint(at_s=0, counts=(4, 4), usd_per_gpu_hour=(3.0, 3.0)),
+                       TracePoint(at_s=0, counts=(4, 4), usd_per_gpu_hour=(3.0, 3.0), at_step=100, taken=(4, 4))))
+    j = job(total_steps=300, grace_s=10.0, reconfiguration_s=60.0)
+    r = run(tr, "sailor", j)
+    it = Planner(BOOK, j).best(tr.pool_at(0)).cost.iteration_time_s
+    # start-up, 100 steps, the notice: 10 s more of training, then 60 s of reconfiguration from the notice
+    assert r.decisions[1].step == 100 and r.redone_steps == 0
+    assert r.time_to_train_s == pytest.approx(60 + 100 * it + 60 + (300 - 100 - 10 / it) * it)
