@@ -335,6 +335,9 @@ def _plot(results: list[ReplayResult], tr: Trace, path: str) -> None:
             xs += [sg.start_s / 3600, sg.end_s / 3600]
             ys += [sg.gpus if sg.state == "train" else 0] * 2
         axes[2].plot(xs, ys, label=r.policy, linewidth=1)
+    done = [r.time_to_train_s for r in results if r.finished]
+    if done and len(done) < len(results):  # unfinished policies run to the horizon: show the finished ones
+        axes[0].set_xlim(0, 1.15 * max(done) / 3600)
     axes[0].set_ylabel("steps done")
     axes[1].set_ylabel("USD spent")
     axes[2].set_ylabel("GPUs training")

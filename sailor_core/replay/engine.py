@@ -319,6 +319,8 @@ def _advance(s: _State, until: float, total: int) -> None:
         return
     start = max(s.t, s.ready_at)
     end = until
+    if s.t < start < until:  # the timeline shows the pause while the plan starts
+        s.progress.append((start, s.step, s.usd + s.cost.usd_per_hour * (start - s.t) / 3600.0))
     if start < until:
         it = s.cost.iteration_time_s
         need_s = (total - s.step) * it
