@@ -232,14 +232,17 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     ]
     # A second pipeline group adds GPUs to go faster: worth trying for throughput, or for cost
     # when a minimum throughput must be met; a pure cost objective never gains from more GPUs.
-    wants_speed = request.objective is Objective.MAX_THROUGHPUT or request.constraints.min_iterations_per_s is not None
+    fastest_wanted = request.objective is Objective.MAX_THROUGHPUT
+    wants_speed = fastest_wanted or request.constraints.min_iterations_per_s is not None
     if opts.mixed_pipelines and cands and wants_speed:
         to_verify += mixed_plans(search, cands[: opts.mixed_pipelines], model=request.model,
                                  global_batch_size=request.global_batch_size, precision=opts.precision,
-                                 schedule=opts.schedule, own_microbatch=opts.per_pipeline_microbatches)
+                                 schedule=opts.schedule,
+                                 own_microbatch=opts.per_pipeline_microbatches and fastest_wanted)
     # Pipelines of several kinds pay where GPU types differ (zones and markets of one type are
-    # already mixed by placement and cheapest_markets).
-    if opts.max_shapes >= 2 and cands and wants_speed and len({s.gpu_type for s in slots}) > 1:
+    # already mixed by placement and cheapest_markets). Searched for the highest throughput; a
+    # minimum it/s under a cost objective keeps the cheaper leftover search above.
+    if opts.max_shapes >= 2 and cands and fastest_wanted and len({s.gpu_type for s in slots}) > 1:
         to_verify += group_plans(search, cands, model=request.model,
                                  global_batch_size=request.global_batch_size, precision=opts.precision,
                                  schedule=opts.schedule, max_groups=opts.max_shapes,
@@ -525,9 +528,15 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
             f"{pl.data_parallel} data-parallel pipelines."
         )
     if mixed:
+        n_kinds = max(len(k) for k in kinds_per_stage)
+        sizes_used = sorted({p.microbatch_size for p in pl.pipelines})
+        words = {2: "two", 3: "three", 4: "four"}
         lines.append(
-            "Pipelines of two GPU kinds share each stage (per-replica GPU type) to use GPUs a single shape "
-            f"leaves idle; faster pipelines run more microbatches ({counts[0]} to {counts[-1]} each) so all finish together."
+            f"Pipelines of {words.get(n_kinds, str(n_kinds))} GPU kinds share a stage (per-replica GPU type) to use "
+            f"GPUs a single shape leaves idle; faster pipelines run more microbatches ({counts[0]} to {counts[-1]} "
+            "each) so all finish together"
+            + (f", each kind with its own microbatch size ({', '.join(map(str, sizes_used))})."
+               if len(sizes_used) > 1 else ".")
         )
     b = r.breakdown
     lines.append(
