@@ -478,7 +478,7 @@ class LocalProvider:
         try:
             return tb.spawn(vm_id, argv, env=env, log=log)
         except (OSError, TestbedError) as e:
-            raise ProviderError(f"cannot start {argv[0]} on {vm_id}: {e}; to fix: check the install") from e
+            raise ProviderError(f"cannot start the worker agent {argv[0]} on {vm_id}: {e}; to fix: check the install") from e
 
     def bootstrap(self, vm: Vm, assignment: WorkerAssignment) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ The worker's environment is scrubbed of cloud credentials, as a VM's would lack 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -61,7 +62,9 @@ class AgentsHere:
         slot = self.root / vm.vm_id.replace("/", "_")
         slot.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in SCRUB}
-        env.update(prepare_vm_folder(slot, vm, assignment), PYTHONUNBUFFERED="1")
+        # "The VM" is this machine: its workers meet on loopback, never at the cloud's (fake) address.
+        here = dataclasses.replace(assignment, advertise_address="127.0.0.1")
+        env.update(prepare_vm_folder(slot, vm, here), PYTHONUNBUFFERED="1")
         log = open(slot / f"agent-v{assignment.plan_version}.log", "ab")
         try:
             self.procs[vm.vm_id] = subprocess.Popen(default_agent_command(vm, assignment, slot), stdout=log,
