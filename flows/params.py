@@ -45,7 +45,10 @@ class SailorParams(BaseModel):
     workdir: str = Field(default=".sailor", min_length=1,
                          description="local folder for checkpoints, worker metrics and local worker slots")
     resume: bool = Field(default=False, description="continue the newest run of this name from its checkpoint "
-                                                   "(the scheduled cost-aware rerun sets this)")
+                                                   "(the scheduled cost-aware rerun sets this); fails when no valid "
+                                                   "checkpoint is left unless resume_or_start")
+    resume_or_start: bool = Field(default=False, description="with resume: start at step 0 when no earlier run left "
+                                                             "a valid checkpoint (the schedule's first run)")
     dataset: str | None = Field(default=None, description="data URI; None uses the runtime's built-in corpus")
     steps: int | None = Field(default=None, ge=1)
     token_budget: int | None = Field(default=None, ge=1)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -32,7 +33,7 @@ from flows.profiling import profile
 from flows.replan import RunContext, replan
 from infra.provider import CapacityError, Provider
 from tasks.control import Controller, HeartbeatBoard
-from tasks.history import RunHistory, new_run_id
+from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
 from tasks.jobs import CodeRef, Job, node_requests
 from tasks.planning import calibrated_book, pool_from, priced_book
 from tasks.remote import VmCommands
@@ -69,6 +70,8 @@ class Deps:
     # A wheel of this checkout for the VMs (tasks/runstate.py); False: VMs run what they have installed.
     ship_wheel: bool = True
     closers: list[Callable[[], None]] = field(default_factory=list)  # run after teardown (object store, ...)
+    # the run's lease in the history (renewed every third of it)
+    lease_s: float = field(default_factory=lambda: float(os.environ.get("SAILOR_LEASE_S", DEFAULT_LEASE_S)))
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -162,6 +165,62 @@ def check_runnable(plan: Any, slots: int | None) -> None:
     runtime_check(plan, cfg, slots=slots)
 
 
+def _reap_crashed(history: RunHistory, deps: Deps, params: SailorParams, run_id: str, log: Any) -> None:
+    """Runs whose flow died (lease expired): write them down as crashed and remove what they left."""
+    for r in history.list_runs():
+        if not r.get("crash_detected") or r["run_id"] == run_id:
+            continue
+        history.mark_crashed(r["run_id"], str(r.get("status_reason", "lease expired")))
+        try:
+            if r.get("provider", params.provider) == params.provider:
+                left = deps.provider.cleanup(r["run_id"]) if params.provider != "local" else \
+                    make_provider(params, deps.workdir / "runs" / r["run_id"]).cleanup(r["run_id"])
+                history.event(r["run_id"], "teardown", f"run {run_id} found this run crashed and removed "
+                              f"{len(left)} VM(s) it left", {"removed": list(left), "by": run_id})
+        except Exception as e:  # noqa: BLE001 - `sailor infra cleanup` is the fallback; this run goes on
+            log.warning("could not clean up after crashed run %s: %s", r["run_id"], e)
+
+
+def _check_resume(history: RunHistory, run_id: str, state: Any, num_layers: int, or_start: bool, log: Any) -> None:
+    """Resume never starts over by accident: invalid checkpoints are quarantined and reported."""
+    from sailor_core.runtime import checkpoint as ckpt
+
+    uri = state.checkpoints("flow")
+    step, skipped = ckpt.resume_point(ckpt.open_storage(uri), num_layers)
+    for s in skipped:
+        record(history.event, run_id, "checkpoint_skipped", s.line(), {"step": s.step, "moved_to": s.moved_to})
+        log.warning("%s", s.line())
+    if step is None and not or_start:
+        raise ckpt.no_resume_error(uri, skipped)
+
+
+class _RequestsAsEvents:
+    """The provider as monitoring sees it, plus re-plan requests from other runs as a price event,
+    so the replan subflow re-plans against current prices and capacity and records its decision."""
+
+    def __init__(self, provider: Provider, keeper: LeaseKeeper, history: RunHistory, run_id: str) -> None:
+        self._p, self._keeper, self._history, self._run_id = provider, keeper, history, run_id
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # copy/pickle probe before __init__ ran: no recursion into self._p
+            raise AttributeError(name)
+        return getattr(self._p, name)
+
+    def events(self, run_id: str) -> list[Any]:
+        from datetime import UTC, datetime
+
+        from infra.provider import EventKind, ProviderEvent
+
+        out = list(self._p.events(run_id))
+        req = self._keeper.take_request()
+        if req is not None:
+            out.append(ProviderEvent(kind=EventKind.PRICE_CHANGE, at=datetime.now(UTC), zone="*", gpu_type="*",
+                                     detail={"old_usd_per_gpu_hour": "as planned",
+                                             "new_usd_per_gpu_hour": f"current (re-plan requested by {req['requested_by']})",
+                                             "requested_by": req["requested_by"]}))
+        return out
+
+
 def _previous_checkpoint(history: RunHistory, deps: Deps, run_name: str, run_id: str) -> RunState | None:
     """The state of the newest earlier run of this name that left a checkpoint."""
     from sailor_core.runtime.checkpoint import open_storage
@@ -240,6 +299,7 @@ def sailor(
     heartbeat_timeout_s: float = 20.0,
     calibration_tolerance: float = 0.25,
     resume: bool = False,
+    resume_or_start: bool = False,
     dry_run: bool = False,
     deps: Any = None,
 ) -> dict[str, Any]:
@@ -264,12 +324,23 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
     record(history.run_status, run_id, "running", f"started on provider {params.provider}",
            {"name": params.run_name, "provider": params.provider, "model": params.model,
             "flow_run_id": str(runtime_flow_run.id or ""), "params": params.model_dump(mode="json")})
+    keeper = LeaseKeeper(history, run_id, ttl_s=deps.lease_s).start()  # the run is owned by this process
+    _reap_crashed(history, deps, params, run_id, log)
     emit("run.started", run_id, {"name": params.run_name, "model": params.model})
     log.info("run %s: %s on %s, objective %s", run_id, params.model, params.provider, params.objective)
     status, reason = "failed", ""
     job: Job | None = None
     controller: Controller | None = None
     try:
+        live = history.live_run(params.run_name, exclude=run_id) if params.resume else None
+        if live is not None:  # the scheduled rerun while its run still trains: ask that run, rent nothing
+            why = (f"run {run_id} (resume) found run {live['run_id']} of the same name alive (lease until "
+                   f"{live['lease_expires_at'][11:19]} UTC) and asked it to re-plan against current prices and capacity")
+            history.request_replan(live["run_id"], run_id, why)
+            record(history.event, run_id, "deferred", why + "; rented nothing", {"live_run": live["run_id"]})
+            log.info("%s; rented nothing", why)
+            status, reason = "completed", f"deferred to the live run {live['run_id']}; rented nothing"
+            return {"run_id": run_id, "status": status, "deferred_to": live["run_id"]}
         offers = fetch_offerings(provider, regions=params.regions, gpu_types=params.gpu_types, markets=params.markets)
         if not any(o.count > 0 for o in offers):
             raise RuntimeError(f"provider {params.provider} offers no GPUs matching the request; "
@@ -299,6 +370,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             if prev is not None:
                 _copy_checkpoints(prev, state)
                 log.info("resuming from the checkpoints of %s", prev.uri)
+            _check_resume(history, run_id, state, plan.stages[-1].last_layer + 1, params.resume_or_start, log)
         cluster = getattr(provider, "cluster_info", None)
         record(history.event, run_id, "cluster", "where the run's VMs and state live", {
             "cluster": {**(cluster(run_id) if cluster else {"isolation": "cloud", "provider": provider.name}),
@@ -338,7 +410,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         seen: set[tuple[str, str, str]] = set()
         replans = 0
         while True:
-            out = monitor(provider, job, history, bar, deps.board, seen=seen, poll_s=deps.poll_s, deadline_at=deadline_at,
+            out = monitor(cast(Provider, _RequestsAsEvents(provider, keeper, history, run_id)), job, history, bar, deps.board, seen=seen, poll_s=deps.poll_s, deadline_at=deadline_at,
                           tolerance=params.calibration_tolerance, calibrate_after=5,
                           calibrated=bool(job.extra.get("calibrated")), stall_timeout_s=deps.stall_timeout_s)
             ctx.observe(job, out.progress)
@@ -358,6 +430,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         reason = f"{type(e).__name__}: {e}"[:500]
         raise
     finally:
+        keeper.stop()  # the final status below ends the lease
         if job is not None and job.controller is not None:
             with contextlib.suppress(Exception):
                 save_metrics(job)

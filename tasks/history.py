@@ -6,10 +6,18 @@ Every run has a unique id (`new_run_id`: its name plus a random suffix), so a se
 same name never overwrites the first. A run's status is the kind of its newest `runs` row
 (running, completed, failed, cancelled, crashed). No Prefect here: the CLI (`sailor runs`) reads
 it too. Times are timezone-aware UTC; `clock` is passed in.
+
+Ownership: a running run holds a *lease* (`renew_lease`, a `running` row with `lease_expires_at`)
+that its flow renews (`LeaseKeeper`). `list_runs` shows a run whose lease expired as `crashed`
+(`crash_detected: True` until `mark_crashed` writes it down), so a run whose process died is never
+`running` forever. `live_run(name)` is the run of that name whose lease is current; another run
+asks it to re-plan with `request_replan` (an event `replan_request` on the live run), which the
+live run's keeper hands to its flow (`LeaseKeeper.take_request`).
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -24,6 +32,8 @@ EVENT_KINDS = (
     "iteration_time", "replan", "reconfigured", "teardown", "completed", "failed",
 )
 FINAL_STATUSES = ("completed", "failed", "cancelled", "crashed")
+DEFAULT_LEASE_S = 60.0  # a flow renews its lease every third of this ($SAILOR_LEASE_S overrides)
+REQUEST_POLL_S = 2.0  # how often a live run looks for re-plan requests
 
 
 class HistoryStore(Protocol):
@@ -67,6 +77,27 @@ class RunHistory:
     def run_status(self, run_id: str, status: str, reason: str = "", payload: Mapping[str, Any] | None = None) -> None:
         self._append("runs", run_id, status, reason, payload)
 
+    def renew_lease(self, run_id: str, ttl_s: float = DEFAULT_LEASE_S) -> datetime:
+        """The run's process is alive: extend its lease by `ttl_s`; returns the new expiry."""
+        until = self.clock() + timedelta(seconds=ttl_s)
+        self._append("runs", run_id, "running", "lease renewed", {"lease_expires_at": _iso(until), "renewal": True})
+        return until
+
+    def mark_crashed(self, run_id: str, reason: str) -> None:
+        self._append("runs", run_id, "crashed", reason, {})
+
+    def live_run(self, name: str, *, exclude: str | None = None) -> dict[str, Any] | None:
+        """The newest run of this name whose lease is current (None: none alive)."""
+        live = [r for r in self.list_runs() if r.get("name") == name and r["run_id"] != exclude
+                and r.get("status") == "running" and r.get("lease_expires_at")]
+        return live[-1] if live else None
+
+    def request_replan(self, run_id: str, requested_by: str, reason: str) -> None:
+        self.event(run_id, "replan_request", reason, {"requested_by": requested_by})
+
+    def replan_requests(self, run_id: str) -> list[Any]:
+        return list(self.store.read_history("events", run_id=run_id, kind="replan_request"))
+
     def event(self, run_id: str, kind: str, reason: str = "", payload: Mapping[str, Any] | None = None,
               at: datetime | None = None) -> None:
         self._append("events", run_id, kind, reason, payload, at)
@@ -97,11 +128,16 @@ class RunHistory:
         runs: dict[str, dict[str, Any]] = {}
         for r in sorted(rows, key=lambda r: r.time):
             cur = runs.setdefault(r.run_id, {"run_id": r.run_id, "name": "", "started_at": _iso(r.time)})
+            if r.payload.get("renewal"):  # a lease renewal changes nothing but the lease
+                cur["lease_expires_at"] = r.payload["lease_expires_at"]
+                continue
             if r.kind == "running":
                 cur["name"] = r.payload.get("name", "")
                 cur["provider"] = r.payload.get("provider", "")
                 cur["model"] = r.payload.get("model", "")
                 cur["flow_run_id"] = r.payload.get("flow_run_id", "")
+            if "lease_expires_at" in r.payload:
+                cur["lease_expires_at"] = r.payload["lease_expires_at"]
             cur["status"] = r.kind
             cur["updated_at"] = _iso(r.time)
             if r.kind in FINAL_STATUSES:
@@ -109,6 +145,13 @@ class RunHistory:
                 for k in ("steps_done", "usd_total", "wall_s", "training_s", "orchestration_overhead_s", "plan_versions"):
                     if k in r.payload:
                         cur[k] = r.payload[k]
+        now = self.clock()
+        for cur in runs.values():
+            lease = cur.get("lease_expires_at")
+            if cur.get("status") == "running" and lease and datetime.fromisoformat(lease) < now:
+                cur["status"] = "crashed"
+                cur["status_reason"] = f"its flow stopped renewing its lease (expired {lease[:19]} UTC)"
+                cur["crash_detected"] = True  # derived here, not yet written (mark_crashed does)
         return sorted(runs.values(), key=lambda r: r["started_at"])
 
     def show(self, run_id: str) -> dict[str, Any]:
@@ -119,8 +162,8 @@ class RunHistory:
                 f"no run {run_id!r} in the store; to fix: pick an id from `sailor runs list` (latest: {known})"
             )
         out = dict(runs[0])
-        status_rows = self.store.read_history("runs", run_id=run_id)
-        out["status_reason"] = status_rows[-1].reason if status_rows else ""
+        status_rows = [r for r in self.store.read_history("runs", run_id=run_id) if not r.payload.get("renewal")]
+        out["status_reason"] = out.get("status_reason") or (status_rows[-1].reason if status_rows else "")
         out["params"] = next((r.payload.get("params", {}) for r in status_rows if r.kind == "running"), {})
         out["events"] = [
             {"kind": r.kind, "time": _iso(r.time), "reason": r.reason, **{k: v for k, v in r.payload.items()
@@ -143,3 +186,55 @@ class RunHistory:
         # where the run's VMs and state lived (isolation, zones, device types, VMs, wheel, checkpoints)
         out["cluster"] = next((e["cluster"] for e in reversed(out["events"]) if e["kind"] == "cluster"), None)
         return out
+
+
+class LeaseKeeper:
+    """Renews a run's lease from a thread while its flow lives, and passes on re-plan requests.
+
+    `start()` writes the first lease; the thread renews it every `ttl_s / 3` and polls the run's
+    `replan_request` events; `take_request()` returns (and clears) the newest one not yet taken.
+    `stop()` ends the thread (the lease then simply expires if the run is not marked final)."""
+
+    def __init__(self, history: RunHistory, run_id: str, *, ttl_s: float = DEFAULT_LEASE_S) -> None:
+        import threading
+
+        self.history, self.run_id, self.ttl_s = history, run_id, ttl_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._pending: dict[str, Any] | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"lease-{run_id}", daemon=True)
+        self.errors = 0
+
+    def start(self) -> LeaseKeeper:
+        self.history.renew_lease(self.run_id, self.ttl_s)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        # requests are looked for every few seconds; the lease is renewed every third of its length
+        renewed = time.monotonic()
+        while not self._stop.wait(min(self.ttl_s / 3, REQUEST_POLL_S)):
+            try:
+                if time.monotonic() - renewed >= self.ttl_s / 3:
+                    self.history.renew_lease(self.run_id, self.ttl_s)
+                    renewed = time.monotonic()
+                for r in self.history.replan_requests(self.run_id):
+                    key = f"{r.time.isoformat()}|{r.payload.get('requested_by', '')}"
+                    if key not in self._seen:
+                        self._seen.add(key)
+                        with self._lock:
+                            self._pending = {"requested_by": r.payload.get("requested_by", ""), "reason": r.reason,
+                                             "time": _iso(r.time)}
+            except Exception:  # noqa: BLE001 - a store hiccup: the next renewal retries; the lease has slack
+                self.errors += 1
+
+    def take_request(self) -> dict[str, Any] | None:
+        with self._lock:
+            req, self._pending = self._pending, None
+        return req
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
