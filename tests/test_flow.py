@@ -174,6 +174,31 @@ events:
     assert_nothing_left(tmp_path, r["run_id"])
 
 
+def test_capacity_that_returns_grows_the_plan_without_restarting_the_worker_that_stays(profiled_store, tmp_path):
+    sc = scenario(tmp_path, """
+offerings:
+  - {market: spot, count: 3, usd_per_gpu_hour: 0.10}
+events:
+  - {at_s: 0, kind: capacity_change, market: spot, count: 1}
+  - {at_step: 4, kind: capacity_change, market: spot, count: 3}
+""")
+    # The first plan gets the one spot VM left; when the other two come back, a plan twice as wide pays
+    # over the 196 steps left even after a reconfiguration.
+    state = run(profiled_store, tmp_path, "grow", scenario=sc, steps=200, objective="max-throughput", workers=3,
+                calibration_tolerance=9.0)
+    assert state.is_completed(), state.message
+    r = history(profiled_store, "grow")
+    grown = [d for d in r["decisions"] if "capacity_change" in d["reason"] and d["kind"] == "switch"]
+    assert grown, r["decisions"]
+    first, last = r["plans"][0]["plan"], r["plans"][-1]["plan"]
+    width = [sum(len(st["replicas"]) for st in p["stages"]) for p in (first, last)]
+    assert width[1] > width[0] == 1, width
+    rec = [e for e in r["events"] if e["kind"] == "reconfigured"]
+    assert rec and rec[-1]["kept_processes"] == 1, rec  # the first VM's worker went on in place
+    assert rec[-1]["loaded_from"].get("memory", 0) + rec[-1]["loaded_from"].get("checkpoint", 0) == width[1]
+    assert_nothing_left(tmp_path, r["run_id"])
+
+
 def test_invalid_parameters_fail_before_anything_is_provisioned(profiled_store, tmp_path):
     state = run(profiled_store, tmp_path, "invalid", global_batch_size=0, objective="fastest", steps=None)
     assert state.is_failed()
