@@ -193,7 +193,7 @@ def test_a_spot_price_rise_moves_sailor_not_relaunch_same():
     assert b.switches == 0 and s.usd < b.usd
     # a rise too small to pay for the reconfiguration is not worth it
     tiny = trace(places, [(0, [4, 4], [1.0, 3.0]), (3600, [4, 4], [3.001, 3.0])])
-    d = [x for x in run(tiny, "sailor", job(objective="min-cost", total_steps=2000)).decisions if x.trigger == "change"]
+    d = [x for x in run(tiny, "sailor", j).decisions if x.trigger == "change"]
     assert d[0].kind == "stay" and "not worth the switch" in d[0].reason
 
 
