@@ -177,12 +177,11 @@ events:
 def test_capacity_that_returns_grows_the_plan_without_restarting_the_worker_that_stays(profiled_store, tmp_path):
     sc = scenario(tmp_path, """
 offerings:
-  - {market: spot, count: 3, usd_per_gpu_hour: 0.10}
+  - {market: spot, count: 1, usd_per_gpu_hour: 0.10}
 events:
-  - {at_s: 0, kind: capacity_change, market: spot, count: 1}
   - {at_step: 4, kind: capacity_change, market: spot, count: 3}
 """)
-    # The first plan gets the one spot VM left; when the other two come back, a plan twice as wide pays
+    # The first plan gets the one spot VM there is; when two more come back, a plan three times as wide pays
     # over the 196 steps left even after a reconfiguration.
     state = run(profiled_store, tmp_path, "grow", scenario=sc, steps=200, objective="max-throughput", workers=3,
                 calibration_tolerance=9.0)
