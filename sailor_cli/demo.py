@@ -32,8 +32,10 @@ def _prefect_env(workdir: Path) -> None:
 
 
 def demo(
-    steps: int = typer.Option(120, help="training steps"),
-    workers: int = typer.Option(4, help="local worker slots"),
+    steps: int = typer.Option(None, help="training steps (default: the scenario's demo.steps, else 120)"),
+    workers: int = typer.Option(None, help="most devices a plan may use (default: the scenario's, else 4)"),
+    global_batch_size: int = typer.Option(None, "--global-batch-size",
+                                          help="samples per step (default: the scenario's, else 8)"),
     scenario: Path = typer.Option(DEMO_SCENARIO, help="scenario file scripting preemptions and prices"),
     store: str = typer.Option(None, "--store", help="store URI (default: $SAILOR_STORE or .sailor/store)"),
     workdir: Path = typer.Option(Path(".sailor"), help="checkpoints, worker metrics and slots go here"),
@@ -47,15 +49,20 @@ def demo(
     _prefect_env(workdir)
     from flows.params import validate_params
     from flows.sailor import run_id_for, sailor
+    from infra.scenario import load_scenario
     from profiles_store.store import open_store
     from tasks.history import RunHistory
 
-    params = dict(run_name="demo", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
-                  max_usd_per_hour=2.0, max_stages=max_stages, provider="local", scenario=str(scenario),
-                  workers=workers, steps=steps, isolation=isolation, checkpoint_interval=10, store_uri=store,
-                  workdir=str(workdir))
+    job = {"model": "gpt-tiny", "global_batch_size": 8, "objective": "max-throughput", "max_usd_per_hour": 2.0,
+           "steps": 120, "workers": 4, **load_scenario(scenario).demo}  # the scenario's demo job, then the flags
+    given = {"steps": steps, "workers": workers, "global_batch_size": global_batch_size}
+    job.update({k: v for k, v in given.items() if v is not None})
+    steps, workers = job["steps"], job["workers"]
+    params = dict(run_name="demo", max_stages=max_stages, provider="local", scenario=str(scenario),
+                  isolation=isolation, checkpoint_interval=10, store_uri=store, workdir=str(workdir), **job)
     validate_params({k: v for k, v in params.items() if v is not None})  # a user error: one line, exit 2
-    typer.echo(f"sailor demo: gpt-tiny, {steps} steps on up to {workers} local workers, scenario {scenario}")
+    typer.echo(f"sailor demo: {job['model']}, {steps} steps of {job['global_batch_size']} samples on up to {workers} "
+               f"devices, scenario {scenario}")
     state = sailor(**params, return_state=True)
     # this demo's own run (its flow run's id), never merely the newest run named "demo" in the store
     run_id = run_id_for("demo", str(state.state_details.flow_run_id or ""))
@@ -86,6 +93,7 @@ def _left_behind(root: Path, run_id: str) -> list[str]:
         rec = json.loads(f.read_text())
         if rec.get("pid") and _group_alive(int(rec["pid"])):
             out.append(f"worker process group {rec['pid']} of {rec['vm_id']} alive")
+    out += [f"testbed leftover: {x}" for x in p.leftovers(run_id)]  # namespaces, veths, cgroups, folders
     return out
 
 
