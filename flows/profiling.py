@@ -114,87 +114,101 @@ def _missing(store: Any, model: str, gpu_types: Sequence[str], offers: Sequence[
     return types, list(pairs.items()), multi
 
 
+class _VmPool:
+    """The VMs rented for profiling so far, by (zone, device type); rents the cheapest when none fits."""
+
+    def __init__(self, remote: Any, offers: Sequence[Any], log: Any) -> None:
+        self.remote, self.offers, self.log = remote, offers, log
+        self.vms: dict[tuple[str, str], list[Any]] = {}
+
+    def get(self, zone: str, gpu: str | None = None, avoid: Sequence[Any] = (), *, devices: int | None = None) -> Any:
+        for (z, g), have in self.vms.items():
+            for v in have:
+                if z == zone and (gpu is None or g == gpu) and v not in avoid and (devices is None or v.gpus >= devices):
+                    return v
+        fits = [o for o in self.offers if o.gpus_per_node >= (devices or 1)]
+        o = _cheapest(fits, zone=zone, **({"gpu_type": gpu} if gpu else {}))
+        if o is None:
+            return None
+        try:
+            v = self.remote.rent(o)
+        except Exception as e:  # noqa: BLE001 - no capacity left there: measure what can be
+            self.log.info("cannot rent a %s VM in %s for profiling: %s", gpu or "any", zone, e)
+            return None
+        self.vms.setdefault((zone, o.gpu_type), []).append(v)
+        return v
+
+
+def _layer_jobs(model: str, types: list[str], offers: Sequence[Any], pool: _VmPool, remote: Any) -> list[Any]:
+    """(vm, command, (kind, type, zone)) per device type: its layers on its largest VM, TP up to its size."""
+    jobs = []
+    for g in types:
+        most = max((o.gpus_per_node for o in offers if o.gpu_type == g and o.count > 0), default=1)
+        o = _cheapest(offers, gpu_type=g, gpus_per_node=most)
+        v = o and pool.get(o.zone, g, devices=most)
+        if v is None:
+            raise MissingProfileError(f"no VM of {g} can be rented to profile {model} on it; to fix: allow a "
+                                      f"zone or market that offers {g}")
+        tps = ",".join(str(t) for t in (1, 2, 4, 8) if t <= max(v.gpus, 1))
+        jobs.append((v, ["profile", "model", "--model", model, "--device", _device(o), "--gpu-type", g,
+                         "--tp", tps, "--store", remote.store_uri("vm", f"layers-{g}")], ("layers", g, o.zone)))
+    return jobs
+
+
+def _node_jobs(multi: list[Any], pool: _VmPool, remote: Any, busy: set[str]) -> list[Any]:
+    """(vm, command, ...) measuring the node's own link and all-reduce on a multi-device VM of each type."""
+    jobs = []
+    for o in multi:
+        v = pool.get(o.zone, o.gpu_type, devices=2)
+        if v is None or v.vm_id in busy:
+            continue
+        jobs.append((v, ["profile", "network", "--workers", "2", "--zone", o.zone, "--gpu-type", o.gpu_type,
+                         "--max-bytes", str(8 * 1024 * 1024), "--store", remote.store_uri("vm", f"node-{o.gpu_type}")],
+                     ("node", o.gpu_type, o.zone)))
+        busy.add(v.vm_id)
+    return jobs
+
+
+def _measure_links(pairs: list[Any], pool: _VmPool, remote: Any, store: Any, log: Any) -> list[str]:
+    """One zone pair at a time (links measured alone): `sailor profile link` on a VM at each end."""
+    from profiles_store import open_store
+
+    done = []
+    for (za, zb), combos in pairs:
+        a = pool.get(za)
+        b = pool.get(zb, avoid=[a])
+        if a is None or b is None:
+            log.info("cannot measure %s <-> %s: no two VMs there", za, zb)
+            continue
+        name = f"link-{za}-{zb}"
+        ends = (f"{za}:{a.gpu_type}", f"{zb}:{b.gpu_type}")
+        codes = remote.run([(v, ["profile", "link", "--rank", str(r), "--from", ends[0], "--to", ends[1],
+                                 "--key", f"links/{za}/{zb}", "--store", remote.store_uri("vm", name)])
+                            for r, v in enumerate((a, b))])
+        if any(codes.values()):
+            raise SailorError(f"measuring {za} <-> {zb} failed on the VMs (exit {codes}); to fix: see the VM logs "
+                              f"under the run's state")
+        _import_links(open_store(remote.store_uri("flow", name)), store, combos, (za, zb), a, b)
+        done.append(f"{za}<->{zb}")
+    return done
+
+
 @task(name="profile-on-vms", cache_policy=NO_CACHE)
 def profile_on_vms(store: Any, model: str, types: list[str], pairs: list[Any], multi: list[Any],
                    offers: Sequence[Any], remote: Any) -> dict[str, Any]:
-    """Rent VMs, run the profilers there (layers per device type, links per zone pair, the node's
-    own link for multi-device VMs), import the results into the store, release the VMs."""
-    from profiles_store import open_store
-
+    """Rent VMs, run the profilers there (layers per device type, the node's own link on multi-device
+    VMs, links per zone pair), import the results into the store, release the VMs."""
     log = get_run_logger()
     measured: dict[str, Any] = {"layers": [], "links": [], "intra_node": []}
-    vms: dict[tuple[str, str], list[Any]] = {}
+    pool = _VmPool(remote, offers, log)
     try:
-        def vm_of(zone: str, gpu: str | None, avoid: Sequence[Any] = ()) -> Any | None:
-            for (z, g), have in vms.items():
-                for v in have:
-                    if z == zone and (gpu is None or g == gpu) and v not in avoid:
-                        return v
-            o = _cheapest(offers, zone=zone, **({"gpu_type": gpu} if gpu else {}))
-            if o is None:
-                return None
-            try:
-                v = remote.rent(o)
-            except Exception as e:  # noqa: BLE001 - no capacity left there: measure what can be
-                log.info("cannot rent a %s VM in %s for profiling: %s", gpu or "any", zone, e)
-                return None
-            vms.setdefault((zone, o.gpu_type), []).append(v)
-            return v
-
-        jobs, where = [], {}
-        for g in types:
-            # the type's largest VMs: TP degrees up to their device count are profiled there
-            most = max((o.gpus_per_node for o in offers if o.gpu_type == g and o.count > 0), default=1)
-            o = _cheapest(offers, gpu_type=g, gpus_per_node=most)
-            v = o and vm_of(o.zone, g)
-            if v is None:
-                raise MissingProfileError(f"no VM of {g} can be rented to profile {model} on it; to fix: allow a "
-                                          f"zone or market that offers {g}")
-            tps = ",".join(str(t) for t in (1, 2, 4, 8) if t <= max(v.gpus, 1))
-            jobs.append((v, ["profile", "model", "--model", model, "--device", _device(o), "--gpu-type", g,
-                             "--tp", tps, "--store", remote.store_uri("vm", f"layers-{g}")]))
-            where[v.vm_id] = ("layers", g, o.zone)
-        for o in multi:
-            v = vm_of(o.zone, o.gpu_type)
-            if v is None or v.gpus < 2:
-                continue
-            cmd = ["profile", "network", "--workers", "2", "--zone", o.zone, "--gpu-type", o.gpu_type,
-                   "--max-bytes", str(8 * 1024 * 1024), "--store", remote.store_uri("vm", f"node-{o.gpu_type}")]
-            if v.vm_id in where:  # one command per VM at a time: this one waits for the next round
-                continue
-            jobs.append((v, cmd))
-            where[v.vm_id] = ("node", o.gpu_type, o.zone)
-        _run_and_import(remote, jobs, where, store, model, measured, log, open_store)
-        # the node links a busy VM could not take in the first round
-        jobs, where = [], {}
-        for o in multi:
-            if o.gpu_type in measured["intra_node"]:
-                continue
-            v = vm_of(o.zone, o.gpu_type)
-            if v is None or v.gpus < 2:
-                continue
-            jobs.append((v, ["profile", "network", "--workers", "2", "--zone", o.zone, "--gpu-type", o.gpu_type,
-                             "--max-bytes", str(8 * 1024 * 1024), "--store", remote.store_uri("vm", f"node-{o.gpu_type}")]))
-            where[v.vm_id] = ("node", o.gpu_type, o.zone)
-        _run_and_import(remote, jobs, where, store, model, measured, log, open_store)
-        for (za, zb), combos in pairs:  # one zone pair at a time: links measured alone
-            a = vm_of(za, None)
-            b = vm_of(zb, None, avoid=[a])
-            if a is None or b is None:
-                log.info("cannot measure %s <-> %s: no two VMs there", za, zb)
-                continue
-            key = f"links/{za}/{zb}"
-            name = f"link-{za}-{zb}"
-            ends = (f"{za}:{a.gpu_type}", f"{zb}:{b.gpu_type}")
-            jobs = [(v, ["profile", "link", "--rank", str(r), "--from", ends[0], "--to", ends[1], "--key", key,
-                         "--store", remote.store_uri("vm", name)]) for r, v in enumerate((a, b))]
-            codes = remote.run(jobs)
-            if any(codes.values()):
-                raise SailorError(f"measuring {za} <-> {zb} failed on the VMs (exit {codes}); to fix: see the VM logs "
-                                  f"under the run's state")
-            _import_links(open_store(remote.store_uri("flow", name)), store, combos,
-                          (za, zb), a, b)
-            measured["links"].append(f"{za}<->{zb}")
+        first = _layer_jobs(model, types, offers, pool, remote)
+        busy = {v.vm_id for v, _, _ in first}
+        _run_and_import(remote, first + _node_jobs(multi, pool, remote, busy), store, model, measured, log)
+        # node links whose VM was busy profiling layers in the first round
+        rest = [o for o in multi if o.gpu_type not in measured["intra_node"]]
+        _run_and_import(remote, _node_jobs(rest, pool, remote, set()), store, model, measured, log)
+        measured["links"] = _measure_links(pairs, pool, remote, store, log)
     finally:
         remote.release()
     return measured
@@ -204,18 +218,18 @@ def _device(offer: Any) -> str:
     return "cpu" if offer.cloud == "local" else "cuda"
 
 
-def _run_and_import(remote: Any, jobs: list[Any], where: dict[str, Any], store: Any, model: str,
-                    measured: dict[str, Any], log: Any, open_store: Any) -> None:
+def _run_and_import(remote: Any, jobs: list[Any], store: Any, model: str, measured: dict[str, Any], log: Any) -> None:
+    from profiles_store import open_store
+
     if not jobs:
         return
-    log.info("profiling on %d rented VM(s): %s", len(jobs), sorted(f"{k} {g} in {z}" for k, g, z in where.values()))
-    codes = remote.run(jobs)
+    log.info("profiling on %d rented VM(s): %s", len(jobs), sorted(f"{k} {g} in {z}" for _, _, (k, g, z) in jobs))
+    codes = remote.run([(vm, cmd) for vm, cmd, _ in jobs])
     bad = {v: c for v, c in codes.items() if c}
     if bad:
         raise SailorError(f"profiling failed on VMs {bad}; to fix: see their logs under the run's state")
-    for vm, _ in jobs:
-        kind, g, zone = where[vm.vm_id]
-        src = open_store(remote.store_uri("flow", f"{'layers' if kind == 'layers' else 'node'}-{g}"))
+    for vm, _, (kind, g, zone) in jobs:
+        src = open_store(remote.store_uri("flow", f"{kind}-{g}"))
         prov = _provenance(vm, zone, remote.run_id)
         if kind == "layers":
             store.write_gpu_types([src.gpu_types()[g]], provenance=prov)
