@@ -169,3 +169,41 @@ def test_cli_max_goodput_reports_expected_and_nominal_throughput(tmp_path, capsy
     rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "64",
                "--checkpoint-interval", "0", "--store", str(store)])
     assert rc == 2 and "--checkpoint-interval" in capsys.readouterr().err
+
+
+def test_cli_takes_rates_and_reconfiguration_time_from_the_store_history(tmp_path, capsys) -> None:
+    import json
+
+    from profiles_store.store import HistoryRecord, open_store
+    from sailor_cli.main import main
+    from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+    from sailor_core.plan_format import plan_to_dict
+
+    store_dir = tmp_path / "store"
+    st = open_store(str(store_dir))
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    spot = Replica(gpu_type="A100-40", zone="us-central1-a", tp=1, gpus_per_node=4, market=Market.SPOT,
+                   region="us-central1")
+    ran = ParallelPlan(model="OPT-350", global_batch_size=8, stages=(Stage(first_layer=0, last_layer=25,
+                                                                           replicas=(spot,) * 8),),
+                       pipelines=(PipelineBatch(microbatch_size=1, num_microbatches=1),) * 8)
+    # 2 spot VMs for 10 hours, 6 preemptions there: 0.3 per VM-hour; reconfigurations took 40 and 80 s
+    st.append_history("plans", [HistoryRecord(run_id="r1", kind="plan", time=t0,
+                                              payload={"version": 1, "plan": plan_to_dict(ran), "estimate": {}})])
+    st.append_history("runs", [HistoryRecord(run_id="r1", kind="completed", time=t0 + timedelta(hours=10))])
+    st.append_history("events", [HistoryRecord(run_id="r1", kind="preemption", time=t0 + timedelta(hours=i),
+                                               payload={"zone": "us-central1-a", "gpu_type": "A100-40",
+                                                        "market": "spot"}) for i in range(6)])
+    st.append_history("measurements", [HistoryRecord(run_id="r1", kind="reconfiguration", time=t0,
+                                                     payload={"reconfiguration_s": s}) for s in (40.0, 80.0)])
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("preemptions_per_vm_hour: 5.0\nzones:\n  us-central1-a:\n    gpus:\n      A100-40:\n"
+                    "        - {count: 8}\n        - {count: 8, market: spot, usd_per_gpu_hour: 1.2}\n")
+    rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "64", "--json",
+               "--objective", "max-goodput", "--store", str(store_dir)])
+    assert rc == 0
+    risk = json.loads(capsys.readouterr().out)["spot_risk"]
+    assert risk["preemptions_per_vm_hour"]["us-central1-a/A100-40"] == pytest.approx(0.3)
+    assert risk["reconfiguration_s"] == pytest.approx(60.0)
+    assert any("history, 6 preemption(s) in 20.0 spot VM-hours" in s for s in risk["sources"])
+    assert risk["default_preemptions_per_vm_hour"] == 5.0  # the pool file's, for markets history has not seen
