@@ -248,6 +248,10 @@ def _print(result: PlanResult, variations: list[tuple[str, PlanResult]], out: st
         con.print(f"[red]no feasible plan[/red]: {result.nearest_miss}")
     else:
         con.print(f"[bold]plan[/bold]: {summarize(result.plan)}")
+        if result.goodput is not None and result.goodput.preemptions_per_hour > 0:
+            g = result.goodput
+            con.print(f"throughput: {g.nominal_iterations_per_s:.4f} it/s nominal, {g.expected_iterations_per_s:.4f} "
+                      f"expected with spot preemptions ({g.useful_fraction:.1%} of the time trains)")
         con.print(result.explanation)
         if result.nearest_miss:
             con.print(f"[yellow]note[/yellow]: {result.nearest_miss}")
@@ -259,7 +263,7 @@ def _print(result: PlanResult, variations: list[tuple[str, PlanResult]], out: st
             t.add_column(h)
         for f in result.frontier:
             t.add_row(f"{f.iterations_per_s:.4f}", f"{f.usd_per_iteration:.4f}", f"{f.usd_per_hour:.2f}",
-                      str(f.num_gpus), f.summary)
+                      str(f.num_gpus), ("(chosen) " if f.chosen else "") + f.summary)
         con.print(t)
     if png:
         con.print(f"frontier plot: {png}")
