@@ -48,6 +48,11 @@ class HeartbeatBoard:
             b = self._beats.get(vm_id)
             return dict(b) if b else None
 
+    def max_step(self) -> int:
+        """The highest training step any VM was seen at (0: none yet)."""
+        with self._lock:
+            return max((int(b.get("step") or 0) for b in self._beats.values()), default=0)
+
 
 def checkpoint_steps(checkpoint_dir: str, num_layers: int) -> int | None:
     """Newest complete checkpoint step under the folder (None: none yet)."""

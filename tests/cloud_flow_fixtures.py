@@ -3,7 +3,7 @@
 - `cloud_store(profiled_store, dest, zones)` copies the session's profiled store and adds the
   measured local cpu link between the given cloud zones: the runs use CPU VMs (GPU type `cpu`)
   whose workers run on this machine (tests/fakes/agents_here.py), so that link is what they use.
-- `when_step(workdir, step, action)` runs `action` in a thread once any worker reported `step`.
+- `when_step(board, step, action)` runs `action` in a thread once the flow saw any worker at `step`.
 - `leaks(secrets, ...)` greps every Prefect log line and artifact, every store row and every file
   under the run's folder for the given secrets and returns where they were found.
 """
@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from sailor_core.domain import NetworkLink, Provenance
 
@@ -39,22 +40,13 @@ def cloud_store(profiled_store: str, dest: Path, zones: Iterable[str]) -> str:
     return str(dest)
 
 
-def max_step(workdir: Path, version: int = 1) -> int:
-    best = 0
-    for f in workdir.glob(f"runs/*/metrics/v{version}/**/*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                best = max(best, int(json.loads(line).get("step", 0)))
-            except ValueError:
-                continue
-    return best
-
-
-def when_step(workdir: Path, step: int, action: Callable[[], None], *, timeout_s: float = 300) -> threading.Thread:
+def when_step(board: Any, step: int, action: Callable[[], None], *, timeout_s: float = 300) -> threading.Thread:
+    """Run `action` once the flow has seen any worker at `step` (the heartbeat board its monitor keeps:
+    what the workers report to the run's controller)."""
     def run() -> None:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if max_step(workdir) >= step:
+            if board.max_step() >= step:
                 action()
                 return
             time.sleep(0.2)

@@ -69,8 +69,8 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
         client_for("ec2", "us-east-1").terminate_instances(InstanceIds=[vm.vm_id])  # ... and EC2 takes it back
         interrupted.append(vm.vm_id)
 
-    watcher = when_step(work, 4, interrupt)
     deps = Deps(provider=provider, store=open_store(store_uri), workdir=work, poll_s=1.5)
+    watcher = when_step(deps.board, 4, interrupt)
     # The budget affords the two spot VMs (0.25/h) but no pair with the on-demand one (>= 0.52/h).
     state = sailor(run_name="aws-spot", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
                    max_usd_per_hour=0.5, provider="aws", regions=["us-east-1", "us-west-2"], gpu_types=[GPU], steps=60,

@@ -182,8 +182,8 @@ events:
   - {at_step: 4, kind: capacity_change, market: spot, count: 3}
 """)
     # The first plan gets the one spot VM there is; when two more come back, a plan three times as wide pays
-    # over the 196 steps left even after a reconfiguration.
-    state = run(profiled_store, tmp_path, "grow", scenario=sc, steps=200, objective="max-throughput", workers=3,
+    # over the 396 steps left even after a reconfiguration.
+    state = run(profiled_store, tmp_path, "grow", scenario=sc, steps=400, objective="max-throughput", workers=3,
                 calibration_tolerance=9.0)
     assert state.is_completed(), state.message
     r = history(profiled_store, "grow")
