@@ -48,6 +48,11 @@ _COMMANDS: list[tuple[str, str, str | None]] = [
 ]
 
 
+# Commands that start processes (the ephemeral Prefect server, workers): a guardian ends them if the
+# command dies without cleaning up (sailor_cli/lifeline.py).
+_GUARDED = ("demo", "train", "profile")
+
+
 def _register() -> None:
     for module, attr, group in _COMMANDS:
         mod = importlib.import_module(f"sailor_cli.{module}")
@@ -83,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     _register()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+        args = sys.argv[1:] if argv is None else argv
+        if args and args[0] in _GUARDED:
+            from sailor_cli.lifeline import hold
+
+            hold()  # what this command starts dies with it, even on SIGKILL
     try:
         rv = app(args=argv, standalone_mode=False)
     except (SailorError, ValidationError) as e:

@@ -25,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -62,11 +63,16 @@ class LocalStorage:
         full = self._p(path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
         tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, full)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, full)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)  # a full disk must not also keep half a file
+            raise
 
     def read(self, path: str) -> bytes:
         with open(self._p(path), "rb") as f:

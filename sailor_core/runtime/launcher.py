@@ -53,6 +53,12 @@ class RunResult:
     interrupted_by: int | None = None  # the signal that stopped the run (it checkpointed first)
 
 
+class TrainingFailed(SailorError):
+    """The job failed while training (a worker's error, no plan left): exit status 1, not a user error."""
+
+    exit_code = 1
+
+
 def check_settings(settings: TrainSettings) -> None:
     """Settings no worker could train with, refused before any process starts."""
     bad = []
@@ -169,7 +175,7 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
                 return RunResult(outcome, gen + 1, plans, events, stopped_by[0] if stopped_by else None)
             if not lost or settings.checkpoint_dir is None or gen + 1 >= max_generations or stopping.is_set():
                 hint = "" if settings.checkpoint_dir else " (without --checkpoint-dir the job cannot resume)"
-                raise SailorError(f"training failed in plan version {gen}: {reason}{hint}")
+                raise TrainingFailed(f"training failed in plan version {gen}: {reason}{hint}")
             lost_ranks = {members.index(w) for w in lost}
             for w in lost:
                 workers.pop(w, None)

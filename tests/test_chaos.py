@@ -1,0 +1,165 @@
+"""Chaos: faults injected into real runs on this machine, and what must survive each.
+
+Each test injects one fault into a real `sailor` command (subprocess, the local provider or the
+local launcher) and then checks: no process it started is left, no temporary folder is left, no
+step is lost beyond the last valid checkpoint, the exit status and the run's status are true, and
+every error is one line. Each prints `CHAOS <fault>: <what survived>` (run with -s to see them).
+Bounded: every wait has a deadline; the whole module takes a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sailor_cli.lifeline import descendants
+from sailor_core.runtime import checkpoint as ckpt
+from tests.test_exit_codes import GPT_TINY_2_STAGES, _env, _ours_left, finish, start, wait_for
+
+NUM_LAYERS = 6  # gpt-tiny's blocks: what checkpoints of GPT_TINY_2_STAGES record
+
+
+def report(fault: str, survived: str) -> None:
+    print(f"\nCHAOS {fault}: {survived}")
+
+
+def _alive(pids: dict[int, int]) -> list[int]:
+    from sailor_cli.lifeline import _same
+
+    return [p for p, s in pids.items() if _same(p, s)]
+
+
+def _steps(metrics: Path) -> list[int]:
+    return [json.loads(ln)["step"] for ln in metrics.read_text().splitlines() if ln.strip()] if metrics.exists() else []
+
+
+def _one_line_error(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert "Traceback" not in err, err[-2000:]
+    assert len(lines) == 1, err[-2000:]
+    return lines[0]
+
+
+def _plan(tmp: Path) -> Path:
+    p = tmp / "plan.json"
+    p.write_text(json.dumps(GPT_TINY_2_STAGES))
+    return p
+
+
+def test_sigkill_of_a_worker(tmp_path):
+    """A worker killed mid-run: the job shrinks to the survivor and finishes every step."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    p = start(tmp_path, "train", str(_plan(tmp_path)), "--steps", "30", "--checkpoint-dir", str(ck),
+              "--checkpoint-every", "5", "--metrics-out", str(metrics))
+    try:
+        wait_for(lambda: len(_steps(metrics)) >= 7 or p.poll() is not None, 180, "seven steps")
+        kids = descendants(p.pid)
+        workers = [q for q in kids if "worker_proc" in Path(f"/proc/{q}/cmdline").read_text(errors="replace")]
+        assert len(workers) == 2, kids
+        os.kill(workers[1], signal.SIGKILL)
+        killed_after = max(_steps(metrics))
+        rc, out, err = finish(p, 300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 0, (rc, out[-1500:], err[-1500:])
+    assert "lost workers" in out and "done: " in out
+    assert ckpt.latest_valid_step(ckpt.open_storage(str(ck)), NUM_LAYERS) == 30
+    assert set(_steps(metrics)) == set(range(1, 31))
+    wait_for(lambda: not _alive(kids), 20, "every process of the job to end")  # the guardian ends last
+    assert _ours_left(tmp_path) == []
+    report("SIGKILL of a worker", f"killed after step {killed_after}; the survivor finished 30/30 steps from the "
+                                  f"last checkpoint; no process or temp folder left")
+
+
+def test_corrupt_newest_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    plan = str(_plan(tmp_path))
+    first = subprocess.run([sys.executable, "-m", "sailor_cli.main", "train", plan, "--steps", "20",
+                            "--checkpoint-dir", str(ck), "--checkpoint-every", "10"], capture_output=True, text=True,
+                           env=_env(tmp_path), timeout=300)
+    assert first.returncode == 0, first.stderr[-1500:]
+    newest = sorted((ck / "step_00000020").glob("layer_*"))[-1]
+    newest.write_bytes(b"\0" * 64 + newest.read_bytes()[64:])
+    metrics = tmp_path / "m.jsonl"
+    p = subprocess.run([sys.executable, "-m", "sailor_cli.main", "train", plan, "--steps", "25",
+                        "--checkpoint-dir", str(ck), "--resume", "--metrics-out", str(metrics)], capture_output=True,
+                       text=True, env=_env(tmp_path), timeout=300)
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert "checkpoint step 20 skipped" in p.stderr and "resuming from checkpoint step 10" in p.stdout
+    assert _steps(metrics)[0] == 11 and _steps(metrics)[-1] == 25  # only the steps after the valid one repeat
+    assert (ck / "quarantine" / "step_00000020" / newest.name).read_bytes()[:64] == b"\0" * 64  # kept as it was
+    assert ckpt.latest_valid_step(ckpt.open_storage(str(ck)), NUM_LAYERS) == 25
+    assert _ours_left(tmp_path) == []
+    report("corrupt newest checkpoint", "resumed from step 10 (steps 11-20 repeated), step 20 quarantined "
+                                        "byte-for-byte, finished at 25")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_full_disk_for_the_checkpoint_folder(tmp_path):
+    """A 16 MiB tmpfs holds one 11 MiB checkpoint, not two: the second write fails with ENOSPC."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(ck)], check=True)
+    try:
+        plan = str(_plan(tmp_path))
+        p = subprocess.run([sys.executable, "-m", "sailor_cli.main", "train", plan, "--steps", "20",
+                            "--checkpoint-dir", str(ck), "--checkpoint-every", "5"], capture_output=True, text=True,
+                           env=_env(tmp_path), timeout=300)
+        assert p.returncode == 1, (p.returncode, p.stdout[-1000:], p.stderr[-1500:])
+        line = _one_line_error(p.stderr)
+        assert "No space left" in line or "ENOSPC" in line or "space" in line, line
+        storage = ckpt.open_storage(str(ck))
+        assert ckpt.latest_valid_step(storage, NUM_LAYERS) == 5
+        assert not [f for f in ck.rglob("*") if ".tmp-" in f.name]  # no half-written files left
+        # more room: --resume continues from the last valid step; the partial one is moved aside
+        subprocess.run(["mount", "-o", "remount,size=96m", str(ck)], check=True)
+        metrics = tmp_path / "m.jsonl"
+        p = subprocess.run([sys.executable, "-m", "sailor_cli.main", "train", plan, "--steps", "12",
+                            "--checkpoint-dir", str(ck), "--resume", "--metrics-out", str(metrics)],
+                           capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+        assert p.returncode == 0, p.stderr[-1500:]
+        assert _steps(metrics)[0] == 6 and ckpt.latest_valid_step(storage, NUM_LAYERS) == 12
+    finally:
+        subprocess.run(["umount", "-l", str(ck)], check=False)
+    assert _ours_left(tmp_path) == []
+    report("full disk (16 MiB tmpfs) for checkpoints", f"exit 1 with one line ({line[:90]}...); step 5 valid, no "
+                                                         f"partial files; --resume went on from step 5")
+
+
+def test_sigkill_of_the_demo_flow_process(tmp_path):
+    """`sailor demo` killed with SIGKILL: its ephemeral Prefect server and workers die with it, and the
+    run is shown crashed once its lease expires."""
+    work = tmp_path / "wd"
+    env = {**_env(tmp_path), "SAILOR_LEASE_S": "6"}
+    p = subprocess.Popen([sys.executable, "-m", "sailor_cli.main", "demo", "--steps", "2000", "--workers", "2",
+                          "--workdir", str(work), "--isolation", "process"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=env, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        wait_for(lambda: any(m.stat().st_size > 0 for m in work.glob("runs/*/**/metrics/**/*.jsonl"))
+                 or p.poll() is not None, 300, "the demo to train")
+        assert p.poll() is None
+        time.sleep(2)
+        kids = descendants(p.pid)
+        cmds = {q: Path(f"/proc/{q}/cmdline").read_text(errors="replace").replace("\0", " ") for q in kids}
+        assert any("uvicorn" in c for c in cmds.values()), cmds  # the ephemeral server
+        p.kill()
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    wait_for(lambda: not _alive(kids), 30, "the server and workers to die with the demo")
+    time.sleep(7)
+    runs = subprocess.run([sys.executable, "-m", "sailor_cli.main", "runs", "list", "--json"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    demo = [r for r in json.loads(runs.stdout) if r["name"] == "demo"]
+    assert demo and demo[-1]["status"] == "crashed", demo
+    report("SIGKILL of the flow (sailor demo)", f"{len(kids)} descendant processes (server, agents, workers) ended "
+                                                f"by the guardian; run {demo[-1]['run_id']} shown crashed")
