@@ -151,14 +151,15 @@ def run_inputs(store_uri: str | None, run_id: str, workdir: Path) -> tuple[dict[
 
     The starting pool is what the run's provider offered at its start; a local run's provider is
     rebuilt from the run's scenario (its offerings are a function of the file) in `workdir`.
-    The book is the store's, priced and calibrated as the flow had it when the run started.
+    The book is the store's, priced as the run's offerings; the trace's points calibrate it as the
+    flow did (the factors it started with, then those it measured).
     """
     from infra.local import LocalProvider
     from infra.scenario import load_scenario
     from profiles_store.store import open_store
     from sailor_core.replay.history import run_job, run_trace
     from tasks.history import RunHistory
-    from tasks.planning import calibrated_book, pool_from, priced_book
+    from tasks.planning import pool_from, priced_book
 
     st = open_store(store_uri)
     r = RunHistory(st).show(run_id)
@@ -177,8 +178,8 @@ def run_inputs(store_uri: str | None, run_id: str, workdir: Path) -> tuple[dict[
     for m in sorted(st.read_history("measurements", kind="calibration"), key=lambda m: m.time):
         if m.time < started and m.run_id != run_id and m.payload.get("gpu_type") in gpu_set:
             factors[str(m.payload["gpu_type"])] = float(m.payload["factor"])
-    book = calibrated_book(priced_book(st.profile_book(str(p["model"]), gpu_set), offers), factors)
-    return r, run_trace(r, pool_from(offers)), book, run_job(r, sequence_length=book.model.sequence_length)
+    book = priced_book(st.profile_book(str(p["model"]), gpu_set), offers)  # calibrated point by point
+    return r, run_trace(r, pool_from(offers), factors), book, run_job(r, sequence_length=book.model.sequence_length)
 
 
 def _replay_run(run_id: str, store: str | None, as_json: bool) -> None:

@@ -120,3 +120,20 @@ class ProfileBook:
     # -- prices ----------------------------------------------------------------------------
     def price_usd_per_gpu_hour(self, zone: str, gpu_type: str, market: Market) -> float | None:
         return self._prices.get((zone, gpu_type, Market.parse(market)))  # type: ignore[attr-defined]
+
+
+def calibrated_book(book: ProfileBook, factors: Mapping[str, float]) -> ProfileBook:
+    """The book with each GPU type's layer times scaled by its online correction (measured /
+    estimated iteration time), so the next plan uses what the machine really does. The flow
+    (through tasks.planning) and the trace replay both call this."""
+    if not factors:
+        return book
+    from dataclasses import replace
+
+    scaled = {}
+    for key, layers in book.layer_profiles.items():
+        f = factors.get(key[0], 1.0)
+        scaled[key] = layers if f == 1.0 else tuple(
+            replace(p, forward_s=p.forward_s * f, backward_s=p.backward_s * f, optimizer_s=p.optimizer_s * f)
+            for p in layers)
+    return replace(book, layer_profiles=scaled)

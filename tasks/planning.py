@@ -4,7 +4,7 @@ Contract (no Prefect): pure helpers around sailor_core's planner and simulator.
 - `pool_from(offerings, held)`: what the planner may use now: the free capacity the provider offers
   plus the VMs this run already holds (a replan may keep them), at current prices.
 - `priced_book(book, offerings)`: the book with the provider's current prices.
-- `calibrated_book(book, factors)`: layer times of each GPU type scaled by its online correction
+- `calibrated_book(book, factors)` (from sailor_core.profiles): layer times of each GPU type scaled by its online correction
   (measured / estimated iteration time), so the next plan uses what this machine really does.
 - `run_planner(...)`: the planner's best plan and frontier, or `NoPlanError` with its nearest miss.
 - `estimate(plan, book)`: the simulator's estimate as a JSON dict.
@@ -18,7 +18,9 @@ from typing import Any
 
 from infra.provider import Offering, Vm
 from sailor_core.domain import GpuPrice, Market, ParallelPlan, PoolEntry, ResourcePool, SailorError
-from sailor_core.profiles import ProfileBook
+from sailor_core.profiles import ProfileBook, calibrated_book
+
+__all__ = ["NoPlanError", "calibrated_book", "estimate", "plan_violations", "pool_from", "priced_book", "run_planner"]
 
 
 class NoPlanError(SailorError):
@@ -52,18 +54,6 @@ def priced_book(book: ProfileBook, offerings: Sequence[Offering]) -> ProfileBook
     prices += [GpuPrice(cloud=o.cloud, zone=o.zone, gpu_type=o.gpu_type, market=o.market,
                         usd_per_gpu_hour=o.usd_per_gpu_hour, fetched_at=o.price_fetched_at) for o in now.values()]
     return replace(book, prices=tuple(prices))
-
-
-def calibrated_book(book: ProfileBook, factors: Mapping[str, float]) -> ProfileBook:
-    if not factors:
-        return book
-    scaled = {}
-    for key, layers in book.layer_profiles.items():
-        f = factors.get(key[0], 1.0)
-        scaled[key] = layers if f == 1.0 else tuple(
-            replace(p, forward_s=p.forward_s * f, backward_s=p.backward_s * f, optimizer_s=p.optimizer_s * f)
-            for p in layers)
-    return replace(book, layer_profiles=scaled)
 
 
 def estimate(plan: ParallelPlan, book: ProfileBook) -> dict[str, Any]:

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor_core.decisions import PlanCost, SwitchDecision
-from sailor_core.domain import Market, ParallelPlan, ResourcePool, SailorError
+from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool, SailorError
 from sailor_core.planner import Constraints, Objective, PlanRequest, Restrictions, SearchOptions, summarize
 from sailor_core.planner import plan as run_planner
 from sailor_core.planner.core import sim_options
 from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S  # the flow's estimate before it measured one
-from sailor_core.profiles import ProfileBook
+from sailor_core.profiles import ProfileBook, calibrated_book
 from sailor_core.replay.trace import Trace, TracePoint
 from sailor_core.simulator import simulate
 
@@ -107,22 +107,35 @@ def missing_gpus(plan: ParallelPlan, pool: ResourcePool) -> dict[PlaceKey, int]:
 class Planner:
     """The planner and the simulator behind the policies, memoised (pure: same answers, fewer calls)."""
 
-    def __init__(self, book: ProfileBook, job: ReplayJob) -> None:
+    def __init__(self, book: ProfileBook, job: ReplayJob, *, root: Planner | None = None) -> None:
         self.book = book
         self.job = job
         self.calls = 0
         self.hits = 0
         self.search_s = 0.0
+        self._root = root or self  # calibrated variants count their calls on the planner they came from
         self._best: dict[Any, Candidate | None] = {}
         self._by_prices: dict[Any, list[tuple[dict[PlaceKey, int], Candidate]]] = {}
         self._cost: dict[Any, PlanCost] = {}
         self._keep: list[ParallelPlan] = []
+        self._calibrated: dict[tuple[tuple[str, float], ...], Planner] = {}
+
+    def calibrated(self, factors: tuple[tuple[str, float], ...]) -> Planner:
+        """The same planner over the book with these GPU types' layer times scaled (memoised too)."""
+        if not factors:
+            return self
+        key = tuple(sorted(factors))
+        child = self._calibrated.get(key)
+        if child is None:
+            child = Planner(calibrated_book(self.book, dict(key)), self.job, root=self._root)
+            self._calibrated[key] = child
+        return child
 
     def best(self, pool: ResourcePool) -> Candidate | None:
         """The planner's best plan for the pool (None: nothing feasible)."""
         key = pool_key(pool)
         if key in self._best:
-            self.hits += 1
+            self._root.hits += 1
             return self._best[key]
         prices = tuple(sorted((e.zone, e.gpu_type, e.market.value, e.usd_per_gpu_hour) for e in pool.entries))
         if self.job.reuse_dominating_plans:
@@ -130,7 +143,7 @@ class Planner:
             for counts, known in self._by_prices.get(prices, ()):
                 if all(have.get(k, 0) <= n for k, n in counts.items()) and set(have) <= set(counts) \
                         and not missing_gpus(known.plan, pool):
-                    self.hits += 1
+                    self._root.hits += 1
                     self._best[key] = known
                     return known
         j = self.job
@@ -138,8 +151,8 @@ class Planner:
                           constraints=j.constraints, restrictions=j.restrictions, options=j.search)
         t0 = time.perf_counter()
         result = run_planner(req, self.book)
-        self.search_s += time.perf_counter() - t0
-        self.calls += 1
+        self._root.search_s += time.perf_counter() - t0
+        self._root.calls += 1
         cand: Candidate | None = None
         if result.plan is not None:
             est = result.estimate
@@ -181,6 +194,8 @@ class View:
     initial: ParallelPlan | None  # the job's first plan (None before it has one)
     remaining_steps: int
     lost_steps: int  # steps since the last periodic checkpoint (what decide_switch charges)
+    reconfiguration_s: float  # the reconfiguration time in force (the job's, or one measured since)
+    held: ResourcePool | None = None  # when GPUs were lost: those of the current plan still there
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +294,8 @@ class _State:
     drain_it: float = 0.0
     drain_usd_per_hour: float = 0.0
     drain_gpus: int = 0
+    reconf_now: float = 0.0  # the reconfiguration time in force
+    calibration: tuple[tuple[str, float], ...] = ()
     decisions: list[Decision] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     progress: list[tuple[float, float, float]] = field(default_factory=list)
@@ -357,7 +374,7 @@ def _notice(s: _State, job: ReplayJob, t: float) -> None:
     assert s.plan is not None and s.cost is not None
     if job.checkpoint_on_notice:
         # Trains on until the flow stops it for the new plan (or the VMs go), progress kept.
-        window = min(job.grace_s, job.reconfiguration_s)
+        window = min(job.grace_s, s.reconf_now)
         if t + window > max(t, s.ready_at):
             s.drain_until, s.drain_it = t + window, s.cost.iteration_time_s
             s.drain_usd_per_hour, s.drain_gpus = s.cost.usd_per_hour, s.gpus
@@ -386,15 +403,20 @@ def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, n
     wall0, cpu0 = time.perf_counter(), time.process_time()
     planner = planner or Planner(book, job)
     calls0, hits0, search0 = planner.calls, planner.hits, planner.search_s
-    s = _State()
+    s = _State(reconf_now=job.reconfiguration_s)
     times = [pt.at_s for pt in trace.points]
     horizon = times[-1] + HORIZON_AFTER_TRACE_S
     i = 0  # trace point in force
     next_tick = period_s if period_s else math.inf
     trigger = "start"
     while True:
-        pool = trace.pool_at(i)
-        _decide(s, job, planner, policy, pool, trigger, trace.taken_at(i) if i else {})
+        pool, pt = trace.pool_at(i), trace.points[i]
+        if pt.calibration:
+            s.calibration = pt.calibration
+        if pt.reconfiguration_s is not None:
+            s.reconf_now = pt.reconfiguration_s
+        _decide(s, job, planner.calibrated(s.calibration), policy, pool, trigger, trace.taken_at(i) if i else {},
+                trace, i)
         s.progress.append((s.t, s.step, s.usd))
         if s.step >= job.total_steps and s.done_at is None:
             s.done_at = s.t
@@ -436,8 +458,22 @@ def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, n
     )
 
 
+def _held_pool(plan: ParallelPlan, gone: dict[PlaceKey, int], trace: Trace, i: int) -> ResourcePool:
+    """The GPUs of the plan that are still there, at the prices of trace point i."""
+    info = {p.key: (p, u) for p, u in zip(trace.places, trace.points[i].usd_per_gpu_hour, strict=True)}
+    entries = []
+    for k, n in sorted(plan.gpus_by_place().items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2].value)):
+        left = n - gone.get(k, 0)
+        if left > 0 and k in info:
+            pl, u = info[k]
+            entries.append(PoolEntry(zone=pl.zone, region=pl.region, gpu_type=pl.gpu_type, count=left,
+                                     market=pl.market, gpus_per_node=pl.gpus_per_node, usd_per_gpu_hour=u,
+                                     cloud=pl.cloud))
+    return ResourcePool(entries=tuple(entries))
+
+
 def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: ResourcePool, trigger: str,
-            taken: dict[PlaceKey, int]) -> None:
+            taken: dict[PlaceKey, int], trace: Trace, i: int) -> None:
     gone: dict[PlaceKey, int] = {}
     if s.plan is not None:
         gone = missing_gpus(s.plan, pool)
@@ -459,7 +495,9 @@ def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: R
     view = View(t_s=s.t, trigger=trigger, pool=pool, job=job, planner=planner, current=s.plan,
                 current_cost=s.cost if s.plan is not None else None, lost=lost, broken=broken, initial=s.initial,
                 remaining_steps=job.total_steps - step_i,
-                lost_steps=step_i - (step_i // job.checkpoint_interval) * job.checkpoint_interval)
+                lost_steps=step_i - (step_i // job.checkpoint_interval) * job.checkpoint_interval,
+                reconfiguration_s=s.reconf_now,
+                held=_held_pool(s.plan, gone, trace, i) if lost and s.plan is not None else None)
     action = policy(view)
     kind = action.kind
     if kind == "stay" and (lost or s.plan is None):
@@ -484,10 +522,10 @@ def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: R
         s.initial = action.plan
     # The first launch and every relaunch take a reconfiguration's time (VMs start, workers load the
     # checkpoint); only relaunches count as waste: every policy pays the first start.
-    s.ready_at = s.t + job.reconfiguration_s
+    s.ready_at = s.t + s.reconf_now
     if restart:
-        s.reconf_s += job.reconfiguration_s
-        s.wasted_gpu_hours += job.reconfiguration_s * s.gpus / 3600.0
+        s.reconf_s += s.reconf_now
+        s.wasted_gpu_hours += s.reconf_now * s.gpus / 3600.0
         s.switches += 1
 
 

@@ -6,8 +6,10 @@ the start; for the local provider, its scenario's), and returns a step-based `Tr
 point per replan the flow made, at the step it made it, holding the pool as the stored events
 left it by then: a preemption takes the preempted VM from the job and its GPUs from the place's
 capacity, a lost worker takes its VM from the job (the capacity stays), a price change sets the
-place's price, a capacity change sets its number of VMs. Calibrations the run made mid-way (its
-`iteration_time` replans) are not replayed: the book stays as calibrated at the run's start. `run_job(run, ...)` is the
+place's price, a capacity change sets its number of VMs. Each point also carries what the flow
+had measured by then: its calibration factors (online corrections of each GPU type's layer times,
+from the run's start and from its `iteration_time` replans) and its reconfiguration time (the
+longest measured so far; before the first, the job's estimate). `run_job(run, ...)` is the
 `ReplayJob` of the run's parameters, deciding as the flow does (its reconfiguration estimate,
 its search, no plan reuse across pools). Replayed under the `sailor` policy, the replay meets
 the same events at the same steps and decides with the same planner and `decide_switch`;
@@ -35,7 +37,9 @@ def _key(row: Mapping[str, Any]) -> Key | None:
     return (str(row["zone"]), str(row["gpu_type"]), Market.parse(str(row["market"])))
 
 
-def run_trace(run: Mapping[str, Any], initial: ResourcePool) -> Trace:
+def run_trace(run: Mapping[str, Any], initial: ResourcePool,
+              calibration: Mapping[str, float] | None = None) -> Trace:
+    """`calibration`: the factors the run started with (the newest per GPU type from earlier runs)."""
     entries: dict[Key, PoolEntry] = {(e.zone, e.gpu_type, e.market): e for e in initial.entries}
     if not entries:
         raise SailorError(f"run {run.get('run_id')}: the starting pool is empty; to fix: pass the offerings it began with")
@@ -46,17 +50,26 @@ def run_trace(run: Mapping[str, Any], initial: ResourcePool) -> Trace:
                          gpus_per_node=e.gpus_per_node) for e in entries.values())
 
     taken = {k: 0 for k in order}
+    factors = dict(calibration or {})
+    measured: list[float] = []
 
     def point(at_step: int | None) -> TracePoint:
         pt = TracePoint(at_s=0.0, counts=tuple(count[k] for k in order),
                         usd_per_gpu_hour=tuple(price[k] for k in order), at_step=at_step,
-                        taken=tuple(taken[k] for k in order) if any(taken.values()) else ())
+                        taken=tuple(taken[k] for k in order) if any(taken.values()) else (),
+                        calibration=tuple(sorted(factors.items())),
+                        reconfiguration_s=max(measured) if measured else None)  # the flow's rule
         for k in order:
             taken[k] = 0
         return pt
 
+    # The run's events and its calibrations, in the order they happened (both carry ISO times).
+    rows = [(str(e.get("time", "")), 0, e) for e in run.get("events", [])]
+    rows += [(str(m.get("time", "")), 1, {**m, "kind": "calibration"}) for m in run.get("measurements", [])
+             if m.get("kind") == "calibration"]
+    rows.sort(key=lambda r: (r[0], r[1]))
     points = [point(None)]
-    for ev in run.get("events", []):
+    for _, _, ev in rows:
         kind = ev.get("kind")
         k = _key(ev)
         if kind == "preemption" and k in count:
@@ -71,6 +84,10 @@ def run_trace(run: Mapping[str, Any], initial: ResourcePool) -> Trace:
             price[k] = float(ev["new_usd_per_gpu_hour"])
         elif kind == "capacity_change" and k in count and ev.get("new_count") is not None:
             count[k] = int(ev["new_count"]) * entries[k].gpus_per_node
+        elif kind == "calibration" and ev.get("gpu_type") and ev.get("factor") is not None:
+            factors[str(ev["gpu_type"])] = float(ev["factor"])  # the factor in force, not a further scaling
+        elif kind == "reconfigured" and ev.get("reconfiguration_s") is not None:
+            measured.append(float(ev["reconfiguration_s"]))
         elif kind == "replan":
             points.append(point(int(ev.get("step", 0))))
     return Trace(name=f"run {run.get('run_id', '')}", places=places, points=tuple(points))

@@ -1,10 +1,11 @@
 """Reaction policies: what a job does when availability or prices change. Each is a small pure
 function of the `View` the engine shows it, returning an `Action` (stay, switch to a plan, wait).
 
-- `sailor`: the flow's own loop. At every change it re-plans against what can be rented now and
-  switches when `decide_switch` (the very function the replan subflow calls) says the gain over the
-  remaining work pays for the reconfiguration and the steps redone; a plan that lost GPUs is
-  always left for the best feasible one.
+- `sailor`: the flow's own loop (flows/replan.py). At every change it re-plans against what can be
+  rented now and switches when `decide_switch` (the very function the replan subflow calls) says
+  the gain over the remaining work pays for the reconfiguration and the steps redone; a plan that
+  lost GPUs is always left, for the best plan on the GPUs it still holds if there is one (the
+  flow shrinks first: those start in seconds), else the best on everything available.
 - `relaunch_same`: what SkyPilot managed jobs do. Keep the first plan's shape (the same GPU types
   and counts, the same stages); when it loses GPUs, relaunch that shape wherever it fits now, each
   group of GPUs on the cheapest (zone, market) with room for it; if it fits nowhere, wait. Prices
@@ -36,7 +37,13 @@ def _first(v: View) -> Action:
 
 
 def sailor(v: View) -> Action:
-    cand = v.planner.best(v.pool)
+    cand = None
+    if v.lost and v.held is not None and v.held.entries:
+        # The flow shrinks first: the best plan on the GPUs still held starts in seconds (their
+        # processes go on in place); capacity elsewhere is weighed at the next change.
+        cand = v.planner.best(v.held)
+    if cand is None:
+        cand = v.planner.best(v.pool)
     if cand is None:
         if v.current is None or v.lost:
             return Action(kind="wait", reason="no feasible plan with the GPUs available now; waiting")
@@ -46,7 +53,7 @@ def sailor(v: View) -> Action:
     unusable = v.current is None or v.lost
     d = decide_switch(
         objective=v.job.objective, current=None if unusable else v.current_cost, candidate=cand.cost,
-        remaining_steps=v.remaining_steps, lost_steps=v.lost_steps, reconfiguration_s=v.job.reconfiguration_s,
+        remaining_steps=v.remaining_steps, lost_steps=v.lost_steps, reconfiguration_s=v.reconfiguration_s,
         min_gain=v.job.min_gain, current_broken=v.broken if v.current is not None else "nothing rented",
         same_plan=(cand.plan == v.current) and not unusable,
     )

@@ -78,6 +78,9 @@ class TracePoint:
     run's own history, or a scenario scripted by step); its `at_s` is then ignored. `taken[k]`
     GPUs of running VMs in place k are reclaimed at this point (preempted, or workers lost): a
     job holding GPUs there loses them even if the place still has free capacity (empty: none).
+    A run's history also carries what the flow had measured by then: `calibration` (GPU type,
+    factor) pairs scale those types' layer times from here on (the flow's online calibration), and
+    `reconfiguration_s` replaces the job's reconfiguration time (the flow's measured one).
     """
 
     at_s: float
@@ -85,6 +88,8 @@ class TracePoint:
     usd_per_gpu_hour: tuple[float, ...]
     at_step: int | None = None
     taken: tuple[int, ...] = ()
+    calibration: tuple[tuple[str, float], ...] = ()
+    reconfiguration_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +167,10 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
                     "cloud": p.cloud, "gpus_per_node": p.gpus_per_node} for p in trace.places],
         "points": [{"at_s": pt.at_s, "counts": list(pt.counts), "usd_per_gpu_hour": list(pt.usd_per_gpu_hour),
                     **({"at_step": pt.at_step} if pt.at_step is not None else {}),
-                    **({"taken": list(pt.taken)} if pt.taken else {})} for pt in trace.points],
+                    **({"taken": list(pt.taken)} if pt.taken else {}),
+                    **({"calibration": [list(c) for c in pt.calibration]} if pt.calibration else {}),
+                    **({"reconfiguration_s": pt.reconfiguration_s} if pt.reconfiguration_s is not None else {})}
+                   for pt in trace.points],
     }
 
 
@@ -191,7 +199,10 @@ def parse_sailor_trace(data: Any, *, source: str = "trace") -> Trace:
         points = tuple(TracePoint(at_s=float(pt.get("at_s", 0.0)), counts=tuple(int(c) for c in pt["counts"]),
                                   usd_per_gpu_hour=tuple(float(u) for u in pt["usd_per_gpu_hour"]),
                                   at_step=int(pt["at_step"]) if pt.get("at_step") is not None else None,
-                                  taken=tuple(int(c) for c in pt.get("taken") or ()))
+                                  taken=tuple(int(c) for c in pt.get("taken") or ()),
+                                  calibration=tuple((str(g), float(f)) for g, f in pt.get("calibration") or ()),
+                                  reconfiguration_s=float(pt["reconfiguration_s"])
+                                  if pt.get("reconfiguration_s") is not None else None)
                        for pt in data["points"])
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"{source}: malformed sailor trace ({type(e).__name__}: {e}); "
