@@ -66,6 +66,20 @@ class TestbedError(Exception):
     __test__ = False  # not a pytest class
 
 
+def owners_dir() -> Path:
+    """Every live testbed's owner, whatever its home: a cleanup run from another home (a test, a
+    benchmark) must never take a live testbed's namespaces for orphans."""
+    return Path(tempfile.gettempdir()) / "sailor-testbed-owners"
+
+
+def _registered_live(tag: str) -> bool:
+    try:
+        owner = json.loads((owners_dir() / f"{tag}.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return _owner_alive(owner)
+
+
 def default_home() -> Path:
     """Where testbeds keep their records and VM folders (one place per user: stale cleanup looks here)."""
     env = os.environ.get("SAILOR_TESTBED_HOME")
@@ -185,6 +199,9 @@ class Testbed:
                 record["host_address"] = str(subnet.network_address + 1)
             folder.mkdir()
             (folder / "vms").mkdir()
+            if isolation == "netns":  # only isolated testbeds have system-wide names to protect
+                owners_dir().mkdir(parents=True, exist_ok=True)
+                _write(owners_dir() / f"{tag}.json", record["owner"])
             _write(folder / RECORD, record)
         tb = cls(folder, record, runner=runner)
         if isolation == "netns":
@@ -401,6 +418,8 @@ class Testbed:
             with contextlib.suppress(OSError):
                 self.folder.rmdir()
             removed.append(f"folder {self.folder}")
+        with contextlib.suppress(OSError):
+            (owners_dir() / f"{self.tag}.json").unlink(missing_ok=True)
         return removed
 
     # -- building ----------------------------------------------------------------------------
@@ -541,6 +560,7 @@ def stale_testbeds(*, home: Path | None = None, runner: Runner = _run) -> list[s
         tb = Testbed.open(folder, runner=runner)
         if tb is not None:
             (live if _owner_alive(tb._rec.get("owner", {})) else tags).add(tb.tag)
+    live |= {t for t in tags if _registered_live(t)}
     return sorted(tags - live)
 
 
@@ -565,6 +585,9 @@ def cleanup_stale(*, home: Path | None = None, runner: Runner = _run) -> list[st
                     removed += tb.teardown()
                 except (OSError, TestbedError) as e:  # a stale testbed must not stop the next run
                     _log.warning("could not remove stale testbed %s: %s", tb.tag, e)
+    # a testbed of another home whose owner lives is not ours to judge
+    known |= {t for t in {n[len(LINK_PREFIX):len(LINK_PREFIX) + 6] for n in links}
+              | {n[len(NETNS_PREFIX):len(NETNS_PREFIX) + 6] for n in namespaces} | set(cgroups) if _registered_live(t)}
     for name in links:
         tag = name[len(LINK_PREFIX):len(LINK_PREFIX) + 6]
         if tag not in known and runner(["ip", "link", "del", name]).returncode == 0:
