@@ -58,11 +58,17 @@ class VmCommands:
                 log_uri=self.state.logs("vm"), advertise_address=vm.address, command=tuple(argv)))
         deadline = time.monotonic() + timeout_s
         codes: dict[str, int] = {}
+        exit_code = getattr(self.provider, "agent_exit_code", None)
+        gone: dict[str, float] = {}
         while len(codes) < len(jobs):
             for vm, _ in jobs:
                 raw = self.controller.server.get(job_key(vm.vm_id, job))
                 if raw is not None and vm.vm_id not in codes:
                     codes[vm.vm_id] = int(raw)
+                elif raw is None and exit_code is not None and exit_code(vm.vm_id) is not None:
+                    # the VM's bootstrap ended without reporting (killed, or failed before the command)
+                    if time.monotonic() - gone.setdefault(vm.vm_id, time.monotonic()) > 5.0:
+                        codes[vm.vm_id] = int(exit_code(vm.vm_id) or 1) or 1
             if time.monotonic() > deadline:
                 missing = [vm.vm_id for vm, _ in jobs if vm.vm_id not in codes]
                 raise SailorError(f"profiling on {missing} did not finish within {timeout_s:.0f}s; to fix: see the "
