@@ -150,6 +150,17 @@ def _same(a: ReplicaResult, b: ReplicaResult) -> bool:
         b.stage, b.gpu_type, b.zone, b.tp, b.microbatch_size, b.num_microbatches, b.peak_memory_bytes, b.fits)
 
 
+def _is_published(plan_file: str, fmt: str) -> bool:
+    """A plan in the artifact's format (--format eth-easl, or detected) was run by its framework."""
+    if fmt != "auto":
+        return fmt == "eth-easl"
+    try:
+        with open(plan_file) as f:
+            return "pipeline_list" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def simulate(
     plan_file: Annotated[str, typer.Argument(help="plan JSON: ours (sailor) or a published plan_config_*.json")],
     format: Annotated[str, typer.Option("--format", help="sailor | eth-easl | auto")] = "auto",
@@ -158,13 +169,16 @@ def simulate(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     schedule: Annotated[str | None, typer.Option("--schedule", help="override: 1f1b | gpipe")] = None,
     recompute: Annotated[str | None, typer.Option("--recompute", help="override: recompute activations in these stages (all, none, or e.g. 0,1)")] = None,
+    runtime: Annotated[str | None, typer.Option("--runtime", help="whose communication runs the plan: sailor (this project's runtime) | deepspeed (the Sailor artifact's framework); default: deepspeed for a published eth-easl plan, sailor otherwise")] = None,
 ) -> None:
     """Estimate iteration time, peak memory per GPU and cost of PLAN_FILE."""
     plan = load_plan_file(plan_file, fmt=format, model=model)
     if recompute is not None:
         plan = _with_recompute(plan, recompute)
+    if runtime is None:
+        runtime = "deepspeed" if _is_published(plan_file, format) else "sailor"
     book = load_book(plan.model, store)
-    res = run_simulation(plan, book, options=SimOptions(schedule=schedule))
+    res = run_simulation(plan, book, options=SimOptions(schedule=schedule, runtime=runtime))
     flags = tuple(st.recompute for st in plan.stages)
     if as_json:
         typer.echo(json.dumps({**res.to_json(), "recompute_stages": [i for i, f in enumerate(flags) if f]}))

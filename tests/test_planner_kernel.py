@@ -56,6 +56,12 @@ class SyntheticCosts:
         bw = 5e9 if len(layout) == 1 else 1e9
         return 2 * (d - 1) / d * grad_bytes / bw
 
+    def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
+                      last: int) -> tuple[float, float, float]:
+        # one bucket, final when the backward ends: the ring follows the pipeline
+        ar = self.allreduce_s(slot, tp, layout, self.grad_bytes(tp, first, last))
+        return ar, ar, self.compute(slot.gpu_type, mbs, tp, first, last).backward_s
+
     def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float:
         return 0.0 if zone_a == zone_b else 0.01
 

@@ -152,14 +152,17 @@ def test_smoothing_leaves_affine_profiles_and_pulls_an_outlier_to_its_neighbours
 def test_pipeline_time_1f1b_and_gpipe_by_hand() -> None:
     comp = [StageCompute(forward_s=1.0, backward_s=3.0), StageCompute(forward_s=3.0, backward_s=1.0)]
     total, comm, finish = pipeline_time_s(comp, [0.5], 4, "1f1b")
-    # fill: sum(F+B)=8 plus 2*0.5; steady: 3 more cycles of max(4 + 2*0.5, 4 + 2*0.5) = 5
-    assert total == pytest.approx(8 + 1 + 3 * 5)
-    assert comm == pytest.approx(1 + 3 * 1)
+    # stage 1 gates: stage 0's first forward and its send (1 + 0.5), then 4 microbatches of
+    # F + B = 4 with the boundary (0.5 both ways at once) between them 3 times, then the last
+    # gradient back and stage 0's last backward (0.5 + 3): 1.5 + 16 + 1.5 + 3.5 = 22.5
+    assert total == pytest.approx(22.5)
+    assert comm == pytest.approx(1 + 3 * 0.5)
     # stage 1 finishes before stage 0 by stage 0's backward plus the gradient send
-    assert finish == pytest.approx([24, 24 - 3.5])
+    assert finish == pytest.approx([22.5, 22.5 - 3.5])
     total_g, _, _ = pipeline_time_s(comp, [0.5], 4, "gpipe")
-    # GPipe: 3 more forward cycles of max(1.5, 3.5) and 3 more backward cycles of max(3.5, 1.5)
-    assert total_g == pytest.approx(8 + 1 + 3 * (3.5 + 3.5))
+    # GPipe: sends overlap the next microbatch, so 3 more forward cycles of max(1, 3, 0.5) and 3 more
+    # backward cycles of max(3, 1, 0.5)
+    assert total_g == pytest.approx(8 + 1 + 3 * (3 + 3))
     one, _, _ = pipeline_time_s(comp[:1], [], 5)
     assert one == pytest.approx(5 * 4)
 
@@ -396,7 +399,8 @@ def test_stages_sharing_a_node_send_over_the_intra_node_link() -> None:
     shared = simulate(plan_of([(0, 1, [rep()]), (2, 3, [rep()])], [(2, 4)]), book)  # both on one 2-GPU node
     apart = simulate(plan_of([(0, 1, [rep(gpn=1)]), (2, 3, [rep(gpn=1)])], [(2, 4)]), book)
     msg = 64 * 2 * 4
-    # fill: 2 sends; steady state: 3 more cycles of the bottleneck stage, which pays 2 sends each
-    assert shared.breakdown.pipeline_p2p_s == pytest.approx((2 + 3 * 2) * msg / 100e9)
-    assert apart.breakdown.pipeline_p2p_s == pytest.approx((2 + 3 * 2) * msg / 1e9)
+    # fill: 2 sends; steady state: 3 more cycles of the gating stage, which pays the boundary once
+    # each (activation and gradient cross at once)
+    assert shared.breakdown.pipeline_p2p_s == pytest.approx((2 + 3) * msg / 100e9)
+    assert apart.breakdown.pipeline_p2p_s == pytest.approx((2 + 3) * msg / 1e9)
     assert shared.iteration_time_s < apart.iteration_time_s

@@ -19,7 +19,7 @@ from sailor_core.domain import Market, Replica
 from sailor_core.profiles import MissingProfileError, ProfileBook
 from sailor_core.simulator import StageCompute, model_for
 from sailor_core.simulator import constants as C
-from sailor_core.simulator.model import allreduce_buckets
+from sailor_core.simulator.model import bucket_counts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,11 +67,15 @@ class Costs(Protocol):
 
     def boundary_bytes(self, tp: int, last: int, mbs: int) -> float: ...
 
-    def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str, message_bytes: float) -> float: ...
+    def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str,
+              message_bytes: float) -> float | tuple[float, float]: ...
 
     def grad_bytes(self, tp: int, first: int, last: int) -> float: ...
 
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float: ...
+
+    def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
+                      last: int) -> tuple[float, float, float]: ...
 
     def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float: ...
 
@@ -86,9 +90,10 @@ class SimCosts:
         self._msg_bytes = C.P2P_BYTES_PER_ELEMENT[precision]
         self._grad_elem_bytes = C.FP32_GRAD_BYTES if precision == "fp32" else C.BF16_GRAD_BYTES
         self._fits: dict[tuple[object, ...], bool] = {}
-        self._p2p: dict[tuple[object, ...], float] = {}
+        self._p2p: dict[tuple[object, ...], tuple[float, float]] = {}
         self._ar: dict[tuple[object, ...], float] = {}
         self._opt: dict[tuple[object, ...], float] = {}
+        self._sync: dict[tuple[object, ...], tuple[float, float, float]] = {}
         self.missing: set[str] = set()  # network profiles the search wanted and the store lacks
 
     def profiled(self, gpu: str, mbs: int, tp: int) -> bool:
@@ -126,7 +131,9 @@ class SimCosts:
     def boundary_bytes(self, tp: int, last: int, mbs: int) -> float:
         return float(self.sm.boundary_elems(tp, last) * mbs * self._msg_bytes)
 
-    def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str, message_bytes: float) -> float:
+    def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str,
+              message_bytes: float) -> tuple[float, float]:
+        """(activation forward, gradient back) seconds across the boundary: `SimModel.boundary_p2p_s`."""
         key = (a.gpu_type, a.gpus_per_node, tp_a, zone_a, b.gpu_type, b.gpus_per_node, tp_b, zone_b, message_bytes)
         v = self._p2p.get(key)
         if v is None:
@@ -134,11 +141,11 @@ class SimCosts:
             rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node, region=b.region)
             # Consecutive stages sit on different nodes (ranks are laid out stage by stage).
             try:
-                v = self.sm.p2p_time_s(ra, rb, message_bytes, same_node=False)
+                v = self.sm.boundary_p2p_s(ra, rb, message_bytes, same_node=False)
             except MissingProfileError as e:
                 # No measured link between these GPUs/zones: that boundary is not an option.
                 self.missing.add(str(e).split(";")[0])
-                v = math.inf
+                v = (math.inf, math.inf)
             self._p2p[key] = v
         return v
 
@@ -164,9 +171,28 @@ class SimCosts:
             self._ar[key] = v
         return v
 
+    def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
+                      last: int) -> tuple[float, float, float]:
+        """(ring of every gradient bucket, ring of the last bucket, backward seconds until the first
+        bucket is final) for `sailor_core.simulator.dp_sync_end_s`, over the runtime's buckets."""
+        key = (slot.gpu_type, slot.gpus_per_node, slot.region, slot.market, tp, layout, mbs, first, last)
+        hit = self._sync.get(key)
+        if hit is not None:
+            return hit
+        buckets = self.sm.grad_buckets(tp, first, last, self._grad_elem_bytes)
+        if not buckets:
+            hit = (0.0, 0.0, 0.0)
+        else:
+            ar = self.allreduce_s(slot, tp, layout, tuple(float(b) for b, _ in buckets))  # type: ignore[arg-type]
+            ar_last = self.allreduce_s(slot, tp, layout, (float(buckets[-1][0]),))  # type: ignore[arg-type]
+            first_bwd = self.sm.stage_compute(slot.gpu_type, mbs, tp, buckets[0][1], last).backward_s
+            hit = (ar, ar_last, first_bwd)
+        self._sync[key] = hit
+        return hit
+
     def _ring(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float:
         d = sum(n for _, n in layout)
-        if d <= 1 or grad_bytes <= 0:
+        if d <= 1 or not bucket_counts(grad_bytes):
             return 0.0
         per_node = max(1, slot.gpus_per_node // tp)
         zones = sorted({z for z, n in layout if n > 0}, key=lambda z: (slot.region, z))
@@ -195,11 +221,11 @@ class SimCosts:
                 hops.append((rep(z), rep(zones[(i + 1) % len(zones)]), False))
         flows = max(1, min(tp, slot.gpus_per_node))
         total = 0.0
-        for bucket in allreduce_buckets(grad_bytes):
+        for bucket, count in bucket_counts(grad_bytes):
             chunk = bucket / d
             step = max(chunk / self.sm.flow_bandwidth_bytes_per_s(a, b, flows, chunk, same_node=same)
                        for a, b, same in hops)
-            total += 2 * (d - 1) * step
+            total += count * 2 * (d - 1) * step
         return total
 
     def allreduce_reference_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float:

@@ -41,7 +41,7 @@ from itertools import combinations
 from sailor_core.planner.costs import Costs, Layout, Slot, zone_pairs
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.risk import SpotRisk, useful_fraction_of
-from sailor_core.simulator import StageCompute, pipeline_time_s
+from sailor_core.simulator import StageCompute, dp_sync_end_s, pipeline_time_s
 
 SECONDS_PER_HOUR = 3600.0
 BYTES_PER_GB = 1e9
@@ -272,29 +272,33 @@ class Search:
         comp: list[StageCompute] = []
         for (first, last), (si, tp) in zip(sk.bounds, sk.kinds, strict=True):
             comp.append(c.compute(slots[si].gpu_type, sk.mbs, tp, first, last))
-        p2p: list[float] = []
+        p2p: list[tuple[float, float]] = []
         egress = 0.0
         for s in range(p - 1):
             (sa, ta), (sb, tb) = sk.kinds[s], sk.kinds[s + 1]
             a, b = slots[sa], slots[sb]
             msg = c.boundary_bytes(ta, sk.bounds[s][1], sk.mbs)
-            worst = 0.0
+            worst_f = worst_b = 0.0
             for za, zb, cnt in zone_pairs(layouts[s], layouts[s + 1]):
-                worst = max(worst, c.p2p_s(a, ta, za, b, tb, zb, msg))
+                f, bk = _fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg))
+                worst_f, worst_b = max(worst_f, f), max(worst_b, bk)
                 if za != zb:
-                    flows = max(1, min(ta, a.gpus_per_node, tb, b.gpus_per_node))
-                    # each of these cnt pipelines sends about n/D microbatches each way
-                    gb = msg * flows * (n / sk.dp) * cnt / BYTES_PER_GB
-                    egress += gb * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
-            p2p.append(worst)
+                    # each of these cnt pipelines sends about n/D microbatches each way: one copy
+                    # forward per receiving TP rank, one gradient back per sending TP rank
+                    gb = msg * (n / sk.dp) * cnt / BYTES_PER_GB
+                    egress += gb * (tb * c.egress_usd_per_gb(za, zb) + ta * c.egress_usd_per_gb(zb, za))
+            p2p.append((worst_f, worst_b))
         total, _, finish = pipeline_time_s(comp, p2p, m)
         end = 0.0
         opt = 0.0
         for s, ((first, last), (si, tp)) in enumerate(zip(sk.bounds, sk.kinds, strict=True)):
             slot = slots[si]
+            if sk.dp > 1:  # the simulator's bucket overlap with the last backward (dp_sync_end_s)
+                ar, ar_last, first_bwd = c.dp_sync_terms(slot, tp, layouts[s], sk.mbs, first, last)
+                end = max(end, dp_sync_end_s(finish[s], finish[s] - comp[s].backward_s + first_bwd, ar, ar_last))
+            else:
+                end = max(end, finish[s])
             grads = c.grad_bytes(tp, first, last)
-            ar = c.allreduce_s(slot, tp, layouts[s], grads) if sk.dp > 1 else 0.0
-            end = max(end, finish[s] + ar)
             opt = max(opt, c.optimizer_s(slot.gpu_type, sk.mbs, tp, first, last))
             zones = sorted({z for z, k in layouts[s] if k > 0})
             if len(zones) > 1:
@@ -469,14 +473,16 @@ class Search:
         ]
         # Network and optimizer floors: every boundary sends at least its cheapest message, each
         # stage's cycle includes its sends, and some stage's optimizer step ends the iteration.
+        # (simulator.pipeline_time_s: a boundary adds max(forward, back) >= pmin to both stages' cycles
+        # and forward + back >= pmin to the fill)
         pmin = [self.p2p_floor(mbs, bounds[b][1]) for b in range(p - 1)]
-        comm = [2 * ((pmin[s - 1] if s > 0 else 0.0) + (pmin[s] if s < p - 1 else 0.0)) for s in range(p)]
+        comm = [(pmin[s - 1] if s > 0 else 0.0) + (pmin[s] if s < p - 1 else 0.0) for s in range(p)]
         opt_lb = max(
             min(self.costs.optimizer_s(slots[g].gpu_type, mbs, tp, *bounds[s]) for g, row in enumerate(table[s])
                 for tp, _ in row)
             for s in range(p)
         )
-        lb = _Floor(fill=sum(best_t) + 2 * sum(pmin) + opt_lb, cycle_add=min(comm),
+        lb = _Floor(fill=sum(best_t) + sum(pmin) + opt_lb, cycle_add=min(comm),
                     cycle_floor=max(best_t[s] + comm[s] for s in range(p)), rate=sum(min_rate))
         d_cap = max(1, self.total_gpus // max(1, sum(min_gpus)))
         d_list = self.d_values(n, d_cap)
@@ -513,7 +519,7 @@ class Search:
                                 continue
                             for za, _ in a.zones:
                                 for zb, _ in b.zones:
-                                    v = min(v, c.p2p_s(a, ta, za, b, tb, zb, msg))
+                                    v = min(v, max(_fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg))))
             v = 0.0 if not math.isfinite(v) else v
             self._p2p_floor[key] = v
         return v
@@ -661,12 +667,13 @@ class Search:
         ts = [c.compute(slots[si].gpu_type, mbs, tp, a, b).total_s for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
         m = -(-n // d)
         t = sum(ts) + (m - 1) * max(ts)
-        # Stage 0's gradient ring starts when the pipeline ends (nothing hides it) and the optimizer
-        # step follows: both bound the iteration from below. Its ring on one zone is the fastest it
-        # can be (a cross-zone ring is slower).
+        # Stage 0's gradient ring starts no earlier than its last backward (the buckets overlap that
+        # backward at most) and the optimizer step follows: both bound the iteration from below. Its
+        # ring on one zone is the fastest it can be (a cross-zone ring is slower).
         (a0, b0), (s0, tp0) = bounds[0], kinds[0]
         if d > 1:
-            t += c.allreduce_s(slots[s0], tp0, ((slots[s0].zones[0][0], d),), c.grad_bytes(tp0, a0, b0))
+            t += max(0.0, c.allreduce_s(slots[s0], tp0, ((slots[s0].zones[0][0], d),), c.grad_bytes(tp0, a0, b0))
+                     - c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s)
         t += max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b) for (a, b), (si, tp) in zip(bounds, kinds, strict=True))
         cons = self.pb.constraints
         if cons.min_iterations_per_s is not None and 1.0 / t < cons.min_iterations_per_s * 0.98:
@@ -901,3 +908,8 @@ def balanced_partition(times: Sequence[float], p: int) -> tuple[tuple[int, int],
         cuts.append(j)
         i = j
     return _bounds_from_cuts(sorted(cuts)[1:], L)
+
+
+def _fwd_bwd(v: float | tuple[float, float]) -> tuple[float, float]:
+    """A boundary's (forward, back) send seconds from `Costs.p2p_s` (one number: both ways)."""
+    return (v, v) if isinstance(v, (int, float)) else v

@@ -7,6 +7,7 @@ every estimate in the project comes from one model. See docs/simulator.md.
 
 from sailor_core.simulator.core import (
     PlanInvalidError,
+    dp_sync_end_s,
     pipeline_time_s,
     place_nodes,
     simulate,
@@ -25,6 +26,7 @@ __all__ = [
     "SimulationResult",
     "StageCompute",
     "StageMemory",
+    "dp_sync_end_s",
     "model_for",
     "pipeline_time_s",
     "place_nodes",

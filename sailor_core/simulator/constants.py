@@ -31,10 +31,17 @@ BF16_GRAD_BYTES = 2
 BF16_MASTER_AND_ADAM_BYTES = 12
 
 # --- data-parallel gradient reduction ----------------------------------------------------------
-# DeepSpeed/Megatron flatten gradients into buckets and all-reduce bucket by bucket; each bucket is
-# a flat copy of that many gradient bytes that exists only while it is reduced.
-# Source: DeepSpeed `reduce_bucket_size` default 5e8 elements; the artifact times buckets of 5e8 B.
-ALLREDUCE_BUCKET_BYTES = 500_000_000
+# The runtime (sailor_core/runtime/engine.py, BUCKET_CAP_BYTES) all-reduces gradients in buckets of
+# whole layers, from the last layer back, filled up to 25 MiB (PyTorch DDP's default bucket_cap_mb),
+# launched during the last microbatch's backward as soon as a bucket's gradients are final. Each
+# bucket is a flat copy of its gradients that the runtime keeps until the step's synchronisation
+# ends. Source: the runtime's constant (kept equal by a test), DDP's documentation.
+ALLREDUCE_BUCKET_BYTES = 25 * 1024 * 1024
+# The Sailor artifact's framework (DeepSpeed's pipeline engine, which ran the published runs) reduces
+# a stage's gradients after its last backward in buckets of `reduce_bucket_size` = 5e8 (its default,
+# the artifact's simulator times buckets of 5e8 B). Source: DeepSpeed's configuration defaults.
+DEEPSPEED_BUCKET_BYTES = 500_000_000
+RUNTIMES = ("sailor", "deepspeed")
 
 # --- backward-pass workspace -------------------------------------------------------------------
 # While a layer runs backward, autograd holds the layer's saved activations *and* allocates the

@@ -136,6 +136,7 @@ class SimModel:
         self._memory_memo: dict[tuple[object, ...], StageMemory] = {}
         self._p2p_memo: dict[tuple[object, ...], float] = {}
         self._ar_memo: dict[tuple[object, ...], float] = {}
+        self._bucket_memo: dict[tuple[int, int, int, int], tuple[tuple[int, int], ...]] = {}
 
     # -- compute ---------------------------------------------------------------------------
     def _prefix_for(self, gpu: str, mbs: int, tp: int) -> _Prefix:
@@ -261,16 +262,17 @@ class SimModel:
         receives_activations: bool = False,
         receives_gradients: bool = False,
         recompute: bool = False,
+        runtime: str = "sailor",
     ) -> StageMemory:
         """Peak bytes on one GPU of a replica that keeps `in_flight` microbatches of `mbs`."""
         key = (gpu, tp, first, last, mbs, in_flight, precision, zero1, dp, receives_activations, receives_gradients,
-               recompute)
+               recompute, runtime)
         hit = self._memory_memo.get(key)
         if hit is None:
             hit = self._stage_memory(
                 gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=precision, zero1=zero1, dp=dp,
                 receives_activations=receives_activations, receives_gradients=receives_gradients,
-                recompute=recompute,
+                recompute=recompute, runtime=runtime,
             )
             self._memory_memo[key] = hit
         return hit
@@ -290,6 +292,7 @@ class SimModel:
         receives_activations: bool,
         receives_gradients: bool,
         recompute: bool = False,
+        runtime: str = "sailor",
     ) -> StageMemory:
         s = self._size(tp)
         params = s.params[last + 1] - s.params[first]
@@ -316,7 +319,9 @@ class SimModel:
         workspace = int(C.BACKWARD_WORKSPACE_FACTOR * s.max_act(first, last) * mbs * act_scale)
         msg = C.P2P_BYTES_PER_ELEMENT.get(precision, C.FP32_BYTES)
         p2p = 0
-        bucket = min(params * g, C.ALLREDUCE_BUCKET_BYTES) if dp > 1 else 0
+        # this project's runtime keeps every bucket's flat copy until the step's synchronisation ends (all
+        # the gradients); DeepSpeed reuses one bucket of at most reduce_bucket_size
+        bucket = (params * g if runtime == "sailor" else min(params * g, C.DEEPSPEED_BUCKET_BYTES)) if dp > 1 else 0
         if receives_activations:  # inputs received from the previous stage, one per microbatch in flight
             p2p += s.in_elems[first] * mbs * msg * in_flight
         if receives_gradients:  # the gradient of the stage output, one microbatch at a time
@@ -395,67 +400,110 @@ class SimModel:
         fit, n = self._inter_fit(a, flows, b, flows)
         return fit.bandwidth_bytes_per_s(message_bytes) / max(n, flows)
 
-    def p2p_time_s(self, sender: Replica, receiver: Replica, message_bytes: float, *, same_node: bool) -> float:
-        """Seconds to move one pipeline message from every TP rank of `sender` to `receiver`.
+    def p2p_time_s(self, sender: Replica, receiver: Replica, message_bytes: float, *, same_node: bool,
+                   copies: int | None = None) -> float:
+        """Seconds until `copies` copies of one pipeline message, sent at once from `sender`'s node to
+        `receiver`'s, have all arrived (default: one per rank of the smaller TP group).
 
-        Each of the min(tp, gpus_per_node) TP ranks sends its copy at once (the artifact's GPU
-        count for pipeline sends), sharing the node's measured bandwidth.
+        The copies are concurrent flows between the same two nodes: across nodes they share the
+        measured bandwidth (`flow_bandwidth_bytes_per_s`), inside a node each pair has its own link.
         """
         if message_bytes <= 0:
             return 0.0
-        key = (sender.zone, sender.gpu_type, sender.tp, sender.gpus_per_node,
-               receiver.zone, receiver.gpu_type, receiver.tp, receiver.gpus_per_node, message_bytes, same_node)
+        k = copies if copies is not None else max(1, min(sender.tp, receiver.tp))
+        key = (sender.zone, sender.gpu_type, sender.gpus_per_node,
+               receiver.zone, receiver.gpu_type, receiver.gpus_per_node, message_bytes, same_node, k)
         hit = self._p2p_memo.get(key)
         if hit is None:
-            flows = max(1, min(sender.tp, sender.gpus_per_node, receiver.tp, receiver.gpus_per_node))
-            bw = self.flow_bandwidth_bytes_per_s(sender, receiver, flows, message_bytes, same_node=same_node)
+            bw = self.flow_bandwidth_bytes_per_s(sender, receiver, k, message_bytes, same_node=same_node)
             hit = message_bytes / bw
             self._p2p_memo[key] = hit
         return hit
 
-    def allreduce_time_s(self, replicas: Sequence[Replica], nodes: Sequence[int], grad_bytes_per_gpu: float) -> float:
+    def boundary_p2p_s(self, sender: Replica, receiver: Replica, message_bytes: float, *,
+                       same_node: bool) -> tuple[float, float]:
+        """(activation forward, gradient back) seconds across one stage boundary, as the runtime sends.
+
+        The TP group's output is replicated on its ranks; receiving TP rank r reads it from sending
+        rank r mod tp_send, and the input gradient goes back from receiving rank t mod tp_recv to
+        sending rank t (sailor_core/runtime/engine.py). So tp_recv copies go forward and tp_send
+        copies come back, each copy one flow sharing the two nodes' links.
+        """
+        return (self.p2p_time_s(sender, receiver, message_bytes, same_node=same_node, copies=max(1, receiver.tp)),
+                self.p2p_time_s(receiver, sender, message_bytes, same_node=same_node, copies=max(1, sender.tp)))
+
+    def grad_buckets(self, tp: int, first: int, last: int, bytes_per_elem: int) -> tuple[tuple[int, int], ...]:
+        """The runtime's gradient buckets of a stage, in launch order: (bytes, first layer of the bucket).
+
+        Whole layers from the last one back, each bucket filled while it stays within
+        `ALLREDUCE_BUCKET_BYTES` (a larger layer is a bucket of its own): engine._setup_overlap.
+        """
+        key = (tp, first, last, bytes_per_elem)
+        hit = self._bucket_memo.get(key)
+        if hit is None:
+            s = self._size(tp)
+            out: list[list[int]] = []
+            for i in range(last, first - 1, -1):
+                nbytes = (s.params[i + 1] - s.params[i]) * bytes_per_elem
+                if nbytes <= 0:
+                    continue
+                if out and out[-1][0] + nbytes <= C.ALLREDUCE_BUCKET_BYTES:
+                    out[-1][0] += nbytes
+                    out[-1][1] = i
+                else:
+                    out.append([nbytes, i])
+            hit = tuple((b, i) for b, i in out)
+            self._bucket_memo[key] = hit
+        return hit
+
+    def allreduce_time_s(self, replicas: Sequence[Replica], nodes: Sequence[int],
+                         grad_bytes_per_gpu: float | Sequence[float]) -> float:
         """Ring all-reduce of each GPU's gradient shard over the stage's data-parallel replicas.
 
-        Ring order follows the replicas sorted by (region, zone, node), so a ring crosses each
-        zone boundary twice at most. Per bucket of `ALLREDUCE_BUCKET_BYTES`, 2(D-1) steps each move
+        `grad_bytes_per_gpu`: the bytes, cut into buckets of `ALLREDUCE_BUCKET_BYTES`, or the
+        buckets themselves (`grad_buckets`). Ring order follows the replicas sorted by (region, zone,
+        node), so a ring crosses each zone boundary twice at most. Per bucket, 2(D-1) steps each move
         a chunk of bucket/D; every step waits for the slowest hop. The tp GPUs of a replica run tp
         rings at once (one per TP rank) that share their node's links.
         """
         d = len(replicas)
-        if d <= 1 or grad_bytes_per_gpu <= 0:
+        buckets = bucket_counts(grad_bytes_per_gpu)
+        if d <= 1 or not buckets:
             return 0.0
         # Node ids matter only through which neighbours share a node: key on their first appearance.
         first_seen: dict[int, int] = {}
         key = (
-            grad_bytes_per_gpu,
+            buckets,
             tuple((r.region, r.zone, r.gpu_type, r.tp, r.gpus_per_node, first_seen.setdefault(n, len(first_seen)))
                   for r, n in zip(replicas, nodes, strict=True)),
         )
         hit = self._ar_memo.get(key)
         if hit is None:
-            hit = self._allreduce(replicas, nodes, grad_bytes_per_gpu)
+            hit = self._allreduce(replicas, nodes, buckets)
             self._ar_memo[key] = hit
         return hit
 
-    def node_allreduce_s(self, gpu_type: str, workers: int, tp: int, grad_bytes_per_gpu: float) -> float | None:
+    def node_allreduce_s(self, gpu_type: str, workers: int, tp: int,
+                         grad_bytes_per_gpu: float | Sequence[float]) -> float | None:
         """A data-parallel group of `workers` replicas inside one node, from the node's measured
         all-reduce (bucket by bucket); None where the store has no such measurement. Measured with
         one GPU per worker, so it stands for tp = 1 replicas only (tp rings at once share the node)."""
         m = self.book.node_allreduce_fit(gpu_type, workers) if tp == 1 else None
         if m is None:
             return None
-        return sum(m.fit.transfer_time_s(b) for b in allreduce_buckets(grad_bytes_per_gpu))
+        return sum(n * m.fit.transfer_time_s(b) for b, n in bucket_counts(grad_bytes_per_gpu))
 
-    def _allreduce(self, replicas: Sequence[Replica], nodes: Sequence[int], grad_bytes_per_gpu: float) -> float:
+    def _allreduce(self, replicas: Sequence[Replica], nodes: Sequence[int],
+                   buckets: tuple[tuple[float, int], ...]) -> float:
         d = len(replicas)
         if len(set(nodes)) == 1:  # one node: its measured all-reduce, where the store has one
-            measured = self.node_allreduce_s(replicas[0].gpu_type, d, max(r.tp for r in replicas), grad_bytes_per_gpu)
+            measured = self.node_allreduce_s(replicas[0].gpu_type, d, max(r.tp for r in replicas),
+                                             [b for b, n in buckets for _ in range(n)])
             if measured is not None:
                 return measured
         order = sorted(range(d), key=lambda i: (replicas[i].region, replicas[i].zone, nodes[i]))
-        buckets = allreduce_buckets(grad_bytes_per_gpu)
         total = 0.0
-        for bucket in buckets:
+        for bucket, count in buckets:
             chunk = bucket / d
             step = 0.0
             for k in range(d):
@@ -465,14 +513,30 @@ class SimModel:
                 flows = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
                 bw = self.flow_bandwidth_bytes_per_s(a, b, flows, chunk, same_node=same)
                 step = max(step, chunk / bw)
-            total += 2 * (d - 1) * step
+            total += count * 2 * (d - 1) * step
         return total
 
 
-def allreduce_buckets(grad_bytes: float) -> list[float]:
-    """The gradient bytes of one GPU cut into the all-reduce buckets of `ALLREDUCE_BUCKET_BYTES`."""
-    n_full, rest = divmod(grad_bytes, C.ALLREDUCE_BUCKET_BYTES)
-    return [float(C.ALLREDUCE_BUCKET_BYTES)] * int(n_full) + ([rest] if rest > 0 else [])
+def allreduce_buckets(grad_bytes: float, bucket_bytes: float = C.ALLREDUCE_BUCKET_BYTES) -> list[float]:
+    """The gradient bytes of one GPU cut into all-reduce buckets of `bucket_bytes`."""
+    n_full, rest = divmod(grad_bytes, bucket_bytes)
+    return [float(bucket_bytes)] * int(n_full) + ([rest] if rest > 0 else [])
+
+
+def bucket_counts(grad: float | Sequence[float]) -> tuple[tuple[float, int], ...]:
+    """Buckets as (bytes, how many), sorted: bytes are cut into `allreduce_buckets`, a sequence of
+    bucket sizes is taken as is. Equal buckets cost the same, so each size is timed once."""
+    if isinstance(grad, (int, float)):
+        if grad <= 0:
+            return ()
+        n_full, rest = divmod(float(grad), C.ALLREDUCE_BUCKET_BYTES)
+        out = [(float(C.ALLREDUCE_BUCKET_BYTES), int(n_full))] if n_full else []
+        return tuple(out + ([(rest, 1)] if rest > 0 else []))
+    counts: dict[float, int] = {}
+    for b in grad:
+        if b > 0:
+            counts[float(b)] = counts.get(float(b), 0) + 1
+    return tuple(sorted(counts.items()))
 
 
 # One SimModel per ProfileBook object. Keyed by id with the book kept alive by the entry, so an id

@@ -23,7 +23,11 @@ class SimOptions:
     passes its pool's prices here. `overlap_dp_sync`: a stage starts its gradient all-reduce as
     soon as its own last backward is done (DeepSpeed/Megatron reduce per stage group), so later
     stages' reductions hide behind earlier stages' backward tail; False serialises them after the
-    whole pipeline.
+    whole pipeline. `runtime`: whose communication the plan runs with (docs/simulator.md):
+    "sailor" (this project's runtime, sailor_core/runtime/engine.py: batched point-to-point
+    exchanges, one message per receiving TP rank, gradient buckets of 25 MiB launched during the
+    last backward) or "deepspeed" (the Sailor artifact's framework that ran the published runs:
+    blocking sends of every TP rank's copy, 5e8-byte buckets reduced after the stage's backward).
     """
 
     schedule: str | None = None
@@ -31,6 +35,7 @@ class SimOptions:
     zero1: bool | None = None
     prices_usd_per_gpu_hour: Mapping[tuple[str, str, Market], float] | None = None
     overlap_dp_sync: bool = True
+    runtime: str = "sailor"
 
 
 @dataclass(frozen=True, kw_only=True)
