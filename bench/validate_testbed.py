@@ -1,0 +1,438 @@
+"""The simulator against measured runs that span slow links: plans trained on the local testbed.
+
+Builds the scenario's testbed (infra/testbed.py; needs root): every offered VM of the scenario
+(zones in two regions, two device types by CPU quota, 1- and 2-device VMs), and a controller on the
+testbed's bridge address. Then, as the flow's profile subflow does on rented VMs:
+
+- layers: `sailor profile model` ON a VM of each device type (tp 1 on a 1-device VM, tp 2 on a
+  2-device VM, so each rank runs at the quota it trains at);
+- links: `sailor profile link` between two VMs of every zone pair (and of one zone where it has two
+  VMs), meeting through the controller; the node's own link (`sailor profile network --workers 2`)
+  on a 2-device VM;
+- imported into a fresh profile store with their provenance (VM, zone), as flows/profiling.py does.
+
+Then it trains each plan below on the testbed VMs through per-VM agents (`sailor worker`) and one
+ControlServer (a generation per plan), takes the median iteration time of the steps after
+`--warmup` (rank 0's metrics list), simulates the same plan from the store, and prints the error.
+Everything is torn down at the end, also on an error or Ctrl-C. The last line:
+
+    mean_abs_error_pct=X worst_abs_error_pct=Y plans=N
+
+    sudo .venv/bin/python bench/validate_testbed.py [--scenario scenarios/geo.yaml] [--model gpt-tiny]
+        [--steps 8] [--warmup 3] [--store DIR (reuse profiles measured before)] [--only NAME,...]
+
+The quotas of every VM together are the scenario's `cpu_budget_cores` (2 on geo.yaml). The machine
+is shared: other jobs on its cores slow a VM below its quota, which neither the profiles nor the
+simulator know about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from infra.scenario import load_scenario  # noqa: E402
+from infra.testbed import Testbed, TestbedVm, testbed_support  # noqa: E402
+from profiles_store import open_store  # noqa: E402
+from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Provenance, Replica, Stage  # noqa: E402
+from sailor_core.plan_format import plan_to_dict  # noqa: E402
+from sailor_core.runtime.protocol import SECRET_ENV, ControlServer, assign_generation, metrics_key, status_key  # noqa: E402
+from sailor_core.simulator import place_nodes, simulate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SAILOR = str(ROOT / ".venv" / "bin" / "sailor")
+PROFILE_MBS = "1,2,4,8"
+
+
+@dataclass(frozen=True)
+class VmInfo:
+    key: str
+    zone: str
+    region: str
+    gpu_type: str
+    devices: int
+    market: str
+    vm: TestbedVm
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------
+# testbed
+
+
+def build(tb: Testbed, sc: Any) -> list[VmInfo]:
+    out = []
+    for o in sc.offerings:
+        quota = sc.device_type(o.gpu_type).cpu_per_device
+        for i in range(o.count):
+            key = f"{o.zone.replace('-', '')[:6]}{o.gpu_type[4:5]}{o.gpus_per_vm}{i}"
+            vm = tb.add_vm(key, zone=o.zone, devices=o.gpus_per_vm,
+                           cpu_cores=None if quota is None else quota * o.gpus_per_vm)
+            if vm.cgroup and vm.cpu_cores is not None:
+                _short_period(Path(vm.cgroup), vm.cpu_cores)
+            out.append(VmInfo(key, o.zone, o.region, o.gpu_type, o.gpus_per_vm, o.market.value, vm))
+    return out
+
+
+CFS_PERIOD_US = 10_000
+
+
+def _short_period(cgroup: Path, cores: float) -> None:
+    """The same CPU share in 10 ms periods instead of the testbed's 100 ms: a layer's few-ms forward
+    then runs at the quota's speed instead of at full speed until the quota is spent and then not at
+    all for the rest of the period (a device slower by its quota, not a bursty one)."""
+    (cgroup / "cpu.cfs_quota_us").write_text("-1")
+    (cgroup / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+    (cgroup / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * CFS_PERIOD_US))))
+
+
+def device_seconds(profiles: Sequence[Any], cores_per_device: float | None) -> list[Any]:
+    """Layer times as a device of the VM takes them. The CPU layer profiler times tp = 1 layers in the
+    thread's CPU seconds (so other jobs on the host do not count), which a cgroup quota does not
+    slow down; a device limited to q cores takes CPU seconds / q of wall time. TP layers are timed in
+    wall seconds under the quota already."""
+    if cores_per_device is None or cores_per_device >= 1.0:
+        return list(profiles)
+    return [replace(p, forward_s=p.forward_s / cores_per_device, backward_s=p.backward_s / cores_per_device,
+                    optimizer_s=p.optimizer_s / cores_per_device) if p.tp == 1 else p for p in profiles]
+
+
+def run_on(tb: Testbed, jobs: Sequence[tuple[VmInfo, list[str]]], logs: Path, env: dict[str, str] | None = None,
+           timeout_s: float = 900.0) -> None:
+    """Run one command per VM at once (sailor CLI argv), wait for all; fail loudly with the log tail."""
+    procs = []
+    for v, argv in jobs:
+        lg = logs / f"{v.key}-{argv[1]}-{len(list(logs.iterdir()))}.log"
+        penv = {"OMP_NUM_THREADS": "1", "SAILOR_ADVERTISE_ADDR": v.vm.address, **(env or {})}
+        procs.append((v, argv, lg, tb.spawn(v.key, [SAILOR, *argv], env=penv, log=lg)))
+    deadline = time.monotonic() + timeout_s
+    for v, argv, lg, p in procs:
+        try:
+            rc = p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = -1
+        if rc != 0:
+            tail = lg.read_text(errors="replace")[-2000:] if lg.exists() else ""
+            raise RuntimeError(f"{' '.join(argv[:2])} on {v.key} exited {rc}:\n{tail}")
+
+
+# ------------------------------------------------------------------------------------------
+# profiling on the testbed's VMs
+
+
+def _prov(v: VmInfo, run: str, peer: VmInfo | None = None) -> Provenance:
+    info = {"vm": v.key, "zone": v.zone, "gpu_type": v.gpu_type, "run": run}
+    if peer is not None:
+        info.update(peer_vm=peer.key, peer_zone=peer.zone, peer_gpu_type=peer.gpu_type)
+    return Provenance(source="sailor-profile-on-vm", host=v.key, recorded_at=datetime.now(UTC),
+                      settings=json.dumps(info, sort_keys=True))
+
+
+def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, server: ControlServer,
+            sc: Any) -> None:
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    types = sorted({v.gpu_type for v in vms})
+    # layers: tp 1 on a 1-device VM of each type (a lone rank of a 2-device VM would get the whole
+    # VM's quota, which it never has in training); tp 2 on a 2-device VM (two ranks share its quota)
+    jobs, where = [], []
+    for g in types:
+        one = next((v for v in vms if v.gpu_type == g and v.devices == 1), None)
+        two = next((v for v in vms if v.gpu_type == g and v.devices >= 2), None)
+        for v, tp in ((one, "1"), (two, "2")):
+            if v is None:
+                continue
+            dest = work / f"layers-{g}-tp{tp}"
+            jobs.append((v, ["profile", "model", "--model", model, "--device", "cpu", "--gpu-type", g, "--tp", tp,
+                             "--mbs", PROFILE_MBS, "--json", "--store", str(dest)]))
+            where.append((v, g, dest))
+    # the node's own link on each 2-device VM (not at the same time as its layer profile)
+    node_jobs: list[tuple[VmInfo, list[str], Path]] = []
+    for v in vms:
+        if v.devices >= 2 and not any(n[0].gpu_type == v.gpu_type for n in node_jobs):
+            dest = work / f"node-{v.gpu_type}"
+            node_jobs.append((v, ["profile", "network", "--workers", "2", "--zone", v.zone, "--gpu-type", v.gpu_type,
+                                  "--max-bytes", str(8 << 20), "--store", str(dest)], dest))
+    log(f"profiling layers on {len(jobs)} VM(s): {[f'{v.key} {g}' for v, g, _ in where]}")
+    t0 = time.monotonic()
+    run_on(tb, jobs, logs)
+    for v, g, dest in where:
+        src = open_store(str(dest), seed=False)
+        prov = _prov(v, "validate-testbed")
+        store.write_gpu_types([src.gpu_types()[g]], provenance=prov)
+        old = [p for p in store.layer_profiles(model, [g])]
+        new = device_seconds(src.layer_profiles(model, [g]), sc.device_type(g).cpu_per_device)
+        tps = {p.tp for p in new}
+        store.replace_layer_profiles(model, g, [p for p in old if p.tp not in tps] + new, provenance=prov)
+        if g in src.framework_overhead() and v.devices == 1:
+            store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=prov)
+    log(f"layers done in {time.monotonic() - t0:.0f} s; node links on {[v.key for v, _, _ in node_jobs]}")
+    run_on(tb, [(v, a) for v, a, _ in node_jobs], logs)
+    for v, _, dest in node_jobs:
+        src = open_store(str(dest), seed=False)
+        store.write_intra_node_links([x for x in src.intra_node_links() if x.gpu_type == v.gpu_type],
+                                     provenance=_prov(v, "validate-testbed"))
+        store.write_node_allreduce([x for x in src.node_allreduce() if x.gpu_type == v.gpu_type],
+                                   provenance=_prov(v, "validate-testbed"))
+    # one link per zone pair (and inside a zone with two VMs), measured alone
+    zones = list(dict.fromkeys(v.zone for v in vms))
+    pairs = [(a, b) for i, a in enumerate(zones) for b in zones[i:]]
+    for za, zb in pairs:
+        a = next((v for v in vms if v.zone == za), None)
+        b = next((v for v in vms if v.zone == zb and v is not a), None)
+        if a is None or b is None:
+            continue
+        key = f"links/{za}/{zb}"
+        dest = work / f"link-{za}-{zb}"
+        ends = (f"{za}:{a.gpu_type}", f"{zb}:{b.gpu_type}")
+        t0 = time.monotonic()
+        run_on(tb, [(v, ["profile", "link", "--rank", str(r), "--from", ends[0], "--to", ends[1], "--key", key,
+                         "--store", str(dest)]) for r, v in enumerate((a, b))],
+               logs, env={"SAILOR_CONTROL": server.endpoint, SECRET_ENV: server.secret})
+        src = open_store(str(dest), seed=False)
+        measured = next(lk for lk in src.network_links() if (lk.sender_zone, lk.receiver_zone) == (za, zb))
+        rows = []
+        for ga in sorted({v.gpu_type for v in vms if v.zone == za}):
+            for gb in sorted({v.gpu_type for v in vms if v.zone == zb}):
+                fwd = replace(measured, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)
+                rows += [fwd, replace(fwd, sender_zone=zb, sender_gpu=gb, receiver_zone=za, receiver_gpu=ga)]
+        store.write_network_links(rows, provenance=_prov(a, "validate-testbed", peer=b))
+        shaped = tb.rate_gbps(za, zb) * 1e9 / 8
+        fit = measured.fit
+        log(f"link {za} <-> {zb}: fit at 256 KiB {fit.bandwidth_bytes_per_s(256 << 10) / 1e6:.1f} MB/s, "
+            f"4 MiB {fit.bandwidth_bytes_per_s(4 << 20) / 1e6:.1f} MB/s (shaped {shaped / 1e6:.1f}) "
+            f"in {time.monotonic() - t0:.0f} s")
+
+
+# ------------------------------------------------------------------------------------------
+# plans
+
+
+def plans(vms: list[VmInfo], model: str) -> dict[str, ParallelPlan]:
+    """Plans over the VMs of the geo scenario: names are (zone, type, devices) roles."""
+
+    def find(zone_region: str, g: str, devices: int) -> VmInfo:
+        for v in vms:
+            if v.gpu_type == g and v.devices == devices and zone_region in (v.zone, v.region):
+                return v
+        raise SystemExit(f"the scenario has no {devices}-device {g} VM in {zone_region}; to fix: use geo-like "
+                         f"scenarios (scenarios/geo.yaml)")
+
+    def rep(v: VmInfo, tp: int = 1) -> Replica:
+        return Replica(gpu_type=v.gpu_type, zone=v.zone, tp=tp, gpus_per_node=v.devices, market=Market.parse(v.market),
+                       region=v.region)
+
+    zones = list(dict.fromkeys(v.zone for v in vms))
+    fast2 = find(zones[0], "cpu-fast", 2)
+    slow_a = [v for v in vms if v.gpu_type == "cpu-slow" and v.region == fast2.region]
+    slow_b = [v for v in vms if v.gpu_type == "cpu-slow" and v.region != fast2.region]
+    fast1 = find(slow_b[0].region, "cpu-fast", 1)
+    n1, n2 = rep(slow_a[0]), rep(slow_a[1])
+    e1, e2 = rep(slow_b[0]), rep(slow_b[1])
+    w2, w1 = rep(fast2, 2), rep(fast2)
+    f1 = rep(fast1)
+
+    def p(stages: list[tuple[tuple[int, int], list[Replica]]], pipes: Sequence[tuple[int, int]]) -> ParallelPlan:
+        pb = tuple(PipelineBatch(microbatch_size=m, num_microbatches=n) for m, n in pipes)
+        return ParallelPlan(model=model, global_batch_size=sum(x.samples for x in pb),
+                            stages=tuple(Stage(first_layer=a, last_layer=b, replicas=tuple(r)) for (a, b), r in stages),
+                            pipelines=pb)
+
+    return {
+        # tp 2 inside the 2-device VM, then across a region boundary to the other device type
+        "tp2-west|fast-east": p([((0, 2), [w2]), ((3, 5), [f1])], [(4, 4)]),
+        # three stages over three zones, both regions, mixed device types
+        "tp2-west|slow-north|slow-east": p([((0, 2), [w2]), ((3, 4), [n1]), ((5, 5), [e1])], [(4, 4)]),
+        # a data-parallel ring across the region boundary, mixed device types
+        "dp2 north+east": p([((0, 5), [n1, f1])], [(4, 2), (4, 2)]),
+        # two stages per pipeline, each stage's ring inside a zone, the pipeline across regions
+        "2 stages x dp2, north|east": p([((0, 2), [n1, n2]), ((3, 5), [e1, e2])], [(4, 2), (4, 2)]),
+        # four stages over two regions, uneven
+        "4 stages north,north|east,east": p([((0, 1), [n1]), ((2, 2), [n2]), ((3, 3), [e1]), ((4, 5), [e2])],
+                                            [(4, 4)]),
+        # dp 3 across both regions (ring crosses the boundary twice), mixed types
+        "dp3 east+north+east": p([((0, 5), [f1, n1, e1])], [(4, 2), (4, 2), (4, 2)]),
+        # two replicas inside the 2-device VM (node all-reduce), next stage across a zone boundary
+        "dp2 in west VM|north": p([((0, 2), [w1, w1]), ((3, 5), [n1, n2])], [(4, 2), (4, 2)]),
+        # fast east first, slow north second: the cross-region pipeline the other way round
+        "fast-east|slow-north": p([((0, 3), [f1]), ((4, 5), [n1])], [(8, 3)]),
+        # two replicas in the 2-device VM, then a ring over both device types in the other region
+        "2 stages x dp2 mixed, west|east": p([((0, 2), [w1, w1]), ((3, 5), [e1, f1])], [(2, 4), (2, 4)]),
+    }
+
+
+def assign(plan: ParallelPlan, vms: list[VmInfo]) -> list[tuple[str, int, tuple[int, ...]]]:
+    """VM ranks of the plan as the flow places it (tasks/jobs.nodes): node ids from place_nodes,
+    ranks laid out stage by stage, replica by replica, TP rank by TP rank."""
+    ids = place_nodes(plan)
+    rank = 0
+    node_ranks: dict[int, list[int]] = {}
+    node_spec: dict[int, Replica] = {}
+    for s, st in enumerate(plan.stages):
+        for j, r in enumerate(st.replicas):
+            node_ranks.setdefault(ids[s][j], []).extend(range(rank, rank + r.tp))
+            node_spec[ids[s][j]] = r
+            rank += r.tp
+    free = list(vms)
+    out = []
+    for n in sorted(node_ranks):
+        r = node_spec[n]
+        v = next((v for v in free if v.zone == r.zone and v.gpu_type == r.gpu_type and v.devices == r.gpus_per_node
+                  and v.market == r.market.value), None)
+        if v is None:
+            raise SystemExit(f"no free VM for node {n} ({r}); to fix: adjust the plan to the scenario's VMs")
+        free.remove(v)
+        out.append((v.key, v.devices, tuple(node_ranks[n])))
+    return out
+
+
+def train(tb: Testbed, server: ControlServer, gen: int, plan: ParallelPlan, vms: list[VmInfo], steps: int,
+          work: Path, timeout_s: float) -> list[float]:
+    placed = assign(plan, vms)
+    settings = {"model": plan.model, "steps": steps, "timeout_s": 120, "plan_version": gen}
+    members = assign_generation(server, gen, plan=plan_to_dict(plan), settings=settings, resume=False, vms=placed)
+    by_key = {v.key: v for v in vms}
+    procs = []
+    try:
+        for key, devices, _ in placed:
+            v = by_key[key]
+            run_dir = work / "runs" / f"g{gen}" / key
+            run_dir.mkdir(parents=True, exist_ok=True)
+            env = {SECRET_ENV: server.secret, "SAILOR_ADVERTISE_ADDR": v.vm.address, "OMP_NUM_THREADS": "1"}
+            procs.append(tb.spawn(key, [SAILOR, "worker", "--control", server.endpoint, "--vm-id", key, "--devices",
+                                        str(devices), "--first-generation", str(gen), "--run-dir", str(run_dir),
+                                        "--heartbeat", "2", "--grace", "10"],
+                                  env=env, log=work / "logs" / f"agent-g{gen}-{key}.log"))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = [server.get(status_key(gen, w)) for w in members]
+            if all(status):
+                break
+            if any(s and s != "done" for s in status):
+                break
+            if all(pr.poll() is not None for pr in procs):
+                time.sleep(1.0)  # the last status may still be on its way
+                if not all(server.get(status_key(gen, w)) for w in members):
+                    raise RuntimeError(f"generation {gen}: every agent exited before its workers reported "
+                                       f"(was the testbed removed under us?); see {work / 'logs'}")
+            time.sleep(0.5)
+        status = [server.get(status_key(gen, w)) for w in members]
+        if not all(s == "done" for s in status):
+            raise RuntimeError(f"generation {gen} did not finish: {dict(zip(members, status, strict=True))}; "
+                               f"see {work / 'logs'}")
+        rows = [json.loads(x) for x in server.read_list(metrics_key(gen))]
+        return [float(r["iteration_time_s"]) for r in sorted(rows, key=lambda r: r["step"])]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.terminate()
+        for pr in procs:
+            try:
+                pr.wait(15)
+            except subprocess.TimeoutExpired:
+                pr.kill()
+                pr.wait()
+        for key, _, _ in placed:
+            tb.kill_processes(key)
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", default=str(ROOT / "scenarios" / "geo.yaml"))
+    ap.add_argument("--model", default="gpt-tiny")
+    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    ap.add_argument("--store", default=None, help="a profile store folder: reuse its profiles if it has them, "
+                                                  "else measure into it (default: a fresh temporary one)")
+    ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per plan")
+    args = ap.parse_args(argv)
+    if args.steps <= args.warmup:
+        print(f"--steps {args.steps} leaves no step after --warmup {args.warmup}; to fix: --steps > --warmup",
+              file=sys.stderr)
+        return 2
+    ok, why = testbed_support()
+    if not ok:
+        print(f"cannot build the testbed here: {why}; to fix: run as root", file=sys.stderr)
+        return 2
+    sc = load_scenario(args.scenario)
+    work = Path(tempfile.mkdtemp(prefix="sailor-validate-testbed-"))
+    (work / "logs").mkdir()
+    store_dir = Path(args.store) if args.store else work / "store"
+    store_dir.mkdir(parents=True, exist_ok=True)
+    tb = Testbed.create(run_id="validate-testbed", zones=[z for z, _ in sc.zones], link_gbps=sc.link_gbps)
+    server = ControlServer(host=tb.host_address)
+    try:
+        vms = build(tb, sc)
+        cores = sum((sc.device_type(v.gpu_type).cpu_per_device or 0) * v.devices for v in vms)
+        log(f"testbed {tb.tag}: {len(vms)} VMs ({cores:.1f} cores of quota in all) in {len(sc.zones)} zones; "
+            f"work folder {work}")
+        store = open_store(str(store_dir), seed=False)
+        from sailor_core.models.config import get_config, model_spec
+
+        if args.model not in store.model_names():
+            store.write_model(model_spec(get_config(args.model)))
+        types = sorted({v.gpu_type for v in vms})
+        have = {p.gpu_type for p in store.layer_profiles(args.model, types)}
+        if have != set(types) or not store.network_links():
+            profile(tb, vms, args.model, store, work, server, sc)
+        else:
+            log(f"profiles of {types} and {len(store.network_links())} links found in {store_dir}: reused")
+        book = store.profile_book(args.model, types)
+        chosen = plans(vms, args.model)
+        if args.only:
+            names = [n.strip() for n in args.only.split(",")]
+            unknown = [n for n in names if n not in chosen]
+            if unknown:
+                print(f"unknown plan(s) {unknown}; to fix: one of {list(chosen)}", file=sys.stderr)
+                return 2
+            chosen = {n: chosen[n] for n in names}
+        results = []
+        print(f"{'plan':<34} {'stages':>6} {'dp':>3} {'measured s':>10} {'sim s':>8} {'err%':>7}  "
+              f"(sim: p2p {'':>1}dp-exposed)")
+        for gen, (name, plan) in enumerate(chosen.items()):
+            sim = simulate(plan, book)
+            times = train(tb, server, gen, plan, vms, args.steps, work, args.timeout)
+            kept = times[args.warmup:]
+            real = statistics.median(kept)
+            err = (sim.iteration_time_s - real) / real * 100
+            results.append(err)
+            b = sim.breakdown
+            print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} "
+                  f"{sim.iteration_time_s:>8.3f} {err:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f}) "
+                  f"steps {' '.join(f'{t:.2f}' for t in kept)}", flush=True)
+        mean = statistics.mean(abs(e) for e in results)
+        worst = max(abs(e) for e in results)
+        print(f"mean_abs_error_pct={mean:.1f} worst_abs_error_pct={worst:.1f} plans={len(results)}")
+        return 0
+    finally:
+        server.close()
+        tb.teardown()
+        if os.environ.get("SAILOR_KEEP_WORK") != "1":
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            log(f"kept {work}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
