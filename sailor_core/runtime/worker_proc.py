@@ -65,12 +65,12 @@ class _DataCache:
 
 def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[str, Any], local_rank: int = 0,
                    on_metrics: Any = None, previous: Trainer | None = None,
-                   kept: list[Any] | None = None) -> str:
+                   kept: list[Any] | None = None, on_loaded: Any = None) -> str:
     """Join the process group described by `init`, train, and return 'done' or 'stopped'.
 
     `previous`: the trainer of this process's last generation, if it ended cleanly; where it holds the
     same shard at the resume step, its state is kept from memory instead of loaded. `kept` receives
-    (this trainer, how it resumed)."""
+    (this trainer, how it resumed); `on_loaded(how)` is told how it resumed before training starts."""
     plan = plan_from_dict(assignment["plan"])
     settings = TrainSettings.from_dict(assignment["settings"])
     cfg = config_from_dict(settings.model_config) if settings.model_config else get_config(settings.model)
@@ -88,6 +88,8 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
         loaded = trainer.resume(previous) if assignment.get("resume") else "none"
         if kept is not None:
             kept[:] = [trainer, loaded]
+        if on_loaded is not None:
+            on_loaded(loaded)
         _log(f"plan version {settings.plan_version}: rank {rank} ready at step {trainer.step}")
         return trainer.train()
     except BaseException:
@@ -202,7 +204,8 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
             try:
                 status = run_generation(a, data=data, init={"store": _pg_store(a, client, gen)},
                                         local_rank=int(a.get("local_rank", 0)), on_metrics=on_metrics,
-                                        previous=previous, kept=kept)
+                                        previous=previous, kept=kept,
+                                        on_loaded=lambda how, g=gen: client.set(protocol.loaded_key(g, worker_id), how))
             except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
                 status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 _log(f"generation {gen} {status}")
@@ -213,8 +216,6 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
                 status, previous = "switched", (kept[0] if kept else None)
                 _Notices.stop = False
             try:
-                if kept:
-                    client.set(protocol.loaded_key(gen, worker_id), str(kept[1]))
                 client.set(protocol.status_key(gen, worker_id), status)
             except protocol.ProtocolError as e:
                 _log(f"cannot report generation {gen}: {e}")
