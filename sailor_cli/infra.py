@@ -51,6 +51,8 @@ _NO_CREDENTIALS = {
 _UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
                 "ServiceUnavailable", "DeadlineExceeded", "RetryError", "TransportError", "ConnectionError",
                 "Timeout", "NewConnectionError", "MaxRetryError")
+# An answer that is not the API's (a proxy's error page, a broken feed): botocore / JSON parsers.
+_GARBLED = ("ResponseParserError", "JSONDecodeError", "ParseError", "DecodeError")
 # An answer from the cloud that refused the call (credentials, permissions, bad request).
 _REFUSED = ("ClientError", "GoogleAPICallError", "RefreshError")
 
@@ -74,6 +76,10 @@ def _call(fn, *args, **kw):
             raise CloudUnreachable(f"cannot reach the cloud's API ({type(e).__name__}: {_one_line(e)}); to fix: "
                                    f"check the network and the endpoint/region settings (SAILOR_AWS_ENDPOINT_URL, "
                                    f"SAILOR_GCE_ENDPOINT, regions), then retry") from None
+        if names & set(_GARBLED):
+            raise CloudUnreachable(f"the cloud's API answered with something unreadable ({type(e).__name__}: "
+                                   f"{_one_line(e)[:160]}); to fix: check the endpoint settings (SAILOR_AWS_ENDPOINT_URL, "
+                                   f"SAILOR_GCE_ENDPOINT) and any proxy in between, then retry") from None
         if names & set(_REFUSED):
             raise SailorError(f"the cloud refused the request ({type(e).__name__}: {_one_line(e)}); to fix: check "
                               f"the credentials, their permissions and the request's settings") from None

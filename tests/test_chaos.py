@@ -163,3 +163,95 @@ def test_sigkill_of_the_demo_flow_process(tmp_path):
     assert demo and demo[-1]["status"] == "crashed", demo
     report("SIGKILL of the flow (sailor demo)", f"{len(kids)} descendant processes (server, agents, workers) ended "
                                                 f"by the guardian; run {demo[-1]['run_id']} shown crashed")
+
+
+def test_s3_server_stopped_during_checkpoint_writes_and_restarted(tmp_path):
+    """Checkpoints go to S3 (rclone serve s3 over a folder); the server is stopped mid-run and started
+    again on the same port 3 s later. The job either rides it out or fails in one line; either way
+    --resume continues from the last valid checkpoint in the bucket."""
+    from profiles_store.local_servers import LocalS3Server
+
+    root = tmp_path / "s3"
+    first = LocalS3Server(root=root)
+    first.start()
+    second = LocalS3Server(root=root)
+    second.port = first.port
+    try:
+        first.create_bucket("chaos-ck")
+        uri = first.uri("chaos-ck", "run")
+        metrics = tmp_path / "m.jsonl"
+        p = start(tmp_path, "train", str(_plan(tmp_path)), "--steps", "40", "--checkpoint-dir", uri,
+                  "--checkpoint-every", "2", "--metrics-out", str(metrics), "--timeout", "20")
+        try:
+            wait_for(lambda: len(_steps(metrics)) >= 5 or p.poll() is not None, 180, "five steps")
+            first.stop()
+            outage_at = max(_steps(metrics))
+            time.sleep(3)
+            second.start()
+            rc, out, err = finish(p, 300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert rc in (0, 1), (rc, err[-1500:])
+        if rc == 1:
+            line = _one_line_error(err)
+        storage = ckpt.open_storage(uri)
+        valid = ckpt.latest_valid_step(storage, NUM_LAYERS)
+        assert valid is not None
+        resumed = tmp_path / "m2.jsonl"
+        p2 = subprocess.run([sys.executable, "-m", "sailor_cli.main", "train", str(_plan(tmp_path)), "--steps", "44",
+                             "--checkpoint-dir", uri, "--resume", "--metrics-out", str(resumed)], capture_output=True,
+                            text=True, env=_env(tmp_path), timeout=300)
+        assert p2.returncode == 0, p2.stderr[-1500:]
+        assert _steps(resumed)[0] == valid + 1 and _steps(resumed)[-1] == 44  # nothing lost past the checkpoint
+    finally:
+        second.stop()
+        if first.proc is not None:
+            first.stop()
+    assert _ours_left(tmp_path) == []
+    outcome = "rode out the outage" if rc == 0 else f"failed in one line ({line[:80]}...)"
+    report("S3 server stopped during checkpoint writes, restarted 3 s later",
+           f"outage at step {outage_at}: the job {outcome}; --resume went on from valid step {valid} to 44")
+
+
+def test_price_feed_returning_garbage(tmp_path):
+    """The AWS API (prices, offerings) answers garbage: one line and exit 1, and a dry run shows the
+    price as unknown rather than $0."""
+    import http.server
+    import threading
+
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            body = b"\x00\xffnot a price<<{{" * 8
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    env = {**_env(tmp_path), "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "1", "SAILOR_AWS_REGIONS": "us-east-1",
+           "SAILOR_AWS_ENDPOINT_URL": f"http://127.0.0.1:{srv.server_address[1]}"}
+    try:
+        off = subprocess.run([sys.executable, "-m", "sailor_cli.main", "infra", "offerings", "--provider", "aws"],
+                             capture_output=True, text=True, env=env, timeout=120)
+        dry = subprocess.run([sys.executable, "-m", "sailor_cli.main", "infra", "provision", "--provider", "aws",
+                              "--run", "chaos", "--zone", "us-east-1a", "--gpu-type", "A10G-24", "--dry-run"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert off.returncode == 1, (off.returncode, off.stderr[-1500:])
+    line = _one_line_error(off.stderr)
+    assert "unreadable" in line
+    assert dry.returncode == 0, dry.stderr[-1500:]
+    assert "unknown price" in dry.stdout and "hourly cost: unknown" in dry.stdout
+    report("price feed returning garbage", f"offerings: exit 1, one line ({line[:70]}...); provision --dry-run "
+                                           f"shows the price as unknown, not $0")
