@@ -192,7 +192,9 @@ def test_plan_is_verified_by_the_simulator_and_deterministic(book) -> None:
 def test_constraints_are_never_broken_and_misses_are_explained(book) -> None:
     pool = _pool(book, {"us-central1-a": {A: 32}})
     fast = plan(PlanRequest(model="OPT-350", global_batch_size=256, pool=pool), book)
-    budget = fast.estimate.usd_per_iteration * 0.7
+    # (with the gradient all-reduce overlapping the last backward, wider data parallelism costs little
+    # per iteration: the cheapest plans are ~10 % below the fastest here, not 30 %)
+    budget = fast.estimate.usd_per_iteration * 0.95
     r = plan(PlanRequest(model="OPT-350", global_batch_size=256, pool=pool,
                          constraints=Constraints(max_usd_per_iteration=budget)), book)
     assert r.plan is not None and r.estimate.usd_per_iteration <= budget
@@ -370,10 +372,34 @@ def test_lexicographic_choice_takes_the_cheapest_within_the_tolerance() -> None:
     assert pick(Objective.MIN_COST, [], 0.005) is None
 
 
+def _pipelines_in_zones(pl, pool):
+    """The same plan with each pipeline's replicas moved into one zone of its region (whole
+    pipelines per zone, the roomiest zone first), or None if the pool has no such room."""
+    free = {(e.zone, e.gpu_type, e.market): e.count for e in pool.entries}
+    zones_of = {e.zone: e.region for e in pool.entries}
+    new_reps: list[list] = [[] for _ in pl.stages]
+    for j in range(pl.data_parallel):
+        reps = [st.replicas[j] for st in pl.stages]
+        need: dict[tuple[str, object], int] = {}
+        for r in reps:
+            need[(r.gpu_type, r.market)] = need.get((r.gpu_type, r.market), 0) + r.tp
+        region = reps[0].region
+        fits = [z for z, reg in sorted(zones_of.items()) if reg == region
+                and all(free.get((z, g, mk), 0) >= n for (g, mk), n in need.items())]
+        if not fits:
+            return None
+        z = max(fits, key=lambda z: (sum(free.get((z, g, mk), 0) for (g, mk) in need), z))
+        for (g, mk), n in need.items():
+            free[(z, g, mk)] -= n
+        for s, r in enumerate(reps):
+            new_reps[s].append(replace(r, zone=z))
+    return replace(pl, stages=tuple(replace(st, replicas=tuple(rs)) for st, rs in zip(pl.stages, new_reps, strict=True)))
+
+
 def test_max_throughput_keeps_pipelines_inside_zones_when_that_is_as_fast(tmp_path: Path) -> None:
     # The issue's case: a 2.7B model on 5 zones x 128 A100. Stage-major placement sent every
-    # pipeline's activations across zones (egress about half the cost per iteration); whole
-    # pipelines per zone are as fast and pay no pipeline egress.
+    # pipeline's activations across zones (egress about half the cost per iteration); the same plan
+    # with whole pipelines per zone is as fast and pays no pipeline egress.
     neo = seed_book("GPT-Neo-2.7", tmp_path)
     zones: dict[str, dict] = {z: {"gpus": {A: {"count": 128}}} for z in
                               ("us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f", "us-west1-b")}
@@ -383,13 +409,20 @@ def test_max_throughput_keeps_pipelines_inside_zones_when_that_is_as_fast(tmp_pa
     res = plan(req, neo)
     fastest = plan(replace(req, options=SearchOptions(tolerance=0.0)), neo)
     assert res.plan is not None and fastest.plan is not None and res.plan.num_stages >= 2
-    for j in range(res.plan.data_parallel):
-        assert len({st.replicas[j].zone for st in res.plan.stages}) == 1, f"pipeline {j} crosses zones"
     e, f = res.estimate, fastest.estimate
     assert e.throughput_iterations_per_s >= f.throughput_iterations_per_s * (1 - 0.005)
     assert e.usd_per_iteration <= f.usd_per_iteration
-    # the fastest plan found with exact ties paid for cross-zone sends; this one pays less egress
-    assert e.egress_usd_per_iteration < f.egress_usd_per_iteration or f.usd_per_iteration == e.usd_per_iteration
+    # The premise, checked under the simulator: the fastest plan moved to whole pipelines per zone.
+    inside = _pipelines_in_zones(fastest.plan, pool)
+    assert inside is not None
+    r_in = simulate(inside, neo, options=sim_options(pool, "fp32", "1f1b"))
+    if r_in.throughput_iterations_per_s >= f.throughput_iterations_per_s * (1 - 0.005):
+        # a same-throughput plan keeps pipelines inside zones: the chosen one pays no pipeline egress
+        for j in range(res.plan.data_parallel):
+            assert len({st.replicas[j].zone for st in res.plan.stages}) == 1, f"pipeline {j} crosses zones"
+        assert e.usd_per_iteration <= r_in.usd_per_iteration * (1 + 1e-9)
+    else:  # the simulator prices rings across zones above the sends saved: then the cheapest near-fastest wins
+        assert e.usd_per_iteration <= min(f.usd_per_iteration, r_in.usd_per_iteration)
     _assert_on_frontier(res)
 
 
