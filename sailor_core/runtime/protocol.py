@@ -132,10 +132,12 @@ class _Board:
         self.cond = threading.Condition()
         self.kv: dict[str, str] = {}
         self.lists: dict[str, list[str]] = {}
+        self.received: dict[str, float] = {}  # when each key was last set, by this machine's clock
 
     def set(self, key: str, value: str) -> None:
         with self.cond:
             self.kv[key] = value
+            self.received[key] = time.time()
             self.cond.notify_all()
 
     def get(self, key: str, wait_s: float = 0.0) -> str | None:
@@ -256,6 +258,11 @@ class ControlServer:
 
     def read_list(self, key: str, start: int = 0) -> list[str]:
         return self._board.read(key, start)
+
+    def received_at(self, key: str) -> float | None:
+        """When `key` was last set, by the controller's clock (None: never)."""
+        with self._board.cond:
+            return self._board.received.get(key)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
