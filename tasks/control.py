@@ -100,10 +100,17 @@ class Controller:
         self._devices.update({v.vm_id: max(v.gpus, 1) for v in vms})
 
     def heartbeats(self, vm_ids: list[str]) -> dict[str, float]:
-        from sailor_core.runtime.protocol import vm_heartbeat_key
+        from sailor_core.runtime.protocol import heartbeat_key, vm_heartbeat_key, worker_id
 
-        # When the beat arrived, by this machine's clock: a VM's clock or a slow answer must not make it late.
-        return {v: at for v in vm_ids if (at := self.server.received_at(vm_heartbeat_key(v))) is not None}
+        # When a beat arrived, by this machine's clock (a VM's clock or a slow answer must not make it
+        # late), from the agent or any of its workers: a VM is alive while any of them beats.
+        out = {}
+        for v in vm_ids:
+            keys = [vm_heartbeat_key(v)] + [heartbeat_key(worker_id(v, i)) for i in range(self._devices.get(v, 1))]
+            times = [t for k in keys if (t := self.server.received_at(k)) is not None]
+            if times:
+                out[v] = max(times)
+        return out
 
     def statuses(self, vm_ids: list[str], version: int) -> dict[str, str]:
         from sailor_core.runtime.protocol import status_key, worker_id
