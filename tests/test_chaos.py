@@ -255,3 +255,65 @@ def test_price_feed_returning_garbage(tmp_path):
     assert "unknown price" in dry.stdout and "hourly cost: unknown" in dry.stdout
     report("price feed returning garbage", f"offerings: exit 1, one line ({line[:70]}...); provision --dry-run "
                                            f"shows the price as unknown, not $0")
+
+
+def _demo(tmp: Path, work: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    (tmp / "plain.yaml").write_text("offerings:\n  - {market: on-demand, count: 4, usd_per_gpu_hour: 0.3}\n")
+    return subprocess.Popen([sys.executable, "-m", "sailor_cli.main", "demo", "--scenario", str(tmp / "plain.yaml"),
+                             "--workers", "2", "--workdir", str(work), "--isolation", "process", "--json", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or _env(tmp),
+                            cwd=Path(__file__).resolve().parent.parent)
+
+
+def _training(work: Path) -> bool:
+    return any(m.stat().st_size > 0 for m in work.glob("runs/*/**/metrics/**/*.jsonl"))
+
+
+def test_sigkill_of_an_agent(tmp_path):
+    """The agent of one VM (`sailor worker`, the process the local provider started) dies with SIGKILL:
+    the flow sees the VM's worker lost, re-plans, and the demo completes every step, leaving nothing."""
+    work = tmp_path / "wd"
+    p = _demo(tmp_path, work, "--steps", "60")
+    try:
+        wait_for(lambda: _training(work) or p.poll() is not None, 300, "the demo to train")
+        assert p.poll() is None, finish(p)
+        recs = [json.loads(f.read_text()) for f in work.glob("runs/*/local/vms/*.json")]
+        agent = next(r for r in recs if r.get("pid"))
+        os.kill(int(agent["pid"]), signal.SIGKILL)
+        kids = descendants(p.pid)
+        rc, out, err = finish(p, 400)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 0, (rc, out[-1500:], err[-1500:])
+    run = json.loads(out[out.index("{\n"):])
+    assert run["status"] == "completed" and run["steps_done"] == 60 and run["processes_left"] == []
+    assert any(e["kind"] == "lost" for e in run["events"]), [e["kind"] for e in run["events"]]
+    wait_for(lambda: not _alive(kids), 30, "every process of the demo to end")
+    report("SIGKILL of an agent", f"VM {agent['vm_id']} lost; the run re-planned and completed 60/60 steps; "
+                                  f"no process left")
+
+
+def test_sigterm_of_the_demo(tmp_path):
+    """SIGTERM (as a Prefect cancellation or `kill` sends) stops the demo after its cleanup: exit 143, the
+    run recorded cancelled, the ephemeral server and every worker gone."""
+    work = tmp_path / "wd"
+    p = _demo(tmp_path, work, "--steps", "3000")
+    try:
+        wait_for(lambda: _training(work) or p.poll() is not None, 300, "the demo to train")
+        assert p.poll() is None, finish(p)
+        kids = descendants(p.pid)
+        p.send_signal(signal.SIGTERM)
+        rc, out, err = finish(p, 180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 143, (rc, out[-800:], err[-1500:])
+    assert "interrupted by SIGTERM" in err
+    wait_for(lambda: not _alive(kids), 30, "the server and workers to end")
+    runs = subprocess.run([sys.executable, "-m", "sailor_cli.main", "runs", "list", "--json"], capture_output=True,
+                          text=True, env=_env(tmp_path), timeout=120)
+    demo = [r for r in json.loads(runs.stdout) if r["name"] == "demo"]
+    assert demo and demo[-1]["status"] == "cancelled", demo
+    report("SIGTERM of sailor demo", f"exit 143 after cleanup; run {demo[-1]['run_id']} cancelled; "
+                                     f"{len(kids)} processes ended")
