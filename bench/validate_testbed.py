@@ -18,7 +18,7 @@ Everything is torn down at the end, also on an error or Ctrl-C. The last line:
 
     mean_abs_error_pct=X worst_abs_error_pct=Y plans=N
 
-    sudo .venv/bin/python bench/validate_testbed.py [--scenario scenarios/geo.yaml] [--model gpt-tiny]
+    sudo .venv/bin/python bench/validate_testbed.py [--scenario bench/validate_testbed.yaml] [--model gpt-tiny]
         [--steps 8] [--warmup 3] [--store DIR (reuse profiles measured before)] [--only NAME,...]
 
 The quotas of every VM together are the scenario's `cpu_budget_cores` (2 on geo.yaml). The machine
@@ -358,7 +358,7 @@ def train(tb: Testbed, server: ControlServer, gen: int, plan: ParallelPlan, vms:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", default=str(ROOT / "scenarios" / "geo.yaml"))
+    ap.add_argument("--scenario", default=str(ROOT / "bench" / "validate_testbed.yaml"))
     ap.add_argument("--model", default="gpt-tiny")
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
