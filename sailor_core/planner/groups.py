@@ -4,8 +4,9 @@ Contract: `group_plans(search, top, ...)` returns `ParallelPlan`s for the caller
 full simulator. Pure and deterministic. For the layer splits of the best single-shape plans (the
 first `splits` distinct ones) it
 1. collects pipeline *types*: a microbatch size and one (slot, TP) per stage, from the bottleneck
-   sweep and DP run on the whole pool and on each slot alone (so types on slow or small GPUs
-   exist even when the fastest types would take every GPU), for every profiled microbatch size;
+   sweep and DP run on the whole pool, on each slot alone and (three slots or more) on the pool
+   without each slot (so types on slow or small GPUs exist even when the fastest types would take
+   every GPU), for every profiled microbatch size;
 2. chooses how many pipelines of each type to run, jointly: for every combination of up to
    `max_groups` types (of the `types_kept` best by samples per second per GPU) and counts that fit
    the pool together, the iteration time of the combination when the global batch is shared so
@@ -53,10 +54,15 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
     pb = search.pb
     out: dict[tuple[int, tuple[tuple[int, int], ...]], PipeType] = {}
     pools: list[tuple[Slot, ...]] = [pb.slots]
+    def only(keep: set[int]) -> tuple[Slot, ...]:
+        return tuple(s if s.index in keep else replace(s, zones=tuple((z, 0) for z, _ in s.zones)) for s in pb.slots)
+
     if len(pb.slots) > 1:
         # each slot alone: the types a slow or small GPU can run, which the whole pool's best hide
-        pools += [tuple(s if s.index == g.index else replace(s, zones=tuple((z, 0) for z, _ in s.zones))
-                        for s in pb.slots) for g in pb.slots]
+        pools += [only({g.index}) for g in pb.slots]
+    if len(pb.slots) > 2:
+        # each slot left out: the best types of the others (a middle GPU paired with a slow one)
+        pools += [only({s.index for s in pb.slots} - {g.index}) for g in pb.slots]
     for mbs in mbs_values:
         for slots in pools:
             sub = Search(replace(pb, slots=slots, mbs_values=(mbs,), keep=keep, constraints=Constraints(),
@@ -215,7 +221,7 @@ def split_batch_by_finish(gbs: int, types: Sequence[PipeType], counts: Sequence[
 
 def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
                 schedule: str, max_groups: int = 4, own_microbatch: bool = True, types_kept: int = 8,
-                per_base: int = 4, splits: int = 2) -> list[ParallelPlan]:
+                per_base: int = 4, splits: int = 3) -> list[ParallelPlan]:
     pb = search.pb
     caps = [s.capacity for s in pb.slots]
     out: list[ParallelPlan] = []
