@@ -149,6 +149,7 @@ class Search:
         self.incumbent = math.inf
         self.nearest: tuple[float, str] | None = None  # smallest violation seen, and its reason
         self._p2p_floor: dict[tuple[int, int], float] = {}
+        self._p2p_fill_floor: dict[tuple[int, int], float] = {}
         self._round_best = math.inf
         self._violators: list[tuple[float, int, Candidate]] = []  # best scores that break a limit
         self._closest: list[tuple[float, int, Candidate]] = []  # smallest breaches of a limit
@@ -474,7 +475,7 @@ class Search:
         # Network and optimizer floors: every boundary sends at least its cheapest message, each
         # stage's cycle includes its sends, and some stage's optimizer step ends the iteration.
         # (simulator.pipeline_time_s: a boundary adds max(forward, back) >= pmin to both stages' cycles
-        # and forward + back >= pmin to the fill)
+        # and forward + back to the fill)
         pmin = [self.p2p_floor(mbs, bounds[b][1]) for b in range(p - 1)]
         comm = [(pmin[s - 1] if s > 0 else 0.0) + (pmin[s] if s < p - 1 else 0.0) for s in range(p)]
         opt_lb = max(
@@ -482,7 +483,7 @@ class Search:
                 for tp, _ in row)
             for s in range(p)
         )
-        lb = _Floor(fill=sum(best_t) + sum(pmin) + opt_lb, cycle_add=min(comm),
+        lb = _Floor(fill=sum(best_t) + sum(self.p2p_fill_floor(mbs, bounds[b][1]) for b in range(p - 1)) + opt_lb, cycle_add=min(comm),
                     cycle_floor=max(best_t[s] + comm[s] for s in range(p)), rate=sum(min_rate))
         d_cap = max(1, self.total_gpus // max(1, sum(min_gpus)))
         d_list = self.d_values(n, d_cap)
@@ -507,7 +508,7 @@ class Search:
         v = self._p2p_floor.get(key)
         if v is None:
             c = self.costs
-            v = math.inf
+            v = both = math.inf
             for a in self.pb.slots:
                 for ta in self.pb.tp_values:
                     if ta > a.gpus_per_node or not c.profiled(a.gpu_type, mbs, ta):
@@ -519,10 +520,18 @@ class Search:
                                 continue
                             for za, _ in a.zones:
                                 for zb, _ in b.zones:
-                                    v = min(v, max(_fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg))))
+                                    f, bk = _fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg))
+                                    v = min(v, max(f, bk))
+                                    both = min(both, f + bk)
             v = 0.0 if not math.isfinite(v) else v
             self._p2p_floor[key] = v
+            self._p2p_fill_floor[key] = 0.0 if not math.isfinite(both) else both
         return v
+
+    def p2p_fill_floor(self, mbs: int, last: int) -> float:
+        """The least forward + back send time of that boundary (what the first microbatch pays)."""
+        self.p2p_floor(mbs, last)
+        return self._p2p_fill_floor[(mbs, last)]
 
     def bound(self, tau: float, lb: _Floor, n: int, d_list: Sequence[int]) -> float:
         """A lower bound on the score of anything with compute bottleneck >= tau."""
@@ -672,8 +681,9 @@ class Search:
         # ring on one zone is the fastest it can be (a cross-zone ring is slower).
         (a0, b0), (s0, tp0) = bounds[0], kinds[0]
         if d > 1:
-            t += max(0.0, c.allreduce_s(slots[s0], tp0, ((slots[s0].zones[0][0], d),), c.grad_bytes(tp0, a0, b0))
-                     - c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s)
+            ar, ar_last, first_bwd = c.dp_sync_terms(slots[s0], tp0, ((slots[s0].zones[0][0], d),), mbs, a0, b0)
+            # dp_sync_end_s - finish >= both of these
+            t += max(ar_last, ar - c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s + first_bwd)
         t += max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b) for (a, b), (si, tp) in zip(bounds, kinds, strict=True))
         cons = self.pb.constraints
         if cons.min_iterations_per_s is not None and 1.0 / t < cons.min_iterations_per_s * 0.98:
