@@ -32,6 +32,7 @@ from urllib.parse import quote
 from sailor_core.domain import SailorError
 
 STATE_BUCKET = "sailor-runs"
+PACKAGES = ("sailor_cli", "sailor_core", "profiles_store", "infra", "tasks", "flows")  # what the wheel holds
 
 
 def join(uri: str, *parts: str) -> str:
@@ -121,7 +122,7 @@ def project_root() -> Path:
 def _source_hash(root: Path) -> str:
     h = hashlib.sha256()
     files = [root / "pyproject.toml"]
-    for pkg in ("sailor_cli", "sailor_core", "profiles_store", "infra", "tasks", "flows"):
+    for pkg in PACKAGES:
         files += sorted(p for p in (root / pkg).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     for p in files:
         h.update(str(p.relative_to(root)).encode())
@@ -139,8 +140,17 @@ def build_wheel(cache: Path) -> Path:
     tmp = cache / f"build-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    # Built from a copy: setuptools leaves build/ and *.egg-info where it builds, never in the checkout.
+    src = tmp / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(root / name, src / name)
+    for pkg in PACKAGES:
+        shutil.copytree(root / pkg, src / pkg, ignore=skip)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp),
-                        str(root)], capture_output=True, text=True, cwd=str(cache))
+                        str(src)], capture_output=True, text=True, cwd=str(tmp))
+    shutil.rmtree(src, ignore_errors=True)
     wheels = sorted(tmp.glob("*.whl"))
     if r.returncode != 0 or not wheels:
         raise SailorError(f"building the project's wheel failed: {(r.stderr or r.stdout).strip()[-300:]}; "
