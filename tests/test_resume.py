@@ -13,8 +13,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from sailor_core.runtime import checkpoint as ckpt
 from tests.conftest import REPO
+
+pytest_plugins = ["tests.flow_fixtures"]
 
 
 def _state(v: float):
@@ -131,3 +135,31 @@ def test_train_resume_with_only_corrupt_checkpoints_fails_and_keeps_them(tmp_pat
     assert "starting at step 0" in p.stdout and "done: 10 steps" in p.stdout
     assert {f: f.stat().st_size for f in (ck / "quarantine").rglob("*") if f.is_file()} == sizes
     assert ckpt.latest_valid_step(ckpt.open_storage(str(ck)), 6) == 10
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_flow_resume_with_only_corrupt_checkpoints_fails_and_records_each(profiled_store, tmp_path):
+    from flows.sailor import sailor
+    from profiles_store.store import open_store
+    from tasks.history import RunHistory
+
+    args = dict(run_name="rz", model="gpt-tiny", global_batch_size=8, objective="max-throughput", provider="local",
+                workers=2, max_gpus=2, steps=8, checkpoint_interval=4, store_uri=profiled_store,
+                workdir=str(tmp_path / "work"), isolation="process")
+    first = sailor(**args, return_state=True)
+    assert first.is_completed(), first.message
+    steps = sorted((tmp_path / "work").glob("runs/rz-*/**/step_000000*"))
+    assert steps
+    for d in steps:
+        f = sorted(d.glob("layer_*"))[0]
+        f.write_bytes(f.read_bytes()[:50])
+    second = sailor(**args, resume=True, return_state=True)
+    assert second.is_failed()
+    h = RunHistory(open_store(profiled_store))
+    run = h.show([r for r in h.list_runs() if r["name"] == "rz"][-1]["run_id"])
+    skipped = [e for e in run["events"] if e["kind"] == "checkpoint_skipped"]
+    assert {e["step"] for e in skipped} == {4, 8}, run["events"]
+    assert run["status"] == "failed" and "no valid checkpoint" in run["status_reason"]
+    assert "provisioned" not in [e["kind"] for e in run["events"]]  # failed before renting anything
+    third = sailor(**args, resume=True, resume_or_start=True, return_state=True)
+    assert third.is_completed(), third.message
