@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from infra.scenario import load_scenario  # noqa: E402
-from infra.testbed import Testbed, TestbedVm, testbed_support  # noqa: E402
+from infra.testbed import Testbed, TestbedError, TestbedVm, testbed_support  # noqa: E402
 from profiles_store import open_store  # noqa: E402
 from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Provenance, Replica, Stage  # noqa: E402
 from sailor_core.plan_format import plan_to_dict  # noqa: E402
@@ -56,6 +56,10 @@ from sailor_core.simulator import place_nodes, simulate  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 SAILOR = str(ROOT / ".venv" / "bin" / "sailor")
 PROFILE_MBS = "1,2,4,8"
+
+
+class TestbedLost(RuntimeError):
+    """The VMs of a plan vanished under it (their agents exited without a word)."""
 
 
 @dataclass(frozen=True)
@@ -330,7 +334,7 @@ def train(tb: Testbed, server: ControlServer, gen: int, plan: ParallelPlan, vms:
             if all(pr.poll() is not None for pr in procs):
                 time.sleep(1.0)  # the last status may still be on its way
                 if not all(server.get(status_key(gen, w)) for w in members):
-                    raise RuntimeError(f"generation {gen}: every agent exited before its workers reported "
+                    raise TestbedLost(f"generation {gen}: every agent exited before its workers reported "
                                        f"(was the testbed removed under us?); see {work / 'logs'}")
             time.sleep(0.5)
         status = [server.get(status_key(gen, w)) for w in members]
@@ -412,7 +416,27 @@ def main(argv: list[str] | None = None) -> int:
               f"(sim: p2p {'':>1}dp-exposed)")
         for gen, (name, plan) in enumerate(chosen.items()):
             sim = simulate(plan, book)
-            times = train(tb, server, gen, plan, vms, args.steps, work, args.timeout)
+            for attempt in range(3):
+                try:
+                    times = train(tb, server, gen, plan, vms, args.steps, work, args.timeout)
+                    break
+                except (TestbedLost, TestbedError) as e:
+                    # another testbed's stale cleanup on this shared machine can remove ours: build it
+                    # again (same scenario, same VM names and quotas) and train the plan once more
+                    if attempt == 2:
+                        raise
+                    log(f"{e}; building the testbed again")
+                    server.close()
+                    tb.teardown()
+                    time.sleep(5)
+                    tb = Testbed.create(run_id="validate-testbed", zones=[z for z, _ in sc.zones],
+                                        link_gbps=sc.link_gbps)
+                    server = ControlServer(host=tb.host_address)
+                    try:
+                        vms = build(tb, sc)
+                    except TestbedError as again:
+                        log(f"building it failed too ({again}); next attempt")
+                        continue
             kept = times[args.warmup:]
             real = statistics.median(kept)
             err = (sim.iteration_time_s - real) / real * 100
