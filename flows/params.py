@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sailor_core.domain import Market, SailorError
+from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market, SailorError
 
 Objective = Literal["max-throughput", "min-cost", "min-cost-per-token"]
 PROVIDERS = ("local", "aws", "gcp")
@@ -47,6 +47,8 @@ class SailorParams(BaseModel):
     resume: bool = Field(default=False, description="continue the newest run of this name from its checkpoint "
                                                    "(the scheduled cost-aware rerun sets this); fails when no valid "
                                                    "checkpoint is left unless resume_or_start")
+    large_batch: bool = Field(default=False, description=f"allow a global batch above {MAX_PLAIN_GLOBAL_BATCH} "
+                                                          f"sequences (refused without it)")
     resume_or_start: bool = Field(default=False, description="with resume: start at step 0 when no earlier run left "
                                                              "a valid checkpoint (the schedule's first run)")
     dataset: str | None = Field(default=None, description="data URI; None uses the runtime's built-in corpus")
@@ -94,6 +96,13 @@ class SailorParams(BaseModel):
     def _budget(self) -> SailorParams:
         if (self.steps is None) == (self.token_budget is None):
             raise ValueError("give exactly one of steps or token_budget")
+        if self.token_budget is not None and self.global_batch_size > self.token_budget:
+            raise ValueError(f"global_batch_size {self.global_batch_size} sequences is more than the whole token "
+                             f"budget ({self.token_budget} tokens): one step would overrun it")
+        if self.global_batch_size > MAX_PLAIN_GLOBAL_BATCH and not self.large_batch:
+            raise ValueError(f"global_batch_size {self.global_batch_size:.3g} sequences is more than "
+                             f"{MAX_PLAIN_GLOBAL_BATCH} (published large runs use 1-4 thousand); set large_batch "
+                             f"if you mean it")
         if self.scenario and self.provider != "local":
             raise ValueError("scenario files script the local provider only; drop scenario or use provider=local")
         return self

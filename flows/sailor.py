@@ -300,6 +300,7 @@ def sailor(
     calibration_tolerance: float = 0.25,
     resume: bool = False,
     resume_or_start: bool = False,
+    large_batch: bool = False,
     dry_run: bool = False,
     deps: Any = None,
 ) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from sailor_core.domain import Market, SailorError
+from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market, SailorError
 from sailor_core.plan_format import plan_from_dict, plan_to_dict, save_plan_file
 from sailor_core.planner import (
     Constraints,
@@ -170,12 +170,6 @@ def _spot_risk(doc: Any, store: str | None, checkpoint_interval: int, reconfigur
     sources.append(f"reconfiguration {reconf:.1f} s: {src}")
     return SpotRisk(preemptions_per_vm_hour=tuple(sorted(by_market.items())), default_preemptions_per_vm_hour=default,
                     reconfiguration_s=reconf, checkpoint_interval_steps=checkpoint_interval, sources=tuple(sources))
-
-
-# Published large runs use global batches of about 1-4 thousand sequences (GPT-3: 1536 x 2048 tokens,
-# Llama 2/3: 1024 x 4096); 64 Ki sequences is already 16x past them. Beyond it a batch is far more
-# likely a typo (an extra few zeros) than a plan: refused unless confirmed with --large-batch.
-MAX_PLAIN_GLOBAL_BATCH = 65536
 
 
 def _check_batch(global_batch_size: int, confirmed: bool) -> None:

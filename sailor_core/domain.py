@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 GIB = 2**30
+# Published large runs use global batches of about 1-4 thousand sequences (GPT-3: 1536 x 2048 tokens,
+# Llama 2/3: 1024 x 4096); 64 Ki sequences is already 16x past them. Above it a batch is far more
+# likely a typo (a few extra zeros) than a plan: `sailor plan` and the flow refuse it unless confirmed.
+MAX_PLAIN_GLOBAL_BATCH = 65536
 
 
 class ValidationError(ValueError):

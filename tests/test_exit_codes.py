@@ -268,3 +268,13 @@ def test_provision_dry_run_never_shows_an_unknown_price_as_zero(tmp_path):
     assert p.returncode == 0, p.stderr[-1500:]
     assert "$0.0000/h" not in p.stdout.split("hourly cost")[0].splitlines()[-1]
     assert "unknown price" in p.stdout and "hourly cost: unknown" in p.stdout
+
+
+def test_flow_parameters_refuse_an_absurd_batch_or_one_past_the_token_budget():
+    from flows.params import InvalidParameters, validate_params
+
+    with pytest.raises(InvalidParameters, match="large_batch"):
+        validate_params({"steps": 5, "global_batch_size": 10**12})
+    with pytest.raises(InvalidParameters, match="token budget"):
+        validate_params({"token_budget": 100, "global_batch_size": 1000})
+    assert validate_params({"steps": 5, "global_batch_size": 10**6, "large_batch": True}).large_batch
