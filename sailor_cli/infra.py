@@ -184,12 +184,18 @@ def cleanup(
     run: str = typer.Option(None, "--run", help="run id (default: every sailor run)"),
     region: list[str] = typer.Option(None, "--region", help="region to search (repeatable; default: configured)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed; remove nothing"),
+    workdir: str = typer.Option(".sailor", "--workdir", help="local provider: the runs' working folder"),
+    store: str = typer.Option(None, "--store", help="local provider: the run history's store (default: "
+                                                    "$SAILOR_STORE or .sailor/store)"),
 ) -> None:
     """Find and remove every resource a run (or every run) left: VMs, disks, security groups, firewalls.
 
     `--provider local` removes local testbeds whose owner process is dead (namespaces, veths,
-    bridges, cgroups, VM folders and their processes; infra/testbed.py); `--run` does not apply."""
+    bridges, cgroups, VM folders and their processes; infra/testbed.py), and the VMs (worker
+    processes) of every run in the store whose flow died (lease expired: written down as crashed);
+    `--run` does not apply."""
     if provider == "local":
+        _cleanup_crashed_local(workdir, store, dry_run)
         _cleanup_local(dry_run)
         return
     names = [provider] if provider else [n for n in ("aws", "gcp") if _configured(n)]
@@ -204,6 +210,30 @@ def cleanup(
         if not removed:
             typer.echo(f"{name}: nothing left by {'run ' + run if run else 'any sailor run'}")
     typer.echo(f"{verb} {total} resource(s)")
+
+
+def _cleanup_crashed_local(workdir: str, store: str | None, dry_run: bool) -> None:
+    """Runs whose lease expired: mark them crashed and stop the worker processes they left."""
+    from pathlib import Path
+
+    from infra.local import LocalProvider
+    from profiles_store.store import open_store
+    from tasks.history import RunHistory
+
+    history = RunHistory(open_store(store))
+    for r in history.list_runs():
+        if not r.get("crash_detected"):
+            continue
+        root = Path(workdir).resolve() / "runs" / r["run_id"] / "local"
+        if dry_run:
+            typer.echo(f"local: would mark run {r['run_id']} crashed ({r.get('status_reason', '')}) and remove "
+                       f"what it left under {root}")
+            continue
+        history.mark_crashed(r["run_id"], str(r.get("status_reason", "lease expired")))
+        removed = LocalProvider(root).cleanup(r["run_id"]) if root.is_dir() else []
+        history.event(r["run_id"], "teardown", f"sailor infra cleanup found this run crashed and removed "
+                      f"{len(removed)} VM(s) it left", {"removed": list(removed)})
+        typer.echo(f"local: run {r['run_id']} crashed ({r.get('status_reason', '')}); removed {len(removed)} VM(s)")
 
 
 def _cleanup_local(dry_run: bool) -> None:

@@ -180,3 +180,32 @@ def test_a_killed_flow_is_crashed_and_the_next_run_cleans_up_after_it(profiled_s
     while time.monotonic() < end and any(v.get("pid") and _group_alive(int(v["pid"])) for v in _vms_of(work, run_id)):
         time.sleep(0.5)
     assert not [v["vm_id"] for v in _vms_of(work, run_id) if v.get("pid") and _group_alive(int(v["pid"]))]
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_infra_cleanup_removes_what_a_crashed_run_left(profiled_store, tmp_path):
+    from infra.local import _group_alive
+    from profiles_store.store import open_store
+
+    work = tmp_path / "work"
+    h = RunHistory(open_store(profiled_store))
+    proc = _start_flow(profiled_store, work, "orphan", 5000, 6)
+    try:
+        run_id = _wait_training(h, work, "orphan", proc)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(7)  # past the lease
+    out = subprocess.run([sys.executable, "-m", "sailor_cli.main", "infra", "cleanup", "--provider", "local",
+                          "--workdir", str(work), "--store", profiled_store], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr[-1500:]
+    assert f"run {run_id} crashed" in out.stdout
+    r = h.show(run_id)
+    assert r["status"] == "crashed" and "crash_detected" not in r
+    end = time.monotonic() + 30
+    while time.monotonic() < end and any(v.get("pid") and _group_alive(int(v["pid"])) for v in _vms_of(work, run_id)):
+        time.sleep(0.5)
+    assert not [v["vm_id"] for v in _vms_of(work, run_id) if v.get("pid") and _group_alive(int(v["pid"]))]
