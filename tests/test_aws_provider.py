@@ -122,7 +122,7 @@ def test_provision_in_two_regions_tags_spot_and_ports_only_between_the_run(env) 
     ec2 = client_for("ec2", "us-east-1")
     user_data = ec2.describe_instance_attribute(InstanceId=east[0]["InstanceId"], Attribute="userData")
     script = base64.b64decode(user_data["UserData"]["Value"]).decode()
-    assert script.startswith("#!/bin/bash") and "sailor_core.runtime.worker_proc --control" in script
+    assert script.startswith("#!/bin/bash") and '"$bin/sailor" worker --control' in script  # the bootstrap
     vol = ec2.describe_volumes(Filters=[{"Name": f"tag:{RUN_TAG}", "Values": ["r1"]}])["Volumes"]
     assert vol and vol[0]["Size"] == 120
     # The group opens only the rendezvous and data ports, to itself and to the other region's VM.

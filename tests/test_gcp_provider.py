@@ -90,7 +90,7 @@ def test_provision_spot_and_standard_in_two_regions_with_labels_firewall_and_scr
     assert spot["labels"]["sailor-run"] == "r-1" and spot["disks"][0]["initializeParams"]["labels"]["sailor-run"] == "r-1"
     assert spot["disks"][0]["initializeParams"]["diskSizeGb"] == "150"
     script = {i["key"]: i["value"] for i in spot["metadata"]["items"]}["startup-script"]
-    assert "sailor_core.runtime.worker_proc --control" in script and "sailor-assignment" in script
+    assert '"$bin/sailor" worker --control' in script and "sailor-assignment" in script  # the bootstrap
     (fw,) = fake.firewalls.values()
     assert fw["sourceTags"] == fw["targetTags"] == [gce_name("sailor-R_1")] == spot["tags"]["items"]
     assert fw["allowed"] == [{"IPProtocol": "tcp", "ports": ["29400", "29500-29600"]}]

@@ -93,7 +93,7 @@ def test_the_short_form_rejects_testbed_keys_and_both_forms_at_once():
 def test_events_narrow_by_zone_and_device_type_and_capacity_can_return():
     sc = load_scenario(SCENARIOS / "geo.yaml")
     pre = next(e for e in sc.events if e.kind == "preemption")
-    assert [o.key for o in sc.offerings if pre.matches(o)] == ["eu-north/cpu-slow/spot"]
+    assert [o.key for o in sc.offerings if pre.matches(o)] == ["eu-west/cpu-fast/spot"]
     back = parse_scenario({
         "device_types": {"g": {"cpu_per_device": 0.1}},
         "regions": {"r": {"z": [{"device_type": "g", "market": "spot", "count": 1, "usd_per_gpu_hour": 1}]}},
