@@ -47,7 +47,7 @@ def one_run(store: str, workdir: Path, scenario: Path, steps: int) -> dict[str, 
 
     summary = sailor(run_name="bench-reconf", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
                      provider="local", scenario=str(scenario), steps=steps, checkpoint_interval=5, store_uri=store,
-                     workdir=str(workdir), min_gain=0.0, calibration_tolerance=100.0)
+                     workdir=str(workdir), min_gain=0.0, calibration_tolerance=9.0)
     run = RunHistory(open_store(store)).show(summary["run_id"])
     cold = next((m["cold_start_s"] for m in run["measurements"] if m["kind"] == "cold_start"), float("nan"))
     rec = next((e for e in run["events"] if e["kind"] == "reconfigured"), {})

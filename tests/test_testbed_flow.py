@@ -57,7 +57,7 @@ def test_a_run_on_isolated_vms_keeps_its_state_in_object_storage_and_leaves_noth
     work = tmp_path / "work"
     state = sailor(run_name="testbed", model="gpt-tiny", global_batch_size=8, objective="min-cost", provider="local",
                    scenario=str(sc), workers=4, steps=24, checkpoint_interval=4, store_uri=profiled_store,
-                   workdir=str(work), isolation="netns", calibration_tolerance=100.0, return_state=True)
+                   workdir=str(work), isolation="netns", calibration_tolerance=9.0, return_state=True)
     assert state.is_completed(), state.message
     h = RunHistory(open_store(profiled_store))
     r = h.show(state.result()["run_id"])
