@@ -136,45 +136,44 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
             with contextlib.suppress(protocol.ProtocolError):
                 client.set(protocol.heartbeat_key(worker_id), json.dumps({"time": time.time(), "step": last_step[0]}))
 
-    def watch_abort() -> None:
-        # The controller sets g<g>/abort when a member of that generation is lost; waking every
-        # blocked wait here turns a lost peer into a reconfiguration within milliseconds.
-        while not stop.is_set():
-            gen = current_gen[0]
-            try:
-                hit = client.get(protocol.abort_key(gen), wait_s=5.0)
-            except protocol.ProtocolError:
-                stop.wait(1.0)
-                continue
-            if hit is not None and gen == current_gen[0] and not comm.ABORT.is_set():
-                comm.ABORT.set()
-                while gen == current_gen[0] and not stop.is_set():
-                    stop.wait(0.05)
-
     switching = [-1]  # the generation the controller asked to end for a plan change
     training = [-1]  # the generation this process trains in now (-1: none: waiting, or sitting one out)
 
-    def watch_stop() -> None:
-        # g<g>/stop: finish the current step, checkpoint, and go on to g+1 keeping the state in memory.
+    def watch(key: Any, act: Any) -> None:
+        """Long-poll the current generation's `key(g)`; when it is set, `act(g)` once for that generation."""
         while not stop.is_set():
             gen = current_gen[0]
             try:
-                hit = client.get(protocol.stop_key(gen), wait_s=5.0)
+                hit = client.get(key(gen), wait_s=5.0)
             except protocol.ProtocolError:
                 stop.wait(1.0)
                 continue
-            if hit is not None and gen == current_gen[0] == training[0] and switching[0] != gen:
-                switching[0] = gen
-                _Notices.stop = True  # every rank agrees on the step through the step's all-reduce
+            if hit is not None and gen == current_gen[0] and act(gen):
                 while gen == current_gen[0] and not stop.is_set():
                     stop.wait(0.05)
 
+    def abort(gen: int) -> bool:
+        # A member of the generation was lost: waking every blocked wait turns a lost peer into a
+        # reconfiguration within milliseconds.
+        if comm.ABORT.is_set():
+            return False
+        comm.ABORT.set()
+        return True
+
+    def switch(gen: int) -> bool:
+        # A plan change: finish the current step, checkpoint, and go on to g+1 keeping the state in memory.
+        if training[0] != gen or switching[0] == gen:
+            return False
+        switching[0] = gen
+        _Notices.stop = True  # every rank agrees on the step through the step's all-reduce
+        return True
+
     threading.Thread(target=heartbeat, daemon=True).start()
-    threading.Thread(target=watch_stop, daemon=True).start()
+    threading.Thread(target=watch, args=(protocol.stop_key, switch), daemon=True).start()
     if os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0":  # 0: plain waits (lost peers then cost a timeout)
         comm.set_watched(True)
         set_wait(comm.wait)
-    threading.Thread(target=watch_abort, daemon=True).start()
+    threading.Thread(target=watch, args=(protocol.abort_key, abort), daemon=True).start()
     data = _DataCache()
     gen = int(os.environ.get("SAILOR_FIRST_GENERATION", "0"))  # a worker added to a running job
     previous: Trainer | None = None
