@@ -131,9 +131,9 @@ events:
   - {at_step: 20, kind: price_change, market: spot, usd_per_gpu_hour: 40.0}
 """)
     # Steps take ~0.07 s here: no calibration replan, so each scripted event lands in its own replan.
-    # The old plan keeps training while the flow replans (~2 s on a loaded 2-core machine), so the
-    # price change leaves 80 steps: enough that the run is not over before the new plan starts.
-    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=100, calibration_tolerance=9.0)
+    # After the price change the old plan, still whole, trains on while the on-demand VMs boot (tens of
+    # seconds on a loaded 2-core machine), so the run keeps 580 steps for the new plan to take over.
+    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=600, calibration_tolerance=9.0)
     assert state.is_completed(), state.message
     r = history(profiled_store, "preempt")
     ks = kinds(r)
