@@ -27,12 +27,13 @@ def book():  # type: ignore[no-untyped-def]
 
 def test_error_on_the_measured_runs_meets_the_targets(book) -> None:  # type: ignore[no-untyped-def]
     from sailor_core.plan_format import load_plan_file
-    from sailor_core.simulator import simulate
+    from sailor_core.simulator import SimOptions, simulate
 
     errs = []
     for f in sorted(glob.glob(str(VALIDATION / "**" / "plan_config_*.json"), recursive=True)):
         meas = json.load(open(f))
-        r = simulate(load_plan_file(f, fmt="eth-easl", model="OPT-350"), book)
+        # the published runs ran on DeepSpeed, whose communication the simulator models as such
+        r = simulate(load_plan_file(f, fmt="eth-easl", model="OPT-350"), book, options=SimOptions(runtime="deepspeed"))
         errs.append((abs(r.iteration_time_s / meas["real"] - 1), abs(r.peak_memory_bytes / meas["max_mem"] - 1)))
         assert r.fits_memory
     assert len(errs) == 15
