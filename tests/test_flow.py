@@ -224,6 +224,41 @@ def test_a_failure_after_provisioning_still_tears_down(profiled_store, tmp_path)
     assert vms and all(v.state == "terminated" for v in vms)
 
 
+def test_a_stockout_at_the_first_provisioning_plans_again_on_what_is_granted(profiled_store, tmp_path):
+    from flows.sailor import Deps
+    from infra.provider import CapacityError
+    from infra.scenario import parse_scenario
+    from profiles_store.store import open_store
+
+    class Stockout(LocalProvider):
+        """Offers 3 spot VMs, but between the offer and the request two of them go (as a cloud's do)."""
+
+        tries = 0
+
+        def provision(self, requests, *, dry_run=False):
+            if not dry_run and self.tries == 0 and len(requests) > 1:
+                self.tries += 1
+                st = self._state()
+                st["capacity"] = {k: (1 if "spot" in k else v) for k, v in st["capacity"].items()}
+                from infra.local import _write_json
+
+                _write_json(self._state_path, st)
+                raise CapacityError(f"only 1 of the {len(requests)} spot VMs requested is left")
+            return super().provision(requests, dry_run=dry_run)
+
+    sc = parse_scenario({"offerings": [{"market": "spot", "count": 3, "usd_per_gpu_hour": 0.1}]})
+    provider = Stockout(tmp_path / "local", scenario=sc, isolation="process")
+    deps = Deps(provider=provider, store=open_store(profiled_store), workdir=tmp_path / "work")
+    state = run(profiled_store, tmp_path, "stockout", deps=deps, objective="max-throughput", workers=3, steps=12)
+    assert state.is_completed(), state.message
+    r = history(profiled_store, "stockout")
+    assert any(e["kind"] == "capacity_change" and "stockout" in e["reason"] for e in r["events"])
+    first, last = r["plans"][0]["plan"], r["plans"][-1]["plan"]
+    assert sum(len(st["replicas"]) for st in first["stages"]) > 1
+    assert sum(len(st["replicas"]) for st in last["stages"]) == 1 and r["steps_done"] == 12
+    assert_nothing_left(tmp_path, r["run_id"])
+
+
 def test_cancelling_the_flow_process_tears_everything_down(profiled_store, tmp_path):
     """What cancelling from the UI does to a process-worker run: SIGTERM to the flow's process."""
     import os
