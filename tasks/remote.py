@@ -60,6 +60,7 @@ class VmCommands:
         codes: dict[str, int] = {}
         exit_code = getattr(self.provider, "agent_exit_code", None)
         gone: dict[str, float] = {}
+        failed_at: float | None = None
         while len(codes) < len(jobs):
             for vm, _ in jobs:
                 raw = self.controller.server.get(job_key(vm.vm_id, job))
@@ -69,6 +70,11 @@ class VmCommands:
                     # the VM's bootstrap ended without reporting (killed, or failed before the command)
                     if time.monotonic() - gone.setdefault(vm.vm_id, time.monotonic()) > 5.0:
                         codes[vm.vm_id] = int(exit_code(vm.vm_id) or 1) or 1
+            if any(codes.values()):
+                failed_at = failed_at or time.monotonic()
+                if time.monotonic() - failed_at > 5.0:
+                    # one end failed: the others (a link's other end waiting for it) would never finish
+                    return {vm.vm_id: codes.get(vm.vm_id, 1) for vm, _ in jobs}
             if time.monotonic() > deadline:
                 missing = [vm.vm_id for vm, _ in jobs if vm.vm_id not in codes]
                 raise SailorError(f"profiling on {missing} did not finish within {timeout_s:.0f}s; to fix: see the "

@@ -9,6 +9,7 @@ without restarting the other VMs' processes, and afterwards nothing of the testb
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import pytest
 from infra.testbed import testbed_support
 
 pytest_plugins = ["tests.flow_fixtures"]
-pytestmark = [pytest.mark.usefixtures("prefect_harness"),
+# Several minutes of VM profiling and training on isolated VMs: run with SAILOR_SLOW_TESTS=1 (as root).
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("SAILOR_SLOW_TESTS") != "1", reason="slow: set SAILOR_SLOW_TESTS=1"),
               pytest.mark.skipif(not testbed_support()[0], reason=f"no testbed here: {testbed_support()[1]}")]
 
 SCENARIO = """
