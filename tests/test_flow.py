@@ -128,11 +128,12 @@ offerings:
   - {market: on-demand, count: 2, usd_per_gpu_hour: 0.30}
 events:
   - {at_step: 5, kind: preemption, market: spot, grace_s: 1}
-  - {at_step: 20, kind: price_change, market: spot, usd_per_gpu_hour: 40.0}
+  - {at_step: 60, kind: price_change, market: spot, usd_per_gpu_hour: 40.0}
 """)
     # Steps take ~0.07 s here: no calibration replan, so each scripted event lands in its own replan.
-    # After the price change the old plan, still whole, trains on while the on-demand VMs boot (tens of
-    # seconds on a loaded 2-core machine), so the run keeps 580 steps for the new plan to take over.
+    # The old plan trains on through the preemption's grace period (and resumes from a later
+    # checkpoint), so the price change comes at step 60, after the second plan has trained; after it
+    # the old plan, still whole, trains on while the on-demand VM boots, so 540 steps are left.
     state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=600, calibration_tolerance=9.0)
     assert state.is_completed(), state.message
     r = history(profiled_store, "preempt")
