@@ -85,15 +85,10 @@ class Controller:
         )
         vms = [(vm.vm_id, max(vm.gpus, 1), ranks) for vm, ranks in vm_ranks(job)]
         self._devices.update({v: n for v, n, _ in vms})
-        job.extra["members"] = [w for w in self._members(vms)]
-        return assign_generation(self.server, job.version, plan=plan_to_dict(job.plan), settings=settings.to_dict(),
-                                 resume=resume, vms=vms)
-
-    @staticmethod
-    def _members(vms: list[tuple[str, int, tuple[int, ...]]]) -> list[str]:
-        from sailor_core.runtime.protocol import worker_id
-
-        return [worker_id(v, i) for v, _, ranks in vms for i in range(len(ranks))]
+        members = assign_generation(self.server, job.version, plan=plan_to_dict(job.plan), settings=settings.to_dict(),
+                                    resume=resume, vms=vms)
+        job.extra["members"] = members  # the generation a plan change ends (end_generation)
+        return members
 
     def watch(self, vms: list[Any]) -> None:
         """Know these VMs' device counts before they are handed a generation (for `ready`)."""

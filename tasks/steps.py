@@ -87,14 +87,6 @@ def launch(provider: Provider, job: Job) -> float:
     return hand_out(job)
 
 
-@task(name="stop-workers", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def stop_workers(provider: Provider, job: Job) -> None:
-    """Stop the agents (SIGTERM: the runtime checkpoints and stops) and keep the VMs for reuse."""
-    stop = getattr(provider, "stop_agents", None)
-    if stop is not None:
-        stop([v.vm_id for v in job.vms])
-
-
 @task(name="save-metrics", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def save_metrics(job: Job) -> None:
     """The plan version's per-step records, from the controller to the run's state in object storage."""
