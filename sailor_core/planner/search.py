@@ -149,6 +149,8 @@ class Search:
         self.incumbent = math.inf
         self.nearest: tuple[float, str] | None = None  # smallest violation seen, and its reason
         self._p2p_floor: dict[tuple[int, int], float] = {}
+        # quick_bound's terms that do not depend on D, per (mbs, bounds, kinds)
+        self._sketch_terms: dict[tuple, tuple[float, float, float, float, float]] = {}
         self._p2p_fill_floor: dict[tuple[int, int], float] = {}
         self._round_best = math.inf
         self._violators: list[tuple[float, int, Candidate]] = []  # best scores that break a limit
@@ -673,25 +675,43 @@ class Search:
         """Score lower bound of a sketch without network terms (they only add time and egress)."""
         slots = self.pb.slots
         c = self.costs
-        ts = [c.compute(slots[si].gpu_type, mbs, tp, a, b).total_s for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
+        fixed = self._sketch_terms.get((mbs, bounds, kinds))
+        if fixed is None:
+            ts = [c.compute(slots[si].gpu_type, mbs, tp, a, b).total_s
+                  for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
+            (a0, b0), (s0, tp0) = bounds[0], kinds[0]
+            fixed = (sum(ts), max(ts), c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s,
+                     max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b)
+                         for (a, b), (si, tp) in zip(bounds, kinds, strict=True)),
+                     sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds))
+            if len(self._sketch_terms) > 200_000:
+                self._sketch_terms.clear()
+            self._sketch_terms[(mbs, tuple(bounds), tuple(kinds))] = fixed
+        total, slowest, bwd0, opt_s, usd_per_hour = fixed
         m = -(-n // d)
-        t = sum(ts) + (m - 1) * max(ts)
-        # Stage 0's gradient ring starts no earlier than its last backward (the buckets overlap that
-        # backward at most) and the optimizer step follows: both bound the iteration from below. Its
-        # ring on one zone is the fastest it can be (a cross-zone ring is slower).
-        (a0, b0), (s0, tp0) = bounds[0], kinds[0]
-        if d > 1:
+        t = total + (m - 1) * slowest + opt_s
+        # The gradient ring only adds time: skip it when the sketch loses without it.
+        score = self._score_of(t, d, usd_per_hour)
+        if d > 1 and score < self.cutoff:
+            # Stage 0's gradient ring starts no earlier than its last backward (the buckets overlap
+            # that backward at most) and the optimizer step follows: both bound the iteration from
+            # below. Its ring on one zone is the fastest it can be (a cross-zone ring is slower).
+            (a0, b0), (s0, tp0) = bounds[0], kinds[0]
             ar, ar_last, first_bwd = c.dp_sync_terms(slots[s0], tp0, ((slots[s0].zones[0][0], d),), mbs, a0, b0)
             # dp_sync_end_s - finish >= both of these
-            t += max(ar_last, ar - c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s + first_bwd)
-        t += max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b) for (a, b), (si, tp) in zip(bounds, kinds, strict=True))
+            score = self._score_of(t + max(ar_last, ar - bwd0 + first_bwd), d, usd_per_hour)
+        return score
+
+    def _score_of(self, t: float, d: int, usd_per_hour: float) -> float:
+        """The objective's score of an iteration of t seconds on D replicas at that price per replica
+        hour; infinite when a constraint rules it out."""
         cons = self.pb.constraints
         if cons.min_iterations_per_s is not None and 1.0 / t < cons.min_iterations_per_s * 0.98:
             return math.inf
         o = self.pb.objective
         if o is Objective.MAX_THROUGHPUT:
             return t
-        usd = t * d * sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds) / SECONDS_PER_HOUR
+        usd = t * d * usd_per_hour / SECONDS_PER_HOUR
         if cons.max_usd_per_iteration is not None and usd > cons.max_usd_per_iteration * 1.02:
             return math.inf
         if o is Objective.MIN_COST_PER_TOKEN:
