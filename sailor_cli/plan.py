@@ -10,6 +10,7 @@ miss and exits 1; user errors are `SailorError`s (one line with the fix, exit 2)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Annotated, Any
@@ -17,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market, SailorError
-from sailor_core.plan_format import plan_from_dict, plan_to_dict, save_plan_file
+from sailor_core.plan_format import plan_to_dict, save_plan_file
 from sailor_core.planner import (
     Constraints,
     Objective,
@@ -33,14 +34,7 @@ from sailor_core.planner import (
     plan as run_planner,
 )
 from sailor_core.planner.pool import parse_preemption_rates, read_pool_document
-from sailor_core.planner.risk import (
-    DEFAULT_CHECKPOINT_INTERVAL_STEPS,
-    DEFAULT_RECONFIGURATION_S,
-    SpotRisk,
-    rates_from_history,
-    reconfiguration_from_history,
-    spot_exposure_vm_hours,
-)
+from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS, SpotRisk
 
 
 def _split(values: list[str] | None) -> tuple[str, ...]:
@@ -134,42 +128,15 @@ def plan(
 def _spot_risk(doc: Any, store: str | None, checkpoint_interval: int, reconfiguration_s: float | None) -> SpotRisk:
     """Spot preemption rates: the store's run history where it has watched a market long enough, else
     the pool file's rate; the reconfiguration time: the option, else the store's measured mean."""
-    rates, default = parse_preemption_rates(doc)
-    by_market = dict(rates)
-    sources = [f"{z} {g}: pool file" for (z, g) in by_market]
-    measured_reconf = None
-    try:
-        from profiles_store.store import open_store
+    from profiles_store.spot_risk import spot_risk_from_store
+    from profiles_store.store import open_store
 
-        st = open_store(store)
-        plan_rows = []
-        for rec in st.read_history("plans"):
-            try:
-                plan_rows.append((rec.run_id, rec.time, plan_from_dict(dict(rec.payload["plan"]))))
-            except (KeyError, TypeError, ValueError, SailorError):
-                continue  # a row this version cannot read tells nothing about exposure
-        ends = {rec.run_id: rec.time for rec in sorted(st.read_history("runs"), key=lambda r: r.time)
-                if rec.kind in ("completed", "failed", "cancelled", "crashed")}
-        events = [(str(e.payload.get("zone", "")), str(e.payload.get("gpu_type", "")), e.payload.get("market"))
-                  for e in st.read_history("events", kind="preemption")]
-        for key, (rate, n, hours) in rates_from_history(events, spot_exposure_vm_hours(plan_rows, ends)).items():
-            by_market[key] = rate
-            sources = [x for x in sources if not x.startswith(f"{key[0]} {key[1]}:")]
-            sources.append(f"{key[0]} {key[1]}: history, {n} preemption(s) in {hours:.1f} spot VM-hours")
-        measured_reconf = reconfiguration_from_history(
-            float(m.payload["reconfiguration_s"]) for m in st.read_history("measurements", kind="reconfiguration")
-            if "reconfiguration_s" in m.payload)
-    except Exception:  # noqa: BLE001 - no readable store: the pool file's rates stand
-        pass
-    if reconfiguration_s is not None:
-        reconf, src = reconfiguration_s, "--reconfiguration-s"
-    elif measured_reconf is not None:
-        reconf, src = measured_reconf, "measured mean in the store"
-    else:
-        reconf, src = DEFAULT_RECONFIGURATION_S, "default"
-    sources.append(f"reconfiguration {reconf:.1f} s: {src}")
-    return SpotRisk(preemptions_per_vm_hour=tuple(sorted(by_market.items())), default_preemptions_per_vm_hour=default,
-                    reconfiguration_s=reconf, checkpoint_interval_steps=checkpoint_interval, sources=tuple(sources))
+    rates, default = parse_preemption_rates(doc)
+    opened = None
+    with contextlib.suppress(Exception):  # no readable store: the pool file's rates stand
+        opened = open_store(store)
+    return spot_risk_from_store(opened, rates=rates, default_rate=default, checkpoint_interval=checkpoint_interval,
+                                reconfiguration_s=reconfiguration_s)
 
 
 def _check_batch(global_batch_size: int, confirmed: bool) -> None:
