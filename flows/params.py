@@ -13,14 +13,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market, SailorError
+from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market
+from sailor_core.errors import InvalidParameters as InvalidParameters  # re-exported for tests
+from sailor_core.planner.request import Objective
 
-Objective = Literal["max-throughput", "min-cost", "min-cost-per-token"]
 PROVIDERS = ("local", "aws", "gcp")
-
-
-class InvalidParameters(SailorError):
-    """The flow's parameters are invalid; nothing was provisioned."""
 
 
 class SailorParams(BaseModel):
@@ -29,7 +26,7 @@ class SailorParams(BaseModel):
     run_name: str = Field(default="sailor", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     model: str = Field(default="gpt-tiny", min_length=1)
     global_batch_size: int = Field(default=8, ge=1)
-    objective: Objective = "min-cost"
+    objective: Objective = Objective.MIN_COST
     max_usd_per_iteration: float | None = Field(default=None, gt=0)
     max_usd_per_hour: float | None = Field(default=None, gt=0)
     min_iterations_per_s: float | None = Field(default=None, gt=0)
@@ -40,6 +37,9 @@ class SailorParams(BaseModel):
     markets: list[str] | None = None
     max_gpus: int | None = Field(default=None, ge=1)
     max_stages: int | None = Field(default=None, ge=1, description="most pipeline stages a plan may have")
+    spot_preemptions_per_vm_hour: float = Field(
+        default=0.0, ge=0, description="expected preemptions per spot VM-hour where the store's run history has not "
+                                       "watched a market long enough (what max-goodput weighs; 0: none expected)")
     provider: Literal["local", "aws", "gcp"] = "local"
     store_uri: str | None = Field(default=None, description="profile store URI; None: $SAILOR_STORE or .sailor/store")
     workdir: str = Field(default=".sailor", min_length=1,

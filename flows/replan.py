@@ -26,13 +26,23 @@ from prefect.logging import get_run_logger
 
 from flows.params import SailorParams
 from infra.provider import CapacityError, EventKind, Provider, ProviderEvent, Vm
-from sailor_core.domain import ParallelPlan
+from profiles_store.spot_risk import spot_risk_from_store
+from sailor_core.domain import ParallelPlan, ResourcePool
 from sailor_core.plan_format import plan_to_dict
+from sailor_core.planner.request import Constraints, PlanRequest, Restrictions, SearchOptions
 from sailor_core.profiles import ProfileBook
 from tasks.decisions import PlanCost, decide_switch
 from tasks.history import RunHistory
 from tasks.jobs import Job, Progress, node_request, nodes, place
-from tasks.planning import NoPlanError, calibrated_book, estimate, plan_violations, pool_from, priced_book
+from tasks.planning import (
+    NoPlanError,
+    calibrated_book,
+    chosen_plan,
+    estimate,
+    plan_violations,
+    pool_from,
+    priced_book,
+)
 from tasks.reporting import emit, publish_cost, publish_frontier, publish_plan, publish_timeline
 from tasks.steps import (
     fetch_offerings,
@@ -66,13 +76,23 @@ class RunContext:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     dry_run: str = ""
 
-    def planner_args(self, pool: Any, book: ProfileBook) -> dict[str, Any]:
+    def plan_request(self, pool: ResourcePool) -> PlanRequest:
+        """What the run asks the planner for on this pool: the parameters' objective, limits and
+        restrictions, and the spot risk the store's history and the parameters give."""
         p = self.params
-        return dict(model=p.model, global_batch_size=p.global_batch_size, pool=pool, book=book, objective=p.objective,
-                    max_usd_per_iteration=p.max_usd_per_iteration, max_usd_per_hour=p.max_usd_per_hour,
-                    min_iterations_per_s=p.min_iterations_per_s, clouds=p.clouds, regions=p.regions,
-                    gpu_types=p.gpu_types, markets=p.markets, max_stages=p.max_stages,
-                    max_gpus=min(p.max_gpus or p.workers, p.workers) if p.provider == "local" else p.max_gpus)
+        local = p.provider == "local"  # the local provider has `workers` devices in all
+        return PlanRequest(
+            model=p.model, global_batch_size=p.global_batch_size, pool=pool, objective=p.objective,
+            constraints=Constraints(max_usd_per_iteration=p.max_usd_per_iteration,
+                                    max_usd_per_hour=p.max_usd_per_hour, min_iterations_per_s=p.min_iterations_per_s),
+            restrictions=Restrictions(clouds=tuple(p.clouds or ()), regions=tuple(p.regions or ()),
+                                      gpu_types=tuple(p.gpu_types or ()), markets=tuple(p.markets or ()),
+                                      max_gpus=min(p.max_gpus or p.workers, p.workers) if local else p.max_gpus),
+            options=SearchOptions(max_stages=p.max_stages) if p.max_stages else SearchOptions(),
+            spot_risk=spot_risk_from_store(self.history.store, default_rate=p.spot_preemptions_per_vm_hour,
+                                           checkpoint_interval=p.checkpoint_interval,
+                                           given_as="spot_preemptions_per_vm_hour"),
+        )
 
     def adopt_plan(self, plan: ParallelPlan, est: dict[str, Any], reason: str, frontier: Any = ()) -> None:
         self.version += 1
@@ -193,18 +213,18 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
             # later (a capacity_change) is weighed then, like any other change.
             try:
                 none_free = [dataclasses.replace(o, count=0) for o in offers]  # their zones' regions, no capacity
-                result = make_plan(**ctx.planner_args(pool_from(none_free, held), book))
+                result = make_plan(ctx.plan_request(pool_from(none_free, held)), book)
             except NoPlanError:
                 result = None
         if result is None:
-            result = make_plan(**ctx.planner_args(pool_from(offers, held), book))
+            result = make_plan(ctx.plan_request(pool_from(offers, held)), book)
     except NoPlanError as e:
         if lost:
             raise
         reason = f"after {', '.join(kinds)}: no feasible plan with current offerings ({e}); staying on plan v{job.version}"
         _decide(ctx, "stay", reason, {"trigger": kinds, "step": step})
         return job
-    cand, cand_est = result.plan, dict(result.estimate.to_json())
+    cand, cand_est = chosen_plan(result)
     same = plan_to_dict(cand) == plan_to_dict(job.plan) and not lost
     remaining = ctx.total_steps - step
     lost_steps = step - _checkpoint_step(step, job.checkpoint_interval)

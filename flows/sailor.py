@@ -32,10 +32,11 @@ from flows.params import SailorParams, validate_params
 from flows.profiling import profile
 from flows.replan import RunContext, replan
 from infra.provider import CapacityError, Provider
+from sailor_core.planner.request import Objective
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
 from tasks.jobs import CodeRef, Job, node_requests
-from tasks.planning import calibrated_book, pool_from, priced_book
+from tasks.planning import calibrated_book, chosen_plan, pool_from, priced_book
 from tasks.remote import VmCommands
 from tasks.reporting import ProgressBar, emit, publish_cost, publish_timeline
 from tasks.runstate import RunState, TestbedObjectStore, build_wheel, project_root, publish_wheel, state_for
@@ -273,7 +274,7 @@ def sailor(
     run_name: str = "sailor",
     model: str = "gpt-tiny",
     global_batch_size: int = 8,
-    objective: str = "min-cost",
+    objective: Objective = Objective.MIN_COST,
     max_usd_per_iteration: float | None = None,
     max_usd_per_hour: float | None = None,
     min_iterations_per_s: float | None = None,
@@ -284,6 +285,7 @@ def sailor(
     markets: list[str] | None = None,
     max_gpus: int | None = None,
     max_stages: int | None = None,
+    spot_preemptions_per_vm_hour: float = 0.0,
     provider: str = "local",
     store_uri: str | None = None,
     workdir: str = ".sailor",
@@ -355,8 +357,8 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         if ctx.calibration:
             log.info("using online calibration from earlier runs: %s", ctx.calibration)
         book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
-        result = make_plan(**ctx.planner_args(pool_from(offers), book))
-        plan, est = result.plan, dict(result.estimate.to_json())
+        result = make_plan(ctx.plan_request(pool_from(offers)), book)
+        plan, est = chosen_plan(result)
         ctx.total_steps = params.total_steps(ctx.base_book.model.sequence_length)
         if params.provider == "local":  # cloud plans are checked by the workers on their VMs
             check_runnable(plan, params.workers)
@@ -388,8 +390,8 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
                 offers = fetch_offerings(provider, regions=params.regions, gpu_types=params.gpu_types,
                                          markets=params.markets)
                 book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
-                result = make_plan(**ctx.planner_args(pool_from(offers), book))
-                plan, est = result.plan, dict(result.estimate.to_json())
+                result = make_plan(ctx.plan_request(pool_from(offers)), book)
+                plan, est = chosen_plan(result)
                 ctx.adopt_plan(plan, est, f"the first provisioning found less than planned ({e}); "
                                           f"planned again on what is offered now", result.frontier)
                 record(history.event, run_id, "capacity_change", f"stockout at first provisioning: {e}",

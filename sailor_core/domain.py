@@ -344,6 +344,13 @@ class Replica:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "market", Market.parse(self.market))
+        _check(bool(self.gpu_type) and bool(self.zone),
+               f"replica gpu_type={self.gpu_type!r} zone={self.zone!r}: both must be non-empty; "
+               f"to fix: name the replica's GPU type and zone")
+        _check(self.tp >= 1, f"replica {self.gpu_type}@{self.zone}: tp must be >= 1, got {self.tp}; "
+               f"to fix: use tp=1 for a replica without tensor parallelism")
+        _check(self.gpus_per_node >= 1, f"replica {self.gpu_type}@{self.zone}: gpus_per_node must be >= 1, "
+               f"got {self.gpus_per_node}; to fix: give the GPUs of one VM of this type")
         if not self.region:
             object.__setattr__(self, "region", default_region(self.zone))
 
@@ -360,6 +367,13 @@ class Stage:
     replicas: tuple[Replica, ...]
     recompute: bool = False
 
+    def __post_init__(self) -> None:
+        _check(0 <= self.first_layer <= self.last_layer,
+               f"stage layers [{self.first_layer}, {self.last_layer}]: need 0 <= first_layer <= last_layer; "
+               f"to fix: give the stage's first and last layer, inclusive, in order")
+        _check(bool(self.replicas), f"stage layers [{self.first_layer}, {self.last_layer}] has no replicas; "
+               f"to fix: give it one replica per data-parallel pipeline")
+
     @property
     def layers(self) -> range:
         return range(self.first_layer, self.last_layer + 1)
@@ -372,6 +386,11 @@ class PipelineBatch:
     microbatch_size: int
     num_microbatches: int
 
+    def __post_init__(self) -> None:
+        _check(self.microbatch_size >= 1 and self.num_microbatches >= 1,
+               f"pipeline batch microbatch_size={self.microbatch_size} num_microbatches={self.num_microbatches}: "
+               f"both must be >= 1; to fix: give every pipeline at least one microbatch of at least one sample")
+
     @property
     def samples(self) -> int:
         return self.microbatch_size * self.num_microbatches
@@ -381,7 +400,11 @@ class PipelineBatch:
 class ParallelPlan:
     """A heterogeneous PP x DP x TP plan. Pipeline j is replica j of every stage.
 
-    `validate(num_layers)` lists every violation; the constructor checks only the shape.
+    The constructor raises one `ValidationError` that lists every violation of the plan's shape:
+    no stages, stages that do not tile layers 0, 1, ... in order, a stage whose replica count is not
+    the number of pipelines, a TP group larger than its node, pipelines whose samples do not add up
+    to `global_batch_size`, an unknown schedule or precision. The plan does not know its model's
+    layer count: `violations(num_layers)` adds that check (the simulator and the runtime call it).
     """
 
     model: str
@@ -392,35 +415,31 @@ class ParallelPlan:
     precision: str = "fp32"
     zero1: bool = False
 
-    def violations(self, num_layers: int | None = None) -> list[str]:
-        out: list[str] = []
+    def __post_init__(self) -> None:
+        problems = self._shape_problems()
+        _check(not problems, f"invalid plan for model {self.model}: " + "; ".join(problems)
+               + "; to fix: let `sailor plan` make the plan, or correct it (docs/formats.md, 'Plan files')")
+
+    def _shape_problems(self) -> list[str]:
         if not self.stages:
             return ["plan has no stages"]
+        out: list[str] = []
         dp = len(self.pipelines)
         expect = 0
         for i, st in enumerate(self.stages):
             if st.first_layer != expect:
                 out.append(f"stage {i} starts at layer {st.first_layer}, expected {expect} (layers must tile the model)")
-            if st.last_layer < st.first_layer:
-                out.append(f"stage {i} has last_layer {st.last_layer} < first_layer {st.first_layer}")
             expect = st.last_layer + 1
             if len(st.replicas) != dp:
                 out.append(f"stage {i} has {len(st.replicas)} replicas but the plan has {dp} pipelines")
             for j, r in enumerate(st.replicas):
-                if r.tp < 1:
-                    out.append(f"stage {i} replica {j}: tp must be >= 1, got {r.tp}")
                 if r.tp > r.gpus_per_node:
                     out.append(
                         f"stage {i} replica {j}: tp={r.tp} is larger than a node of {r.gpus_per_node} "
                         f"{r.gpu_type} GPUs (TP stays inside a node)"
                     )
-        if num_layers is not None and expect != num_layers:
-            out.append(f"stages cover layers 0..{expect - 1} but model {self.model} has {num_layers} layers")
-        for j, p in enumerate(self.pipelines):
-            if p.microbatch_size < 1 or p.num_microbatches < 1:
-                out.append(f"pipeline {j}: microbatch_size and num_microbatches must be >= 1")
         total = sum(p.samples for p in self.pipelines)
-        if total != self.global_batch_size:
+        if total != self.global_batch_size or total < 1:
             out.append(
                 f"pipelines carry {total} samples per iteration but global_batch_size is {self.global_batch_size}"
             )
@@ -428,6 +447,14 @@ class ParallelPlan:
             out.append(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
         if self.precision not in ("fp32", "bf16"):
             out.append(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        return out
+
+    def violations(self, num_layers: int | None = None) -> list[str]:
+        """What keeps this plan from running a model of `num_layers` layers (empty: nothing)."""
+        out = self._shape_problems()
+        covered = self.stages[-1].last_layer + 1 if self.stages else 0
+        if num_layers is not None and covered != num_layers:
+            out.append(f"stages cover layers 0..{covered - 1} but model {self.model} has {num_layers} layers")
         return out
 
     @property

@@ -26,17 +26,13 @@ from sailor_core.domain import (
     ParallelPlan,
     PipelineBatch,
     Replica,
-    SailorError,
     Stage,
-    ValidationError,
 )
+from sailor_core.errors import PlanFormatError as PlanFormatError  # re-exported: tests import it from here
+from sailor_core.errors import ValidationError
 
 FORMAT_NAME = "sailor-plan"
 FORMAT_VERSION = 1
-
-
-class PlanFormatError(SailorError):
-    """A plan file is malformed or invalid; the message lists every problem."""
 
 
 def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
@@ -83,7 +79,6 @@ def plan_from_dict(d: dict[str, Any], *, model: str | None = None) -> ParallelPl
     if model and named and str(named) != model:
         raise PlanFormatError(f"the plan file is a plan for {named}, but --model says {model}; to fix: drop --model "
                               f"(the plan's model is used) or make a plan for {model} with `sailor plan`")
-    errors: list[str] = []
     try:
         stages = tuple(
             Stage(
@@ -119,11 +114,10 @@ def plan_from_dict(d: dict[str, Any], *, model: str | None = None) -> ParallelPl
         )
     except (KeyError, IndexError, TypeError) as e:
         raise PlanFormatError(f"plan is missing or mistypes field {e}; see docs/formats.md for the plan format") from None
-    except (ValueError, ValidationError) as e:
+    except ValidationError as e:  # the plan types' own message: every problem and the fix
+        raise PlanFormatError(str(e)) from None
+    except ValueError as e:
         raise PlanFormatError(f"invalid plan: {e}") from None
-    errors.extend(plan.violations())
-    if errors:
-        raise PlanFormatError("invalid plan: " + "; ".join(errors))
     return plan
 
 
@@ -163,16 +157,11 @@ def plan_from_eth_easl(d: dict[str, Any], *, model: str) -> ParallelPlan:
         raise PlanFormatError(f"gbs={gbs} with mbs={mbs} gives {n_micro} microbatches, fewer than dp={dp}")
     base, extra = divmod(n_micro, dp)
     pipelines = tuple(PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0)) for j in range(dp))
-    plan = ParallelPlan(
-        model=model,
-        global_batch_size=sum(p.samples for p in pipelines),
-        stages=tuple(stages),
-        pipelines=pipelines,
-    )
-    problems = plan.violations()
-    if problems:
-        raise PlanFormatError("invalid plan: " + "; ".join(problems))
-    return plan
+    try:
+        return ParallelPlan(model=model, global_batch_size=sum(p.samples for p in pipelines), stages=tuple(stages),
+                            pipelines=pipelines)
+    except ValidationError as e:  # the plan types list every problem of the plan's shape
+        raise PlanFormatError(str(e)) from None
 
 
 def load_plan_file(path: str | os.PathLike[str], *, fmt: str = "auto", model: str | None = None) -> ParallelPlan:

@@ -6,7 +6,9 @@ Contract (no Prefect): pure helpers around sailor_core's planner and simulator.
 - `priced_book(book, offerings)`: the book with the provider's current prices.
 - `calibrated_book(book, factors)` (from sailor_core.profiles): layer times of each GPU type scaled by its online correction
   (measured / estimated iteration time), so the next plan uses what this machine really does.
-- `run_planner(...)`: the planner's best plan and frontier, or `NoPlanError` with its nearest miss.
+- `run_planner(request, book)`: the planner's answer (a `PlanResult` with a plan), or `NoPlanError` with its
+  nearest miss.
+- `chosen_plan(result)`: its plan and the estimate as JSON.
 - `estimate(plan, book)`: the simulator's estimate as a JSON dict.
 """
 
@@ -17,14 +19,12 @@ from dataclasses import replace
 from typing import Any
 
 from infra.provider import Offering, Vm
-from sailor_core.domain import GpuPrice, Market, ParallelPlan, PoolEntry, ResourcePool, SailorError
+from sailor_core.domain import GpuPrice, Market, ParallelPlan, PoolEntry, ResourcePool
+from sailor_core.errors import NoPlanError
+from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook, calibrated_book
 
-__all__ = ["NoPlanError", "calibrated_book", "estimate", "plan_violations", "pool_from", "priced_book", "run_planner"]
-
-
-class NoPlanError(SailorError):
-    """No plan satisfies the request with what can be rented now."""
+__all__ = ["NoPlanError", "calibrated_book", "chosen_plan", "estimate", "plan_violations", "pool_from", "priced_book", "run_planner"]
 
 
 def pool_from(offerings: Sequence[Offering], held: Sequence[Vm] = ()) -> ResourcePool:
@@ -62,30 +62,26 @@ def estimate(plan: ParallelPlan, book: ProfileBook) -> dict[str, Any]:
     return dict(simulate(plan, book).to_json())
 
 
-def run_planner(*, model: str, global_batch_size: int, pool: ResourcePool, book: ProfileBook, objective: str,
-                max_usd_per_iteration: float | None, max_usd_per_hour: float | None,
-                min_iterations_per_s: float | None, clouds: Sequence[str] | None, regions: Sequence[str] | None,
-                gpu_types: Sequence[str] | None, markets: Sequence[str] | None, max_gpus: int | None,
-                max_stages: int | None = None) -> Any:
+def run_planner(request: PlanRequest, book: ProfileBook) -> PlanResult:
+    """The planner's answer to the request; NoPlanError (with the nearest miss) when nothing fits."""
     from sailor_core.planner import plan as planner_plan
-    from sailor_core.planner.request import Constraints, PlanRequest, Restrictions, SearchOptions
 
-    req = PlanRequest(
-        model=model, global_batch_size=global_batch_size, pool=pool, objective=objective,
-        constraints=Constraints(max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
-                                min_iterations_per_s=min_iterations_per_s),
-        restrictions=Restrictions(clouds=tuple(clouds or ()), regions=tuple(regions or ()),
-                                  gpu_types=tuple(gpu_types or ()), markets=tuple(markets or ()), max_gpus=max_gpus),
-        options=SearchOptions(max_stages=max_stages) if max_stages else SearchOptions(),
-    )
-    result = planner_plan(req, book)
-    if result.plan is None:
+    result = planner_plan(request, book)
+    if result.plan is None or result.estimate is None:
+        pool = request.pool
         raise NoPlanError(
             f"no plan fits the request with what can be rented now ({len(pool.entries)} pool entries, "
             f"{sum(e.count for e in pool.entries)} GPUs): {result.nearest_miss or result.explanation}; "
             f"to fix: relax the limits, allow more GPU types/markets, or wait for capacity"
         )
     return result
+
+
+def chosen_plan(result: PlanResult) -> tuple[ParallelPlan, dict[str, Any]]:
+    """The plan of an answer `run_planner` returned, and its estimate as the run records it (JSON)."""
+    if result.plan is None or result.estimate is None:
+        raise NoPlanError(f"the planner found no plan: {result.nearest_miss or result.explanation}")
+    return result.plan, dict(result.estimate.to_json())
 
 
 def plan_violations(estimate_json: Mapping[str, Any], *, max_usd_per_iteration: float | None,

@@ -30,6 +30,8 @@ from infra.provider import (
     Vm,
     VmRequest,
 )
+from sailor_core.planner.request import PlanRequest, PlanResult
+from sailor_core.profiles import ProfileBook
 from tasks.control import HeartbeatBoard, checkpoint_steps
 from tasks.history import RunHistory
 from tasks.jobs import Job, Progress, assignments, read_progress
@@ -117,9 +119,9 @@ def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
 
 
 @task(name="plan", cache_policy=NO_CACHE)
-def make_plan(**kw: Any) -> Any:
+def make_plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     """The planner over the current pool; NoPlanError (with the nearest miss) when nothing fits."""
-    return run_planner(**kw)
+    return run_planner(request, book)
 
 
 def record_reconfigured(job: Job, history: RunHistory, step: int) -> None:

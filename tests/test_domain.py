@@ -66,19 +66,46 @@ def test_valid_plan_has_no_violations() -> None:
     assert two_stage_plan().violations(26) == []
 
 
-def test_invalid_plan_lists_every_violation() -> None:
+def test_invalid_plan_is_refused_on_construction_with_every_violation() -> None:
     rep = Replica(gpu_type="A100-40", zone="us-central1-a", tp=8, gpus_per_node=4)
-    plan = two_stage_plan(
-        stages=(Stage(first_layer=0, last_layer=10, replicas=(rep,)), Stage(first_layer=12, last_layer=25, replicas=(rep, rep))),
-        global_batch_size=17,
-    )
-    problems = plan.violations(26)
-    text = "\n".join(problems)
+    with pytest.raises(ValidationError) as e:
+        two_stage_plan(
+            stages=(Stage(first_layer=0, last_layer=10, replicas=(rep,)),
+                    Stage(first_layer=12, last_layer=25, replicas=(rep, rep))),
+            global_batch_size=17,
+            schedule="zigzag",
+        )
+    text = str(e.value)
     assert "expected 11" in text  # layers do not tile
     assert "1 replicas but the plan has 2 pipelines" in text
     assert "larger than a node" in text
     assert "global_batch_size is 17" in text
-    assert len(problems) >= 4
+    assert "schedule must be" in text
+    assert "; to fix: " in text and "docs/formats.md" in text
+
+
+def test_plan_checked_against_a_models_layer_count() -> None:
+    problems = two_stage_plan().violations(30)
+    assert problems == ["stages cover layers 0..25 but model OPT-350 has 30 layers"]
+
+
+@pytest.mark.parametrize(("make", "part"), [
+    (lambda: Stage(first_layer=3, last_layer=2, replicas=(Replica(gpu_type="A", zone="z-a"),)), "first_layer <= last_layer"),
+    (lambda: Stage(first_layer=-1, last_layer=2, replicas=(Replica(gpu_type="A", zone="z-a"),)), "0 <= first_layer"),
+    (lambda: Stage(first_layer=0, last_layer=2, replicas=()), "no replicas"),
+    (lambda: PipelineBatch(microbatch_size=0, num_microbatches=4), "must be >= 1"),
+    (lambda: PipelineBatch(microbatch_size=2, num_microbatches=0), "must be >= 1"),
+    (lambda: Replica(gpu_type="A", zone="z-a", tp=0), "tp must be >= 1"),
+    (lambda: Replica(gpu_type="A", zone="z-a", gpus_per_node=0), "gpus_per_node must be >= 1"),
+    (lambda: Replica(gpu_type="", zone="z-a"), "non-empty"),
+    (lambda: two_stage_plan(stages=()), "no stages"),
+    (lambda: two_stage_plan(pipelines=()), "0 replicas|2 replicas but the plan has 0"),
+    (lambda: two_stage_plan(precision="fp8"), "precision must be"),
+])
+def test_plan_parts_are_validated_on_construction(make, part) -> None:
+    with pytest.raises(ValidationError, match=part) as e:
+        make()
+    assert "to fix: " in str(e.value)
 
 
 def test_split_batch_is_exact_and_balanced() -> None:

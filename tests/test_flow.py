@@ -354,3 +354,21 @@ def test_a_dry_run_plans_and_rents_nothing(profiled_store, tmp_path):
     r = history(profiled_store, "dry")
     assert r["status"] == "completed" and len(r["plans"]) == 1 and "provisioned" not in kinds(r)
     assert list((tmp_path / "work" / "runs" / r["run_id"] / "local" / "vms").glob("*.json")) == []
+
+
+@pytest.mark.parametrize("rate, market", [(0.0, "spot"), (2000.0, "on-demand")])
+def test_max_goodput_weighs_spot_preemptions_against_the_on_demand_price(profiled_store, tmp_path, rate, market):
+    """The flow plans for goodput with the rate it is given: none expected, spot's lower price wins (as
+    under min-cost); preempted every couple of seconds, the on-demand VM trains more per dollar."""
+    sc = scenario(tmp_path, """
+offerings:
+  - {market: spot, count: 1, usd_per_gpu_hour: 0.10}
+  - {market: on-demand, count: 1, usd_per_gpu_hour: 0.30}
+""")
+    name = f"goodput-{int(rate)}"
+    state = run(profiled_store, tmp_path, name, scenario=sc, dry_run=True, objective="max-goodput",
+                spot_preemptions_per_vm_hour=rate, workers=1)
+    assert state.is_completed(), state.message
+    r = history(profiled_store, name)
+    plan = r["plans"][-1]["plan"]
+    assert {rep["market"] for st in plan["stages"] for rep in st["replicas"]} == {market}

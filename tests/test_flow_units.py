@@ -130,7 +130,7 @@ def test_reconfiguration_reuses_matching_vms_and_assigns_ranks_in_order(tmp_path
 def test_a_multi_device_vm_runs_a_tp_group_and_its_spare_devices_sit_out(tmp_path):
     plan = ParallelPlan(model="gpt-tiny", global_batch_size=4, stages=(
         Stage(first_layer=0, last_layer=2, replicas=(Replica(gpu_type="cpu", zone="local", tp=1),)),
-        Stage(first_layer=3, last_layer=5, replicas=(Replica(gpu_type="cpu", zone="local", tp=2),))),
+        Stage(first_layer=3, last_layer=5, replicas=(Replica(gpu_type="cpu", zone="local", tp=2, gpus_per_node=2),))),
         pipelines=(PipelineBatch(microbatch_size=2, num_microbatches=2),))
     vms = [Vm(vm_id="a", run_id="r", name="a", zone="local", gpu_type="cpu", gpus=2, market=Market.SPOT),
            Vm(vm_id="b", run_id="r", name="b", zone="local", gpu_type="cpu", gpus=2, market=Market.SPOT)]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, SailorError, Stage
+from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, SailorError, Stage, ValidationError
 from sailor_core.models import get_config
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime.engine import TrainSettings
@@ -82,8 +82,10 @@ def test_layout_is_stage_major():
 def test_unrunnable_plans_fail_before_any_process(tmp_path):
     bad_gpu = plan([((0, 5), [rep(gpu="H100-XL")])])
     assert any("unknown GPU type" in p for p in runtime_problems(bad_gpu, CFG))
-    not_tiling = plan([((0, 2), [rep()]), ((4, 5), [rep()])])
-    assert any("tile" in p for p in runtime_problems(not_tiling, CFG))
+    with pytest.raises(ValidationError, match="tile"):
+        plan([((0, 2), [rep()]), ((4, 5), [rep()])])
+    short = plan([((0, 2), [rep()]), ((3, 4), [rep()])])
+    assert any("stages cover layers 0..4" in p for p in runtime_problems(short, CFG))
     too_big = plan([((0, 5), [rep(2)])])
     assert any("slots" in p for p in runtime_problems(too_big, CFG, slots=1))
     t0 = time.monotonic()

@@ -21,6 +21,7 @@ from sailor_core.domain import (
     PipelineBatch,
     Replica,
     Stage,
+    ValidationError,
 )
 from sailor_core.profiles import MissingProfileError, ProfileBook
 from sailor_core.simulator import (
@@ -372,20 +373,22 @@ def test_missing_profile_names_the_key_and_the_command() -> None:
 
 
 def test_invalid_plan_lists_every_violation() -> None:
-    book = make_book()
-    bad = ParallelPlan(
-        model="tiny",
-        global_batch_size=100,
-        stages=(Stage(first_layer=0, last_layer=1, replicas=(rep(tp=4),)),
-                Stage(first_layer=3, last_layer=3, replicas=(rep(), rep()))),
-        pipelines=(PipelineBatch(microbatch_size=1, num_microbatches=2),),
-    )
-    with pytest.raises(PlanInvalidError) as e:
-        simulate(bad, book)
+    with pytest.raises(ValidationError) as e:  # the plan's shape: refused on construction
+        ParallelPlan(
+            model="tiny",
+            global_batch_size=100,
+            stages=(Stage(first_layer=0, last_layer=1, replicas=(rep(tp=4),)),
+                    Stage(first_layer=3, last_layer=3, replicas=(rep(), rep()))),
+            pipelines=(PipelineBatch(microbatch_size=1, num_microbatches=2),),
+        )
     msg = str(e.value)
     for part in ("stage 1 starts at layer 3", "stage 1 has 2 replicas", "tp=4 is larger than a node",
                  "global_batch_size is 100"):
         assert part in msg
+    short = plan_of([(0, 1, [rep()]), (2, 2, [rep()])], [(1, 2)])  # the model has layers 0..3
+    with pytest.raises(PlanInvalidError) as pe:
+        simulate(short, make_book(), options=SimOptions(schedule="zigzag"))
+    assert "stages cover layers 0..2" in str(pe.value) and "schedule must be" in str(pe.value)
 
 
 def test_model_for_is_shared_per_book() -> None:

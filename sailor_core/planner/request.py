@@ -16,6 +16,7 @@ from typing import Any
 
 from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool, ValidationError
 from sailor_core.planner.risk import Goodput, SpotRisk
+from sailor_core.simulator.result import SimulationResult
 
 
 class Objective(enum.StrEnum):
@@ -185,7 +186,7 @@ class SearchStats:
 @dataclass(frozen=True, kw_only=True)
 class PlanResult:
     plan: ParallelPlan | None
-    estimate: Any  # SimulationResult of `plan` (None when infeasible)
+    estimate: SimulationResult | None  # the simulator's answer for `plan` (None when infeasible)
     frontier: tuple[FrontierPoint, ...]
     stats: SearchStats
     explanation: str

@@ -154,8 +154,8 @@ class Planner:
         self._root.search_s += time.perf_counter() - t0
         self._root.calls += 1
         cand: Candidate | None = None
-        if result.plan is not None:
-            est = result.estimate
+        est = result.estimate
+        if result.plan is not None and est is not None:
             cand = Candidate(plan=result.plan, cost=PlanCost(iteration_time_s=est.iteration_time_s,
                                                              usd_per_iteration=est.usd_per_iteration,
                                                              usd_per_hour=est.usd_per_hour))

@@ -102,7 +102,7 @@ def run_job(run: Mapping[str, Any], *, sequence_length: int,
     steps = p.get("steps") or max(1, math.ceil(int(p["token_budget"]) / (gbs * sequence_length)))
     workers = p.get("workers")
     max_gpus = p.get("max_gpus")
-    if p.get("provider") == "local" and workers:  # the flow's rule (RunContext.planner_args)
+    if p.get("provider") == "local" and workers:  # the flow's rule (RunContext.plan_request)
         max_gpus = min(max_gpus or workers, workers)
     search = SearchOptions(max_stages=int(p["max_stages"])) if p.get("max_stages") else SearchOptions()
     graces = [float(e["grace_s"]) for e in run.get("events", []) if e.get("kind") == "preemption" and "grace_s" in e]
