@@ -19,7 +19,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from sailor_core.domain import SailorError
-from sailor_core.profiles import MissingProfileError, ProfileBook
+from sailor_core.errors import MissingProfileError
+from sailor_core.profiles import ProfileBook
 
 LOCAL_GPU = "cpu"
 LOCAL_ZONE = "local"
@@ -147,8 +148,8 @@ def _layer_jobs(model: str, types: list[str], offers: Sequence[Any], pool: _VmPo
         o = _cheapest(offers, gpu_type=g, gpus_per_node=most)
         v = o and pool.get(o.zone, g, devices=most)
         if v is None:
-            raise MissingProfileError(f"no VM of {g} can be rented to profile {model} on it; to fix: allow a "
-                                      f"zone or market that offers {g}")
+            raise MissingProfileError(f"no VM of {g} can be rented to profile {model} on it",
+                                      fix=f"allow a zone or market that offers {g}", kind="vm", model=model, gpu_type=g)
         tps = ",".join(str(t) for t in (1, 2, 4, 8) if t <= max(v.gpus, 1))
         jobs.append((v, ["profile", "model", "--model", model, "--device", _device(o), "--gpu-type", g,
                          "--tp", tps, "--store", remote.store_uri("vm", f"layers-{g}")], ("layers", g, o.zone)))
@@ -287,9 +288,10 @@ def profile(store: Any, model: str, gpu_types: list[str], mbs: list[int] | None 
     elsewhere = [g for g in missing if g != LOCAL_GPU]
     if elsewhere:
         raise MissingProfileError(
-            f"the store has no layer profiles of {model} on {elsewhere}; to fix: run "
-            f"`sailor profile model --model {model} --device cuda` on a machine with that GPU type "
-            f"(--store pointing at this store), or restrict gpu_types to {sorted(set(gpu_types) - set(elsewhere))}"
+            f"the store has no layer profiles of {model} on {elsewhere}",
+            fix=f"run `sailor profile model --model {model} --device cuda` on a machine with that GPU type "
+            f"(--store pointing at this store), or restrict gpu_types to {sorted(set(gpu_types) - set(elsewhere))}",
+            kind="layers", model=model, gpu_type=elsewhere[0] if len(elsewhere) == 1 else None,
         )
     if LOCAL_GPU in missing:
         log.info("profiling %s on this machine's CPU (mbs %s): the store has no cpu profile yet", model, mbs or [1, 2, 4])

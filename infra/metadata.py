@@ -16,7 +16,7 @@ Contract:
   script); SAILOR_METADATA_URL overrides the base URL (tests point it at a local fake).
 - `python -m infra.metadata --exec CMD` (the VM's notice unit) watches and runs CMD once on the
   first imminent notice (the startup script passes a command that SIGTERMs the worker).
-Only the standard library; nothing here needs a cloud SDK or credentials.
+Only the standard library (and sailor_core.errors); nothing here needs a cloud SDK or credentials.
 """
 
 from __future__ import annotations
@@ -30,12 +30,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
+from sailor_core.errors import MetadataUnavailable as MetadataUnavailable  # re-exported for tests
+
 AWS_IMDS_URL = "http://169.254.169.254"
 GCP_METADATA_URL = "http://metadata.google.internal"
-
-
-class MetadataUnavailable(Exception):
-    """The metadata service did not answer (not on a VM of that cloud, or a transient failure)."""
 
 
 @dataclass(frozen=True, kw_only=True)

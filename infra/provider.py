@@ -18,13 +18,9 @@ from typing import Protocol, runtime_checkable
 
 from sailor_core.domain import Market, PoolEntry
 
-
-class ProviderError(Exception):
-    """A provider call failed; the message says what and how to fix it."""
-
-
-class CapacityError(ProviderError):
-    """The cloud has no capacity for the request in that zone (the caller may fall back)."""
+# re-exported: flows, tasks and tests import the provider's errors from here
+from sailor_core.errors import CapacityError as CapacityError
+from sailor_core.errors import ProviderError as ProviderError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -58,7 +58,9 @@ from typing import Any
 
 import yaml
 
-from sailor_core.domain import Market, SailorError, ValidationError
+from sailor_core.domain import Market
+from sailor_core.errors import ScenarioError as ScenarioError  # re-exported: tests import it from here
+from sailor_core.errors import ValidationError
 
 GPU_TYPE = "cpu"
 ZONE = "local"
@@ -72,10 +74,6 @@ DEVICES_PER_VM = (1, 2, 4)
 DEFAULT_LINKS_GBPS = {"same_zone_gbps": 2.0, "same_region_gbps": 0.5, "cross_region_gbps": 0.1}
 DEFAULT_CPU_BUDGET_CORES = 2.0
 _FIX = "to fix: see scenarios/demo.yaml (one zone) or scenarios/geo.yaml (zones, device types, links)"
-
-
-class ScenarioError(SailorError):
-    """A scenario file is malformed; the message lists every problem."""
 
 
 DEFAULT_MEMORY_GIB = 8.0  # the catalog's `cpu` type (sailor_core/catalog.py)

@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sailor_core.errors import TestbedError as TestbedError  # re-exported for tests and bench
+
 _log = logging.getLogger(__name__)
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_PARENT = "sailor-testbed"
@@ -58,12 +60,6 @@ NETNS_PREFIX = "sb-"
 LINK_PREFIX = "sb"
 RECORD = "testbed.json"
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
-
-
-class TestbedError(Exception):
-    """Building the testbed failed; the message says what and how to fix it."""
-
-    __test__ = False  # not a pytest class
 
 
 def owners_dir() -> Path:

@@ -8,16 +8,14 @@ Layout, write semantics and the seed are described in store.py and docs/store.md
 schemas.py. profiles_store depends on sailor_core, never the other way round.
 """
 
-from profiles_store.backend import StoreError
 from profiles_store.schemas import SCHEMA_VERSION, TABLES
 from profiles_store.store import (
     HistoryRecord,
     PairSummary,
     ProfileStore,
-    UnknownGpuTypeError,
-    UnknownModelError,
     open_store,
 )
+from sailor_core.errors import StoreError, UnknownGpuTypeError, UnknownModelError
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -30,16 +30,12 @@ from urllib.parse import parse_qs, urlsplit
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import StoreError
 
 T = TypeVar("T")
 
 TMP_PREFIX = ".tmp-"
 _TRUE = {"1", "true", "yes", "on"}
-
-
-class StoreError(SailorError):
-    """The store cannot be reached, read or written; the message says how to fix it."""
 
 
 @dataclass(frozen=True)

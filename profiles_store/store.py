@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from profiles_store.backend import TMP_PREFIX, Location, StoreError, redact, resolve
+from profiles_store.backend import TMP_PREFIX, Location, redact, resolve
 from profiles_store.schemas import (
     HISTORY_TABLES,
     META_TABLE,
@@ -66,9 +66,14 @@ from sailor_core.domain import (
     NodeAllReduce,
     PoolEntry,
     Provenance,
-    SailorError,
-    ValidationError,
     default_region,
+)
+from sailor_core.errors import (
+    SailorError,
+    StoreError,
+    UnknownGpuTypeError,
+    UnknownModelError,
+    ValidationError,
 )
 from sailor_core.profiles import ProfileBook
 
@@ -88,14 +93,6 @@ def _next_ts() -> int:
     with _ts_lock:
         _last_ts = max(time.time_ns(), _last_ts + 1)
         return _last_ts
-
-
-class UnknownModelError(SailorError):
-    """The store has no layer specs for a model."""
-
-
-class UnknownGpuTypeError(SailorError):
-    """The store does not know a GPU type."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 import typer
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import CloudUnreachable, SailorError
 
 app = typer.Typer(help="Cloud providers: offerings, catalogs, dry-run provisioning, cleanup.", no_args_is_help=True)
 
@@ -84,12 +84,6 @@ def _call(fn, *args, **kw):
             raise SailorError(f"the cloud refused the request ({type(e).__name__}: {_one_line(e)}); to fix: check "
                               f"the credentials, their permissions and the request's settings") from None
         raise
-
-
-class CloudUnreachable(SailorError):
-    """The cloud's API did not answer (network, endpoint, outage): a failure (exit 1), not a user error."""
-
-    exit_code = 1
 
 
 @app.command("offerings")

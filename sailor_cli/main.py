@@ -2,7 +2,8 @@
 
 Contract: each command group lives in its own module of this package and exposes a typer app
 (`app`) or a command function; they are registered here. Errors the user can cause
-(`SailorError`, `ValidationError`) print one line on stderr and exit 2 without a traceback.
+(`SailorError` and its tree, sailor_core/errors.py) print one line on stderr without a traceback
+and exit with the status `EXIT_CODES` gives their class: 2 for a user error, 1 for a `Failure`.
 Command modules import their heavy dependencies (torch, Prefect, cloud SDKs) inside the
 commands, so registering them all at start stays cheap.
 """
@@ -16,7 +17,7 @@ import threading
 
 import typer
 
-from sailor_core.domain import SailorError, ValidationError
+from sailor_core.errors import Failure, SailorError
 
 app = typer.Typer(
     name="sailor",
@@ -82,6 +83,15 @@ def _interrupted(e: BaseException) -> int:
     return code
 
 
+# Exit status by the error tree (sailor_core/errors.py): the nearest listed ancestor of an error's class
+# decides. 2: the user can fix the input; 1: the outside world or a job failed (a cloud, a VM, training).
+EXIT_CODES: dict[type[SailorError], int] = {SailorError: 2, Failure: 1}
+
+
+def exit_code(e: SailorError) -> int:
+    return next(EXIT_CODES[c] for c in type(e).__mro__ if c in EXIT_CODES)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; the exit status is 0 on success, 2 for a user error, 1 for a failure and
     128 + signal when interrupted (after the command's cleanup ran)."""
@@ -95,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             hold()  # what this command starts dies with it, even on SIGKILL
     try:
         rv = app(args=argv, standalone_mode=False)
-    except (SailorError, ValidationError) as e:
+    except SailorError as e:
         typer.echo(f"error: {e}", err=True)
-        # 2: the user can fix the input; an error of the outside world (cloud unreachable) sets exit_code 1
-        return int(getattr(e, "exit_code", 2))
+        return exit_code(e)
     except FileNotFoundError as e:
         typer.echo(f"error: {e.filename or e}: no such file; to fix: check the path", err=True)
         return 2

@@ -14,19 +14,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+# re-exported: callers outside sailor_core import them from here too
+from sailor_core.errors import SailorError as SailorError
+from sailor_core.errors import ValidationError as ValidationError
+
 GIB = 2**30
 # Published large runs use global batches of about 1-4 thousand sequences (GPT-3: 1536 x 2048 tokens,
 # Llama 2/3: 1024 x 4096); 64 Ki sequences is already 16x past them. Above it a batch is far more
 # likely a typo (a few extra zeros) than a plan: `sailor plan` and the flow refuse it unless confirmed.
 MAX_PLAIN_GLOBAL_BATCH = 65536
-
-
-class ValidationError(ValueError):
-    """A domain value is invalid. The message names the field, the value and how to fix it."""
-
-
-class SailorError(Exception):
-    """An error the user can cause and fix; the CLI prints it as one line without a traceback."""
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -2,7 +2,8 @@
 
 Contract: an immutable, in-memory bundle of domain values (no I/O). The store builds it
 (`profiles_store.ProfileStore.profile_book`), tests build it by hand. Lookups that miss raise
-`MissingProfileError`, which names the missing key and the command that would create it.
+`MissingProfileError`, which carries the missing key in fields (`kind`, `gpu_type`, `mbs`, `tp`,
+`link`) and names the command that would create it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,8 @@ from sailor_core.domain import (
     ModelSpec,
     NetworkLink,
     NodeAllReduce,
-    SailorError,
 )
-
-
-class MissingProfileError(SailorError):
-    """A plan needs a profile the store lacks."""
-
+from sailor_core.errors import MissingProfileError as MissingProfileError  # re-exported for callers
 
 # Fixed memory the framework takes on a GPU before any tensor of the model (CUDA context, loaded
 # kernels, communicator buffers). Used when the store has no measured value for a GPU type. Source:
@@ -73,10 +69,11 @@ class ProfileBook:
             return self.layer_profiles[(gpu_type, mbs, tp)]
         except KeyError:
             raise MissingProfileError(
-                f"no layer profile for (model={self.model.name}, gpu_type={gpu_type}, mbs={mbs}, tp={tp}); "
-                f"to fix: sailor profile model --model {self.model.name} --mbs {mbs} --tp {tp} "
+                f"no layer profile for (model={self.model.name}, gpu_type={gpu_type}, mbs={mbs}, tp={tp})",
+                fix=f"sailor profile model --model {self.model.name} --mbs {mbs} --tp {tp} "
                 f"on a {gpu_type} machine, or pick an (mbs, tp) the store has: "
-                f"{sorted((m, t) for g, m, t in self.layer_profiles if g == gpu_type)[:12]}"
+                f"{sorted((m, t) for g, m, t in self.layer_profiles if g == gpu_type)[:12]}",
+                kind="layers", model=self.model.name, gpu_type=gpu_type, mbs=mbs, tp=tp,
             ) from None
 
     def has_layers(self, gpu_type: str, mbs: int, tp: int) -> bool:
@@ -91,8 +88,9 @@ class ProfileBook:
             return self.gpu_types[name]
         except KeyError:
             raise MissingProfileError(
-                f"unknown GPU type {name!r}; known: {sorted(self.gpu_types)}. "
-                f"To fix: use one of those names or add the type to the store"
+                f"unknown GPU type {name!r} (known: {sorted(self.gpu_types)})",
+                fix="use one of those names or add the type to the store",
+                kind="gpu-type", model=self.model.name, gpu_type=name,
             ) from None
 
     def overhead_bytes(self, gpu_type: str) -> int:

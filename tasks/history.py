@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import UnknownRunError as UnknownRunError  # re-exported: tests import it from here
 
 TABLES = ("runs", "events", "decisions", "plans", "measurements")
 # Event kinds a person reads in `sailor runs show` (the issue's minimum plus what monitoring adds).
@@ -40,10 +40,6 @@ class HistoryStore(Protocol):
     def append_history(self, table: str, records: Any, *, provenance: Any = None) -> int: ...
 
     def read_history(self, table: str, *, run_id: str | None = None, kind: str | None = None) -> list[Any]: ...
-
-
-class UnknownRunError(SailorError):
-    """No run with that id in the store."""
 
 
 def new_run_id(name: str, suffix: str | None = None) -> str:

@@ -7,8 +7,9 @@ and explains the nearest miss when nothing is feasible. Pool files and what-if v
 parsed by `pool`. See docs/planner.md.
 """
 
+from sailor_core.errors import PoolFileError
 from sailor_core.planner.core import build_slots, materialize, plan, summarize
-from sailor_core.planner.pool import PoolFileError, apply_what_if, load_pool_file, parse_pool, pool_to_dict
+from sailor_core.planner.pool import apply_what_if, load_pool_file, parse_pool, pool_to_dict
 from sailor_core.planner.request import (
     Constraints,
     FrontierPoint,

@@ -19,10 +19,10 @@ from sailor_core.domain import (
     ParallelPlan,
     Replica,
     ResourcePool,
-    SailorError,
     Stage,
     split_batch,
 )
+from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.groups import group_plans
 from sailor_core.planner.mixed import mixed_plans
@@ -36,7 +36,7 @@ from sailor_core.planner.request import (
 )
 from sailor_core.planner.risk import Goodput, goodput
 from sailor_core.planner.search import Problem, Search, Sketch
-from sailor_core.profiles import MissingProfileError, ProfileBook
+from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
 
 
@@ -269,7 +269,7 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             r = simulate(pl, book, options=so)
         except MissingProfileError as e:
             # e.g. a ring mixing two GPU types with no measured link between them
-            costs.missing.add(str(e).split(";")[0])
+            costs.missing.add(e.what)
             continue
         simulated += 1
         problems = _problems(request, pool, pl, r)

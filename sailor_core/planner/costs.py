@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sailor_core.domain import Market, Replica
-from sailor_core.profiles import MissingProfileError, ProfileBook
+from sailor_core.errors import MissingProfileError
+from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import StageCompute, model_for
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import bucket_counts
@@ -144,7 +145,7 @@ class SimCosts:
                 v = self.sm.boundary_p2p_s(ra, rb, message_bytes, same_node=False)
             except MissingProfileError as e:
                 # No measured link between these GPUs/zones: that boundary is not an option.
-                self.missing.add(str(e).split(";")[0])
+                self.missing.add(e.what)
                 v = (math.inf, math.inf)
             self._p2p[key] = v
         return v
@@ -166,7 +167,7 @@ class SimCosts:
             try:
                 v = self._ring(slot, tp, layout, grad_bytes)
             except MissingProfileError as e:
-                self.missing.add(str(e).split(";")[0])
+                self.missing.add(e.what)
                 v = math.inf
             self._ar[key] = v
         return v

@@ -32,14 +32,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool, SailorError, ValidationError, default_region
+from sailor_core.domain import Market, PoolEntry, ResourcePool, default_region
+from sailor_core.errors import PoolFileError, SailorError, ValidationError
 from sailor_core.profiles import ProfileBook
 
 _ENTRY_KEYS = {"count", "market", "usd_per_gpu_hour", "gpus_per_node", "preemptions_per_vm_hour"}
-
-
-class PoolFileError(SailorError):
-    """A pool file is malformed; the message lists every problem."""
 
 
 def load_pool_file(path: str | os.PathLike[str], book: ProfileBook) -> ResourcePool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sailor_core.errors import TraceError
 from sailor_core.profiles import ProfileBook
 from sailor_core.replay.engine import (
     DEFAULT_GRACE_S,
@@ -31,7 +32,6 @@ from sailor_core.replay.synthetic import SyntheticSpec, synthetic_trace
 from sailor_core.replay.trace import (
     Place,
     Trace,
-    TraceError,
     TracePoint,
     parse_artifact_csv,
     parse_artifact_json,

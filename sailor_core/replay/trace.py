@@ -35,16 +35,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool, SailorError, ValidationError, default_region
+from sailor_core.domain import Market, PoolEntry, ResourcePool, default_region
+from sailor_core.errors import TraceError, ValidationError
 
 TRACE_FORMAT = "sailor-trace"
 TRACE_VERSION = 1
 
 PriceLookup = Callable[[str, str, Market], float | None]
-
-
-class TraceError(SailorError):
-    """A trace file is malformed or cannot be priced."""
 
 
 @dataclass(frozen=True, kw_only=True)

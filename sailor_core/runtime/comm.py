@@ -16,13 +16,11 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from sailor_core.errors import PeerLost
+
 ABORT = threading.Event()
 _watched = [False]
 _pool: list[ThreadPoolExecutor] = []
-
-
-class PeerLost(RuntimeError):
-    """The controller announced a lost worker while this rank was waiting on communication."""
 
 
 def set_watched(on: bool) -> None:

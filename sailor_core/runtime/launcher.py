@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sailor_core.catalog import is_cpu_type
-from sailor_core.domain import ParallelPlan, PipelineBatch, SailorError, Stage, ValidationError, split_batch
+from sailor_core.domain import ParallelPlan, PipelineBatch, Stage, split_batch
+from sailor_core.errors import TrainingFailed, ValidationError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.plan_format import plan_to_dict
 from sailor_core.runtime import protocol
@@ -51,12 +52,6 @@ class RunResult:
     plans: list[ParallelPlan]
     events: list[dict[str, Any]] = field(default_factory=list)
     interrupted_by: int | None = None  # the signal that stopped the run (it checkpointed first)
-
-
-class TrainingFailed(SailorError):
-    """The job failed while training (a worker's error, no plan left): exit status 1, not a user error."""
-
-    exit_code = 1
 
 
 def check_settings(settings: TrainSettings) -> None:

@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from sailor_core.errors import ProtocolError as ProtocolError  # re-exported for callers
+
 SECRET_ENV = "SAILOR_RUN_SECRET"
 SECRET_HEADER = "X-Sailor-Secret"
 EXIT = -1
@@ -121,10 +123,6 @@ class Assignment:
         return cls(rank=int(d["rank"]), world_size=int(d.get("world_size", 0)), plan=d.get("plan") or {},
                    settings=d.get("settings") or {}, resume=bool(d.get("resume")),
                    local_rank=int(d.get("local_rank", 0)))
-
-
-class ProtocolError(Exception):
-    """The controller refused a request or could not be reached."""
 
 
 class _Board:

@@ -5,8 +5,8 @@ calls the same stage-level building blocks through `model_for(book)` (a memoised
 every estimate in the project comes from one model. See docs/simulator.md.
 """
 
+from sailor_core.errors import PlanInvalidError
 from sailor_core.simulator.core import (
-    PlanInvalidError,
     dp_sync_end_s,
     pipeline_time_s,
     place_nodes,

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sailor_core.domain import Market, ParallelPlan, Replica, SailorError
+from sailor_core.domain import Market, ParallelPlan, Replica
+from sailor_core.errors import PlanInvalidError
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import SimModel, StageCompute, allreduce_buckets, model_for
 from sailor_core.simulator.result import Breakdown, ReplicaRow, SimOptions, SimulationResult
-
-
-class PlanInvalidError(SailorError):
-    """The plan breaks structural rules; the message lists every violation."""
 
 
 def place_nodes(plan: ParallelPlan) -> list[list[int]]:

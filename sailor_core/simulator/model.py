@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sailor_core.domain import BandwidthFit, Replica
-from sailor_core.profiles import MissingProfileError, ProfileBook
+from sailor_core.errors import MissingProfileError
+from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import constants as C
 
 
@@ -159,8 +160,10 @@ class SimModel:
         if len(layers) != n or [ly.layer for ly in layers] != list(range(n)):
             raise MissingProfileError(
                 f"profile (model={self.book.model.name}, gpu_type={gpu}, mbs={mbs}, tp={tp}) covers layers "
-                f"{[ly.layer for ly in layers][:4]}... but the model has {n}; to fix: re-run "
-                f"sailor profile model --model {self.book.model.name} --mbs {mbs} --tp {tp} on a {gpu} machine"
+                f"{[ly.layer for ly in layers][:4]}... but the model has {n}",
+                fix=f"re-run sailor profile model --model {self.book.model.name} --mbs {mbs} --tp {tp} "
+                f"on a {gpu} machine",
+                kind="layers", model=self.book.model.name, gpu_type=gpu, mbs=mbs, tp=tp,
             )
         return [ly.forward_s for ly in layers], [ly.backward_s for ly in layers], layers[0].optimizer_s
 
@@ -365,8 +368,9 @@ class SimModel:
                 self._fit_cache[key] = (lk.fit, t[2], False)
                 return lk.fit, t[2]
         raise MissingProfileError(
-            f"no network profile for {a.gpu_type} x{a_count} in {a.zone} -> {b.gpu_type} x{b_count} in {b.zone}; "
-            f"to fix: sailor profile network --from {a.zone}:{a.gpu_type} --to {b.zone}:{b.gpu_type}"
+            f"no network profile for {a.gpu_type} x{a_count} in {a.zone} -> {b.gpu_type} x{b_count} in {b.zone}",
+            fix=f"sailor profile network --from {a.zone}:{a.gpu_type} --to {b.zone}:{b.gpu_type}",
+            kind="link", model=book.model.name, link=(a.zone, a.gpu_type, a_count, b.zone, b.gpu_type, b_count),
         )
 
     def _intra_fit(self, gpu: str, num_gpus: int, gpus_per_node: int) -> tuple[BandwidthFit, int]:
@@ -380,8 +384,9 @@ class SimModel:
                 self._fit_cache[key] = (lk.fit, n, True)
                 return lk.fit, n
         raise MissingProfileError(
-            f"no intra-node network profile for {gpu} (needed for GPUs of one node talking to each other); "
-            f"to fix: sailor profile network --intra-node --gpu-type {gpu}"
+            f"no intra-node network profile for {gpu} (needed for GPUs of one node talking to each other)",
+            fix=f"sailor profile network --intra-node --gpu-type {gpu}",
+            kind="intra-node", model=self.book.model.name, gpu_type=gpu,
         )
 
     def flow_bandwidth_bytes_per_s(
