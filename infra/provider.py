@@ -5,7 +5,7 @@ a run, bootstraps the worker agent on them, reports events (preemption notices, 
 capacity and price changes) and terminates. Input and output models are separate frozen
 dataclasses. Every resource a provider creates is tagged with the run id so `cleanup(run_id)`
 finds it. Providers receive their side effects (clients, clocks, event sources) in their
-constructor; nothing reaches for a global. Every implementation passes tests/contract/provider.
+constructor; nothing reaches for a global. Every implementation passes tests/provider_contract.py.
 """
 
 from __future__ import annotations
