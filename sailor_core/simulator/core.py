@@ -17,9 +17,10 @@ Time model (docs/simulator.md has the derivations):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
-from sailor_core.domain import Market, ParallelPlan, Replica
+from sailor_core.domain import Market, ParallelPlan, Replica, Stage
 from sailor_core.errors import PlanInvalidError
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import constants as C
@@ -177,6 +178,25 @@ def simulate(plan: ParallelPlan, book: ProfileBook, *, options: SimOptions | Non
     return simulate_valid(plan, model_for(book), schedule=schedule, precision=precision, zero1=zero1, options=opts)
 
 
+class _Pipelines(NamedTuple):
+    """Every pipeline's timeline: per-stage compute, pipeline seconds, p2p part, last-backward ends."""
+
+    computes: list[list[StageCompute]]
+    times_s: list[float]
+    p2p_s: list[float]
+    finishes_s: list[list[float]]
+    egress_usd: float  # activations and gradients crossing zones, this iteration
+
+
+class _GradSync(NamedTuple):
+    """Every stage's gradient ring and optimizer step, and when the last overlapped ring ends."""
+
+    ring_s: list[float]
+    optimizer_s: list[list[float]]  # [stage][replica]
+    end_s: float
+    egress_usd: float  # the pipelines' egress plus the rings' crossings between zones
+
+
 def simulate_valid(
     plan: ParallelPlan,
     sm: SimModel,
@@ -187,17 +207,22 @@ def simulate_valid(
     options: SimOptions,
 ) -> SimulationResult:
     """`simulate` without validation, for callers (the planner) whose plans are valid by construction."""
-    book = sm.book
+    nodes = place_nodes(plan)
+    pipes = _pipelines(plan, sm, nodes, schedule=schedule, precision=precision, runtime=options.runtime)
+    sync = _gradient_sync(plan, sm, nodes, pipes, precision=precision, zero1=zero1, runtime=options.runtime)
+    rows, peak_all, fits_all = _memory_rows(plan, sm, pipes, sync, schedule=schedule, precision=precision,
+                                            zero1=zero1, runtime=options.runtime)
+    return _result(plan, sm.book, pipes, sync, options, rows=tuple(rows), peak_memory_bytes=peak_all,
+                   fits_memory=fits_all, schedule=schedule, precision=precision, zero1=zero1)
+
+
+def _pipelines(
+    plan: ParallelPlan, sm: SimModel, nodes: list[list[int]], *, schedule: str, precision: str, runtime: str,
+) -> _Pipelines:
+    """Compute, p2p and pipeline time of every pipeline; pipelines alike in replicas, batch and
+    node sharing have the same timeline, which is computed once."""
     stages = plan.stages
     p = len(stages)
-    dp = len(plan.pipelines)
-    nodes = place_nodes(plan)
-    msg_bytes_per_elem = C.P2P_BYTES_PER_ELEMENT[precision]
-    ours = options.runtime == "sailor"
-    grad_bytes = C.FP32_GRAD_BYTES if precision == "fp32" else C.BF16_GRAD_BYTES
-
-    # --- per pipeline: compute, p2p, pipeline time ---------------------------------------------
-    # Pipelines with the same replicas, batch and node sharing have the same timeline: compute once.
     computes: list[list[StageCompute]] = []
     pipe_times: list[float] = []
     pipe_comm: list[float] = []
@@ -211,70 +236,64 @@ def simulate_valid(
                tuple((r.gpu_type, r.zone, r.tp, r.gpus_per_node) for r in reps))
         hit = seen.get(sig)
         if hit is None:
-            mbs = pb.microbatch_size
-            comp = [sm.stage_compute(r.gpu_type, mbs, r.tp, st.first_layer, st.last_layer, st.recompute)
-                    for r, st in zip(reps, stages, strict=True)]
-            p2p: list[float | tuple[float, float]] = []
-            egress = 0.0
-            for s in range(p - 1):
-                a, b = reps[s], reps[s + 1]
-                msg = sm.boundary_elems(a.tp, stages[s].last_layer) * mbs * msg_bytes_per_elem
-                if ours:
-                    p2p.append(sm.boundary_p2p_s(a, b, msg, same_node=shared[s]))
-                    copies_fwd, copies_bwd = b.tp, a.tp  # one per receiving TP rank, each way
-                else:  # every TP rank sends its copy, both ways
-                    p2p.append(sm.p2p_time_s(a, b, msg, same_node=shared[s]))
-                    copies_fwd = copies_bwd = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
-                if a.zone != b.zone:
-                    gb = msg * pb.num_microbatches / C.BYTES_PER_GB
-                    egress += gb * (copies_fwd * book.egress_usd_per_gb(a.zone, b.zone)
-                                    + copies_bwd * book.egress_usd_per_gb(b.zone, a.zone))
-            total, comm, finish = pipeline_time_s(comp, p2p, pb.num_microbatches, schedule, options.runtime)
-            hit = (comp, total, comm, finish, egress)
+            hit = _pipeline_timeline(sm, stages, reps, shared, pb.microbatch_size, pb.num_microbatches,
+                                     schedule=schedule, precision=precision, runtime=runtime)
             seen[sig] = hit
         computes.append(hit[0])
         pipe_times.append(hit[1])
         pipe_comm.append(hit[2])
         finishes.append(hit[3])
         egress_usd += hit[4]
+    return _Pipelines(computes, pipe_times, pipe_comm, finishes, egress_usd)
 
-    # --- per stage: gradient ring, optimizer ---------------------------------------------------
+
+def _pipeline_timeline(
+    sm: SimModel, stages: Sequence[Stage], reps: Sequence[Replica], shared: tuple[bool, ...], mbs: int,
+    num_microbatches: int, *, schedule: str, precision: str, runtime: str,
+) -> tuple[list[StageCompute], float, float, list[float], float]:
+    """(per-stage compute, pipeline seconds, its p2p part, last-backward ends, egress USD) of one pipeline."""
+    book = sm.book
+    msg_bytes_per_elem = C.P2P_BYTES_PER_ELEMENT[precision]
+    ours = runtime == "sailor"
+    comp = [sm.stage_compute(r.gpu_type, mbs, r.tp, st.first_layer, st.last_layer, st.recompute)
+            for r, st in zip(reps, stages, strict=True)]
+    p2p: list[float | tuple[float, float]] = []
+    egress = 0.0
+    for s in range(len(stages) - 1):
+        a, b = reps[s], reps[s + 1]
+        msg = sm.boundary_elems(a.tp, stages[s].last_layer) * mbs * msg_bytes_per_elem
+        if ours:
+            p2p.append(sm.boundary_p2p_s(a, b, msg, same_node=shared[s]))
+            copies_fwd, copies_bwd = b.tp, a.tp  # one per receiving TP rank, each way
+        else:  # every TP rank sends its copy, both ways
+            p2p.append(sm.p2p_time_s(a, b, msg, same_node=shared[s]))
+            copies_fwd = copies_bwd = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
+        if a.zone != b.zone:
+            gb = msg * num_microbatches / C.BYTES_PER_GB
+            egress += gb * (copies_fwd * book.egress_usd_per_gb(a.zone, b.zone)
+                            + copies_bwd * book.egress_usd_per_gb(b.zone, a.zone))
+    total, comm, finish = pipeline_time_s(comp, p2p, num_microbatches, schedule, runtime)
+    return comp, total, comm, finish, egress
+
+
+def _gradient_sync(
+    plan: ParallelPlan, sm: SimModel, nodes: list[list[int]], pipes: _Pipelines, *, precision: str, zero1: bool,
+    runtime: str,
+) -> _GradSync:
+    """Each stage's gradient ring (when it ends, what crossing zones costs) and optimizer step."""
+    dp = len(plan.pipelines)
+    grad_bytes = C.FP32_GRAD_BYTES if precision == "fp32" else C.BF16_GRAD_BYTES
     dp_sync: list[float] = []
     opt_s: list[list[float]] = []
     end = 0.0
-    for s, st in enumerate(stages):
+    egress_usd = pipes.egress_usd
+    for s, st in enumerate(plan.stages):
         reps = list(st.replicas)
         grads = max(sm.stage_params(r.tp, st.first_layer, st.last_layer) for r in reps) * grad_bytes
-        finish_s = max(finishes[j][s] for j in range(dp))
-        if not ours:  # DeepSpeed: 5e8-byte buckets once the stage's last backward is done
-            ar = sm.allreduce_time_s(reps, nodes[s], allreduce_buckets(grads, C.DEEPSPEED_BUCKET_BYTES))
-            sync_end = dp_sync_end_s(finish_s, finish_s, ar, ar)
-        elif dp > 1 and len({r.tp for r in reps}) == 1:
-            # the runtime's buckets, launched during the last microbatch's backward (engine._setup_overlap)
-            buckets = sm.grad_buckets(reps[0].tp, st.first_layer, st.last_layer, grad_bytes)
-            ar = sm.allreduce_time_s(reps, nodes[s], [b for b, _ in buckets])
-            ar_last = sm.allreduce_time_s(reps, nodes[s], [buckets[-1][0]])
-            first_layer_of_bucket = buckets[0][1]
-            ready = max(
-                finishes[j][s] - computes[j][s].backward_s
-                + sm.stage_compute(r.gpu_type, plan.pipelines[j].microbatch_size, r.tp, first_layer_of_bucket,
-                                   st.last_layer, st.recompute).backward_s
-                for j, r in enumerate(reps)
-            )
-            sync_end = dp_sync_end_s(finish_s, ready, ar, ar_last)
-        else:
-            # replicas that shard differently meet in the full layout after the pipeline: one all-reduce
-            ar = sm.allreduce_time_s(reps, nodes[s], grads)
-            sync_end = dp_sync_end_s(finish_s, finish_s, ar, ar)
+        ar, sync_end = _stage_ring(plan, sm, s, nodes[s], pipes, grads, grad_bytes, runtime)
         dp_sync.append(ar)
         if dp > 1 and len({r.zone for r in reps}) > 1:
-            order = sorted(range(dp), key=lambda i: (reps[i].region, reps[i].zone, nodes[s][i]))
-            for k in range(dp):
-                a, b = reps[order[k]], reps[order[(k + 1) % dp]]
-                if a.zone != b.zone:
-                    flows = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
-                    gb = 2 * (dp - 1) / dp * grads * flows / C.BYTES_PER_GB
-                    egress_usd += gb * book.egress_usd_per_gb(a.zone, b.zone)
+            egress_usd = _ring_egress_usd(sm.book, reps, nodes[s], grads, egress_usd)
         # ZeRO-1: each replica steps 1/dp of the optimizer state; the reduce-scatter of gradients plus
         # the all-gather of updated weights move the same bytes as the all-reduce they replace.
         shard = dp if zero1 else 1
@@ -286,15 +305,64 @@ def simulate_valid(
             ]
         )
         end = max(end, sync_end)
-    slowest = max(range(dp), key=lambda j: pipe_times[j])
-    pipeline_end = pipe_times[slowest]
-    if not options.overlap_dp_sync:
-        end = pipeline_end + sum(dp_sync)
-    dp_exposed = max(0.0, end - pipeline_end)
-    opt_max = max(max(row) for row in opt_s)
-    iteration = pipeline_end + dp_exposed + opt_max
+    return _GradSync(dp_sync, opt_s, end, egress_usd)
 
-    # --- memory per (stage, replica) -----------------------------------------------------------
+
+def _stage_ring(
+    plan: ParallelPlan, sm: SimModel, s: int, nodes_s: list[int], pipes: _Pipelines, grads: float,
+    grad_bytes: int, runtime: str,
+) -> tuple[float, float]:
+    """(seconds of stage s's gradient all-reduce, when it ends) under the runtime's bucketing."""
+    st = plan.stages[s]
+    reps = list(st.replicas)
+    dp = len(plan.pipelines)
+    finishes, computes = pipes.finishes_s, pipes.computes
+    finish_s = max(finishes[j][s] for j in range(dp))
+    if runtime != "sailor":  # DeepSpeed: 5e8-byte buckets once the stage's last backward is done
+        ar = sm.allreduce_time_s(reps, nodes_s, allreduce_buckets(grads, C.DEEPSPEED_BUCKET_BYTES))
+        return ar, dp_sync_end_s(finish_s, finish_s, ar, ar)
+    if dp > 1 and len({r.tp for r in reps}) == 1:
+        # the runtime's buckets, launched during the last microbatch's backward (engine._setup_overlap)
+        buckets = sm.grad_buckets(reps[0].tp, st.first_layer, st.last_layer, grad_bytes)
+        ar = sm.allreduce_time_s(reps, nodes_s, [b for b, _ in buckets])
+        ar_last = sm.allreduce_time_s(reps, nodes_s, [buckets[-1][0]])
+        first_layer_of_bucket = buckets[0][1]
+        ready = max(
+            finishes[j][s] - computes[j][s].backward_s
+            + sm.stage_compute(r.gpu_type, plan.pipelines[j].microbatch_size, r.tp, first_layer_of_bucket,
+                               st.last_layer, st.recompute).backward_s
+            for j, r in enumerate(reps)
+        )
+        return ar, dp_sync_end_s(finish_s, ready, ar, ar_last)
+    # replicas that shard differently meet in the full layout after the pipeline: one all-reduce
+    ar = sm.allreduce_time_s(reps, nodes_s, grads)
+    return ar, dp_sync_end_s(finish_s, finish_s, ar, ar)
+
+
+def _ring_egress_usd(
+    book: ProfileBook, reps: Sequence[Replica], nodes_s: Sequence[int], grads: float, egress_usd: float,
+) -> float:
+    """`egress_usd` plus what one stage's gradient ring pays where neighbours sit in different zones."""
+    dp = len(reps)
+    order = sorted(range(dp), key=lambda i: (reps[i].region, reps[i].zone, nodes_s[i]))
+    for k in range(dp):
+        a, b = reps[order[k]], reps[order[(k + 1) % dp]]
+        if a.zone != b.zone:
+            flows = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
+            gb = 2 * (dp - 1) / dp * grads * flows / C.BYTES_PER_GB
+            egress_usd += gb * book.egress_usd_per_gb(a.zone, b.zone)
+    return egress_usd
+
+
+def _memory_rows(
+    plan: ParallelPlan, sm: SimModel, pipes: _Pipelines, sync: _GradSync, *, schedule: str, precision: str,
+    zero1: bool, runtime: str,
+) -> tuple[list[ReplicaRow], int, bool]:
+    """(one row per (stage, replica) with its peak memory, the plan's peak bytes, whether all fit)."""
+    stages = plan.stages
+    p = len(stages)
+    dp = len(plan.pipelines)
+    book, computes, opt_s, dp_sync = sm.book, pipes.computes, sync.optimizer_s, sync.ring_s
     rows: list[ReplicaRow] = []
     peak_all = 0
     fits_all = True
@@ -306,7 +374,7 @@ def simulate_valid(
                 r.gpu_type, r.tp, st.first_layer, st.last_layer,
                 mbs=pb.microbatch_size, in_flight=in_flight, precision=precision, zero1=zero1, dp=dp,
                 receives_activations=s > 0, receives_gradients=s < p - 1, recompute=st.recompute,
-                runtime=options.runtime,
+                runtime=runtime,
             )
             cap = book.gpu(r.gpu_type).memory_bytes
             peak = mem.total_bytes
@@ -314,13 +382,15 @@ def simulate_valid(
             fits_all = fits_all and peak <= cap
             rows.append((s, j, r, pb.microbatch_size, pb.num_microbatches, computes[j][s], opt_s[s][j],
                          dp_sync[s], in_flight, mem, cap))
+    return rows, peak_all, fits_all
 
-    # --- throughput and cost -----------------------------------------------------------------------
-    samples = plan.global_batch_size
-    tokens = samples * book.model.sequence_length
+
+def _usd_per_gpu_s(
+    plan: ParallelPlan, book: ProfileBook, override: Mapping[tuple[str, str, Market], float] | None,
+) -> tuple[float, list[tuple[str, str, str]]]:
+    """(USD per second of every priced GPU of the plan, the (zone, GPU type, market) with no price)."""
     usd_per_gpu_s = 0.0
     unpriced: list[tuple[str, str, str]] = []
-    override = options.prices_usd_per_gpu_hour
     for (zone, gpu, market), n_gpus in plan.gpus_by_place().items():
         price = override.get((zone, gpu, market)) if override is not None else None
         if price is None:
@@ -329,7 +399,27 @@ def simulate_valid(
             unpriced.append((zone, gpu, market.value))
             continue
         usd_per_gpu_s += price * n_gpus / C.SECONDS_PER_HOUR
+    return usd_per_gpu_s, unpriced
+
+
+def _result(
+    plan: ParallelPlan, book: ProfileBook, pipes: _Pipelines, sync: _GradSync, options: SimOptions, *,
+    rows: tuple[ReplicaRow, ...], peak_memory_bytes: int, fits_memory: bool, schedule: str, precision: str,
+    zero1: bool,
+) -> SimulationResult:
+    """The iteration's time (slowest pipeline, exposed gradient sync, optimizer), throughput and cost."""
+    pipe_times, pipe_comm = pipes.times_s, pipes.p2p_s
+    slowest = max(range(len(plan.pipelines)), key=lambda j: pipe_times[j])
+    pipeline_end = pipe_times[slowest]
+    end = sync.end_s if options.overlap_dp_sync else pipeline_end + sum(sync.ring_s)
+    dp_exposed = max(0.0, end - pipeline_end)
+    opt_max = max(max(row) for row in sync.optimizer_s)
+    iteration = pipeline_end + dp_exposed + opt_max
+    samples = plan.global_batch_size
+    tokens = samples * book.model.sequence_length
+    usd_per_gpu_s, unpriced = _usd_per_gpu_s(plan, book, options.prices_usd_per_gpu_hour)
     compute_usd = usd_per_gpu_s * iteration
+    egress_usd = sync.egress_usd
     usd_iter = compute_usd + egress_usd
     return SimulationResult(
         iteration_time_s=iteration,
@@ -338,19 +428,19 @@ def simulate_valid(
             pipeline_p2p_s=pipe_comm[slowest],
             dp_sync_exposed_s=dp_exposed,
             optimizer_s=opt_max,
-            dp_sync_per_stage_s=tuple(dp_sync),
+            dp_sync_per_stage_s=tuple(sync.ring_s),
             pipeline_time_per_pipeline_s=tuple(pipe_times),
             bubble_s=max(
                 0.0,
                 pipeline_end
                 - pipe_comm[slowest]
-                - max(c.total_s for c in computes[slowest]) * plan.pipelines[slowest].num_microbatches,
+                - max(c.total_s for c in pipes.computes[slowest]) * plan.pipelines[slowest].num_microbatches,
             ),
             slowest_pipeline=slowest,
         ),
-        rows=tuple(rows),
-        peak_memory_bytes=peak_all,
-        fits_memory=fits_all,
+        rows=rows,
+        peak_memory_bytes=peak_memory_bytes,
+        fits_memory=fits_memory,
         throughput_iterations_per_s=1.0 / iteration,
         samples_per_s=samples / iteration,
         tokens_per_s=tokens / iteration,
