@@ -137,6 +137,8 @@ def class_members() -> dict[str, set[str]]:
                             members.add(item.name)
                         elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
                             members.add(item.target.id)
+                        elif isinstance(item, ast.Assign):
+                            members.update(t.id for t in item.targets if isinstance(t, ast.Name))
     return out
 
 
@@ -244,6 +246,20 @@ def test_every_doc_the_code_cites_exists() -> None:
             if path != Path(__file__).resolve():  # its own examples are broken on purpose
                 problems += code_problems(path)
     assert not problems, "broken citations of docs:\n" + "\n".join(problems)
+
+
+def test_the_glossary_names_what_the_code_defines() -> None:
+    """The glossary (sailor_core's docstring) names classes and members the code has, and the drifts it lists."""
+    import sailor_core
+
+    glossary = sailor_core.__doc__ or ""
+    assert "Drifts:" in glossary
+    problems = []
+    for token in TICKED.findall(glossary):
+        if re.fullmatch(r"[A-Z][A-Za-z]+(\.[A-Za-z_]\w*)?", token) or re.fullmatch(r"[a-z_]+\([a-z]*\)", token):
+            problems.append(check_call(token.split("(")[0]))
+    problems += [check_code_path(p) for p in PLAIN_PATH.findall(glossary)]
+    assert not [p for p in problems if p], "glossary names what does not exist:\n" + "\n".join(p for p in problems if p)
 
 
 def test_the_checks_catch_broken_citations(tmp_path: Path) -> None:
