@@ -45,6 +45,8 @@ from sailor_core.simulator import StageCompute, dp_sync_end_s, pipeline_time_s
 
 SECONDS_PER_HOUR = 3600.0
 BYTES_PER_GB = 1e9
+# A DP state's value: (primary, secondary, the usage it came from, the (slot, tp) step taken)
+_Val = tuple[float, float, tuple[int, ...] | None, tuple[int, int] | None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -567,12 +569,30 @@ class Search:
     ) -> None:
         """DP over stages at bottleneck tau: cheapest per-pipeline GPU usage per slot-usage vector."""
         self.count.assignments += 1
+        options = self._stage_options(table, tau)
+        if options is None:
+            return
+        dp = self._usage_dp(options)
+        if dp is None:
+            return
+        layers, states = dp
+        for d, front in self._fronts(self._end_states(states), tau, n, d_list, lb):
+            for pick in dict.fromkeys(front):
+                kinds = self._reconstruct(layers, pick)
+                if self.quick_bound(mbs, bounds, kinds, d, n) >= self.cutoff:
+                    self.count.pruned += 1
+                    continue
+                self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
+
+    def _stage_options(
+        self, table: list[list[list[tuple[int, float]]]], tau: float,
+    ) -> list[list[tuple[int, int, float, float]]] | None:
+        """options[s] = [(slot, tp, primary, secondary)] of the TPs that meet tau; None when a stage has none.
+
+        Each stage, each slot: the smallest TP that meets tau. The DP keeps, per usage vector, the
+        lexicographically best (primary, secondary) value: for throughput the summed stage times
+        (the pipeline fill) then the price; for cost objectives the price then the times."""
         slots = self.pb.slots
-        k = self.n_slots
-        # options[s] = [(slot, tp, price per hour of one replica)]
-        # Each stage, each slot: the smallest TP that meets tau. The DP keeps, per usage vector, the
-        # lexicographically best (primary, secondary) value: for throughput the summed stage times
-        # (the pipeline fill) then the price; for cost objectives the price then the times.
         thr = self.pb.objective is Objective.MAX_THROUGHPUT
         options = []
         for row in table:
@@ -585,15 +605,21 @@ class Search:
                     price = tp * slots[g].usd_per_gpu_hour
                     opts.append((g, tp, t if thr else price, price if thr else t))
             if not opts:
-                return
+                return None
             options.append(opts)
-        zero = (0,) * k
-        Val = tuple[float, float, tuple[int, ...] | None, tuple[int, int] | None]
-        layers: list[dict[tuple[int, ...], Val]] = []
-        states: dict[tuple[int, ...], Val] = {zero: (0.0, 0.0, None, None)}
+        return options
+
+    def _usage_dp(
+        self, options: list[list[tuple[int, int, float, float]]],
+    ) -> tuple[list[dict[tuple[int, ...], _Val]], dict[tuple[int, ...], _Val]] | None:
+        """(every stage's layer of the DP, its last layer): per per-pipeline slot usage that fits the
+        slots' capacity, the best (primary, secondary) and the step that reached it; None if none fits."""
+        zero = (0,) * self.n_slots
+        layers: list[dict[tuple[int, ...], _Val]] = []
+        states: dict[tuple[int, ...], _Val] = {zero: (0.0, 0.0, None, None)}
         caps = self.caps
         for opts in options:
-            nxt: dict[tuple[int, ...], Val] = {}
+            nxt: dict[tuple[int, ...], _Val] = {}
             for u, (p1, p2, _, _) in states.items():
                 for g, tp, x1, x2 in opts:
                     if u[g] + tp > caps[g]:
@@ -605,10 +631,15 @@ class Search:
                     if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and q2 < old[1] - 1e-12):
                         nxt[v] = (q1, q2, u, (g, tp))
             if not nxt:
-                return
+                return None
             layers.append(nxt)
             states = nxt
-        # D-capacity of each end state; for each D the best state on either key among those D copies fit.
+        return layers, states
+
+    def _end_states(self, states: dict[tuple[int, ...], _Val]) -> list[tuple[int, float, float, tuple[int, ...]]]:
+        """(D-capacity, primary, secondary, usage) of each end state, most copies first then best value."""
+        caps = self.caps
+        k = self.n_slots
         ends = []
         for u, (p1, p2, _, _) in states.items():
             d_max = min((caps[g] // u[g] for g in range(k) if u[g]), default=0)
@@ -616,6 +647,15 @@ class Search:
                 d_max = min(d_max, self.pb.max_gpus // max(1, sum(u)))
             ends.append((d_max, p1, p2, u))
         ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
+        return ends
+
+    def _fronts(
+        self, ends: list[tuple[int, float, float, tuple[int, ...]]], tau: float, n: int, d_list: Sequence[int],
+        lb: _Floor,
+    ) -> Iterator[tuple[int, list[tuple[int, ...]]]]:
+        """Yields (D, the usage vectors worth estimating at D), largest D first, each D only while the
+        bound (read at that moment: estimates of earlier D move the cutoff) does not rule it out."""
+        thr = self.pb.objective is Objective.MAX_THROUGHPUT
         # With a limit that couples time and money (a budget under max throughput, a minimum speed
         # under min cost) the answer may sit between the two keys' optima: take the Pareto set.
         cons = self.pb.constraints
@@ -634,28 +674,14 @@ class Search:
                 continue
             if self.bound(tau, lb, n, [d]) >= self.cutoff:
                 continue
-            front = []
-            low2 = math.inf
-            for _p1, p2, u in eligible:
-                if p2 < low2 - 1e-12:
-                    front.append(u)
-                    low2 = p2
-            if coupled and len(front) > 32:
-                front = [front[round(j * (len(front) - 1) / 31)] for j in range(32)]
-            elif not coupled:
-                front = [front[0], front[-1]]
+            front = _pareto_front(eligible, coupled)
             if risky:
                 # Price and time alone always prefer spot; at this D the risk of each state's spot VMs
                 # decides: add the states best by an estimate of the goodput score.
                 m = -(-n // d)
                 ranked = sorted(eligible, key=lambda e: (self._approx_goodput(e[0], e[1], e[2], d, m, tau), e))
                 front += [u for _, _, u in ranked[:2]]
-            for pick in dict.fromkeys(front):
-                kinds = self._reconstruct(layers, pick)
-                if self.quick_bound(mbs, bounds, kinds, d, n) >= self.cutoff:
-                    self.count.pruned += 1
-                    continue
-                self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
+            yield d, front
 
     def _approx_goodput(self, usd_per_hour: float, fill_s: float, use: tuple[int, ...], d: int, m: int,
                         tau: float) -> float:
@@ -884,6 +910,24 @@ class Search:
             else:
                 lo = mid + 1
         return best
+
+
+def _pareto_front(
+    eligible: Sequence[tuple[float, float, tuple[int, ...]]], coupled: bool,
+) -> list[tuple[int, ...]]:
+    """The usage vectors on the (primary, secondary) Pareto front of `eligible` (sorted by primary):
+    up to 32 spread along it when a limit couples time and money, else its two ends."""
+    front = []
+    low2 = math.inf
+    for _p1, p2, u in eligible:
+        if p2 < low2 - 1e-12:
+            front.append(u)
+            low2 = p2
+    if coupled and len(front) > 32:
+        front = [front[round(j * (len(front) - 1) / 31)] for j in range(32)]
+    elif not coupled:
+        front = [front[0], front[-1]]
+    return front
 
 
 def _describe_violation(c: Constraints, e: Estimate) -> str:
