@@ -42,8 +42,12 @@ DOC_CITE = re.compile(r"(?<![\w/])docs/([\w-]+\.md)(#[\w-]+)?(?:,\s*'([^']+)')?"
 
 @cache
 def repo_files() -> tuple[str, ...]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout.split()
+    """The repository's files (git's view: tracked and not ignored), else every file under its folders."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        out = [str(p.relative_to(REPO)) for top in TOP if (REPO / top).is_dir() for p in (REPO / top).rglob("*")]
     return tuple(f for f in out if (REPO / f).exists())
 
 
