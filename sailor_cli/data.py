@@ -1,8 +1,8 @@
 """`sailor data`: prepare training data.
 
 Contract: `sailor data prepare INPUT... --tokenizer tokenizer.json --out URI [--text-field text]
-[--shard-tokens N] [--eos auto|none|TOKEN] [--add-special-tokens] [--json]` tokenizes jsonl / parquet / text files (local
-paths or s3:// / gs:// URIs, files or folders) with a Hugging Face tokenizer.json into sharded token
+[--shard-tokens N] [--eos auto|none|TOKEN] [--add-special-tokens] [--json]` tokenizes jsonl / parquet /
+text files (local paths or s3:// / gs:// URIs, files or folders) with a Hugging Face tokenizer.json into sharded token
 files with an index (sailor_core.runtime.prepare, layout in sailor_core.runtime.token_shards) at
 URI; `sailor train --data URI` then streams them. Prints one line per shard and a summary, or the
 index as JSON. Bad input is a `SailorError`: one line, exit 2.
@@ -15,21 +15,26 @@ from typing import Annotated
 
 import typer
 
+from sailor_cli.options import Json
+
 app = typer.Typer(help="Prepare training data: tokenize text into shards in object storage.", no_args_is_help=True)
 
 
 @app.command("prepare")
 def prepare_cmd(
     inputs: Annotated[list[str], typer.Argument(help="jsonl / parquet / text files or folders (local, s3://, gs://)")],
-    tokenizer: Annotated[str, typer.Option("--tokenizer", help="Hugging Face tokenizer.json, or the model folder holding it (path or URI)")],
-    out: Annotated[str, typer.Option("--out", help="Folder or s3:// / gs:// prefix for the shards and index.json")],
+    tokenizer: Annotated[str, typer.Option(
+        "--tokenizer", help="Hugging Face tokenizer.json, or the model folder holding it (path or URI)")],
+    out: Annotated[str, typer.Option("--out", help="folder or s3:// / gs:// prefix for the shards and index.json")],
     text_field: Annotated[str, typer.Option("--text-field", help="JSON field / Parquet column with the text")] = "text",
-    shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard")] = 1 << 24,
-    eos: Annotated[str, typer.Option("--eos", help="End-of-document token: auto, none, or a token of the tokenizer")] = "auto",
-    add_special_tokens: Annotated[bool, typer.Option("--add-special-tokens", help="Let the tokenizer add its special tokens (e.g. Llama's beginning of text) to each document")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the index as JSON")] = False,
+    shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="tokens per shard")] = 1 << 24,
+    eos: Annotated[str, typer.Option(
+        "--eos", help="end-of-document token: auto, none, or a token of the tokenizer")] = "auto",
+    add_special_tokens: Annotated[bool, typer.Option("--add-special-tokens", help=(
+        "let the tokenizer add its special tokens (e.g. Llama's beginning of text) to each document"))] = False,
+    as_json: Json = False,
 ) -> None:
-    """Tokenize INPUTS with TOKENIZER into shards plus index.json at OUT."""
+    """Tokenize INPUTS with TOKENIZER into shards plus index.json at OUT (--json: print the index)."""
     from sailor_core.runtime.prepare import prepare_dataset
 
     def progress(msg: dict) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from sailor_cli.options import GlobalBatchSizeOrNone, Json, MaxStages, StepsOrNone, Store, Workdir
 from sailor_core.domain import SailorError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,19 +34,24 @@ def _prefect_env(workdir: Path) -> None:
 
 
 def demo(
-    steps: int = typer.Option(None, help="training steps (default: the scenario's demo.steps, else 120)"),
-    workers: int = typer.Option(None, help="most devices a plan may use (default: the scenario's, else 4)"),
-    global_batch_size: int = typer.Option(None, "--global-batch-size",
-                                          help="samples per step (default: the scenario's, else 8)"),
-    scenario: Path = typer.Option(DEMO_SCENARIO, help="scenario file scripting preemptions and prices"),
-    store: str = typer.Option(None, "--store", help="store URI (default: $SAILOR_STORE or .sailor/store)"),
-    workdir: Path = typer.Option(Path(".sailor"), help="checkpoints, worker metrics and slots go here"),
-    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
-    max_stages: int = typer.Option(None, help="most pipeline stages per plan (default: as many as pay)"),
-    isolation: str = typer.Option("auto", help="VMs as isolated testbed VMs (netns, needs root), plain processes "
-                                               "(process), or netns where permitted (auto)"),
+    steps: StepsOrNone = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", help="most devices a plan may use (default: the scenario's, else 4)")] = None,
+    global_batch_size: GlobalBatchSizeOrNone = None,
+    scenario: Annotated[Path, typer.Option(
+        "--scenario", help="scenario file scripting preemptions and prices")] = DEMO_SCENARIO,
+    store: Store = None,
+    workdir: Workdir = Path(".sailor"),
+    as_json: Json = False,
+    max_stages: MaxStages = None,
+    isolation: Annotated[str, typer.Option("--isolation", help=(
+        "VMs as isolated testbed VMs (netns, needs root), plain processes (process), or netns where permitted "
+        "(auto)"))] = "auto",
 ) -> None:
-    """Run the sailor flow locally: plan, train gpt-tiny on 4 workers through a preemption and a price change."""
+    """Run the sailor flow locally: plan, train gpt-tiny on 4 workers through a preemption and a price change.
+
+    The job is the scenario's `demo` section, else 120 steps of 8 sequences; the options override it.
+    """
     workdir = workdir.resolve()
     _prefect_env(workdir)
     from flows.params import validate_params

@@ -20,9 +20,26 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from sailor_cli.options import (
+    DryRun,
+    GpuTypes,
+    Json,
+    Markets,
+    Provider,
+    ProviderOrNone,
+    Regions,
+    Run,
+    RunOrNone,
+    Store,
+    Workdir,
+    open_store,
+    split_values,
+)
 from sailor_core.errors import CloudUnreachable, SailorError
 
 app = typer.Typer(help="Cloud providers: offerings, catalogs, dry-run provisioning, cleanup.", no_args_is_help=True)
@@ -78,8 +95,9 @@ def _call(fn, *args, **kw):
                                    f"SAILOR_GCE_ENDPOINT, regions), then retry") from None
         if names & set(_GARBLED):
             raise CloudUnreachable(f"the cloud's API answered with something unreadable ({type(e).__name__}: "
-                                   f"{_one_line(e)[:160]}); to fix: check the endpoint settings (SAILOR_AWS_ENDPOINT_URL, "
-                                   f"SAILOR_GCE_ENDPOINT) and any proxy in between, then retry") from None
+                                   f"{_one_line(e)[:160]}); to fix: check the endpoint settings "
+                                   f"(SAILOR_AWS_ENDPOINT_URL, SAILOR_GCE_ENDPOINT) and any proxy in between, "
+                                   f"then retry") from None
         if names & set(_REFUSED):
             raise SailorError(f"the cloud refused the request ({type(e).__name__}: {_one_line(e)}); to fix: check "
                               f"the credentials, their permissions and the request's settings") from None
@@ -88,18 +106,22 @@ def _call(fn, *args, **kw):
 
 @app.command("offerings")
 def offerings(
-    provider: str = typer.Option(..., "--provider", help="aws or gcp"),
-    region: list[str] = typer.Option(None, "--region", help="region to include (repeatable; default: configured)"),
-    gpu_type: list[str] = typer.Option(None, "--gpu-type", help="GPU type such as A100-40 (repeatable)"),
-    market: list[str] = typer.Option(None, "--market", help="spot or on-demand (repeatable)"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    provider: Provider,
+    region: Regions = None,
+    gpu_type: GpuTypes = None,
+    market: Markets = None,
+    as_json: Json = False,
 ) -> None:
-    """What can be rented now, per zone and market, with prices and their fetch time."""
+    """What can be rented now, per zone and market, with prices and their fetch time.
+
+    Without --region: the configured regions.
+    """
     from sailor_core.domain import Market
 
-    p = _provider(provider, region)
-    offers = _call(p.offerings, regions=region or None, gpu_types=gpu_type or None,
-                   markets=[Market.parse(m) for m in market] if market else None)
+    regions, gpu_types, markets = split_values(region), split_values(gpu_type), split_values(market)
+    p = _provider(provider, list(regions))
+    offers = _call(p.offerings, regions=list(regions) or None, gpu_types=list(gpu_types) or None,
+                   markets=[Market.parse(m) for m in markets] or None)
     if as_json:
         typer.echo(json.dumps([asdict(o) for o in offers], indent=2, default=str))
         return
@@ -117,9 +139,9 @@ def offerings(
 
 @app.command("catalog")
 def catalog(
-    path: str = typer.Argument(..., help="a SkyPilot-format vms.csv"),
-    cloud: str = typer.Option(..., "--cloud", help="aws or gcp"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    path: Annotated[str, typer.Argument(help="a SkyPilot-format vms.csv")],
+    cloud: Annotated[str, typer.Option("--cloud", help="whose catalog it is: aws or gcp")],
+    as_json: Json = False,
 ) -> None:
     """Import a SkyPilot-format catalog: what was kept, and each rejected row with its reason."""
     from infra.catalog import load_skypilot_file
@@ -134,16 +156,19 @@ def catalog(
 
 @app.command("provision")
 def provision(
-    provider: str = typer.Option(..., "--provider", help="aws or gcp"),
-    run: str = typer.Option(..., "--run", help="run id every resource is tagged with"),
-    zone: str = typer.Option(..., "--zone", help="zone such as us-east-1a or us-central1-a"),
-    gpu_type: str = typer.Option(..., "--gpu-type", help="GPU type such as A10G-24 or V100-16"),
-    gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs per VM"),
-    count: int = typer.Option(1, "--count", min=1, help="number of VMs"),
-    market: str = typer.Option("spot", "--market", help="spot or on-demand"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the API requests and hourly cost; rent nothing"),
+    provider: Provider,
+    run: Run,
+    zone: Annotated[str, typer.Option("--zone", help="the zone to rent in, such as us-east-1a or us-central1-a")],
+    gpu_type: Annotated[str, typer.Option("--gpu-type", help="the GPU type to rent, such as A10G-24 or V100-16")],
+    gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs per VM")] = 1,
+    count: Annotated[int, typer.Option("--count", min=1, help="number of VMs")] = 1,
+    market: Annotated[str, typer.Option("--market", help="the market to rent in: spot or on-demand")] = "spot",
+    dry_run: DryRun = False,
 ) -> None:
-    """Rent VMs for a run (or, with --dry-run, show exactly what would be sent and what it costs)."""
+    """Rent VMs for a run, each tagged with the run's id.
+
+    With --dry-run: show exactly what would be sent and what it costs; rent nothing.
+    """
     from infra.cloud import format_dry_run
     from infra.provider import VmRequest
     from sailor_core.domain import Market, default_region
@@ -174,20 +199,22 @@ def _configured(name: str) -> bool:
 
 @app.command("cleanup")
 def cleanup(
-    provider: str = typer.Option(None, "--provider", help="aws, gcp or local (default: every configured cloud)"),
-    run: str = typer.Option(None, "--run", help="run id (default: every sailor run)"),
-    region: list[str] = typer.Option(None, "--region", help="region to search (repeatable; default: configured)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed; remove nothing"),
-    workdir: str = typer.Option(".sailor", "--workdir", help="local provider: the runs' working folder"),
-    store: str = typer.Option(None, "--store", help="local provider: the run history's store (default: "
-                                                    "$SAILOR_STORE or .sailor/store)"),
+    provider: ProviderOrNone = None,
+    run: RunOrNone = None,
+    region: Regions = None,
+    dry_run: DryRun = False,
+    workdir: Workdir = Path(".sailor"),
+    store: Store = None,
 ) -> None:
     """Find and remove every resource a run (or every run) left: VMs, disks, security groups, firewalls.
+
+    Without --provider: every configured cloud; without --run: every sailor run; without --region: the
+    configured regions. --dry-run lists what would be removed.
 
     `--provider local` removes local testbeds whose owner process is dead (namespaces, veths,
     bridges, cgroups, VM folders and their processes; infra/testbed.py), and the VMs (worker
     processes) of every run in the store whose flow died (lease expired: written down as crashed);
-    `--run` does not apply."""
+    `--run` does not apply; `--workdir` and `--store` are those of the local runs."""
     if provider == "local":
         _cleanup_crashed_local(workdir, store, dry_run)
         _cleanup_local(dry_run)
@@ -196,7 +223,7 @@ def cleanup(
     verb = "would remove" if dry_run else "removed"
     total = 0
     for name in names:
-        p = _provider(name, region)
+        p = _provider(name, list(split_values(region)))
         removed = _call(p.cleanup_resources, run, dry_run=dry_run)
         for r in removed:
             typer.echo(f"{name}: {verb} {r}")
@@ -206,19 +233,16 @@ def cleanup(
     typer.echo(f"{verb} {total} resource(s)")
 
 
-def _cleanup_crashed_local(workdir: str, store: str | None, dry_run: bool) -> None:
+def _cleanup_crashed_local(workdir: Path, store: str | None, dry_run: bool) -> None:
     """Runs whose lease expired: mark them crashed and stop the worker processes they left."""
-    from pathlib import Path
-
     from infra.local import LocalProvider
-    from profiles_store.store import open_store
     from tasks.history import RunHistory
 
     history = RunHistory(open_store(store))
     for r in history.list_runs():
         if not r.get("crash_detected"):
             continue
-        root = Path(workdir).resolve() / "runs" / r["run_id"] / "local"
+        root = workdir.resolve() / "runs" / r["run_id"] / "local"
         if dry_run:
             typer.echo(f"local: would mark run {r['run_id']} crashed ({r.get('status_reason', '')}) and remove "
                        f"what it left under {root}")

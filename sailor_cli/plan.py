@@ -1,11 +1,11 @@
 """`sailor plan`: the best plan for a pool of GPUs, its estimate, the cost/throughput frontier, what-ifs.
 
 Contract: reads the pool file (docs/planner.md) and the model's ProfileBook (the same loader as
-`sailor simulate`, so `sailor simulate` on the written plan gives the same estimate when the pool's
-prices are the store's), runs `sailor_core.planner.plan`, and prints a readable answer, or one
-JSON object with --json: plan, estimate (the keys of `sailor simulate --json`), search_time_s,
-frontier, explanation, nearest_miss, stats and what_if. An infeasible request prints the nearest
-miss and exits 1; user errors are `SailorError`s (one line with the fix, exit 2).
+`sailor simulate`, sailor_cli.options.load_book, so `sailor simulate` on the written plan gives the
+same estimate when the pool's prices are the store's), runs `sailor_core.planner.plan`, and prints a
+readable answer, or one JSON object with --json: plan, estimate (the keys of `sailor simulate --json`),
+search_time_s, frontier, explanation, nearest_miss, stats and what_if. An infeasible request prints the
+nearest miss and exits 1; user errors are `SailorError`s (one line with the fix, exit 2).
 """
 
 from __future__ import annotations
@@ -13,10 +13,33 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from dataclasses import replace
 from typing import Annotated, Any
 
 import typer
 
+from sailor_cli.options import (
+    CheckpointInterval,
+    Clouds,
+    GlobalBatchSize,
+    GpuTypes,
+    Json,
+    Markets,
+    MaxGpus,
+    MaxUsdPerHour,
+    MaxUsdPerIteration,
+    MinIterationsPerS,
+    Model,
+    ModelConfig,
+    ObjectiveName,
+    ReconfigurationS,
+    Regions,
+    SeqLen,
+    Store,
+    Zones,
+    load_model_book,
+    split_values,
+)
 from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market, SailorError
 from sailor_core.plan_format import plan_to_dict, save_plan_file
 from sailor_core.planner import (
@@ -37,54 +60,51 @@ from sailor_core.planner.pool import parse_preemption_rates, read_pool_document
 from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS, SpotRisk
 
 
-def _split(values: list[str] | None) -> tuple[str, ...]:
-    out: list[str] = []
-    for v in values or []:
-        out.extend(x.strip() for x in v.split(",") if x.strip())
-    return tuple(out)
-
-
 def plan(
     pool_file: Annotated[str, typer.Option("--pool", help="pool file (YAML or JSON), see docs/planner.md")],
-    global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="sequences per iteration")],
-    model: Annotated[str | None, typer.Option("--model", help="model name, e.g. OPT-350")] = None,
-    objective: Annotated[str, typer.Option("--objective", help="max-throughput | min-cost | min-cost-per-token | max-goodput")] = "max-throughput",
-    max_usd_per_iteration: Annotated[float | None, typer.Option("--max-usd-per-iteration")] = None,
-    max_usd_per_hour: Annotated[float | None, typer.Option("--max-usd-per-hour")] = None,
-    min_iterations_per_s: Annotated[float | None, typer.Option("--min-iterations-per-s")] = None,
-    clouds: Annotated[list[str] | None, typer.Option("--cloud", help="only these clouds (repeat or comma-separate)")] = None,
-    regions: Annotated[list[str] | None, typer.Option("--region", help="only these regions")] = None,
-    zones: Annotated[list[str] | None, typer.Option("--zone", help="only these zones")] = None,
-    gpu_types: Annotated[list[str] | None, typer.Option("--gpu-type", help="only these GPU types")] = None,
-    markets: Annotated[list[str] | None, typer.Option("--market", help="only these markets: spot, on-demand")] = None,
-    max_gpus: Annotated[int | None, typer.Option("--max-gpus", help="use at most this many GPUs")] = None,
-    store: Annotated[str | None, typer.Option("--store", help="profile store URI (default: the embedded store)")] = None,
+    global_batch_size: GlobalBatchSize,
+    model: Model = None,
+    objective: ObjectiveName = "max-throughput",
+    max_usd_per_iteration: MaxUsdPerIteration = None,
+    max_usd_per_hour: MaxUsdPerHour = None,
+    min_iterations_per_s: MinIterationsPerS = None,
+    clouds: Clouds = None,
+    regions: Regions = None,
+    zones: Zones = None,
+    gpu_types: GpuTypes = None,
+    markets: Markets = None,
+    max_gpus: MaxGpus = None,
+    store: Store = None,
     out: Annotated[str | None, typer.Option("--out", help="write the plan here (sailor plan format)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
-    what_if: Annotated[list[str] | None, typer.Option("--what-if", help="re-plan with a change, e.g. '+16 V100-16 in us-west1-b' or 'A100-40 spot price +30%'")] = None,
-    model_config: Annotated[str | None, typer.Option("--model-config", help="a Hugging Face style config.json (profiled under its name with `sailor profile model --model-config`)")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="training sequence length of a --model-config model, as profiled")] = None,
-    frontier_png: Annotated[str | None, typer.Option("--frontier-png", help="plot the throughput/cost frontier to this PNG")] = None,
-    wide_frontier: Annotated[bool, typer.Option("--wide-frontier", help="frontier from cheapest to fastest (about 2x search time; on with --frontier-png)")] = False,
-    checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="steps between checkpoints (spot risk: work lost per preemption)")] = DEFAULT_CHECKPOINT_INTERVAL_STEPS,
-    reconfiguration_s: Annotated[float | None, typer.Option("--reconfiguration-s", help="seconds from a preemption to training again (default: the store's measured mean, else 15)")] = None,
-    large_batch: Annotated[bool, typer.Option("--large-batch", help=f"plan a global batch above {MAX_PLAIN_GLOBAL_BATCH} sequences (refused without it)")] = False,
+    as_json: Json = False,
+    what_if: Annotated[list[str] | None, typer.Option("--what-if", help=(
+        "re-plan with a change, e.g. '+16 V100-16 in us-west1-b' or 'A100-40 spot price +30%'"))] = None,
+    model_config: ModelConfig = None,
+    seq_len: SeqLen = None,
+    frontier_png: Annotated[str | None, typer.Option(
+        "--frontier-png", help="plot the throughput/cost frontier to this PNG")] = None,
+    wide_frontier: Annotated[bool, typer.Option("--wide-frontier", help=(
+        "frontier from cheapest to fastest (about 2x search time; on with --frontier-png)"))] = False,
+    checkpoint_interval: CheckpointInterval = DEFAULT_CHECKPOINT_INTERVAL_STEPS,
+    reconfiguration_s: ReconfigurationS = None,
+    large_batch: Annotated[bool, typer.Option("--large-batch", help=(
+        f"plan a global batch above {MAX_PLAIN_GLOBAL_BATCH} sequences (refused without it)"))] = False,
 ) -> None:
-    """Choose which GPUs to rent, where, and how to split MODEL over them."""
-    from sailor_cli.simulate import load_book
+    """Choose which GPUs to rent, where, and how to split MODEL over them.
+
+    A --model-config model (and --seq-len) must be as `sailor profile model --model-config` stored it.
+    """
     from sailor_core.models.hf_config import resolve_model
 
     if model_config or model is None or seq_len is not None:  # the name `sailor profile model --model-config` used
         model = resolve_model(model, model_config, seq_len).name
     _check_batch(global_batch_size, large_batch)
-    book = load_book(model, store)
-    if book.model.name != model:
-        raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")
+    book = load_model_book(model, store)
     doc = read_pool_document(pool_file)
     pool = parse_pool(doc, book, source=pool_file)
     if checkpoint_interval < 1:
-        raise SailorError(f"--checkpoint-interval must be >= 1 step, got {checkpoint_interval}; to fix: pass a positive number")
-    spot_risk = _spot_risk(doc, store, checkpoint_interval, reconfiguration_s)
+        raise SailorError(f"--checkpoint-interval must be >= 1 step, got {checkpoint_interval}; "
+                          f"to fix: pass a positive number")
     request = PlanRequest(
         model=model,
         global_batch_size=global_batch_size,
@@ -95,28 +115,28 @@ def plan(
             min_iterations_per_s=min_iterations_per_s,
         ),
         restrictions=Restrictions(
-            clouds=_split(clouds), regions=_split(regions), zones=_split(zones), gpu_types=_split(gpu_types),
-            markets=tuple(Market.parse(m) for m in _split(markets)), max_gpus=max_gpus,
+            clouds=split_values(clouds), regions=split_values(regions), zones=split_values(zones),
+            gpu_types=split_values(gpu_types), markets=tuple(Market.parse(m) for m in split_values(markets)),
+            max_gpus=max_gpus,
         ),
         options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None),
-        spot_risk=spot_risk,
+        spot_risk=_spot_risk(doc, store, checkpoint_interval, reconfiguration_s),
     )
     result = run_planner(request, book)
-    variations = []
-    for change in what_if or []:
-        varied = PlanRequest(
-            model=request.model, global_batch_size=request.global_batch_size,
-            pool=apply_what_if(pool, change, book), objective=request.objective,
-            constraints=request.constraints, restrictions=request.restrictions, options=request.options,
-            spot_risk=request.spot_risk,
-        )
-        variations.append((change, run_planner(varied, book)))
+    variations = [(change, run_planner(replace(request, pool=apply_what_if(pool, change, book)), book))
+                  for change in what_if or []]
+    _answer(result, variations, request.spot_risk, out=out, frontier_png=frontier_png, as_json=as_json)
+
+
+def _answer(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_risk: SpotRisk, *, out: str | None,
+            frontier_png: str | None, as_json: bool) -> None:
+    """Write, plot and print the planner's answer; exit 1 when there is no feasible plan."""
     if out and result.plan is not None:
         save_plan_file(result.plan, out)
     if frontier_png:
         _plot(result, frontier_png)
     if as_json:
-        typer.echo(json.dumps(_to_json(result, variations, request.spot_risk)))
+        typer.echo(json.dumps(_to_json(result, variations, spot_risk)))
     else:
         _print(result, variations, out, frontier_png)
     if result.plan is None:
@@ -146,9 +166,9 @@ def _check_batch(global_batch_size: int, confirmed: bool) -> None:
     if global_batch_size <= MAX_PLAIN_GLOBAL_BATCH:
         return
     if not confirmed:
-        raise SailorError(f"--global-batch-size {global_batch_size:.3g} sequences is more than {MAX_PLAIN_GLOBAL_BATCH} "
-                          f"(published large runs use 1-4 thousand); to fix: check the number, or pass --large-batch "
-                          f"if you mean it")
+        raise SailorError(f"--global-batch-size {global_batch_size:.3g} sequences is more than "
+                          f"{MAX_PLAIN_GLOBAL_BATCH} (published large runs use 1-4 thousand); to fix: check the "
+                          f"number, or pass --large-batch if you mean it")
     typer.echo(f"warning: a global batch of {global_batch_size:.3g} sequences is far above published runs "
                f"(1-4 thousand); planning it because of --large-batch", err=True)
 

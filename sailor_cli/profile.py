@@ -14,22 +14,31 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Annotated
+from collections.abc import Iterator
+from typing import Annotated, Any
 
 import typer
 
+from sailor_cli.options import (
+    Device,
+    GpuTypeLabel,
+    Json,
+    MaxBytes,
+    MaxBytesOrNone,
+    Model,
+    ModelConfig,
+    SeqLen,
+    Statistic,
+    Store,
+    TimeoutS,
+    open_store,
+)
 from sailor_core.domain import SailorError
 
 app = typer.Typer(help="Measure a model's layers or the network on this machine and store the profile.",
                   no_args_is_help=True)
-
-Store = Annotated[
-    str | None,
-    typer.Option("--store", help="Store URI: a folder, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX. "
-                 "Default: $SAILOR_STORE, else ./.sailor/store."),
-]
-
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
     try:
@@ -41,10 +50,16 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-def _open(store: str | None):  # noqa: ANN202 - keeps the store import lazy
-    from profiles_store import open_store
+@contextlib.contextmanager
+def _progress_bar(description: str, total: int, *, transient: bool) -> Iterator[tuple[Any, Any, Any]]:
+    """A progress bar on stderr: (bar, its task, the stderr console); `transient` clears it at the end."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return open_store(store)
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=transient) as bar:
+        yield bar, bar.add_task(description, total=total), console
 
 
 def _fmt_bytes(n: float) -> str:
@@ -57,18 +72,19 @@ def _fmt_bytes(n: float) -> str:
 
 @app.command("model")
 def model_cmd(
-    model: Annotated[str | None, typer.Option("--model", help="Model name, e.g. gpt-tiny, gpt-small, OPT-350 (with --model-config: the name to store it under).")] = None,
-    model_config: Annotated[str | None, typer.Option("--model-config", help="A Hugging Face style config.json (Llama, GPT-NeoX, OPT), path or s3:// / gs:// URI.")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Training sequence length of a --model-config model (default: its max_position_embeddings).")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    mbs: Annotated[str, typer.Option("--mbs", help="Microbatch sizes, comma-separated.")] = "1,2,4",
-    tp: Annotated[str, typer.Option("--tp", help="TP degrees, comma-separated (each <= GPUs of this node).")] = "1",
+    model: Model = None,
+    model_config: ModelConfig = None,
+    seq_len: SeqLen = None,
+    device: Device = "cpu",
+    mbs: Annotated[str, typer.Option("--mbs", help="microbatch sizes, comma-separated")] = "1,2,4",
+    tp: Annotated[str, typer.Option("--tp", help="TP degrees, comma-separated (each <= GPUs of this node)")] = "1",
     store: Store = None,
-    gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Label for the results (default: from the device).")] = None,
-    all_blocks: Annotated[bool, typer.Option("--all-blocks", help="Measure every block, not a few copied to the rest.")] = False,
-    precision: Annotated[str, typer.Option("--precision", help="fp32, or bf16 (autocast, as bf16 plans run).")] = "fp32",
-    statistic: Annotated[str, typer.Option("--statistic", help="What a layer's repetitions are summarised by: mean, median or a percentile such as p10.")] = "mean",
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    gpu_type: GpuTypeLabel = None,
+    all_blocks: Annotated[bool, typer.Option(
+        "--all-blocks", help="measure every block, not a few copied to the rest")] = False,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, or bf16 (autocast, as bf16 plans run)")] = "fp32",
+    statistic: Statistic = "mean",
+    as_json: Json = False,
 ) -> None:
     """Profile per-layer forward/backward/optimizer time and activation memory; replace it in the store."""
     from sailor_core.models.hf_config import resolve_model
@@ -81,25 +97,18 @@ def model_cmd(
         gpu_type=gpu_type, all_blocks=all_blocks, precision=precision, statistic=statistic,
     )
     cfg = settings.validate()  # bad input fails before the store is opened or a worker starts
-    st = _open(store)
-    total = len(settings.mbs) * len(settings.tp) * len(settings.measured_layers(cfg))
-
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=as_json) as bar:
-        task = bar.add_task(f"profiling {cfg.name} on {device}", total=total)
-
-        per_point = len(settings.measured_layers(cfg))
+    st = open_store(store)
+    per_point = len(settings.measured_layers(cfg))
+    total = len(settings.mbs) * len(settings.tp) * per_point
+    with _progress_bar(f"profiling {cfg.name} on {device}", total, transient=as_json) as (bar, task, console):
         advanced: dict[tuple[int, int], int] = {}
 
         def progress(msg: dict) -> None:
             if msg["kind"] == "layer":
                 key = (msg["mbs"], msg["tp"])
                 advanced[key] = advanced.get(key, 0) + 1
-                bar.update(task, advance=1, description=f"{cfg.name} mbs={msg['mbs']} tp={msg['tp']} layer {msg['layer']}")
+                bar.update(task, advance=1,
+                           description=f"{cfg.name} mbs={msg['mbs']} tp={msg['tp']} layer {msg['layer']}")
             elif msg["kind"] == "infeasible":
                 key = (msg["mbs"], msg["tp"])
                 bar.update(task, advance=per_point - advanced.get(key, 0))
@@ -161,32 +170,29 @@ def _print_model(profile, rows: int, uri: str) -> None:
 
 @app.command("network")
 def network_cmd(
-    workers: Annotated[int, typer.Option("--workers", help="Local worker processes (one GPU each on CUDA).")] = 2,
+    workers: Annotated[int, typer.Option("--workers", help="local worker processes (one GPU each on CUDA)")] = 2,
     store: Store = None,
-    device: Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl).")] = "cpu",
-    min_bytes: Annotated[int, typer.Option("--min-bytes", help="Smallest message.")] = 64 * 1024,
-    max_bytes: Annotated[int | None, typer.Option("--max-bytes", help="Largest message (default 64 MiB on CPU, 1 GiB on CUDA).")] = None,
-    zone: Annotated[str, typer.Option("--zone", help="Zone label of both ends.")] = "local",
-    gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="GPU type label (default: from the device).")] = None,
-    statistic: Annotated[str, typer.Option("--statistic", help="What a size's repetitions are summarised by: a percentile such as p20, median or mean.")] = "p20",
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    device: Device = "cpu",
+    min_bytes: Annotated[int, typer.Option("--min-bytes", help="smallest message, in bytes")] = 64 * 1024,
+    max_bytes: MaxBytesOrNone = None,
+    zone: Annotated[str, typer.Option("--zone", help="zone label of both ends")] = "local",
+    gpu_type: GpuTypeLabel = None,
+    statistic: Statistic = "p20",
+    as_json: Json = False,
 ) -> None:
-    """Measure point-to-point and all-reduce time between local workers, fit, and upsert the link."""
+    """Measure point-to-point and all-reduce time between local workers, fit, and upsert the link.
+
+    The largest message is --max-bytes, else 64 MiB on CPU (gloo) and 1 GiB on CUDA (nccl).
+    """
     from sailor_core.profiler import NetworkSettings, profile_network, save_network_profile
-    from sailor_core.profiler.network import summary_rows, to_json
+    from sailor_core.profiler.network import to_json
 
     settings = NetworkSettings(workers=workers, device=device, min_bytes=min_bytes, max_bytes=max_bytes,
                                zone=zone, gpu_type=gpu_type, statistic=statistic)
     settings.validate()
-    st = _open(store)
-
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=as_json) as bar:
-        task = bar.add_task(f"network between {workers} workers", total=len(settings.sizes()))
+    st = open_store(store)
+    title = f"network between {workers} workers"
+    with _progress_bar(title, len(settings.sizes()), transient=as_json) as (bar, task, _):
 
         def progress(msg: dict) -> None:
             bar.update(task, completed=msg["done"], description=f"{_fmt_bytes(msg['bytes'])} done")
@@ -196,7 +202,14 @@ def network_cmd(
     if as_json:
         typer.echo(to_json(profile))
         return
+    _print_network(profile, workers, st.uri)
+
+
+def _print_network(profile: Any, workers: int, uri: str) -> None:
+    from rich.console import Console
     from rich.table import Table
+
+    from sailor_core.profiler.network import summary_rows
 
     t = Table(title=f"network {profile.link.sender_zone}/{profile.link.sender_gpu} x{workers} workers "
                     f"(fastest repetition per size)")
@@ -204,7 +217,8 @@ def network_cmd(
         t.add_column(c, justify="right")
     for r in summary_rows(profile):
         t.add_row(_fmt_bytes(r["bytes"]), f"{r['p2p_measured_s'] * 1e3:.3f}", f"{r['p2p_predicted_s'] * 1e3:.3f}",
-                  f"{r['p2p_err']:+.1%}", f"{r['allreduce_measured_s'] * 1e3:.3f}", f"{r['allreduce_predicted_s'] * 1e3:.3f}",
+                  f"{r['p2p_err']:+.1%}", f"{r['allreduce_measured_s'] * 1e3:.3f}",
+                  f"{r['allreduce_predicted_s'] * 1e3:.3f}",
                   f"{r['allreduce_err']:+.1%}", f"{r['allreduce_ring_s'] * 1e3:.3f}")
     out = Console()
     out.print(t)
@@ -212,13 +226,12 @@ def network_cmd(
     worst = max(abs(e) for e in profile.p2p_errors())
     out.print(f"p2p fit: bw_GBps = {a:.4g}*u^2 + {b:.4g}*u + {c:.4g}, u = log2(bytes/1e6); max "
               f"{profile.link.fit.max_bytes_per_s / 1e9:.2f} GB/s; worst error {worst:.1%}")
-    ab = profile.p2p_alpha_beta
-    out.print(f"p2p alpha-beta: latency {ab.latency_s * 1e6:.1f} us, bandwidth {ab.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
-    ab = profile.allreduce_alpha_beta
-    out.print(f"all-reduce alpha-beta: latency {ab.latency_s * 1e6:.1f} us, bandwidth {ab.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    for what, ab in (("p2p", profile.p2p_alpha_beta), ("all-reduce", profile.allreduce_alpha_beta)):
+        out.print(f"{what} alpha-beta: latency {ab.latency_s * 1e6:.1f} us, "
+                  f"bandwidth {ab.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     out.print(f"upserted link {profile.link.sender_zone}:{profile.link.sender_gpu}x1 -> "
               f"{profile.link.receiver_zone}:{profile.link.receiver_gpu}x1, intra-node {profile.intra_node.gpu_type}x2 "
-              f"and the node's all-reduce over {profile.node_allreduce.workers} workers into {st.uri}")
+              f"and the node's all-reduce over {profile.node_allreduce.workers} workers into {uri}")
 
 
 def _zone_type(text: str, what: str) -> tuple[str, str]:
@@ -230,16 +243,17 @@ def _zone_type(text: str, what: str) -> tuple[str, str]:
 
 @app.command("link")
 def link_cmd(
-    rank: Annotated[int, typer.Option("--rank", help="0 on the sending VM, 1 on the receiving one.")],
-    src: Annotated[str, typer.Option("--from", help="ZONE:TYPE of rank 0's VM.")],
-    dst: Annotated[str, typer.Option("--to", help="ZONE:TYPE of rank 1's VM.")],
-    key: Annotated[str, typer.Option("--key", help="Controller key the two ends meet under.")],
+    rank: Annotated[int, typer.Option("--rank", help="0 on the sending VM, 1 on the receiving one")],
+    src: Annotated[str, typer.Option("--from", help="ZONE:TYPE of rank 0's VM")],
+    dst: Annotated[str, typer.Option("--to", help="ZONE:TYPE of rank 1's VM")],
+    key: Annotated[str, typer.Option("--key", help="controller key the two ends meet under")],
     store: Store = None,
-    max_bytes: Annotated[int, typer.Option("--max-bytes", help="Largest message.")] = 4 * 1024 * 1024,
-    timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the other end.")] = 600.0,
+    max_bytes: MaxBytes = 4 * 1024 * 1024,
+    timeout_s: TimeoutS = 600.0,
 ) -> None:
     """Measure the link between this VM and one other (run on both); rank 0 stores it both ways.
 
+    --timeout: how long to wait for the other end.
     Run by the flow's profile subflow on rented VMs (the run's controller from $SAILOR_CONTROL and
     $SAILOR_RUN_SECRET, this VM's address from $SAILOR_ADVERTISE_ADDR).
     """
@@ -255,7 +269,7 @@ def link_cmd(
     settings = NetworkSettings(workers=2, device="cpu", max_bytes=max_bytes, timeout_s=timeout_s, allreduce=False,
                                policy=LINK_POLICY)
     settings.validate()
-    st = _open(store) if rank == 0 else None
+    st = open_store(store) if rank == 0 else None
     prof = measure_link(settings, rank=rank, rendezvous=client_from_env(), key=key,
                         advertise_addr=os.environ.get("SAILOR_ADVERTISE_ADDR", "127.0.0.1"), ends=ends)
     if prof is None or st is None:

@@ -16,29 +16,13 @@ from typing import Annotated
 
 import typer
 
+from sailor_cli.options import Json, Store, open_store
 from sailor_core.domain import SailorError
 
 app = typer.Typer(
     help="The profile store: list, show, import and export profiles, network links and prices.",
     no_args_is_help=True,
 )
-
-Store = Annotated[
-    str | None,
-    typer.Option(
-        "--store",
-        help="Store URI: a folder, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX "
-        "(query: endpoint_override, region, anonymous). Default: $SAILOR_STORE, else ./.sailor/store.",
-    ),
-]
-Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-
-
-def _open(store: str | None):  # noqa: ANN202 - keeps the store import lazy
-    from profiles_store import open_store
-
-    return open_store(store)
-
 
 def _fmt_ints(values: tuple[int, ...]) -> str:
     return ",".join(str(v) for v in values)
@@ -52,7 +36,7 @@ def _span(values: tuple[int, ...]) -> str:
 @app.command("list")
 def list_pairs(store: Store = None, as_json: Json = False) -> None:
     """Every (model, GPU type) with layer profiles, the microbatch sizes and TP degrees profiled, and the source."""
-    s = _open(store)
+    s = open_store(store)
     pairs = s.list_pairs()
     if as_json:
         typer.echo(json.dumps([p.to_json() for p in pairs], indent=1))
@@ -81,7 +65,7 @@ def show(
     layers: Annotated[bool, typer.Option("--layers", help="List every layer's times, not only the sums.")] = False,
 ) -> None:
     """The profile of one (model, GPU type): per (mbs, tp), the summed forward/backward time and the optimizer step."""
-    s = _open(store)
+    s = open_store(store)
     spec = s.model(model)
     s.require_gpu_types([gpu_type])
     rows = s.read_table("layer_profiles", {"model": model, "gpu_type": gpu_type}).to_pylist()
@@ -103,7 +87,8 @@ def show(
             "forward_s": sum(r["forward_s"] for r in rs),
             "backward_s": sum(r["backward_s"] for r in rs),
             "optimizer_s": max(r["optimizer_s"] for r in rs),
-            **({"per_layer": [[r["layer"], r["forward_s"], r["backward_s"], r["optimizer_s"]] for r in rs]} if layers else {}),
+            **({"per_layer": [[r["layer"], r["forward_s"], r["backward_s"], r["optimizer_s"]] for r in rs]}
+               if layers else {}),
         }
         for (m, t), rs in sorted(points.items())
     ]
@@ -136,7 +121,8 @@ def show(
 
 @app.command("import-eth-easl")
 def import_eth_easl(
-    directory: Annotated[Path, typer.Argument(help="A folder laid out as eth-easl/sailor (or the folder holding eth-easl-sailor/).")],
+    directory: Annotated[Path, typer.Argument(
+        help="A folder laid out as eth-easl/sailor (or the folder holding eth-easl-sailor/).")],
     store: Store = None,
 ) -> None:
     """Import the Sailor artifact's published profiles, network fits, egress prices, GPU prices and quotas."""
@@ -144,7 +130,7 @@ def import_eth_easl(
     from profiles_store.importer import import_eth_easl as do_import
 
     data = read_eth_easl(directory)
-    s = _open(store)
+    s = open_store(store)
     counts = do_import(s, data, recorded_at=datetime.now(UTC))
     typer.echo(f"imported into {s.uri}: " + ", ".join(f"{n} {t}" for t, n in counts.items()))
 
@@ -155,7 +141,7 @@ def export(
     store: Store = None,
 ) -> None:
     """Write every table (the store's rows over the seed) as CSV, one file per table."""
-    s = _open(store)
+    s = open_store(store)
     counts = s.export_csv(out)
     for table, n in counts.items():
         typer.echo(f"{out / (table + '.csv')}: {n} rows")

@@ -22,6 +22,26 @@ from typing import Annotated, Any
 
 import typer
 
+from sailor_cli.options import (
+    CheckpointInterval,
+    GlobalBatchSizeOrNone,
+    Json,
+    Markets,
+    MaxGpus,
+    MaxStages,
+    MaxUsdPerHour,
+    MaxUsdPerIteration,
+    MinIterationsPerS,
+    Model,
+    ObjectiveName,
+    ReconfigurationS,
+    RunOrNone,
+    StepsOrNone,
+    Store,
+    load_model_book,
+    open_store,
+    split_values,
+)
 from sailor_core.domain import Market, SailorError, ValidationError
 from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
 from sailor_core.profiles import ProfileBook
@@ -56,97 +76,135 @@ FAST_SEARCH = dict(patience=1, mixed_pipelines=0, rescore_top=4, exhaustive_part
 
 def replay(
     trace: Annotated[str | None, typer.Option("--trace", help="trace file (docs/replay.md), or 'synthetic'")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="model name, e.g. OPT-350")] = None,
-    global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", help="sequences per iteration")] = None,
-    run: Annotated[str | None, typer.Option("--run", help="replay a run the flow made (its id in `sailor runs list`) and compare decisions")] = None,
-    steps: Annotated[int | None, typer.Option("--steps", help="steps to train")] = None,
-    token_budget: Annotated[int | None, typer.Option("--token-budget", help="tokens to train (instead of --steps)")] = None,
+    model: Model = None,
+    global_batch_size: GlobalBatchSizeOrNone = None,
+    run: RunOrNone = None,
+    steps: StepsOrNone = None,
+    token_budget: Annotated[int | None, typer.Option(
+        "--token-budget", help="tokens to train (instead of --steps)")] = None,
     policy: Annotated[str, typer.Option("--policy", help=f"{' | '.join(POLICIES)} | all")] = "all",
-    objective: Annotated[str, typer.Option("--objective", help="max-throughput | min-cost | min-cost-per-token")] = "max-throughput",
-    max_usd_per_iteration: Annotated[float | None, typer.Option("--max-usd-per-iteration")] = None,
-    max_usd_per_hour: Annotated[float | None, typer.Option("--max-usd-per-hour")] = None,
-    min_iterations_per_s: Annotated[float | None, typer.Option("--min-iterations-per-s")] = None,
-    markets: Annotated[list[str] | None, typer.Option("--market", help="only these markets: spot, on-demand")] = None,
-    max_gpus: Annotated[int | None, typer.Option("--max-gpus", help="use at most this many GPUs")] = None,
-    max_stages: Annotated[int | None, typer.Option("--max-stages", help="most pipeline stages per plan")] = None,
-    search: Annotated[str, typer.Option("--search", help="fast (default) | full: the flow's own planner search")] = "fast",
-    checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="steps between checkpoints")] = 100,
-    reconfiguration_s: Annotated[float | None, typer.Option("--reconfiguration-s", help="seconds from a decision to training on the new plan (default: the store's measured mean, else 15)")] = None,
-    grace_s: Annotated[float, typer.Option("--grace-s", help="seconds between a preemption notice and the VM's stop")] = DEFAULT_GRACE_S,
-    no_checkpoint_on_notice: Annotated[bool, typer.Option("--no-checkpoint-on-notice", help="the runtime writes no checkpoint on a notice: steps since the last one are redone")] = False,
+    objective: ObjectiveName = "max-throughput",
+    max_usd_per_iteration: MaxUsdPerIteration = None,
+    max_usd_per_hour: MaxUsdPerHour = None,
+    min_iterations_per_s: MinIterationsPerS = None,
+    markets: Markets = None,
+    max_gpus: MaxGpus = None,
+    max_stages: MaxStages = None,
+    search: Annotated[str, typer.Option(
+        "--search", help="fast (default) | full: the flow's own planner search")] = "fast",
+    checkpoint_interval: CheckpointInterval = 100,
+    reconfiguration_s: ReconfigurationS = None,
+    grace_s: Annotated[float, typer.Option(
+        "--grace-s", help="seconds between a preemption notice and the VM's stop")] = DEFAULT_GRACE_S,
+    no_checkpoint_on_notice: Annotated[bool, typer.Option("--no-checkpoint-on-notice", help=(
+        "the runtime writes no checkpoint on a notice: steps since the last one are redone"))] = False,
     min_gain: Annotated[float, typer.Option("--min-gain", help="a switch must save more than this (s or USD)")] = 0.0,
     period_s: Annotated[float, typer.Option("--period-s", help="the periodic policy's interval")] = DEFAULT_PERIOD_S,
     trace_zone: Annotated[str, typer.Option("--trace-zone", help="artifact JSON traces: their zone")] = "us-central1-a",
-    trace_gpu_type: Annotated[str, typer.Option("--trace-gpu-type", help="artifact JSON traces: their GPU type")] = "A100-40",
+    trace_gpu_type: Annotated[str, typer.Option(
+        "--trace-gpu-type", help="artifact JSON traces: their GPU type")] = "A100-40",
     trace_market: Annotated[str, typer.Option("--trace-market", help="artifact traces: their market")] = "on-demand",
-    trace_gpus: Annotated[int | None, typer.Option("--trace-gpus", help="price-only traces: GPUs each place offers")] = None,
-    price: Annotated[float | None, typer.Option("--price", help="artifact traces: USD per GPU-hour (default: the store's)")] = None,
-    synthetic_gpus: Annotated[int, typer.Option("--synthetic-gpus", help="synthetic trace: GPUs at full availability")] = 2048,
+    trace_gpus: Annotated[int | None, typer.Option(
+        "--trace-gpus", help="price-only traces: GPUs each place offers")] = None,
+    price: Annotated[float | None, typer.Option(
+        "--price", help="artifact traces: USD per GPU-hour (default: the store's)")] = None,
+    synthetic_gpus: Annotated[int, typer.Option(
+        "--synthetic-gpus", help="synthetic trace: GPUs at full availability")] = 2048,
     synthetic_days: Annotated[float, typer.Option("--synthetic-days", help="synthetic trace: days")] = 14.0,
     synthetic_seed: Annotated[int, typer.Option("--synthetic-seed", help="synthetic trace: random seed")] = 0,
-    save_trace: Annotated[str | None, typer.Option("--save-trace", help="write the trace replayed (our JSON format)")] = None,
-    store: Annotated[str | None, typer.Option("--store", help="profile store URI (default: the embedded store)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
-    timeline_png: Annotated[str | None, typer.Option("--timeline-png", help="plot the replay's timeline to this PNG")] = None,
+    save_trace: Annotated[str | None, typer.Option(
+        "--save-trace", help="write the trace replayed (our JSON format)")] = None,
+    store: Store = None,
+    as_json: Json = False,
+    timeline_png: Annotated[str | None, typer.Option(
+        "--timeline-png", help="plot the replay's timeline to this PNG")] = None,
 ) -> None:
-    """Replay a training job over a trace of GPU availability and prices, and compare reaction policies."""
-    from sailor_cli.simulate import load_book
+    """Replay a training job over a trace of GPU availability and prices, and compare reaction policies.
 
+    With --run RUN_ID: replay a local run the flow made, from its history, and compare the decisions.
+    """
     if run is not None:
         _replay_run(run, store, as_json)
         return
     if trace is None or model is None or global_batch_size is None:
-        raise SailorError("give --trace, --model and --global-batch-size (or --run RUN_ID); to fix: add the missing ones")
+        raise SailorError("give --trace, --model and --global-batch-size (or --run RUN_ID); "
+                          "to fix: add the missing ones")
+    names = _policies(policy, steps, token_budget, search)
+    book = load_model_book(model, store)
+    tr = _load_trace(trace, book, zone=trace_zone, gpu_type=trace_gpu_type, market=trace_market, gpus=trace_gpus,
+                     price=price, spec=SyntheticSpec(total_gpus=synthetic_gpus, days=synthetic_days,
+                                                     seed=synthetic_seed))
+    _check_profiled(tr, book)
+    if save_trace:
+        Path(save_trace).write_text(json.dumps(trace_to_json(tr)))
+    seq = book.model.sequence_length
+    reconf, reconf_src = _reconfiguration(reconfiguration_s, store)
+    job = _job(
+        model=model, global_batch_size=global_batch_size, tokens_per_step=global_batch_size * seq,
+        total_steps=steps if steps is not None else max(1, math.ceil((token_budget or 0) / (global_batch_size * seq))),
+        objective=Objective.parse(objective).value,
+        constraints=Constraints(max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
+                                min_iterations_per_s=min_iterations_per_s),
+        restrictions=Restrictions(markets=tuple(Market.parse(m) for m in split_values(markets)), max_gpus=max_gpus),
+        search=_search_options(search, max_stages), checkpoint_interval=checkpoint_interval, reconfiguration_s=reconf,
+        grace_s=grace_s, checkpoint_on_notice=not no_checkpoint_on_notice, min_gain=min_gain, period_s=period_s,
+    )
+    results = _run_policies(tr, book, job, names)
+    _answer(tr, results, _to_json(tr, job, results, reconf_src, search), timeline_png, as_json)
+
+
+def _answer(tr: Trace, results: list[ReplayResult], doc: dict[str, Any], png: str | None, as_json: bool) -> None:
+    if png:
+        _plot(results, tr, png)
+    if as_json:
+        typer.echo(json.dumps(doc))
+    else:
+        _print(doc, png)
+
+
+def _policies(policy: str, steps: int | None, token_budget: int | None, search: str) -> list[str]:
+    """The policies to replay; refuses a job the options do not pin down before anything is loaded."""
     if (steps is None) == (token_budget is None):
         raise SailorError("give exactly one of --steps and --token-budget; to fix: add one of them")
     if search not in ("fast", "full"):
         raise SailorError(f"unknown --search {search!r}; to fix: use fast or full")
     names = list(POLICIES) if policy == "all" else [policy]
-    policy_named(names[0])  # an unknown name fails before anything is loaded
-    book = load_book(model, store)
-    if book.model.name != model:
-        raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")
-    tr = _load_trace(trace, book, zone=trace_zone, gpu_type=trace_gpu_type, market=trace_market, gpus=trace_gpus,
-                     price=price, spec=SyntheticSpec(total_gpus=synthetic_gpus, days=synthetic_days, seed=synthetic_seed))
+    policy_named(names[0])  # an unknown name fails here
+    return names
+
+
+def _check_profiled(tr: Trace, book: ProfileBook) -> None:
     unknown = sorted({p.gpu_type for p in tr.places if not book.profiled_points(p.gpu_type)})
     if unknown:
-        raise SailorError(f"the trace offers {', '.join(unknown)}, which the store has no {model} profile for; "
-                          f"to fix: profile them (sailor profile model) or drop those columns")
-    if save_trace:
-        Path(save_trace).write_text(json.dumps(trace_to_json(tr)))
-    seq = book.model.sequence_length
-    total = steps if steps is not None else max(1, math.ceil((token_budget or 0) / (global_batch_size * seq)))
-    reconf, reconf_src = _reconfiguration(reconfiguration_s, store)
+        raise SailorError(f"the trace offers {', '.join(unknown)}, which the store has no {book.model.name} profile "
+                          f"for; to fix: profile them (sailor profile model) or drop those columns")
+
+
+def _search_options(search: str, max_stages: int | None) -> SearchOptions:
     opts: dict[str, Any] = dict(FAST_SEARCH) if search == "fast" else {}
     if max_stages:
         opts["max_stages"] = max_stages
+    return SearchOptions(**opts)
+
+
+def _job(**fields: Any) -> ReplayJob:
     try:
-        job = ReplayJob(
-            model=model, global_batch_size=global_batch_size, total_steps=total, tokens_per_step=global_batch_size * seq,
-            objective=Objective.parse(objective).value,
-            constraints=Constraints(max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
-                                    min_iterations_per_s=min_iterations_per_s),
-            restrictions=Restrictions(markets=tuple(Market.parse(m) for m in _split(markets)), max_gpus=max_gpus),
-            search=SearchOptions(**opts), checkpoint_interval=checkpoint_interval, reconfiguration_s=reconf,
-            grace_s=grace_s, checkpoint_on_notice=not no_checkpoint_on_notice, min_gain=min_gain, period_s=period_s,
-        )
+        return ReplayJob(**fields)
     except ValidationError as e:
         raise SailorError(f"{e}; to fix: correct that option") from None
+
+
+def _run_policies(tr: Trace, book: ProfileBook, job: ReplayJob, names: list[str]) -> list[ReplayResult]:
+    """All policies on one shared memoised planner, or the one asked for."""
     if len(names) > 1:
-        results = compare(tr, book, job, names)
-    else:
-        results = [run_replay(tr, book, job, policy_named(names[0]), name=names[0], planner=Planner(book, job),
-                              period_s=job.period_s if names[0] == "periodic" else None)]
-    doc = _to_json(tr, job, results, reconf_src, search)
-    if timeline_png:
-        _plot(results, tr, timeline_png)
-    if as_json:
-        typer.echo(json.dumps(doc))
-    else:
-        _print(doc, timeline_png)
+        return compare(tr, book, job, names)
+    name = names[0]
+    return [run_replay(tr, book, job, policy_named(name), name=name, planner=Planner(book, job),
+                       period_s=job.period_s if name == "periodic" else None)]
 
 
-def run_inputs(store_uri: str | None, run_id: str, workdir: Path) -> tuple[dict[str, Any], Trace, ProfileBook, ReplayJob]:
+def run_inputs(store_uri: str | None, run_id: str,
+               workdir: Path) -> tuple[dict[str, Any], Trace, ProfileBook, ReplayJob]:
     """A finished run as the replay sees it: its history, trace, calibrated book and job.
 
     The starting pool is what the run's provider offered at its start; a local run's provider is
@@ -156,7 +214,6 @@ def run_inputs(store_uri: str | None, run_id: str, workdir: Path) -> tuple[dict[
     """
     from infra.local import LocalProvider
     from infra.scenario import load_scenario
-    from profiles_store.store import open_store
     from sailor_core.replay.history import run_job, run_trace
     from tasks.history import RunHistory
     from tasks.planning import pool_from, priced_book
@@ -165,8 +222,9 @@ def run_inputs(store_uri: str | None, run_id: str, workdir: Path) -> tuple[dict[
     r = RunHistory(st).show(run_id)
     p = r.get("params") or {}
     if p.get("provider") != "local":
-        raise SailorError(f"run {run_id} ran on {p.get('provider')!r}: only local runs can be replayed from their history "
-                          f"(their offerings at the start follow from their scenario); to fix: pick a local run")
+        raise SailorError(f"run {run_id} ran on {p.get('provider')!r}: only local runs can be replayed from their "
+                          f"history (their offerings at the start follow from their scenario); to fix: pick a "
+                          f"local run")
     if p.get("scenario") and not Path(p["scenario"]).is_file():
         raise SailorError(f"run {run_id}'s scenario {p['scenario']} is gone; to fix: replay where the file is")
     provider = LocalProvider(workdir, scenario=load_scenario(p["scenario"]) if p.get("scenario") else None)
@@ -205,10 +263,6 @@ def _replay_run(run_id: str, store: str | None, as_json: bool) -> None:
         typer.echo(f"  flow: {a:<24} replay: {b}")
 
 
-def _split(values: list[str] | None) -> list[str]:
-    return [x.strip() for v in values or [] for x in v.split(",") if x.strip()]
-
-
 def _load_trace(path: str, book: ProfileBook, *, zone: str, gpu_type: str, market: str, gpus: int | None,
                 price: float | None, spec: SyntheticSpec) -> Trace:
     def gpn(g: str) -> int:
@@ -230,7 +284,8 @@ def _load_trace(path: str, book: ProfileBook, *, zone: str, gpu_type: str, marke
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
-                raise TraceError(f"{path} is not valid JSON ({e}); to fix: see the trace formats in docs/replay.md") from None
+                raise TraceError(f"{path} is not valid JSON ({e}); to fix: see the trace formats in "
+                                 f"docs/replay.md") from None
             if isinstance(data, list):
                 return parse_artifact_json(data, zone=zone, gpu_type=gpu_type, market=mk, gpus_per_node=gpn(gpu_type),
                                            prices=prices, source=p.name)
@@ -249,8 +304,6 @@ def _reconfiguration(given: float | None, store: str | None) -> tuple[float, str
     if given is not None:
         return given, "--reconfiguration-s"
     try:
-        from profiles_store.store import open_store
-
         rows = open_store(store).read_history("measurements", kind="reconfiguration")
         measured = reconfiguration_from_history(float(r.payload["reconfiguration_s"]) for r in rows
                                                 if "reconfiguration_s" in r.payload)
@@ -297,7 +350,8 @@ def _print(doc: dict[str, Any], png: str | None) -> None:
     t, j = doc["trace"], doc["job"]
     con.print(f"trace: {t['name']}: {t['places']} places, {t['points']} changes over {t['duration_h']:.1f} h, "
               f"up to {t['max_gpus']} GPUs")
-    con.print(f"job: {j['model']}, batch {j['global_batch_size']}, {j['total_steps']} steps ({j['tokens']:.3g} tokens), "
+    con.print(f"job: {j['model']}, batch {j['global_batch_size']}, {j['total_steps']} steps "
+              f"({j['tokens']:.3g} tokens), "
               f"{j['objective']}; checkpoint every {j['checkpoint_interval']} steps, reconfiguration "
               f"{j['reconfiguration_s']:.1f} s ({j['reconfiguration_source']}), grace {j['grace_s']:g} s")
     tab = Table(title="replay per policy (simulated): hours and USD to train, goodput in useful steps/s, GPU-hours "

@@ -10,25 +10,24 @@ JSON document. An unknown run id is a one-line error naming recent ids.
 from __future__ import annotations
 
 import json
+from typing import Annotated, Any
 
 import typer
+
+from sailor_cli.options import Json, Store, open_store
 
 app = typer.Typer(help="Runs of the sailor flow: status, events, decisions and plans from the store.",
                   no_args_is_help=True)
 
 
-def _history(store: str | None):
-    from profiles_store.store import open_store
+def _history(store: str | None) -> Any:
     from tasks.history import RunHistory
 
     return RunHistory(open_store(store))
 
 
 @app.command("list")
-def list_runs(
-    store: str = typer.Option(None, "--store", help="store URI (default: $SAILOR_STORE or .sailor/store)"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
-) -> None:
+def list_runs(store: Store = None, as_json: Json = False) -> None:
     """List the runs in the store, oldest first."""
     runs = _history(store).list_runs()
     if as_json:
@@ -49,9 +48,9 @@ def list_runs(
 
 @app.command("show")
 def show(
-    run_id: str = typer.Argument(..., help="a run id from `sailor runs list`"),
-    store: str = typer.Option(None, "--store", help="store URI (default: $SAILOR_STORE or .sailor/store)"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    run_id: Annotated[str, typer.Argument(help="a run id from `sailor runs list`")],
+    store: Store = None,
+    as_json: Json = False,
 ) -> None:
     """Show one run: status, events, decisions with reasons, plans, measured vs estimated."""
     run = _history(store).show(run_id)
@@ -93,5 +92,6 @@ def show(
         for c in ("plan version", "measured s", "estimated s", "ratio"):
             t.add_column(c)
         for m in meas:
-            t.add_row(str(m.get("plan_version")), f"{m['measured_s']:.4f}", f"{m['estimated_s']:.4f}", f"{m['ratio']:.2f}")
+            t.add_row(str(m.get("plan_version")), f"{m['measured_s']:.4f}", f"{m['estimated_s']:.4f}",
+                      f"{m['ratio']:.2f}")
         con.print(t)

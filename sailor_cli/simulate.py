@@ -1,94 +1,27 @@
 """`sailor simulate PLAN_FILE`: iteration time, memory and cost of a plan, from stored profiles.
 
 Contract: reads the plan (our format or a published `plan_config_*.json` with --format eth-easl and
---model), loads the model's ProfileBook (from --store, else the default store, else the data
-published with the Sailor artifact), runs `sailor_core.simulator.simulate` and prints a readable
-breakdown (per stage: time, activation memory, peak memory; `--recompute all|0,1` simulates
-activation recomputation in those stages), or one JSON object with --json. User errors (bad plan, missing profile) are
-`SailorError`s: the entry point prints them as one line with the fix.
+--model), loads the model's ProfileBook (`sailor_cli.options.load_book`: from --store, else the
+default store, else the data published with the Sailor artifact), runs `sailor_core.simulator.simulate`
+and prints a readable breakdown (per stage: time, activation memory, peak memory; `--recompute all|0,1`
+simulates activation recomputation in those stages), or one JSON object with --json. User errors (bad
+plan, missing profile) are `SailorError`s: the entry point prints them as one line with the fix.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from sailor_cli.options import Json, Model, PlanFormat, Store, load_book
 from sailor_core.domain import ParallelPlan, SailorError
 from sailor_core.plan_format import load_plan_file
-from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import ReplicaResult, SimOptions, SimulationResult
 from sailor_core.simulator import simulate as run_simulation
-
-# Where the artifact's published data lies when no store has the model: $SAILOR_REFERENCE_DATA,
-# else ../shared/reference_data next to the repository (the project's layout).
-_REFERENCE_ENV = "SAILOR_REFERENCE_DATA"
-
-
-def _reference_root() -> Path | None:
-    env = os.environ.get(_REFERENCE_ENV)
-    cands = [Path(env)] if env else []
-    cands.append(Path(__file__).resolve().parents[2] / "shared" / "reference_data")
-    for c in cands:
-        if (c / "eth-easl-sailor" / "sailor" / "Planner").is_dir() or (c / "sailor" / "Planner").is_dir():
-            return c
-    return None
-
-
-def _is_eth_easl_dir(uri: str) -> bool:
-    p = Path(uri)
-    return (p / "eth-easl-sailor" / "sailor" / "Planner").is_dir() or (p / "sailor" / "Planner").is_dir()
-
-
-def load_book(model: str, store: str | None) -> ProfileBook:
-    """The ProfileBook of `model`: from `store` (a store URI or a folder of published data), else
-    the default store, else the published reference data."""
-    if store and _is_eth_easl_dir(store):
-        from profiles_store.eth_easl import read_eth_easl
-
-        return read_eth_easl(store).profile_book(model)
-    open_store = None
-    try:
-        from profiles_store import open_store  # type: ignore[attr-defined,no-redef]
-    except ImportError:
-        open_store = None
-    store_error: SailorError | None = None
-    if open_store is not None:
-        try:
-            return open_store(store).profile_book(model)  # type: ignore[no-any-return]
-        except SailorError as e:
-            if store:
-                raise  # the user named this store: its error is the answer
-            store_error = e  # e.g. the model has no profile (yet): that, not the fallback's miss, is the answer
-        except Exception:  # noqa: BLE001 - an unreadable default store falls back to the published data
-            if store:
-                raise
-    elif store:
-        raise SailorError(
-            f"cannot open store {store!r}: this build has no Parquet store; to fix: pass a folder holding the "
-            f"published Sailor data (eth-easl-sailor/) or install the store"
-        )
-    root = _reference_root()
-    if root is None and store_error is not None:
-        raise store_error
-    if root is None:
-        raise SailorError(
-            f"no profiles for model {model}: the default store has none and the published data was not found; "
-            f"to fix: pass --store URI, set ${_REFERENCE_ENV}, or run `sailor profiles import-eth-easl`"
-        )
-    from profiles_store.eth_easl import read_eth_easl
-
-    try:
-        return read_eth_easl(root).profile_book(model)
-    except SailorError:
-        if store_error is not None:
-            raise store_error from None  # the published data lacks it too: say what the store lacks
-        raise
 
 
 def _gb(b: float) -> str:
@@ -163,15 +96,23 @@ def _is_published(plan_file: str, fmt: str) -> bool:
 
 def simulate(
     plan_file: Annotated[str, typer.Argument(help="plan JSON: ours (sailor) or a published plan_config_*.json")],
-    format: Annotated[str, typer.Option("--format", help="sailor | eth-easl | auto")] = "auto",
-    model: Annotated[str | None, typer.Option("--model", help="model name (published plans do not name it)")] = None,
-    store: Annotated[str | None, typer.Option("--store", help="profile store URI (default: the embedded store)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    format: PlanFormat = "auto",
+    model: Model = None,
+    store: Store = None,
+    as_json: Json = False,
     schedule: Annotated[str | None, typer.Option("--schedule", help="override: 1f1b | gpipe")] = None,
-    recompute: Annotated[str | None, typer.Option("--recompute", help="override: recompute activations in these stages (all, none, or e.g. 0,1)")] = None,
-    runtime: Annotated[str | None, typer.Option("--runtime", help="whose communication runs the plan: sailor (this project's runtime) | deepspeed (the Sailor artifact's framework); default: deepspeed for a published eth-easl plan, sailor otherwise")] = None,
+    recompute: Annotated[str | None, typer.Option(
+        "--recompute", help="override: recompute activations in these stages (all, none, or e.g. 0,1)")] = None,
+    runtime: Annotated[str | None, typer.Option(
+        "--runtime", help="whose communication runs the plan: sailor (this project's runtime) | deepspeed (the "
+                          "Sailor artifact's framework); default: deepspeed for a published eth-easl plan, sailor "
+                          "otherwise")] = None,
 ) -> None:
-    """Estimate iteration time, peak memory per GPU and cost of PLAN_FILE."""
+    """Estimate iteration time, peak memory per GPU and cost of PLAN_FILE.
+
+    The model is the plan's; a published plan names none: give --model.
+    Profiles come from --store (or a folder of the Sailor artifact's data), else the default store, else that data.
+    """
     plan = load_plan_file(plan_file, fmt=format, model=model)
     if recompute is not None:
         plan = _with_recompute(plan, recompute)

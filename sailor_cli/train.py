@@ -28,45 +28,60 @@ import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
+from sailor_cli.options import Model, ModelConfig, PlanFormat, SeqLen, Steps, TimeoutS
 from sailor_core.domain import SailorError
 
 
 def train(
-    plan_file: Path = typer.Argument(..., help="Plan file (sailor JSON or a published plan_config_*.json)"),
-    model: str | None = typer.Option(None, "--model", help="Model name, e.g. gpt-tiny (default: the plan's; "
-                                     "needed for published plans, which do not name it)"),
-    steps: int = typer.Option(..., "--steps", min=1, help="Optimizer steps to run (in total, counting resumed ones)"),
-    fmt: str = typer.Option("auto", "--format", help="Plan format: sailor | eth-easl | auto"),
-    seed: int = typer.Option(0, "--seed", help="Seed of the initial weights and the sample order"),
-    data: str | None = typer.Option(None, "--data", help="Dataset path or URI (default: Python's stdlib sources)"),
-    checkpoint_dir: str | None = typer.Option(None, "--checkpoint-dir", help="Checkpoint directory or s3:// / gs:// URI"),
-    checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="Checkpoint every N steps (0: at the end)"),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest valid checkpoint (fail if none)"),
-    resume_or_start: bool = typer.Option(False, "--resume-or-start",
-                                         help="Continue from the newest valid checkpoint, or start at step 0 if none"),
-    metrics_out: Path | None = typer.Option(None, "--metrics-out", help="Write one JSON line per step here"),
-    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
-    timeout_s: float = typer.Option(60.0, "--timeout", help="Seconds before a silent peer counts as lost"),
-    log_dir: Path | None = typer.Option(None, "--log-dir", help="Keep the worker logs here (default: removed at the end)"),
-    model_config: str | None = typer.Option(None, "--model-config", help="Hugging Face style config.json (Llama, GPT-NeoX, OPT)"),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Training sequence length of a --model-config model"),
-    init_weights: str | None = typer.Option(None, "--init-weights", help="Start from these safetensors (file or folder, local or s3://)"),
-    export: str | None = typer.Option(None, "--export", help="Write the trained weights here as safetensors + config.json"),
-    lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant | cosine | linear (after warmup)"),
-    warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Linear learning-rate warmup steps"),
-    min_lr_ratio: float = typer.Option(0.0, "--min-lr-ratio", help="Decay ends at lr * this"),
-    max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Clip the global gradient norm to this (0: off)"),
-    recompute: bool = typer.Option(False, "--recompute", help="Recompute block activations in backward (less memory)"),
+    plan_file: Annotated[Path, typer.Argument(help="plan file (sailor JSON or a published plan_config_*.json)")],
+    steps: Steps,
+    model: Model = None,
+    fmt: PlanFormat = "auto",
+    seed: Annotated[int, typer.Option("--seed", help="seed of the initial weights and the sample order")] = 0,
+    data: Annotated[str | None, typer.Option(
+        "--data", help="dataset path or URI (default: Python's stdlib sources)")] = None,
+    checkpoint_dir: Annotated[str | None, typer.Option(
+        "--checkpoint-dir", help="checkpoint directory or s3:// / gs:// URI")] = None,
+    checkpoint_every: Annotated[int, typer.Option(
+        "--checkpoint-every", min=0, help="checkpoint every N steps (0: at the end)")] = 0,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="continue from the newest valid checkpoint (fail if none)")] = False,
+    resume_or_start: Annotated[bool, typer.Option(
+        "--resume-or-start", help="continue from the newest valid checkpoint, or start at step 0 if none")] = False,
+    metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="write one JSON line per step here")] = None,
+    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate")] = 1e-3,
+    timeout_s: TimeoutS = 60.0,
+    log_dir: Annotated[Path | None, typer.Option(
+        "--log-dir", help="keep the worker logs here (default: removed at the end)")] = None,
+    model_config: ModelConfig = None,
+    seq_len: SeqLen = None,
+    init_weights: Annotated[str | None, typer.Option(
+        "--init-weights", help="start from these safetensors (file or folder, local or s3://)")] = None,
+    export: Annotated[str | None, typer.Option(
+        "--export", help="write the trained weights here as safetensors + config.json")] = None,
+    lr_schedule: Annotated[str, typer.Option(
+        "--lr-schedule", help="constant | cosine | linear (after warmup)")] = "constant",
+    warmup_steps: Annotated[int, typer.Option(
+        "--warmup-steps", min=0, help="linear learning-rate warmup steps")] = 0,
+    min_lr_ratio: Annotated[float, typer.Option("--min-lr-ratio", help="decay ends at lr * this")] = 0.0,
+    max_grad_norm: Annotated[float, typer.Option(
+        "--max-grad-norm", help="clip the global gradient norm to this (0: off)")] = 1.0,
+    recompute: Annotated[bool, typer.Option(
+        "--recompute", help="recompute block activations in backward (less memory)")] = False,
 ) -> None:
-    """Train the plan's model under PLAN_FILE with local workers (one process per GPU slot of the plan)."""
+    """Train the plan's model under PLAN_FILE with local workers (one process per GPU slot of the plan).
+
+    The model is the plan's; a published plan names none: give --model (or --model-config).
+    --timeout: how long a silent peer is waited for before it counts as lost.
+    """
     from sailor_core.models.config import get_config
     from sailor_core.plan_format import load_plan_file
     from sailor_core.runtime.engine import TrainSettings
-    from sailor_core.runtime.launcher import check_settings, run_local
+    from sailor_core.runtime.launcher import check_settings
     from sailor_core.runtime.schedule import check_schedule
 
     check_schedule(lr_schedule, warmup_steps, min_lr_ratio)
@@ -76,35 +91,53 @@ def train(
         model = load_model_config(model_config, name=model, sequence_length=seq_len).name
     plan = load_plan_file(plan_file, fmt=fmt, model=model)
     cfg = get_config(plan.model)
-    if (init_weights or export) and not checkpoint_dir:
-        raise SailorError("--init-weights and --export go through the run's checkpoints; to fix: pass --checkpoint-dir "
-                          "(an empty folder or URI for a new run)")
-    if (resume or resume_or_start) and not checkpoint_dir:
-        raise SailorError("--resume needs --checkpoint-dir; to fix: pass the directory the run checkpointed to")
+    _need_checkpoint_dir(checkpoint_dir, through=bool(init_weights or export), resume=resume or resume_or_start)
     settings = TrainSettings(model=cfg.name, steps=steps, seed=seed, data=data, checkpoint_dir=checkpoint_dir,
                              checkpoint_every=checkpoint_every, resume=resume or resume_or_start, lr=lr,
                              timeout_s=timeout_s, model_config=cfg.to_dict() if model_config else None,
                              lr_schedule=lr_schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
                              max_grad_norm=max_grad_norm, recompute=recompute)
     check_settings(settings)  # before any checkpoint is touched or a worker starts
-    if init_weights:  # the weights become step 0 of the checkpoint folder, which the run resumes from
+    settings = _start_from(settings, cfg, init_weights, resume_or_start)
+    _run_and_export(plan, cfg, settings, log_dir, metrics_out, export)
+
+
+def _need_checkpoint_dir(checkpoint_dir: str | None, *, through: bool, resume: bool) -> None:
+    if through and not checkpoint_dir:
+        raise SailorError("--init-weights and --export go through the run's checkpoints; to fix: pass "
+                          "--checkpoint-dir (an empty folder or URI for a new run)")
+    if resume and not checkpoint_dir:
+        raise SailorError("--resume needs --checkpoint-dir; to fix: pass the directory the run checkpointed to")
+
+
+def _start_from(settings: Any, cfg: Any, init_weights: str | None, or_start: bool) -> Any:
+    """`settings` resuming where the run starts: imported weights (step 0 of the checkpoint folder), else
+    the newest valid checkpoint when --resume asked for one, else step 0."""
+    if init_weights:
         from sailor_core.runtime.weights import import_weights
 
-        import_weights(cfg, init_weights, str(checkpoint_dir), seed=seed)
+        import_weights(cfg, init_weights, str(settings.checkpoint_dir), seed=settings.seed)
         settings = replace(settings, resume=True)
     if settings.resume:
-        settings = replace(settings, resume=_resume_point(str(checkpoint_dir), cfg.num_layers, resume_or_start))
-    keep_logs = log_dir is not None
+        settings = replace(settings, resume=_resume_point(str(settings.checkpoint_dir), cfg.num_layers, or_start))
+    return settings
+
+
+def _run_and_export(plan: Any, cfg: Any, settings: Any, log_dir: Path | None, metrics_out: Path | None,
+                    export: str | None) -> None:
+    """Train in a log folder (a temporary one unless --log-dir), then export the weights if asked."""
+    from sailor_core.runtime.launcher import run_local
+
     run_dir = str(log_dir) if log_dir is not None else tempfile.mkdtemp(prefix="sailor-train-")
     try:
         _run(plan, cfg, settings, run_dir, metrics_out, run_local)
         if export:
             from sailor_core.runtime.weights import export_weights
 
-            step = export_weights(cfg, str(checkpoint_dir), export)
+            step = export_weights(cfg, str(settings.checkpoint_dir), export)
             typer.echo(f"exported step {step} to {export} (model.safetensors, config.json)")
     finally:
-        if not keep_logs:
+        if log_dir is None:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -157,6 +190,7 @@ def _run(plan: Any, cfg: Any, settings: Any, run_dir: str, metrics_out: Path | N
         import signal
 
         name = signal.Signals(result.interrupted_by).name
-        where = f"; continue with --resume --checkpoint-dir {settings.checkpoint_dir}" if settings.checkpoint_dir else ""
+        where = (f"; continue with --resume --checkpoint-dir {settings.checkpoint_dir}"
+                 if settings.checkpoint_dir else "")
         typer.echo(f"stopped by {name} at step {rows[-1]['step'] if rows else 0}{where}", err=True)
         raise typer.Exit(128 + result.interrupted_by)

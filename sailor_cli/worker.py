@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -18,19 +19,23 @@ from sailor_core.domain import SailorError
 
 
 def worker(
-    control: str = typer.Option(..., "--control", envvar="SAILOR_CONTROL", help="The run's controller, HOST:PORT"),
-    vm_id: str = typer.Option(..., "--vm-id", envvar="SAILOR_VM_ID", help="This VM's id within the run"),
-    devices: int = typer.Option(1, "--devices", envvar="SAILOR_DEVICES", help="Devices (GPUs) on this VM: one worker each"),
-    run_dir: Path = typer.Option(Path("sailor-vm"), "--run-dir", help="This VM's folder for worker logs"),
-    log_uri: str | None = typer.Option(None, "--log-uri", envvar="SAILOR_LOG_URI",
-                                       help="Copy worker logs here (the run's state in object storage)"),
-    advertise_addr: str = typer.Option("127.0.0.1", "--advertise-addr", envvar="SAILOR_ADVERTISE_ADDR",
-                                       help="The address other VMs reach this one at"),
-    first_generation: int = typer.Option(0, "--first-generation", envvar="SAILOR_FIRST_GENERATION",
-                                         help="The generation to wait for first (a VM joining a running job)"),
-    events_out: Path | None = typer.Option(None, "--events-out", help="Append JSON-line events here (default: stdout)"),
-    heartbeat_s: float = typer.Option(2.0, "--heartbeat", help="Seconds between heartbeats"),
-    grace_s: float = typer.Option(30.0, "--grace", help="Seconds workers get to checkpoint when stopped"),
+    control: Annotated[str, typer.Option("--control", envvar="SAILOR_CONTROL", help="the run's controller, HOST:PORT")],
+    vm_id: Annotated[str, typer.Option("--vm-id", envvar="SAILOR_VM_ID", help="this VM's id within the run")],
+    devices: Annotated[int, typer.Option(
+        "--devices", envvar="SAILOR_DEVICES", help="devices (GPUs) on this VM: one worker each")] = 1,
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="this VM's folder for worker logs")] = Path("sailor-vm"),
+    log_uri: Annotated[str | None, typer.Option(
+        "--log-uri", envvar="SAILOR_LOG_URI", help="copy worker logs here (the run's state in object storage)")] = None,
+    advertise_addr: Annotated[str, typer.Option(
+        "--advertise-addr", envvar="SAILOR_ADVERTISE_ADDR",
+        help="the address other VMs reach this one at")] = "127.0.0.1",
+    first_generation: Annotated[int, typer.Option(
+        "--first-generation", envvar="SAILOR_FIRST_GENERATION",
+        help="the generation to wait for first (a VM joining a running job)")] = 0,
+    events_out: Annotated[Path | None, typer.Option(
+        "--events-out", help="append JSON-line events here (default: stdout)")] = None,
+    heartbeat_s: Annotated[float, typer.Option("--heartbeat", help="seconds between heartbeats")] = 2.0,
+    grace_s: Annotated[float, typer.Option("--grace", help="seconds workers get to checkpoint when stopped")] = 30.0,
 ) -> None:
     """Run this VM's share of a training job: one worker per device, heartbeats, logs."""
     from sailor_core.runtime.agent import WorkerAgent
