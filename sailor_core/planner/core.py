@@ -35,7 +35,7 @@ from sailor_core.planner.request import (
     SearchStats,
 )
 from sailor_core.planner.risk import Goodput, goodput
-from sailor_core.planner.search import Problem, Search, Sketch
+from sailor_core.planner.search import Candidate, Problem, Search, Sketch
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
 
@@ -175,13 +175,66 @@ def summarize(plan: ParallelPlan) -> str:
 
 
 def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
+    """The best plan for `request` on `book`'s profiles, its estimate, the frontier and why (see the module)."""
     t0 = time.perf_counter()
+    _check_model(request, book)
+    opts = request.options
+    pool, misses = _usable_pool(request, book)
+    slots = build_slots(pool)
+    problem = _problem(request, book, slots)
+    costs = SimCosts(book, precision=opts.precision)
+    search = Search(problem, costs)
+    cands = search.run() if slots else []
+    so = sim_options(pool, opts.precision, opts.schedule)
+    value = _value_of(request)
+    simulated, feasible, closest = _verify(request, book, pool, _to_verify(request, search, cands, slots), so,
+                                           costs, value)
+    if opts.wide_frontier and slots:
+        _widen_frontier(request, problem, search, costs)
+    front_sims = _frontier_sims(search, slots, request, book, so)
+    simulated += len(front_sims)
+    # Frontier plans are simulated plans too: one that meets every limit competes for the choice,
+    # so the chosen plan is never dominated by a point the frontier shows.
+    known = {pl for _, pl, _ in feasible}
+    feasible += [(value(pl, r), pl, r) for pl, r in front_sims
+                 if pl not in known and not _problems(request, pool, pl, r)]
+    best = choose(request.objective, feasible, opts.tolerance, _expected_time_of(request))
+    frontier = _pareto(front_sims, best[1:] if best is not None else None)
+    stats = SearchStats(
+        search_time_s=time.perf_counter() - t0,
+        configurations=search.count.configurations,
+        assignments=search.count.assignments,
+        candidates=search.count.candidates,
+        simulated=simulated,
+        pruned=search.count.pruned,
+    )
+    if costs.missing:
+        misses.append(
+            "plans needing these links were skipped: " + "; ".join(sorted(costs.missing)[:4])
+            + " (to fix: sailor profile network between them)"
+        )
+    if best is None:
+        return _no_plan(request, book, slots, search, closest, misses, frontier, stats)
+    _, pl, r = best
+    gp = goodput(pl, r.iteration_time_s, r.usd_per_iteration, request.spot_risk)
+    return PlanResult(
+        plan=pl, estimate=r, frontier=frontier, stats=stats,
+        explanation=explain(request, pl, r, slots, frontier, gp),
+        nearest_miss="; ".join(misses), goodput=gp,
+    )
+
+
+def _check_model(request: PlanRequest, book: ProfileBook) -> None:
+    """Raises SailorError when the request's model is not the book's."""
     if request.model != book.model.name:
         raise SailorError(
             f"the request is for model {request.model} but the profiles are for {book.model.name}; "
             f"to fix: load the profile book of {request.model}"
         )
-    opts = request.options
+
+
+def _usable_pool(request: PlanRequest, book: ProfileBook) -> tuple[ResourcePool, list[str]]:
+    """(the restricted pool less the GPU types the book cannot time, a line for each thing left out)."""
     pool = request.restrictions.apply(request.pool)
     misses: list[str] = []
     if not pool.entries:
@@ -199,11 +252,15 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
             )
             continue
         usable.append(e)
-    pool = ResourcePool(entries=tuple(usable))
-    slots = build_slots(pool)
+    return ResourcePool(entries=tuple(usable)), misses
+
+
+def _problem(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...]) -> Problem:
+    """The search kernel's problem: the slots, the profiled microbatch sizes and TPs, the goal and options."""
+    opts = request.options
     mbs_values = sorted({m for s in slots for m, _ in book.profiled_points(s.gpu_type)})
     tp_values = sorted({t for s in slots for _, t in book.profiled_points(s.gpu_type)})
-    problem = Problem(
+    return Problem(
         num_layers=book.model.num_layers,
         global_batch_size=request.global_batch_size,
         tokens_per_sample=book.model.sequence_length,
@@ -220,11 +277,13 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
         tolerance=opts.tolerance,
         risk=request.spot_risk,
     )
-    costs = SimCosts(book, precision=opts.precision)
-    search = Search(problem, costs)
-    cands = search.run() if slots else []
-    so = sim_options(pool, opts.precision, opts.schedule)
 
+
+def _to_verify(request: PlanRequest, search: Search, cands: Sequence[Candidate],
+               slots: Sequence[Slot]) -> list[ParallelPlan]:
+    """The plans to simulate: the search's candidates materialised, then plans of mixed pipelines and of
+    several pipeline groups built from them where the goal can gain from those."""
+    opts = request.options
     to_verify = [
         materialize(cand.sketch, cand.estimate.layouts, slots, model=request.model,
                     global_batch_size=request.global_batch_size, precision=opts.precision, schedule=opts.schedule)
@@ -247,23 +306,51 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
                                  global_batch_size=request.global_batch_size, precision=opts.precision,
                                  schedule=opts.schedule, max_groups=opts.max_shapes,
                                  own_microbatch=opts.per_pipeline_microbatches)
-    simulated = 0
-    feasible: list[tuple[float, ParallelPlan, SimulationResult]] = []
-    closest: tuple[float, str] | None = None
+    return to_verify
+
+
+def _goodput_wanted(request: PlanRequest) -> bool:
+    """Whether plans are scored by goodput: max-goodput with some spot risk."""
+    return request.objective is Objective.MAX_GOODPUT and not request.spot_risk.riskless
+
+
+def _value_of(request: PlanRequest) -> Callable[[ParallelPlan, SimulationResult], float]:
+    """The objective value of a simulated plan (its useful fraction counted under max-goodput)."""
     risk = request.spot_risk
-    goodput_wanted = request.objective is Objective.MAX_GOODPUT and not risk.riskless
-    # The cheapest market of a replica is the same GPU for less; under spot risk it may also be the
-    # riskier one, so both versions are simulated.
-    variants = [cheapest_markets(p, pool) for p in to_verify] + (to_verify if goodput_wanted else [])
+    goodput_wanted = _goodput_wanted(request)
 
     def value(pl: ParallelPlan, r: SimulationResult) -> float:
         u = goodput(pl, r.iteration_time_s, r.usd_per_iteration, risk).useful_fraction if goodput_wanted else 1.0
         return objective_value(request.objective, r, u)
 
+    return value
+
+
+def _expected_time_of(request: PlanRequest) -> Callable[[ParallelPlan, SimulationResult], float] | None:
+    """Under max-goodput, the expected seconds per useful iteration of a simulated plan; else None."""
+    if not _goodput_wanted(request):
+        return None
+    risk = request.spot_risk
+
     def expected_time(pl: ParallelPlan, r: SimulationResult) -> float:
         g = goodput(pl, r.iteration_time_s, r.usd_per_iteration, risk)
         return 1.0 / g.expected_iterations_per_s if g.expected_iterations_per_s > 0 else float("inf")
 
+    return expected_time
+
+
+def _verify(
+    request: PlanRequest, book: ProfileBook, pool: ResourcePool, to_verify: list[ParallelPlan], so: SimOptions,
+    costs: SimCosts, value: Callable[[ParallelPlan, SimulationResult], float],
+) -> tuple[int, list[tuple[float, ParallelPlan, SimulationResult]], tuple[float, str] | None]:
+    """Simulates each plan (on its cheapest markets): (how many were simulated, (value, plan, result) of
+    those that meet every limit, (gap, why) of the closest miss); missing links go to `costs.missing`."""
+    simulated = 0
+    feasible: list[tuple[float, ParallelPlan, SimulationResult]] = []
+    closest: tuple[float, str] | None = None
+    # The cheapest market of a replica is the same GPU for less; under spot risk it may also be the
+    # riskier one, so both versions are simulated.
+    variants = [cheapest_markets(p, pool) for p in to_verify] + (to_verify if _goodput_wanted(request) else [])
     for pl in dict.fromkeys(variants):
         try:
             r = simulate(pl, book, options=so)
@@ -279,67 +366,47 @@ def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
                 closest = (gap, f"{summarize(pl)}: " + "; ".join(problems))
             continue
         feasible.append((value(pl, r), pl, r))
+    return simulated, feasible, closest
 
-    if opts.wide_frontier and slots:
-        # The main search prunes toward its objective; the other objective's search (no limits)
-        # fills the far end of the frontier. Both explore the same plan space and placement.
-        unconstrained = request.constraints == Constraints()
-        for other in (Objective.MAX_THROUGHPUT, Objective.MIN_COST):
-            if unconstrained and (other is request.objective or (
-                    other is Objective.MIN_COST and request.objective is Objective.MIN_COST_PER_TOKEN)):
-                continue  # the main search already covers this end
-            wide = Search(replace(problem, objective=other, constraints=Constraints()), costs)
-            wide.run()
-            search.points.extend(wide.points)
-    front_sims = _frontier_sims(search, slots, request, book, so)
-    simulated += len(front_sims)
-    # Frontier plans are simulated plans too: one that meets every limit competes for the choice,
-    # so the chosen plan is never dominated by a point the frontier shows.
-    known = {pl for _, pl, _ in feasible}
-    feasible += [(value(pl, r), pl, r) for pl, r in front_sims
-                 if pl not in known and not _problems(request, pool, pl, r)]
-    best = choose(request.objective, feasible, opts.tolerance, expected_time if goodput_wanted else None)
-    frontier = _pareto(front_sims, best[1:] if best is not None else None)
-    stats = SearchStats(
-        search_time_s=time.perf_counter() - t0,
-        configurations=search.count.configurations,
-        assignments=search.count.assignments,
-        candidates=search.count.candidates,
-        simulated=simulated,
-        pruned=search.count.pruned,
-    )
-    if costs.missing:
-        misses.append(
-            "plans needing these links were skipped: " + "; ".join(sorted(costs.missing)[:4])
-            + " (to fix: sailor profile network between them)"
-        )
-    if best is None:
-        c = request.constraints
-        relaxed: list[str] = []
-        if slots and (c.min_iterations_per_s or c.max_usd_per_iteration or c.max_usd_per_hour):
-            relaxed = _relaxed_misses(request, book)
-        if relaxed:
-            misses[:0] = relaxed
-        elif closest is not None:
-            misses.insert(0, f"closest plan: {closest[1]}")
-        elif search.nearest is not None:
-            misses.insert(0, f"closest estimate {search.nearest[1]}")
-        elif slots:
-            misses.insert(0, _memory_miss(book, slots, request))
-        # The constraint hint only where a constraint is what failed (memory and empty-pool misses
-        # carry their own fix).
-        hint = _constraint_hint(request) if relaxed or closest is not None or search.nearest is not None else ""
-        return PlanResult(
-            plan=None, estimate=None, frontier=frontier, stats=stats,
-            explanation="no feasible plan",
-            nearest_miss="; ".join(misses) + (f"; to fix: {hint}" if hint else ""),
-        )
-    _, pl, r = best
-    gp = goodput(pl, r.iteration_time_s, r.usd_per_iteration, risk)
+
+def _widen_frontier(request: PlanRequest, problem: Problem, search: Search, costs: SimCosts) -> None:
+    """Adds to `search.points` the points of the other objective's search without limits."""
+    # The main search prunes toward its objective; the other objective's search (no limits)
+    # fills the far end of the frontier. Both explore the same plan space and placement.
+    unconstrained = request.constraints == Constraints()
+    for other in (Objective.MAX_THROUGHPUT, Objective.MIN_COST):
+        if unconstrained and (other is request.objective or (
+                other is Objective.MIN_COST and request.objective is Objective.MIN_COST_PER_TOKEN)):
+            continue  # the main search already covers this end
+        wide = Search(replace(problem, objective=other, constraints=Constraints()), costs)
+        wide.run()
+        search.points.extend(wide.points)
+
+
+def _no_plan(
+    request: PlanRequest, book: ProfileBook, slots: Sequence[Slot], search: Search,
+    closest: tuple[float, str] | None, misses: list[str], frontier: tuple[FrontierPoint, ...], stats: SearchStats,
+) -> PlanResult:
+    """The result when no plan is feasible: the nearest miss first, then what was left out, and the fix."""
+    c = request.constraints
+    relaxed: list[str] = []
+    if slots and (c.min_iterations_per_s or c.max_usd_per_iteration or c.max_usd_per_hour):
+        relaxed = _relaxed_misses(request, book)
+    if relaxed:
+        misses[:0] = relaxed
+    elif closest is not None:
+        misses.insert(0, f"closest plan: {closest[1]}")
+    elif search.nearest is not None:
+        misses.insert(0, f"closest estimate {search.nearest[1]}")
+    elif slots:
+        misses.insert(0, _memory_miss(book, slots, request))
+    # The constraint hint only where a constraint is what failed (memory and empty-pool misses
+    # carry their own fix).
+    hint = _constraint_hint(request) if relaxed or closest is not None or search.nearest is not None else ""
     return PlanResult(
-        plan=pl, estimate=r, frontier=frontier, stats=stats,
-        explanation=explain(request, pl, r, slots, frontier, gp),
-        nearest_miss="; ".join(misses), goodput=gp,
+        plan=None, estimate=None, frontier=frontier, stats=stats,
+        explanation="no feasible plan",
+        nearest_miss="; ".join(misses) + (f"; to fix: {hint}" if hint else ""),
     )
 
 
@@ -489,17 +556,40 @@ def _pareto(sims: Sequence[tuple[ParallelPlan, SimulationResult]],
 def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: Sequence[Slot],
             frontier: Sequence[FrontierPoint], gp: Goodput | None = None) -> str:
     """Why these GPUs, why this split: a few plain sentences."""
-    lines = []
     goal = {
         Objective.MAX_THROUGHPUT: "the highest throughput",
         Objective.MIN_COST: "the lowest cost per iteration",
         Objective.MIN_COST_PER_TOKEN: "the lowest cost per million tokens",
         Objective.MAX_GOODPUT: "the most useful iterations per dollar with spot preemptions expected",
     }[request.objective]
-    lines.append(
+    lines = [
         f"Chosen for {goal}: {r.throughput_iterations_per_s:.4f} it/s, {r.usd_per_iteration:.4f} USD/iteration, "
-        f"{r.usd_per_hour:.2f} USD/hour on {pl.num_gpus} GPUs."
+        f"{r.usd_per_hour:.2f} USD/hour on {pl.num_gpus} GPUs.",
+        _explain_gpus(pl, slots),
+        *_explain_shape(pl),
+    ]
+    b = r.breakdown
+    lines.append(
+        f"Iteration {r.iteration_time_s:.3f} s: pipeline compute {b.pipeline_compute_s:.3f} s, p2p {b.pipeline_p2p_s:.3f} s, "
+        f"exposed gradient sync {b.dp_sync_exposed_s:.3f} s, optimizer {b.optimizer_s:.3f} s."
     )
+    if gp is not None and gp.preemptions_per_hour > 0:
+        lines.append(_explain_risk(request, gp))
+    binding = _explain_constraints(request, r)
+    if binding:
+        lines.append("Constraints: " + "; ".join(binding) + ".")
+    if frontier:
+        fastest = frontier[0]
+        cheapest = frontier[-1]
+        lines.append(
+            f"Frontier: {len(frontier)} plans from {fastest.iterations_per_s:.4f} it/s at {fastest.usd_per_iteration:.4f} "
+            f"USD/it to {cheapest.iterations_per_s:.4f} it/s at {cheapest.usd_per_iteration:.4f} USD/it."
+        )
+    return "\n".join(lines)
+
+
+def _explain_gpus(pl: ParallelPlan, slots: Sequence[Slot]) -> str:
+    """One sentence: how many of the pool's GPUs of each type and market the plan uses."""
     used = pl.gpus_by_place()
     have: dict[tuple[str, str], int] = defaultdict(int)
     for s in slots:
@@ -509,7 +599,12 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
     for (_, g, mk), n in used.items():
         per_type[(g, mk.value)] += n
     parts = [f"{per_type.get(k, 0)} of {n} {k[0]} ({k[1]})" for k, n in sorted(have.items())]
-    lines.append("GPUs used: " + ", ".join(parts) + ".")
+    return "GPUs used: " + ", ".join(parts) + "."
+
+
+def _explain_shape(pl: ParallelPlan) -> list[str]:
+    """Sentences on the split: one stage or how the layers were cut, and why GPU kinds share a stage."""
+    lines = []
     kinds_per_stage = [{(x.gpu_type, x.tp) for x in st.replicas} for st in pl.stages]
     mixed = any(len(k) > 1 for k in kinds_per_stage)
     counts = sorted({p.num_microbatches for p in pl.pipelines})
@@ -538,20 +633,23 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
             + (f", each kind with its own microbatch size ({', '.join(map(str, sizes_used))})."
                if len(sizes_used) > 1 else ".")
         )
-    b = r.breakdown
-    lines.append(
-        f"Iteration {r.iteration_time_s:.3f} s: pipeline compute {b.pipeline_compute_s:.3f} s, p2p {b.pipeline_p2p_s:.3f} s, "
-        f"exposed gradient sync {b.dp_sync_exposed_s:.3f} s, optimizer {b.optimizer_s:.3f} s."
+    return lines
+
+
+def _explain_risk(request: PlanRequest, gp: Goodput) -> str:
+    """One sentence: the expected preemptions and the share of time that trains."""
+    risk = request.spot_risk
+    return (
+        f"Spot risk: {gp.preemptions_per_hour:.3g} preemptions/hour expected on its spot VMs; with checkpoints "
+        f"every {risk.checkpoint_interval_steps} steps and {risk.reconfiguration_s:.0f} s to reconfigure, "
+        f"{gp.useful_fraction:.1%} of the time trains: {gp.expected_iterations_per_s:.4f} useful it/s "
+        f"(nominal {gp.nominal_iterations_per_s:.4f}), {gp.expected_usd_per_useful_iteration:.4f} USD per useful "
+        f"iteration."
     )
-    if gp is not None and gp.preemptions_per_hour > 0:
-        risk = request.spot_risk
-        lines.append(
-            f"Spot risk: {gp.preemptions_per_hour:.3g} preemptions/hour expected on its spot VMs; with checkpoints "
-            f"every {risk.checkpoint_interval_steps} steps and {risk.reconfiguration_s:.0f} s to reconfigure, "
-            f"{gp.useful_fraction:.1%} of the time trains: {gp.expected_iterations_per_s:.4f} useful it/s "
-            f"(nominal {gp.nominal_iterations_per_s:.4f}), {gp.expected_usd_per_useful_iteration:.4f} USD per useful "
-            f"iteration."
-        )
+
+
+def _explain_constraints(request: PlanRequest, r: SimulationResult) -> list[str]:
+    """Each limit of the request beside what the plan uses of it."""
     c = request.constraints
     binding = []
     if c.max_usd_per_iteration is not None:
@@ -560,13 +658,4 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
         binding.append(f"budget {c.max_usd_per_hour:g} USD/hour (uses {r.usd_per_hour:.2f})")
     if c.min_iterations_per_s is not None:
         binding.append(f"minimum {c.min_iterations_per_s:g} it/s (runs {r.throughput_iterations_per_s:.4f})")
-    if binding:
-        lines.append("Constraints: " + "; ".join(binding) + ".")
-    if frontier:
-        fastest = frontier[0]
-        cheapest = frontier[-1]
-        lines.append(
-            f"Frontier: {len(frontier)} plans from {fastest.iterations_per_s:.4f} it/s at {fastest.usd_per_iteration:.4f} "
-            f"USD/it to {cheapest.iterations_per_s:.4f} it/s at {cheapest.usd_per_iteration:.4f} USD/it."
-        )
-    return "\n".join(lines)
+    return binding
