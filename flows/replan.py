@@ -27,7 +27,7 @@ from prefect.logging import get_run_logger
 from flows.params import SailorParams
 from infra.provider import CapacityError, EventKind, Provider, ProviderEvent, Vm
 from profiles_store.spot_risk import spot_risk_from_store
-from sailor_core.domain import ParallelPlan, ResourcePool
+from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.plan_format import plan_to_dict
 from sailor_core.planner.request import Constraints, PlanRequest, Restrictions, SearchOptions
 from sailor_core.profiles import ProfileBook
@@ -86,7 +86,8 @@ class RunContext:
             constraints=Constraints(max_usd_per_iteration=p.max_usd_per_iteration,
                                     max_usd_per_hour=p.max_usd_per_hour, min_iterations_per_s=p.min_iterations_per_s),
             restrictions=Restrictions(clouds=tuple(p.clouds or ()), regions=tuple(p.regions or ()),
-                                      gpu_types=tuple(p.gpu_types or ()), markets=tuple(p.markets or ()),
+                                      gpu_types=tuple(p.gpu_types or ()),
+                                      markets=tuple(Market.parse(m) for m in p.markets or ()),
                                       max_gpus=min(p.max_gpus or p.workers, p.workers) if local else p.max_gpus),
             options=SearchOptions(max_stages=p.max_stages) if p.max_stages else SearchOptions(),
             spot_risk=spot_risk_from_store(self.history.store, default_rate=p.spot_preemptions_per_vm_hour,

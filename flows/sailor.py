@@ -32,6 +32,7 @@ from flows.params import SailorParams, validate_params
 from flows.profiling import profile
 from flows.replan import RunContext, replan
 from infra.provider import CapacityError, Provider
+from sailor_core.domain import ParallelPlan
 from sailor_core.planner.request import Objective
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
@@ -313,157 +314,256 @@ def sailor(
     return run_job(params, deps, run_id)
 
 
-def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
-    log = get_run_logger()
-    history = RunHistory(deps.store)
-    provider = deps.provider
-    run_dir = deps.workdir / "runs" / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    ctx = RunContext(run_id=run_id, params=params, provider=provider, history=history, run_dir=run_dir,
-                     reconfiguration_estimate_s=deps.reconfiguration_estimate_s)
-    state = deps.state or state_for(params.store_uri, run_id, run_dir)
-    deps.state = state
-    record(history.run_status, run_id, "running", f"started on provider {params.provider}",
-           {"name": params.run_name, "provider": params.provider, "model": params.model,
-            "flow_run_id": str(runtime_flow_run.id or ""), "params": params.model_dump(mode="json")})
-    keeper = LeaseKeeper(history, run_id, ttl_s=deps.lease_s).start()  # the run is owned by this process
-    _reap_crashed(history, deps, params, run_id, log)
-    emit("run.started", run_id, {"name": params.run_name, "model": params.model})
-    log.info("run %s: %s on %s, objective %s", run_id, params.model, params.provider, params.objective)
-    status, reason = "failed", ""
-    job: Job | None = None
+@dataclass(kw_only=True)
+class _Run:
+    """What one run holds while it goes: released in `_finish` whatever happened."""
+
+    ctx: RunContext
+    deps: Deps
+    state: RunState
+    keeper: LeaseKeeper
+    t0: float = field(default_factory=time.time)
     controller: Controller | None = None
+    code: CodeRef = field(default_factory=CodeRef)
+    job: Job | None = None
+
+    @property
+    def params(self) -> SailorParams:
+        return self.ctx.params
+
+    @property
+    def run_id(self) -> str:
+        return self.ctx.run_id
+
+
+def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
+    """Plan, rent, train and re-plan until the run completes; tear everything down in any case."""
+    run = _open(params, deps, run_id)
+    status, reason = "failed", ""
     try:
-        live = history.live_run(params.run_name, exclude=run_id) if params.resume else None
-        if live is not None:  # the scheduled rerun while its run still trains: ask that run, rent nothing
-            why = (f"run {run_id} (resume) found run {live['run_id']} of the same name alive (lease until "
-                   f"{live['lease_expires_at'][11:19]} UTC) and asked it to re-plan against current prices and capacity")
-            history.request_replan(live["run_id"], run_id, why)
-            record(history.event, run_id, "deferred", why + "; rented nothing", {"live_run": live["run_id"]})
-            log.info("%s; rented nothing", why)
-            status, reason = "completed", f"deferred to the live run {live['run_id']}; rented nothing"
-            return {"run_id": run_id, "status": status, "deferred_to": live["run_id"]}
-        offers = fetch_offerings(provider, regions=params.regions, gpu_types=params.gpu_types, markets=params.markets)
-        if not any(o.count > 0 for o in offers):
-            raise RuntimeError(f"provider {params.provider} offers no GPUs matching the request; "
-                               f"to fix: allow more regions, GPU types or markets")
-        gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
-        code = _ship_code(deps)
-        controller = Controller(host=deps.controller_host)
-        remote = VmCommands(provider, controller, state, code, run_id)
-        ctx.base_book = profile(deps.store, params.model, gpu_set, offers=offers, remote=remote)
-        ctx.calibration = history.calibration(gpu_set)
-        if ctx.calibration:
-            log.info("using online calibration from earlier runs: %s", ctx.calibration)
-        book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
-        result = make_plan(ctx.plan_request(pool_from(offers)), book)
-        plan, est = chosen_plan(result)
-        ctx.total_steps = params.total_steps(ctx.base_book.model.sequence_length)
-        if params.provider == "local":  # cloud plans are checked by the workers on their VMs
-            check_runnable(plan, params.workers)
-        ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
+        deferred = _defer_to_live_run(run)
+        if deferred is not None:
+            status, reason = "completed", f"deferred to the live run {deferred['deferred_to']}; rented nothing"
+            return deferred
+        offers, plan = _first_plan(run)
         if params.dry_run:
-            ctx.dry_run = dry_run_report(provider, node_requests(run_id, ctx.version, plan))
-            log.info("%s", ctx.dry_run)
+            run.ctx.dry_run = dry_run_report(run.deps.provider, node_requests(run_id, run.ctx.version, plan))
+            get_run_logger().info("%s", run.ctx.dry_run)
             status, reason = "completed", "dry run: planned, rented nothing"
-            return {**ctx.summary(status, t0), "dry_run": ctx.dry_run}
-        if params.resume:
-            prev = _previous_checkpoint(history, deps, params.run_name, run_id)
-            if prev is not None:
-                _copy_checkpoints(prev, state)
-                log.info("resuming from the checkpoints of %s", prev.uri)
-            _check_resume(history, run_id, state, plan.stages[-1].last_layer + 1, params.resume_or_start, log)
-        cluster = getattr(provider, "cluster_info", None)
-        record(history.event, run_id, "cluster", "where the run's VMs and state live", {
-            "cluster": {**(cluster(run_id) if cluster else {"isolation": "cloud", "provider": provider.name}),
-                        "wheel_sha256": code.sha256, "state_uri": state.uri,
-                        "checkpoint_uri": state.checkpoints("public"), "controller": controller.endpoint}})
-        for attempt in range(FIRST_PROVISION_TRIES):
-            try:
-                vms = provision(provider, node_requests(run_id, ctx.version, plan))
-                break
-            except CapacityError as e:
-                # A stockout between planning and renting: plan again on what is offered now.
-                if attempt + 1 == FIRST_PROVISION_TRIES:
-                    raise
-                offers = fetch_offerings(provider, regions=params.regions, gpu_types=params.gpu_types,
-                                         markets=params.markets)
-                book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
-                result = make_plan(ctx.plan_request(pool_from(offers)), book)
-                plan, est = chosen_plan(result)
-                ctx.adopt_plan(plan, est, f"the first provisioning found less than planned ({e}); "
-                                          f"planned again on what is offered now", result.frontier)
-                record(history.event, run_id, "capacity_change", f"stockout at first provisioning: {e}",
-                       {"plan_version": ctx.version})
-        ctx.ledger_add(vms)
-        record(history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
-               {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
-        emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
-        job = Job(run_id=run_id, version=ctx.version, plan=plan, vms=vms, run_dir=run_dir, state=state, code=code,
-                  total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval, seed=params.seed,
-                  data_uri=params.dataset or "", estimate_s=float(est["iteration_time_s"]), controller=controller)
-        job.extra["provisioned_at"] = time.time()
-        job.launched_at = launch(provider, job)
-        resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
-        record(history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers{resumed}",
-               {"plan_version": ctx.version, "total_steps": ctx.total_steps, "resume_step": job.start_step})
-        bar = ProgressBar(run_id, ctx.total_steps)
-        deadline_at = t0 + params.deadline_s if params.deadline_s else None
-        seen: set[tuple[str, str, str]] = set()
-        replans = 0
-        while True:
-            out = monitor(cast(Provider, _RequestsAsEvents(provider, keeper, history, run_id)), job, history, bar, deps.board, seen=seen, poll_s=deps.poll_s, deadline_at=deadline_at,
-                          tolerance=params.calibration_tolerance, calibrate_after=5,
-                          calibrated=bool(job.extra.get("calibrated")), stall_timeout_s=deps.stall_timeout_s)
-            ctx.observe(job, out.progress)
-            save_metrics(job)  # this version's steps so far, into the run's state
-            if out.completed:
-                break
-            replans += 1
-            if replans > deps.max_replans:
-                raise RuntimeError(f"gave up after {deps.max_replans} replans; see the run's events for why")
-            job = replan(ctx, job, out.events, out.calibration, out.progress)
-        status, reason = "completed", f"{ctx.total_steps} steps done"
-        record(history.event, run_id, "completed", reason, {"steps": ctx.total_steps})
-        return ctx.summary(status, t0)
+            return {**run.ctx.summary(status, run.t0), "dry_run": run.ctx.dry_run}
+        _resume_from_earlier_run(run)
+        _record_cluster(run, "cluster", "where the run's VMs and state live")
+        vms = _provision_first(run, offers)
+        run.job = _start_training(run, vms)
+        _train(run)
+        status, reason = "completed", f"{run.ctx.total_steps} steps done"
+        record(run.ctx.history.event, run_id, "completed", reason, {"steps": run.ctx.total_steps})
+        return run.ctx.summary(status, run.t0)
     except BaseException as e:
         status = "cancelled" if type(e).__name__ in ("TerminationSignal", "KeyboardInterrupt", "CancelledError") \
             else "failed"
         reason = f"{type(e).__name__}: {e}"[:500]
         raise
     finally:
-        keeper.stop()  # the final status below ends the lease
-        if job is not None and job.controller is not None:
-            with contextlib.suppress(Exception):
-                save_metrics(job)
-        if controller is not None:
-            controller.close()
-        removed: list[str] = []
+        _finish(run, status, reason)
+
+
+def _open(params: SailorParams, deps: Deps, run_id: str) -> _Run:
+    """The run's context and state, its `running` status and lease; runs found crashed are cleaned up."""
+    log = get_run_logger()
+    history = RunHistory(deps.store)
+    run_dir = deps.workdir / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ctx = RunContext(run_id=run_id, params=params, provider=deps.provider, history=history, run_dir=run_dir,
+                     reconfiguration_estimate_s=deps.reconfiguration_estimate_s)
+    deps.state = deps.state or state_for(params.store_uri, run_id, run_dir)
+    record(history.run_status, run_id, "running", f"started on provider {params.provider}",
+           {"name": params.run_name, "provider": params.provider, "model": params.model,
+            "flow_run_id": str(runtime_flow_run.id or ""), "params": params.model_dump(mode="json")})
+    keeper = LeaseKeeper(history, run_id, ttl_s=deps.lease_s).start()  # the run is owned by this process
+    run = _Run(ctx=ctx, deps=deps, state=deps.state, keeper=keeper)
+    _reap_crashed(history, deps, params, run_id, log)
+    emit("run.started", run_id, {"name": params.run_name, "model": params.model})
+    log.info("run %s: %s on %s, objective %s", run_id, params.model, params.provider, params.objective)
+    return run
+
+
+def _defer_to_live_run(run: _Run) -> dict[str, Any] | None:
+    """The scheduled rerun while its run still trains: ask that run to re-plan, rent nothing."""
+    history, run_id = run.ctx.history, run.run_id
+    live = history.live_run(run.params.run_name, exclude=run_id) if run.params.resume else None
+    if live is None:
+        return None
+    why = (f"run {run_id} (resume) found run {live['run_id']} of the same name alive (lease until "
+           f"{live['lease_expires_at'][11:19]} UTC) and asked it to re-plan against current prices and capacity")
+    history.request_replan(live["run_id"], run_id, why)
+    record(history.event, run_id, "deferred", why + "; rented nothing", {"live_run": live["run_id"]})
+    get_run_logger().info("%s; rented nothing", why)
+    return {"run_id": run_id, "status": "completed", "deferred_to": live["run_id"]}
+
+
+def _offers(run: _Run) -> list[Any]:
+    p = run.params
+    return fetch_offerings(run.deps.provider, regions=p.regions, gpu_types=p.gpu_types, markets=p.markets)
+
+
+def _first_plan(run: _Run) -> tuple[list[Any], ParallelPlan]:
+    """Offerings, the run's code and controller, the profiles (measured on rented VMs where missing)
+    and the first plan, adopted; returns the offerings it was planned on and the plan."""
+    ctx, params, provider = run.ctx, run.params, run.deps.provider
+    offers = _offers(run)
+    if not any(o.count > 0 for o in offers):
+        raise RuntimeError(f"provider {params.provider} offers no GPUs matching the request; "
+                           f"to fix: allow more regions, GPU types or markets")
+    gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
+    run.code = _ship_code(run.deps)
+    run.controller = Controller(host=run.deps.controller_host)
+    remote = VmCommands(provider, run.controller, run.state, run.code, run.run_id)
+    ctx.base_book = profile(run.deps.store, params.model, gpu_set, offers=offers, remote=remote)
+    ctx.calibration = ctx.history.calibration(gpu_set)
+    if ctx.calibration:
+        get_run_logger().info("using online calibration from earlier runs: %s", ctx.calibration)
+    book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
+    result = make_plan(ctx.plan_request(pool_from(offers)), book)
+    plan, est = chosen_plan(result)
+    ctx.total_steps = params.total_steps(ctx.base_book.model.sequence_length)
+    if params.provider == "local":  # cloud plans are checked by the workers on their VMs
+        check_runnable(plan, params.workers)
+    ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
+    return offers, plan
+
+
+def _resume_from_earlier_run(run: _Run) -> None:
+    """With resume: the newest earlier run's checkpoints copied in, and checked (never a silent restart)."""
+    params, ctx = run.params, run.ctx
+    if not params.resume:
+        return
+    log = get_run_logger()
+    prev = _previous_checkpoint(ctx.history, run.deps, params.run_name, run.run_id)
+    if prev is not None:
+        _copy_checkpoints(prev, run.state)
+        log.info("resuming from the checkpoints of %s", prev.uri)
+    assert ctx.plan is not None
+    _check_resume(ctx.history, run.run_id, run.state, ctx.plan.stages[-1].last_layer + 1, params.resume_or_start, log)
+
+
+def _record_cluster(run: _Run, kind: str, what: str) -> None:
+    """Where the run's VMs, code and state are (`sailor runs show` "cluster")."""
+    info = getattr(run.deps.provider, "cluster_info", None)
+    cluster = info(run.run_id) if info else {"isolation": "cloud", "provider": run.deps.provider.name}
+    extra = {"controller": run.controller.endpoint} if run.controller is not None and kind == "cluster" else {}
+    payload = {"cluster": {**cluster, "wheel_sha256": run.code.sha256, "state_uri": run.state.uri,
+                           "checkpoint_uri": run.state.checkpoints("public"), **extra}}
+    if kind == "cluster":
+        record(run.ctx.history.event, run.run_id, "cluster", what, payload)
+    else:  # at teardown, outside any task (the flow may be cancelled)
+        run.ctx.history.event(run.run_id, "cluster", what, payload)
+
+
+def _provision_first(run: _Run, offers: list[Any]) -> list[Any]:
+    """The first plan's VMs; a stockout between planning and renting plans again on what is offered."""
+    ctx = run.ctx
+    for attempt in range(FIRST_PROVISION_TRIES):
         try:
-            removed = teardown(provider, run_id)
-        except BaseException as e:  # the status must still be written; teardown is retried by the hooks
-            reason = (reason + f"; teardown failed: {e}")[:800]
-            status = "failed"
-        ctx.ledger_close_all()
-        cluster_info = getattr(provider, "cluster_info", None)
-        if cluster_info is not None and job is not None:  # the VMs the run had, as they ended
-            with contextlib.suppress(Exception):
-                history.event(run_id, "cluster", "the run's VMs at teardown", {"cluster": {
-                    **cluster_info(run_id), "wheel_sha256": job.code.sha256, "state_uri": state.uri,
-                    "checkpoint_uri": state.checkpoints("public")}})
-        for close in deps.closers:
-            with contextlib.suppress(Exception):
-                close()
-        try:
-            history.event(run_id, "teardown", f"removed {len(removed)} VMs still running" if removed
-                          else "no VM left to remove", {"removed": removed})
-            summary = ctx.summary(status, t0)
-            history.run_status(run_id, status, reason, summary)
-            emit(f"run.{status}", run_id, {"reason": reason})
-            shown = history.show(run_id)
-            publish_timeline(run_id, shown["events"], shown["decisions"])
-            publish_cost(run_id, ctx.cost_table())
-            log.info("run %s %s: %s", run_id, status, json.dumps(summary, default=str)[:2000])
-        except Exception as e:  # reporting must not hide the run's own outcome
-            log.warning("could not write the run's final status: %s", e)
+            assert ctx.plan is not None
+            return provision(run.deps.provider, node_requests(run.run_id, ctx.version, ctx.plan))
+        except CapacityError as e:
+            if attempt + 1 == FIRST_PROVISION_TRIES:
+                raise
+            offers = _offers(run)
+            assert ctx.base_book is not None
+            book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
+            result = make_plan(ctx.plan_request(pool_from(offers)), book)
+            plan, est = chosen_plan(result)
+            ctx.adopt_plan(plan, est, f"the first provisioning found less than planned ({e}); "
+                                      f"planned again on what is offered now", result.frontier)
+            record(ctx.history.event, run.run_id, "capacity_change", f"stockout at first provisioning: {e}",
+                   {"plan_version": ctx.version})
+    raise AssertionError("unreachable")
+
+
+def _start_training(run: _Run, vms: list[Any]) -> Job:
+    """The job of the first plan on its VMs, its agents started and the plan handed out."""
+    ctx, params, run_id = run.ctx, run.params, run.run_id
+    assert ctx.plan is not None
+    ctx.ledger_add(vms)
+    record(ctx.history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
+           {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
+    emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
+    job = Job(run_id=run_id, version=ctx.version, plan=ctx.plan, vms=vms, run_dir=ctx.run_dir, state=run.state,
+              code=run.code, total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval,
+              seed=params.seed, data_uri=params.dataset or "", estimate_s=float(ctx.estimate["iteration_time_s"]),
+              controller=run.controller)
+    job.extra["provisioned_at"] = time.time()
+    job.launched_at = launch(run.deps.provider, job)
+    resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
+    record(ctx.history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers{resumed}",
+           {"plan_version": ctx.version, "total_steps": ctx.total_steps, "resume_step": job.start_step})
+    return job
+
+
+def _train(run: _Run) -> None:
+    """Monitor the job and re-plan on what monitoring saw, until every step is done."""
+    ctx, params, deps = run.ctx, run.params, run.deps
+    job = run.job
+    assert job is not None
+    bar = ProgressBar(run.run_id, ctx.total_steps)
+    deadline_at = run.t0 + params.deadline_s if params.deadline_s else None
+    provider = cast(Provider, _RequestsAsEvents(deps.provider, run.keeper, ctx.history, run.run_id))
+    seen: set[tuple[str, str, str]] = set()
+    replans = 0
+    while True:
+        out = monitor(provider, job, ctx.history, bar, deps.board, seen=seen, poll_s=deps.poll_s,
+                      deadline_at=deadline_at, tolerance=params.calibration_tolerance, calibrate_after=5,
+                      calibrated=bool(job.extra.get("calibrated")), stall_timeout_s=deps.stall_timeout_s)
+        ctx.observe(job, out.progress)
+        save_metrics(job)  # this version's steps so far, into the run's state
+        if out.completed:
+            return
+        replans += 1
+        if replans > deps.max_replans:
+            raise RuntimeError(f"gave up after {deps.max_replans} replans; see the run's events for why")
+        job = run.job = replan(ctx, job, out.events, out.calibration, out.progress)
+
+
+def _finish(run: _Run, status: str, reason: str) -> None:
+    """Lease ended, metrics saved, controller closed, every VM removed, the final status written."""
+    ctx, deps, run_id = run.ctx, run.deps, run.run_id
+    run.keeper.stop()  # the final status below ends the lease
+    if run.job is not None and run.job.controller is not None:
+        with contextlib.suppress(Exception):
+            save_metrics(run.job)
+    if run.controller is not None:
+        run.controller.close()
+    removed: list[str] = []
+    try:
+        removed = teardown(deps.provider, run_id)
+    except BaseException as e:  # the status must still be written; teardown is retried by the hooks
+        reason = (reason + f"; teardown failed: {e}")[:800]
+        status = "failed"
+    ctx.ledger_close_all()
+    if getattr(deps.provider, "cluster_info", None) is not None and run.job is not None:
+        with contextlib.suppress(Exception):  # the VMs the run had, as they ended
+            _record_cluster(run, "teardown", "the run's VMs at teardown")
+    for close in deps.closers:
+        with contextlib.suppress(Exception):
+            close()
+    _write_outcome(run, status, reason, removed)
+
+
+def _write_outcome(run: _Run, status: str, reason: str, removed: list[str]) -> None:
+    """The teardown event, final status, Prefect event and artifacts (never hiding the run's outcome)."""
+    ctx, history, run_id = run.ctx, run.ctx.history, run.run_id
+    log = get_run_logger()
+    try:
+        history.event(run_id, "teardown", f"removed {len(removed)} VMs still running" if removed
+                      else "no VM left to remove", {"removed": removed})
+        summary = ctx.summary(status, run.t0)
+        history.run_status(run_id, status, reason, summary)
+        emit(f"run.{status}", run_id, {"reason": reason})
+        shown = history.show(run_id)
+        publish_timeline(run_id, shown["events"], shown["decisions"])
+        publish_cost(run_id, ctx.cost_table())
+        log.info("run %s %s: %s", run_id, status, json.dumps(summary, default=str)[:2000])
+    except Exception as e:  # reporting must not hide the run's own outcome
+        log.warning("could not write the run's final status: %s", e)

@@ -1,9 +1,93 @@
-"""Is a new plan worth the switch? The flow's view of `sailor_core.decisions`.
+"""What the flow decides while a plan trains: pure functions of what monitoring saw.
 
-Contract: re-exports the pure decision (`decide_switch`, `PlanCost`, `SwitchDecision`) from
-sailor_core, so the replan subflow and `sailor replay` (sailor_core.replay) run the same function.
+Contract: no I/O, no clock (callers pass `now`), no Prefect. `tasks.steps.monitor` gathers the facts
+(progress, provider events, worker statuses, agent exit codes) and asks these functions what they
+mean; the replan subflow and `sailor replay` (sailor_core.replay) share `decide_switch`, re-exported
+here from sailor_core:
+- `decide_switch(...)`: is a new plan worth the switch (`PlanCost`, `SwitchDecision`);
+- `needs_decision(kind, vm_id, plan_vms)`: does a provider event call for re-planning;
+- `failed_vms(statuses)`: VMs whose workers reported a failed generation (a lost worker to the flow);
+- `check_calibration(...)`: measured against estimated iteration time, once enough steps ran;
+- `first_step_kind(extra)`: what a plan version's first step measures (reconfiguration or cold start);
+- `exit_verdict(codes, step, total_steps)`: what agents that all exited cleanly mean;
+- `stop_reason(...)`: a stall or a deadline that ends the run.
 """
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from sailor_core.decisions import PlanCost, SwitchDecision, decide_switch
 
-__all__ = ["PlanCost", "SwitchDecision", "decide_switch"]
+__all__ = ["CalibrationCheck", "PlanCost", "SwitchDecision", "check_calibration", "decide_switch", "exit_verdict",
+           "failed_vms", "first_step_kind", "needs_decision", "stop_reason"]
+
+# Provider events a running plan must answer (the value names of infra.provider.EventKind).
+ACTIONABLE_KINDS = frozenset({"preemption", "lost", "price_change", "capacity_change"})
+VM_KINDS = frozenset({"preemption", "lost"})  # about one VM: only the plan's own VMs matter
+
+
+def needs_decision(kind: str, vm_id: str | None, plan_vms: Collection[str]) -> bool:
+    """A price or capacity change, or a preemption or loss of one of the plan's VMs."""
+    if kind not in ACTIONABLE_KINDS:
+        return False
+    return kind not in VM_KINDS or vm_id in plan_vms
+
+
+def failed_vms(statuses: Mapping[str, str]) -> list[str]:
+    """VMs whose workers' generation failed (a peer gone, a collective timed out): they wait for a new
+    plan, so to the orchestration each is a lost worker whatever the provider says about the VM."""
+    return [vm for vm, status in statuses.items() if status.startswith("failed")]
+
+
+@dataclass(frozen=True)
+class CalibrationCheck:
+    ratio: float  # measured / estimated iteration time
+    departs: bool  # off by more than the tolerance: re-plan with corrected profiles
+
+    def reason(self, measured_s: float, estimated_s: float) -> str:
+        return f"measured {measured_s:.4f}s/it vs estimated {estimated_s:.4f}s/it (x{self.ratio:.2f})"
+
+
+def check_calibration(measured_s: float | None, estimated_s: float, samples: int, *, after: int,
+                      tolerance: float) -> CalibrationCheck | None:
+    """None until `after` steps were timed (and when there is no estimate); then the ratio and whether it
+    departs from 1 by more than `tolerance`."""
+    if estimated_s <= 0 or not measured_s or samples < after:
+        return None
+    ratio = measured_s / estimated_s
+    return CalibrationCheck(ratio=ratio, departs=abs(ratio - 1.0) > tolerance)
+
+
+def first_step_kind(extra: Mapping[str, Any]) -> str | None:
+    """What a plan version's first trained step measures: the time a switch took ("reconfigured",
+    counted from the event that triggered it) or a fresh start ("cold_start", from provisioning)."""
+    if "reconfig_trigger_at" in extra:
+        return "reconfigured"
+    if "provisioned_at" in extra:
+        return "cold_start"
+    return None
+
+
+def exit_verdict(codes: Sequence[int | None], step: int, total_steps: int) -> str | None:
+    """Agents that all exited with 0: "completed" when the steps are done, else "stopped early" (an
+    error: the workers believe they are done and the run is not); None while any still runs or failed
+    (the heartbeats and statuses speak for those)."""
+    if not codes or any(c != 0 for c in codes):
+        return None
+    return "completed" if step >= total_steps else "stopped early"
+
+
+def stop_reason(*, now: float, last_progress_at: float, stall_timeout_s: float, deadline_at: float | None,
+                step: int, total_steps: int, plan_shape: str, logs: str) -> str | None:
+    """Why the run must stop now (no progress for too long while every worker beats, or the deadline
+    passed), with how to fix it; None to go on watching."""
+    if now - last_progress_at > stall_timeout_s:
+        return (f"no training progress for {stall_timeout_s:.0f}s (step {step} of {total_steps}, {plan_shape}) "
+                f"while every worker still beat its heartbeat: the runtime hangs on this plan; to fix: see the "
+                f"worker logs under {logs} or restrict the plan (e.g. max_stages=1)")
+    if deadline_at is not None and now > deadline_at:
+        return f"deadline reached at step {step} of {total_steps}"
+    return None

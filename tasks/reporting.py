@@ -152,8 +152,9 @@ class ProgressBar:
         self.id: UUID | None = None
         self.last = -1.0
         try:
-            self.id = create_progress_artifact(progress=0.0, key=artifact_key("progress", run_id),
-                                               description=f"training steps done of {total_steps}")
+            made = create_progress_artifact(progress=0.0, key=artifact_key("progress", run_id),
+                                            description=f"training steps done of {total_steps}")
+            self.id = made if isinstance(made, UUID) else None  # the sync client returns the id
         except Exception as e:
             _logger().warning("could not create the progress artifact: %s", e)
 

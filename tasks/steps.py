@@ -30,9 +30,19 @@ from infra.provider import (
     Vm,
     VmRequest,
 )
+from sailor_core.domain import Market
 from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook
 from tasks.control import HeartbeatBoard, checkpoint_steps
+from tasks.decisions import (
+    CalibrationCheck,
+    check_calibration,
+    exit_verdict,
+    failed_vms,
+    first_step_kind,
+    needs_decision,
+    stop_reason,
+)
 from tasks.history import RunHistory
 from tasks.jobs import Job, Progress, assignments, read_progress
 from tasks.planning import run_planner
@@ -53,7 +63,8 @@ def _no_retry_on_capacity(task, task_run, state) -> bool:
 @task(name="offerings", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE)
 def fetch_offerings(provider: Provider, *, regions: Sequence[str] | None, gpu_types: Sequence[str] | None,
                     markets: Sequence[str] | None) -> list[Offering]:
-    return provider.offerings(regions=regions, gpu_types=gpu_types, markets=markets)
+    wanted = None if markets is None else [Market.parse(m) for m in markets]
+    return provider.offerings(regions=regions, gpu_types=gpu_types, markets=wanted)
 
 
 @task(name="provision", retries=2, retry_delay_seconds=2, retry_condition_fn=_no_retry_on_capacity,
@@ -156,7 +167,6 @@ class MonitorOutcome:
 
 
 METRICS_FLUSH_S = 10.0  # how often the per-step records reach the run's state while it trains
-ACTIONABLE = (EventKind.PREEMPTION, EventKind.LOST, EventKind.PRICE_CHANGE, EventKind.CAPACITY_CHANGE)
 
 
 def event_row(e: ProviderEvent) -> dict[str, Any]:
@@ -187,6 +197,123 @@ def _retry_on_outside_errors(task, task_run, state) -> bool:
     return False
 
 
+@dataclass
+class _Watch:
+    """One monitor call's view of a job: what it has seen, logged and flushed, and when it last moved."""
+
+    job: Job
+    history: RunHistory
+    bar: ProgressBar
+    board: HeartbeatBoard
+    seen: set[tuple[str, str, str]]
+    seen_step: int = -1
+    last_log: float = 0.0
+    last_progress_at: float = field(default_factory=time.time)
+    last_flush: float = field(default_factory=time.time)
+
+    def progress(self) -> Progress:
+        """The job's progress now; heartbeats to the board, the bar, the log and the metrics kept current."""
+        job, ctl = self.job, self.job.controller
+        prog = read_progress(job)
+        beats = ctl.heartbeats([v.vm_id for v in job.vms]) if ctl is not None else {}
+        for v in job.vms:
+            self.board.beat(v.vm_id, at=beats.get(v.vm_id), step=prog.step)
+        if prog.step != self.seen_step:
+            self.last_progress_at = time.time()
+            self.bar.update(prog.step)
+            if time.time() - self.last_flush > METRICS_FLUSH_S and ctl is not None:
+                flush_metrics(job.state, job.version, ctl.metrics(job.version))
+                self.last_flush = time.time()
+            if time.time() - self.last_log > 5 or prog.step >= job.total_steps:
+                it = f"{prog.recent_iteration_s:.3f}s/it" if prog.recent_iteration_s else "warming up"
+                loss = f"loss {prog.loss:.4f}" if prog.loss is not None else ""
+                get_run_logger().info("step %d/%d (plan v%d) %s %s", prog.step, job.total_steps, job.version, loss, it)
+                self.last_log = time.time()
+            self.seen_step = prog.step
+        if prog.steps_this_version and "first_step_at" not in job.extra:
+            self.first_step(prog)
+        return prog
+
+    def first_step(self, prog: Progress) -> None:
+        """The plan version trained its first step: measure the switch or the cold start it ends."""
+        job = self.job
+        job.extra["first_step_at"] = time.time()
+        kind = first_step_kind(job.extra)
+        if kind == "reconfigured":
+            record_reconfigured(job, self.history, prog.step)
+        elif kind == "cold_start":
+            secs = job.extra["first_step_at"] - float(job.extra["provisioned_at"])
+            job.extra["cold_start_s"] = secs
+            reason = f"plan v{job.version} trained its first step {secs:.1f}s after its VMs were provisioned"
+            self.history.measurement(job.run_id, "cold_start", {"plan_version": job.version, "cold_start_s": secs},
+                                     reason)
+            get_run_logger().info("cold start: %s", reason)
+
+    def report(self, e: ProviderEvent) -> None:
+        """An event into the history, the Prefect event stream and the log."""
+        self.history.event(self.job.run_id, e.kind.value, event_reason(e), event_row(e), at=e.at)
+        emit(e.kind.value, self.job.run_id, {"reason": event_reason(e), **event_row(e)})
+        get_run_logger().info("event %s: %s", e.kind.value, event_reason(e))
+
+    def events_to_answer(self, provider: Provider) -> list[ProviderEvent]:
+        """Every new provider event reported; those the plan must answer, and the workers whose
+        generation failed (lost workers to the orchestration), returned."""
+        job = self.job
+        plan_vms = {v.vm_id for v in job.vms}
+        out = []
+        for e in provider.events(job.run_id):
+            key = (e.kind.value, e.at.isoformat(), e.vm_id)
+            if key not in self.seen:
+                self.seen.add(key)
+                self.report(e)
+                if needs_decision(e.kind.value, e.vm_id, plan_vms):
+                    out.append(e)
+        if job.controller is not None:
+            statuses = job.controller.statuses(sorted(plan_vms), job.version)
+            for vm_id in failed_vms(statuses):
+                key = ("lost", f"v{job.version}", vm_id)
+                if key not in self.seen:
+                    self.seen.add(key)
+                    e = ProviderEvent(kind=EventKind.LOST, at=utcnow(), vm_id=vm_id,
+                                      detail={"reason": f"worker reported {statuses[vm_id][:300]}"})
+                    self.report(e)
+                    out.append(e)
+        return out
+
+    def calibration(self, prog: Progress, check: CalibrationCheck) -> MonitorOutcome | None:
+        """Record the measured against estimated iteration time; an outcome when it departs."""
+        job = self.job
+        assert prog.recent_iteration_s is not None
+        payload = {"plan_version": job.version, "measured_s": prog.recent_iteration_s,
+                   "estimated_s": job.estimate_s, "ratio": check.ratio, "steps": len(prog.iteration_times)}
+        self.history.measurement(job.run_id, "iteration_time", payload)
+        if not check.departs:
+            job.extra["calibrated"] = True
+            return None
+        reason = check.reason(prog.recent_iteration_s, job.estimate_s)
+        self.history.event(job.run_id, "iteration_time", reason, payload)
+        emit("iteration_time", job.run_id, {"reason": reason, **payload})
+        get_run_logger().info("calibration: %s", reason)
+        return MonitorOutcome(completed=False, progress=prog, calibration=payload, reason=reason)
+
+    def agents_done(self, provider: Provider) -> MonitorOutcome | None:
+        """Agents that all exited cleanly: completed, or an error when steps are missing."""
+        job = self.job
+        exit_code = getattr(provider, "agent_exit_code", None)
+        if exit_code is None or not job.vms:
+            return None
+        prog = read_progress(job)
+        verdict = exit_verdict([exit_code(v.vm_id) for v in job.vms], prog.step, job.total_steps)
+        if verdict == "completed":
+            return MonitorOutcome(completed=True, progress=prog)
+        if verdict is not None:
+            raise RuntimeError(
+                f"every worker of plan v{job.version} exited cleanly at step {prog.step} of {job.total_steps}; "
+                f"to fix: check the worker logs under {job.state.logs('public')}"
+            )
+        return None
+
+
 @task(name="monitor", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=2,
       retry_condition_fn=_retry_on_outside_errors)
 def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar, board: HeartbeatBoard, *,
@@ -194,105 +321,32 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
             poll_s: float, deadline_at: float | None, tolerance: float, calibrate_after: int,
             calibrated: bool, stall_timeout_s: float) -> MonitorOutcome:
     """Watch the job until it completes or something needs a decision; report everything seen."""
-    log = get_run_logger()
-    seen_step = -1
-    last_log = 0.0
-    last_progress_at = last_flush = time.time()
+    watch = _Watch(job=job, history=history, bar=bar, board=board, seen=seen)
+    shape = f"plan v{job.version}: {job.plan.num_stages} stage(s) x {job.plan.data_parallel} replica(s)"
     while True:
-        prog = read_progress(job)
-        ctl = job.controller
-        beats = ctl.heartbeats([v.vm_id for v in job.vms]) if ctl is not None else {}
-        for v in job.vms:
-            board.beat(v.vm_id, at=beats.get(v.vm_id), step=prog.step)
-        if prog.step != seen_step:
-            last_progress_at = time.time()
-            bar.update(prog.step)
-            if time.time() - last_flush > METRICS_FLUSH_S and ctl is not None:
-                flush_metrics(job.state, job.version, ctl.metrics(job.version))
-                last_flush = time.time()
-            if time.time() - last_log > 5 or prog.step >= job.total_steps:
-                it = f"{prog.recent_iteration_s:.3f}s/it" if prog.recent_iteration_s else "warming up"
-                loss = f"loss {prog.loss:.4f}" if prog.loss is not None else ""
-                log.info("step %d/%d (plan v%d) %s %s", prog.step, job.total_steps, job.version, loss, it)
-                last_log = time.time()
-            seen_step = prog.step
-        if prog.steps_this_version and "first_step_at" not in job.extra:
-            job.extra["first_step_at"] = time.time()
-            if "reconfig_trigger_at" in job.extra:
-                record_reconfigured(job, history, prog.step)
-            elif "provisioned_at" in job.extra:
-                secs = job.extra["first_step_at"] - float(job.extra["provisioned_at"])
-                job.extra["cold_start_s"] = secs
-                reason = f"plan v{job.version} trained its first step {secs:.1f}s after its VMs were provisioned"
-                history.measurement(job.run_id, "cold_start", {"plan_version": job.version, "cold_start_s": secs},
-                                    reason)
-                log.info("cold start: %s", reason)
+        prog = watch.progress()
         if prog.step >= job.total_steps:
             return MonitorOutcome(completed=True, progress=prog)
-        actionable = []
-        job_vms = {v.vm_id for v in job.vms}
-        for e in provider.events(job.run_id):
-            key = (e.kind.value, e.at.isoformat(), e.vm_id)
-            if key in seen:
-                continue
-            seen.add(key)
-            history.event(job.run_id, e.kind.value, event_reason(e), event_row(e), at=e.at)
-            emit(e.kind.value, job.run_id, {"reason": event_reason(e), **event_row(e)})
-            log.info("event %s: %s", e.kind.value, event_reason(e))
-            if e.kind in (EventKind.PREEMPTION, EventKind.LOST) and e.vm_id not in job_vms:
-                continue  # a VM this plan no longer uses
-            if e.kind in ACTIONABLE:
-                actionable.append(e)
-        # A worker whose generation failed (a peer gone, a collective timed out) waits for a new plan:
-        # to the orchestration that is a lost worker, whatever the provider says about its VM.
-        if ctl is not None:
-            for vm_id, status in ctl.statuses([v.vm_id for v in job.vms], job.version).items():
-                key = ("lost", f"v{job.version}", vm_id)
-                if status.startswith("failed") and key not in seen:
-                    seen.add(key)
-                    e = ProviderEvent(kind=EventKind.LOST, at=utcnow(), vm_id=vm_id,
-                                      detail={"reason": f"worker reported {status[:300]}"})
-                    history.event(job.run_id, "lost", event_reason(e), event_row(e), at=e.at)
-                    emit("lost", job.run_id, {"reason": event_reason(e), **event_row(e)})
-                    log.info("event lost: %s", event_reason(e))
-                    actionable.append(e)
+        actionable = watch.events_to_answer(provider)
         if actionable:
             return MonitorOutcome(completed=False, events=actionable, progress=prog)
         # Online calibration: measured against estimated iteration time, once per plan version.
-        if not calibrated and job.estimate_s > 0 and prog.recent_iteration_s and \
-                len(prog.iteration_times) >= calibrate_after:
-            ratio = prog.recent_iteration_s / job.estimate_s
-            payload = {"plan_version": job.version, "measured_s": prog.recent_iteration_s,
-                       "estimated_s": job.estimate_s, "ratio": ratio, "steps": len(prog.iteration_times)}
-            history.measurement(job.run_id, "iteration_time", payload)
-            reason = f"measured {prog.recent_iteration_s:.4f}s/it vs estimated {job.estimate_s:.4f}s/it (x{ratio:.2f})"
-            if abs(ratio - 1.0) > tolerance:
-                history.event(job.run_id, "iteration_time", reason, payload)
-                emit("iteration_time", job.run_id, {"reason": reason, **payload})
-                log.info("calibration: %s", reason)
-                return MonitorOutcome(completed=False, progress=prog, calibration=payload, reason=reason)
+        check = None if calibrated else check_calibration(prog.recent_iteration_s, job.estimate_s,
+                                                            len(prog.iteration_times), after=calibrate_after,
+                                                            tolerance=tolerance)
+        if check is not None:
+            out = watch.calibration(prog, check)
+            if out is not None:
+                return out
             calibrated = True
-            job.extra["calibrated"] = True
-        exit_code = getattr(provider, "agent_exit_code", None)
-        if exit_code is not None and job.vms:
-            codes = [exit_code(v.vm_id) for v in job.vms]
-            if all(c == 0 for c in codes):
-                prog = read_progress(job)
-                if prog.step >= job.total_steps:
-                    return MonitorOutcome(completed=True, progress=prog)
-                raise RuntimeError(
-                    f"every worker of plan v{job.version} exited cleanly at step {prog.step} of {job.total_steps}; "
-                    f"to fix: check the worker logs under {job.state.logs('public')}"
-                )
-        if time.time() - last_progress_at > stall_timeout_s:
-            raise RuntimeError(
-                f"no training progress for {stall_timeout_s:.0f}s (step {prog.step} of {job.total_steps}, "
-                f"plan v{job.version}: {job.plan.num_stages} stage(s) x {job.plan.data_parallel} replica(s)) while "
-                f"every worker still beat its heartbeat: the runtime hangs on this plan; to fix: see the worker "
-                f"logs under {job.state.logs('public')} or restrict the plan (e.g. max_stages=1)"
-            )
-        if deadline_at is not None and time.time() > deadline_at:
-            raise RuntimeError(f"deadline reached at step {prog.step} of {job.total_steps}")
+        done = watch.agents_done(provider)
+        if done is not None:
+            return done
+        why = stop_reason(now=time.time(), last_progress_at=watch.last_progress_at, stall_timeout_s=stall_timeout_s,
+                          deadline_at=deadline_at, step=prog.step, total_steps=job.total_steps, plan_shape=shape,
+                          logs=job.state.logs("public"))
+        if why is not None:
+            raise RuntimeError(why)
         time.sleep(poll_s)
 
 
