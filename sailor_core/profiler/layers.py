@@ -214,19 +214,10 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
     import torch.distributed as dist
 
     from sailor_core.models.tensor_parallel import TPContext
-    from sailor_core.models.torch_model import build_layer, loss_sum
 
-    cfg = settings.config()
     cuda = settings.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     tp = world_size
-    if tp > 1:
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=tp,
-            timeout=timedelta(seconds=settings.timeout_s),
-        )
+    dev = _init_rank(torch, dist, rank, tp, init_method, settings)
     try:
         ctx = TPContext(dist.group.WORLD, rank, tp) if tp > 1 else TPContext.single()
         overhead = _warm_up_and_overhead(torch, dev, cuda)
@@ -234,105 +225,152 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
             _limit_address_space(settings.memory_limit_bytes)
         if rank == 0:
             emit({"kind": "overhead", "tp": tp, "bytes": overhead})
-
-        import time
-
-        def timed(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn()
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / 1e3, out
-            t0 = clock()
-            out = fn()
-            return clock() - t0, out
-
-        # CPU work without collectives (tp=1 layers, the optimizer step) runs entirely in this thread
-        # (one intra-op thread), so its thread CPU time is its cost whatever else the host runs;
-        # wall time would add the other jobs' time slices. TP layers wait for peers off-CPU inside
-        # their all-reduces, so they keep wall time. See docs/profiler.md for the measurements.
-        cpu_timed = functools.partial(timed, clock=time.thread_time)
-        layer_timed = cpu_timed if (tp == 1 and not cuda) else timed
-
-        flag = torch.zeros(1, dtype=torch.int32, device=dev)
-
-        def agree(stop: bool) -> bool:
-            if tp == 1:
-                return stop
-            flag.fill_(int(stop))
-            dist.broadcast(flag, src=0)
-            return bool(flag.item())
-
-        layers = {i: build_layer(cfg, i, ctx, settings.seed).to(dev) for i in settings.measured_layers(cfg)}
-        head = cfg.num_layers - 1
-        s, h = cfg.sequence_length, cfg.hidden_size
-
-        def make_inputs(i: int, mbs: int):
-            g = torch.Generator(device="cpu").manual_seed(1000 * mbs + i)  # identical on every TP rank
-            if i == 0:
-                return torch.randint(0, cfg.vocab_size, (mbs, s), generator=g).to(dev), None
-            x = torch.randn(mbs, s, h, generator=g).to(dev).requires_grad_(True)
-            tgt = torch.randint(0, cfg.vocab_size, (mbs, s), generator=g).to(dev) if i == head else None
-            return x, tgt
-
-        def forward(i: int, x, tgt):
-            if settings.precision == "bf16":
-                with torch.autocast(dev.type, dtype=torch.bfloat16):
-                    out = layers[i](x)
-            else:
-                out = layers[i](x)
-            return loss_sum(out, tgt, ctx) if i == head else out
-
-        def measure_point(mbs: int) -> list[LayerPoint]:
-            out = []
-            for i, layer in layers.items():
-                x, tgt = make_inputs(i, mbs)
-                run_forward = functools.partial(forward, i, x, tgt)
-                saved, allocated = _saved_for_backward(torch, layer, run_forward, cuda)
-                fwd, bwd = _measure_layer(torch, run_forward, x, settings.policy, layer_timed, agree)
-                out.append(
-                    LayerPoint(
-                        mbs=mbs, tp=tp, layer=i, forward=fwd, backward=bwd, saved_bytes=saved,
-                        allocated_bytes=allocated, statistic=settings.statistic,
-                    )
-                )
-                if rank == 0:  # progress only; the point's results are sent once all its layers ran
-                    emit({"kind": "layer", "mbs": mbs, "tp": tp, "layer": i})
-            return out
-
+        cpu_timed, layer_timed = _timers(torch, cuda, tp)
+        agree = _agreement(torch, dist, dev, tp)
+        rig = _LayerRig(torch, settings, ctx, dev, rank, tp)
         for mbs in sorted(settings.mbs):
-            status = torch.zeros(1, dtype=torch.int32, device=dev)
-            reason = ""
-            results: list[LayerPoint] = []
-            try:
-                results = measure_point(mbs)
-            except Exception as e:
-                if not _is_oom(e):
-                    raise
-                status.fill_(1)
-                reason = f"out of memory at mbs={mbs}: {str(e).splitlines()[0][:200]}"
-                if cuda:
-                    torch.cuda.empty_cache()
-            if tp > 1:
-                # Every rank learns whether any rank ran out of memory, so all skip the point together.
-                dist.all_reduce(status, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                if int(status.item()):
-                    emit({"kind": "infeasible", "mbs": mbs, "tp": tp, "reason": reason or "out of memory on another TP rank"})
-                else:
-                    for p in results:
-                        emit({"kind": "point", "point": p})
-        params = [p for ly in layers.values() for p in ly.parameters()]
+            _measure_mbs(torch, dist, rig, mbs, emit, layer_timed, agree)
+        params = [p for ly in rig.layers.values() for p in ly.parameters()]
         opt_s = _optimizer_step_s(torch, params, settings.policy, cpu_timed).stat_s(settings.statistic)
         if rank == 0:
             emit({"kind": "optimizer", "tp": tp, "seconds": opt_s,
-                  "params": sum(p.numel() for ly in layers.values() for p in ly.parameters())})
+                  "params": sum(p.numel() for ly in rig.layers.values() for p in ly.parameters())})
         return None
     finally:
         if tp > 1:
             dist.destroy_process_group()
+
+
+def _init_rank(torch, dist, rank: int, tp: int, init_method: str, settings: ModelProfileSettings):
+    """This rank's device (CUDA: GPU `rank`, made current), its process group joined when tp > 1."""
+    cuda = settings.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if tp > 1:
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=tp,
+            timeout=timedelta(seconds=settings.timeout_s),
+        )
+    return dev
+
+
+def _timers(torch, cuda: bool, tp: int) -> tuple[Callable[..., tuple[float, Any]], Callable[..., tuple[float, Any]]]:
+    """(timer of work without collectives, timer of a layer): each runs fn() and returns (seconds, its result)."""
+    import time
+
+    def timed(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        t0 = clock()
+        out = fn()
+        return clock() - t0, out
+
+    # CPU work without collectives (tp=1 layers, the optimizer step) runs entirely in this thread
+    # (one intra-op thread), so its thread CPU time is its cost whatever else the host runs;
+    # wall time would add the other jobs' time slices. TP layers wait for peers off-CPU inside
+    # their all-reduces, so they keep wall time. See docs/profiler.md for the measurements.
+    cpu_timed = functools.partial(timed, clock=time.thread_time)
+    layer_timed = cpu_timed if (tp == 1 and not cuda) else timed
+    return cpu_timed, layer_timed
+
+
+def _agreement(torch, dist, dev, tp: int) -> Callable[[bool], bool]:
+    """agree(stop): rank 0's stop decision, broadcast so every TP rank repeats a layer as often."""
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def agree(stop: bool) -> bool:
+        if tp == 1:
+            return stop
+        flag.fill_(int(stop))
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    return agree
+
+
+class _LayerRig:
+    """One TP rank's measured layers on its device, their deterministic inputs and their forward."""
+
+    def __init__(self, torch, settings: ModelProfileSettings, ctx, dev, rank: int, tp: int) -> None:
+        from sailor_core.models.torch_model import build_layer
+
+        self.torch, self.settings, self.ctx, self.dev, self.rank, self.tp = torch, settings, ctx, dev, rank, tp
+        self.cuda = settings.device == "cuda"
+        self.cfg = cfg = settings.config()
+        self.layers = {i: build_layer(cfg, i, ctx, settings.seed).to(dev) for i in settings.measured_layers(cfg)}
+        self.head = cfg.num_layers - 1
+
+    def inputs(self, i: int, mbs: int):
+        """(input, targets or None) of layer i for a microbatch of mbs: the same on every TP rank."""
+        torch, cfg, dev = self.torch, self.cfg, self.dev
+        s, h = cfg.sequence_length, cfg.hidden_size
+        g = torch.Generator(device="cpu").manual_seed(1000 * mbs + i)  # identical on every TP rank
+        if i == 0:
+            return torch.randint(0, cfg.vocab_size, (mbs, s), generator=g).to(dev), None
+        x = torch.randn(mbs, s, h, generator=g).to(dev).requires_grad_(True)
+        tgt = torch.randint(0, cfg.vocab_size, (mbs, s), generator=g).to(dev) if i == self.head else None
+        return x, tgt
+
+    def forward(self, i: int, x, tgt):
+        """Layer i's forward in the profile's precision; the head's includes the loss."""
+        from sailor_core.models.torch_model import loss_sum
+
+        if self.settings.precision == "bf16":
+            with self.torch.autocast(self.dev.type, dtype=self.torch.bfloat16):
+                out = self.layers[i](x)
+        else:
+            out = self.layers[i](x)
+        return loss_sum(out, tgt, self.ctx) if i == self.head else out
+
+    def measure_point(self, mbs: int, emit: Callable[[Any], None], layer_timed, agree) -> list[LayerPoint]:
+        """Every measured layer at microbatch size mbs (rank 0 reports progress per layer)."""
+        out = []
+        for i, layer in self.layers.items():
+            x, tgt = self.inputs(i, mbs)
+            run_forward = functools.partial(self.forward, i, x, tgt)
+            saved, allocated = _saved_for_backward(self.torch, layer, run_forward, self.cuda)
+            fwd, bwd = _measure_layer(self.torch, run_forward, x, self.settings.policy, layer_timed, agree)
+            out.append(
+                LayerPoint(
+                    mbs=mbs, tp=self.tp, layer=i, forward=fwd, backward=bwd, saved_bytes=saved,
+                    allocated_bytes=allocated, statistic=self.settings.statistic,
+                )
+            )
+            if self.rank == 0:  # progress only; the point's results are sent once all its layers ran
+                emit({"kind": "layer", "mbs": mbs, "tp": self.tp, "layer": i})
+        return out
+
+
+def _measure_mbs(torch, dist, rig: _LayerRig, mbs: int, emit: Callable[[Any], None], layer_timed, agree) -> None:
+    """Measures one microbatch size; rank 0 emits its points, or the size as infeasible when any rank ran out
+    of memory (every rank skips it together)."""
+    status = torch.zeros(1, dtype=torch.int32, device=rig.dev)
+    reason = ""
+    results: list[LayerPoint] = []
+    try:
+        results = rig.measure_point(mbs, emit, layer_timed, agree)
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        status.fill_(1)
+        reason = f"out of memory at mbs={mbs}: {str(e).splitlines()[0][:200]}"
+        if rig.cuda:
+            torch.cuda.empty_cache()
+    if rig.tp > 1:
+        # Every rank learns whether any rank ran out of memory, so all skip the point together.
+        dist.all_reduce(status, op=dist.ReduceOp.MAX)
+    if rig.rank == 0:
+        if int(status.item()):
+            emit({"kind": "infeasible", "mbs": mbs, "tp": rig.tp, "reason": reason or "out of memory on another TP rank"})
+        else:
+            for p in results:
+                emit({"kind": "point", "point": p})
 
 
 def _measure_layer(torch, run_forward, x, policy: RepeatPolicy, timed, agree) -> tuple[Measurement, Measurement]:
