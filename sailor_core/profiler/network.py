@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -188,11 +188,43 @@ def network_worker(rank: int, world_size: int, init_method: str, emit: Callable[
     measuring each size in its own burst turns that drift into bumps in the curve, while
     interleaving gives every size the same mix of conditions.
     """
-    import time
-
     import torch
     import torch.distributed as dist
 
+    dev = _join_group(torch, dist, rank, world_size, init_method, settings)
+    try:
+        sizes = settings.sizes()
+        # One buffer, viewed at each size: no size pays for a fresh allocation, memory stays at the max.
+        storage = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
+        steps = _timed_steps(torch, dist, rank, settings.device == "cuda")[: 2 if settings.allreduce else 1]
+        spent = [0.0] * len(sizes)
+        rules = {
+            (i, kind): StopRule(replace(settings.policy, warmup=0), clock=lambda i=i: spent[i])
+            for i in range(len(sizes))
+            for kind in ("p2p", "ar")
+        }
+        done = torch.zeros(len(sizes), dtype=torch.int32, device=dev)
+        reported: set[int] = set()
+        while not bool(done.all()):
+            _visit_sizes(storage, sizes, done, steps, rules, spent, settings.policy)
+            if rank == 0:
+                for i in range(len(sizes)):
+                    if not int(done[i]) and rules[i, "p2p"].done() and (
+                            rules[i, "ar"].done() or not settings.allreduce):
+                        done[i] = 1
+            dist.broadcast(done, src=0)  # every rank follows rank 0's schedule
+            if rank == 0:
+                _report_done(emit, sizes, done, rules, reported, settings)
+        if rank != 0:
+            return None
+        ar = "ar" if settings.allreduce else "p2p"
+        return [(size, rules[i, "p2p"].result(), rules[i, ar].result()) for i, size in enumerate(sizes)]
+    finally:
+        dist.destroy_process_group()
+
+
+def _join_group(torch, dist, rank: int, world_size: int, init_method: str, settings: NetworkSettings):
+    """This rank's device (CUDA: GPU `rank`, made current), after joining the process group."""
     cuda = settings.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -204,80 +236,76 @@ def network_worker(rank: int, world_size: int, init_method: str, emit: Callable[
         world_size=world_size,
         timeout=timedelta(seconds=settings.timeout_s),
     )
-    try:
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        sizes = settings.sizes()
-        # One buffer, viewed at each size: no size pays for a fresh allocation, memory stays at the max.
-        storage = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
-        policy = settings.policy
+    return dev
 
-        def ping_pong(buf) -> float:
-            if rank > 1:
-                return 0.0
-            sync()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, dst=1)
-                dist.recv(buf, src=1)
-            else:
-                dist.recv(buf, src=0)
-                dist.send(buf, dst=0)
-            sync()
-            return (time.perf_counter() - t0) / 2
 
-        def all_reduce(buf) -> float:
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            sync()
-            return time.perf_counter() - t0
+def _timed_steps(torch, dist, rank: int, cuda: bool) -> tuple[tuple[str, Callable[[Any], float]], ...]:
+    """(("p2p", one-way seconds of a ping-pong between ranks 0 and 1), ("ar", seconds of an all-reduce))."""
+    import time
 
-        spent = [0.0] * len(sizes)
-        rules = {
-            (i, kind): StopRule(replace(policy, warmup=0), clock=lambda i=i: spent[i])
-            for i in range(len(sizes))
-            for kind in ("p2p", "ar")
-        }
-        done = torch.zeros(len(sizes), dtype=torch.int32, device=dev)
-        reported = set()
-        while not bool(done.all()):
-            for i, size in enumerate(sizes):
-                if int(done[i]):
-                    continue
-                buf = storage[: size // 4]
-                t_visit = time.perf_counter()
-                for kind, step in (("p2p", ping_pong), ("ar", all_reduce))[: 2 if settings.allreduce else 1]:
-                    for rep in range(policy.warmup + REPS_PER_VISIT):
-                        seconds = step(buf)
-                        if rep >= policy.warmup:
-                            rules[i, kind].add(seconds)
-                spent[i] += time.perf_counter() - t_visit
-            if rank == 0:
-                for i in range(len(sizes)):
-                    if not int(done[i]) and rules[i, "p2p"].done() and (rules[i, "ar"].done() or not settings.allreduce):
-                        done[i] = 1
-            dist.broadcast(done, src=0)  # every rank follows rank 0's schedule
-            if rank == 0:
-                for i in range(len(sizes)):
-                    if int(done[i]) and i not in reported:
-                        reported.add(i)
-                        emit(
-                            {
-                                "done": len(reported),
-                                "total": len(sizes),
-                                "bytes": sizes[i],
-                                "p2p_s": rules[i, "p2p"].result().stat_s(settings.statistic),
-                                "allreduce_s": rules[i, "ar" if settings.allreduce else "p2p"].result().stat_s(
-                                    settings.statistic),
-                            }
-                        )
-        if rank != 0:
-            return None
-        ar = "ar" if settings.allreduce else "p2p"
-        return [(size, rules[i, "p2p"].result(), rules[i, ar].result()) for i, size in enumerate(sizes)]
-    finally:
-        dist.destroy_process_group()
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def ping_pong(buf) -> float:
+        if rank > 1:
+            return 0.0
+        sync()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, dst=1)
+            dist.recv(buf, src=1)
+        else:
+            dist.recv(buf, src=0)
+            dist.send(buf, dst=0)
+        sync()
+        return (time.perf_counter() - t0) / 2
+
+    def all_reduce(buf) -> float:
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        sync()
+        return time.perf_counter() - t0
+
+    return ("p2p", ping_pong), ("ar", all_reduce)
+
+
+def _visit_sizes(storage, sizes: list[int], done, steps: Sequence[tuple[str, Callable[[Any], float]]],
+                 rules: dict[tuple[int, str], StopRule], spent: list[float], policy: RepeatPolicy) -> None:
+    """One round-robin visit of every unfinished size: a warm-up then REPS_PER_VISIT timed reps of each step."""
+    import time
+
+    for i, size in enumerate(sizes):
+        if int(done[i]):
+            continue
+        buf = storage[: size // 4]
+        t_visit = time.perf_counter()
+        for kind, step in steps:
+            for rep in range(policy.warmup + REPS_PER_VISIT):
+                seconds = step(buf)
+                if rep >= policy.warmup:
+                    rules[i, kind].add(seconds)
+        spent[i] += time.perf_counter() - t_visit
+
+
+def _report_done(emit: Callable[[Any], None], sizes: list[int], done, rules: dict[tuple[int, str], StopRule],
+                 reported: set[int], settings: NetworkSettings) -> None:
+    """Emits each newly finished size once (rank 0's progress), and adds it to `reported`."""
+    for i in range(len(sizes)):
+        if int(done[i]) and i not in reported:
+            reported.add(i)
+            emit(
+                {
+                    "done": len(reported),
+                    "total": len(sizes),
+                    "bytes": sizes[i],
+                    "p2p_s": rules[i, "p2p"].result().stat_s(settings.statistic),
+                    "allreduce_s": rules[i, "ar" if settings.allreduce else "p2p"].result().stat_s(
+                        settings.statistic),
+                }
+            )
 
 
 # ----------------------------------------------------------------------------------------------
