@@ -144,15 +144,51 @@ def _profile_records(model: str, gpu: str, tree: dict, source_file: str) -> Iter
 
 
 def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
+    """Parses the artifact's JSON files under `root` (or its eth-easl-sailor/ folder) into domain values."""
     base = Path(root)
     if (base / "eth-easl-sailor").is_dir():
         base = base / "eth-easl-sailor"
     sailor = base / "sailor"
     planner = sailor / "Planner"
     providers = sailor / "providers"
-
     models = _models(_load(planner / "llm_info.json"))
+    profiles, files = _layer_profiles(planner)
+    gpu_types, from_cluster = _gpu_types(planner)
+    links, link_files = _network_links(providers)
+    intra = [
+        IntraNodeLink(gpu_type=g, num_gpus=int(n), fit=_fit(leaf))
+        for g, by_n in _load(providers / "intra_node_bandwidths.json").items()
+        for n, leaf in by_n.items()
+    ]
+    egress = [
+        EgressPrice(sender_zone=s, receiver_zone=r, usd_per_gb=float(v))
+        for s, by_r in _load(providers / "gcp" / "communication_cost.json").items()
+        for r, v in by_r.items()
+    ]
+    zones = sorted({lk.sender_zone for lk in links} | set(ZONES))
+    prices = [
+        GpuPrice(cloud="gcp", zone=z, gpu_type=g, market=Market.ON_DEMAND, usd_per_gpu_hour=p, fetched_at=PRICES_FETCHED_AT)
+        for g, p in EVALUATION_PRICES_USD_PER_GPU_HOUR.items()
+        for z in zones
+    ]
+    return EthEaslData(
+        models=models,
+        gpu_types=gpu_types,
+        layer_profiles=tuple(profiles),
+        layer_profile_files=files,
+        links=tuple(links),
+        link_files=link_files,
+        cluster_config_gpus=frozenset(from_cluster),
+        intra_node=tuple(intra),
+        egress=tuple(egress),
+        prices=tuple(prices),
+        quotas=tuple(_quotas(planner, gpu_types)),
+    )
 
+
+def _layer_profiles(planner: Path) -> tuple[list[LayerProfile], dict[tuple[str, str], str]]:
+    """(every layer profile, the file each (model, GPU type) came from): the simulator's file first,
+    the planner's per-pair files only for the pairs it lacks (see LAYER_PROFILE_CHOICE)."""
     sim_profiles_path = planner / "simulations" / "profiles_tmp.json"
     sim_profiles = _load(sim_profiles_path) if sim_profiles_path.exists() else {}
     profiles: list[LayerProfile] = []
@@ -170,8 +206,11 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
                     continue
                 files[key] = f"sailor/Planner/sailor_planner/profiles/{key[0]}/{key[1]}/profile.json"
                 profiles.extend(_profile_records(*key, _load(gpu_dir / "profile.json"), files[key]))
+    return profiles, files
 
-    # Cluster config: memory per GPU and GPUs per node, when present.
+
+def _gpu_types(planner: Path) -> tuple[dict[str, GpuType], set[str]]:
+    """(the catalog's GPU types with memory and node size from the cluster config, the names it set)."""
     gpu_types = dict(GPU_TYPES)
     from_cluster: set[str] = set()
     cluster_path = planner / "simulations" / "configs" / "basic_cluster_config.json"
@@ -186,7 +225,13 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
                     gpus_per_node=int(cfg["gpus_per_node"]),
                     peak_flops=known.peak_flops if known else None,
                 )
+    return gpu_types, from_cluster
 
+
+def _network_links(
+    providers: Path,
+) -> tuple[list[NetworkLink], dict[tuple[str, str, int, str, str, int], str]]:
+    """(every zone-to-zone link, the file each came from): the heterogeneous file wins (see NETWORK_CHOICE)."""
     # Network: the heterogeneous file (the one the simulator and planner read) wins; the homogeneous
     # file only adds the links it lacks (A100-80 and some GH-96 entries; no key disagrees).
     links = []
@@ -210,22 +255,11 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
                                         receiver_zone=rz, receiver_gpu=rg, receiver_count=int(rc), fit=_fit(leaf),
                                     )
                                 )
-    intra = [
-        IntraNodeLink(gpu_type=g, num_gpus=int(n), fit=_fit(leaf))
-        for g, by_n in _load(providers / "intra_node_bandwidths.json").items()
-        for n, leaf in by_n.items()
-    ]
-    egress = [
-        EgressPrice(sender_zone=s, receiver_zone=r, usd_per_gb=float(v))
-        for s, by_r in _load(providers / "gcp" / "communication_cost.json").items()
-        for r, v in by_r.items()
-    ]
-    zones = sorted({lk.sender_zone for lk in links} | set(ZONES))
-    prices = [
-        GpuPrice(cloud="gcp", zone=z, gpu_type=g, market=Market.ON_DEMAND, usd_per_gpu_hour=p, fetched_at=PRICES_FETCHED_AT)
-        for g, p in EVALUATION_PRICES_USD_PER_GPU_HOUR.items()
-        for z in zones
-    ]
+    return links, link_files
+
+
+def _quotas(planner: Path, gpu_types: dict[str, GpuType]) -> list[PoolEntry]:
+    """The artifact's dummy quotas as pool entries at the evaluation prices (none when the file is absent)."""
     quotas_path = planner / "sailor_planner" / "dummy_quotas_dict.json"
     quotas = []
     if quotas_path.exists():
@@ -236,16 +270,4 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
                               gpus_per_node=gpu_types[g].gpus_per_node if g in gpu_types else 1,
                               usd_per_gpu_hour=EVALUATION_PRICES_USD_PER_GPU_HOUR.get(g, 0.0))
                 )
-    return EthEaslData(
-        models=models,
-        gpu_types=gpu_types,
-        layer_profiles=tuple(profiles),
-        layer_profile_files=files,
-        links=tuple(links),
-        link_files=link_files,
-        cluster_config_gpus=frozenset(from_cluster),
-        intra_node=tuple(intra),
-        egress=tuple(egress),
-        prices=tuple(prices),
-        quotas=tuple(quotas),
-    )
+    return quotas
