@@ -139,5 +139,6 @@ def test_architecture_table_lists_the_real_imports() -> None:
 
 
 def test_table_reader_finds_rows_and_names() -> None:
-    text = "| package | holds | may import |\n|---|---|---|\n| `tasks` | x `a.py` | `sailor_core`, `prefect` (`infra/aws`) |\n"
+    text = ("| package | holds | may import |\n|---|---|---|\n"
+            "| `tasks` | x `a.py` | `sailor_core`, `prefect` (`infra/aws`) |\n")
     assert documented_imports(text) == {"tasks": {"sailor_core", "prefect"}}

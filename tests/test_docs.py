@@ -283,7 +283,8 @@ def test_the_checks_catch_broken_citations(tmp_path: Path) -> None:
     assert check_code_path("tests/test_planner*.py") is None
     assert check_code_path("tests/test_nothing*.py") == "nothing matches tests/test_nothing*.py"
     assert check_call("split_batch") is None and check_call("max") is None
-    assert check_call("ParallelPlan.validate") == "ParallelPlan.validate() is cited but class ParallelPlan defines no validate"
+    assert check_call("ParallelPlan.validate") == \
+        "ParallelPlan.validate() is cited but class ParallelPlan defines no validate"
     assert check_call("ParallelPlan.violations") is None and check_call("sailor_core.planner.plan") is None
     assert check_call("no_such_function") == "no_such_function() is cited but nothing in the project defines it"
     assert CALL.findall("see `ParallelPlan.violations(num_layers)` and `x`") == ["ParallelPlan.violations"]
