@@ -18,8 +18,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from sailor_core.domain import SailorError
-from sailor_core.errors import MissingProfileError
+from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.profiles import ProfileBook
 
 LOCAL_GPU = "cpu"

@@ -27,7 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from sailor_core.domain import Market, SailorError, default_region
+from sailor_core.domain import Market, default_region
+from sailor_core.errors import SailorError
 
 # SkyPilot accelerator names -> the project's GPU type names (model-memoryGB, as sailor_core.catalog).
 SKYPILOT_GPU_NAMES: dict[str, str] = {

@@ -30,8 +30,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from infra.catalog import PriceQuote, PriceSource, lookup
-from infra.provider import CapacityError, EventKind, Offering, ProviderError, ProviderEvent, Vm, VmRequest
+from infra.provider import EventKind, Offering, ProviderEvent, Vm, VmRequest
 from sailor_core.domain import Market, default_region
+from sailor_core.errors import CapacityError, ProviderError
 
 RUN_TAG = "sailor:run"  # AWS tag key; GCP label key is "sailor-run" (labels allow no ':')
 # Ports the job opens between its own VMs: torchrun's c10d rendezvous and the data/collective range.

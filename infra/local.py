@@ -49,18 +49,17 @@ from typing import Any
 
 from infra.bootstrap import AGENT_SCRIPT, assignment_json
 from infra.provider import (
-    CapacityError,
     EventKind,
     Offering,
-    ProviderError,
     ProviderEvent,
     Vm,
     VmRequest,
     WorkerAssignment,
 )
 from infra.scenario import CLOUD, Scenario, ScenarioEvent, ScenarioOffering, default_scenario, offering_key
-from infra.testbed import Testbed, TestbedError, TestbedVm, cleanup_stale, leftovers, testbed_support
+from infra.testbed import Testbed, TestbedVm, cleanup_stale, leftovers, testbed_support
 from sailor_core.domain import GpuType, Market
+from sailor_core.errors import CapacityError, ProviderError, TestbedError
 
 AgentCommand = Callable[[Vm, WorkerAssignment, Path], list[str]]
 LIVE_STATES = ("running", "preempting")
@@ -399,13 +398,10 @@ class LocalProvider:
             st = self._state()
             folder = st.get("testbeds", {}).get(run_id, {}).get("folder")
             tb = Testbed.open(folder) if folder else None
-            if tb is None:
-                try:
-                    tb = Testbed.create(run_id=run_id, zones=[z for z, _ in self.scenario.zones],
-                                        link_gbps=self.scenario.link_gbps, isolation=self.isolation,
-                                        network=self.testbed_network)
-                except TestbedError as e:
-                    raise ProviderError(str(e)) from e
+            if tb is None:  # a TestbedError is a ProviderError: it leaves as it is
+                tb = Testbed.create(run_id=run_id, zones=[z for z, _ in self.scenario.zones],
+                                    link_gbps=self.scenario.link_gbps, isolation=self.isolation,
+                                    network=self.testbed_network)
                 st = self._state()
                 # Kept after teardown: cluster_info still describes the run, leftovers still finds its names.
                 st.setdefault("testbeds", {})[run_id] = {"folder": str(tb.folder), "tag": tb.tag,
@@ -417,11 +413,8 @@ class LocalProvider:
 
     def _create_vm(self, run_id: str, vm_id: str, o: ScenarioOffering) -> TestbedVm:
         cpu = self.scenario.device_type(o.gpu_type).cpu_per_device
-        try:
-            return self._testbed(run_id).add_vm(vm_id, zone=o.zone, devices=o.gpus_per_vm,
-                                                cpu_cores=None if cpu is None else cpu * o.gpus_per_vm)
-        except TestbedError as e:
-            raise ProviderError(str(e)) from e
+        return self._testbed(run_id).add_vm(vm_id, zone=o.zone, devices=o.gpus_per_vm,
+                                            cpu_cores=None if cpu is None else cpu * o.gpus_per_vm)
 
     def device_types(self) -> list[GpuType]:
         """The scenario's device types as GPU types (memory per device, the largest VM offered), for the

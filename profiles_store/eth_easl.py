@@ -35,8 +35,8 @@ from sailor_core.domain import (
     ModelSpec,
     NetworkLink,
     PoolEntry,
-    SailorError,
 )
+from sailor_core.errors import SailorError
 from sailor_core.profiles import ProfileBook
 
 SOURCE = "eth-easl/sailor@cf2c8e3c (MIT, ETH Zurich)"

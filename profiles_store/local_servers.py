@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import pyarrow.fs as pafs
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.plan_format import plan_from_dict
 from sailor_core.planner.risk import (
     DEFAULT_CHECKPOINT_INTERVAL_STEPS,

@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 
 from sailor_cli.options import GlobalBatchSizeOrNone, Json, MaxStages, StepsOrNone, Store, Workdir
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SCENARIO = REPO / "scenarios" / "demo.yaml"

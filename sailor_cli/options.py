@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.planner.request import Objective as _Objective
 
 if TYPE_CHECKING:

@@ -40,7 +40,8 @@ from sailor_cli.options import (
     load_model_book,
     split_values,
 )
-from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market, SailorError
+from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market
+from sailor_core.errors import SailorError
 from sailor_core.plan_format import plan_to_dict, save_plan_file
 from sailor_core.planner import (
     Constraints,

@@ -35,7 +35,7 @@ from sailor_cli.options import (
     TimeoutS,
     open_store,
 )
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 app = typer.Typer(help="Measure a model's layers or the network on this machine and store the profile.",
                   no_args_is_help=True)

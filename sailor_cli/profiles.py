@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from sailor_cli.options import Json, Store, open_store
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 app = typer.Typer(
     help="The profile store: list, show, import and export profiles, network links and prices.",

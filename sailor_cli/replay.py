@@ -42,7 +42,8 @@ from sailor_cli.options import (
     open_store,
     split_values,
 )
-from sailor_core.domain import Market, SailorError, ValidationError
+from sailor_core.domain import Market
+from sailor_core.errors import SailorError, ValidationError
 from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
 from sailor_core.profiles import ProfileBook
 from sailor_core.replay import (

@@ -18,7 +18,8 @@ from typing import Annotated
 import typer
 
 from sailor_cli.options import Json, Model, PlanFormat, Store, load_book
-from sailor_core.domain import ParallelPlan, SailorError
+from sailor_core.domain import ParallelPlan
+from sailor_core.errors import SailorError
 from sailor_core.plan_format import load_plan_file
 from sailor_core.simulator import ReplicaResult, SimOptions, SimulationResult
 from sailor_core.simulator import simulate as run_simulation

@@ -33,7 +33,7 @@ from typing import Annotated, Any
 import typer
 
 from sailor_cli.options import Model, ModelConfig, PlanFormat, SeqLen, Steps, TimeoutS
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 
 def train(

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 
 def worker(

@@ -16,7 +16,7 @@ import re
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 
 def is_local(uri: str) -> bool:

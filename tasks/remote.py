@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from infra.provider import Offering, Provider, Vm, VmRequest, WorkerAssignment
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from tasks.jobs import CodeRef
 from tasks.runstate import RunState, join
 

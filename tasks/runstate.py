@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 STATE_BUCKET = "sailor-runs"
 PACKAGES = ("sailor_cli", "sailor_core", "profiles_store", "infra", "tasks", "flows")  # what the wheel holds

@@ -50,8 +50,9 @@ from infra.cloud import (
     fallback_zones,
     utcnow,
 )
-from infra.provider import EventKind, ProviderError, ProviderEvent, Vm, VmRequest, WorkerAssignment
+from infra.provider import EventKind, ProviderEvent, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Market, default_region
+from sailor_core.errors import ProviderError
 
 CAPACITY_CODES = frozenset({"InsufficientInstanceCapacity", "InsufficientCapacity", "InsufficientHostCapacity",
                             "Unsupported", "InsufficientCapacityOnHost", "SpotMaxPriceTooLow",

@@ -50,8 +50,9 @@ from infra.cloud import (
     utcnow,
 )
 from infra.gcp.machine_types import SHAPES, GceShape
-from infra.provider import EventKind, ProviderError, ProviderEvent, Vm, VmRequest, WorkerAssignment
+from infra.provider import EventKind, ProviderEvent, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Market, default_region
+from sailor_core.errors import ProviderError
 
 RUN_LABEL = "sailor-run"
 NAME_LABEL = "sailor-name"

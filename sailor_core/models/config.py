@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sailor_core.domain import LayerSpec, ModelSpec, SailorError, ValidationError
+from sailor_core.domain import LayerSpec, ModelSpec
+from sailor_core.errors import SailorError, ValidationError
 
 VARIANTS = ("opt", "gpt-neo", "gpt-neox", "llama")
 

@@ -30,7 +30,7 @@ import json
 import os
 from typing import Any
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig, register_config
 
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt_neox": "gpt-neox", "opt": "opt"}

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.hf_config import hf_config_of, read_bytes
 

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool, ValidationError
+from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool
+from sailor_core.errors import ValidationError
 from sailor_core.planner.risk import Goodput, SpotRisk
 from sailor_core.simulator.result import SimulationResult
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sailor_core.domain import Market, ParallelPlan, ValidationError
+from sailor_core.domain import Market, ParallelPlan
+from sailor_core.errors import ValidationError
 
 SECONDS_PER_HOUR = 3600.0
 # The flow's defaults (flows/sailor.py: reconfiguration_estimate_s, checkpoint_interval), used when

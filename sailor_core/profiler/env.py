@@ -14,7 +14,8 @@ import socket
 from datetime import UTC, datetime
 from typing import Any
 
-from sailor_core.domain import Provenance, SailorError
+from sailor_core.domain import Provenance
+from sailor_core.errors import SailorError
 
 # CUDA device-name fragments -> the store's GPU-type names (artifact naming: type-memoryGB).
 _CUDA_NAMES: tuple[tuple[tuple[str, ...], str], ...] = (

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sailor_core.domain import BandwidthFit, SailorError
+from sailor_core.domain import BandwidthFit
+from sailor_core.errors import SailorError
 
 BYTES_PER_GB = 1e9  # the store's bandwidth unit is GB/s (1e9 B/s), as in the artifact
 MB = 1e6  # u = log2(x / 1 MB)

@@ -40,7 +40,8 @@ from datetime import timedelta
 from typing import Any
 
 from sailor_core.catalog import GPU_TYPES
-from sailor_core.domain import LayerProfile, ModelSpec, Provenance, SailorError
+from sailor_core.domain import LayerProfile, ModelSpec, Provenance
+from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig, get_config, model_spec
 from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.spawn import run_workers

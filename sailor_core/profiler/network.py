@@ -43,8 +43,8 @@ from sailor_core.domain import (
     NetworkLink,
     NodeAllReduce,
     Provenance,
-    SailorError,
 )
+from sailor_core.errors import SailorError
 from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.fit import AlphaBeta, fit_alpha_beta, fit_bandwidth, relative_errors
 from sailor_core.profiler.spawn import run_workers

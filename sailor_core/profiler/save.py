@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sailor_core.domain import ModelSpec, SailorError
+from sailor_core.domain import ModelSpec
+from sailor_core.errors import SailorError
 from sailor_core.models.config import get_config, model_spec
 from sailor_core.profiler.env import device_gpu_type
 from sailor_core.profiler.layers import ModelProfile, ModelProfileSettings, profile_model

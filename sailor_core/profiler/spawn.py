@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 _POLL_S = 0.1
 _GRACE_S = 5.0

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 
 @dataclass(frozen=True, kw_only=True)

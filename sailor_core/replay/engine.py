@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor_core.decisions import PlanCost, SwitchDecision
-from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool, SailorError
+from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool
+from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, PlanRequest, Restrictions, SearchOptions, summarize
 from sailor_core.planner import plan as run_planner
 from sailor_core.planner.core import sim_options

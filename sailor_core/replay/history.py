@@ -22,7 +22,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool, SailorError
+from sailor_core.domain import Market, PoolEntry, ResourcePool
+from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
 from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S
 from sailor_core.replay.engine import DEFAULT_GRACE_S, ReplayJob

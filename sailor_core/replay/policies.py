@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from sailor_core.decisions import decide_switch
-from sailor_core.domain import Market, ParallelPlan, ResourcePool, SailorError
-from sailor_core.errors import MissingProfileError
+from sailor_core.domain import Market, ParallelPlan, ResourcePool
+from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.replay.engine import Action, Policy, View, counts_of, missing_gpus
 
 POLICIES = ("sailor", "relaunch-same", "static", "periodic")

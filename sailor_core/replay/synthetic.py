@@ -25,7 +25,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sailor_core.domain import Market, SailorError, default_region
+from sailor_core.domain import Market, default_region
+from sailor_core.errors import SailorError
 from sailor_core.replay.trace import Place, PriceLookup, Trace, TracePoint
 
 # The Sailor artifact's five zones: the store has measured links and egress prices between them.

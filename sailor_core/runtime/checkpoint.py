@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 
 class CheckpointStorage(Protocol):

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 DEFAULT_CORPUS_BYTES = 8 * 2**20  # enough distinct windows for any test run, read in ~0.1 s
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".csv", ".html", ".xml", ".c", ".h", "")

@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 
 from sailor_core.catalog import is_cpu_type
-from sailor_core.domain import ParallelPlan, SailorError
+from sailor_core.domain import ParallelPlan
+from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext, shard, shard_slice
 from sailor_core.models.torch_model import StageModel

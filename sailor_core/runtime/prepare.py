@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.runtime.token_shards import (
     FORMAT_NAME,
     FORMAT_VERSION,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 
 SCHEDULES = ("constant", "cosine", "linear")
 

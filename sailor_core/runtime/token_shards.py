@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.uris import filesystem_for, redact
 
 FORMAT_NAME = "sailor-tokens"

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sailor_core.catalog import GPU_TYPES, is_cpu_type
-from sailor_core.domain import ParallelPlan, SailorError
+from sailor_core.domain import ParallelPlan
+from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig
 
 

@@ -16,7 +16,7 @@ Contract:
 
 from __future__ import annotations
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
