@@ -8,14 +8,19 @@ Contract:
   taken or configured). `add_vm()` gives a VM a network namespace (loopback up: the VM's ranks talk
   over it like NVLink; `eth0` with the address 10.X.<zone>.<n>, zone 1.. in the order given, no
   default route, so a VM reaches only the host address and the other VMs), the host end of its
-  veth on the bridge, and a cpu cgroup whose quota is `cpu_cores` (devices x cpu_per_device).
+  veth on the bridge, and a cpu cgroup whose quota is `cpu_cores` (devices x cpu_per_device) with one
+  child per device, `dev0`, `dev1`, ..., each of quota cpu_cores / devices: a device is a CPU share,
+  and a process binds itself to device i by joining `dev<i>` (sailor_core/runtime/devices.py), as a
+  worker on a GPU VM selects GPU i. A process that does not bind stays in the VM's cgroup and may use
+  the whole VM's quota.
   Links are shaped on the host end of each VM's veth, i.e. on traffic INTO the VM: an htb class per
   source zone, selected by the sender's zone subnet (10.X.<zone>.0/24), at the scenario's rate for
   that zone pair; traffic from the host address (controller, object store) falls into a generous
   default class. Latency is not emulated: the kernel here has no netem.
-- `command(vm, argv)` is the argv that runs `argv` inside the VM (join its cgroup, then
-  `ip netns exec`); `spawn(vm, argv, ...)` starts it in its own process group with the VM's working
-  folder (under the testbed's folder, never the flow's run folder) as cwd.
+- `command(vm, argv)` is the argv that runs `argv` inside the VM (join its cgroup, then its network
+  namespace with `nsenter --net`: the host's /sys stays visible, device cgroups included);
+  `spawn(vm, argv, ...)` starts it in its own process group with the VM's working folder (under the
+  testbed's folder, never the flow's run folder) as cwd.
 - `teardown()` removes everything (processes, namespaces, veths, bridge, cgroups, folders). It is
   idempotent and works from another process: every name lives in `<home>/<tag>/testbed.json`,
   written before the resource is created. `cleanup_stale()` tears down testbeds whose owner process
@@ -25,7 +30,7 @@ Contract:
 
 Names are unique to the testbed: the tag is 6 hex digits; bridge `sb<tag>br`, veth `sb<tag>h<n>`
 (<= 15 characters, the kernel's limit), namespace `sb-<tag>-<vm>`, cgroup
-`/sys/fs/cgroup/cpu/sailor-testbed/<tag>/<vm>`.
+`/sys/fs/cgroup/cpu/sailor-testbed/<tag>/<vm>` (devices: `.../<vm>/dev<i>`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor_core.errors import TestbedError as TestbedError  # re-exported for tests and bench
+from sailor_core.runtime.devices import CGROUP_ROOT_ENV
 
 _log = logging.getLogger(__name__)
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
@@ -57,6 +63,7 @@ DEFAULT_NETWORK = "10.213.0.0/16"
 CFS_PERIOD_US = 100_000
 HOST_CLASS_GBPS = 20.0  # the default class: traffic from the host address (controller, object store)
 NETNS_PREFIX = "sb-"
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` puts a namespace's handle
 LINK_PREFIX = "sb"
 RECORD = "testbed.json"
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
@@ -88,9 +95,9 @@ def testbed_support(*, euid: int | None = None, which: Callable[[str], str | Non
     euid = os.geteuid() if euid is None else euid
     if euid != 0:
         return False, f"not root (uid {euid}): network namespaces and cgroups need root"
-    for tool in ("ip", "tc"):
+    for tool in ("ip", "tc", "nsenter"):
         if which(tool) is None:
-            return False, f"`{tool}` (iproute2) is not installed"
+            return False, f"`{tool}` ({'util-linux' if tool == 'nsenter' else 'iproute2'}) is not installed"
     if not (cgroup_cpu / "cpu.cfs_quota_us").exists():
         return False, f"the cgroup v1 cpu controller is not mounted at {cgroup_cpu}"
     if not os.access(cgroup_cpu, os.W_OK):
@@ -324,9 +331,11 @@ class Testbed:
                                f"provision a new VM")
         if self.isolation != "netns":
             return list(argv)
-        ip = shutil.which("ip") or "ip"
+        # nsenter --net, not `ip netns exec`: that one mounts a fresh /sys, which hides the cgroup
+        # folders a process joins to bind itself to one of the VM's devices.
+        nsenter = shutil.which("nsenter") or "nsenter"
         return ["/bin/sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sailor-vm",
-                f"{vm.cgroup}/cgroup.procs", ip, "netns", "exec", vm.netns, *argv]
+                f"{vm.cgroup}/cgroup.procs", nsenter, f"--net={NETNS_DIR / vm.netns}", *argv]
 
     def env(self, key: str) -> dict[str, str]:
         """What a process in the VM should see: its identity, address, interface and scratch folder."""
@@ -337,6 +346,7 @@ class Testbed:
         if self.isolation == "netns":
             # gloo binds the interface's address; the VM's own ranks still meet over loopback.
             out["GLOO_SOCKET_IFNAME"] = vm.interface
+            out[CGROUP_ROOT_ENV] = vm.cgroup  # where `dev<i>` lives: bind_device(i) joins it
         return out
 
     def spawn(self, key: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
@@ -379,8 +389,8 @@ class Testbed:
             r = self._run(["ip", "netns", "pids", raw["netns"]])
             pids |= {int(x) for x in r.stdout.split() if x.isdigit()}
         if raw and raw.get("cgroup"):
-            with contextlib.suppress(OSError):
-                pids |= {int(x) for x in Path(raw["cgroup"], "cgroup.procs").read_text().split()}
+            for cg in _device_cgroups(Path(raw["cgroup"])) + [Path(raw["cgroup"])]:
+                pids |= set(_cgroup_pids(cg))
         return {p for p in pids if _pid_start(p) is not None}
 
     # -- teardown ----------------------------------------------------------------------------
@@ -446,9 +456,10 @@ class Testbed:
         self._shape(vm)
         cg = Path(vm.cgroup)
         cg.mkdir(parents=True, exist_ok=True)
-        quota = -1 if vm.cpu_cores is None else max(1000, int(vm.cpu_cores * CFS_PERIOD_US))
-        (cg / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-        (cg / "cpu.cfs_quota_us").write_text(str(quota))
+        _set_quota(cg, vm.cpu_cores)  # the VM's limit: every device's share together
+        for i in range(vm.devices):  # removed by _rmdir_cgroup, children first
+            (cg / f"dev{i}").mkdir(exist_ok=True)
+            _set_quota(cg / f"dev{i}", None if vm.cpu_cores is None else vm.cpu_cores / vm.devices)
 
     def _shape(self, vm: TestbedVm) -> None:
         """htb on the host end of the VM's veth (traffic into the VM): one class per source zone."""
@@ -652,6 +663,18 @@ def _is_hex(s: str) -> bool:
 def _no_ipv6(dev: str) -> None:
     with contextlib.suppress(OSError):
         Path(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6").write_text("1")
+
+
+def _set_quota(cg: Path, cores: float | None) -> None:
+    (cg / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+    (cg / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(max(1000, int(cores * CFS_PERIOD_US))))
+
+
+def _device_cgroups(vm_cgroup: Path) -> list[Path]:
+    try:
+        return sorted(p for p in vm_cgroup.iterdir() if p.is_dir() and p.name.startswith("dev"))
+    except OSError:
+        return []
 
 
 def _cgroup_pids(cg: Path) -> list[int]:

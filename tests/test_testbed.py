@@ -172,6 +172,43 @@ def test_the_cpu_quota_makes_a_slow_device_type_slower():
         assert int(stat.split("nr_throttled")[1].split()[0]) > 0
 
 
+SPIN = textwrap.dedent("""
+    import os, sys, time
+    if sys.argv[1] != "-":
+        from sailor_core.runtime.devices import bind_device, device_share
+        bind_device(int(sys.argv[1]))
+        assert device_share() is not None
+    w0, c0 = time.perf_counter(), time.process_time()
+    while time.perf_counter() - w0 < 2.0:
+        pass
+    print((time.process_time() - c0) / (time.perf_counter() - w0), open("/proc/self/cgroup").read())
+""")
+
+
+@needs_testbed
+def test_a_process_bound_to_a_device_gets_that_devices_cpu_share_only():
+    share = 0.1  # small enough that even a busy host gives the loop more: the quota is what holds it back
+    with built(["z1"]) as tb:
+        vm = tb.add_vm("two", zone="z1", devices=2, cpu_cores=2 * share)
+        assert tb.env("two")["SAILOR_DEVICE_CGROUP_ROOT"] == vm.cgroup
+        cg = Path(vm.cgroup)
+        assert int((cg / "cpu.cfs_quota_us").read_text()) == int(2 * share * 100_000)  # the VM: both devices
+        for dev in ("dev0", "dev1"):
+            assert int((cg / dev / "cpu.cfs_quota_us").read_text()) == int(share * 100_000)
+        bound = in_vm(tb, "two", SPIN, "0", timeout=30)
+        assert bound.returncode == 0, bound.stderr
+        rate, where = bound.stdout.split(maxsplit=1)
+        assert f"{vm.cgroup.removeprefix(str(CGROUP_CPU))}/dev0" in where
+        assert float(rate) <= share * 1.3, rate  # one device's share, though the VM has two
+        stat = (cg / "dev0" / "cpu.stat").read_text()
+        assert int(stat.split("nr_throttled")[1].split()[0]) > 0  # dev0's own quota held it back
+        unbound = in_vm(tb, "two", SPIN, "-", timeout=30)
+        assert unbound.returncode == 0 and "/dev" not in unbound.stdout  # the VM's whole quota is its limit
+        missing = in_vm(tb, "two", SPIN, "2", timeout=30)
+        assert missing.returncode != 0 and "has no device 2" in missing.stderr
+    assert not cg.exists()  # the device cgroups went with the VM's (built() checks the rest)
+
+
 @needs_testbed
 def test_teardown_removes_everything_also_from_another_process():
     with built(["z1", "z2"]) as tb:

@@ -34,7 +34,8 @@ from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
 from sailor_core.runtime import comm, protocol
 from sailor_core.runtime.data import TokenDataset
-from sailor_core.runtime.engine import Trainer, TrainSettings, _Notices, backend_for, select_device
+from sailor_core.runtime.devices import bind_device
+from sailor_core.runtime.engine import Trainer, TrainSettings, _Notices, backend_for
 from sailor_core.runtime.protocol import ControlClient
 from sailor_core.runtime.token_shards import ShardedTokenDataset, open_dataset
 from sailor_core.runtime.topology import layout
@@ -77,7 +78,8 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
     rank, world = int(assignment["rank"]), int(assignment["world_size"])
     me = layout(plan)[rank]
     _log(f"plan version {settings.plan_version}: joining as rank {rank} of {world}")
-    select_device(me.gpu_type, local_rank)  # before any communication: NCCL works on the current GPU
+    # Before any communication: NCCL works on the current GPU; on the testbed a device is a CPU share.
+    bind_device(local_rank, me.gpu_type)
     dist.init_process_group(backend_for(me.gpu_type), rank=rank, world_size=world,
                             timeout=timedelta(seconds=settings.timeout_s), **init)
     trainer = None
