@@ -98,3 +98,10 @@ def test_options_are_declared_with_annotated_not_as_default_arguments(module: st
 def test_split_values_takes_repeats_and_commas() -> None:
     assert options.split_values(["a", "b, c", " ", ""]) == ("a", "b", "c")
     assert options.split_values(None) == ()
+
+
+def test_docs_cli_lists_every_shared_flag_and_exception() -> None:
+    text = (CLI_DIR.parent / "docs" / "cli.md").read_text()
+    missing = [flag for flag in _shared() if f"`{flag}`" not in text]
+    missing += [flag for _, flag in OWN_MEANING if f"`{flag}`" not in text]
+    assert not missing, f"docs/cli.md does not name {missing}"
