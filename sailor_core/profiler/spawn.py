@@ -9,6 +9,8 @@ or outlives `timeout_s` turns into a `SailorError` carrying the worker's own err
 worker is stopped before `run_workers` returns or raises (KeyboardInterrupt included), so no
 process outlives the call. Workers run with OMP_NUM_THREADS=1 (the machines this runs on share
 few cores between ranks; see ../shared/ENVIRONMENT.md) and, on CPU, gloo over the loopback device.
+Rank r binds itself to device r first (sailor_core/runtime/devices.py): GPU r on CUDA; on the testbed
+the VM's CPU share r, as the runtime's worker of device r does.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ _POLL_S = 0.1
 _GRACE_S = 5.0
 
 
-def _entry(target, rank: int, world_size: int, init_method: str, q, args: tuple) -> None:
+def _entry(target, rank: int, world_size: int, init_method: str, q, args: tuple, device: str = "cpu") -> None:
     try:
         import torch
 
+        from sailor_core.runtime.devices import bind_device
+
         torch.set_num_threads(1)
+        bind_device(rank, device)  # rank r on device r: GPU r, or the testbed VM's CPU share r
 
         def emit(obj: Any) -> None:
             q.put(("msg", rank, obj))
@@ -69,7 +74,8 @@ def run_workers(
         try:
             os.environ.update(env_overrides)  # children inherit the environment at start
             for rank in range(world_size):
-                p = ctx.Process(target=_entry, args=(target, rank, world_size, init_method, q, args), daemon=True)
+                p = ctx.Process(target=_entry, args=(target, rank, world_size, init_method, q, args, device),
+                                daemon=True)
                 p.start()
                 procs.append(p)
         finally:
