@@ -22,6 +22,7 @@ table of exit codes is keyed by these classes (`sailor_cli.main.EXIT_CODES`). Pu
     ├── UnknownModelError          the store has no layer specs for a model
     ├── UnknownGpuTypeError        the store does not know a GPU type
     ├── UnknownRunError            no run with that id in the store
+    ├── ProfilingWorkerError       a profiling worker raised, died or timed out (fields: rank, out_of_memory)
     └── Failure                    the outside world or a job failed (exit 1)
         ├── ProviderError          a provider call failed
         │   ├── CapacityError      no capacity for the request (the caller may fall back)
@@ -122,6 +123,22 @@ class UnknownGpuTypeError(SailorError):
 
 class UnknownRunError(SailorError):
     """No run with that id in the store."""
+
+
+class ProfilingWorkerError(SailorError):
+    """A profiling worker process raised, died or outlived its time (sailor_core.profiler.spawn).
+
+    Fields: `rank` of the worker (None when the group ran out of time), `returncode` of a worker that
+    died without a word (-9: killed, as by the kernel's out-of-memory killer), and `out_of_memory`:
+    the worker's own error was an out-of-memory error, or it was killed so.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, returncode: int | None = None,
+                 out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.returncode = returncode
+        self.out_of_memory = out_of_memory
 
 
 class Failure(SailorError):

@@ -9,8 +9,10 @@ import ast
 import builtins
 import importlib
 import inspect
+import os
 import pickle
 import re
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from sailor_core.errors import (
     CapacityError,
     Failure,
     MissingProfileError,
+    ProfilingWorkerError,
     ProviderError,
     SailorError,
     TestbedError,
@@ -207,3 +210,24 @@ def test_the_planner_lists_missing_links_from_the_fields_not_the_message() -> No
     listed = m.group(1).split("; ")
     assert listed and all(re.fullmatch(r"no network profile for fast x\d in r1-[ab] -> fast x\d in r1-[ab]", x)
                           for x in listed), listed
+
+
+# --- a profiling worker's failure says in fields whether it ran out of memory --------------------------
+
+
+def _worker_raises_memory_error(rank: int, world_size: int, init_method: str, emit, kind: str) -> None:  # noqa: ANN001
+    if kind == "memory":
+        raise MemoryError("the allocator gave up")
+    if kind == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ValueError("a bug, not memory")
+
+
+@pytest.mark.parametrize(("kind", "oom"), [("memory", True), ("killed", True), ("bug", False)])
+def test_a_profiling_worker_failure_carries_rank_and_out_of_memory(kind: str, oom: bool) -> None:
+    from sailor_core.profiler.spawn import run_workers
+
+    with pytest.raises(ProfilingWorkerError) as e:
+        run_workers(_worker_raises_memory_error, 1, (kind,), timeout_s=120)
+    assert (e.value.rank, e.value.out_of_memory) == (0, oom), str(e.value)
+    assert e.value.returncode == (-signal.SIGKILL if kind == "killed" else None)

@@ -5,7 +5,8 @@ so no torch state is inherited through fork), each calling
 `target(rank, world_size, init_method, emit, *args)` where `init_method` is a `file://`
 rendezvous private to this call (no TCP port to race for) and `emit(obj)` sends a progress message
 to the parent, handed to `on_message`. It returns rank 0's return value. A worker that raises, dies
-or outlives `timeout_s` turns into a `SailorError` carrying the worker's own error line, and every
+or outlives `timeout_s` turns into a `ProfilingWorkerError` carrying the worker's own error line
+and, in fields, the worker's rank and whether it ran out of memory (`is_out_of_memory`), and every
 worker is stopped before `run_workers` returns or raises (KeyboardInterrupt included), so no
 process outlives the call. Workers run with OMP_NUM_THREADS=1 (the machines this runs on share
 few cores between ranks; see ../shared/ENVIRONMENT.md) and, on CPU, gloo over the loopback device.
@@ -17,16 +18,26 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import signal
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from sailor_core.errors import SailorError
+from sailor_core.errors import ProfilingWorkerError, SailorError
 
 _POLL_S = 0.1
 _GRACE_S = 5.0
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Python's MemoryError, torch's OutOfMemoryError (CUDA), or a CPU allocator's failure, which torch
+    reports as a RuntimeError with the allocator's words."""
+    if isinstance(e, MemoryError):
+        return True
+    text = str(e).lower()
+    return type(e).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
 
 
 def _entry(target, rank: int, world_size: int, init_method: str, q, args: tuple, device: str = "cpu") -> None:
@@ -45,7 +56,7 @@ def _entry(target, rank: int, world_size: int, init_method: str, q, args: tuple,
         q.put(("done", rank, out if rank == 0 else None))
     except BaseException as e:  # report every failure, then exit non-zero
         last = traceback.format_exception_only(type(e), e)[-1].strip()
-        q.put(("error", rank, (last, traceback.format_exc())))
+        q.put(("error", rank, (last, traceback.format_exc(), is_out_of_memory(e))))
         raise SystemExit(1) from None
 
 
@@ -108,12 +119,14 @@ def _collect(procs, q, world_size: int, on_message, timeout_s: float) -> Any:
                 try:
                     kind, rank, payload = q.get(timeout=2.0)
                 except queue_mod.Empty:
-                    raise SailorError(
-                        f"profiling worker {dead[0]} died (exit code {procs[dead[0]].exitcode}) without an error "
-                        f"message; to fix: check memory (an out-of-memory kill looks like this) and retry"
+                    code = procs[dead[0]].exitcode
+                    raise ProfilingWorkerError(
+                        f"profiling worker {dead[0]} died (exit code {code}) without an error "
+                        f"message; to fix: check memory (an out-of-memory kill looks like this) and retry",
+                        rank=dead[0], returncode=code, out_of_memory=code == -signal.SIGKILL,
                     ) from None
             elif time.monotonic() > deadline:
-                raise SailorError(
+                raise ProfilingWorkerError(
                     f"profiling workers did not finish within {timeout_s:.0f} s; to fix: lower the sizes "
                     f"measured or raise the timeout"
                 ) from None
@@ -125,8 +138,8 @@ def _collect(procs, q, world_size: int, on_message, timeout_s: float) -> Any:
         elif kind == "done":
             done[rank] = payload
         elif kind == "error":
-            last, _full = payload
-            raise SailorError(f"profiling worker {rank} failed: {last}")
+            last, _full, oom = payload
+            raise ProfilingWorkerError(f"profiling worker {rank} failed: {last}", rank=rank, out_of_memory=oom)
     return done[0]
 
 
