@@ -10,7 +10,9 @@ the runtime's own layers (sailor_core.models.torch_model.build_layer, Megatron-s
   forward including the loss): forward and backward seconds of one microbatch, warm-up excluded,
   repeated until stable (timing.RepeatPolicy), the mean reported (DEFAULT_STATISTIC).
   CUDA: CUDA events, synchronised before reading; CPU: the thread's CPU time for work without
-  collectives (tp=1 layers, the optimizer step), perf_counter wall time for TP layers;
+  collectives (tp=1 layers, the optimizer step), read at the speed of the device the rank is bound
+  to (a testbed device is a CPU share: sailor_core/runtime/devices.py), perf_counter wall time for
+  TP layers;
 - blocks are identical, so only `settings.blocks` of them are measured and their mean is copied to
   the others (`all_blocks=True` measures every one);
 - optimizer: one AdamW step (the runtime's settings) over the measured layers' parameters, scaled
@@ -46,6 +48,7 @@ from sailor_core.models.config import TransformerConfig, get_config, model_spec
 from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.spawn import run_workers
 from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule, check_statistic
+from sailor_core.runtime.devices import device_cpu_clock
 
 DEFAULT_POLICY = RepeatPolicy(warmup=2, min_reps=5, max_reps=50, rel_err=0.02, time_cap_s=1.0)
 # A layer's time is the mean of its repetitions: a training step runs every layer once per
@@ -245,9 +248,7 @@ def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[A
 def _init_rank(torch, dist, rank: int, tp: int, init_method: str, settings: ModelProfileSettings):
     """This rank's device (CUDA: GPU `rank`, made current), its process group joined when tp > 1."""
     cuda = settings.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")  # spawn's bind_device made it current
     if tp > 1:
         dist.init_process_group(
             "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=tp,
@@ -276,7 +277,9 @@ def _timers(torch, cuda: bool, tp: int) -> tuple[Callable[..., tuple[float, Any]
     # (one intra-op thread), so its thread CPU time is its cost whatever else the host runs;
     # wall time would add the other jobs' time slices. TP layers wait for peers off-CPU inside
     # their all-reduces, so they keep wall time. See docs/profiler.md for the measurements.
-    cpu_timed = functools.partial(timed, clock=time.thread_time)
+    # Read at the bound device's speed: on the testbed a device is a share of a core, and a tp=1
+    # layer must cost what it costs that device, as the TP layers' wall time under its quota does.
+    cpu_timed = functools.partial(timed, clock=device_cpu_clock())
     layer_timed = cpu_timed if (tp == 1 and not cuda) else timed
     return cpu_timed, layer_timed
 

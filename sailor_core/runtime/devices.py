@@ -10,14 +10,18 @@ Contract: `bind_device(index, gpu_type)` makes device `index` of this machine th
 - otherwise (a CPU machine outside the testbed, the testbed's `process` isolation): nothing.
 Binding again moves the process to that device. A device the VM lacks, or a cgroup the process cannot
 join, is a TestbedError. `device_share()`: the cores of the CPU share this process is bound to (None
-when unbound or the share has no quota); a one-thread process runs at min(1, share) cores, and the
-layer profiler reads its CPU clock at that speed, so its times describe a device (profiler/layers.py).
+when unbound or the share has no quota). `device_cpu_clock()`: this thread's CPU seconds read at the
+bound device's speed, CPU seconds / min(1, share) (a one-thread process on a share of q cores runs at
+q cores when q < 1); the layer profiler times work without collectives with it, so its times describe
+one device, not one core of the host (profiler/layers.py). Unbound: the thread's CPU seconds.
 Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sailor_core.catalog import is_cpu_type
@@ -55,6 +59,12 @@ def bind_device(index: int, gpu_type: str = "cpu") -> None:
 def device_share() -> float | None:
     """The cores of the CPU share this process is bound to; None when unbound or without a quota."""
     return _BOUND["share"]
+
+
+def device_cpu_clock() -> Callable[[], float]:
+    """A clock of this thread's CPU time in seconds of the bound device (see the module's contract)."""
+    speed = min(1.0, device_share() or 1.0)
+    return lambda: time.thread_time() / speed
 
 
 def _quota_cores(cg: Path) -> float | None:
