@@ -43,10 +43,10 @@ from typing import Any
 
 from sailor_core.catalog import GPU_TYPES
 from sailor_core.domain import LayerProfile, ModelSpec, Provenance
-from sailor_core.errors import SailorError
+from sailor_core.errors import ProfilingWorkerError, SailorError
 from sailor_core.models.config import TransformerConfig, get_config, model_spec
 from sailor_core.profiler.env import check_device, default_gpu_type, provenance
-from sailor_core.profiler.spawn import run_workers
+from sailor_core.profiler.spawn import is_out_of_memory, run_workers
 from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule, check_statistic
 from sailor_core.runtime.devices import device_cpu_clock
 
@@ -183,13 +183,6 @@ class ModelProfile:
 
 # ----------------------------------------------------------------------------------------------
 # Worker side
-
-
-def _is_oom(e: BaseException) -> bool:
-    if isinstance(e, MemoryError):
-        return True
-    text = str(e).lower()
-    return type(e).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
 
 
 def _limit_address_space(extra_bytes: int) -> None:
@@ -360,7 +353,7 @@ def _measure_mbs(torch, dist, rig: _LayerRig, mbs: int, emit: Callable[[Any], No
     try:
         results = rig.measure_point(mbs, emit, layer_timed, agree)
     except Exception as e:
-        if not _is_oom(e):
+        if not is_out_of_memory(e):
             raise
         status.fill_(1)
         reason = f"out of memory at mbs={mbs}: {str(e).splitlines()[0][:200]}"
@@ -482,10 +475,10 @@ def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], Non
         try:
             run_workers(layer_worker, tp, (settings,), device=settings.device, on_message=on_message,
                         timeout_s=settings.timeout_s)
-        except SailorError as e:
+        except ProfilingWorkerError as e:
             # A TP group that dies (an out-of-memory kill mid-collective) loses only its own points:
             # the ones it did not finish are infeasible, the others stay, and the grid goes on.
-            if not _looks_like_oom(str(e)):
+            if not e.out_of_memory:
                 raise
             done = {p.mbs for p in points if p.tp == tp} | {x.mbs for x in infeasible if x.tp == tp}
             for mbs in sorted(set(settings.mbs) - done):
@@ -530,12 +523,6 @@ def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], Non
         framework_overhead_bytes=min(overheads) if overheads else 0,
         provenance=prov,
     )
-
-
-def _looks_like_oom(text: str) -> bool:
-    t = text.lower()
-    # CUDA/CPU allocator messages, or spawn.py's report of a worker the kernel's OOM killer took (-9)
-    return "out of memory" in t or "can't allocate memory" in t or "exit code -9" in t
 
 
 def _complete(
