@@ -90,7 +90,7 @@ def build(tb: Testbed, sc: Any) -> list[VmInfo]:
             vm = tb.add_vm(key, zone=o.zone, devices=o.gpus_per_vm,
                            cpu_cores=None if quota is None else quota * o.gpus_per_vm)
             if vm.cgroup and vm.cpu_cores is not None:
-                _short_period(Path(vm.cgroup), vm.cpu_cores)
+                _short_period(Path(vm.cgroup), vm.cpu_cores, vm.devices)
             out.append(VmInfo(key, o.zone, o.region, o.gpu_type, o.gpus_per_vm, o.market.value, vm))
     return out
 
@@ -98,24 +98,15 @@ def build(tb: Testbed, sc: Any) -> list[VmInfo]:
 CFS_PERIOD_US = 10_000
 
 
-def _short_period(cgroup: Path, cores: float) -> None:
-    """The same CPU share in 10 ms periods instead of the testbed's 100 ms: a layer's few-ms forward
-    then runs at the quota's speed instead of at full speed until the quota is spent and then not at
-    all for the rest of the period (a device slower by its quota, not a bursty one)."""
-    (cgroup / "cpu.cfs_quota_us").write_text("-1")
-    (cgroup / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-    (cgroup / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * CFS_PERIOD_US))))
-
-
-def device_seconds(profiles: Sequence[Any], cores_per_device: float | None) -> list[Any]:
-    """Layer times as a device of the VM takes them. The CPU layer profiler times tp = 1 layers in the
-    thread's CPU seconds (so other jobs on the host do not count), which a cgroup quota does not
-    slow down; a device limited to q cores takes CPU seconds / q of wall time. TP layers are timed in
-    wall seconds under the quota already."""
-    if cores_per_device is None or cores_per_device >= 1.0:
-        return list(profiles)
-    return [replace(p, forward_s=p.forward_s / cores_per_device, backward_s=p.backward_s / cores_per_device,
-                    optimizer_s=p.optimizer_s / cores_per_device) if p.tp == 1 else p for p in profiles]
+def _short_period(cgroup: Path, cores: float, devices: int) -> None:
+    """The same CPU shares in 10 ms periods instead of the testbed's 100 ms, the VM's and each device's
+    (`dev<i>`, which ranks bind to): a layer's few-ms forward then runs at the quota's speed instead of
+    at full speed until the quota is spent and then not at all for the rest of the period (a device
+    slower by its quota, not a bursty one)."""
+    for cg, share in [(cgroup, cores)] + [(cgroup / f"dev{i}", cores / devices) for i in range(devices)]:
+        (cg / "cpu.cfs_quota_us").write_text("-1")
+        (cg / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (cg / "cpu.cfs_quota_us").write_text(str(max(1000, int(share * CFS_PERIOD_US))))
 
 
 def run_on(tb: Testbed, jobs: Sequence[tuple[VmInfo, list[str]]], logs: Path, env: dict[str, str] | None = None,
@@ -154,8 +145,8 @@ def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, 
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
     types = sorted({v.gpu_type for v in vms})
-    # layers: tp 1 on a 1-device VM of each type (a lone rank of a 2-device VM would get the whole
-    # VM's quota, which it never has in training); tp 2 on a 2-device VM (two ranks share its quota)
+    # layers: tp 1 on a 1-device VM of each type, tp 2 on a 2-device VM; every rank is bound to its own
+    # device's CPU share (sailor_core/runtime/devices.py), and the profiler's times are that device's
     jobs, where = [], []
     for g in types:
         one = next((v for v in vms if v.gpu_type == g and v.devices == 1), None)
@@ -182,7 +173,7 @@ def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, 
         prov = _prov(v, "validate-testbed")
         store.write_gpu_types([src.gpu_types()[g]], provenance=prov)
         old = [p for p in store.layer_profiles(model, [g])]
-        new = device_seconds(src.layer_profiles(model, [g]), sc.device_type(g).cpu_per_device)
+        new = src.layer_profiles(model, [g])  # seconds of the bound device already (profiler/layers.py)
         tps = {p.tp for p in new}
         store.replace_layer_profiles(model, g, [p for p in old if p.tp not in tps] + new, provenance=prov)
         if g in src.framework_overhead() and v.devices == 1:
