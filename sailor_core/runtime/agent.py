@@ -3,9 +3,10 @@
 Contract:
 - `WorkerAgent(control, vm_id, devices, secret=...)` runs one persistent worker process per device of
   the VM (`worker_proc` in controlled mode, worker id `<vm id>/<i>`, LOCAL_RANK=i, so rank i of the VM
-  drives device i). The workers take every assignment from the controller themselves
-  (sailor_core/runtime/protocol.py): a new plan version is a new generation for the same processes,
-  and a worker the new plan does not need sits it out. The agent never decides ranks.
+  drives device i: the worker binds itself to it, sailor_core/runtime/devices.py). The workers take
+  every assignment from the controller themselves (sailor_core/runtime/protocol.py): a new plan
+  version is a new generation for the same processes, and a worker the new plan does not need sits
+  it out. The agent never decides ranks.
 - It beats `hb/vm/<vm id>` every `heartbeat_s` ({"time", "workers": {worker id: pid or null when it
   exited}}), forwards SIGUSR1 (a preemption notice: the workers checkpoint just in time), and on
   SIGTERM/SIGINT hands the workers SIGTERM (they checkpoint and stop), kills them after `grace_s`
