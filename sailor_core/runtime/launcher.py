@@ -109,9 +109,10 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
               slots: int | None = None, replan: Callable[[ParallelPlan, set[int], int], ParallelPlan] = shrink_plan,
               on_event: Callable[[dict[str, Any]], None] | None = None, run_dir: str | None = None,
               max_generations: int = 4, python: str = sys.executable) -> RunResult:
+    """Runs `plan` in local worker processes, generation after generation, until done (see the module)."""
     import torch
 
-    from sailor_core.runtime.protocol import SECRET_ENV, ControlServer
+    from sailor_core.runtime.protocol import ControlServer
 
     cuda = torch.cuda.device_count()
     uses_gpus = any(not is_cpu_type(r.gpu_type) for st in plan.stages for r in st.replicas)
@@ -130,45 +131,23 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
             on_event(ev)
 
     store = ControlServer(host="127.0.0.1")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("SAILOR_WORKER_THREADS", "1"),
-               SAILOR_CONTROL=store.endpoint, PYTHONUNBUFFERED="1", SAILOR_ADVERTISE_ADDR="127.0.0.1",
-               **{SECRET_ENV: store.secret})
     workers: dict[int, _Worker] = {}
-    stopping = threading.Event()
-    stopped_by: list[int] = []
-    prev_handlers: dict[int, Any] = {}
-
-    def forward(signum: int, _frame: Any) -> None:
-        stopping.set()
-        stopped_by.append(signum)
-        for w in workers.values():
-            if w.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.send_signal(signal.SIGTERM)
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            prev_handlers[sig] = signal.signal(sig, forward)
+    signals = _SignalForwarder(workers)
+    signals.install()
     try:
-        for wid in range(plan.num_gpus):
-            log_path = os.path.join(run_dir, f"worker-{wid}.log")
-            logf = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-            proc = subprocess.Popen([python, "-m", "sailor_core.runtime.worker_proc", "--worker-id", str(wid)],
-                                    env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-            logf.close()
-            workers[wid] = _Worker(wid, proc, log_path)
+        _start_workers(plan.num_gpus, run_dir, _worker_env(store), python, workers)
         emit({"event": "started", "plan_version": 0, "pids": {w: x.proc.pid for w, x in workers.items()},
               "world_size": plan.num_gpus})
         plans = [plan]
         gen, current, resume = 0, plan, settings.resume
         while True:
             members = _assign(store, gen, current, settings, sorted(workers), resume, version=gen)
-            outcome, lost, reason = _watch(store, gen, members, workers, settings, stopping)
+            outcome, lost, reason = _watch(store, gen, members, workers, settings, signals.stopping)
             if outcome in ("done", "stopped"):
                 _release(store, gen + 1, workers, members)
                 emit({"event": "finished", "status": outcome, "plan_version": gen})
-                return RunResult(outcome, gen + 1, plans, events, stopped_by[0] if stopped_by else None)
-            if not lost or settings.checkpoint_dir is None or gen + 1 >= max_generations or stopping.is_set():
+                return RunResult(outcome, gen + 1, plans, events, signals.stopped_by[0] if signals.stopped_by else None)
+            if not lost or settings.checkpoint_dir is None or gen + 1 >= max_generations or signals.stopping.is_set():
                 hint = "" if settings.checkpoint_dir else " (without --checkpoint-dir the job cannot resume)"
                 raise TrainingFailed(f"training failed in plan version {gen}: {reason}{hint}")
             lost_ranks = {members.index(w) for w in lost}
@@ -187,7 +166,56 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
     finally:
         _reap(workers)
         store.close()
-        for signum, h in prev_handlers.items():
+        signals.restore()
+
+
+def _worker_env(store: protocol.ControlServer) -> dict[str, str]:
+    """The workers' environment: this one plus the control endpoint, the run's secret, one thread each."""
+    from sailor_core.runtime.protocol import SECRET_ENV
+
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("SAILOR_WORKER_THREADS", "1"),
+                SAILOR_CONTROL=store.endpoint, PYTHONUNBUFFERED="1", SAILOR_ADVERTISE_ADDR="127.0.0.1",
+                **{SECRET_ENV: store.secret})
+
+
+def _start_workers(n: int, run_dir: str, env: dict[str, str], python: str, workers: dict[int, _Worker]) -> None:
+    """Starts worker processes 0..n-1 (each in its own session, logging to run_dir/worker-<id>.log) into `workers`."""
+    for wid in range(n):
+        log_path = os.path.join(run_dir, f"worker-{wid}.log")
+        logf = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        proc = subprocess.Popen([python, "-m", "sailor_core.runtime.worker_proc", "--worker-id", str(wid)],
+                                env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        logf.close()
+        workers[wid] = _Worker(wid, proc, log_path)
+
+
+class _SignalForwarder:
+    """SIGTERM/SIGINT to the launcher, passed on as SIGTERM to every live worker (they checkpoint and stop)."""
+
+    def __init__(self, workers: dict[int, _Worker]) -> None:
+        self.workers = workers
+        self.stopping = threading.Event()
+        self.stopped_by: list[int] = []
+        self._prev: dict[int, Any] = {}
+
+    def forward(self, signum: int, _frame: Any) -> None:
+        """The handler: notes the signal and forwards it."""
+        self.stopping.set()
+        self.stopped_by.append(signum)
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.send_signal(signal.SIGTERM)
+
+    def install(self) -> None:
+        """Installs the handler on the main thread (elsewhere Python allows none; signals stay as they are)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._prev[sig] = signal.signal(sig, self.forward)
+
+    def restore(self) -> None:
+        """Puts back the handlers `install` replaced."""
+        for signum, h in self._prev.items():
             signal.signal(signum, h)
 
 

@@ -126,65 +126,79 @@ def _pg_store(a: dict[str, Any], client: ControlClient, gen: int) -> Any:
     return PrefixStore(f"g{gen}/pg", st)
 
 
-def controlled(control: str, worker_id: str, secret: str) -> int:
-    """Controlled mode: one generation after another from the controller (see the module contract)."""
-    client = ControlClient(control, secret)
-    stop = threading.Event()
-    current_gen = [0]
-    last_step = [0]
+class _Control:
+    """A controlled worker's side channel: heartbeats, the stop and abort watchers, step metrics."""
 
-    def heartbeat() -> None:
-        while not stop.wait(protocol.HEARTBEAT_S):
+    def __init__(self, client: ControlClient, worker_id: str) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.stop = threading.Event()
+        self.current_gen = 0
+        self.last_step = 0
+        self.switching = -1  # the generation the controller asked to end for a plan change
+        self.training = -1  # the generation this process trains in now (-1: none: waiting, or sitting one out)
+
+    def start(self) -> None:
+        """Starts the heartbeat and the stop and abort watchers (daemon threads until `stop` is set)."""
+        threading.Thread(target=self.heartbeat, daemon=True).start()
+        threading.Thread(target=self.watch, args=(protocol.stop_key, self.switch), daemon=True).start()
+        if os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0":  # 0: plain waits (lost peers then cost a timeout)
+            comm.set_watched(True)
+            set_wait(comm.wait)
+        threading.Thread(target=self.watch, args=(protocol.abort_key, self.abort), daemon=True).start()
+
+    def heartbeat(self) -> None:
+        """Sets `hb/<W>` to {"time", "step"} every HEARTBEAT_S until stopped."""
+        while not self.stop.wait(protocol.HEARTBEAT_S):
             with contextlib.suppress(protocol.ProtocolError):
-                client.set(protocol.heartbeat_key(worker_id), json.dumps({"time": time.time(), "step": last_step[0]}))
+                self.client.set(protocol.heartbeat_key(self.worker_id),
+                                json.dumps({"time": time.time(), "step": self.last_step}))
 
-    switching = [-1]  # the generation the controller asked to end for a plan change
-    training = [-1]  # the generation this process trains in now (-1: none: waiting, or sitting one out)
-
-    def watch(key: Any, act: Any) -> None:
+    def watch(self, key: Any, act: Any) -> None:
         """Long-poll the current generation's `key(g)`; when it is set, `act(g)` once for that generation."""
-        while not stop.is_set():
-            gen = current_gen[0]
+        while not self.stop.is_set():
+            gen = self.current_gen
             try:
-                hit = client.get(key(gen), wait_s=5.0)
+                hit = self.client.get(key(gen), wait_s=5.0)
             except protocol.ProtocolError:
-                stop.wait(1.0)
+                self.stop.wait(1.0)
                 continue
-            if hit is not None and gen == current_gen[0] and act(gen):
-                while gen == current_gen[0] and not stop.is_set():
-                    stop.wait(0.05)
+            if hit is not None and gen == self.current_gen and act(gen):
+                while gen == self.current_gen and not self.stop.is_set():
+                    self.stop.wait(0.05)
 
-    def abort(gen: int) -> bool:
-        # A member of the generation was lost: waking every blocked wait turns a lost peer into a
-        # reconfiguration within milliseconds.
+    def abort(self, gen: int) -> bool:
+        """A member of the generation was lost: wakes every blocked wait (a reconfiguration within
+        milliseconds instead of a timeout); False when already aborting."""
         if comm.ABORT.is_set():
             return False
         comm.ABORT.set()
         return True
 
-    def switch(gen: int) -> bool:
-        # A plan change: finish the current step, checkpoint, and go on to g+1 keeping the state in memory.
-        if training[0] != gen or switching[0] == gen:
+    def switch(self, gen: int) -> bool:
+        """A plan change: finish the current step, checkpoint, and go on to g+1 keeping the state in memory;
+        False unless this process trains in generation `gen` and was not asked already."""
+        if self.training != gen or self.switching == gen:
             return False
-        switching[0] = gen
+        self.switching = gen
         _Notices.stop = True  # every rank agrees on the step through the step's all-reduce
         return True
 
-    threading.Thread(target=heartbeat, daemon=True).start()
-    threading.Thread(target=watch, args=(protocol.stop_key, switch), daemon=True).start()
-    if os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0":  # 0: plain waits (lost peers then cost a timeout)
-        comm.set_watched(True)
-        set_wait(comm.wait)
-    threading.Thread(target=watch, args=(protocol.abort_key, abort), daemon=True).start()
+    def on_metrics(self, rec: dict[str, Any]) -> None:
+        """Records a step's metrics (rank 0) under `metrics/v<version>` and notes the step for heartbeats."""
+        self.last_step = int(rec.get("step", self.last_step))
+        with contextlib.suppress(protocol.ProtocolError):
+            self.client.append(protocol.metrics_key(int(rec.get("plan_version") or 0)), json.dumps(rec))
+
+
+def controlled(control: str, worker_id: str, secret: str) -> int:
+    """Controlled mode: one generation after another from the controller (see the module contract)."""
+    ctl = _Control(ControlClient(control, secret), worker_id)
+    client = ctl.client
+    ctl.start()
     data = _DataCache()
     gen = int(os.environ.get("SAILOR_FIRST_GENERATION", "0"))  # a worker added to a running job
     previous: Trainer | None = None
-
-    def on_metrics(rec: dict[str, Any]) -> None:
-        last_step[0] = int(rec.get("step", last_step[0]))
-        with contextlib.suppress(protocol.ProtocolError):
-            client.append(protocol.metrics_key(int(rec.get("plan_version") or 0)), json.dumps(rec))
-
     try:
         while True:
             try:
@@ -196,26 +210,11 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
             if int(a["rank"]) == protocol.EXIT:
                 return 0
             comm.ABORT.clear()
-            current_gen[0] = gen
+            ctl.current_gen = gen
             if int(a["rank"]) == protocol.IDLE:
                 gen += 1
                 continue
-            kept: list[Any] = []
-            training[0] = gen
-            try:
-                status = run_generation(a, data=data, init={"store": _pg_store(a, client, gen)},
-                                        local_rank=int(a.get("local_rank", 0)), on_metrics=on_metrics,
-                                        previous=previous, kept=kept,
-                                        on_loaded=lambda how, g=gen: client.set(protocol.loaded_key(g, worker_id), how))
-            except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
-                status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                _log(f"generation {gen} {status}")
-            training[0] = -1
-            # Only a generation that ended cleanly at a step boundary leaves state worth keeping.
-            previous = None
-            if status == "stopped" and switching[0] == gen:
-                status, previous = "switched", (kept[0] if kept else None)
-                _Notices.stop = False
+            status, previous = _train_generation(ctl, a, gen, data, previous)
             try:
                 client.set(protocol.status_key(gen, worker_id), status)
             except protocol.ProtocolError as e:
@@ -225,7 +224,30 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
                 return 0
             gen += 1
     finally:
-        stop.set()
+        ctl.stop.set()
+
+
+def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCache,
+                      previous: Trainer | None) -> tuple[str, Trainer | None]:
+    """(the generation's status to report, the trainer to keep in memory for the next one or None)."""
+    client, worker_id = ctl.client, ctl.worker_id
+    kept: list[Any] = []
+    ctl.training = gen
+    try:
+        status = run_generation(a, data=data, init={"store": _pg_store(a, client, gen)},
+                                local_rank=int(a.get("local_rank", 0)), on_metrics=ctl.on_metrics,
+                                previous=previous, kept=kept,
+                                on_loaded=lambda how, g=gen: client.set(protocol.loaded_key(g, worker_id), how))
+    except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
+        status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        _log(f"generation {gen} {status}")
+    ctl.training = -1
+    # Only a generation that ended cleanly at a step boundary leaves state worth keeping.
+    kept_trainer = None
+    if status == "stopped" and ctl.switching == gen:
+        status, kept_trainer = "switched", (kept[0] if kept else None)
+        _Notices.stop = False
+    return status, kept_trainer
 
 
 def main(argv: list[str] | None = None) -> int:
