@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -26,14 +27,8 @@ MODEL = "OPT-350"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mbs", default="1,2,4")
-    ap.add_argument("--tp", default="1,2,4")
-    ap.add_argument("--precision", default="bf16", help="bf16 (autocast, as mixed-precision training runs) or fp32")
-    ap.add_argument("--json", default=None, help="also write every number here")
-    ap.add_argument("--model", default=MODEL, help="another model only to try the script out (e.g. gpt-tiny)")
-    ap.add_argument("--device", default="cuda", help="cpu only to try the script out")
-    a = ap.parse_args()
+    """Profiles, stores and compares (see the module); exit 0 with SKIP where there is no CUDA device."""
+    a = _args()
 
     import torch
 
@@ -53,27 +48,48 @@ def main() -> int:
     print(f"device: {device_name(a.device)} x{n_gpus}; torch {torch.__version__}; {cfg.name}; mbs {mbs}; tp {tps}; "
           f"{a.precision}")
     t0 = time.time()
-
-    def progress(msg: dict) -> None:
-        if msg["kind"] == "point":
-            p = msg["point"]
-            print(f"  mbs={p.mbs} tp={p.tp} layer {p.layer}: fwd {p.forward_s:.5f} s bwd {p.backward_s:.5f} s "
-                  f"kept {p.saved_bytes / 2**20:.1f} MiB"
-                  + (f" (allocator {p.allocated_bytes / 2**20:.1f} MiB)" if p.allocated_bytes is not None else ""),
-                  flush=True)
-        else:
-            print(f"  {msg}", flush=True)
-
     settings = ModelProfileSettings(model=cfg.name, device=a.device, mbs=mbs, tp=tps, precision=a.precision)
-    prof = profile_model(settings, progress)
+    prof = profile_model(settings, _progress)
     print(f"profiled in {time.time() - t0:.1f} s; framework overhead {prof.framework_overhead_bytes / 2**30:.2f} GiB; "
           f"optimizer {prof.optimizer_s}; infeasible {[(x.mbs, x.tp) for x in prof.infeasible]}")
 
     store = open_store(tempfile.mkdtemp(prefix="sailor-cuda-check-"))
     save_model_profile(store, prof)  # the same path as `sailor profile model` (the seed stays below)
     published = {g: {(p.mbs, p.tp, p.layer): p for p in store.layer_profiles(cfg.name, [g])} for g in PUBLISHED}
+    report = _compare(prof, published, cfg.num_layers)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": device_name(a.device), "precision": a.precision,
+                                            "rows": report, "overhead_bytes": prof.framework_overhead_bytes}, indent=1))
+    return 0
+
+
+def _args() -> argparse.Namespace:
+    """The command line (see the module's usage)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mbs", default="1,2,4")
+    ap.add_argument("--tp", default="1,2,4")
+    ap.add_argument("--precision", default="bf16", help="bf16 (autocast, as mixed-precision training runs) or fp32")
+    ap.add_argument("--json", default=None, help="also write every number here")
+    ap.add_argument("--model", default=MODEL, help="another model only to try the script out (e.g. gpt-tiny)")
+    ap.add_argument("--device", default="cuda", help="cpu only to try the script out")
+    return ap.parse_args()
+
+
+def _progress(msg: dict) -> None:
+    """Prints each measured point (and the profiler's other messages) as it arrives."""
+    if msg["kind"] == "point":
+        p = msg["point"]
+        print(f"  mbs={p.mbs} tp={p.tp} layer {p.layer}: fwd {p.forward_s:.5f} s bwd {p.backward_s:.5f} s "
+              f"kept {p.saved_bytes / 2**20:.1f} MiB"
+              + (f" (allocator {p.allocated_bytes / 2**20:.1f} MiB)" if p.allocated_bytes is not None else ""),
+              flush=True)
+    else:
+        print(f"  {msg}", flush=True)
+
+
+def _compare(prof: Any, published: dict[str, dict[tuple[int, int, int], Any]], n_layers: int) -> list[dict]:
+    """Prints, per (mbs, tp), a few layers and the sum of ours beside each published profile; returns the rows."""
     ours = {(p.mbs, p.tp, p.layer): p for p in prof.profiles}
-    n_layers = cfg.num_layers
     report = []
     show = (0, 1, 2, n_layers - 1)
     for (m, t) in sorted({(k[0], k[1]) for k in ours}):
@@ -81,35 +97,40 @@ def main() -> int:
         header = f"{'layer':>6} {'ours':>19}" + "".join(f" {g:>19} {'ratio':>11}" for g in PUBLISHED)
         print(header)
         for i in (*show, "sum"):
-            if i == "sum":
-                f = sum(ours[(m, t, j)].forward_s for j in range(n_layers))
-                b = sum(ours[(m, t, j)].backward_s for j in range(n_layers))
-            else:
-                f, b = ours[(m, t, i)].forward_s, ours[(m, t, i)].backward_s
-            line = f"{i!s:>6} {f:9.5f} / {b:7.5f}"
-            row = {"mbs": m, "tp": t, "layer": i, "ours_fwd_s": f, "ours_bwd_s": b}
-            for g in PUBLISHED:
-                pts = published[g]
-                if all((m, t, j) in pts for j in range(n_layers)):
-                    if i == "sum":
-                        pf = sum(pts[(m, t, j)].forward_s for j in range(n_layers))
-                        pb = sum(pts[(m, t, j)].backward_s for j in range(n_layers))
-                    else:
-                        pf, pb = pts[(m, t, i)].forward_s, pts[(m, t, i)].backward_s
-                    rf = f / pf if pf else float("nan")
-                    rb = b / pb if pb else float("nan")
-                    line += f" {pf:9.5f} / {pb:7.5f} {rf:5.2f}/{rb:5.2f}"
-                    row[f"{g}_fwd_s"], row[f"{g}_bwd_s"] = pf, pb
-                else:
-                    line += f" {'(not published)':>19} {'':>11}"
+            line, row = _layer_row(ours, published, m, t, i, n_layers)
             print(line)
             report.append(row)
         print(f"optimizer step (whole model, one GPU): {prof.optimizer_s.get(t, float('nan')):.5f} s; published "
-              + ", ".join(f"{g} {published[g][(m, t, 0)].optimizer_s:.5f} s" for g in PUBLISHED if (m, t, 0) in published[g]))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"device": device_name(a.device), "precision": a.precision,
-                                            "rows": report, "overhead_bytes": prof.framework_overhead_bytes}, indent=1))
-    return 0
+              + ", ".join(f"{g} {published[g][(m, t, 0)].optimizer_s:.5f} s" for g in PUBLISHED
+                          if (m, t, 0) in published[g]))
+    return report
+
+
+def _layer_row(ours: dict[tuple[int, int, int], Any], published: dict[str, dict[tuple[int, int, int], Any]], m: int,
+               t: int, i: int | str, n_layers: int) -> tuple[str, dict[str, Any]]:
+    """(the printed line, the JSON row) of layer i (or "sum": every layer) at (mbs m, tp t)."""
+    if i == "sum":
+        f = sum(ours[(m, t, j)].forward_s for j in range(n_layers))
+        b = sum(ours[(m, t, j)].backward_s for j in range(n_layers))
+    else:
+        f, b = ours[(m, t, i)].forward_s, ours[(m, t, i)].backward_s
+    line = f"{i!s:>6} {f:9.5f} / {b:7.5f}"
+    row: dict[str, Any] = {"mbs": m, "tp": t, "layer": i, "ours_fwd_s": f, "ours_bwd_s": b}
+    for g in PUBLISHED:
+        pts = published[g]
+        if all((m, t, j) in pts for j in range(n_layers)):
+            if i == "sum":
+                pf = sum(pts[(m, t, j)].forward_s for j in range(n_layers))
+                pb = sum(pts[(m, t, j)].backward_s for j in range(n_layers))
+            else:
+                pf, pb = pts[(m, t, i)].forward_s, pts[(m, t, i)].backward_s
+            rf = f / pf if pf else float("nan")
+            rb = b / pb if pb else float("nan")
+            line += f" {pf:9.5f} / {pb:7.5f} {rf:5.2f}/{rb:5.2f}"
+            row[f"{g}_fwd_s"], row[f"{g}_bwd_s"] = pf, pb
+        else:
+            line += f" {'(not published)':>19} {'':>11}"
+    return line, row
 
 
 if __name__ == "__main__":
