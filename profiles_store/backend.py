@@ -76,7 +76,9 @@ class Location:
                     return bytes(f.read())
             except OSError as e:
                 # Deleted between the existence check and the GET: as absent as never having been.
-                if not isinstance(e, FileNotFoundError) and re.search(r"no_such_key|nosuchkey|not_found", str(e).lower()):
+                if not isinstance(e, FileNotFoundError) and re.search(
+                    r"no_such_key|nosuchkey|not_found", str(e).lower()
+                ):
                     raise FileNotFoundError(str(e)) from None
                 raise
 
@@ -145,7 +147,8 @@ class Location:
             info = self.call(f"look up {self.root}", lambda: self.fs.get_file_info(self.root))
             if info.type == pafs.FileType.File:
                 raise StoreError(
-                    f"store path {self.root} is a file, not a folder; to fix: pass a folder (it is created on first write)"
+                    f"store path {self.root} is a file, not a folder; "
+                    f"to fix: pass a folder (it is created on first write)"
                 )
             return
         info = self.call(f"open bucket {self.bucket}", lambda: self.fs.get_file_info(self.bucket))
@@ -164,7 +167,10 @@ def explain(loc: Location, what: str, e: BaseException) -> str:
     where = loc.endpoint or ("the default endpoint" if not loc.is_local else "")
     if loc.is_local:
         if isinstance(e, PermissionError) or "permission denied" in low:
-            return f"cannot {what}: permission denied; to fix: choose a store folder you can write (--store or $SAILOR_STORE)"
+            return (
+                f"cannot {what}: permission denied; "
+                f"to fix: choose a store folder you can write (--store or $SAILOR_STORE)"
+            )
         return f"cannot {what}: {msg}; to fix: check the store path (--store or $SAILOR_STORE)"
     if any(s in low for s in ("network_connection", "could not connect", "couldn't connect", "curlcode",
                               "could not resolve", "unavailable", "connection refused", "timed out", "timeout")):
@@ -178,9 +184,24 @@ def explain(loc: Location, what: str, e: BaseException) -> str:
             f"--store at an existing bucket"
         )
     unsigned_refused = not loc.signed and re.search(r"http status (400|401|403)", low)
-    if unsigned_refused or any(s in low for s in ("access_denied", "accessdenied", "signature_does_not_match", "invalidaccesskeyid",
-                              "invalid_access_key", "unsupportedalgorithm", "forbidden", "403", "401",
-                              "permission_denied", "unauthenticated", "credentials", "missing_authentication")):
+    if unsigned_refused or any(
+        s in low
+        for s in (
+            "access_denied",
+            "accessdenied",
+            "signature_does_not_match",
+            "invalidaccesskeyid",
+            "invalid_access_key",
+            "unsupportedalgorithm",
+            "forbidden",
+            "403",
+            "401",
+            "permission_denied",
+            "unauthenticated",
+            "credentials",
+            "missing_authentication",
+        )
+    ):
         cred = (
             "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or access_key=/secret_key= in the URI) to a key "
             "allowed on this bucket"
@@ -203,7 +224,10 @@ def _aws_credentials_configured() -> bool:
            "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_ROLE_ARN")
     if any(os.environ.get(v) for v in env):
         return True
-    files = (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials", os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    files = (
+        os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials",
+        os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config",
+    )
     if any(os.path.exists(os.path.expanduser(f)) for f in files):
         return True
     return os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true"  # an instance role may answer
@@ -245,10 +269,18 @@ def resolve(uri: str | None) -> Location:
     root = (bucket + "/" + parts.path.strip("/")).rstrip("/")
     anonymous = (_opt(q, "anonymous") or "").lower() in _TRUE
     if scheme == "s3":
-        endpoint = _opt(q, "endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        endpoint = (
+            _opt(q, "endpoint_override")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or ""
+        )
         kwargs: dict = dict(
             anonymous=anonymous,
-            region=_opt(q, "region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            region=_opt(q, "region")
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1",
             connect_timeout=float(_opt(q, "connect_timeout") or 5),
             request_timeout=float(_opt(q, "request_timeout") or 60),
             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=int(_opt(q, "max_attempts") or 3)),
@@ -270,12 +302,19 @@ def resolve(uri: str | None) -> Location:
             kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=1)
             delete_fs = pafs.S3FileSystem(**kwargs)
         except (OSError, pa.ArrowException, ValueError) as e:
-            raise StoreError(f"cannot set up S3 for {redact(raw)!r}: {e}; to fix: check the URI's query parameters") from None
+            raise StoreError(
+                f"cannot set up S3 for {redact(raw)!r}: {e}; to fix: check the URI's query parameters"
+            ) from None
         return Location(
             uri=raw, fs=fs, root=root, scheme="s3", bucket=bucket, endpoint=endpoint, delete_fs=delete_fs, signed=signed
         )
     if scheme in ("gs", "gcs"):
-        endpoint = _opt(q, "endpoint_override") or os.environ.get("SAILOR_GCS_ENDPOINT") or os.environ.get("STORAGE_EMULATOR_HOST") or ""
+        endpoint = (
+            _opt(q, "endpoint_override")
+            or os.environ.get("SAILOR_GCS_ENDPOINT")
+            or os.environ.get("STORAGE_EMULATOR_HOST")
+            or ""
+        )
         gkw: dict = dict(anonymous=anonymous, retry_time_limit=timedelta(seconds=float(_opt(q, "retry_seconds") or 15)))
         if _opt(q, "project_id"):
             gkw["project_id"] = _opt(q, "project_id")
@@ -285,7 +324,9 @@ def resolve(uri: str | None) -> Location:
         try:
             fs = pafs.GcsFileSystem(**gkw)
         except (OSError, pa.ArrowException, ValueError) as e:
-            raise StoreError(f"cannot set up GCS for {redact(raw)!r}: {e}; to fix: check the URI's query parameters") from None
+            raise StoreError(
+                f"cannot set up GCS for {redact(raw)!r}: {e}; to fix: check the URI's query parameters"
+            ) from None
         return Location(uri=raw, fs=fs, root=root, scheme="gs", bucket=bucket, endpoint=endpoint, signed=not anonymous)
     raise StoreError(
         f"unsupported store URI scheme {scheme!r} in {raw!r}; to fix: use a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX"

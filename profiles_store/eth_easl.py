@@ -167,7 +167,9 @@ def read_eth_easl(root: str | os.PathLike[str]) -> EthEaslData:
     ]
     zones = sorted({lk.sender_zone for lk in links} | set(ZONES))
     prices = [
-        GpuPrice(cloud="gcp", zone=z, gpu_type=g, market=Market.ON_DEMAND, usd_per_gpu_hour=p, fetched_at=PRICES_FETCHED_AT)
+        GpuPrice(
+            cloud="gcp", zone=z, gpu_type=g, market=Market.ON_DEMAND, usd_per_gpu_hour=p, fetched_at=PRICES_FETCHED_AT
+        )
         for g, p in EVALUATION_PRICES_USD_PER_GPU_HOUR.items()
         for z in zones
     ]

@@ -24,7 +24,9 @@ from sailor_core.domain import LayerProfile, Provenance
 CATALOG_SOURCE = "sailor_core.catalog"
 
 
-def import_eth_easl(store: ProfileStore, data: EthEaslData, *, recorded_at: datetime, source: str = SOURCE) -> dict[str, int]:
+def import_eth_easl(
+    store: ProfileStore, data: EthEaslData, *, recorded_at: datetime, source: str = SOURCE
+) -> dict[str, int]:
     """Import everything; returns rows written per table."""
 
     def prov(host: str, settings: str = "") -> Provenance:

@@ -103,7 +103,11 @@ class LocalS3Server(_Server):
     name = "rclone-s3"
 
     def __init__(
-        self, root: str | os.PathLike[str] | None = None, *, access_key: str = "sailor", secret_key: str = "sailor-secret",
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        access_key: str = "sailor",
+        secret_key: str = "sailor-secret",
         extra_addresses: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
@@ -177,4 +181,6 @@ class LocalGcsServer(_Server):
         self.filesystem().create_dir(bucket)
 
     def uri(self, bucket: str, prefix: str = "") -> str:
-        return f"gs://{bucket}/{prefix}?endpoint_override={quote(self.endpoint, safe='')}&anonymous=true&retry_seconds=5"
+        return (
+            f"gs://{bucket}/{prefix}?endpoint_override={quote(self.endpoint, safe='')}&anonymous=true&retry_seconds=5"
+        )

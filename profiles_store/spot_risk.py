@@ -72,5 +72,10 @@ def spot_risk_from_store(store: Any, *, rates: Sequence[tuple[RateKey, float]] =
     notes = [*sources.values(), f"reconfiguration {reconf:.1f} s: {src}"]
     if default_rate:
         notes.insert(0, f"other spot markets: {default_rate:g} preemptions per VM-hour ({given_as})")
-    return SpotRisk(preemptions_per_vm_hour=tuple(sorted(by_market.items())), default_preemptions_per_vm_hour=default_rate,
-                    reconfiguration_s=reconf, checkpoint_interval_steps=checkpoint_interval, sources=tuple(notes))
+    return SpotRisk(
+        preemptions_per_vm_hour=tuple(sorted(by_market.items())),
+        default_preemptions_per_vm_hour=default_rate,
+        reconfiguration_s=reconf,
+        checkpoint_interval_steps=checkpoint_interval,
+        sources=tuple(notes),
+    )

@@ -80,8 +80,8 @@ from sailor_core.profiles import ProfileBook
 SEED_DIR = Path(__file__).resolve().parent / "seed"
 MARKER = "_sailor_store.json"
 FILE_RE = re.compile(r"^part-(\d{20})-([0-9a-z]+)-(replace|upsert)\.parquet$")
-STALE_TMP_S = 3600.0
-_PROFILE_COLS = ("model", "gpu_type", "mbs", "tp", "layer", "forward_s", "backward_s", "optimizer_s")  # a hidden temp file older than this belongs to a writer that died
+STALE_TMP_S = 3600.0  # a hidden temp file older than this belongs to a writer that died
+_PROFILE_COLS = ("model", "gpu_type", "mbs", "tp", "layer", "forward_s", "backward_s", "optimizer_s")
 
 _ts_lock = threading.Lock()
 _last_ts = 0
@@ -363,7 +363,9 @@ class ProfileStore:
             for c in spec.partition_by:
                 bad = pc.any(pc.not_equal(table[c], pa.scalar(str(partition[c])))).as_py() if table.num_rows else False
                 if bad:
-                    raise SailorError(f"rows for a replace of {spec.name} {dict(partition)} must all have {c}={partition[c]!r}")
+                    raise SailorError(
+                        f"rows for a replace of {spec.name} {dict(partition)} must all have {c}={partition[c]!r}"
+                    )
         else:
             groups = _split_partitions(spec, table)
         self._ensure_marker()
@@ -371,7 +373,9 @@ class ProfileStore:
             self._commit(spec, rel_dir, part, mode)
         return table.num_rows
 
-    def _to_table(self, spec: TableSpec, rows: pa.Table | Iterable[Mapping[str, Any]], prov: Provenance | None) -> pa.Table:
+    def _to_table(
+        self, spec: TableSpec, rows: pa.Table | Iterable[Mapping[str, Any]], prov: Provenance | None
+    ) -> pa.Table:
         p = prov or Provenance(source="sailor", host=self.host, recorded_at=self.clock())
         fill = {"source": p.source, "host": p.host, "recorded_at": _utc(p.recorded_at), "settings": p.settings}
         try:
@@ -418,7 +422,9 @@ class ProfileStore:
             if "/" in rel:
                 continue
             m = FILE_RE.match(rel)
-            stale_tmp = rel.startswith(TMP_PREFIX) and info.mtime is not None and now - info.mtime.timestamp() > STALE_TMP_S
+            stale_tmp = (
+                rel.startswith(TMP_PREFIX) and info.mtime is not None and now - info.mtime.timestamp() > STALE_TMP_S
+            )
             if (m and (m.group(1), m.group(2)) < keep_key) or stale_tmp:
                 try:
                     self.location.delete(info.path)
@@ -445,7 +451,10 @@ class ProfileStore:
                 f"those, or write its layer specs (sailor profiles import-eth-easl, or ProfileStore.write_model)"
             )
         rows = t.to_pylist()
-        arch = {k: rows[0][k] for k in ("num_blocks", "hidden_size", "num_heads", "sequence_length", "vocab_size", "ffn_hidden_size")}
+        arch = {
+            k: rows[0][k]
+            for k in ("num_blocks", "hidden_size", "num_heads", "sequence_length", "vocab_size", "ffn_hidden_size")
+        }
         layers = tuple(
             LayerSpec(
                 index=r["layer"], kind=r["kind"], tp=r["tp"], params=r["params"],
@@ -472,7 +481,10 @@ class ProfileStore:
     def gpu_types(self) -> dict[str, GpuType]:
         return {
             r["gpu_type"]: GpuType(
-                name=r["gpu_type"], memory_bytes=r["memory_bytes"], gpus_per_node=r["gpus_per_node"], peak_flops=r["peak_flops"]
+                name=r["gpu_type"],
+                memory_bytes=r["memory_bytes"],
+                gpus_per_node=r["gpus_per_node"],
+                peak_flops=r["peak_flops"],
             )
             for r in self.read_table("gpu_types").to_pylist()
         }
@@ -519,7 +531,9 @@ class ProfileStore:
                     f"to fix: write each (model, GPU type) separately"
                 )
             if not 0 <= p.layer < spec.num_layers:
-                raise SailorError(f"profile row layer {p.layer} is outside model {model}'s layers 0..{spec.num_layers - 1}")
+                raise SailorError(
+                    f"profile row layer {p.layer} is outside model {model}'s layers 0..{spec.num_layers - 1}"
+                )
             for c, values in cols.items():
                 values.append(getattr(p, c))
         return self.write_table(
@@ -563,7 +577,9 @@ class ProfileStore:
     def framework_overhead(self) -> dict[str, int]:
         return {r["gpu_type"]: r["overhead_bytes"] for r in self.read_table("framework_overhead").to_pylist()}
 
-    def write_framework_overhead(self, overhead_bytes: Mapping[str, int], *, provenance: Provenance | None = None) -> None:
+    def write_framework_overhead(
+        self, overhead_bytes: Mapping[str, int], *, provenance: Provenance | None = None
+    ) -> None:
         self.require_gpu_types(overhead_bytes)
         for g, b in overhead_bytes.items():
             if b < 0:
@@ -618,7 +634,10 @@ class ProfileStore:
         self.write_table("node_allreduce", rows, mode="replace" if replace_all else "upsert", provenance=provenance)
 
     def egress_prices(self) -> tuple[EgressPrice, ...]:
-        return tuple(EgressPrice(**r) for r in self.read_table("egress_prices").select(["sender_zone", "receiver_zone", "usd_per_gb"]).to_pylist())
+        return tuple(
+            EgressPrice(**r)
+            for r in self.read_table("egress_prices").select(["sender_zone", "receiver_zone", "usd_per_gb"]).to_pylist()
+        )
 
     def write_egress_prices(self, prices: Iterable[EgressPrice], *, provenance: Provenance | None = None) -> None:
         rows = [dict(sender_zone=e.sender_zone, receiver_zone=e.receiver_zone, usd_per_gb=e.usd_per_gb) for e in prices]
@@ -714,7 +733,9 @@ class ProfileStore:
             try:
                 payload = json.dumps(dict(r.payload), sort_keys=True, default=str)
             except (TypeError, ValueError) as e:
-                raise SailorError(f"{table} record for run {r.run_id}: payload is not JSON-serialisable ({e})") from None
+                raise SailorError(
+                    f"{table} record for run {r.run_id}: payload is not JSON-serialisable ({e})"
+                ) from None
             rows.append(
                 dict(run_id=r.run_id, time=_utc(r.time), kind=r.kind, reason=r.reason, payload=payload,
                      source=r.source or p.source, host=r.host or p.host)
@@ -772,7 +793,9 @@ def _check_version(version: int, what: str) -> None:
             "rewrite the data with this release (re-run the import or profiling that produced it), or read it "
             "with the release that wrote it and `sailor profiles export` it to CSV"
         )
-    raise StoreError(f"{what} uses store schema version {version}; this sailor reads version {SCHEMA_VERSION}; to fix: {fix}")
+    raise StoreError(
+        f"{what} uses store schema version {version}; this sailor reads version {SCHEMA_VERSION}; to fix: {fix}"
+    )
 
 
 def _split_partitions(spec: TableSpec, table: pa.Table) -> dict[str, pa.Table]:
@@ -803,7 +826,9 @@ def _newest_per_key(table: pa.Table, spec: TableSpec) -> pa.Table:
 
 def _fit(r: Mapping[str, Any]) -> BandwidthFit:
     return BandwidthFit(
-        coeffs=(r["fit_a"], r["fit_b"], r["fit_c"]), max_bytes_per_s=r["max_bandwidth_bytes_per_s"], latency_s=r["latency_s"]
+        coeffs=(r["fit_a"], r["fit_b"], r["fit_c"]),
+        max_bytes_per_s=r["max_bandwidth_bytes_per_s"],
+        latency_s=r["latency_s"],
     )
 
 
