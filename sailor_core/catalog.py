@@ -28,10 +28,18 @@ GPU_TYPES: dict[str, GpuType] = {
 # OPT-350 and GPT-Neo-2.7 from the artifact's training configs; OPT-30 and LLAMA-3-8 from their
 # public model cards, with the block count set so that blocks + 2 equals the artifact's layer count.
 MODEL_ARCHITECTURES: dict[str, dict[str, int]] = {
-    "OPT-350": dict(num_blocks=24, hidden_size=1024, num_heads=16, sequence_length=2048, vocab_size=50272, ffn_hidden_size=4096),
-    "GPT-Neo-2.7": dict(num_blocks=32, hidden_size=2560, num_heads=32, sequence_length=2048, vocab_size=128256, ffn_hidden_size=10240),
-    "OPT-30": dict(num_blocks=48, hidden_size=7168, num_heads=56, sequence_length=2048, vocab_size=50272, ffn_hidden_size=28672),
-    "LLAMA-3-8": dict(num_blocks=33, hidden_size=4096, num_heads=32, sequence_length=2048, vocab_size=128256, ffn_hidden_size=14336),
+    "OPT-350": dict(
+        num_blocks=24, hidden_size=1024, num_heads=16, sequence_length=2048, vocab_size=50272, ffn_hidden_size=4096
+    ),
+    "GPT-Neo-2.7": dict(
+        num_blocks=32, hidden_size=2560, num_heads=32, sequence_length=2048, vocab_size=128256, ffn_hidden_size=10240
+    ),
+    "OPT-30": dict(
+        num_blocks=48, hidden_size=7168, num_heads=56, sequence_length=2048, vocab_size=50272, ffn_hidden_size=28672
+    ),
+    "LLAMA-3-8": dict(
+        num_blocks=33, hidden_size=4096, num_heads=32, sequence_length=2048, vocab_size=128256, ffn_hidden_size=14336
+    ),
 }
 
 

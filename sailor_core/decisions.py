@@ -87,6 +87,14 @@ def decide_switch(
         fmt = f"{gain:+.6f} USD"
     switch = gain > min_gain
     verdict = "switch pays" if switch else "not worth the switch"
-    return SwitchDecision(switch=switch, forced=False, reason=f"{verdict}: gain {fmt} (threshold {min_gain:g}); {numbers}",
-                          gain=gain, gain_unit=unit, stay_time_s=st_time, stay_usd=st_usd, switch_time_s=sw_time,
-                          switch_usd=sw_usd)
+    return SwitchDecision(
+        switch=switch,
+        forced=False,
+        reason=f"{verdict}: gain {fmt} (threshold {min_gain:g}); {numbers}",
+        gain=gain,
+        gain_unit=unit,
+        stay_time_s=st_time,
+        stay_usd=st_usd,
+        switch_time_s=sw_time,
+        switch_usd=sw_usd,
+    )

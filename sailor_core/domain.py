@@ -424,7 +424,9 @@ class ParallelPlan:
         expect = 0
         for i, st in enumerate(self.stages):
             if st.first_layer != expect:
-                out.append(f"stage {i} starts at layer {st.first_layer}, expected {expect} (layers must tile the model)")
+                out.append(
+                    f"stage {i} starts at layer {st.first_layer}, expected {expect} (layers must tile the model)"
+                )
             expect = st.last_layer + 1
             if len(st.replicas) != dp:
                 out.append(f"stage {i} has {len(st.replicas)} replicas but the plan has {dp} pipelines")
@@ -490,9 +492,15 @@ def split_batch(global_batch_size: int, microbatch_sizes: Iterable[int]) -> tupl
             f"global batch {global_batch_size} is not a multiple of microbatch size {mbs}",
         )
         n = global_batch_size // mbs
-        _check(n >= len(sizes), f"global batch {global_batch_size} has {n} microbatches of {mbs}, fewer than {len(sizes)} pipelines")
+        _check(
+            n >= len(sizes),
+            f"global batch {global_batch_size} has {n} microbatches of {mbs}, fewer than {len(sizes)} pipelines",
+        )
         base, extra = divmod(n, len(sizes))
-        return tuple(PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0)) for j in range(len(sizes)))
+        return tuple(
+            PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0))
+            for j in range(len(sizes))
+        )
     # Different microbatch sizes: give each pipeline work proportional to its microbatch size.
     total = sum(sizes)
     counts = [max(1, (global_batch_size * s // total) // s) for s in sizes]

@@ -62,13 +62,17 @@ def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
             }
             for st in plan.stages
         ],
-        "pipelines": [{"microbatch_size": p.microbatch_size, "num_microbatches": p.num_microbatches} for p in plan.pipelines],
+        "pipelines": [
+            {"microbatch_size": p.microbatch_size, "num_microbatches": p.num_microbatches} for p in plan.pipelines
+        ],
     }
 
 
 def plan_from_dict(d: dict[str, Any], *, model: str | None = None) -> ParallelPlan:
     if d.get("format") not in (None, FORMAT_NAME):
-        raise PlanFormatError(f"not a sailor plan (format={d.get('format')!r}); for published plans use --format eth-easl")
+        raise PlanFormatError(
+            f"not a sailor plan (format={d.get('format')!r}); for published plans use --format eth-easl"
+        )
     version = d.get("version", FORMAT_VERSION)
     if version != FORMAT_VERSION:
         raise PlanFormatError(
@@ -113,7 +117,9 @@ def plan_from_dict(d: dict[str, Any], *, model: str | None = None) -> ParallelPl
             zero1=bool(d.get("zero1", False)),
         )
     except (KeyError, IndexError, TypeError) as e:
-        raise PlanFormatError(f"plan is missing or mistypes field {e}; see docs/formats.md for the plan format") from None
+        raise PlanFormatError(
+            f"plan is missing or mistypes field {e}; see docs/formats.md for the plan format"
+        ) from None
     except ValidationError as e:  # the plan types' own message: every problem and the fix
         raise PlanFormatError(str(e)) from None
     except ValueError as e:
@@ -138,7 +144,9 @@ def plan_from_eth_easl(d: dict[str, Any], *, model: str) -> ParallelPlan:
             replicas = []
             for nodes, tp in reps:
                 gpu_type, gpus_per_node, zone = nodes[0]
-                replicas.append(Replica(gpu_type=str(gpu_type), zone=str(zone), tp=int(tp), gpus_per_node=int(gpus_per_node)))
+                replicas.append(
+                    Replica(gpu_type=str(gpu_type), zone=str(zone), tp=int(tp), gpus_per_node=int(gpus_per_node))
+                )
             if list(layers) != list(range(min(layers), max(layers) + 1)):
                 raise PlanFormatError(f"stage layers {layers} are not a contiguous range")
             stages.append(Stage(first_layer=min(layers), last_layer=max(layers), replicas=tuple(replicas)))
@@ -156,7 +164,9 @@ def plan_from_eth_easl(d: dict[str, Any], *, model: str) -> ParallelPlan:
     if n_micro < dp:
         raise PlanFormatError(f"gbs={gbs} with mbs={mbs} gives {n_micro} microbatches, fewer than dp={dp}")
     base, extra = divmod(n_micro, dp)
-    pipelines = tuple(PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0)) for j in range(dp))
+    pipelines = tuple(
+        PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0)) for j in range(dp)
+    )
     try:
         return ParallelPlan(model=model, global_batch_size=sum(p.samples for p in pipelines), stages=tuple(stages),
                             pipelines=pipelines)
@@ -171,12 +181,16 @@ def load_plan_file(path: str | os.PathLike[str], *, fmt: str = "auto", model: st
     except FileNotFoundError:
         raise PlanFormatError(f"plan file {path} does not exist") from None
     except IsADirectoryError:
-        raise PlanFormatError(f"plan file {path} is a directory; to fix: pass the plan's JSON file "
-                              f"(e.g. the one `sailor plan --out FILE` wrote)") from None
+        raise PlanFormatError(
+            f"plan file {path} is a directory; to fix: pass the plan's JSON file "
+            f"(e.g. the one `sailor plan --out FILE` wrote)"
+        ) from None
     except json.JSONDecodeError as e:
         raise PlanFormatError(f"plan file {path} is not valid JSON: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise PlanFormatError(f"cannot read plan file {path}: {e}; to fix: check the path and its permissions") from None
+        raise PlanFormatError(
+            f"cannot read plan file {path}: {e}; to fix: check the path and its permissions"
+        ) from None
     if not isinstance(d, dict):
         raise PlanFormatError(f"plan file {path} holds a JSON {type(d).__name__ if d is not None else 'null'}, "
                               f"not a plan object; to fix: pass a file written by `sailor plan --out` "

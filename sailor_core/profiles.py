@@ -52,7 +52,14 @@ class ProfileBook:
             self,
             "_links",
             {
-                (lk.sender_zone, lk.sender_gpu, lk.sender_count, lk.receiver_zone, lk.receiver_gpu, lk.receiver_count): lk
+                (
+                    lk.sender_zone,
+                    lk.sender_gpu,
+                    lk.sender_count,
+                    lk.receiver_zone,
+                    lk.receiver_gpu,
+                    lk.receiver_count,
+                ): lk
                 for lk in self.links
             },
         )
@@ -98,7 +105,13 @@ class ProfileBook:
 
     # -- network ---------------------------------------------------------------------------
     def link(
-        self, sender_zone: str, sender_gpu: str, sender_count: int, receiver_zone: str, receiver_gpu: str, receiver_count: int
+        self,
+        sender_zone: str,
+        sender_gpu: str,
+        sender_count: int,
+        receiver_zone: str,
+        receiver_gpu: str,
+        receiver_count: int,
     ) -> NetworkLink | None:
         return self._links.get(  # type: ignore[attr-defined]
             (sender_zone, sender_gpu, sender_count, receiver_zone, receiver_gpu, receiver_count)

@@ -100,7 +100,9 @@ class TransformerConfig:
             bad(f"rope_factor must be > 0, got {self.rope_factor}")
         if self.rope_scaling == "llama3" and (self.rope_original_max_positions < 1
                                               or self.rope_high_freq_factor <= self.rope_low_freq_factor):
-            bad("llama3 rope scaling needs original_max_position_embeddings >= 1 and high_freq_factor > low_freq_factor")
+            bad(
+                "llama3 rope scaling needs original_max_position_embeddings >= 1 and high_freq_factor > low_freq_factor"
+            )
         if self.parallel_residual and self.variant != "gpt-neox":
             bad("parallel_residual is a gpt-neox option")
         if self.qkv_bias and self.variant != "llama":

@@ -81,7 +81,9 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any]:
                        rope_high_freq_factor=float(rs["high_freq_factor"]),
                        rope_original_max_positions=int(rs["original_max_position_embeddings"]))
         except KeyError as e:
-            raise _bad(f"llama3 rope_scaling has no {e.args[0]}", "use the config.json the model was published with") from None
+            raise _bad(
+                f"llama3 rope_scaling has no {e.args[0]}", "use the config.json the model was published with"
+            ) from None
     return out
 
 
@@ -137,7 +139,10 @@ def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: 
         _require(d, "hidden_act", ("gelu",), "gelu")
         _require(d, "attention_bias", (True,), True)
         return TransformerConfig(
-            **common, **_rope_scaling(d), ffn_hidden_size=_int(d, "intermediate_size"), norm_eps=float(d.get("layer_norm_eps", 1e-5)),
+            **common,
+            **_rope_scaling(d),
+            ffn_hidden_size=_int(d, "intermediate_size"),
+            norm_eps=float(d.get("layer_norm_eps", 1e-5)),
             rope_theta=float(d.get("rotary_emb_base", d.get("rope_theta", 10000.0))),
             rotary_pct=float(d.get("rotary_pct", d.get("partial_rotary_factor", 0.25))),
             parallel_residual=bool(d.get("use_parallel_residual", True)),

@@ -236,7 +236,9 @@ def _list_safetensors(uri: str) -> list[str]:
         found = sorted(f"{base.rstrip('/')}/{i.base_name}" + (f"?{query}" if query else "")
                        for i in infos if i.base_name.endswith(".safetensors"))
     if not found:
-        raise SailorError(f"no .safetensors files in {uri!r}; to fix: pass a .safetensors file or the folder holding them")
+        raise SailorError(
+            f"no .safetensors files in {uri!r}; to fix: pass a .safetensors file or the folder holding them"
+        )
     return found
 
 

@@ -252,7 +252,9 @@ def load_full_state(layer: nn.Module, state: dict[str, torch.Tensor], tp: TPCont
                 raise KeyError(f"state has no parameter {name!r} (has {sorted(state)})")
             piece = shard(state[name], getattr(p, SHARD_ATTR, None), tp.rank, tp.size)
             if piece.shape != p.shape:
-                raise ValueError(f"{name}: full shape {tuple(state[name].shape)} gives {tuple(piece.shape)}, need {tuple(p.shape)}")
+                raise ValueError(
+                    f"{name}: full shape {tuple(state[name].shape)} gives {tuple(piece.shape)}, need {tuple(p.shape)}"
+                )
             p.copy_(piece)
 
 

@@ -419,7 +419,9 @@ def _problems(request: PlanRequest, pool: ResourcePool, pl: ParallelPlan, r: Sim
     problems.extend(_over_pool(pl, pool, request.restrictions.max_gpus))
     if not r.fits_memory:
         worst = r.oom[0]
-        problems.append(f"stage {worst.stage} replica {worst.replica} is {worst.bytes_over / 2**30:.2f} GiB over memory")
+        problems.append(
+            f"stage {worst.stage} replica {worst.replica} is {worst.bytes_over / 2**30:.2f} GiB over memory"
+        )
     return problems
 
 
@@ -538,10 +540,18 @@ def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, 
 def _pareto(sims: Sequence[tuple[ParallelPlan, SimulationResult]],
             chosen: tuple[ParallelPlan, SimulationResult] | None) -> tuple[FrontierPoint, ...]:
     """Pareto frontier of simulated plans plus the chosen one, fastest first; the chosen plan is marked."""
-    pts = [FrontierPoint(iterations_per_s=r.throughput_iterations_per_s, usd_per_iteration=r.usd_per_iteration,
-                         usd_per_hour=r.usd_per_hour, num_gpus=r.num_gpus, summary=summarize(pl), plan=pl,
-                         chosen=chosen is not None and pl == chosen[0])
-           for pl, r in ([chosen] if chosen is not None else []) + [x for x in sims if chosen is None or x[0] != chosen[0]]]
+    pts = [
+        FrontierPoint(
+            iterations_per_s=r.throughput_iterations_per_s,
+            usd_per_iteration=r.usd_per_iteration,
+            usd_per_hour=r.usd_per_hour,
+            num_gpus=r.num_gpus,
+            summary=summarize(pl),
+            plan=pl,
+            chosen=chosen is not None and pl == chosen[0],
+        )
+        for pl, r in ([chosen] if chosen is not None else []) + [x for x in sims if chosen is None or x[0] != chosen[0]]
+    ]
     # The chosen plan first among equals, so an identical point does not hide it.
     pts.sort(key=lambda f: (-f.iterations_per_s, f.usd_per_iteration, not f.chosen))
     pareto: list[FrontierPoint] = []
@@ -570,7 +580,8 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
     ]
     b = r.breakdown
     lines.append(
-        f"Iteration {r.iteration_time_s:.3f} s: pipeline compute {b.pipeline_compute_s:.3f} s, p2p {b.pipeline_p2p_s:.3f} s, "
+        f"Iteration {r.iteration_time_s:.3f} s: pipeline compute {b.pipeline_compute_s:.3f} s, "
+        f"p2p {b.pipeline_p2p_s:.3f} s, "
         f"exposed gradient sync {b.dp_sync_exposed_s:.3f} s, optimizer {b.optimizer_s:.3f} s."
     )
     if gp is not None and gp.preemptions_per_hour > 0:
@@ -582,8 +593,9 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
         fastest = frontier[0]
         cheapest = frontier[-1]
         lines.append(
-            f"Frontier: {len(frontier)} plans from {fastest.iterations_per_s:.4f} it/s at {fastest.usd_per_iteration:.4f} "
-            f"USD/it to {cheapest.iterations_per_s:.4f} it/s at {cheapest.usd_per_iteration:.4f} USD/it."
+            f"Frontier: {len(frontier)} plans from {fastest.iterations_per_s:.4f} it/s "
+            f"at {fastest.usd_per_iteration:.4f} USD/it "
+            f"to {cheapest.iterations_per_s:.4f} it/s at {cheapest.usd_per_iteration:.4f} USD/it."
         )
     return "\n".join(lines)
 

@@ -43,7 +43,10 @@ def exhaustive_best(
             continue
         n = gbs // mbs
         kinds_all = [
-            (s.index, tp) for s in slots for m, tp in book.profiled_points(s.gpu_type) if m == mbs and tp <= s.gpus_per_node
+            (s.index, tp)
+            for s in slots
+            for m, tp in book.profiled_points(s.gpu_type)
+            if m == mbs and tp <= s.gpus_per_node
         ]
         for p in range(1, min(max_stages, L) + 1):
             for cuts in combinations(range(1, L), p - 1):
@@ -187,7 +190,7 @@ def _batch_splits(gbs: int, sizes: list[int], counts: list[int]) -> list[list[in
 def _group_plan(request: PlanRequest, slots: tuple[Slot, ...], bounds: tuple[tuple[int, int], ...],
                 types: list[tuple[int, tuple[tuple[int, int], ...]]], counts: list[int], split: list[int]
                 ) -> ParallelPlan | None:
-    """Place each kind's pipelines on what the earlier kinds left (the planner's fill), share its microbatches evenly."""
+    """Place each kind's pipelines on what earlier kinds left (the planner's fill); share its microbatches evenly."""
     left = slots
     placed = []
     for (mbs, kinds), x in zip(types, counts, strict=True):

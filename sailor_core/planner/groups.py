@@ -174,7 +174,9 @@ def split_batch_by_finish(gbs: int, types: Sequence[PipeType], counts: Sequence[
     lo, hi = 0.0, max(t.fill_s + t.cycle_s * gbs for t in types)
     for _ in range(60):
         mid = (lo + hi) / 2
-        got = sum(x * max(1, int((mid - t.fill_s) // t.cycle_s)) * t.sketch.mbs for t, x in zip(types, counts, strict=True))
+        got = sum(
+            x * max(1, int((mid - t.fill_s) // t.cycle_s)) * t.sketch.mbs for t, x in zip(types, counts, strict=True)
+        )
         if got >= gbs:
             hi = mid
         else:

@@ -35,7 +35,10 @@ def _linear_time(search: Search, sk: Sketch, layouts: Sequence[Layout]) -> tuple
     """(a, b) with pipeline seconds = a + b x microbatches, from the simulator's 1F1B composition."""
     c = search.costs
     slots = search.pb.slots
-    comp = [c.compute(slots[si].gpu_type, sk.mbs, tp, lo, hi) for (lo, hi), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)]
+    comp = [
+        c.compute(slots[si].gpu_type, sk.mbs, tp, lo, hi)
+        for (lo, hi), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)
+    ]
     p2p = []
     for s in range(sk.num_stages - 1):
         (sa, ta), (sb, tb) = sk.kinds[s], sk.kinds[s + 1]

@@ -76,7 +76,9 @@ class ReplayJob:
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "total_steps", "tokens_per_step", "checkpoint_interval"):
             if getattr(self, name) < 1:
-                raise SailorError(f"replay: {name} must be >= 1, got {getattr(self, name)}; to fix: pass a positive value")
+                raise SailorError(
+                    f"replay: {name} must be >= 1, got {getattr(self, name)}; to fix: pass a positive value"
+                )
         for name in ("reconfiguration_s", "grace_s", "min_gain"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
@@ -148,8 +150,15 @@ class Planner:
                     self._best[key] = known
                     return known
         j = self.job
-        req = PlanRequest(model=j.model, global_batch_size=j.global_batch_size, pool=pool, objective=Objective.parse(j.objective),
-                          constraints=j.constraints, restrictions=j.restrictions, options=j.search)
+        req = PlanRequest(
+            model=j.model,
+            global_batch_size=j.global_batch_size,
+            pool=pool,
+            objective=Objective.parse(j.objective),
+            constraints=j.constraints,
+            restrictions=j.restrictions,
+            options=j.search,
+        )
         t0 = time.perf_counter()
         result = run_planner(req, self.book)
         self._root.search_s += time.perf_counter() - t0
@@ -504,7 +513,9 @@ def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: R
     if kind == "stay" and (lost or s.plan is None):
         kind = "wait"
     if kind == "switch" and (action.plan is None or missing_gpus(action.plan, pool)):
-        raise SailorError(f"policy chose a plan that does not fit the GPUs available at {s.t:.0f}s (a bug in the policy)")
+        raise SailorError(
+            f"policy chose a plan that does not fit the GPUs available at {s.t:.0f}s (a bug in the policy)"
+        )
     if kind != "stay" or broken or action.record:
         s.decisions.append(Decision(t_s=s.t, trigger=trigger, kind=kind, reason=action.reason, step=step_i))
     if kind == "stay":

@@ -43,7 +43,9 @@ def run_trace(run: Mapping[str, Any], initial: ResourcePool,
     """`calibration`: the factors the run started with (the newest per GPU type from earlier runs)."""
     entries: dict[Key, PoolEntry] = {(e.zone, e.gpu_type, e.market): e for e in initial.entries}
     if not entries:
-        raise SailorError(f"run {run.get('run_id')}: the starting pool is empty; to fix: pass the offerings it began with")
+        raise SailorError(
+            f"run {run.get('run_id')}: the starting pool is empty; to fix: pass the offerings it began with"
+        )
     order = list(entries)
     count = {k: e.count for k, e in entries.items()}
     price = {k: e.usd_per_gpu_hour for k, e in entries.items()}

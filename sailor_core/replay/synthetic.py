@@ -89,8 +89,10 @@ def synthetic_trace(spec: SyntheticSpec, prices: PriceLookup, gpus_per_node: Cal
     regions = sorted({p.region for p in places})
 
     def price_row() -> tuple[float, ...]:
-        return tuple(round(spot[(p.region, p.gpu_type)] if p.market is Market.SPOT else on_demand[(p.region, p.gpu_type)], 4)
-                     for p in places)
+        return tuple(
+            round(spot[(p.region, p.gpu_type)] if p.market is Market.SPOT else on_demand[(p.region, p.gpu_type)], 4)
+            for p in places
+        )
 
     points = [TracePoint(at_s=0.0, counts=tuple(counts), usd_per_gpu_hour=price_row())]
     steps = int(math.ceil(spec.days * DAY_S / spec.step_s))

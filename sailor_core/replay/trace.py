@@ -224,7 +224,9 @@ def parse_artifact_json(data: Any, *, zone: str, gpu_type: str, market: Market, 
     try:
         rows = sorted((float(r["Time"]), int(r["GPUs"])) for r in data)
     except (KeyError, TypeError, ValueError) as e:
-        raise TraceError(f"{source}: a row lacks Time or GPUs ({e}); to fix: every row is {{\"Time\": s, \"GPUs\": n}}") from None
+        raise TraceError(
+            f'{source}: a row lacks Time or GPUs ({e}); to fix: every row is {{"Time": s, "GPUs": n}}'
+        ) from None
     place = Place(zone=zone, gpu_type=gpu_type, market=market, cloud=cloud, gpus_per_node=gpus_per_node)
     price = _price(prices, zone, gpu_type, place.market, source)
     t0 = rows[0][0]
@@ -253,7 +255,9 @@ def parse_artifact_csv(text: str, *, market: Market, gpus_per_node: Callable[[st
     for _, h in cols:
         gpu, sep, zone = h.partition("_")
         if not sep or not gpu or not zone:
-            raise TraceError(f"{source}: column {h!r} is not <gpu_type>_<zone>; to fix: name it like A100-40_us-central1-a")
+            raise TraceError(
+                f"{source}: column {h!r} is not <gpu_type>_<zone>; to fix: name it like A100-40_us-central1-a"
+            )
         places.append(Place(zone=zone, gpu_type=gpu, market=market, cloud=cloud, gpus_per_node=gpus_per_node(gpu)))
     price = tuple(_price(prices, p.zone, p.gpu_type, p.market, source) for p in places)
     pts = []
@@ -263,7 +267,9 @@ def parse_artifact_csv(text: str, *, market: Market, gpus_per_node: Callable[[st
                 continue
             pts.append((float(r[ti]), tuple(int(float(r[j])) for j, _ in cols)))
     except (IndexError, ValueError) as e:
-        raise TraceError(f"{source}: a row is not numbers ({e}); to fix: one timestamp and one count per column") from None
+        raise TraceError(
+            f"{source}: a row is not numbers ({e}); to fix: one timestamp and one count per column"
+        ) from None
     pts.sort()
     t0 = pts[0][0]
     points = [TracePoint(at_s=t - t0, counts=c, usd_per_gpu_hour=price) for t, c in pts]

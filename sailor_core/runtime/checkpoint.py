@@ -1,10 +1,10 @@
 """Plan-independent checkpoints: full-layout per-layer state, written asynchronously and atomically.
 
 Contract:
-- Layout under a root URI: `step_NNNNNNNN/ (the step, 8 digits, e.g. step_00000010/)` holding, for every layer i and every TP rank t of the
-  replica that wrote it, `layer_IIII.tp{t}of{T}.pt` (that rank's parameter shards and AdamW
-  moments, with each tensor's shard dimension), one `part_s{stage}_t{t}.json` per writer listing
-  its files and their SHA-256, and `meta.json` (step, samples seen, optimizer step, model, seed).
+- Layout under a root URI: `step_NNNNNNNN/ (the step, 8 digits, e.g. step_00000010/)` holding, for every
+  layer i and every TP rank t of the replica that wrote it, `layer_IIII.tp{t}of{T}.pt` (that rank's
+  parameter shards and AdamW moments, with each tensor's shard dimension), one `part_s{stage}_t{t}.json`
+  per writer listing its files and their SHA-256, and `meta.json` (step, samples seen, optimizer step, model, seed).
   Each file is written to a temporary name and renamed, so a reader never sees half a file.
 - A checkpoint is *valid* only if meta.json exists and, for every layer 0..L+1, the shard files of
   one TP degree are all listed in parts and match their digests. `latest_valid_step` walks back

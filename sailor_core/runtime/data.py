@@ -62,7 +62,9 @@ def _read_local_bytes(path: Path, limit: int) -> bytes:
         with open(path, "rb") as f:
             return f.read(limit)
     if not path.is_dir():
-        raise SailorError(f"dataset path {str(path)!r} does not exist; to fix: pass --data with an existing file or directory")
+        raise SailorError(
+            f"dataset path {str(path)!r} does not exist; to fix: pass --data with an existing file or directory"
+        )
     out = bytearray()
     for root, dirs, files in os.walk(path):
         dirs.sort()

@@ -143,7 +143,9 @@ def select_device(gpu_type: str, local_rank: int) -> torch.device:
 
 def device_ids(device: torch.device) -> list[int] | None:
     """`device_ids` for `dist.barrier`: NCCL's barrier allocates on the device given (else it guesses)."""
-    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    return (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    )
 
 
 # Gradient bucket size for the data-parallel all-reduce: torch DDP's default `bucket_cap_mb`.
@@ -345,8 +347,12 @@ class Trainer:
         for name, p in layer.named_parameters(remove_duplicate=False):
             params[name] = p.detach().to("cpu", copy=True)
             st = gathered[id(p)] if gathered is not None else self.opt.state.get(p, {})
-            m1[name] = st["exp_avg"].detach().to("cpu", copy=True) if "exp_avg" in st else torch.zeros_like(params[name])
-            m2[name] = st["exp_avg_sq"].detach().to("cpu", copy=True) if "exp_avg_sq" in st else torch.zeros_like(params[name])
+            m1[name] = (
+                st["exp_avg"].detach().to("cpu", copy=True) if "exp_avg" in st else torch.zeros_like(params[name])
+            )
+            m2[name] = (
+                st["exp_avg_sq"].detach().to("cpu", copy=True) if "exp_avg_sq" in st else torch.zeros_like(params[name])
+            )
             dims[name] = getattr(p, SHARD_ATTR, None)
         return {"layer": li, "tp": self.tp.size, "tp_rank": self.tp.rank, "shard_dims": dims,
                 "params": params, "exp_avg": m1, "exp_avg_sq": m2}
@@ -408,7 +414,9 @@ class Trainer:
                 assert name == old_name, (name, old_name)
                 p.copy_(q.detach().to(self.device))
                 if q in old.opt.state:
-                    self.opt.state[p] = {k: (v.to(self.device) if v.dim() else v.clone()) for k, v in old.opt.state[q].items()}
+                    self.opt.state[p] = {
+                        k: (v.to(self.device) if v.dim() else v.clone()) for k, v in old.opt.state[q].items()
+                    }
         self.step, self.samples_seen, self.opt_steps = old.step, old.samples_seen, old.opt_steps
         self._saved_step = old._saved_step
 
@@ -442,7 +450,9 @@ class Trainer:
                         self.opt.state[p] = {
                             "step": torch.tensor(float(opt_steps)),
                             "exp_avg": shard(full["exp_avg"][name], dim, self.tp.rank, self.tp.size).to(self.device),
-                            "exp_avg_sq": shard(full["exp_avg_sq"][name], dim, self.tp.rank, self.tp.size).to(self.device),
+                            "exp_avg_sq": shard(full["exp_avg_sq"][name], dim, self.tp.rank, self.tp.size).to(
+                                self.device
+                            ),
                         }
         self.step, self.samples_seen, self.opt_steps = int(meta["step"]), int(meta["samples_seen"]), opt_steps
         self.log(f"rank {self.rank}: resumed from checkpoint step {step}")

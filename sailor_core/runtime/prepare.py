@@ -110,7 +110,9 @@ def load_tokenizer(uri: str) -> tuple[Any, str]:
     try:
         return Tokenizer.from_str(raw.decode()), hashlib.sha256(raw).hexdigest()
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
-        raise SailorError(f"{uri}: not a Hugging Face tokenizer.json ({e}); to fix: pass the model's tokenizer.json") from None
+        raise SailorError(
+            f"{uri}: not a Hugging Face tokenizer.json ({e}); to fix: pass the model's tokenizer.json"
+        ) from None
 
 
 def _eos_id(tok: Any, eos: str | None) -> int | None:

@@ -277,7 +277,9 @@ class ControlClient:
             raise ProtocolError(f"control endpoint {endpoint!r} is not HOST:PORT")
         self.host, self.port, self.secret, self.timeout_s = host, int(port), secret, timeout_s
 
-    def _request(self, method: str, path: str, body: str | None = None, timeout_s: float | None = None) -> tuple[int, bytes]:
+    def _request(
+        self, method: str, path: str, body: str | None = None, timeout_s: float | None = None
+    ) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
         try:
             data = body.encode() if body is not None else None

@@ -201,7 +201,9 @@ class SimModel:
         sb = [max(0.0, sum(wk * y[1][i] for wk, y in zip(w, ys, strict=True))) for i in range(n)]
         return sf, sb, opt_s
 
-    def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int, recompute: bool = False) -> StageCompute:
+    def stage_compute(
+        self, gpu: str, mbs: int, tp: int, first: int, last: int, recompute: bool = False
+    ) -> StageCompute:
         """Forward and backward seconds of one microbatch of `mbs` on layers first..last."""
         key = (gpu, mbs, tp, first, last, recompute)
         hit = self._compute_memo.get(key)
