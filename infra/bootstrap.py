@@ -47,14 +47,19 @@ mkdir -p "$home"
 py="${SAILOR_PYTHON:-}"
 for c in python3.13 python3.12 python3.11 python3; do
   [ -z "$py" ] || break
-  if command -v "$c" >/dev/null && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then py=$(command -v "$c"); break; fi
+  if command -v "$c" >/dev/null && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    py=$(command -v "$c"); break
+  fi
 done
 if [ -z "$py" ]; then  # an image whose Python is too old: install one
   if command -v apt-get >/dev/null; then apt-get update -q && apt-get install -y -q python3.11 python3.11-venv
   elif command -v dnf >/dev/null; then dnf install -y -q python3.11; fi
   py=$(command -v python3.11) || { echo "sailor: no Python >= 3.11 and none could be installed" >&2; exit 3; }
 fi
-field() { "$py" -c 'import json, sys; v = json.load(open(sys.argv[1])).get(sys.argv[2], ""); print(v if not isinstance(v, (list, dict)) else json.dumps(v))' "$SAILOR_ASSIGNMENT_FILE" "$1"; }
+field() {  # one field of the assignment; lists and mappings as JSON
+  "$py" -c 'import json, sys; v = json.load(open(sys.argv[1])).get(sys.argv[2], "")
+print(v if not isinstance(v, (list, dict)) else json.dumps(v))' "$SAILOR_ASSIGNMENT_FILE" "$1"
+}
 wheel_url=$(field wheel_url); want=$(field wheel_sha256)
 venv="$home/venv"
 if [ -n "$wheel_url" ] && [ "$(cat "$venv/.sailor-wheel" 2>/dev/null)" != "$want" ]; then
@@ -62,14 +67,16 @@ if [ -n "$wheel_url" ] && [ "$(cat "$venv/.sailor-wheel" 2>/dev/null)" != "$want
   dest="$home/wheel/$(basename "${wheel_url%%\?*}")"
   if [ -n "${SAILOR_DEPS_SITE:-}" ]; then
     "$py" -m venv --without-pip "$venv"
-    echo "$SAILOR_DEPS_SITE" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sailor-deps.pth"
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$SAILOR_DEPS_SITE" > "$site/sailor-deps.pth"
     pip=("$venv/bin/python" -m pip install -q --no-deps --no-index)
   else
     "$py" -m venv "$venv"; "$venv/bin/pip" install -q --upgrade pip boto3
     pip=("$venv/bin/pip" install -q)
   fi
   case "$wheel_url" in
-    s3://*) "$venv/bin/python" -c 'import boto3, sys; b, _, k = sys.argv[1][5:].partition("/"); boto3.client("s3").download_file(b, k, sys.argv[2])' "$wheel_url" "$dest" ;;
+    s3://*) "$venv/bin/python" -c 'import boto3, sys; b, _, k = sys.argv[1][5:].partition("/")
+boto3.client("s3").download_file(b, k, sys.argv[2])' "$wheel_url" "$dest" ;;
     gs://*) gcloud storage cp "$wheel_url" "$dest" ;;
     *) cp "${wheel_url#file://}" "$dest" ;;
   esac
@@ -85,7 +92,8 @@ SAILOR_RUN_SECRET=$(field run_secret); export SAILOR_RUN_SECRET
 SAILOR_CONTROL=$(field rendezvous_endpoint); SAILOR_VM_ID=$(field vm_id); SAILOR_ADVERTISE_ADDR="${addr:-127.0.0.1}"
 export SAILOR_CONTROL SAILOR_VM_ID SAILOR_ADVERTISE_ADDR
 if [ "$(field command)" != "" ] && [ "$(field command)" != "[]" ]; then  # a one-off job (e.g. profiling)
-  mapfile -t cmd < <("$py" -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["command"]))' "$SAILOR_ASSIGNMENT_FILE")
+  mapfile -t cmd < <("$py" -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["command"]))' \
+    "$SAILOR_ASSIGNMENT_FILE")
   rc=0; "$bin/sailor" "${cmd[@]}" || rc=$?
   pyrun="$bin/python"; [ -x "$pyrun" ] || pyrun="$py"
   "$pyrun" -m sailor_core.runtime.protocol set "jobs/$SAILOR_VM_ID/$(field plan_version)" "$rc"  # job_key

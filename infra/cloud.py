@@ -57,8 +57,11 @@ S = TypeVar("S", bound=Shape)
 
 
 def choose_shape(
-    r: VmRequest, shapes: Mapping[str, S], quotes: Callable[[Sequence[str], Sequence[str], Sequence[Market]], list[PriceQuote]],
-    *, kind: str,
+    r: VmRequest,
+    shapes: Mapping[str, S],
+    quotes: Callable[[Sequence[str], Sequence[str], Sequence[Market]], list[PriceQuote]],
+    *,
+    kind: str,
 ) -> S:
     """The VM shape for a request: the one it names, else the cheapest shape with exactly its GPUs
     that is priced in its zone and market (what offerings() showed), else the fewest vCPUs."""
@@ -96,7 +99,9 @@ class ApiCall:
     params: Mapping[str, Any]
 
     def render(self) -> str:
-        return f"{self.service}.{self.operation} [{self.location}] {json.dumps(self.params, sort_keys=True, default=str)}"
+        return (
+            f"{self.service}.{self.operation} [{self.location}] {json.dumps(self.params, sort_keys=True, default=str)}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -422,7 +422,9 @@ class LocalProvider:
         out = []
         for d in self.scenario.device_types:
             sizes = [o.gpus_per_vm for o in self.scenario.offerings if o.gpu_type == d.name]
-            out.append(GpuType(name=d.name, memory_bytes=int(d.memory_gib * 2**30), gpus_per_node=max(sizes, default=1)))
+            out.append(
+                GpuType(name=d.name, memory_bytes=int(d.memory_gib * 2**30), gpus_per_node=max(sizes, default=1))
+            )
         return out
 
     def host_address(self, run_id: str) -> str:
@@ -471,7 +473,9 @@ class LocalProvider:
         try:
             return tb.spawn(vm_id, argv, env=env, log=log)
         except (OSError, TestbedError) as e:
-            raise ProviderError(f"cannot start the worker agent {argv[0]} on {vm_id}: {e}; to fix: check the install") from e
+            raise ProviderError(
+                f"cannot start the worker agent {argv[0]} on {vm_id}: {e}; to fix: check the install"
+            ) from e
 
     def bootstrap(self, vm: Vm, assignment: WorkerAssignment) -> None:
         with self._lock:
@@ -509,7 +513,11 @@ class LocalProvider:
 
     def terminate(self, vm_ids: Sequence[str]) -> None:
         with self._lock:
-            recs = [r for r in (self._record(v) for v in vm_ids) if r is not None and r["state"] not in ("terminated", "planned")]
+            recs = [
+                r
+                for r in (self._record(v) for v in vm_ids)
+                if r is not None and r["state"] not in ("terminated", "planned")
+            ]
             # All agents get their SIGTERM at once and share one grace period.
             self.stop_agents([r["vm_id"] for r in recs])
             for rec in recs:

@@ -145,7 +145,9 @@ class Controller:
                     counts[how] = counts.get(how, 0) + 1
         return counts
 
-    def end_generation(self, version: int, members: list[str], *, broken: bool, timeout_s: float = 60.0) -> dict[str, str]:
+    def end_generation(
+        self, version: int, members: list[str], *, broken: bool, timeout_s: float = 60.0
+    ) -> dict[str, str]:
         """Ask generation `version` to stop at its next step with a checkpoint (its workers go on to the
         next generation, state kept); a broken one (a member lost) is aborted instead. Waits until
         every member reported, or `timeout_s`; returns their statuses."""

@@ -101,7 +101,9 @@ class RunHistory:
     def decision(self, run_id: str, kind: str, reason: str, payload: Mapping[str, Any] | None = None) -> None:
         self._append("decisions", run_id, kind, reason, payload)
 
-    def plan(self, run_id: str, version: int, plan: Mapping[str, Any], estimate: Mapping[str, Any], reason: str) -> None:
+    def plan(
+        self, run_id: str, version: int, plan: Mapping[str, Any], estimate: Mapping[str, Any], reason: str
+    ) -> None:
         self._append("plans", run_id, "plan", reason, {"version": version, "plan": plan, "estimate": estimate})
 
     def measurement(self, run_id: str, kind: str, payload: Mapping[str, Any], reason: str = "") -> None:
@@ -138,7 +140,14 @@ class RunHistory:
             cur["updated_at"] = _iso(r.time)
             if r.kind in FINAL_STATUSES:
                 cur["ended_at"] = _iso(r.time)
-                for k in ("steps_done", "usd_total", "wall_s", "training_s", "orchestration_overhead_s", "plan_versions"):
+                for k in (
+                    "steps_done",
+                    "usd_total",
+                    "wall_s",
+                    "training_s",
+                    "orchestration_overhead_s",
+                    "plan_versions",
+                ):
                     if k in r.payload:
                         cur[k] = r.payload[k]
         now = self.clock()

@@ -196,7 +196,9 @@ def read_progress(job: Job, *, warmup_steps: int = 2, window: int = 10) -> Progr
             rows_by_step[int(r["step"])] = {**rows_by_step.get(int(r["step"]), {}),
                                             **{k: v for k, v in r.items() if v is not None}}
     if not rows_by_step:
-        return Progress(step=job.start_step, steps_this_version=0, loss=None, recent_iteration_s=None, first_step_at=None)
+        return Progress(
+            step=job.start_step, steps_this_version=0, loss=None, recent_iteration_s=None, first_step_at=None
+        )
     steps = sorted(rows_by_step)
     top = steps[-1]
     times = [float(rows_by_step[s]["iteration_time_s"]) for s in steps if "iteration_time_s" in rows_by_step[s]]

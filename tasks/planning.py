@@ -4,8 +4,8 @@ Contract (no Prefect): pure helpers around sailor_core's planner and simulator.
 - `pool_from(offerings, held)`: what the planner may use now: the free capacity the provider offers
   plus the VMs this run already holds (a replan may keep them), at current prices.
 - `priced_book(book, offerings)`: the book with the provider's current prices.
-- `calibrated_book(book, factors)` (from sailor_core.profiles): layer times of each GPU type scaled by its online correction
-  (measured / estimated iteration time), so the next plan uses what this machine really does.
+- `calibrated_book(book, factors)` (from sailor_core.profiles): layer times of each GPU type scaled by its online
+  correction (measured / estimated iteration time), so the next plan uses what this machine really does.
 - `run_planner(request, book)`: the planner's answer (a `PlanResult` with a plan), or `NoPlanError` with its
   nearest miss.
 - `chosen_plan(result)`: its plan and the estimate as JSON.
@@ -24,7 +24,16 @@ from sailor_core.errors import NoPlanError
 from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook, calibrated_book
 
-__all__ = ["NoPlanError", "calibrated_book", "chosen_plan", "estimate", "plan_violations", "pool_from", "priced_book", "run_planner"]
+__all__ = [
+    "NoPlanError",
+    "calibrated_book",
+    "chosen_plan",
+    "estimate",
+    "plan_violations",
+    "pool_from",
+    "priced_book",
+    "run_planner",
+]
 
 
 def pool_from(offerings: Sequence[Offering], held: Sequence[Vm] = ()) -> ResourcePool:

@@ -180,7 +180,8 @@ def event_reason(e: ProviderEvent) -> str:
         return (f"{e.gpu_type} {e.market.value if e.market else ''} in {e.zone}: "
                 f"{d.get('old_usd_per_gpu_hour')} -> {d.get('new_usd_per_gpu_hour')} USD/GPU-hour")
     if e.kind == EventKind.CAPACITY_CHANGE:
-        return f"{e.gpu_type} {e.market.value if e.market else ''} in {e.zone}: {d.get('old_count')} -> {d.get('new_count')}"
+        return (f"{e.gpu_type} {e.market.value if e.market else ''} in {e.zone}: "
+                f"{d.get('old_count')} -> {d.get('new_count')}")
     if e.kind == EventKind.PREEMPTION:
         return f"VM {e.vm_id} ({e.market.value if e.market else ''}) will be taken back (grace {d.get('grace_s')}s)"
     return f"VM {e.vm_id}: {d.get('reason', '')}"
