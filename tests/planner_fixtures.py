@@ -42,7 +42,8 @@ def tiny_book(seed: int, *, num_blocks: int = 4, gpus: tuple[str, ...] = ("fast"
     model = ModelSpec(name=MODEL, num_blocks=num_blocks, hidden_size=512, num_heads=8, sequence_length=1024,
                       vocab_size=1000, layers=tuple(layers))
     gpu_types = {
-        g: GpuType(name=g, memory_bytes=int(mem * GIB), gpus_per_node=2) for g, mem in zip(gpus, memory_gib, strict=True)
+        g: GpuType(name=g, memory_bytes=int(mem * GIB), gpus_per_node=2)
+        for g, mem in zip(gpus, memory_gib, strict=True)
     }
     speed = {g: rng.uniform(1.0, 1.3) * (1 + 1.5 * k) for k, g in enumerate(gpus)}
     base = [rng.uniform(0.004, 0.012) for _ in range(n_layers)]
@@ -68,7 +69,9 @@ def tiny_book(seed: int, *, num_blocks: int = 4, gpus: tuple[str, ...] = ("fast"
                                                  fit=BandwidthFit(coeffs=(0.0, 0.0, gbps), max_bytes_per_s=gbps * 1e9)))
     intra = [IntraNodeLink(gpu_type=g, num_gpus=2, fit=BandwidthFit(coeffs=(0.0, 0.0, 80.0), max_bytes_per_s=80e9))
              for g in gpus]
-    egress = [EgressPrice(sender_zone=a, receiver_zone=b, usd_per_gb=0.0 if a == b else 0.01) for a in zones for b in zones]
+    egress = [
+        EgressPrice(sender_zone=a, receiver_zone=b, usd_per_gb=0.0 if a == b else 0.01) for a in zones for b in zones
+    ]
     price = {g: 3.0 / (1 + k) for k, g in enumerate(gpus)}
     prices = [GpuPrice(cloud="gcp", zone=z, gpu_type=g, market=Market.ON_DEMAND, usd_per_gpu_hour=price[g])
               for z in zones for g in gpus]

@@ -69,7 +69,9 @@ def tiny_model(name: str = "Tiny", blocks: int = 2, tps: tuple[int, ...] = (1, 2
         for tp in tps
         for i in range(n)
     )
-    return ModelSpec(name=name, num_blocks=blocks, hidden_size=8, num_heads=2, sequence_length=8, vocab_size=32, layers=layers)
+    return ModelSpec(
+        name=name, num_blocks=blocks, hidden_size=8, num_heads=2, sequence_length=8, vocab_size=32, layers=layers
+    )
 
 
 TEST_GPU = GpuType(name="TestGPU", memory_bytes=16 * GIB, gpus_per_node=2, peak_flops=1e12)
@@ -77,8 +79,16 @@ TEST_GPU = GpuType(name="TestGPU", memory_bytes=16 * GIB, gpus_per_node=2, peak_
 
 def profiles(model: ModelSpec, gpu: str, points: list[tuple[int, int]], scale: float = 1.0) -> list[LayerProfile]:
     return [
-        LayerProfile(model=model.name, gpu_type=gpu, mbs=m, tp=t, layer=i,
-                     forward_s=scale * 0.001 * (i + 1) * m, backward_s=scale * 0.002 * (i + 1) * m, optimizer_s=scale * 0.01)
+        LayerProfile(
+            model=model.name,
+            gpu_type=gpu,
+            mbs=m,
+            tp=t,
+            layer=i,
+            forward_s=scale * 0.001 * (i + 1) * m,
+            backward_s=scale * 0.002 * (i + 1) * m,
+            optimizer_s=scale * 0.01,
+        )
         for m, t in points
         for i in range(model.num_layers)
     ]

@@ -33,6 +33,15 @@ class TestAwsProviderContract(ProviderContract):
         prices = ScriptedPriceSource(cloud="aws")
         prices.set(instance_type="g5.xlarge", zone="us-east-1a", market=Market.SPOT, usd_per_hour=0.40)
         prices.set(instance_type="g5.12xlarge", zone="us-east-1a", market=Market.ON_DEMAND, usd_per_hour=5.672)
-        yield AwsProvider(AwsConfig(regions=("us-east-1",), zones=("us-east-1a",), image_ids={"us-east-1": "ami-dca37ea5"},
-                                    max_vms_per_offering=2, wait_delay_s=0.05),
-                          client_for=client_factory(moto.url), prices=prices, event_source=ScriptedEventSource())
+        yield AwsProvider(
+            AwsConfig(
+                regions=("us-east-1",),
+                zones=("us-east-1a",),
+                image_ids={"us-east-1": "ami-dca37ea5"},
+                max_vms_per_offering=2,
+                wait_delay_s=0.05,
+            ),
+            client_for=client_factory(moto.url),
+            prices=prices,
+            event_source=ScriptedEventSource(),
+        )

@@ -1,8 +1,8 @@
 """The `sailor` flow on the aws provider (moto): two regions, a spot interruption, a replan, completion.
 
-The VMs are moto's EC2 CPU instances (GPU type `cpu`, one worker each), provisioned, tagged, secured and terminated by AwsProvider; the
-worker each VM's startup script would start runs on this machine instead (tests/fakes/
-agents_here.py), after the assignment went out by SSM. The spot interruption is the two-minute
+The VMs are moto's EC2 CPU instances (GPU type `cpu`, one worker each), provisioned, tagged, secured and
+terminated by AwsProvider; the worker each VM's startup script would start runs on this machine instead
+(tests/fakes/agents_here.py), after the assignment went out by SSM. The spot interruption is the two-minute
 notice as the VM's metadata relay reports it (moto emits none), followed by EC2 taking the VM back.
 Afterwards moto must hold no running instance and no security group of the run, and no credential
 may appear in any log line, artifact, store row or file of the run.

@@ -62,7 +62,9 @@ class MetadataFake:
                     if self.headers.get("Metadata-Flavor") != "Google":
                         return self._send(403, "Missing Metadata-Flavor:Google header.")
                     key = self.path.removeprefix("/computeMetadata/v1/")
-                    val = {"instance/preempted": fake.preempted, "instance/maintenance-event": fake.maintenance}.get(key)
+                    val = {"instance/preempted": fake.preempted, "instance/maintenance-event": fake.maintenance}.get(
+                        key
+                    )
                     return self._send(200, val) if val is not None else self._send(404, "")
                 self._send(404, "")
 
@@ -140,7 +142,12 @@ def test_notice_unit_runs_its_command_once_on_an_imminent_notice(meta, tmp_path)
     flag = tmp_path / "sigterm-sent"
     meta.preempted = "TRUE"
     env = {**os.environ, "SAILOR_METADATA": "gcp", "SAILOR_METADATA_URL": meta.url}
-    done = subprocess.run([sys.executable, "-m", "infra.metadata", "--exec", f"echo x >> {flag}", "--interval-s", "0.05"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "infra.metadata", "--exec", f"echo x >> {flag}", "--interval-s", "0.05"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and "notice: preempted" in done.stdout
     assert flag.read_text() == "x\n"

@@ -19,7 +19,9 @@ T0 = datetime(2026, 3, 1, tzinfo=UTC)
 
 
 def test_price_list_source_sends_the_filters_and_reads_the_hourly_price() -> None:
-    client = boto3.client("pricing", region_name="us-east-1", aws_access_key_id="AKIAFAKE", aws_secret_access_key="fake")
+    client = boto3.client(
+        "pricing", region_name="us-east-1", aws_access_key_id="AKIAFAKE", aws_secret_access_key="fake"
+    )
     entry = {k: v for k, v in SAMPLE.items() if k != "_comment"}
     with Stubber(client) as stub:
         stub.add_response("get_products", {"PriceList": [json.dumps(entry)], "FormatVersion": "aws_v1"}, {

@@ -248,7 +248,9 @@ def test_cleanup_finds_and_removes_everything_a_run_left(env) -> None:
     # A second process (the CLI) sees the run's resources by their tags alone.
     fresh = AwsProvider(provider.config, client_for=client_for, prices=provider.prices)
     planned = fresh.cleanup_resources("gone", dry_run=True)
-    assert len([x for x in planned if x.startswith("i-")]) == 2 and len([x for x in planned if x.startswith("sg-")]) == 2
+    assert (
+        len([x for x in planned if x.startswith("i-")]) == 2 and len([x for x in planned if x.startswith("sg-")]) == 2
+    )
     assert len(running(client_for, "us-east-1")) == 2  # dry run removed nothing
     assert fresh.cleanup("gone", dry_run=True) == [x for x in planned if x.startswith("i-")]
     removed = fresh.cleanup_resources("gone")

@@ -183,7 +183,9 @@ def rep(tp: int = 1) -> Replica:
     return Replica(gpu_type="cpu", zone="local", tp=tp, gpus_per_node=2)
 
 
-def plan(stages: list[tuple[tuple[int, int], list[Replica]]], pipelines=((2, 4),), schedule: str = "1f1b") -> ParallelPlan:
+def plan(
+    stages: list[tuple[tuple[int, int], list[Replica]]], pipelines=((2, 4),), schedule: str = "1f1b"
+) -> ParallelPlan:
     pipes = tuple(PipelineBatch(microbatch_size=m, num_microbatches=n) for m, n in pipelines)
     return ParallelPlan(model=CFG.name, global_batch_size=sum(x.samples for x in pipes), schedule=schedule,
                         stages=tuple(Stage(first_layer=a, last_layer=b, replicas=tuple(r)) for (a, b), r in stages),
@@ -280,7 +282,9 @@ def test_gpu_check_compares_a_profile_with_the_published_one(tmp_path):
 
     from profiles_store import open_store
 
-    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    )
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)

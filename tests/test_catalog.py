@@ -79,7 +79,9 @@ def test_gcp_catalog_prices_attachable_gpus_separately() -> None:
     gcp = load_skypilot_file(DATA / "skypilot_gcp_sample.csv", cloud="gcp", fetched_at=T0)
     assert accelerator_price(gcp, gpu_type="V100-16", zone="us-central1-a", market=Market.SPOT) == pytest.approx(0.74)
     assert accelerator_price(gcp, gpu_type="V100-16", zone="us-central1-c", market=Market.SPOT) is None
-    assert vm_price(gcp, instance_type="n1-standard-8", zone="us-central1-b", market=Market.ON_DEMAND) == pytest.approx(0.379998)
+    assert vm_price(gcp, instance_type="n1-standard-8", zone="us-central1-b", market=Market.ON_DEMAND) == pytest.approx(
+        0.379998
+    )
     assert {r.line for r in gcp.rejected} == {14, 15}
     a2 = [o for o in catalog_offers(gcp, gpu_types=["A100-40"]) if o.zone == "us-central1-a"]
     assert {o.instance_type for o in a2} == {"a2-highgpu-1g", "a2-highgpu-8g"}

@@ -162,7 +162,11 @@ def test_training_streams_the_shards_and_a_plan_change_keeps_the_sample_order(s3
     # the global sample numbering carried over the plan change: samples 0..23, each once, in order
     assert [changed[s]["samples_seen"] for s in range(1, 7)] == [4 * s for s in range(1, 7)]
     for s in range(1, 7):
-        assert abs(changed[s]["loss"] - one[s]["loss"]) <= 1e-3 * one[s]["loss"], (s, changed[s]["loss"], one[s]["loss"])
+        assert abs(changed[s]["loss"] - one[s]["loss"]) <= 1e-3 * one[s]["loss"], (
+            s,
+            changed[s]["loss"],
+            one[s]["loss"],
+        )
     assert one[6]["loss"] < one[1]["loss"]
 
 

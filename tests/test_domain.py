@@ -37,7 +37,10 @@ def two_stage_plan(**kw) -> ParallelPlan:
     args = dict(
         model="OPT-350",
         global_batch_size=16,
-        stages=(Stage(first_layer=0, last_layer=12, replicas=(rep, rep)), Stage(first_layer=13, last_layer=25, replicas=(rep, rep))),
+        stages=(
+            Stage(first_layer=0, last_layer=12, replicas=(rep, rep)),
+            Stage(first_layer=13, last_layer=25, replicas=(rep, rep)),
+        ),
         pipelines=(PipelineBatch(microbatch_size=2, num_microbatches=4),) * 2,
     )
     args.update(kw)
@@ -89,19 +92,28 @@ def test_plan_checked_against_a_models_layer_count() -> None:
     assert problems == ["stages cover layers 0..25 but model OPT-350 has 30 layers"]
 
 
-@pytest.mark.parametrize(("make", "part"), [
-    (lambda: Stage(first_layer=3, last_layer=2, replicas=(Replica(gpu_type="A", zone="z-a"),)), "first_layer <= last_layer"),
-    (lambda: Stage(first_layer=-1, last_layer=2, replicas=(Replica(gpu_type="A", zone="z-a"),)), "0 <= first_layer"),
-    (lambda: Stage(first_layer=0, last_layer=2, replicas=()), "no replicas"),
-    (lambda: PipelineBatch(microbatch_size=0, num_microbatches=4), "must be >= 1"),
-    (lambda: PipelineBatch(microbatch_size=2, num_microbatches=0), "must be >= 1"),
-    (lambda: Replica(gpu_type="A", zone="z-a", tp=0), "tp must be >= 1"),
-    (lambda: Replica(gpu_type="A", zone="z-a", gpus_per_node=0), "gpus_per_node must be >= 1"),
-    (lambda: Replica(gpu_type="", zone="z-a"), "non-empty"),
-    (lambda: two_stage_plan(stages=()), "no stages"),
-    (lambda: two_stage_plan(pipelines=()), "0 replicas|2 replicas but the plan has 0"),
-    (lambda: two_stage_plan(precision="fp8"), "precision must be"),
-])
+@pytest.mark.parametrize(
+    ("make", "part"),
+    [
+        (
+            lambda: Stage(first_layer=3, last_layer=2, replicas=(Replica(gpu_type="A", zone="z-a"),)),
+            "first_layer <= last_layer",
+        ),
+        (
+            lambda: Stage(first_layer=-1, last_layer=2, replicas=(Replica(gpu_type="A", zone="z-a"),)),
+            "0 <= first_layer",
+        ),
+        (lambda: Stage(first_layer=0, last_layer=2, replicas=()), "no replicas"),
+        (lambda: PipelineBatch(microbatch_size=0, num_microbatches=4), "must be >= 1"),
+        (lambda: PipelineBatch(microbatch_size=2, num_microbatches=0), "must be >= 1"),
+        (lambda: Replica(gpu_type="A", zone="z-a", tp=0), "tp must be >= 1"),
+        (lambda: Replica(gpu_type="A", zone="z-a", gpus_per_node=0), "gpus_per_node must be >= 1"),
+        (lambda: Replica(gpu_type="", zone="z-a"), "non-empty"),
+        (lambda: two_stage_plan(stages=()), "no stages"),
+        (lambda: two_stage_plan(pipelines=()), "0 replicas|2 replicas but the plan has 0"),
+        (lambda: two_stage_plan(precision="fp8"), "precision must be"),
+    ],
+)
 def test_plan_parts_are_validated_on_construction(make, part) -> None:
     with pytest.raises(ValidationError, match=part) as e:
         make()

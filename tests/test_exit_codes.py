@@ -262,9 +262,29 @@ def test_infra_with_the_cloud_unreachable_is_one_line_and_a_failure(tmp_path, ar
 
 
 def test_provision_dry_run_never_shows_an_unknown_price_as_zero(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "sailor_cli.main", "infra", "provision", "--provider", "aws", "--run", "r1",
-                        "--zone", "us-east-1a", "--gpu-type", "A10G-24", "--dry-run"], capture_output=True, text=True,
-                       cwd=REPO, env=_unreachable_cloud(tmp_path), timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sailor_cli.main",
+            "infra",
+            "provision",
+            "--provider",
+            "aws",
+            "--run",
+            "r1",
+            "--zone",
+            "us-east-1a",
+            "--gpu-type",
+            "A10G-24",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_unreachable_cloud(tmp_path),
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-1500:]
     assert "$0.0000/h" not in p.stdout.split("hourly cost")[0].splitlines()[-1]
     assert "unknown price" in p.stdout and "hourly cost: unknown" in p.stdout

@@ -274,9 +274,11 @@ def test_cancelling_the_flow_process_tears_everything_down(profiled_store, tmp_p
     from tasks.history import RunHistory
 
     work = tmp_path / "work"
-    code = ("from flows.sailor import sailor; "
-            f"sailor(run_name='cancel', steps=5000, workers=2, objective='max-throughput', store_uri={profiled_store!r}, "
-            f"workdir={str(work)!r})")
+    code = (
+        "from flows.sailor import sailor; "
+        f"sailor(run_name='cancel', steps=5000, workers=2, objective='max-throughput', store_uri={profiled_store!r}, "
+        f"workdir={str(work)!r})"
+    )
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parent.parent,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

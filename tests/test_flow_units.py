@@ -96,8 +96,12 @@ def test_history_keeps_runs_with_the_same_name_apart(store):
 
 def _plan(n: int) -> ParallelPlan:
     reps = tuple(Replica(gpu_type="cpu", zone="local", market=Market.SPOT) for _ in range(n))
-    return ParallelPlan(model="gpt-tiny", global_batch_size=2 * n, stages=(Stage(first_layer=0, last_layer=5, replicas=reps),),
-                        pipelines=tuple(PipelineBatch(microbatch_size=2, num_microbatches=1) for _ in range(n)))
+    return ParallelPlan(
+        model="gpt-tiny",
+        global_batch_size=2 * n,
+        stages=(Stage(first_layer=0, last_layer=5, replicas=reps),),
+        pipelines=tuple(PipelineBatch(microbatch_size=2, num_microbatches=1) for _ in range(n)),
+    )
 
 
 def _vm(i: int, market: Market = Market.SPOT) -> Vm:
@@ -118,7 +122,9 @@ def test_reconfiguration_reuses_matching_vms_and_assigns_ranks_in_order(tmp_path
         assert a[0][1].checkpoint_uri.startswith(str(tmp_path)) and a[0][1].first_generation == 2
         # Progress: from what the workers reported to the controller; steps are global across versions.
         for s in range(6, 10):
-            ctl.server._board.append("metrics/v2", json.dumps({"step": s, "loss": 5.0 - s / 10, "iteration_time_s": 0.1}))
+            ctl.server._board.append(
+                "metrics/v2", json.dumps({"step": s, "loss": 5.0 - s / 10, "iteration_time_s": 0.1})
+            )
         ctl.server._board.append("metrics/v2", '{"step": 10, "lo')
         pr = read_progress(job)
         assert pr.step == 9 and pr.steps_this_version == 4 and pr.loss == pytest.approx(4.1)

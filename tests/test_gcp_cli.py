@@ -56,6 +56,9 @@ def test_offerings_provision_and_cleanup_through_the_cli(gcp_env, capsys) -> Non
     assert code == 0 and "capacity fallback: w0 us-central1-a -> us-central1-b (us-central1-a " \
                          "(ZONE_RESOURCE_POOL_EXHAUSTED))" in out
     code, out, _ = run(capsys, "infra", "cleanup", "--dry-run")  # gcp is configured: covered without --provider
-    assert "gcp: would remove us-central1-b/sailor-cli2-w0" in out and "gcp: would remove firewall/sailor-cli2-ports" in out
+    assert (
+        "gcp: would remove us-central1-b/sailor-cli2-w0" in out
+        and "gcp: would remove firewall/sailor-cli2-ports" in out
+    )
     code, out, _ = run(capsys, "infra", "cleanup", "--provider", "gcp", "--run", "cli2")
     assert code == 0 and "removed 2 resource(s)" in out and gcp_env.instances == {} and gcp_env.firewalls == {}

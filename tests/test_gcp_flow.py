@@ -66,9 +66,22 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
     deps = Deps(provider=provider, store=open_store(store_uri), workdir=work, poll_s=1.5)
     watcher = when_step(deps.board, 4, preempt)
     # The budget affords the two spot VMs (0.17/h) but no pair with the on-demand one (>= 0.51/h).
-    state = sailor(run_name="gcp-spot", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
-                   max_usd_per_hour=0.3, provider="gcp", regions=["us-central1", "europe-west4"], gpu_types=["cpu"], steps=60,
-                   checkpoint_interval=4, store_uri=store_uri, workdir=str(work), deps=deps, return_state=True)
+    state = sailor(
+        run_name="gcp-spot",
+        model="gpt-tiny",
+        global_batch_size=8,
+        objective="max-throughput",
+        max_usd_per_hour=0.3,
+        provider="gcp",
+        regions=["us-central1", "europe-west4"],
+        gpu_types=["cpu"],
+        steps=60,
+        checkpoint_interval=4,
+        store_uri=store_uri,
+        workdir=str(work),
+        deps=deps,
+        return_state=True,
+    )
     watcher.join(timeout=30)
     assert state.is_completed(), state.message
     assert preempted, "the preemption never happened"

@@ -25,7 +25,9 @@ def skus():
 def test_billing_catalog_prices_shapes_from_core_ram_and_gpu_skus() -> None:
     table = parse_skus(skus())
     assert ("gpu", "nvidia-tesla-v100", "us-central1", Market.SPOT) in table
-    assert table[("gpu", "nvidia-tesla-v100", "us-central1", Market.ON_DEMAND)] == pytest.approx(2.48)  # not the commitment
+    assert table[("gpu", "nvidia-tesla-v100", "us-central1", Market.ON_DEMAND)] == pytest.approx(
+        2.48
+    )  # not the commitment
     src = BillingCatalogSource(skus, clock=lambda: T0)
     qs = src.quotes(instance_types=[V100, "g2-standard-4", "a2-highgpu-1g"], regions=["us-central1", "us-east1"],
                     markets=list(Market))
@@ -42,10 +44,15 @@ def test_billing_catalog_prices_shapes_from_core_ram_and_gpu_skus() -> None:
 
 def test_skypilot_gcp_catalog_composes_n1_host_and_attached_gpus() -> None:
     table = load_skypilot_file(DATA / "skypilot_gcp_sample.csv", cloud="gcp", fetched_at=T0)
-    qs = SkypilotGcpPriceSource(table).quotes(instance_types=[V100, "a2-highgpu-1g", "n1-standard-16+nvidia-tesla-v100:2"],
-                                              regions=["us-central1"], markets=list(Market))
+    qs = SkypilotGcpPriceSource(table).quotes(
+        instance_types=[V100, "a2-highgpu-1g", "n1-standard-16+nvidia-tesla-v100:2"],
+        regions=["us-central1"],
+        markets=list(Market),
+    )
     v = lookup(qs, instance_type=V100, zone="us-central1-a", market=Market.SPOT)
     assert v.usd_per_hour == pytest.approx(0.08 + 0.74) and v.fetched_at == T0
-    assert lookup(qs, instance_type="a2-highgpu-1g", zone="us-central1-b", market=Market.ON_DEMAND).usd_per_hour == 3.673
+    assert (
+        lookup(qs, instance_type="a2-highgpu-1g", zone="us-central1-b", market=Market.ON_DEMAND).usd_per_hour == 3.673
+    )
     assert lookup(qs, instance_type="n1-standard-16+nvidia-tesla-v100:2", zone="us-central1-a",
                   market=Market.SPOT) is None  # no n1-standard-16 host row in the sample

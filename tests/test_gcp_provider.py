@@ -87,7 +87,9 @@ def test_provision_spot_and_standard_in_two_regions_with_labels_firewall_and_scr
     assert std["scheduling"]["provisioningModel"] == "STANDARD"
     assert spot["guestAccelerators"] == [{"acceleratorType": "zones/us-central1-a/acceleratorTypes/nvidia-tesla-v100",
                                           "acceleratorCount": 1}]
-    assert spot["labels"]["sailor-run"] == "r-1" and spot["disks"][0]["initializeParams"]["labels"]["sailor-run"] == "r-1"
+    assert (
+        spot["labels"]["sailor-run"] == "r-1" and spot["disks"][0]["initializeParams"]["labels"]["sailor-run"] == "r-1"
+    )
     assert spot["disks"][0]["initializeParams"]["diskSizeGb"] == "150"
     script = {i["key"]: i["value"] for i in spot["metadata"]["items"]}["startup-script"]
     assert '"$bin/sailor" worker --control' in script and "sailor-assignment" in script  # the bootstrap

@@ -285,7 +285,8 @@ def _attend(q, k, v):
 
 
 def reference_neox_logits(t: dict, d: dict, ids):
-    """Hugging Face GPT-NeoX's forward from its tensor names: fused per-head [q|k|v], partial rotary, parallel residual."""
+    """Hugging Face GPT-NeoX's forward from its tensor names: fused per-head [q|k|v], partial rotary,
+    parallel residual."""
     import torch
 
     nh = d["num_attention_heads"]
@@ -330,7 +331,11 @@ def reference_opt_logits(t: dict, d: dict, ids):
         y = _ln(x, t[p + "self_attn_layer_norm.weight"], t[p + "self_attn_layer_norm.bias"])
 
         def proj(name, y=y, p=p):
-            return (y @ t[f"{p}self_attn.{name}.weight"].T + t[f"{p}self_attn.{name}.bias"]).view(b, s, nh, hd).transpose(1, 2)
+            return (
+                (y @ t[f"{p}self_attn.{name}.weight"].T + t[f"{p}self_attn.{name}.bias"])
+                .view(b, s, nh, hd)
+                .transpose(1, 2)
+            )
 
         att = _attend(proj("q_proj"), proj("k_proj"), proj("v_proj")).transpose(1, 2).reshape(b, s, -1)
         x = x + att @ t[p + "self_attn.out_proj.weight"].T + t[p + "self_attn.out_proj.bias"]
@@ -491,7 +496,10 @@ def test_mistral_and_qwen2_are_llama_with_their_differences():
     assert config_from_hf(hf_config_of(mistral), name=mistral.name) == mistral
     with pytest.raises(SailorError, match="sliding-window attention over 16 tokens.*--seq-len 16"):
         config_from_hf({**LLAMA, "model_type": "mistral", "sliding_window": 16})
-    assert config_from_hf({**LLAMA, "model_type": "mistral", "sliding_window": 16}, sequence_length=16).sliding_window == 16
+    assert (
+        config_from_hf({**LLAMA, "model_type": "mistral", "sliding_window": 16}, sequence_length=16).sliding_window
+        == 16
+    )
 
     d = {**LLAMA, "model_type": "qwen2", "sliding_window": 8, "use_sliding_window": False}
     qwen = config_from_hf(d)

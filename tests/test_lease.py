@@ -170,8 +170,17 @@ def test_a_killed_flow_is_crashed_and_the_next_run_cleans_up_after_it(profiled_s
     time.sleep(7)  # past the lease
     r = next(x for x in h.list_runs() if x["run_id"] == run_id)
     assert r["status"] == "crashed", r
-    state = sailor(run_name="next", dry_run=True, steps=10, objective="max-throughput", workers=2, store_uri=profiled_store,
-                   workdir=str(work), isolation="process", return_state=True)
+    state = sailor(
+        run_name="next",
+        dry_run=True,
+        steps=10,
+        objective="max-throughput",
+        workers=2,
+        store_uri=profiled_store,
+        workdir=str(work),
+        isolation="process",
+        return_state=True,
+    )
     assert state.is_completed(), state.message
     r = h.show(run_id)
     assert r["status"] == "crashed" and "crash_detected" not in r

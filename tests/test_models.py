@@ -26,7 +26,13 @@ def test_builtins_and_store_indexing():
     for name in ("gpt-tiny", "gpt-small", "OPT-350", "GPT-Neo-2.7", "LLAMA-3-8", "OPT-30"):
         assert name in BUILTIN_CONFIGS
     tiny = get_config("GPT-TINY")
-    assert (tiny.num_layers, tiny.hidden_size, tiny.num_heads, tiny.sequence_length, tiny.vocab_size) == (6, 128, 4, 128, 256)
+    assert (tiny.num_layers, tiny.hidden_size, tiny.num_heads, tiny.sequence_length, tiny.vocab_size) == (
+        6,
+        128,
+        4,
+        128,
+        256,
+    )
     spec = model_spec(tiny, (1, 2))
     assert spec.num_layers == 6 and spec.tp_degrees == (1, 2)
     assert [ly.kind for ly in spec.layers if ly.tp == 1] == ["embedding"] + ["block"] * 4 + ["head"]

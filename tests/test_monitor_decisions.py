@@ -57,6 +57,8 @@ def test_a_stall_or_a_deadline_stops_the_run_and_says_how_to_fix_it() -> None:
     common = dict(step=3, total_steps=10, plan_shape="plan v1: 2 stage(s) x 1 replica(s)", logs="s3://b/logs")
     assert stop_reason(now=100.0, last_progress_at=90.0, stall_timeout_s=30.0, deadline_at=None, **common) is None
     stall = stop_reason(now=200.0, last_progress_at=90.0, stall_timeout_s=30.0, deadline_at=None, **common)
-    assert stall is not None and "no training progress for 30s" in stall and "to fix" in stall and "s3://b/logs" in stall
+    assert (
+        stall is not None and "no training progress for 30s" in stall and "to fix" in stall and "s3://b/logs" in stall
+    )
     late = stop_reason(now=100.0, last_progress_at=90.0, stall_timeout_s=30.0, deadline_at=99.0, **common)
     assert late == "deadline reached at step 3 of 10"

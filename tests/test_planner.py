@@ -166,7 +166,9 @@ def test_ring_shortcut_takes_the_measured_node_all_reduce_like_the_simulator(boo
 
 
 def _pool(book, zones: dict[str, dict[str, int]]) -> ResourcePool:
-    return parse_pool({"zones": {z: {"gpus": {g: {"count": n} for g, n in gs.items()}} for z, gs in zones.items()}}, book)
+    return parse_pool(
+        {"zones": {z: {"gpus": {g: {"count": n} for g, n in gs.items()}} for z, gs in zones.items()}}, book
+    )
 
 
 def test_plan_is_verified_by_the_simulator_and_deterministic(book) -> None:
@@ -257,7 +259,9 @@ def test_cli_plan_json_matches_sailor_simulate(tmp_path: Path, capsys) -> None:
     assert rc == 0
     got = json.loads(capsys.readouterr().out)
     assert {"plan", "estimate", "search_time_s", "frontier", "what_if"} <= set(got)
-    assert got["what_if"][0]["change"] == "+16 V100-16 in us-central1-a" and "delta_iterations_per_s" in got["what_if"][0]
+    assert (
+        got["what_if"][0]["change"] == "+16 V100-16 in us-central1-a" and "delta_iterations_per_s" in got["what_if"][0]
+    )
     assert png.stat().st_size > 0
     rc = main(["simulate", str(out), "--json"])
     assert rc == 0
@@ -393,7 +397,9 @@ def _pipelines_in_zones(pl, pool):
             free[(z, g, mk)] -= n
         for s, r in enumerate(reps):
             new_reps[s].append(replace(r, zone=z))
-    return replace(pl, stages=tuple(replace(st, replicas=tuple(rs)) for st, rs in zip(pl.stages, new_reps, strict=True)))
+    return replace(
+        pl, stages=tuple(replace(st, replicas=tuple(rs)) for st, rs in zip(pl.stages, new_reps, strict=True))
+    )
 
 
 def test_max_throughput_keeps_pipelines_inside_zones_when_that_is_as_fast(tmp_path: Path) -> None:

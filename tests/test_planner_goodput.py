@@ -129,8 +129,12 @@ def test_rates_and_reconfiguration_from_the_run_history() -> None:
 
     def one_stage(n: int, market: Market) -> ParallelPlan:
         r = Replica(gpu_type="A100-40", zone="z-a", tp=1, gpus_per_node=4, market=market, region="z")
-        return ParallelPlan(model="m", global_batch_size=n, stages=(Stage(first_layer=0, last_layer=0, replicas=(r,) * n),),
-                            pipelines=(PipelineBatch(microbatch_size=1, num_microbatches=1),) * n)
+        return ParallelPlan(
+            model="m",
+            global_batch_size=n,
+            stages=(Stage(first_layer=0, last_layer=0, replicas=(r,) * n),),
+            pipelines=(PipelineBatch(microbatch_size=1, num_microbatches=1),) * n,
+        )
 
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
     rows = [("run1", t0, one_stage(8, Market.SPOT)),  # 2 spot VMs for 5 h

@@ -30,8 +30,16 @@ def random_pool(seed: int, book, counts=(2, 4)) -> ResourcePool:
         for gpu in ("fast", "slow"):
             if rng.random() < 0.6:
                 base = book.price_usd_per_gpu_hour(zone, gpu, Market.ON_DEMAND)
-                entries.append(PoolEntry(zone=zone, region="r1", gpu_type=gpu, count=rng.choice(counts), gpus_per_node=2,
-                                         usd_per_gpu_hour=round(base * rng.uniform(0.8, 1.2), 3)))
+                entries.append(
+                    PoolEntry(
+                        zone=zone,
+                        region="r1",
+                        gpu_type=gpu,
+                        count=rng.choice(counts),
+                        gpus_per_node=2,
+                        usd_per_gpu_hour=round(base * rng.uniform(0.8, 1.2), 3),
+                    )
+                )
     if not entries:
         entries.append(PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, gpus_per_node=2,
                                  usd_per_gpu_hour=3.0))

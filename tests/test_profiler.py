@@ -75,13 +75,17 @@ def test_warmup_is_excluded_and_constant_samples_stop_at_min_reps():
 
 def test_noisy_samples_stop_at_max_reps_unstable():
     rng = np.random.default_rng(0)
-    m = measure(lambda: float(rng.lognormal(0, 1)), RepeatPolicy(warmup=0, min_reps=3, max_reps=20, rel_err=1e-4, time_cap_s=60))
+    m = measure(
+        lambda: float(rng.lognormal(0, 1)), RepeatPolicy(warmup=0, min_reps=3, max_reps=20, rel_err=1e-4, time_cap_s=60)
+    )
     assert m.reps == 20 and not m.stable
 
 
 def test_time_cap_stops_repetitions():
     clock = iter(range(1000))
-    rule = StopRule(RepeatPolicy(warmup=0, min_reps=2, max_reps=100, rel_err=1e-9, time_cap_s=5), clock=lambda: next(clock))
+    rule = StopRule(
+        RepeatPolicy(warmup=0, min_reps=2, max_reps=100, rel_err=1e-9, time_cap_s=5), clock=lambda: next(clock)
+    )
     n = 0
     while True:
         rule.add(float(n % 2 + 1))
@@ -165,7 +169,9 @@ def test_saved_activation_bytes_match_the_spec_within_10_percent(model):
     layer_worker(0, 1, "", msgs.append, settings)
     points = [m["point"] for m in msgs if m["kind"] == "point"]
     spec = model_spec(get_config(model), (1,))
-    assert {(p.mbs, p.layer) for p in points} == {(m, i) for m in (1, 2) for i in settings.measured_layers(get_config(model))}
+    assert {(p.mbs, p.layer) for p in points} == {
+        (m, i) for m in (1, 2) for i in settings.measured_layers(get_config(model))
+    }
     for p in points:
         expected = spec.layer(p.layer, 1).act_memory_bytes * p.mbs
         assert p.saved_bytes == pytest.approx(expected, rel=0.10), (p.mbs, p.layer, p.saved_bytes, expected)

@@ -102,7 +102,10 @@ def test_changes_csv_carries_values_forward_and_reads_a_store_price_history():
     with pytest.raises(TraceError, match="--trace-gpus"):
         parse_changes_csv(hist, gpus_per_node=gpn)
     tr = parse_changes_csv(hist, gpus_per_node=gpn, default_count=16)
-    assert [(p.at_s, p.usd_per_gpu_hour, p.counts) for p in tr.points] == [(0.0, (1.0,), (16,)), (7200.0, (1.2,), (16,))]
+    assert [(p.at_s, p.usd_per_gpu_hour, p.counts) for p in tr.points] == [
+        (0.0, (1.0,), (16,)),
+        (7200.0, (1.2,), (16,)),
+    ]
 
 
 def test_our_json_round_trips_and_bad_traces_say_how_to_fix_them():
@@ -281,9 +284,16 @@ def test_a_runs_events_become_step_points_that_take_the_jobs_vms():
     from sailor_core.domain import PoolEntry, ResourcePool
     from sailor_core.replay.history import decisions_of, run_job, run_trace
 
-    start = ResourcePool(entries=(
-        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, market=SPOT, gpus_per_node=2, usd_per_gpu_hour=1.0),
-        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, market=OD, gpus_per_node=2, usd_per_gpu_hour=3.0)))
+    start = ResourcePool(
+        entries=(
+            PoolEntry(
+                zone="r1-a", region="r1", gpu_type="fast", count=4, market=SPOT, gpus_per_node=2, usd_per_gpu_hour=1.0
+            ),
+            PoolEntry(
+                zone="r1-a", region="r1", gpu_type="fast", count=4, market=OD, gpus_per_node=2, usd_per_gpu_hour=3.0
+            ),
+        )
+    )
     run = {
         "run_id": "r-1",
         "params": {"model": MODEL, "global_batch_size": 16, "steps": 400, "objective": "min-cost", "provider": "local",

@@ -99,7 +99,9 @@ def test_retention_quarantines_an_old_corrupt_checkpoint_instead_of_deleting_it(
     _save(w, 2)
     _save(w, 3)
     assert ckpt.list_steps(storage) == [2, 3]
-    assert "corrupt" in json.loads((tmp_path / "quarantine" / "step_00000001" / "QUARANTINED.json").read_text())["reason"]
+    assert (
+        "corrupt" in json.loads((tmp_path / "quarantine" / "step_00000001" / "QUARANTINED.json").read_text())["reason"]
+    )
 
 
 def _train(tmp_path, *argv: str) -> subprocess.CompletedProcess[str]:

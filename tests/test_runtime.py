@@ -138,7 +138,9 @@ def test_corrupt_or_incomplete_checkpoint_is_skipped(tmp_path):
                 "exp_avg": {"w": t * 0}, "exp_avg_sq": {"w": t * 0}}
 
     for step in (1, 2, 3):
-        w.save(step, {0: state(step), 1: state(step)}, "part_s0_t0.json", {"num_layers": 2, "step": step}, blocking=True)
+        w.save(
+            step, {0: state(step), 1: state(step)}, "part_s0_t0.json", {"num_layers": 2, "step": step}, blocking=True
+        )
     assert ckpt.latest_valid_step(storage, 2) == 3
     with open(tmp_path / "step_00000003" / "layer_0001.tp0of1.pt", "r+b") as f:
         f.seek(40)

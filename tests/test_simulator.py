@@ -107,7 +107,9 @@ def rep(gpu: str = "G1", zone: str = "za", tp: int = 1, gpn: int = 2) -> Replica
     return Replica(gpu_type=gpu, zone=zone, tp=tp, gpus_per_node=gpn)
 
 
-def plan_of(stage_reps: list[tuple[int, int, list[Replica]]], pipes: list[tuple[int, int]], **kw: object) -> ParallelPlan:
+def plan_of(
+    stage_reps: list[tuple[int, int, list[Replica]]], pipes: list[tuple[int, int]], **kw: object
+) -> ParallelPlan:
     return ParallelPlan(
         model="tiny",
         global_batch_size=sum(a * b for a, b in pipes),

@@ -86,7 +86,9 @@ def test_cli_missing_profile_and_invalid_plan(tmp_path: os.PathLike[str], capsys
     rc = cli_main(["simulate", g])
     err = capsys.readouterr().err
     assert rc == 2
-    assert "stage 1 starts at layer 12" in err and "tp=8 is larger than a node" in err and "global_batch_size is 64" in err
+    assert (
+        "stage 1 starts at layer 12" in err and "tp=8 is larger than a node" in err and "global_batch_size is 64" in err
+    )
 
 
 def test_cli_store_may_be_a_folder_of_published_data_and_schedule_overrides(capsys: pytest.CaptureFixture[str]) -> None:

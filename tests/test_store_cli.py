@@ -26,7 +26,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:  # noqa: ANN001
 
 def sailor(*argv: str) -> subprocess.CompletedProcess[str]:
     """The real console entry point in a subprocess: checks exit codes and that no traceback leaks."""
-    return subprocess.run([sys.executable, "-m", "sailor_cli.main", *argv], capture_output=True, text=True, cwd=REPO, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "sailor_cli.main", *argv], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
 
 
 def test_list_json_lists_every_seed_pair(capsys, tmp_path):
@@ -72,7 +74,9 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, expect):
 
 def test_corrupt_store_fails_without_traceback(tmp_path):
     store = open_store(str(tmp_path / "s"), seed=False)
-    bad = store.location.path("layer_profiles", "model=X", "gpu_type=Y", "part-00000000000000000001-abad1dea-replace.parquet")
+    bad = store.location.path(
+        "layer_profiles", "model=X", "gpu_type=Y", "part-00000000000000000001-abad1dea-replace.parquet"
+    )
     store.location.put(bad, b"PAR1 truncated")
     proc = sailor("profiles", "list", "--store", str(tmp_path / "s"))
     assert proc.returncode == 2
@@ -93,7 +97,9 @@ def test_import_then_export(capsys, tmp_path):
     assert rc == 0
     with open(tmp_path / "csv" / "layer_profiles.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 7243 and {"model", "gpu_type", "mbs", "tp", "layer", "forward_s", "source", "host"} <= set(rows[0])
+    assert len(rows) == 7243 and {"model", "gpu_type", "mbs", "tp", "layer", "forward_s", "source", "host"} <= set(
+        rows[0]
+    )
     with open(tmp_path / "csv" / "gpu_prices.csv") as f:
         prices = {(r["gpu_type"], float(r["usd_per_gpu_hour"])) for r in csv.DictReader(f)}
     assert prices == {("A100-40", 3.673385), ("V100-16", 2.859998), ("GH-96", 11.06)}

@@ -84,7 +84,14 @@ def test_model_and_layer_profiles_round_trip(store_uri):
     assert [p.layer for p in book.layers("TestGPU", 2, 1)] == list(range(model.num_layers))
     assert book.gpu("TestGPU") == TEST_GPU
     [pair] = store.list_pairs()
-    assert (pair.model, pair.gpu_type, pair.rows, pair.layers, pair.mbs, pair.tp) == ("Tiny", "TestGPU", len(rows), 4, (1, 2), (1, 2))
+    assert (pair.model, pair.gpu_type, pair.rows, pair.layers, pair.mbs, pair.tp) == (
+        "Tiny",
+        "TestGPU",
+        len(rows),
+        4,
+        (1, 2),
+        (1, 2),
+    )
     assert (pair.source, pair.host, pair.recorded_at) == ("test", "testhost", T0)
 
 
@@ -98,7 +105,9 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
     intra = [IntraNodeLink(gpu_type="TestGPU", num_gpus=2, fit=FIT)]
     node_ar = [NodeAllReduce(gpu_type="TestGPU", workers=w, fit=FIT) for w in (2, 4)]
     egress = [EgressPrice(sender_zone="z-a", receiver_zone="z-b", usd_per_gb=0.02)]
-    prices = [GpuPrice(cloud="gcp", zone="z-a", gpu_type="TestGPU", market=Market.SPOT, usd_per_gpu_hour=1.25, fetched_at=T0)]
+    prices = [
+        GpuPrice(cloud="gcp", zone="z-a", gpu_type="TestGPU", market=Market.SPOT, usd_per_gpu_hour=1.25, fetched_at=T0)
+    ]
     quotas = [PoolEntry(zone="z-a", region="z", gpu_type="TestGPU", count=8, market=Market.SPOT, cloud="gcp")]
     store.write_network_links(links, provenance=PROV)
     store.write_intra_node_links(intra, provenance=PROV)
@@ -114,7 +123,14 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
     assert store.egress_prices() == tuple(egress)
     assert store.prices() == tuple(prices)
     [q] = store.quotas()
-    assert (q.zone, q.gpu_type, q.count, q.market, q.gpus_per_node, q.usd_per_gpu_hour) == ("z-a", "TestGPU", 8, Market.SPOT, 2, 1.25)
+    assert (q.zone, q.gpu_type, q.count, q.market, q.gpus_per_node, q.usd_per_gpu_hour) == (
+        "z-a",
+        "TestGPU",
+        8,
+        Market.SPOT,
+        2,
+        1.25,
+    )
     assert store.framework_overhead() == {"TestGPU": 3_000_000_000}
     book = store.profile_book("Tiny")
     assert book.link("z-a", "TestGPU", 2, "z-b", "TestGPU", 2) == links[1]
@@ -123,7 +139,15 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
     assert book.egress_usd_per_gb("z-a", "z-b") == 0.02
     assert book.price_usd_per_gpu_hour("z-a", "TestGPU", Market.SPOT) == 1.25
     assert book.overhead_bytes("TestGPU") == 3_000_000_000
-    for name in ("network_links", "intra_node_links", "node_allreduce", "egress_prices", "gpu_prices", "quotas", "framework_overhead"):
+    for name in (
+        "network_links",
+        "intra_node_links",
+        "node_allreduce",
+        "egress_prices",
+        "gpu_prices",
+        "quotas",
+        "framework_overhead",
+    ):
         t = store.read_table(name)
         assert set(t["source"].to_pylist()) == {"test"}, name
         assert set(t["host"].to_pylist()) == {"testhost"}, name
@@ -171,7 +195,10 @@ def test_replace_supersedes_and_retires_older_files(store_uri):
 
 def test_upsert_newest_write_wins_and_prices_keep_history(store_uri):
     store = empty_store(store_uri)
-    egress = [EgressPrice(sender_zone="a", receiver_zone="b", usd_per_gb=0.01), EgressPrice(sender_zone="a", receiver_zone="c", usd_per_gb=0.02)]
+    egress = [
+        EgressPrice(sender_zone="a", receiver_zone="b", usd_per_gb=0.01),
+        EgressPrice(sender_zone="a", receiver_zone="c", usd_per_gb=0.02),
+    ]
     store.write_egress_prices(egress)
     store.write_egress_prices([EgressPrice(sender_zone="a", receiver_zone="b", usd_per_gb=0.05)])
     assert {(e.receiver_zone, e.usd_per_gb) for e in store.egress_prices()} == {("b", 0.05), ("c", 0.02)}
@@ -231,7 +258,9 @@ def test_unknown_model_and_gpu_type_are_one_line_errors(store_uri):
     store = empty_store(store_uri)
     with pytest.raises(UnknownModelError) as e:
         store.profile_book("GPT-5")
-    assert "'GPT-5'" in str(e.value) and "Tiny" in str(e.value) and "to fix" in str(e.value) and "\n" not in str(e.value)
+    assert (
+        "'GPT-5'" in str(e.value) and "Tiny" in str(e.value) and "to fix" in str(e.value) and "\n" not in str(e.value)
+    )
     with pytest.raises(UnknownGpuTypeError, match=r"unknown GPU type\(s\) \['H100'\].*TestGPU.*to fix"):
         store.profile_book("Tiny", ["TestGPU", "H100"])
     with pytest.raises(UnknownGpuTypeError):
@@ -239,7 +268,9 @@ def test_unknown_model_and_gpu_type_are_one_line_errors(store_uri):
     with pytest.raises(UnknownModelError):
         store.replace_layer_profiles("GPT-5", "TestGPU", [], provenance=PROV)
     with pytest.raises(SailorError, match="outside model Tiny's layers"):
-        store.replace_layer_profiles("Tiny", "TestGPU", profiles(tiny_model(blocks=5), "TestGPU", [(1, 1)]), provenance=PROV)
+        store.replace_layer_profiles(
+            "Tiny", "TestGPU", profiles(tiny_model(blocks=5), "TestGPU", [(1, 1)]), provenance=PROV
+        )
 
 
 def _bad_file_path(store, table: str) -> str:
@@ -293,7 +324,9 @@ def test_foreign_parquet_file_with_other_columns_is_refused(store_uri):
 
 def test_store_marker_of_another_version_is_refused_at_open(store_uri):
     store = empty_store(store_uri)
-    store.location.put(store.location.path("_sailor_store.json"), json.dumps({"schema_version": SCHEMA_VERSION + 1}).encode())
+    store.location.put(
+        store.location.path("_sailor_store.json"), json.dumps({"schema_version": SCHEMA_VERSION + 1}).encode()
+    )
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}.*upgrade"):
         open_store(store_uri)
 
@@ -318,7 +351,9 @@ def test_leftovers_of_dead_writers_are_invisible(store_uri, request):
     store.replace_layer_profiles("Tiny", "TestGPU", rows, provenance=PROV)
     part = store.location.path("layer_profiles", "model=Tiny", "gpu_type=TestGPU")
     # What a writer killed mid-write leaves on a local disk: a hidden, partial temp file.
-    store.location.put(f"{part}/{TMP_PREFIX}0123456789ab-part-{time.time_ns():020d}-0123456789abcdef-replace.parquet", b"PAR1\x00")
+    store.location.put(
+        f"{part}/{TMP_PREFIX}0123456789ab-part-{time.time_ns():020d}-0123456789abcdef-replace.parquet", b"PAR1\x00"
+    )
     assert set(store.layer_profiles("Tiny")) == set(rows)
     if store.location.scheme == "s3":
         # On S3 a killed upload is a multipart upload that was never completed: no object at all.
@@ -379,7 +414,9 @@ def test_a_writer_killed_mid_write_leaves_a_whole_generation(store_uri):
     assert t.num_rows == 100 * 4 * 100
     assert set(t["forward_s"].to_pylist()) == {1.0}
     # The store stays writable after the crash.
-    store.replace_layer_profiles("Big", "TestGPU", profiles(tiny_model("Big", blocks=98, tps=(1,)), "TestGPU", [(1, 1)]))
+    store.replace_layer_profiles(
+        "Big", "TestGPU", profiles(tiny_model("Big", blocks=98, tps=(1,)), "TestGPU", [(1, 1)])
+    )
     assert store.read_table("layer_profiles", {"model": "Big"}).num_rows == 100
 
 
@@ -393,7 +430,9 @@ def test_concurrent_writers_lose_nothing(store_uri):
                 stores[w % 2].append_history(
                     "events", [HistoryRecord(run_id="r", kind="k", time=T0, payload={"w": w, "i": i})]
                 )
-                stores[w % 2].write_egress_prices([EgressPrice(sender_zone=f"w{w}", receiver_zone=f"i{i}", usd_per_gb=0.01)])
+                stores[w % 2].write_egress_prices(
+                    [EgressPrice(sender_zone=f"w{w}", receiver_zone=f"i{i}", usd_per_gb=0.01)]
+                )
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

@@ -105,8 +105,16 @@ def test_vms_are_isolated_and_reach_each_other_and_the_host_address():
             assert out == ["False", "True"]  # the host's loopback is not the VM's; the host address is reachable
             # VM to VM over the network, and a VM's own ranks over its loopback.
             assert transfer_bytes_per_s(tb, "a", "b", 1 << 20) > 0
-            srv = tb.spawn("a", [sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('127.0.0.1', 5302)); "
-                                 "s.listen(); print('ready', flush=True); s.accept()"], log=tb.folder / "lo.log")
+            srv = tb.spawn(
+                "a",
+                [
+                    sys.executable,
+                    "-c",
+                    "import socket; s = socket.socket(); s.bind(('127.0.0.1', 5302)); "
+                    "s.listen(); print('ready', flush=True); s.accept()",
+                ],
+                log=tb.folder / "lo.log",
+            )
             wait_for(lambda: "ready" in (tb.folder / "lo.log").read_text())
             lo = "import socket; socket.create_connection(('127.0.0.1', 5302), timeout=5).close()"
             assert in_vm(tb, "a", lo).returncode == 0

@@ -77,7 +77,11 @@ def test_a_run_on_isolated_vms_keeps_its_state_in_object_storage_and_leaves_noth
     assert rec["kept_processes"] >= 1, rec  # the VMs that stayed kept their worker processes
     # Nothing the workers wrote is on the flow's disk: the run's folder holds the provider's records only.
     run_dir = work / "runs" / r["run_id"]
-    written = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and p.parts[len(run_dir.parts)] != "local"]
+    written = [
+        str(p.relative_to(run_dir))
+        for p in run_dir.rglob("*")
+        if p.is_file() and p.parts[len(run_dir.parts)] != "local"
+    ]
     assert written == [], written
     # The run's state is in the testbed's object store: checkpoints, per-step records, worker logs.
     objects = work / "objects" / "sailor-runs" / "runs" / r["run_id"]
@@ -85,5 +89,7 @@ def test_a_run_on_isolated_vms_keeps_its_state_in_object_storage_and_leaves_noth
     assert (objects / "metrics" / "v1.jsonl").stat().st_size > 0
     assert list((objects / "logs").rglob("worker-0.log"))
     # And nothing of the testbed is left: namespaces, veths, the bridge, cgroups.
-    tag = json.loads(next((work / "runs" / r["run_id"] / "local").glob("state.json")).read_text())["testbeds"][r["run_id"]]["tag"]
+    tag = json.loads(next((work / "runs" / r["run_id"] / "local").glob("state.json")).read_text())["testbeds"][
+        r["run_id"]
+    ]["tag"]
     assert _ours(tag) == []

@@ -50,10 +50,23 @@ def _wait_healthy(api: str, proc: subprocess.Popen, timeout_s: float = 120.0) ->
 
 def _dom(url: str, profile_dir: Path) -> str:
     out = subprocess.run(
-        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", f"--user-data-dir={profile_dir}",
-         "--virtual-time-budget=20000", "--dump-dom", url],
-        capture_output=True, text=True, timeout=120,
+        [
+            CHROMIUM,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile_dir}",
+            "--virtual-time-budget=20000",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return out.stdout
 

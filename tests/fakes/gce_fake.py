@@ -181,7 +181,9 @@ class GceFake:
             op["zone"] = f"{BASE}/projects/{self.project}/zones/{zone}"
         if error:
             op["error"] = {"errors": [error]}
-            op["httpErrorStatusCode"] = {"ZONE_RESOURCE_POOL_EXHAUSTED": 503, "QUOTA_EXCEEDED": 403}.get(error["code"], 400)
+            op["httpErrorStatusCode"] = {"ZONE_RESOURCE_POOL_EXHAUSTED": 503, "QUOTA_EXCEEDED": 403}.get(
+                error["code"], 400
+            )
             op["httpErrorMessage"] = {503: "SERVICE UNAVAILABLE", 403: "FORBIDDEN"}.get(op["httpErrorStatusCode"],
                                                                                        "BAD REQUEST")
         self.operations[name] = op
