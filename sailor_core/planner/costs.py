@@ -95,6 +95,7 @@ class SimCosts:
         self._ar: dict[tuple[object, ...], float] = {}
         self._opt: dict[tuple[object, ...], float] = {}
         self._sync: dict[tuple[object, ...], tuple[float, float, float]] = {}
+        self._replicas: dict[tuple[object, ...], Replica] = {}
         self.missing: set[str] = set()  # network profiles the search wanted and the store lacks
 
     def profiled(self, gpu: str, mbs: int, tp: int) -> bool:
@@ -206,8 +207,13 @@ class SimCosts:
                 return measured
 
         def rep(zone: str) -> Replica:
-            return Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
-                           region=slot.region, market=slot.market)
+            key = (slot.gpu_type, zone, tp, slot.gpus_per_node, slot.region, slot.market)
+            r = self._replicas.get(key)
+            if r is None:  # built (and validated) once per kind: rings are timed thousands of times
+                r = self._replicas[key] = Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp,
+                                                  gpus_per_node=slot.gpus_per_node, region=slot.region,
+                                                  market=slot.market)
+            return r
 
         hops: list[tuple[Replica, Replica, bool]] = []
         for z in zones:

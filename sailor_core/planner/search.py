@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 
@@ -898,18 +898,30 @@ class Search:
                 first = last + 1
             return tuple(out)
 
-        cand_taus = sorted({stage_t(s, a, b) for s in range(p) for a in range(L) for b in range(a, L)})
-        lo, hi = 0, len(cand_taus) - 1
-        best = None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            g = greedy(cand_taus[mid])
-            if g is not None:
-                best = g
-                hi = mid - 1
-            else:
-                lo = mid + 1
-        return best
+        return _least_bottleneck(greedy, lambda b: max(stage_t(s, a, z) for s, (a, z) in enumerate(b)),
+                                 hi=sum(stage_t(s, 0, L - 1) for s in range(p)))
+
+
+def _least_bottleneck(split: Callable[[float], tuple[tuple[int, int], ...] | None],
+                      bottleneck: Callable[[tuple[tuple[int, int], ...]], float],
+                      hi: float) -> tuple[tuple[int, int], ...] | None:
+    """The split at the least bottleneck time for which `split(tau)` (monotone: feasible at tau, feasible
+    above) finds one. Bisection on tau until the bounds meet, then the split at the bottleneck it found:
+    that time is the least feasible one (nothing feasible lies below the infeasible bound), so the
+    answer is the split at the exact optimum, with O(log) calls instead of one per candidate time."""
+    best = split(hi)
+    if best is None:
+        return None
+    lo = 0.0
+    hi = bottleneck(best)
+    while hi - lo > 1e-12 * max(hi, 1e-30):
+        mid = (lo + hi) / 2
+        got = split(mid)
+        if got is None:
+            lo = mid
+        else:
+            best, hi = got, min(mid, bottleneck(got))
+    return split(hi) or best
 
 
 def _pareto_front(
