@@ -275,7 +275,7 @@ def sailor(
     run_name: str = "sailor",
     model: str = "gpt-tiny",
     global_batch_size: int = 8,
-    objective: Objective = Objective.MIN_COST,
+    objective: str = Objective.MIN_COST.value,  # checked with every other field by validate_params
     max_usd_per_iteration: float | None = None,
     max_usd_per_hour: float | None = None,
     min_iterations_per_s: float | None = None,
