@@ -69,21 +69,25 @@ def exhaustive_best(
                             placed.add(lay)
                             plan = materialize(sk, lay, slots, model=request.model, global_batch_size=gbs,
                                                precision=request.options.precision, schedule=request.options.schedule)
-                            r = simulate(plan, book, options=so)
                             simulated += 1
-                            if not r.fits_memory:
-                                continue
-                            if request.constraints.violations(
-                                usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
-                                iterations_per_s=r.throughput_iterations_per_s,
-                            ):
-                                continue
-                            v = objective_value(request.objective, r)
-                            if best is None or v < best[0]:
-                                best = (v, plan, r)
+                            best = _keep_best(best, request, plan, simulate(plan, book, options=so))
     if best is None:
         return None, None, simulated
     return best[1], best[2], simulated
+
+
+Best = tuple[float, ParallelPlan, SimulationResult] | None
+
+
+def _keep_best(best: Best, request: PlanRequest, plan: ParallelPlan, r: SimulationResult) -> Best:
+    """The better of `best` and this simulated plan: it must fit in memory and meet the constraints."""
+    if not r.fits_memory or request.constraints.violations(
+        usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
+        iterations_per_s=r.throughput_iterations_per_s,
+    ):
+        return best
+    v = objective_value(request.objective, r)
+    return (v, plan, r) if best is None or v < best[0] else best
 
 
 def exhaustive_groups_best(
@@ -131,14 +135,7 @@ def exhaustive_groups_best(
                         continue
                     r = simulate(plan, book, options=so)
                     simulated += 1
-                    if not r.fits_memory or request.constraints.violations(
-                        usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
-                        iterations_per_s=r.throughput_iterations_per_s,
-                    ):
-                        continue
-                    v = objective_value(request.objective, r)
-                    if best is None or v < best[0]:
-                        best = (v, plan, r)
+                    best = _keep_best(best, request, plan, r)
     if best is None:
         return None, None, simulated
     return best[1], best[2], simulated
