@@ -46,29 +46,24 @@ class ProfileBook:
     egress: tuple[EgressPrice, ...] = ()
     prices: tuple[GpuPrice, ...] = ()
 
+    # Indexed once by __post_init__: the planner calls these lookups millions of times.
+    _links: dict[tuple[str, str, int, str, str, int], NetworkLink] = field(init=False, repr=False, compare=False)
+    _intra: dict[tuple[str, int], IntraNodeLink] = field(init=False, repr=False, compare=False)
+    _node_ar: dict[tuple[str, int], NodeAllReduce] = field(init=False, repr=False, compare=False)
+    _egress: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
+    _prices: dict[tuple[str, str, Market], float] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
-        # Index once: the planner calls these lookups millions of times.
-        object.__setattr__(
-            self,
-            "_links",
-            {
-                (
-                    lk.sender_zone,
-                    lk.sender_gpu,
-                    lk.sender_count,
-                    lk.receiver_zone,
-                    lk.receiver_gpu,
-                    lk.receiver_count,
-                ): lk
-                for lk in self.links
-            },
-        )
+        links = {
+            (lk.sender_zone, lk.sender_gpu, lk.sender_count, lk.receiver_zone, lk.receiver_gpu, lk.receiver_count): lk
+            for lk in self.links
+        }
+        object.__setattr__(self, "_links", links)
         object.__setattr__(self, "_intra", {(x.gpu_type, x.num_gpus): x for x in self.intra_node})
         object.__setattr__(self, "_node_ar", {(x.gpu_type, x.workers): x for x in self.node_allreduce})
         object.__setattr__(self, "_egress", {(e.sender_zone, e.receiver_zone): e.usd_per_gb for e in self.egress})
-        object.__setattr__(
-            self, "_prices", {(p.zone, p.gpu_type, p.market): p.usd_per_gpu_hour for p in self.prices}
-        )
+        prices = {(p.zone, p.gpu_type, p.market): p.usd_per_gpu_hour for p in self.prices}
+        object.__setattr__(self, "_prices", prices)
 
     # -- compute ---------------------------------------------------------------------------
     def layers(self, gpu_type: str, mbs: int, tp: int) -> tuple[LayerProfile, ...]:
@@ -113,24 +108,22 @@ class ProfileBook:
         receiver_gpu: str,
         receiver_count: int,
     ) -> NetworkLink | None:
-        return self._links.get(  # type: ignore[attr-defined]
-            (sender_zone, sender_gpu, sender_count, receiver_zone, receiver_gpu, receiver_count)
-        )
+        return self._links.get((sender_zone, sender_gpu, sender_count, receiver_zone, receiver_gpu, receiver_count))
 
     def intra_node_link(self, gpu_type: str, num_gpus: int) -> IntraNodeLink | None:
-        return self._intra.get((gpu_type, num_gpus))  # type: ignore[attr-defined]
+        return self._intra.get((gpu_type, num_gpus))
 
     def node_allreduce_fit(self, gpu_type: str, workers: int) -> NodeAllReduce | None:
-        return self._node_ar.get((gpu_type, workers))  # type: ignore[attr-defined]
+        return self._node_ar.get((gpu_type, workers))
 
     def egress_usd_per_gb(self, sender_zone: str, receiver_zone: str) -> float:
         if sender_zone == receiver_zone:
             return 0.0
-        return self._egress.get((sender_zone, receiver_zone), 0.0)  # type: ignore[attr-defined]
+        return self._egress.get((sender_zone, receiver_zone), 0.0)
 
     # -- prices ----------------------------------------------------------------------------
     def price_usd_per_gpu_hour(self, zone: str, gpu_type: str, market: Market) -> float | None:
-        return self._prices.get((zone, gpu_type, Market.parse(market)))  # type: ignore[attr-defined]
+        return self._prices.get((zone, gpu_type, Market.parse(market)))
 
 
 def calibrated_book(book: ProfileBook, factors: Mapping[str, float]) -> ProfileBook:

@@ -347,7 +347,11 @@ def _builtin() -> dict[str, TransformerConfig]:
     # gpt-tiny's shape as an OPT block (ReLU MLP, head tied to the embedding): exercises weight tying
     out["opt-tiny"] = replace(out["gpt-tiny"], name="opt-tiny", variant="opt", tied_head=True)
     for name, arch in MODEL_ARCHITECTURES.items():
-        out[name] = TransformerConfig(name=name, variant=variants.get(name, "gpt-neo"), **arch)
+        out[name] = TransformerConfig(
+            name=name, variant=variants.get(name, "gpt-neo"), num_blocks=arch["num_blocks"],
+            hidden_size=arch["hidden_size"], num_heads=arch["num_heads"], ffn_hidden_size=arch["ffn_hidden_size"],
+            sequence_length=arch["sequence_length"], vocab_size=arch["vocab_size"],
+        )
     return out
 
 

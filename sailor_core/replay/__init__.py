@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sailor_core.errors import TraceError
+from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S
 from sailor_core.profiles import ProfileBook
 from sailor_core.replay.engine import (
     DEFAULT_GRACE_S,
     DEFAULT_PERIOD_S,
-    DEFAULT_RECONFIGURATION_S,
     Action,
     Candidate,
     Planner,

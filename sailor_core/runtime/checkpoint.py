@@ -115,10 +115,10 @@ class PyArrowStorage:
 
     def read(self, path: str) -> bytes:
         with self._fs.open_input_stream(self._p(path)) as f:
-            return f.read()
+            return bytes(f.read())
 
     def exists(self, path: str) -> bool:
-        return self._fs.get_file_info(self._p(path)).type != self._pafs.FileType.NotFound
+        return bool(self._fs.get_file_info(self._p(path)).type != self._pafs.FileType.NotFound)
 
     def listdir(self, path: str) -> list[str]:
         sel = self._pafs.FileSelector(self._p(path), allow_not_found=True)
@@ -350,7 +350,10 @@ def no_resume_error(uri: str, skipped: list[Skipped]) -> SailorError:
 
 
 def read_meta(storage: CheckpointStorage, step: int) -> dict[str, Any]:
-    return json.loads(storage.read(f"{step_dir(step)}/meta.json"))
+    meta = json.loads(storage.read(f"{step_dir(step)}/meta.json"))
+    if not isinstance(meta, dict):
+        raise SailorError(f"checkpoint step {step}: meta.json is not a JSON object; to fix: resume from another step")
+    return meta
 
 
 def load_layer_state(storage: CheckpointStorage, step: int, layer: int) -> dict[str, dict[str, torch.Tensor]]:
