@@ -351,17 +351,28 @@ def train(tb: Testbed, server: ControlServer, gen: int, plan: ParallelPlan, vms:
 # ------------------------------------------------------------------------------------------
 
 
+class _Bed:
+    """The testbed, its controller and its VMs; created again whole when another job's cleanup removed it."""
+
+    def __init__(self, sc: Any) -> None:
+        self.sc = sc
+        self.tb = Testbed.create(run_id="validate-testbed", zones=[z for z, _ in sc.zones], link_gbps=sc.link_gbps)
+        self.server = ControlServer(host=self.tb.host_address)
+        self.vms: list[VmInfo] = []
+
+    def recreate(self) -> None:
+        """Tears the testbed and controller down and creates them again (same scenario); the VMs stay to build."""
+        self.server.close()
+        self.tb.teardown()
+        time.sleep(5)
+        self.tb = Testbed.create(run_id="validate-testbed", zones=[z for z, _ in self.sc.zones],
+                                 link_gbps=self.sc.link_gbps)
+        self.server = ControlServer(host=self.tb.host_address)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", default=str(ROOT / "bench" / "validate_testbed.yaml"))
-    ap.add_argument("--model", default="gpt-tiny")
-    ap.add_argument("--steps", type=int, default=9)
-    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
-    ap.add_argument("--store", default=None, help="a profile store folder: reuse its profiles if it has them, "
-                                                  "else measure into it (default: a fresh temporary one)")
-    ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per plan")
-    args = ap.parse_args(argv)
+    """Profiles the testbed, trains each plan on it, prints measured against simulated (see the module)."""
+    args = _args(argv)
     if args.steps <= args.warmup:
         print(f"--steps {args.steps} leaves no step after --warmup {args.warmup}; to fix: --steps > --warmup",
               file=sys.stderr)
@@ -375,26 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     (work / "logs").mkdir()
     store_dir = Path(args.store) if args.store else work / "store"
     store_dir.mkdir(parents=True, exist_ok=True)
-    tb = Testbed.create(run_id="validate-testbed", zones=[z for z, _ in sc.zones], link_gbps=sc.link_gbps)
-    server = ControlServer(host=tb.host_address)
+    bed = _Bed(sc)
     try:
-        vms = build(tb, sc)
-        cores = sum((sc.device_type(v.gpu_type).cpu_per_device or 0) * v.devices for v in vms)
-        log(f"testbed {tb.tag}: {len(vms)} VMs ({cores:.1f} cores of quota in all) in {len(sc.zones)} zones; "
+        bed.vms = build(bed.tb, sc)
+        cores = sum((sc.device_type(v.gpu_type).cpu_per_device or 0) * v.devices for v in bed.vms)
+        log(f"testbed {bed.tb.tag}: {len(bed.vms)} VMs ({cores:.1f} cores of quota in all) in {len(sc.zones)} zones; "
             f"work folder {work}")
-        store = open_store(str(store_dir), seed=False)
-        from sailor_core.models.config import get_config, model_spec
-
-        if args.model not in store.model_names():
-            store.write_model(model_spec(get_config(args.model)))
-        types = sorted({v.gpu_type for v in vms})
-        have = {p.gpu_type for p in store.layer_profiles(args.model, types)}
-        if have != set(types) or not store.network_links():
-            profile(tb, vms, args.model, store, work, server, sc)
-        else:
-            log(f"profiles of {types} and {len(store.network_links())} links found in {store_dir}: reused")
+        store, types = _profiled_store(bed, args.model, store_dir, work)
         book = store.profile_book(args.model, types)
-        chosen = plans(vms, args.model)
+        chosen = plans(bed.vms, args.model)
         if args.only:
             names = [n.strip() for n in args.only.split(",")]
             unknown = [n for n in names if n not in chosen]
@@ -407,46 +407,77 @@ def main(argv: list[str] | None = None) -> int:
               f"(sim: p2p {'':>1}dp-exposed)")
         for gen, (name, plan) in enumerate(chosen.items()):
             sim = simulate(plan, book)
-            for attempt in range(3):
-                try:
-                    times = train(tb, server, gen, plan, vms, args.steps, work, args.timeout)
-                    break
-                except (TestbedLost, TestbedError) as e:
-                    # another testbed's stale cleanup on this shared machine can remove ours: build it
-                    # again (same scenario, same VM names and quotas) and train the plan once more
-                    if attempt == 2:
-                        raise
-                    log(f"{e}; building the testbed again")
-                    server.close()
-                    tb.teardown()
-                    time.sleep(5)
-                    tb = Testbed.create(run_id="validate-testbed", zones=[z for z, _ in sc.zones],
-                                        link_gbps=sc.link_gbps)
-                    server = ControlServer(host=tb.host_address)
-                    try:
-                        vms = build(tb, sc)
-                    except TestbedError as again:
-                        log(f"building it failed too ({again}); next attempt")
-                        continue
-            kept = times[args.warmup:]
-            real = statistics.median(kept)
-            err = (sim.iteration_time_s - real) / real * 100
-            results.append(err)
-            b = sim.breakdown
-            print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} "
-                  f"{sim.iteration_time_s:>8.3f} {err:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f}) "
-                  f"steps {' '.join(f'{t:.2f}' for t in kept)}", flush=True)
+            times = _train_retrying(bed, gen, plan, args.steps, work, args.timeout)
+            results.append(_report(name, plan, sim, times[args.warmup:]))
         mean = statistics.mean(abs(e) for e in results)
         worst = max(abs(e) for e in results)
         print(f"mean_abs_error_pct={mean:.1f} worst_abs_error_pct={worst:.1f} plans={len(results)}")
         return 0
     finally:
-        server.close()
-        tb.teardown()
+        bed.server.close()
+        bed.tb.teardown()
         if os.environ.get("SAILOR_KEEP_WORK") != "1":
             shutil.rmtree(work, ignore_errors=True)
         else:
             log(f"kept {work}")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module's usage)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", default=str(ROOT / "bench" / "validate_testbed.yaml"))
+    ap.add_argument("--model", default="gpt-tiny")
+    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    ap.add_argument("--store", default=None, help="a profile store folder: reuse its profiles if it has them, "
+                                                  "else measure into it (default: a fresh temporary one)")
+    ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per plan")
+    return ap.parse_args(argv)
+
+
+def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path) -> tuple[Any, list[str]]:
+    """(the store at store_dir holding the model and profiles of every VM type and the links, those types):
+    the profiles found there are reused, else measured on the testbed."""
+    from sailor_core.models.config import get_config, model_spec
+
+    store = open_store(str(store_dir), seed=False)
+    if model not in store.model_names():
+        store.write_model(model_spec(get_config(model)))
+    types = sorted({v.gpu_type for v in bed.vms})
+    have = {p.gpu_type for p in store.layer_profiles(model, types)}
+    if have != set(types) or not store.network_links():
+        profile(bed.tb, bed.vms, model, store, work, bed.server, bed.sc)
+    else:
+        log(f"profiles of {types} and {len(store.network_links())} links found in {store_dir}: reused")
+    return store, types
+
+
+def _train_retrying(bed: _Bed, gen: int, plan: ParallelPlan, steps: int, work: Path, timeout: float) -> list[float]:
+    """The plan's step times, trained up to three times: another testbed's stale cleanup on this shared
+    machine can remove ours, which is then built again (same scenario, VM names and quotas)."""
+    for _ in range(2):
+        try:
+            return train(bed.tb, bed.server, gen, plan, bed.vms, steps, work, timeout)
+        except (TestbedLost, TestbedError) as e:
+            log(f"{e}; building the testbed again")
+            bed.recreate()
+            try:
+                bed.vms = build(bed.tb, bed.sc)
+            except TestbedError as again:
+                log(f"building it failed too ({again}); next attempt")
+    return train(bed.tb, bed.server, gen, plan, bed.vms, steps, work, timeout)  # the last try: a failure ends it
+
+
+def _report(name: str, plan: ParallelPlan, sim: Any, kept: list[float]) -> float:
+    """Prints one plan's measured median step against the simulated one; returns the error in percent."""
+    real = statistics.median(kept)
+    err = (sim.iteration_time_s - real) / real * 100
+    b = sim.breakdown
+    print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} "
+          f"{sim.iteration_time_s:>8.3f} {err:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f}) "
+          f"steps {' '.join(f'{t:.2f}' for t in kept)}", flush=True)
+    return err
 
 
 if __name__ == "__main__":
