@@ -183,7 +183,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         self._where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118 - not a dict
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
+        t: torch.Tensor = self._where[name].get_tensor(name)
+        return t
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

@@ -15,6 +15,7 @@ replicated tensors are identical on every TP rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,10 @@ SHARD_ATTR = "sailor_shard_dim"
 
 # How a collective's work handle is awaited. The runtime installs an abortable wait (so a lost peer
 # cannot hang a survivor); the profiler and tests keep the plain one.
-_WAIT: list = [lambda work: work.wait()]
+_WAIT: list[Callable[[Any], None]] = [lambda work: work.wait()]
 
 
-def set_wait(fn) -> None:  # type: ignore[no-untyped-def]
+def set_wait(fn: Callable[[Any], None]) -> None:
     _WAIT[0] = fn
 
 
@@ -57,12 +58,12 @@ class TPContext:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return x
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         g = g.contiguous()
         _all_reduce(g, ctx.group)
         return g, None
@@ -70,19 +71,19 @@ class _CopyToTP(torch.autograd.Function):
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.contiguous()
         _all_reduce(x, group)
         return x
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return g, None
 
 
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, rank, size):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
         ctx.rank, ctx.size = rank, size
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(size)]
@@ -90,16 +91,22 @@ class _GatherLastDim(torch.autograd.Function):
         return torch.cat(parts, dim=-1)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return g.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None, None, None
 
 
+def apply_function(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    """`fn.apply(*args)` for an autograd Function returning one tensor, typed (torch's `apply` is not)."""
+    out: torch.Tensor = fn.apply(*args)
+    return out
+
+
 def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp.group)
+    return x if tp.size == 1 else apply_function(_CopyToTP, x, tp.group)
 
 
 def reduce_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp.group)
+    return x if tp.size == 1 else apply_function(_ReduceFromTP, x, tp.group)
 
 
 def all_reduce_(x: torch.Tensor, tp: TPContext, op: str = "sum") -> None:
@@ -109,7 +116,7 @@ def all_reduce_(x: torch.Tensor, tp: TPContext, op: str = "sum") -> None:
 
 
 def gather_last_dim(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    return x if tp.size == 1 else _GatherLastDim.apply(x, tp.group, tp.rank, tp.size)
+    return x if tp.size == 1 else apply_function(_GatherLastDim, x, tp.group, tp.rank, tp.size)
 
 
 def _param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:

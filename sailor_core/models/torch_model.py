@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ from sailor_core.models.tensor_parallel import (
     TPContext,
     VocabParallelEmbedding,
     all_reduce_,
+    apply_function,
     gather_last_dim,
     shard,
 )
@@ -68,7 +70,7 @@ class EmbeddingLayer(nn.Module):
             setattr(self.wpe, SHARD_ATTR, None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids)
+        x: torch.Tensor = self.wte(ids)
         if self.wpe is not None:
             x = x + self.wpe[self.offset: self.offset + ids.shape[-1]]
         return x
@@ -109,7 +111,8 @@ class Attention(nn.Module):
         if g > 1:  # query head i uses KV head i // g (Hugging Face's repeat_kv)
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(o.transpose(1, 2).reshape(b, s, self.local_heads * self.cfg.head_dim))
+        out: torch.Tensor = self.proj(o.transpose(1, 2).reshape(b, s, self.local_heads * self.cfg.head_dim))
+        return out
 
 
 _ROPE_TABLES: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -161,11 +164,14 @@ class MLP(nn.Module):
             self.fc2 = RowParallelLinear(f, h, tp, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
         if self.kind == "swiglu":
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            out = self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return out
         y = self.fc1(x)
         y = F.relu(y) if self.kind == "relu" else F.gelu(y)
-        return self.fc2(y)
+        out = self.fc2(y)
+        return out
 
 
 class Block(nn.Module):
@@ -180,10 +186,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn: torch.Tensor = self.attn(self.ln1(x))
         if self.parallel:  # GPT-NeoX: both branches read the block's input
-            return x + self.attn(self.ln1(x)) + self.mlp(self.ln2(x))
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+            mlp: torch.Tensor = self.mlp(self.ln2(x))
+            return x + attn + mlp
+        x = x + attn
+        mlp = self.mlp(self.ln2(x))
+        return x + mlp
 
 
 class HeadLayer(nn.Module):
@@ -196,7 +205,8 @@ class HeadLayer(nn.Module):
         self.out = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
+        logits: torch.Tensor = self.out(self.norm(x))
+        return logits
 
 
 def _new_layer(cfg: TransformerConfig, index: int, tp: TPContext) -> nn.Module:
@@ -288,7 +298,21 @@ class StageModel(nn.Module):
         self.has_head = last == cfg.num_layers - 1
         if cfg.tied_head and self.has_embedding and self.has_head:
             # one parameter for both ends, so its gradient is the sum of both uses
-            self.layers[-1].out.weight = self.layers[0].wte.weight
+            self.head().out.weight = self.embedding().wte.weight
+
+    def embedding(self) -> EmbeddingLayer:
+        """The token embedding (a stage holding layer 0)."""
+        first = self.layers[0]
+        if not isinstance(first, EmbeddingLayer):
+            raise TypeError(f"layers {self.layer_ids[0]}..{self.layer_ids[-1]} of {self.cfg.name} hold no embedding")
+        return first
+
+    def head(self) -> HeadLayer:
+        """The vocabulary head (a stage holding the last layer)."""
+        last = self.layers[-1]
+        if not isinstance(last, HeadLayer):
+            raise TypeError(f"layers {self.layer_ids[0]}..{self.layer_ids[-1]} of {self.cfg.name} hold no head")
+        return last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -312,7 +336,7 @@ class _VocabParallelCE(torch.autograd.Function):
     """Per-token cross-entropy of logits split by vocabulary rows over the TP group (Megatron)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, tp):  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, tp: TPContext) -> torch.Tensor:
         logits = logits.float()
         mx = logits.max(dim=-1).values
         all_reduce_(mx, tp, op="max")
@@ -331,7 +355,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return total.log() - picked
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         soft, local, outside = ctx.saved_tensors
         grad = soft.clone()
         grad.scatter_add_(-1, local.unsqueeze(-1), (outside.to(grad.dtype) - 1.0).unsqueeze(-1))
@@ -345,4 +369,4 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | None =
     full-vocabulary loss on every rank of the TP group."""
     if tp is None or tp.size == 1:
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-    return _VocabParallelCE.apply(logits, targets, tp).sum()
+    return apply_function(_VocabParallelCE, logits, targets, tp).sum()

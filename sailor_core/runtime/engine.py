@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from sailor_core.catalog import is_cpu_type
 from sailor_core.domain import ParallelPlan
@@ -162,6 +163,13 @@ def zero1_owners(sizes: list[int], replicas: int) -> list[int]:
         owner[i] = j
         load[j] += sizes[i]
     return owner
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient once this step's backward ran (`_sync_grads` zero-fills the ones it left unset)."""
+    if p.grad is None:
+        raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has no gradient: the step's backward has not run")
+    return p.grad
 
 
 def backend_for(gpu_type: str) -> str:
@@ -301,11 +309,11 @@ class Trainer:
         if self.rank in ranks:
             self.tie_group = g
 
-    def _tied_param(self) -> Any:
+    def _tied_param(self) -> nn.Parameter | None:
         if self.model.has_embedding:
-            return self.model.layers[0].wte.weight
+            return self.model.embedding().wte.weight
         if self.model.has_head:
-            return self.model.layers[-1].out.weight
+            return self.model.head().out.weight
         return None
 
     def _sync_tied(self) -> None:
@@ -316,9 +324,9 @@ class Trainer:
         buf = torch.zeros(full_shape, dtype=torch.float32, device=self.device)
         idx = shard_slice(full_shape, 0, self.tp.rank, self.tp.size)
         if self.me.pipeline == 0:  # every replica already holds its stage's total: count one per stage
-            buf[idx] = p.grad
+            buf[idx] = _grad(p)
         comm.wait(dist.all_reduce(buf, group=self.tie_group, async_op=True))
-        p.grad.copy_(buf[idx])
+        _grad(p).copy_(buf[idx])
 
     def _init_peers(self) -> None:
         s, j, t = self.me.stage, self.me.pipeline, self.me.tp_rank
@@ -424,7 +432,7 @@ class Trainer:
         """Resume from the newest valid checkpoint (rank 0 decides, everyone loads). False if none.
         With `step` (agreed by every rank already), load that one without deciding again."""
         if step is not None and self.storage is not None:
-            return self._load_step(step, ckpt.read_meta(self.storage, step))
+            return self._load_step(self.storage, step, ckpt.read_meta(self.storage, step))
         if self.storage is None:
             return False
         decision: list[Any] = [None]
@@ -434,15 +442,15 @@ class Trainer:
         dist.broadcast_object_list(decision, src=0, device=self.device)
         if decision[0] is None:
             return False
-        return self._load_step(*decision[0])
+        return self._load_step(self.storage, *decision[0])
 
-    def _load_step(self, step: int, meta: dict[str, Any]) -> bool:
+    def _load_step(self, storage: ckpt.CheckpointStorage, step: int, meta: dict[str, Any]) -> bool:
         if meta.get("model") != self.cfg.name:
             raise SailorError(f"checkpoint step {step} is of model {meta.get('model')!r}, not {self.cfg.name!r}")
         opt_steps = int(meta["opt_steps"])
         with torch.no_grad():
             for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True):
-                full = ckpt.load_layer_state(self.storage, step, li)
+                full = ckpt.load_layer_state(storage, step, li)
                 for name, p in layer.named_parameters(remove_duplicate=False):
                     dim = getattr(p, SHARD_ATTR, None)
                     p.copy_(shard(full["params"][name], dim, self.tp.rank, self.tp.size))
@@ -482,7 +490,7 @@ class Trainer:
             assert inp is not None
             x = inp.requires_grad_(True)
         with self._autocast():
-            out = self.model(x)
+            out: torch.Tensor = self.model(x)
         if self.model.has_head:
             _, y = self._samples(m)
             loss = self.model.loss_sum(out, y) * self.loss_scale
@@ -505,6 +513,8 @@ class Trainer:
             torch.autograd.backward(out, grad_out.to(out.dtype))
         if inp is None or not self.send_bwd_to:
             return None
+        if inp.grad is None:
+            raise RuntimeError(f"microbatch {m}: the received activation got no gradient in backward")
         return inp.grad.to(self.comm_dtype).contiguous()
 
     def _p2p(self, send: torch.Tensor | None, to: Sequence[int], recv_from: int | None) -> torch.Tensor | None:
@@ -629,12 +639,12 @@ class Trainer:
             rest = [(n, p) for n, p in self._params if id(p) not in done]
             if not rest:
                 return
-            flat = torch.cat([p.grad.reshape(-1) for _, p in rest])
+            flat = torch.cat([_grad(p).reshape(-1) for _, p in rest])
             comm.wait(dist.all_reduce(flat, group=self.dp_group, async_op=True))
             off = 0
             for _, p in rest:
                 n = p.numel()
-                p.grad.copy_(flat[off:off + n].view_as(p))
+                _grad(p).copy_(flat[off:off + n].view_as(p))
                 off += n
             return
         # Replicas shard differently: meet in the full layout. Each replica's TP ranks together
@@ -652,10 +662,10 @@ class Trainer:
         for p, dim, shape, off, n in views:
             if dim is None and self.tp.rank != 0:
                 continue
-            flat[off:off + n].view(shape)[shard_slice(shape, dim, self.tp.rank, self.tp.size)] = p.grad
+            flat[off:off + n].view(shape)[shard_slice(shape, dim, self.tp.rank, self.tp.size)] = _grad(p)
         comm.wait(dist.all_reduce(flat, group=self.dp_group, async_op=True))
         for p, dim, shape, off, n in views:
-            p.grad.copy_(flat[off:off + n].view(shape)[shard_slice(shape, dim, self.tp.rank, self.tp.size)])
+            _grad(p).copy_(flat[off:off + n].view(shape)[shard_slice(shape, dim, self.tp.rank, self.tp.size)])
 
     def _grad_sq_norm(self) -> torch.Tensor:
         """This rank's share of the global squared norm: pipeline 0 only, replicated tensors once per TP group."""
@@ -665,9 +675,9 @@ class Trainer:
         for _, p in self._params:
             if getattr(p, SHARD_ATTR, None) is None and self.tp.rank != 0:
                 continue
-            if self.tied_split and self.model.has_head and p is self.model.layers[-1].out.weight:
+            if self.tied_split and self.model.has_head and p is self.model.head().out.weight:
                 continue  # the head's copy of a tied weight: counted once, on the embedding's stage
-            acc += p.grad.float().pow(2).sum()
+            acc += _grad(p).float().pow(2).sum()
         return acc
 
     def _notice_flags(self) -> tuple[float, float]:
@@ -689,7 +699,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.model.zero_grad(set_to_none=True)  # every gradient: under ZeRO-1 the optimizer sees only its own
-        self._stash: dict[int, Any] = {}
+        self._stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # microbatch -> (input, output)
         self._pending: list[Any] = []
         self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
         self._schedule()
@@ -716,7 +726,7 @@ class Trainer:
         if self.settings.max_grad_norm > 0 and norm > self.settings.max_grad_norm:
             coef = self.settings.max_grad_norm / (norm + 1e-6)
             for _, p in self._params:
-                p.grad.mul_(coef)
+                _grad(p).mul_(coef)
         for group in self.opt.param_groups:  # the schedule is a function of the optimizer step
             group["lr"] = self.lr_now = learning_rate(
                 self.opt_steps, base_lr=self.settings.lr, schedule=self.settings.lr_schedule,
