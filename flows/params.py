@@ -128,7 +128,9 @@ def validate_params(raw: dict[str, object]) -> SailorParams:
             shown = "" if isinstance(value, dict) else f" (got {value!r})"
             problems.append(f"{field}: {msg}{shown}")
         # Cross-field rules run only once every field is valid; say them now too, so one try fixes all.
-        if (raw.get("steps") is None) == (raw.get("token_budget") is None) and not any("steps or" in p for p in problems):
+        if (raw.get("steps") is None) == (raw.get("token_budget") is None) and not any(
+            "steps or" in p for p in problems
+        ):
             problems.append("parameters: give exactly one of steps or token_budget")
         raise InvalidParameters(
             "invalid parameters: " + "; ".join(problems) + "; to fix: correct these fields and run again"

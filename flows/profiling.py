@@ -87,7 +87,9 @@ def _known_types(store: Any, gpu_types: Sequence[str]) -> list[str]:
     return [g for g in gpu_types if g in known]
 
 
-def _missing(store: Any, model: str, gpu_types: Sequence[str], offers: Sequence[Any]) -> tuple[list[str], list[Any], list[Any]]:
+def _missing(
+    store: Any, model: str, gpu_types: Sequence[str], offers: Sequence[Any]
+) -> tuple[list[str], list[Any], list[Any]]:
     """What planning over `offers` lacks: layer profiles (types), links (zone pairs), intra-node links (offers)."""
     present = _known_types(store, gpu_types)
     book = store.profile_book(model, present) if present else None
@@ -124,7 +126,12 @@ class _VmPool:
     def get(self, zone: str, gpu: str | None = None, avoid: Sequence[Any] = (), *, devices: int | None = None) -> Any:
         for (z, g), have in self.vms.items():
             for v in have:
-                if z == zone and (gpu is None or g == gpu) and v not in avoid and (devices is None or v.gpus >= devices):
+                if (
+                    z == zone
+                    and (gpu is None or g == gpu)
+                    and v not in avoid
+                    and (devices is None or v.gpus >= devices)
+                ):
                     return v
         fits = [o for o in self.offers if o.gpus_per_node >= (devices or 1)]
         o = _cheapest(fits, zone=zone, **({"gpu_type": gpu} if gpu else {}))
@@ -145,8 +152,8 @@ def _layer_jobs(model: str, types: list[str], offers: Sequence[Any], pool: _VmPo
     for g in types:
         most = max((o.gpus_per_node for o in offers if o.gpu_type == g and o.count > 0), default=1)
         o = _cheapest(offers, gpu_type=g, gpus_per_node=most)
-        v = o and pool.get(o.zone, g, devices=most)
-        if v is None:
+        v = pool.get(o.zone, g, devices=most) if o is not None else None
+        if o is None or v is None:
             raise MissingProfileError(f"no VM of {g} can be rented to profile {model} on it",
                                       fix=f"allow a zone or market that offers {g}", kind="vm", model=model, gpu_type=g)
         tps = ",".join(str(t) for t in (1, 2, 4, 8) if t <= max(v.gpus, 1))
@@ -293,7 +300,9 @@ def profile(store: Any, model: str, gpu_types: list[str], mbs: list[int] | None 
             kind="layers", model=model, gpu_type=elsewhere[0] if len(elsewhere) == 1 else None,
         )
     if LOCAL_GPU in missing:
-        log.info("profiling %s on this machine's CPU (mbs %s): the store has no cpu profile yet", model, mbs or [1, 2, 4])
+        log.info(
+            "profiling %s on this machine's CPU (mbs %s): the store has no cpu profile yet", model, mbs or [1, 2, 4]
+        )
         profile_layers(store, model, mbs or [1, 2, 4])
     if LOCAL_GPU in gpu_types and not _has_local_link(book):
         log.info("profiling the network between two local workers: the store has no cpu link yet")

@@ -8,8 +8,8 @@ the switch (gain over the remaining work against the cost of reconfiguring), rec
 and its reason, and when switching: provisions only the difference (the new VMs boot while the old
 plan trains on, if it is still whole), ends the old generation at a step with a checkpoint, releases
 the VMs the new plan drops, and hands the new plan to every worker in place: processes on kept VMs
-go on running, and a rank that keeps its shard keeps its state in memory (others load the checkpoint). It returns the job to monitor next
-(the same one when staying). Workers lost with no feasible plan left fail the run.
+go on running, and a rank that keeps its shard keeps its state in memory (others load the checkpoint).
+It returns the job to monitor next (the same one when staying). Workers lost with no feasible plan left fail the run.
 """
 
 from __future__ import annotations
@@ -101,8 +101,12 @@ class RunContext:
         record(self.history.plan, self.run_id, self.version, plan_to_dict(plan), est, reason)
         publish_plan(self.run_id, self.version, plan, est, reason)
         points = [f.to_json() for f in frontier or ()]
-        publish_frontier(self.run_id, self.version, points,
-                         {"usd_per_iteration": est["usd_per_iteration"], "iterations_per_s": est["throughput_iterations_per_s"]})
+        publish_frontier(
+            self.run_id,
+            self.version,
+            points,
+            {"usd_per_iteration": est["usd_per_iteration"], "iterations_per_s": est["throughput_iterations_per_s"]},
+        )
         get_run_logger().info("plan v%d: %s", self.version, _describe(plan, est))
 
     # -- money and time ----------------------------------------------------------------------------
@@ -222,7 +226,9 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
     except NoPlanError as e:
         if lost:
             raise
-        reason = f"after {', '.join(kinds)}: no feasible plan with current offerings ({e}); staying on plan v{job.version}"
+        reason = (
+            f"after {', '.join(kinds)}: no feasible plan with current offerings ({e}); staying on plan v{job.version}"
+        )
         _decide(ctx, "stay", reason, {"trigger": kinds, "step": step})
         return job
     cand, cand_est = chosen_plan(result)
