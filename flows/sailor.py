@@ -149,7 +149,9 @@ def dry_run_report(provider: Provider, requests: list[Any]) -> str:
 
         return format_dry_run(report)
     lines = [f"dry run on {provider.name}: nothing rented"]
-    lines += [f"  vm {v.name}: {v.gpus}x {v.gpu_type} {v.market.value} in {v.zone} at ${v.usd_per_hour:.4f}/h" for v in vms]
+    lines += [
+        f"  vm {v.name}: {v.gpus}x {v.gpu_type} {v.market.value} in {v.zone} at ${v.usd_per_hour:.4f}/h" for v in vms
+    ]
     lines.append(f"hourly cost: ${sum(v.usd_per_hour for v in vms):.4f}/h")
     return "\n".join(lines)
 
@@ -216,10 +218,19 @@ class _RequestsAsEvents:
         out = list(self._p.events(run_id))
         req = self._keeper.take_request()
         if req is not None:
-            out.append(ProviderEvent(kind=EventKind.PRICE_CHANGE, at=datetime.now(UTC), zone="*", gpu_type="*",
-                                     detail={"old_usd_per_gpu_hour": "as planned",
-                                             "new_usd_per_gpu_hour": f"current (re-plan requested by {req['requested_by']})",
-                                             "requested_by": req["requested_by"]}))
+            out.append(
+                ProviderEvent(
+                    kind=EventKind.PRICE_CHANGE,
+                    at=datetime.now(UTC),
+                    zone="*",
+                    gpu_type="*",
+                    detail={
+                        "old_usd_per_gpu_hour": "as planned",
+                        "new_usd_per_gpu_hour": f"current (re-plan requested by {req['requested_by']})",
+                        "requested_by": req["requested_by"],
+                    },
+                )
+            )
         return out
 
 

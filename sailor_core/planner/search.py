@@ -152,7 +152,7 @@ class Search:
         self.nearest: tuple[float, str] | None = None  # smallest violation seen, and its reason
         self._p2p_floor: dict[tuple[int, int], float] = {}
         # quick_bound's terms that do not depend on D, per (mbs, bounds, kinds)
-        self._sketch_terms: dict[tuple, tuple[float, float, float, float, float]] = {}
+        self._sketch_terms: dict[tuple[object, ...], tuple[float, float, float, float, float]] = {}
         self._p2p_fill_floor: dict[tuple[int, int], float] = {}
         self._round_best = math.inf
         self._violators: list[tuple[float, int, Candidate]] = []  # best scores that break a limit
@@ -487,8 +487,12 @@ class Search:
                 for tp, _ in row)
             for s in range(p)
         )
-        lb = _Floor(fill=sum(best_t) + sum(self.p2p_fill_floor(mbs, bounds[b][1]) for b in range(p - 1)) + opt_lb, cycle_add=min(comm),
-                    cycle_floor=max(best_t[s] + comm[s] for s in range(p)), rate=sum(min_rate))
+        lb = _Floor(
+            fill=sum(best_t) + sum(self.p2p_fill_floor(mbs, bounds[b][1]) for b in range(p - 1)) + opt_lb,
+            cycle_add=min(comm),
+            cycle_floor=max(best_t[s] + comm[s] for s in range(p)),
+            rate=sum(min_rate),
+        )
         d_cap = max(1, self.total_gpus // max(1, sum(min_gpus)))
         d_list = self.d_values(n, d_cap)
         if not d_list:
@@ -745,11 +749,15 @@ class Search:
         return usd
 
     @staticmethod
-    def _reconstruct(layers: list[dict], end: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        kinds = []
+    def _reconstruct(layers: list[dict[tuple[int, ...], _Val]], end: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        kinds: list[tuple[int, int]] = []
         u: tuple[int, ...] | None = end
-        for layer in reversed(layers):
+        for i, layer in enumerate(reversed(layers)):
+            if u is None:
+                raise RuntimeError(f"usage DP: the back-pointers end {len(layers) - i} stages early")
             _, _, prev, kind = layer[u]
+            if kind is None:
+                raise RuntimeError(f"usage DP: state {u} of stage {len(layers) - 1 - i} has no (slot, tp) kind")
             kinds.append(kind)
             u = prev
         return tuple(reversed(kinds))
@@ -890,7 +898,9 @@ class Search:
                 last = first
                 if stage_t(s, first, last) > tau or not fits(s, first, last):
                     return None
-                while last + 1 <= L - 1 - left_stages and stage_t(s, first, last + 1) <= tau and fits(s, first, last + 1):
+                while (
+                    last + 1 <= L - 1 - left_stages and stage_t(s, first, last + 1) <= tau and fits(s, first, last + 1)
+                ):
                     last += 1
                 if s == p - 1 and last != L - 1:
                     return None
