@@ -213,7 +213,9 @@ def load_scenario(path: str | Path) -> Scenario:
     try:
         raw = yaml.safe_load(p.read_text())
     except FileNotFoundError:
-        raise ScenarioError(f"scenario file {p} does not exist; to fix: check the path (examples in scenarios/)") from None
+        raise ScenarioError(
+            f"scenario file {p} does not exist; to fix: check the path (examples in scenarios/)"
+        ) from None
     except yaml.YAMLError as e:
         from sailor_core.planner.pool import yaml_problem
 
@@ -298,7 +300,9 @@ def _links(raw: Any, zones: dict[str, str], errors: list[str]) -> Links:
     if raw is None:
         return Links()
     if not isinstance(raw, dict):
-        errors.append(f"links: must be a mapping (same_zone_gbps, same_region_gbps, cross_region_gbps, pairs), got {raw!r}")
+        errors.append(
+            f"links: must be a mapping (same_zone_gbps, same_region_gbps, cross_region_gbps, pairs), got {raw!r}"
+        )
         return Links()
     _unknown(raw, {*DEFAULT_LINKS_GBPS, "pairs"}, "links", errors)
     rates = {}
@@ -359,7 +363,9 @@ def _regions(raw: Any, errors: list[str]) -> list[ScenarioOffering]:
     return out
 
 
-def _event(e: Any, where: str, index: int, offerings: list[ScenarioOffering], errors: list[str]) -> ScenarioEvent | None:
+def _event(
+    e: Any, where: str, index: int, offerings: list[ScenarioOffering], errors: list[str]
+) -> ScenarioEvent | None:
     if not isinstance(e, dict):
         errors.append(f"{where}: must be a mapping, got {e!r}")
         return None

@@ -283,9 +283,18 @@ class Testbed:
             if in_zone >= 253:
                 raise TestbedError(f"zone {zone} has 253 VMs already; to fix: use fewer VMs per zone")
             address = str(net.network_address + zone_no * 256 + in_zone + 2)
-            vm = TestbedVm(key=key, index=index, zone=zone, address=address, netns=f"{NETNS_PREFIX}{self.tag}-{key}",
-                           veth=f"{LINK_PREFIX}{self.tag}h{index}", cgroup=str(CGROUP_CPU / CGROUP_PARENT / self.tag / key),
-                           folder=str(folder), devices=devices, cpu_cores=cpu_cores)
+            vm = TestbedVm(
+                key=key,
+                index=index,
+                zone=zone,
+                address=address,
+                netns=f"{NETNS_PREFIX}{self.tag}-{key}",
+                veth=f"{LINK_PREFIX}{self.tag}h{index}",
+                cgroup=str(CGROUP_CPU / CGROUP_PARENT / self.tag / key),
+                folder=str(folder),
+                devices=devices,
+                cpu_cores=cpu_cores,
+            )
         else:
             vm = TestbedVm(key=key, index=index, zone=zone, address="127.0.0.1", netns="", veth="", cgroup="",
                            folder=str(folder), devices=devices, cpu_cores=cpu_cores)
@@ -628,7 +637,11 @@ def leftovers(tag: str, folder: Path | None = None, *, runner: Runner = _run) ->
         out.append(f"folder {folder}")
     rec = Testbed.open(folder) if folder is not None else None
     for key, procs in (rec._rec.get("procs", {}) if rec else {}).items():
-        out += [f"process {p['pid']} of {key}" for p in procs if p["start"] is not None and _pid_start(p["pid"]) == p["start"]]
+        out += [
+            f"process {p['pid']} of {key}"
+            for p in procs
+            if p["start"] is not None and _pid_start(p["pid"]) == p["start"]
+        ]
     return out
 
 
@@ -711,7 +724,9 @@ def _free_subnet(first: str, home: Path, runner: Runner) -> ipaddress.IPv4Networ
     try:
         net = ipaddress.ip_network(first)
     except ValueError as e:
-        raise TestbedError(f"testbed network {first!r} is not a network: {e}; to fix: give one like 10.213.0.0/16") from None
+        raise TestbedError(
+            f"testbed network {first!r} is not a network: {e}; to fix: give one like 10.213.0.0/16"
+        ) from None
     if not isinstance(net, ipaddress.IPv4Network) or net.prefixlen != 16 or not net.is_private:
         raise TestbedError(f"testbed network {first} must be a private IPv4 /16; to fix: give one like 10.213.0.0/16")
     used: set[ipaddress.IPv4Network] = set()

@@ -84,7 +84,9 @@ def device_gpu_type(device: str, name: str):
     if name in GPU_TYPES:
         return GPU_TYPES[name]
     if device == "cpu":
-        return GpuType(name=name, memory_bytes=GPU_TYPES["cpu"].memory_bytes, gpus_per_node=GPU_TYPES["cpu"].gpus_per_node)
+        return GpuType(
+            name=name, memory_bytes=GPU_TYPES["cpu"].memory_bytes, gpus_per_node=GPU_TYPES["cpu"].gpus_per_node
+        )
     import torch
 
     return GpuType(

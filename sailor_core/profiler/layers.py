@@ -3,7 +3,8 @@
 Contract: `profile_model(settings, progress=None) -> ModelProfile` measures the model
 `settings.model` (a built-in config of sailor_core.models, or `settings.model_config`) on the
 device at hand, for every microbatch size in `settings.mbs` and TP degree in `settings.tp`, with
-the runtime's own layers (sailor_core.models.torch_model.build_layer, Megatron-style TP layers over a real process group):
+the runtime's own layers (sailor_core.models.torch_model.build_layer, Megatron-style TP layers over a
+real process group):
 - every TP degree runs in `tp` spawned worker processes on this node (one GPU each on CUDA; gloo on
   CPU, one thread each, as the runtime's workers run); rank 0's times are reported;
 - per layer of the store's indexing (0 embedding, 1..L blocks, L+1 final norm + head, the head's
@@ -205,7 +206,9 @@ def _rss_bytes() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def layer_worker(rank: int, world_size: int, init_method: str, emit: Callable[[Any], None], settings: ModelProfileSettings):
+def layer_worker(
+    rank: int, world_size: int, init_method: str, emit: Callable[[Any], None], settings: ModelProfileSettings
+):
     """Measure every layer at every mbs for one TP degree (= world_size); messages go through `emit`."""
     import torch
     import torch.distributed as dist
@@ -364,7 +367,9 @@ def _measure_mbs(torch, dist, rig: _LayerRig, mbs: int, emit: Callable[[Any], No
         dist.all_reduce(status, op=dist.ReduceOp.MAX)
     if rig.rank == 0:
         if int(status.item()):
-            emit({"kind": "infeasible", "mbs": mbs, "tp": rig.tp, "reason": reason or "out of memory on another TP rank"})
+            emit(
+                {"kind": "infeasible", "mbs": mbs, "tp": rig.tp, "reason": reason or "out of memory on another TP rank"}
+            )
         else:
             for p in results:
                 emit({"kind": "point", "point": p})
@@ -526,7 +531,11 @@ def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], Non
 
 
 def _complete(
-    cfg: TransformerConfig, spec: ModelSpec, gpu_type: str, points: list[LayerPoint], optimizer: dict[int, tuple[float, int]]
+    cfg: TransformerConfig,
+    spec: ModelSpec,
+    gpu_type: str,
+    points: list[LayerPoint],
+    optimizer: dict[int, tuple[float, int]],
 ) -> tuple[list[LayerProfile], dict[int, float]]:
     """Every layer of every measured (mbs, tp): measured layers as is, other blocks the measured blocks' mean."""
     by_point: dict[tuple[int, int], dict[int, LayerPoint]] = {}

@@ -179,7 +179,9 @@ class NetworkProfile:
 # Worker side (runs in each spawned process)
 
 
-def network_worker(rank: int, world_size: int, init_method: str, emit: Callable[[Any], None], settings: NetworkSettings):
+def network_worker(
+    rank: int, world_size: int, init_method: str, emit: Callable[[Any], None], settings: NetworkSettings
+):
     """Measure every size; rank 0 returns [(bytes, p2p Measurement, all-reduce Measurement)].
 
     Sizes are visited round-robin, a few repetitions per visit (the first of each visit is a
@@ -317,7 +319,12 @@ def profile_network(settings: NetworkSettings, progress: Callable[[dict], None] 
     settings.validate()
     gpu_type = settings.gpu_type or default_gpu_type(settings.device)
     rows = run_workers(
-        network_worker, settings.workers, (settings,), device=settings.device, on_message=progress, timeout_s=settings.timeout_s
+        network_worker,
+        settings.workers,
+        (settings,),
+        device=settings.device,
+        on_message=progress,
+        timeout_s=settings.timeout_s,
     )
     return fit_network(rows, settings, gpu_type)
 
@@ -440,7 +447,10 @@ def to_json(profile: NetworkProfile) -> str:
     return json.dumps(
         {
             "link": {"coeffs": profile.link.fit.coeffs, "max_bytes_per_s": profile.link.fit.max_bytes_per_s},
-            "allreduce": {"coeffs": profile.allreduce_fit.coeffs, "max_bytes_per_s": profile.allreduce_fit.max_bytes_per_s},
+            "allreduce": {
+                "coeffs": profile.allreduce_fit.coeffs,
+                "max_bytes_per_s": profile.allreduce_fit.max_bytes_per_s,
+            },
             "p2p_alpha_beta": asdict(profile.p2p_alpha_beta),
             "allreduce_alpha_beta": asdict(profile.allreduce_alpha_beta),
             "points": summary_rows(profile),

@@ -36,7 +36,11 @@ def _spec_to_write(store: Any, profile: ModelProfile) -> ModelSpec | None:
     if profile.model not in store.model_names():
         return analytic
     stored = store.model(profile.model)
-    differs = [f"{a} {getattr(stored, a)} != {getattr(analytic, a)}" for a in _ARCH if getattr(stored, a) != getattr(analytic, a)]
+    differs = [
+        f"{a} {getattr(stored, a)} != {getattr(analytic, a)}"
+        for a in _ARCH
+        if getattr(stored, a) != getattr(analytic, a)
+    ]
     if differs:
         raise SailorError(
             f"the store holds a different model named {profile.model} ({', '.join(differs)}); its profiles "
@@ -57,7 +61,9 @@ def save_model_profile(store: Any, profile: ModelProfile) -> int:
         store.write_model(spec, provenance=profile.provenance)
     n = store.replace_layer_profiles(profile.model, profile.gpu_type, profile.profiles, provenance=profile.provenance)
     if profile.framework_overhead_bytes > 0:
-        store.write_framework_overhead({profile.gpu_type: profile.framework_overhead_bytes}, provenance=profile.provenance)
+        store.write_framework_overhead(
+            {profile.gpu_type: profile.framework_overhead_bytes}, provenance=profile.provenance
+        )
     return int(n)
 
 

@@ -44,7 +44,9 @@ class RepeatPolicy:
                 f"warmup={self.warmup} min_reps={self.min_reps} max_reps={self.max_reps}"
             )
         if not (self.rel_err > 0 and self.time_cap_s > 0):
-            raise ValueError(f"repeat policy needs rel_err > 0 and time_cap_s > 0, got {self.rel_err}, {self.time_cap_s}")
+            raise ValueError(
+                f"repeat policy needs rel_err > 0 and time_cap_s > 0, got {self.rel_err}, {self.time_cap_s}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

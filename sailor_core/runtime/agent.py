@@ -85,7 +85,9 @@ class WorkerAgent:
     def _heartbeat(self) -> None:
         workers = {w: (p.pid if p.poll() is None else None) for w, p in self.procs.items()}
         with contextlib.suppress(protocol.ProtocolError):
-            self.client.set(protocol.vm_heartbeat_key(self.vm_id), json.dumps({"time": time.time(), "workers": workers}))
+            self.client.set(
+                protocol.vm_heartbeat_key(self.vm_id), json.dumps({"time": time.time(), "workers": workers})
+            )
         self.emit({"event": "heartbeat", "workers": workers})
 
     @staticmethod

@@ -45,7 +45,11 @@ _GRAVEYARD: list[Any] = []  # trainers of aborted generations, never freed (see 
 
 
 def _log(msg: str) -> None:
-    print(f"[sailor-worker {os.getpid()} {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}] {msg}", file=sys.stderr, flush=True)
+    print(
+        f"[sailor-worker {os.getpid()} {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}] {msg}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class _DataCache:
