@@ -15,7 +15,7 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,7 +82,7 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
     return AlphaBeta(latency_s=float(alpha), bandwidth_bytes_per_s=float(1.0 / g))
 
 
-def relative_errors(predict, sizes: Sequence[float], times: Sequence[float]) -> list[float]:
+def relative_errors(predict: Callable[[float], float], sizes: Sequence[float], times: Sequence[float]) -> list[float]:
     """(predicted - measured) / measured per size; `predict` maps bytes to seconds."""
     return [(predict(float(x)) - float(t)) / float(t) for x, t in zip(sizes, times, strict=True)]
 

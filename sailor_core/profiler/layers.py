@@ -40,7 +40,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from sailor_core.catalog import GPU_TYPES
 from sailor_core.domain import LayerProfile, ModelSpec, Provenance
@@ -50,6 +51,15 @@ from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.spawn import is_out_of_memory, run_workers
 from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule, check_statistic
 from sailor_core.runtime.devices import device_cpu_clock
+
+if TYPE_CHECKING:  # torch is imported in the workers only
+    from torch import Tensor, nn
+    from torch import device as TorchDevice
+
+    from sailor_core.models.tensor_parallel import TPContext
+
+_Timed = Callable[..., tuple[float, Any]]  # timed(fn) -> (seconds, fn's result)
+_Agree = Callable[[bool], bool]  # agree(stop) -> rank 0's decision, on every TP rank
 
 DEFAULT_POLICY = RepeatPolicy(warmup=2, min_reps=5, max_reps=50, rel_err=0.02, time_cap_s=1.0)
 # A layer's time is the mean of its repetitions: a training step runs every layer once per
@@ -208,7 +218,7 @@ def _rss_bytes() -> int:
 
 def layer_worker(
     rank: int, world_size: int, init_method: str, emit: Callable[[Any], None], settings: ModelProfileSettings
-):
+) -> None:
     """Measure every layer at every mbs for one TP degree (= world_size); messages go through `emit`."""
     import torch
     import torch.distributed as dist
@@ -241,10 +251,12 @@ def layer_worker(
             dist.destroy_process_group()
 
 
-def _init_rank(torch, dist, rank: int, tp: int, init_method: str, settings: ModelProfileSettings):
+def _init_rank(
+    torch: ModuleType, dist: ModuleType, rank: int, tp: int, init_method: str, settings: ModelProfileSettings
+) -> TorchDevice:
     """This rank's device (CUDA: GPU `rank`, made current), its process group joined when tp > 1."""
     cuda = settings.device == "cuda"
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")  # spawn's bind_device made it current
+    dev: TorchDevice = torch.device("cuda", rank) if cuda else torch.device("cpu")  # bind_device made it current
     if tp > 1:
         dist.init_process_group(
             "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=tp,
@@ -253,7 +265,7 @@ def _init_rank(torch, dist, rank: int, tp: int, init_method: str, settings: Mode
     return dev
 
 
-def _timers(torch, cuda: bool, tp: int) -> tuple[Callable[..., tuple[float, Any]], Callable[..., tuple[float, Any]]]:
+def _timers(torch: ModuleType, cuda: bool, tp: int) -> tuple[_Timed, _Timed]:
     """(timer of work without collectives, timer of a layer): each runs fn() and returns (seconds, its result)."""
     import time
 
@@ -280,7 +292,7 @@ def _timers(torch, cuda: bool, tp: int) -> tuple[Callable[..., tuple[float, Any]
     return cpu_timed, layer_timed
 
 
-def _agreement(torch, dist, dev, tp: int) -> Callable[[bool], bool]:
+def _agreement(torch: ModuleType, dist: ModuleType, dev: TorchDevice, tp: int) -> _Agree:
     """agree(stop): rank 0's stop decision, broadcast so every TP rank repeats a layer as often."""
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
 
@@ -297,16 +309,20 @@ def _agreement(torch, dist, dev, tp: int) -> Callable[[bool], bool]:
 class _LayerRig:
     """One TP rank's measured layers on its device, their deterministic inputs and their forward."""
 
-    def __init__(self, torch, settings: ModelProfileSettings, ctx, dev, rank: int, tp: int) -> None:
+    def __init__(
+        self, torch: ModuleType, settings: ModelProfileSettings, ctx: TPContext, dev: TorchDevice, rank: int, tp: int
+    ) -> None:
         from sailor_core.models.torch_model import build_layer
 
         self.torch, self.settings, self.ctx, self.dev, self.rank, self.tp = torch, settings, ctx, dev, rank, tp
         self.cuda = settings.device == "cuda"
         self.cfg = cfg = settings.config()
-        self.layers = {i: build_layer(cfg, i, ctx, settings.seed).to(dev) for i in settings.measured_layers(cfg)}
+        self.layers: dict[int, nn.Module] = {
+            i: build_layer(cfg, i, ctx, settings.seed).to(dev) for i in settings.measured_layers(cfg)
+        }
         self.head = cfg.num_layers - 1
 
-    def inputs(self, i: int, mbs: int):
+    def inputs(self, i: int, mbs: int) -> tuple[Tensor, Tensor | None]:
         """(input, targets or None) of layer i for a microbatch of mbs: the same on every TP rank."""
         torch, cfg, dev = self.torch, self.cfg, self.dev
         s, h = cfg.sequence_length, cfg.hidden_size
@@ -317,18 +333,24 @@ class _LayerRig:
         tgt = torch.randint(0, cfg.vocab_size, (mbs, s), generator=g).to(dev) if i == self.head else None
         return x, tgt
 
-    def forward(self, i: int, x, tgt):
+    def forward(self, i: int, x: Tensor, tgt: Tensor | None) -> Tensor:
         """Layer i's forward in the profile's precision; the head's includes the loss."""
         from sailor_core.models.torch_model import loss_sum
 
+        out: Tensor
         if self.settings.precision == "bf16":
             with self.torch.autocast(self.dev.type, dtype=self.torch.bfloat16):
                 out = self.layers[i](x)
         else:
             out = self.layers[i](x)
-        return loss_sum(out, tgt, self.ctx) if i == self.head else out
+        if i != self.head:
+            return out
+        if tgt is None:
+            raise SailorError(f"layer {i} is the head: its forward needs the targets (inputs() gives them)")
+        return loss_sum(out, tgt, self.ctx)
 
-    def measure_point(self, mbs: int, emit: Callable[[Any], None], layer_timed, agree) -> list[LayerPoint]:
+    def measure_point(self, mbs: int, emit: Callable[[Any], None], layer_timed: _Timed, agree: _Agree
+                      ) -> list[LayerPoint]:
         """Every measured layer at microbatch size mbs (rank 0 reports progress per layer)."""
         out = []
         for i, layer in self.layers.items():
@@ -347,7 +369,8 @@ class _LayerRig:
         return out
 
 
-def _measure_mbs(torch, dist, rig: _LayerRig, mbs: int, emit: Callable[[Any], None], layer_timed, agree) -> None:
+def _measure_mbs(torch: ModuleType, dist: ModuleType, rig: _LayerRig, mbs: int, emit: Callable[[Any], None],
+                 layer_timed: _Timed, agree: _Agree) -> None:
     """Measures one microbatch size; rank 0 emits its points, or the size as infeasible when any rank ran out
     of memory (every rank skips it together)."""
     status = torch.zeros(1, dtype=torch.int32, device=rig.dev)
@@ -375,7 +398,8 @@ def _measure_mbs(torch, dist, rig: _LayerRig, mbs: int, emit: Callable[[Any], No
                 emit({"kind": "point", "point": p})
 
 
-def _measure_layer(torch, run_forward, x, policy: RepeatPolicy, timed, agree) -> tuple[Measurement, Measurement]:
+def _measure_layer(torch: ModuleType, run_forward: Callable[[], Tensor], x: Tensor, policy: RepeatPolicy,
+                   timed: _Timed, agree: _Agree) -> tuple[Measurement, Measurement]:
     """Forward and backward of one microbatch, each timed on its own, repeated until both are stable.
 
     `agree(stop)` returns rank 0's decision on every rank: TP layers run collectives, so every rank
@@ -397,7 +421,7 @@ def _measure_layer(torch, run_forward, x, policy: RepeatPolicy, timed, agree) ->
             return f_rule.result(), b_rule.result()
 
 
-def _warm_up_and_overhead(torch, dev, cuda: bool) -> int:
+def _warm_up_and_overhead(torch: ModuleType, dev: TorchDevice, cuda: bool) -> int:
     """Load the kernels and libraries a training step uses, then measure what they hold."""
     a = torch.randn(64, 64, device=dev, requires_grad=True)
     (a @ a).sum().backward()
@@ -412,12 +436,13 @@ def _warm_up_and_overhead(torch, dev, cuda: bool) -> int:
     return _rss_bytes()
 
 
-def _saved_for_backward(torch, layer, run_forward: Callable[[], Any], cuda: bool) -> tuple[int, int | None]:
+def _saved_for_backward(torch: ModuleType, layer: nn.Module, run_forward: Callable[[], Any], cuda: bool
+                        ) -> tuple[int, int | None]:
     """Bytes of the unique non-parameter storages autograd keeps for this layer's backward."""
     param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     storages: dict[int, int] = {}
 
-    def pack(t):
+    def pack(t: Tensor) -> Tensor:
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr not in param_ptrs:
@@ -432,7 +457,8 @@ def _saved_for_backward(torch, layer, run_forward: Callable[[], Any], cuda: bool
     return int(sum(storages.values())), allocated
 
 
-def _optimizer_step_s(torch, params, policy: RepeatPolicy, timed) -> Measurement:
+def _optimizer_step_s(torch: ModuleType, params: list[nn.Parameter], policy: RepeatPolicy, timed: _Timed
+                      ) -> Measurement:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -454,7 +480,9 @@ def _optimizer_step_s(torch, params, policy: RepeatPolicy, timed) -> Measurement
 # Parent side
 
 
-def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], None] | None = None) -> ModelProfile:
+def profile_model(
+    settings: ModelProfileSettings, progress: Callable[[dict[str, Any]], None] | None = None
+) -> ModelProfile:
     """Measure the grid; returns every layer's profile (blocks copied where collapsed). Writes nothing."""
     cfg = settings.validate()
     gpu_type = settings.gpu_type or default_gpu_type(settings.device)
@@ -464,7 +492,7 @@ def profile_model(settings: ModelProfileSettings, progress: Callable[[dict], Non
     overheads: list[int] = []
 
     for tp in sorted(set(settings.tp)):
-        def on_message(msg: dict, tp: int = tp) -> None:
+        def on_message(msg: dict[str, Any], tp: int = tp) -> None:
             kind = msg["kind"]
             if kind == "point":
                 points.append(msg["point"])
@@ -555,8 +583,8 @@ def _complete(
         mean_f = statistics.fmean(b.forward_s for b in blocks)
         mean_b = statistics.fmean(b.backward_s for b in blocks)
         for i in range(cfg.num_layers):
-            p = layers.get(i)
-            f, b = (p.forward_s, p.backward_s) if p else (mean_f, mean_b)
+            measured = layers.get(i)
+            f, b = (measured.forward_s, measured.backward_s) if measured else (mean_f, mean_b)
             if not (math.isfinite(f) and math.isfinite(b)):
                 raise SailorError(f"layer {i} at mbs={mbs} tp={tp} timed as {f}, {b}; the measurement failed")
             out.append(

@@ -34,7 +34,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from sailor_core.domain import (
     FIT_MAX_LOG2_MB,
@@ -49,6 +50,12 @@ from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.fit import AlphaBeta, fit_alpha_beta, fit_bandwidth, relative_errors
 from sailor_core.profiler.spawn import run_workers
 from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule, check_statistic
+
+if TYPE_CHECKING:  # torch is imported in the workers only
+    from torch import Tensor
+    from torch import device as TorchDevice
+
+_Row = tuple[int, Measurement, Measurement]  # message bytes, point-to-point, all-reduce
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -181,7 +188,7 @@ class NetworkProfile:
 
 def network_worker(
     rank: int, world_size: int, init_method: str, emit: Callable[[Any], None], settings: NetworkSettings
-):
+) -> list[_Row] | None:
     """Measure every size; rank 0 returns [(bytes, p2p Measurement, all-reduce Measurement)].
 
     Sizes are visited round-robin, a few repetitions per visit (the first of each visit is a
@@ -201,7 +208,7 @@ def network_worker(
         steps = _timed_steps(torch, dist, rank, settings.device == "cuda")[: 2 if settings.allreduce else 1]
         spent = [0.0] * len(sizes)
         rules = {
-            (i, kind): StopRule(replace(settings.policy, warmup=0), clock=lambda i=i: spent[i])
+            (i, kind): StopRule(replace(settings.policy, warmup=0), clock=_time_spent(spent, i))
             for i in range(len(sizes))
             for kind in ("p2p", "ar")
         }
@@ -225,12 +232,19 @@ def network_worker(
         dist.destroy_process_group()
 
 
-def _join_group(torch, dist, rank: int, world_size: int, init_method: str, settings: NetworkSettings):
+def _time_spent(spent: list[float], i: int) -> Callable[[], float]:
+    """The clock of size i's stop rule: the seconds spent measuring that size so far."""
+    return lambda: spent[i]
+
+
+def _join_group(
+    torch: ModuleType, dist: ModuleType, rank: int, world_size: int, init_method: str, settings: NetworkSettings
+) -> TorchDevice:
     """This rank's device (CUDA: GPU `rank`, made current), after joining the process group."""
     cuda = settings.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dev: TorchDevice = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         init_method=init_method,
@@ -241,7 +255,9 @@ def _join_group(torch, dist, rank: int, world_size: int, init_method: str, setti
     return dev
 
 
-def _timed_steps(torch, dist, rank: int, cuda: bool) -> tuple[tuple[str, Callable[[Any], float]], ...]:
+def _timed_steps(
+    torch: ModuleType, dist: ModuleType, rank: int, cuda: bool
+) -> tuple[tuple[str, Callable[[Tensor], float]], ...]:
     """(("p2p", one-way seconds of a ping-pong between ranks 0 and 1), ("ar", seconds of an all-reduce))."""
     import time
 
@@ -249,7 +265,7 @@ def _timed_steps(torch, dist, rank: int, cuda: bool) -> tuple[tuple[str, Callabl
         if cuda:
             torch.cuda.synchronize()
 
-    def ping_pong(buf) -> float:
+    def ping_pong(buf: Tensor) -> float:
         if rank > 1:
             return 0.0
         sync()
@@ -263,7 +279,7 @@ def _timed_steps(torch, dist, rank: int, cuda: bool) -> tuple[tuple[str, Callabl
         sync()
         return (time.perf_counter() - t0) / 2
 
-    def all_reduce(buf) -> float:
+    def all_reduce(buf: Tensor) -> float:
         dist.barrier()
         sync()
         t0 = time.perf_counter()
@@ -274,7 +290,8 @@ def _timed_steps(torch, dist, rank: int, cuda: bool) -> tuple[tuple[str, Callabl
     return ("p2p", ping_pong), ("ar", all_reduce)
 
 
-def _visit_sizes(storage, sizes: list[int], done, steps: Sequence[tuple[str, Callable[[Any], float]]],
+def _visit_sizes(storage: Tensor, sizes: list[int], done: Tensor,
+                 steps: Sequence[tuple[str, Callable[[Tensor], float]]],
                  rules: dict[tuple[int, str], StopRule], spent: list[float], policy: RepeatPolicy) -> None:
     """One round-robin visit of every unfinished size: a warm-up then REPS_PER_VISIT timed reps of each step."""
     import time
@@ -292,7 +309,7 @@ def _visit_sizes(storage, sizes: list[int], done, steps: Sequence[tuple[str, Cal
         spent[i] += time.perf_counter() - t_visit
 
 
-def _report_done(emit: Callable[[Any], None], sizes: list[int], done, rules: dict[tuple[int, str], StopRule],
+def _report_done(emit: Callable[[Any], None], sizes: list[int], done: Tensor, rules: dict[tuple[int, str], StopRule],
                  reported: set[int], settings: NetworkSettings) -> None:
     """Emits each newly finished size once (rank 0's progress), and adds it to `reported`."""
     for i in range(len(sizes)):
@@ -314,7 +331,9 @@ def _report_done(emit: Callable[[Any], None], sizes: list[int], done, rules: dic
 # Parent side
 
 
-def profile_network(settings: NetworkSettings, progress: Callable[[dict], None] | None = None) -> NetworkProfile:
+def profile_network(
+    settings: NetworkSettings, progress: Callable[[dict[str, Any]], None] | None = None
+) -> NetworkProfile:
     """Measure and fit the network between `settings.workers` local workers; writes nothing."""
     settings.validate()
     gpu_type = settings.gpu_type or default_gpu_type(settings.device)
@@ -329,7 +348,7 @@ def profile_network(settings: NetworkSettings, progress: Callable[[dict], None] 
     return fit_network(rows, settings, gpu_type)
 
 
-def fit_network(rows, settings: NetworkSettings, gpu_type: str) -> NetworkProfile:
+def fit_network(rows: Sequence[_Row], settings: NetworkSettings, gpu_type: str) -> NetworkProfile:
     points = tuple(SizePoint(message_bytes=b, p2p=p, allreduce=a, statistic=settings.statistic) for b, p, a in rows)
     sizes = [p.message_bytes for p in points]
     p2p_t = [p.p2p_s for p in points]
@@ -484,6 +503,8 @@ def measure_link(settings: NetworkSettings, *, rank: int, rendezvous: Any, key: 
     rows = network_worker(rank, 2, init, lambda msg: None, settings)
     if rank != 0:
         return None
+    if rows is None:
+        raise SailorError("network_worker returned no rows on rank 0 (it returns them there); a bug")
     (za, ga), (zb, gb) = ends
     prof = fit_network(rows, replace(settings, zone=za), ga)
     link = replace(prof.link, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)

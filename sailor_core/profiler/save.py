@@ -85,7 +85,7 @@ def profile_model_to_store(
     device: str = "cpu",
     mbs: Iterable[int] | None = None,
     tp: Iterable[int] | None = None,
-    progress: Callable[[dict], None] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
     **settings: Any,
 ) -> int:
     """Profile `model` on this machine and replace its profile in `store`; returns layer rows written."""
@@ -94,7 +94,7 @@ def profile_model_to_store(
 
 
 def profile_network_to_store(
-    store: Any, *, workers: int = 2, progress: Callable[[dict], None] | None = None, **settings: Any
+    store: Any, *, workers: int = 2, progress: Callable[[dict[str, Any]], None] | None = None, **settings: Any
 ) -> int:
     """Profile the network between `workers` local workers and upsert the link; returns links written."""
     if workers < 2:

@@ -22,7 +22,9 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from typing import Any
 
 from sailor_core.errors import ProfilingWorkerError, SailorError
@@ -40,7 +42,10 @@ def is_out_of_memory(e: BaseException) -> bool:
     return type(e).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
 
 
-def _entry(target, rank: int, world_size: int, init_method: str, q, args: tuple, device: str = "cpu") -> None:
+def _entry(
+    target: Callable[..., Any], rank: int, world_size: int, init_method: str, q: Queue[tuple[str, int, Any]],
+    args: tuple[Any, ...], device: str = "cpu",
+) -> None:
     try:
         import torch
 
@@ -63,7 +68,7 @@ def _entry(target, rank: int, world_size: int, init_method: str, q, args: tuple,
 def run_workers(
     target: Callable[..., Any],
     world_size: int,
-    args: tuple = (),
+    args: tuple[Any, ...] = (),
     *,
     device: str = "cpu",
     on_message: Callable[[Any], None] | None = None,
@@ -106,7 +111,10 @@ def run_workers(
             q.close()
 
 
-def _collect(procs, q, world_size: int, on_message, timeout_s: float) -> Any:
+def _collect(
+    procs: Sequence[BaseProcess], q: Queue[tuple[str, int, Any]], world_size: int,
+    on_message: Callable[[Any], None] | None, timeout_s: float,
+) -> Any:
     deadline = time.monotonic() + timeout_s
     done: dict[int, Any] = {}
     while len(done) < world_size:
@@ -143,7 +151,7 @@ def _collect(procs, q, world_size: int, on_message, timeout_s: float) -> Any:
     return done[0]
 
 
-def _stop(procs, grace_s: float) -> None:
+def _stop(procs: Sequence[BaseProcess], grace_s: float) -> None:
     for p in procs:
         if p.is_alive() and grace_s > 0:
             p.join(timeout=grace_s)
