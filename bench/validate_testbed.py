@@ -175,7 +175,7 @@ def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, 
         old = [p for p in store.layer_profiles(model, [g])]
         new = src.layer_profiles(model, [g])  # seconds of the bound device already (profiler/layers.py)
         tps = {p.tp for p in new}
-        store.replace_layer_profiles(model, g, [p for p in old if p.tp not in tps] + new, provenance=prov)
+        store.replace_layer_profiles(model, g, [p for p in old if p.tp not in tps] + list(new), provenance=prov)
         if g in src.framework_overhead() and v.devices == 1:
             store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=prov)
     log(f"layers done in {time.monotonic() - t0:.0f} s; node links on {[v.key for v, _, _ in node_jobs]}")
