@@ -11,6 +11,7 @@ Contract:
   `seq_len + 1` tokens whose start is a pure function of (seed, g). The runtime numbers samples
   globally (samples seen before this step + position in the global batch), so any plan, and a plan
   change mid-run, sees the same samples in the same order: none skipped, none repeated.
+- `TokenBatches` is what the trainer reads: TokenDataset, or token_shards.ShardedTokenDataset.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 import os
 import sysconfig
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -96,6 +98,12 @@ def load_tokens(uri: str | None = None, limit_bytes: int = DEFAULT_CORPUS_BYTES)
     else:
         raw = _read_local_bytes(Path(uri.removeprefix("file://")), limit_bytes)
     return np.frombuffer(raw, dtype=np.uint8)
+
+
+class TokenBatches(Protocol):
+    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of samples first .. first+count-1, each [count, seq_len]."""
+        ...
 
 
 class TokenDataset:

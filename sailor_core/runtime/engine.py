@@ -60,7 +60,7 @@ from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext, shard, sha
 from sailor_core.models.torch_model import StageModel
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime import comm
-from sailor_core.runtime.data import TokenDataset, load_tokens
+from sailor_core.runtime.data import TokenBatches, TokenDataset, load_tokens
 from sailor_core.runtime.schedule import learning_rate
 from sailor_core.runtime.topology import layout, ranks_of, sample_offset
 
@@ -178,7 +178,7 @@ def backend_for(gpu_type: str) -> str:
 
 class Trainer:
     def __init__(self, plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSettings, rank: int,
-                 world_size: int, *, local_rank: int = 0, dataset: TokenDataset | None = None,
+                 world_size: int, *, local_rank: int = 0, dataset: TokenBatches | None = None,
                  on_metrics: Callable[[dict[str, Any]], None] | None = None, log: Callable[[str], None] | None = None):
         lay = layout(plan)
         if world_size != len(lay):
@@ -209,7 +209,7 @@ class Trainer:
         )
         self._init_peers()
         self._setup_overlap()
-        self.data = dataset
+        self.data: TokenBatches | None = dataset
         if self.data is None and (self.model.has_embedding or self.model.has_head):
             self.data = TokenDataset(load_tokens(settings.data), cfg.sequence_length, settings.seed, cfg.vocab_size)
         self.storage = ckpt.open_storage(settings.checkpoint_dir) if settings.checkpoint_dir else None
