@@ -62,7 +62,9 @@ def main() -> int:
         return 2
     q = a.cpu_per_device or load_scenario(REPO / "scenarios" / "geo.yaml").device_type(a.gpu_type).cpu_per_device
     if q is None:
-        print(f"{a.gpu_type} has no cpu_per_device in scenarios/geo.yaml; to fix: pass --cpu-per-device", file=sys.stderr)
+        print(
+            f"{a.gpu_type} has no cpu_per_device in scenarios/geo.yaml; to fix: pass --cpu-per-device", file=sys.stderr
+        )
         return 2
     tb = Testbed.create(run_id="bench-device-binding", zones=["z1"], link_gbps=lambda s, d: 1.0)
     try:
