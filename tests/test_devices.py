@@ -77,3 +77,16 @@ def test_a_gpu_type_selects_the_gpu_as_the_runtime_does(monkeypatch, tmp_path):
     devices.bind_device(0, "cuda")
     assert chosen == [("A100-40", 1), ("cuda", 0)]
     assert (tmp_path / "dev0" / "cgroup.procs").read_text() == ""  # a GPU is no CPU share
+
+
+def test_a_profilers_tp_group_fits_in_the_vms_devices(tmp_path, monkeypatch):
+    from sailor_core.errors import SailorError
+    from sailor_core.profiler.layers import ModelProfileSettings
+
+    settings = ModelProfileSettings(model="gpt-tiny", device="cpu", mbs=(1,), tp=(1, 4))
+    settings.validate()  # 4 cpu worker slots outside the testbed
+    assert devices.device_count() is None
+    monkeypatch.setenv(devices.CGROUP_ROOT_ENV, str(fake_vm(tmp_path, [0.4, 0.4])))
+    assert devices.device_count() == 2
+    with pytest.raises(SailorError, match=r"TP degree 4 is larger than this node \(2 "):
+        settings.validate()

@@ -50,7 +50,7 @@ from sailor_core.models.config import TransformerConfig, get_config, model_spec
 from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.spawn import is_out_of_memory, run_workers
 from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule, check_statistic
-from sailor_core.runtime.devices import device_cpu_clock
+from sailor_core.runtime.devices import device_count, device_cpu_clock
 
 if TYPE_CHECKING:  # torch is imported in the workers only
     from torch import Tensor, nn
@@ -105,6 +105,10 @@ class ModelProfileSettings:
             import torch
 
             return torch.cuda.device_count()
+        # A testbed VM's devices are CPU shares (sailor_core/runtime/devices.py): rank r binds to share r.
+        shares = device_count()
+        if shares:
+            return shares
         # The local provider's worker slots of GPU type `cpu` (catalog): TP stays inside them.
         return GPU_TYPES["cpu"].gpus_per_node
 

@@ -14,6 +14,8 @@ when unbound or the share has no quota). `device_cpu_clock()`: this thread's CPU
 bound device's speed, CPU seconds / min(1, share) (a one-thread process on a share of q cores runs at
 q cores when q < 1); the layer profiler times work without collectives with it, so its times describe
 one device, not one core of the host (profiler/layers.py). Unbound: the thread's CPU seconds.
+`device_count()`: how many devices this machine has when they are CPU shares (the `dev<i>` under
+$SAILOR_DEVICE_CGROUP_ROOT), None elsewhere; a profiler's TP group fits in them.
 Importing this module imports no torch.
 """
 
@@ -54,6 +56,12 @@ def bind_device(index: int, gpu_type: str = "cpu") -> None:
         raise TestbedError(f"cannot bind this process to device {index} ({cg}): {e}; to fix: run the testbed "
                            f"as root, or unset {CGROUP_ROOT_ENV}") from None
     _BOUND["share"] = _quota_cores(cg)
+
+
+def device_count() -> int | None:
+    """The devices of this machine when they are CPU shares (the testbed's VM); None elsewhere."""
+    root = os.environ.get(CGROUP_ROOT_ENV)
+    return len([p for p in Path(root).glob("dev*") if p.is_dir()]) if root else None
 
 
 def device_share() -> float | None:
