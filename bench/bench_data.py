@@ -54,7 +54,9 @@ def main() -> None:
                 ds.batch(8 * k, 8)
                 time.sleep(STEP_S)
             waits[prefetch] = (time.perf_counter() - t0 - STEP_S * BATCHES) / BATCHES
-            print(f"read-ahead {prefetch} batches: data wait {waits[prefetch] * 1e3:.2f} ms per batch of 8 x 1025 tokens")
+            print(
+                f"read-ahead {prefetch} batches: data wait {waits[prefetch] * 1e3:.2f} ms per batch of 8 x 1025 tokens"
+            )
         print(f"ratio (wait with read-ahead / without): {waits[2] / waits[0]:.2f}")
         ds = ShardedTokenDataset(s3.uri("bench", "tok"), 1024, 0, 4096)
         t0 = time.perf_counter()

@@ -50,7 +50,9 @@ def main() -> int:
               f"{r['allreduce_measured_s'] * 1e3:9.3f} {r['allreduce_predicted_s'] * 1e3:9.3f} "
               f"{r['allreduce_err']:+7.1%} {r['allreduce_ring_s'] * 1e3:9.3f}")
     a_, b_, c_ = prof.link.fit.coeffs
-    print(f"\np2p fit: bw_GBps = {a_:.5g} u^2 + {b_:.5g} u + {c_:.5g}, max {prof.link.fit.max_bytes_per_s / 1e9:.2f} GB/s")
+    print(
+        f"\np2p fit: bw_GBps = {a_:.5g} u^2 + {b_:.5g} u + {c_:.5g}, max {prof.link.fit.max_bytes_per_s / 1e9:.2f} GB/s"
+    )
     ab = prof.p2p_alpha_beta
     print(f"p2p alpha-beta: {ab.latency_s * 1e6:.1f} us + x / {ab.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     ab = prof.allreduce_alpha_beta

@@ -17,6 +17,7 @@ load average before and after.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
@@ -128,19 +129,26 @@ def main() -> int:
     ap.add_argument("--quiet-wait", type=float, default=90.0,
                     help="seconds to wait, per plan, for the cores its workers need to be free (0: do not wait)")
     a = ap.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tmp = Path(tempfile.mkdtemp(prefix="sailor-loop-"))
     store_uri = a.store or str(tmp / "store")
     chosen = {k: v for k, v in plans(a.mbs, a.gbs).items() if k in a.plans.split(",")}
     tps = sorted({r.tp for p in chosen.values() for st in p.stages for r in st.replicas})
 
-    print(f"load average before: {os.getloadavg()} on {os.cpu_count()} cores (plans use 1-2 worker processes; "
-          f"a busy machine slows the measured runs more than the profile, whose layers without collectives are timed in CPU time)")
+    print(
+        f"load average before: {os.getloadavg()} on {os.cpu_count()} cores (plans use 1-2 worker processes; "
+        f"a busy machine slows the measured runs more than the profile, whose layers without collectives are "
+        f"timed in CPU time)"
+    )
     t0 = time.time()
     store = open_store(store_uri)
     rows = profile_model_to_store(store, model=MODEL, device="cpu", mbs=sorted({1, a.mbs, 2 * a.mbs}), tp=tps)
-    print(f"profiled {MODEL} on cpu (mbs {sorted({1, a.mbs, 2 * a.mbs})}, tp {tps}): {rows} rows in {time.time() - t0:.1f} s")
+    print(
+        f"profiled {MODEL} on cpu (mbs {sorted({1, a.mbs, 2 * a.mbs})}, tp {tps}): "
+        f"{rows} rows in {time.time() - t0:.1f} s"
+    )
     t0 = time.time()
     net = profile_network(NetworkSettings(workers=2, max_bytes=16 << 20))
     save_network_profile(store, net)

@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -55,7 +56,7 @@ def one_run(store: str, workdir: Path, scenario: Path, steps: int) -> dict[str, 
                      workdir=str(workdir), min_gain=0.0, calibration_tolerance=9.0)
     run = RunHistory(open_store(store)).show(summary["run_id"])
     cold = next((m["cold_start_s"] for m in run["measurements"] if m["kind"] == "cold_start"), float("nan"))
-    rec = next((e for e in run["events"] if e["kind"] == "reconfigured"), {})
+    rec: dict[str, Any] = next((e for e in run["events"] if e["kind"] == "reconfigured"), {})
     return {"run_id": run["run_id"], "status": run["status"], "cold_start_s": float(cold),
             "reconfiguration_s": float(rec.get("reconfiguration_s", float("nan"))),
             "kept_processes": int(rec.get("kept_processes", 0)), "loaded_from": rec.get("loaded_from", {}),

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 WARMUP = 3
 
@@ -146,9 +147,12 @@ def _plan(stages: list[tuple[int, int]], dp: int, mbs: int, n_micro: int, model:
     from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
 
     rep = Replica(gpu_type="cpu", zone="local", tp=1, gpus_per_node=4)
-    return ParallelPlan(model=model, global_batch_size=mbs * n_micro * dp,
-                        stages=tuple(Stage(first_layer=a, last_layer=b, replicas=(rep,) * dp) for a, b in stages),
-                        pipelines=tuple(PipelineBatch(microbatch_size=mbs, num_microbatches=n_micro) for _ in range(dp)))
+    return ParallelPlan(
+        model=model,
+        global_batch_size=mbs * n_micro * dp,
+        stages=tuple(Stage(first_layer=a, last_layer=b, replicas=(rep,) * dp) for a, b in stages),
+        pipelines=tuple(PipelineBatch(microbatch_size=mbs, num_microbatches=n_micro) for _ in range(dp)),
+    )
 
 
 def run_ours(plan, cfg, steps: int, workdir: str, **kw) -> tuple[float, list[dict]]:
@@ -234,7 +238,7 @@ def main() -> None:
     L = cfg.num_layers
     skip = set(filter(None, a.skip.split(",")))
     work = tempfile.mkdtemp(prefix="sailor-bench-")
-    res: dict[str, dict[str, float]] = {}
+    res: dict[str, dict[str, Any]] = {}
     try:
         # The machine is shared and noisy: alternate ours and torch's runs for several rounds and
         # report the median of the per-round ratios, so a burst of load does not pick the winner.
@@ -267,12 +271,18 @@ def main() -> None:
     print(f"runtime bench, model {a.model}, mbs {a.mbs} x {a.n_micro} microbatches, CPU/gloo, 2 ranks per side")
     if "dp_vs_ddp" in res:
         r = res["dp_vs_ddp"]
-        print(f"  DP-only plan vs torch DDP          : ours {r['ours_s'] * 1e3:7.1f} ms/step, DDP {r['torch_s'] * 1e3:7.1f} "
-              f"ms/step, throughput ratio {r['ratio']:.2f} (target >= 0.9; rounds {r['round_ratios']})")
+        print(
+            f"  DP-only plan vs torch DDP          : ours {r['ours_s'] * 1e3:7.1f} ms/step, "
+            f"DDP {r['torch_s'] * 1e3:7.1f} ms/step, throughput ratio {r['ratio']:.2f} "
+            f"(target >= 0.9; rounds {r['round_ratios']})"
+        )
     if "pp_vs_schedule1f1b" in res:
         r = res["pp_vs_schedule1f1b"]
-        print(f"  pipeline plan vs Schedule1F1B      : ours {r['ours_s'] * 1e3:7.1f} ms/step, torch {r['torch_s'] * 1e3:7.1f} "
-              f"ms/step, throughput ratio {r['ratio']:.2f} (target >= 0.9; rounds {r['round_ratios']})")
+        print(
+            f"  pipeline plan vs Schedule1F1B      : ours {r['ours_s'] * 1e3:7.1f} ms/step, "
+            f"torch {r['torch_s'] * 1e3:7.1f} ms/step, throughput ratio {r['ratio']:.2f} "
+            f"(target >= 0.9; rounds {r['round_ratios']})"
+        )
     if "reconfiguration" in res:
         r = res["reconfiguration"]
         print(f"  kill -> first step on smaller plan : {r['reconfigure_s']:.2f} s vs cold start of that plan "

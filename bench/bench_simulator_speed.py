@@ -67,8 +67,14 @@ def main() -> None:
     fast = rate(lambda p: simulate_valid(p, sm, schedule="1f1b", precision="fp32", zero1=False, options=opts))
     gpus = sum(p.num_gpus for p in ps) / len(ps)
     print(f"{len(ps)} OPT-350 plans (mean {gpus:.0f} GPUs, up to {max(p.num_gpus for p in ps)}; 1-4 stages, dp 1-32)")
-    print(f"simulate (validated):      {full[1]:8.0f} plans per CPU-second, {full[0]:8.0f} per wall second ({full[2]} runs)")
-    print(f"simulate_valid (planner):  {fast[1]:8.0f} plans per CPU-second, {fast[0]:8.0f} per wall second ({fast[2]} runs)")
+    print(
+        f"simulate (validated):      {full[1]:8.0f} plans per CPU-second, "
+        f"{full[0]:8.0f} per wall second ({full[2]} runs)"
+    )
+    print(
+        f"simulate_valid (planner):  {fast[1]:8.0f} plans per CPU-second, "
+        f"{fast[0]:8.0f} per wall second ({fast[2]} runs)"
+    )
 
 
 if __name__ == "__main__":

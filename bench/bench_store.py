@@ -46,8 +46,16 @@ def _model() -> ModelSpec:
 def _rows(n: int) -> list[LayerProfile]:
     per_mbs = LAYERS * TPS
     return [
-        LayerProfile(model="Bench", gpu_type="BenchGPU", mbs=1 + i // per_mbs, tp=1 + (i // LAYERS) % TPS, layer=i % LAYERS,
-                     forward_s=1e-3 * (1 + i % 7), backward_s=2e-3 * (1 + i % 5), optimizer_s=1e-4)
+        LayerProfile(
+            model="Bench",
+            gpu_type="BenchGPU",
+            mbs=1 + i // per_mbs,
+            tp=1 + (i // LAYERS) % TPS,
+            layer=i % LAYERS,
+            forward_s=1e-3 * (1 + i % 7),
+            backward_s=2e-3 * (1 + i % 5),
+            optimizer_s=1e-4,
+        )
         for i in range(n)
     ]
 
@@ -75,9 +83,15 @@ def measure(uri: str, rows: list[LayerProfile], repeat: int) -> dict[str, float]
     n = len(rows)
     part = {"model": "Bench", "gpu_type": "BenchGPU"}
     out = {
-        "write, domain objects": _median_rate(n, repeat, lambda: store.replace_layer_profiles("Bench", "BenchGPU", rows, provenance=PROV)),
+        "write, domain objects": _median_rate(
+            n, repeat, lambda: store.replace_layer_profiles("Bench", "BenchGPU", rows, provenance=PROV)
+        ),
         "read, domain objects": _median_rate(n, repeat, lambda: store.layer_profiles("Bench", ["BenchGPU"])),
-        "write, Arrow table": _median_rate(n, repeat, lambda: store.write_table("layer_profiles", table, mode="replace", partition=part, provenance=PROV)),
+        "write, Arrow table": _median_rate(
+            n,
+            repeat,
+            lambda: store.write_table("layer_profiles", table, mode="replace", partition=part, provenance=PROV),
+        ),
         "read, Arrow table": _median_rate(n, repeat, lambda: store.read_table("layer_profiles", part)),
     }
     got = store.read_table("layer_profiles", part).num_rows

@@ -109,7 +109,7 @@ def _compare(prof: Any, published: dict[str, dict[tuple[int, int, int], Any]], n
 def _layer_row(ours: dict[tuple[int, int, int], Any], published: dict[str, dict[tuple[int, int, int], Any]], m: int,
                t: int, i: int | str, n_layers: int) -> tuple[str, dict[str, Any]]:
     """(the printed line, the JSON row) of layer i (or "sum": every layer) at (mbs m, tp t)."""
-    if i == "sum":
+    if isinstance(i, str):  # "sum"
         f = sum(ours[(m, t, j)].forward_s for j in range(n_layers))
         b = sum(ours[(m, t, j)].backward_s for j in range(n_layers))
     else:
@@ -119,7 +119,7 @@ def _layer_row(ours: dict[tuple[int, int, int], Any], published: dict[str, dict[
     for g in PUBLISHED:
         pts = published[g]
         if all((m, t, j) in pts for j in range(n_layers)):
-            if i == "sum":
+            if isinstance(i, str):  # "sum"
                 pf = sum(pts[(m, t, j)].forward_s for j in range(n_layers))
                 pb = sum(pts[(m, t, j)].backward_s for j in range(n_layers))
             else:

@@ -61,11 +61,19 @@ def _plan(gpu_type: str, stages: list[tuple[int, int, int]], dp: int, mbs: int, 
     from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
 
     return ParallelPlan(
-        model=model, global_batch_size=mbs * n_micro, precision="fp32",
-        stages=tuple(Stage(first_layer=a, last_layer=b,
-                           replicas=(Replica(gpu_type=gpu_type, zone="local", tp=tp, gpus_per_node=gpus_per_node),) * dp)
-                     for a, b, tp in stages),
-        pipelines=(PipelineBatch(microbatch_size=mbs, num_microbatches=n_micro // dp),) * dp)
+        model=model,
+        global_batch_size=mbs * n_micro,
+        precision="fp32",
+        stages=tuple(
+            Stage(
+                first_layer=a,
+                last_layer=b,
+                replicas=(Replica(gpu_type=gpu_type, zone="local", tp=tp, gpus_per_node=gpus_per_node),) * dp,
+            )
+            for a, b, tp in stages
+        ),
+        pipelines=(PipelineBatch(microbatch_size=mbs, num_microbatches=n_micro // dp),) * dp,
+    )
 
 
 def _train(plan, cfg, steps: int, run_dir: Path) -> list[float]:
@@ -130,7 +138,8 @@ def check_training(device: str, n_dev: int, model: str, steps: int, work: Path) 
             tail = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
             verdicts.append(line(name, "FAIL", f"{type(e).__name__}: {tail} (logs in {work / name})"))
             continue
-        took = f"{time.monotonic() - t0:.0f} s; {note}; {model}, {steps} steps, global batch {mbs * n_micro} in microbatches of {mbs}"
+        took = (f"{time.monotonic() - t0:.0f} s; {note}; {model}, {steps} steps, "
+                f"global batch {mbs * n_micro} in microbatches of {mbs}")
         if name == "train-1rank":
             ok = len(got) == steps and got[-1] < got[0]
             reference = got if ok else None
@@ -138,12 +147,19 @@ def check_training(device: str, n_dev: int, model: str, steps: int, work: Path) 
             continue
         assert reference is not None
         err = _rel(got, reference)
-        verdicts.append(line(name, "OK" if err <= LOSS_REL_TOL else "FAIL",
-                             f"max relative loss difference to train-1rank {err:.2e} (limit {LOSS_REL_TOL:.0e}; {took})"))
+        verdicts.append(
+            line(
+                name,
+                "OK" if err <= LOSS_REL_TOL else "FAIL",
+                f"max relative loss difference to train-1rank {err:.2e} (limit {LOSS_REL_TOL:.0e}; {took})",
+            )
+        )
     return verdicts
 
 
-def compare_with_published(profiles: Sequence[Any], published: Callable[[str], Sequence[Any]], own: str) -> tuple[bool, str]:
+def compare_with_published(
+    profiles: Sequence[Any], published: Callable[[str], Sequence[Any]], own: str
+) -> tuple[bool, str]:
     """Our OPT-350 layer profiles against the published ones (`published(gpu_type)` lists a type's
     LayerProfiles). Per (mbs, tp): forward + backward summed over the layers. Fails on a
     non-positive or non-finite time, on a sum that does not grow with the microbatch, and, where
@@ -193,7 +209,9 @@ def check_profile(n_dev: int, mbs: tuple[int, ...], precision: str) -> str:
     try:
         prof = profile_model(ModelProfileSettings(model="OPT-350", device="cuda", mbs=mbs, tp=tps, precision=precision))
     except Exception as e:  # noqa: BLE001 - one FAIL line per check
-        return line(name, "FAIL", f"the profiler failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        return line(
+            name, "FAIL", f"the profiler failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        )
     store = open_store(tempfile.mkdtemp(prefix="sailor-gpu-check-"))  # the shipped seed: published profiles
     ok, detail = compare_with_published(prof.profiles, lambda g: store.layer_profiles("OPT-350", [g]),
                                         default_gpu_type("cuda"))

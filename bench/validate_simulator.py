@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{os.path.basename(f)[12:-5]:<28}{plan.num_stages:>3}{plan.data_parallel:>4}"
             f"{plan.pipelines[0].microbatch_size:>4}{plan.pipelines[0].num_microbatches:>5} {meas['real']:>8.3f}"
-            f"{r.iteration_time_s:>8.3f}{et:>+7.1f} {meas['max_mem'] / 1e9:>8.2f}{r.peak_memory_bytes / 1e9:>8.2f}{em:>+7.1f}"
+            f"{r.iteration_time_s:>8.3f}{et:>+7.1f} {meas['max_mem'] / 1e9:>8.2f}"
+            f"{r.peak_memory_bytes / 1e9:>8.2f}{em:>+7.1f}"
             f"  {b.pipeline_compute_s:.3f}/{b.pipeline_p2p_s:.4f}/{b.dp_sync_exposed_s:.4f}/{b.optimizer_s:.4f}"
         )
     n = len(rows)

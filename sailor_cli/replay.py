@@ -72,7 +72,7 @@ from sailor_core.replay import (
 # The replay's default search: the planner's, narrowed (one stage count past the best, no mixed
 # pipeline groups, 4 plans re-scored, uniform/balanced partitions beyond 8) so a 2,048-GPU pool
 # plans in a fraction of a second; `--search full` is the flow's own search.
-FAST_SEARCH = dict(patience=1, mixed_pipelines=0, rescore_top=4, exhaustive_partitions_up_to=8)
+FAST_SEARCH: dict[str, Any] = dict(patience=1, mixed_pipelines=0, rescore_top=4, exhaustive_partitions_up_to=8)
 
 
 def replay(
