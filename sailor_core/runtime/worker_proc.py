@@ -116,8 +116,7 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
 def _pg_store(a: dict[str, Any], client: ControlClient, gen: int) -> Any:
     """The rendezvous of one generation: a TCPStore that its rank 0 hosts on its own VM (as torchrun's
     master does), announced to the other ranks through the controller under `g<g>/rdv`."""
-    # torch.distributed re-exports these from torch._C without listing them (mypy: not exported)
-    from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import PrefixStore, TCPStore
 
     timeout = timedelta(seconds=float(a["settings"].get("timeout_s", 60)))
     rank, world = int(a["rank"]), int(a["world_size"])
