@@ -50,6 +50,7 @@ from sailor_core.profiler.env import check_device, default_gpu_type, provenance
 from sailor_core.profiler.fit import AlphaBeta, fit_alpha_beta, fit_bandwidth, relative_errors
 from sailor_core.profiler.spawn import run_workers
 from sailor_core.profiler.timing import Measurement, RepeatPolicy, StopRule, check_statistic
+from sailor_core.runtime.devices import bind_device
 
 if TYPE_CHECKING:  # torch is imported in the workers only
     from torch import Tensor
@@ -240,11 +241,10 @@ def _time_spent(spent: list[float], i: int) -> Callable[[], float]:
 def _join_group(
     torch: ModuleType, dist: ModuleType, rank: int, world_size: int, init_method: str, settings: NetworkSettings
 ) -> TorchDevice:
-    """This rank's device (CUDA: GPU `rank`, made current), after joining the process group."""
+    """This rank's device, after joining the process group. CUDA: the GPU the process bound itself to
+    (bind_device: GPU `rank` under run_workers, GPU 0 for one end of a link), made current then."""
     cuda = settings.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dev: TorchDevice = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dev: TorchDevice = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         init_method=init_method,
@@ -500,6 +500,7 @@ def measure_link(settings: NetworkSettings, *, rank: int, rendezvous: Any, key: 
         rendezvous.set(key, init)
     else:
         init = rendezvous.wait(key, settings.timeout_s)
+    bind_device(0, settings.device)  # the one process of this machine: its first device (GPU 0, CPU share 0)
     rows = network_worker(rank, 2, init, lambda msg: None, settings)
     if rank != 0:
         return None
