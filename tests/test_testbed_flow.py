@@ -31,7 +31,7 @@ regions:
     za:
       - {device_type: cpu, devices_per_vm: 1, market: on-demand, count: 2, usd_per_gpu_hour: 0.30}
     zb:
-      - {device_type: cpu, devices_per_vm: 1, market: spot, count: 2, usd_per_gpu_hour: 0.05}
+      - {device_type: cpu, devices_per_vm: 1, market: spot, count: 3, usd_per_gpu_hour: 0.05}
 links:
   same_zone_gbps: 1.0
   same_region_gbps: 0.4
@@ -58,8 +58,11 @@ def test_a_run_on_isolated_vms_keeps_its_state_in_object_storage_and_leaves_noth
     sc = tmp_path / "scenario.yaml"
     sc.write_text(SCENARIO)
     work = tmp_path / "work"
-    state = sailor(run_name="testbed", model="gpt-tiny", global_batch_size=8, objective="min-cost", provider="local",
-                   scenario=str(sc), workers=4, steps=24, checkpoint_interval=4, store_uri=profiled_store,
+    # Two data-parallel replicas on the two cheapest VMs (zb's spot): the preemption takes one, and the
+    # replica on the other goes on in the same process under the next plan.
+    state = sailor(run_name="testbed", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
+                   provider="local", max_gpus=2, scenario=str(sc), workers=4, steps=24, checkpoint_interval=4,
+                   store_uri=profiled_store,
                    workdir=str(work), isolation="netns", calibration_tolerance=9.0, return_state=True)
     assert state.is_completed(), state.message
     h = RunHistory(open_store(profiled_store))
@@ -74,7 +77,7 @@ def test_a_run_on_isolated_vms_keeps_its_state_in_object_storage_and_leaves_noth
     kinds = [e["kind"] for e in r["events"]]
     assert "preemption" in kinds and "reconfigured" in kinds, kinds
     rec = next(e for e in r["events"] if e["kind"] == "reconfigured")
-    assert rec["kept_processes"] >= 1, rec  # the VMs that stayed kept their worker processes
+    assert rec["kept_processes"] >= 1, rec  # the VM that stayed kept its worker process (same PID)
     # Nothing the workers wrote is on the flow's disk: the run's folder holds the provider's records only.
     run_dir = work / "runs" / r["run_id"]
     written = [
