@@ -194,7 +194,7 @@ def bench_reconfiguration(cfg, workdir: str, steps: int) -> dict[str, float]:
                 return
 
     threading.Thread(target=killer, daemon=True).start()
-    settings = TrainSettings(model=cfg.name, steps=steps, metrics_out=out, checkpoint_dir=ck, checkpoint_every=1,
+    settings = TrainSettings(model=cfg.name, steps=steps, metrics_out=out, checkpoint_uri=ck, checkpoint_interval=1,
                              timeout_s=60)
     run_local(plan, cfg, settings, on_event=on_event, run_dir=os.path.join(workdir, "run-reconf"))
     rows = [json.loads(line) for line in open(out)]
@@ -211,7 +211,7 @@ def bench_reconfiguration(cfg, workdir: str, steps: int) -> dict[str, float]:
     t0 = time.time()
     # the copy's newest checkpoint is the end of the run above: cold-start one step past it
     run_local(smaller, cfg, TrainSettings(model=cfg.name, steps=max(r["step"] for r in rows) + 1, metrics_out=out2,
-                                          checkpoint_dir=ck2, resume=True), run_dir=os.path.join(workdir, "run-cold"))
+                                          checkpoint_uri=ck2, resume=True), run_dir=os.path.join(workdir, "run-cold"))
     cold_s = json.loads(open(out2).read().splitlines()[0])["time"] - t0
     return {"reconfigure_s": reconf_s, "cold_start_s": cold_s, "ratio": reconf_s / cold_s,
             "lost_steps": max(r["step"] for r in rows if r["plan_version"] == 0) - resumed_from}

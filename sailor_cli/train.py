@@ -44,9 +44,9 @@ def train(
     seed: Annotated[int, typer.Option("--seed", help="seed of the initial weights and the sample order")] = 0,
     data: Annotated[str | None, typer.Option(
         "--data", help="dataset path or URI (default: Python's stdlib sources)")] = None,
-    checkpoint_dir: Annotated[str | None, typer.Option(
+    checkpoint_uri: Annotated[str | None, typer.Option(
         "--checkpoint-dir", help="checkpoint directory or s3:// / gs:// URI")] = None,
-    checkpoint_every: Annotated[int, typer.Option(
+    checkpoint_interval: Annotated[int, typer.Option(
         "--checkpoint-every", min=0, help="checkpoint every N steps (0: at the end)")] = 0,
     resume: Annotated[bool, typer.Option(
         "--resume", help="continue from the newest valid checkpoint (fail if none)")] = False,
@@ -91,9 +91,9 @@ def train(
         model = load_model_config(model_config, name=model, sequence_length=seq_len).name
     plan = load_plan_file(plan_file, fmt=fmt, model=model)
     cfg = get_config(plan.model)
-    _need_checkpoint_dir(checkpoint_dir, through=bool(init_weights or export), resume=resume or resume_or_start)
-    settings = TrainSettings(model=cfg.name, steps=steps, seed=seed, data=data, checkpoint_dir=checkpoint_dir,
-                             checkpoint_every=checkpoint_every, resume=resume or resume_or_start, lr=lr,
+    _need_checkpoint_dir(checkpoint_uri, through=bool(init_weights or export), resume=resume or resume_or_start)
+    settings = TrainSettings(model=cfg.name, steps=steps, seed=seed, data=data, checkpoint_uri=checkpoint_uri,
+                             checkpoint_interval=checkpoint_interval, resume=resume or resume_or_start, lr=lr,
                              timeout_s=timeout_s, model_config=cfg.to_dict() if model_config else None,
                              lr_schedule=lr_schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
                              max_grad_norm=max_grad_norm, recompute=recompute)
@@ -102,11 +102,11 @@ def train(
     _run_and_export(plan, cfg, settings, log_dir, metrics_out, export)
 
 
-def _need_checkpoint_dir(checkpoint_dir: str | None, *, through: bool, resume: bool) -> None:
-    if through and not checkpoint_dir:
+def _need_checkpoint_dir(checkpoint_uri: str | None, *, through: bool, resume: bool) -> None:
+    if through and not checkpoint_uri:
         raise SailorError("--init-weights and --export go through the run's checkpoints; to fix: pass "
                           "--checkpoint-dir (an empty folder or URI for a new run)")
-    if resume and not checkpoint_dir:
+    if resume and not checkpoint_uri:
         raise SailorError("--resume needs --checkpoint-dir; to fix: pass the directory the run checkpointed to")
 
 
@@ -116,10 +116,10 @@ def _start_from(settings: Any, cfg: Any, init_weights: str | None, or_start: boo
     if init_weights:
         from sailor_core.runtime.weights import import_weights
 
-        import_weights(cfg, init_weights, str(settings.checkpoint_dir), seed=settings.seed)
+        import_weights(cfg, init_weights, str(settings.checkpoint_uri), seed=settings.seed)
         settings = replace(settings, resume=True)
     if settings.resume:
-        settings = replace(settings, resume=_resume_point(str(settings.checkpoint_dir), cfg.num_layers, or_start))
+        settings = replace(settings, resume=_resume_point(str(settings.checkpoint_uri), cfg.num_layers, or_start))
     return settings
 
 
@@ -134,7 +134,7 @@ def _run_and_export(plan: Any, cfg: Any, settings: Any, log_dir: Path | None, me
         if export:
             from sailor_core.runtime.weights import export_weights
 
-            step = export_weights(cfg, str(settings.checkpoint_dir), export)
+            step = export_weights(cfg, str(settings.checkpoint_uri), export)
             typer.echo(f"exported step {step} to {export} (model.safetensors, config.json)")
     finally:
         if log_dir is None:
@@ -190,7 +190,7 @@ def _run(plan: Any, cfg: Any, settings: Any, run_dir: str, metrics_out: Path | N
         import signal
 
         name = signal.Signals(result.interrupted_by).name
-        where = (f"; continue with --resume --checkpoint-dir {settings.checkpoint_dir}"
-                 if settings.checkpoint_dir else "")
+        where = (f"; continue with --resume --checkpoint-dir {settings.checkpoint_uri}"
+                 if settings.checkpoint_uri else "")
         typer.echo(f"stopped by {name} at step {rows[-1]['step'] if rows else 0}{where}", err=True)
         raise typer.Exit(128 + result.interrupted_by)

@@ -58,11 +58,11 @@ Running
   step            One optimizer step = one iteration over `global_batch_size` samples.
                   `total_steps`: steps the run trains. Drifts: `steps` (the flow parameter and
                   `sailor train --steps`, `TrainSettings.steps`).
-  checkpoint_interval  Steps between checkpoints. Drifts: `checkpoint_every`
-                  (`TrainSettings.checkpoint_every`, `sailor train --checkpoint-every`).
-  checkpoint_uri  Where a run's checkpoints live (a folder or s3:// / gs:// URI). Drifts:
-                  `checkpoint_dir` (`TrainSettings.checkpoint_dir`, `sailor train --checkpoint-dir`,
-                  the launcher).
+  checkpoint_interval  Steps between checkpoints (`TrainSettings.checkpoint_interval`, the flow
+                  parameter). Drifts: the flag `sailor train --checkpoint-every` (0 there: only at
+                  the end, which the flow's interval does not allow).
+  checkpoint_uri  Where a run's checkpoints live (a folder or s3:// / gs:// URI;
+                  `TrainSettings.checkpoint_uri`). Drifts: the flag `sailor train --checkpoint-dir`.
   plan_version    The number of the plan a run trains with: 1 for the first plan, +1 for every
                   switch. The control protocol's generation is the same number (a VM joining plan
                   version v waits for generation v). Drifts: `version` (`Job.version`, the run

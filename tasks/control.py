@@ -54,12 +54,12 @@ class HeartbeatBoard:
             return max((int(b.get("step") or 0) for b in self._beats.values()), default=0)
 
 
-def checkpoint_steps(checkpoint_dir: str, num_layers: int) -> int | None:
+def checkpoint_steps(checkpoint_uri: str, num_layers: int) -> int | None:
     """Newest complete checkpoint step under the folder (None: none yet)."""
     from sailor_core.runtime import checkpoint as ckpt
 
     try:
-        return ckpt.latest_valid_step(ckpt.open_storage(checkpoint_dir), num_layers)
+        return ckpt.latest_valid_step(ckpt.open_storage(checkpoint_uri), num_layers)
     except Exception:
         return None
 
@@ -80,7 +80,7 @@ class Controller:
 
         settings = TrainSettings(
             model=job.plan.model, steps=job.total_steps, seed=job.seed, data=job.data_uri or None,
-            checkpoint_dir=job.state.checkpoints("vm"), checkpoint_every=job.checkpoint_interval, resume=resume,
+            checkpoint_uri=job.state.checkpoints("vm"), checkpoint_interval=job.checkpoint_interval, resume=resume,
             plan_version=job.version, timeout_s=collective_timeout_s,
         )
         vms = [(vm.vm_id, max(vm.gpus, 1), ranks) for vm, ranks in vm_ranks(job)]

@@ -155,8 +155,8 @@ def test_training_streams_the_shards_and_a_plan_change_keeps_the_sample_order(s3
 
     one = run(plan([(0, 3, 1)]), "one", 6)
     ckpt = str(tmp_path / "ckpt")
-    first = run(plan([(0, 1, 1), (2, 3, 1)]), "a", 3, checkpoint_dir=ckpt)
-    second = run(plan([(0, 3, 2)]), "b", 6, checkpoint_dir=ckpt, resume=True)
+    first = run(plan([(0, 1, 1), (2, 3, 1)]), "a", 3, checkpoint_uri=ckpt)
+    second = run(plan([(0, 3, 2)]), "b", 6, checkpoint_uri=ckpt, resume=True)
     changed = {**first, **second}
     assert sorted(changed) == list(range(1, 7)) and sorted(second) == [4, 5, 6]
     # the global sample numbering carried over the plan change: samples 0..23, each once, in order

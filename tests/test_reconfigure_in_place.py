@@ -49,7 +49,7 @@ def test_a_plan_change_keeps_the_processes_and_the_losses(tmp_path):
     before = plan([((0, 2), [rep()]), ((3, 5), [rep()])])  # a/0 runs stage 0, b/0 stage 1; a/1 sits out
     after = plan([((0, 2), [rep(2)]), ((3, 5), [rep()])])  # stage 0 now tp=2 over both devices of a
     ck = tmp_path / "ck"
-    base = {"model": "gpt-tiny", "steps": STEPS, "timeout_s": 30, "checkpoint_dir": str(ck), "checkpoint_every": 100}
+    base = {"model": "gpt-tiny", "steps": STEPS, "timeout_s": 30, "checkpoint_uri": str(ck), "checkpoint_interval": 100}
     server = ControlServer()
     procs = []
     try:

@@ -171,8 +171,8 @@ def test_checkpoint_reshards_across_plans(tmp_path, baseline):
     ck = str(tmp_path / "ck")
     a = PLANS["2stages-mixed-tp"]
     b = PLANS["tp2-stage"]
-    first = train(a, tmp_path, "a", steps=STEPS // 2, checkpoint_dir=ck)
-    second = train(b, tmp_path, "b", steps=STEPS, checkpoint_dir=ck, resume=True)
+    first = train(a, tmp_path, "a", steps=STEPS // 2, checkpoint_uri=ck)
+    second = train(b, tmp_path, "b", steps=STEPS, checkpoint_uri=ck, resume=True)
     # the single-process run equals an uninterrupted run under B (checked above), so compare with it
     assert rel(first, baseline[: STEPS // 2]) <= 1e-3
     assert rel(second, baseline[STEPS // 2 :]) <= 1e-3  # steps 5..8 under B
@@ -183,8 +183,8 @@ def test_zero1_matches_single_process_and_its_checkpoint_resumes_without_it(tmp_
     # process, and the checkpoint it writes holds the full state, so a plan without ZeRO-1 resumes it.
     z = plan([((0, 2), [rep(2), rep(2)]), ((3, 5), [rep(), rep()])], ((2, 2), (2, 2)), zero1=True)
     ck = str(tmp_path / "ck")
-    first = train(z, tmp_path, "zero1", steps=STEPS // 2, checkpoint_dir=ck)
-    second = train(PLANS["3stages-uneven"], tmp_path, "after", steps=STEPS, checkpoint_dir=ck, resume=True)
+    first = train(z, tmp_path, "zero1", steps=STEPS // 2, checkpoint_uri=ck)
+    second = train(PLANS["3stages-uneven"], tmp_path, "after", steps=STEPS, checkpoint_uri=ck, resume=True)
     assert rel(first, baseline[: STEPS // 2]) <= 1e-3
     assert rel(second, baseline[STEPS // 2 :]) <= 1e-3
 
@@ -192,7 +192,7 @@ def test_zero1_matches_single_process_and_its_checkpoint_resumes_without_it(tmp_
 def test_lost_worker_continues_under_a_smaller_plan(tmp_path, baseline):
     out = tmp_path / "reconf.jsonl"
     settings = TrainSettings(model="gpt-tiny", steps=STEPS, metrics_out=str(out), timeout_s=30,
-                             checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2)
+                             checkpoint_uri=str(tmp_path / "ck"), checkpoint_interval=2)
     pids: dict[int, int] = {}
     events: list[dict] = []
 
@@ -246,7 +246,7 @@ def test_preemption_notice_takes_a_just_in_time_checkpoint(tmp_path):
         notice.write_text("preempted")
 
     threading.Thread(target=touch_after_two_steps, daemon=True).start()
-    settings = TrainSettings(model="gpt-tiny", steps=12, metrics_out=str(out), checkpoint_dir=str(ck),
+    settings = TrainSettings(model="gpt-tiny", steps=12, metrics_out=str(out), checkpoint_uri=str(ck),
                              preempt_file=str(notice), timeout_s=30)
     run_local(plan([((0, 2), [rep()]), ((3, 5), [rep()])]), CFG, settings, run_dir=str(tmp_path / "run"))
     steps = ckpt.list_steps(ckpt.open_storage(str(ck)))

@@ -84,7 +84,7 @@ def test_cancel_checkpoints_and_exits_cleanly(tmp_path):
     ck = tmp_path / "ck"
     server = ControlServer()
     try:
-        settings = {"model": "gpt-tiny", "steps": 10_000, "timeout_s": 30, "checkpoint_dir": str(ck)}
+        settings = {"model": "gpt-tiny", "steps": 10_000, "timeout_s": 30, "checkpoint_uri": str(ck)}
         assign_generation(server, 0, plan=one, settings=settings, resume=False, vms=[("a", 1, (0,))])
         p = _agent(tmp_path, server, "a", 1)
         _wait_for(lambda: len(server.read_list(metrics_key(0))) >= 2, 120)

@@ -71,8 +71,8 @@ class TrainSettings:
     steps: int
     seed: int = 0
     data: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # 0: only at the end of the run (and just in time on a notice)
+    checkpoint_uri: str | None = None
+    checkpoint_interval: int = 0  # 0: only at the end of the run (and just in time on a notice)
     resume: bool = False
     metrics_out: str | None = None
     lr: float = 1e-3
@@ -212,7 +212,7 @@ class Trainer:
         self.data: TokenBatches | None = dataset
         if self.data is None and (self.model.has_embedding or self.model.has_head):
             self.data = TokenDataset(load_tokens(settings.data), cfg.sequence_length, settings.seed, cfg.vocab_size)
-        self.storage = ckpt.open_storage(settings.checkpoint_dir) if settings.checkpoint_dir else None
+        self.storage = ckpt.open_storage(settings.checkpoint_uri) if settings.checkpoint_uri else None
         self.checkpointer = ckpt.AsyncCheckpointer(self.storage) if self.storage else None
         self.step = 0
         self._saved_step = -1
@@ -767,7 +767,7 @@ class Trainer:
     def train(self, until_step: int | None = None) -> str:
         """Train to `until_step` (default settings.steps). Returns 'done' or 'stopped'."""
         until = self.settings.steps if until_step is None else until_step
-        every = self.settings.checkpoint_every
+        every = self.settings.checkpoint_interval
         while self.step < until:
             rec = self.train_step()
             self._emit(rec)

@@ -7,7 +7,7 @@ Contract:
   (`python -m sailor_core.runtime.worker_proc`, OMP_NUM_THREADS=1 each), and hands out generation
   0. It returns a `RunResult` when every worker reports done, or raises SailorError with the
   failing worker's reason and log tail.
-- When a worker dies and `settings.checkpoint_dir` is set, the controller derives a smaller plan
+- When a worker dies and `settings.checkpoint_uri` is set, the controller derives a smaller plan
   with `replan` (default `shrink_plan`: drop the pipelines that lost a worker, or re-split the
   layers over the survivors when none is left whole) and starts the next generation on the
   surviving processes, which resume from the newest valid checkpoint; only the steps since that
@@ -147,8 +147,8 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
                 _release(store, gen + 1, workers, members)
                 emit({"event": "finished", "status": outcome, "plan_version": gen})
                 return RunResult(outcome, gen + 1, plans, events, signals.stopped_by[0] if signals.stopped_by else None)
-            if not lost or settings.checkpoint_dir is None or gen + 1 >= max_generations or signals.stopping.is_set():
-                hint = "" if settings.checkpoint_dir else " (without --checkpoint-dir the job cannot resume)"
+            if not lost or settings.checkpoint_uri is None or gen + 1 >= max_generations or signals.stopping.is_set():
+                hint = "" if settings.checkpoint_uri else " (without --checkpoint-dir the job cannot resume)"
                 raise TrainingFailed(f"training failed in plan version {gen}: {reason}{hint}")
             lost_ranks = {members.index(w) for w in lost}
             for w in lost:
@@ -160,7 +160,7 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
             plans.append(current)
             resume = True
             # a checkpoint the lost worker left half-written must not be written over by the next plan
-            _quarantine_invalid(settings.checkpoint_dir, cfg.num_layers, emit)
+            _quarantine_invalid(settings.checkpoint_uri, cfg.num_layers, emit)
             emit({"event": "reconfigured", "plan_version": gen, "lost_workers": sorted(lost),
                   "world_size": current.num_gpus, "plan": plan_to_dict(current)})
     finally:
@@ -219,10 +219,10 @@ class _SignalForwarder:
             signal.signal(signum, h)
 
 
-def _quarantine_invalid(checkpoint_dir: str, num_layers: int, emit: Callable[[dict[str, Any]], None]) -> None:
+def _quarantine_invalid(checkpoint_uri: str, num_layers: int, emit: Callable[[dict[str, Any]], None]) -> None:
     from sailor_core.runtime import checkpoint as ckpt
 
-    _, skipped = ckpt.resume_point(ckpt.open_storage(checkpoint_dir), num_layers)
+    _, skipped = ckpt.resume_point(ckpt.open_storage(checkpoint_uri), num_layers)
     for s in skipped:
         emit({"event": "checkpoint_skipped", "step": s.step, "reason": s.reason, "moved_to": s.moved_to})
 
