@@ -252,7 +252,9 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
     _decide(ctx, "switch" if decision.switch else "stay", reason, detail)
     if not decision.switch:
         return job
-    return _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, result.frontier, step, reason)
+    new = _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, result.frontier, step, reason)
+    _publish_progress(ctx)  # after the hand-out: the UI's artifacts are not on the switch's critical path
+    return new
 
 
 def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> None:
@@ -261,7 +263,12 @@ def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> 
     record(ctx.history.decision, ctx.run_id, kind, reason, detail)
     record(ctx.history.event, ctx.run_id, "replan", reason, {"decision": kind, **detail})
     emit("replan", ctx.run_id, {"decision": kind, "reason": reason})
-    # Keep the run's cost and timeline artifacts current while it runs, not only at the end.
+    if kind != "switch":  # a switch publishes once its new plan is handed out
+        _publish_progress(ctx)
+
+
+def _publish_progress(ctx: RunContext) -> None:
+    """The run's cost and timeline artifacts, kept current while it runs, not only at the end."""
     publish_cost(ctx.run_id, ctx.cost_table())
     shown = ctx.history.show(ctx.run_id)
     publish_timeline(ctx.run_id, shown["events"], shown["decisions"])
