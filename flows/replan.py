@@ -287,7 +287,8 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
     drop = [v.vm_id for v in held if v.vm_id not in keep] + sorted(lost)
     ctx.adopt_plan(cand, cand_est, reason, frontier)
     requests = [node_request(ctx.run_id, ctx.version, n) for n in missing]
-    members = list(job.extra.get("members", []))
+    # Workers on lost VMs never report the end of their generation: wait only for the others.
+    members = [w for w in job.extra.get("members", []) if w.rsplit("/", 1)[0] not in lost]
     pids_before = ctl.worker_pids(sorted(keep))
     ended = False
     try:
@@ -317,14 +318,17 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
             _wait_ready(ctl, [v.vm_id for v in new_vms], timeout_s=BOOT_TIMEOUT_S)
     if not ended:
         ctl.end_generation(job.version, members, broken=bool(lost))
-        terminate(provider, drop)
-        ctx.ledger_close(drop)
     # A kept VM whose agent is gone (it failed, or was stopped) gets a fresh one; the rest go on in place.
     exit_code = getattr(provider, "agent_exit_code", None)
     dead = [v for v in sorted(keep) if exit_code is not None and exit_code(v) is not None]
     if dead:
         start_agents(provider, new, dead)
     new.launched_at = hand_out(new)
+    if not ended:
+        # Released after the hand-out: stopping a VM's agent takes its grace period, which the new
+        # plan need not wait for (their workers sit idle outside the new generation meanwhile).
+        terminate(provider, drop)
+        ctx.ledger_close(drop)
     return new
 
 
