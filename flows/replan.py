@@ -6,8 +6,8 @@ change, or measured iteration time off the estimate). It re-plans against curren
 the calibrated profiles, decides with `tasks.decisions.decide_switch` whether the new plan is worth
 the switch (gain over the remaining work against the cost of reconfiguring), records the decision
 and its reason, and when switching: provisions only the difference (the new VMs boot while the old
-plan trains on, if it is still whole), ends the old generation at a step with a checkpoint, releases
-the VMs the new plan drops, and hands the new plan to every worker in place: processes on kept VMs
+plan trains on, if it is still whole), ends the old generation at a step with a checkpoint, hands the
+new plan to every worker in place and then releases the VMs the new plan drops: processes on kept VMs
 go on running, and a rank that keeps its shard keeps its state in memory (others load the checkpoint).
 It returns the job to monitor next (the same one when staying). Workers lost with no feasible plan left fail the run.
 """
@@ -278,8 +278,9 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
                  lost: set[str], trigger_at: float, kinds: list[str], frontier: Any, step: int, reason: str) -> Job:
     """Switch to `cand` without restarting what stays: VMs the new plan keeps keep their worker
     processes (and, where a rank keeps its shard, its state in memory); new VMs boot while the old plan
-    still trains if it is whole; then the old generation ends at a step with a checkpoint, the VMs
-    the new plan drops are released, and every worker gets the new generation in place."""
+    still trains if it is whole; then the old generation ends at a step with a checkpoint (without
+    waiting for workers of lost VMs), every worker gets the new generation in place, and the VMs the
+    new plan drops are released."""
     provider = ctx.provider
     ctl = job.controller
     placed, missing = place(cand, held)
