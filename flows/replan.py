@@ -252,9 +252,7 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
     _decide(ctx, "switch" if decision.switch else "stay", reason, detail)
     if not decision.switch:
         return job
-    new = _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, result.frontier, step, reason)
-    _publish_progress(ctx)  # after the hand-out: the UI's artifacts are not on the switch's critical path
-    return new
+    return _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, result.frontier, step, reason)
 
 
 def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> None:
@@ -330,6 +328,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
         # plan need not wait for (their workers sit idle outside the new generation meanwhile).
         terminate(provider, drop)
         ctx.ledger_close(drop)
+    _publish_progress(ctx)  # after the hand-out: the UI's artifacts are not on the switch's critical path
     return new
 
 
