@@ -29,8 +29,10 @@ from infra.provider import CapacityError, EventKind, Provider, ProviderEvent, Vm
 from profiles_store.spot_risk import spot_risk_from_store
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.plan_format import plan_to_dict
-from sailor_core.planner.request import Constraints, PlanRequest, Restrictions, SearchOptions
+from sailor_core.planner.request import Constraints, Objective, PlanRequest, Restrictions, SearchOptions
+from sailor_core.planner.risk import SpotRisk
 from sailor_core.profiles import ProfileBook
+from sailor_core.runtime.protocol import vm_of
 from tasks.decisions import PlanCost, decide_switch
 from tasks.history import RunHistory
 from tasks.jobs import Job, Progress, node_request, nodes, place
@@ -90,10 +92,17 @@ class RunContext:
                                       markets=tuple(Market.parse(m) for m in p.markets or ()),
                                       max_gpus=min(p.max_gpus or p.workers, p.workers) if local else p.max_gpus),
             options=SearchOptions(max_stages=p.max_stages) if p.max_stages else SearchOptions(),
-            spot_risk=spot_risk_from_store(self.history.store, default_rate=p.spot_preemptions_per_vm_hour,
-                                           checkpoint_interval=p.checkpoint_interval,
-                                           given_as="spot_preemptions_per_vm_hour"),
+            spot_risk=self._spot_risk(),
         )
+
+    def _spot_risk(self) -> SpotRisk:
+        """Under max-goodput, the rates the store's history and the parameters give (read at every plan:
+        the run's own preemptions count); other objectives ignore spot risk, so nothing is read."""
+        p = self.params
+        if p.objective is not Objective.MAX_GOODPUT:
+            return SpotRisk(checkpoint_interval_steps=p.checkpoint_interval)
+        return spot_risk_from_store(self.history.store, default_rate=p.spot_preemptions_per_vm_hour,
+                                    checkpoint_interval=p.checkpoint_interval, given_as="spot_preemptions_per_vm_hour")
 
     def adopt_plan(self, plan: ParallelPlan, est: dict[str, Any], reason: str, frontier: Any = ()) -> None:
         self.version += 1
@@ -287,7 +296,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
     ctx.adopt_plan(cand, cand_est, reason, frontier)
     requests = [node_request(ctx.run_id, ctx.version, n) for n in missing]
     # Workers on lost VMs never report the end of their generation: wait only for the others.
-    members = [w for w in job.extra.get("members", []) if w.rsplit("/", 1)[0] not in lost]
+    members = [w for w in job.extra.get("members", []) if vm_of(w) not in lost]
     pids_before = ctl.worker_pids(sorted(keep))
     ended = False
     try:

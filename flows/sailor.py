@@ -356,15 +356,15 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         if deferred is not None:
             status, reason = "completed", f"deferred to the live run {deferred['deferred_to']}; rented nothing"
             return deferred
-        offers, plan = _first_plan(run)
+        plan = _first_plan(run)
         if params.dry_run:
             run.ctx.dry_run = dry_run_report(run.deps.provider, node_requests(run_id, run.ctx.version, plan))
             get_run_logger().info("%s", run.ctx.dry_run)
             status, reason = "completed", "dry run: planned, rented nothing"
             return {**run.ctx.summary(status, run.t0), "dry_run": run.ctx.dry_run}
         _resume_from_earlier_run(run)
-        _record_cluster(run, "cluster", "where the run's VMs and state live")
-        vms = _provision_first(run, offers)
+        _record_cluster(run, "where the run's VMs and state live")
+        vms = _provision_first(run)
         run.job = _start_training(run, vms)
         _train(run)
         status, reason = "completed", f"{run.ctx.total_steps} steps done"
@@ -418,9 +418,9 @@ def _offers(run: _Run) -> list[Any]:
     return fetch_offerings(run.deps.provider, regions=p.regions, gpu_types=p.gpu_types, markets=p.markets)
 
 
-def _first_plan(run: _Run) -> tuple[list[Any], ParallelPlan]:
+def _first_plan(run: _Run) -> ParallelPlan:
     """Offerings, the run's code and controller, the profiles (measured on rented VMs where missing)
-    and the first plan, adopted; returns the offerings it was planned on and the plan."""
+    and the first plan, adopted and returned."""
     ctx, params, provider = run.ctx, run.params, run.deps.provider
     offers = _offers(run)
     if not any(o.count > 0 for o in offers):
@@ -441,7 +441,7 @@ def _first_plan(run: _Run) -> tuple[list[Any], ParallelPlan]:
     if params.provider == "local":  # cloud plans are checked by the workers on their VMs
         check_runnable(plan, params.workers)
     ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
-    return offers, plan
+    return plan
 
 
 def _resume_from_earlier_run(run: _Run) -> None:
@@ -458,29 +458,27 @@ def _resume_from_earlier_run(run: _Run) -> None:
     _check_resume(ctx.history, run.run_id, run.state, ctx.plan.stages[-1].last_layer + 1, params.resume_or_start, log)
 
 
-def _record_cluster(run: _Run, kind: str, what: str) -> None:
-    """Where the run's VMs, code and state are (`sailor runs show` "cluster")."""
+def _record_cluster(run: _Run, what: str, *, at_teardown: bool = False) -> None:
+    """Where the run's VMs, code and state are (`sailor runs show` "cluster"); at teardown written directly,
+    outside any task (the flow may be cancelled), and without the controller, which is closed by then."""
     info = getattr(run.deps.provider, "cluster_info", None)
     cluster = info(run.run_id) if info else {"isolation": "cloud", "provider": run.deps.provider.name}
-    extra = {"controller": run.controller.endpoint} if run.controller is not None and kind == "cluster" else {}
+    live = {"controller": run.controller.endpoint} if run.controller is not None and not at_teardown else {}
     payload = {"cluster": {**cluster, "wheel_sha256": run.code.sha256, "state_uri": run.state.uri,
-                           "checkpoint_uri": run.state.checkpoints("public"), **extra}}
-    if kind == "cluster":
-        record(run.ctx.history.event, run.run_id, "cluster", what, payload)
-    else:  # at teardown, outside any task (the flow may be cancelled)
+                           "checkpoint_uri": run.state.checkpoints("public"), **live}}
+    if at_teardown:
         run.ctx.history.event(run.run_id, "cluster", what, payload)
+    else:
+        record(run.ctx.history.event, run.run_id, "cluster", what, payload)
 
 
-def _provision_first(run: _Run, offers: list[Any]) -> list[Any]:
+def _provision_first(run: _Run) -> list[Any]:
     """The first plan's VMs; a stockout between planning and renting plans again on what is offered."""
     ctx = run.ctx
-    for attempt in range(FIRST_PROVISION_TRIES):
+    for _ in range(FIRST_PROVISION_TRIES - 1):
         try:
-            assert ctx.plan is not None
-            return provision(run.deps.provider, node_requests(run.run_id, ctx.version, ctx.plan))
+            return _provision_plan(run)
         except CapacityError as e:
-            if attempt + 1 == FIRST_PROVISION_TRIES:
-                raise
             offers = _offers(run)
             assert ctx.base_book is not None
             book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
@@ -490,7 +488,13 @@ def _provision_first(run: _Run, offers: list[Any]) -> list[Any]:
                                       f"planned again on what is offered now", result.frontier)
             record(ctx.history.event, run.run_id, "capacity_change", f"stockout at first provisioning: {e}",
                    {"plan_version": ctx.version})
-    raise AssertionError("unreachable")
+    return _provision_plan(run)  # the last try: a stockout now fails the run
+
+
+def _provision_plan(run: _Run) -> list[Any]:
+    """The VMs of the run's current plan."""
+    assert run.ctx.plan is not None
+    return provision(run.deps.provider, node_requests(run.run_id, run.ctx.version, run.ctx.plan))
 
 
 def _start_training(run: _Run, vms: list[Any]) -> Job:
@@ -555,7 +559,7 @@ def _finish(run: _Run, status: str, reason: str) -> None:
     ctx.ledger_close_all()
     if getattr(deps.provider, "cluster_info", None) is not None and run.job is not None:
         with contextlib.suppress(Exception):  # the VMs the run had, as they ended
-            _record_cluster(run, "teardown", "the run's VMs at teardown")
+            _record_cluster(run, "the run's VMs at teardown", at_teardown=True)
     for close in deps.closers:
         with contextlib.suppress(Exception):
             close()

@@ -700,7 +700,7 @@ class Search:
                   for g, g_use in enumerate(use) if g_use)
         return d * usd_per_hour * t / SECONDS_PER_HOUR / useful_fraction_of(lam, t, risk)
 
-    def quick_bound(self, mbs: int, bounds: Sequence[tuple[int, int]], kinds: Sequence[tuple[int, int]], d: int,
+    def quick_bound(self, mbs: int, bounds: tuple[tuple[int, int], ...], kinds: tuple[tuple[int, int], ...], d: int,
                     n: int) -> float:
         """Score lower bound of a sketch without network terms (they only add time and egress)."""
         slots = self.pb.slots
@@ -716,7 +716,7 @@ class Search:
                      sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds))
             if len(self._sketch_terms) > 200_000:
                 self._sketch_terms.clear()
-            self._sketch_terms[(mbs, tuple(bounds), tuple(kinds))] = fixed
+            self._sketch_terms[(mbs, bounds, kinds)] = fixed
         total, slowest, bwd0, opt_s, usd_per_hour = fixed
         m = -(-n // d)
         t = total + (m - 1) * slowest + opt_s

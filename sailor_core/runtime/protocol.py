@@ -103,6 +103,11 @@ def worker_id(vm_id: str, local_index: int) -> str:
     return f"{vm_id}/{local_index}"
 
 
+def vm_of(worker: str) -> str:
+    """The VM of a worker id made by `worker_id`."""
+    return worker.rsplit("/", 1)[0]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Assignment:
     """What one worker process runs in one generation."""
