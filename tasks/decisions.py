@@ -9,7 +9,8 @@ here from sailor_core:
 - `failed_vms(statuses)`: VMs whose workers reported a failed generation (a lost worker to the flow);
 - `check_calibration(...)`: measured against estimated iteration time, once enough steps ran;
 - `first_step_kind(extra)`: what a plan version's first step measures (reconfiguration or cold start);
-- `exit_verdict(codes, step, total_steps)`: what agents that all exited cleanly mean;
+- `all_exited_cleanly(codes)`, `exit_verdict(codes, step, total_steps)`: what agents that all exited
+  cleanly mean;
 - `stop_reason(...)`: a stall or a deadline that ends the run.
 """
 
@@ -21,8 +22,8 @@ from typing import Any
 
 from sailor_core.decisions import PlanCost, SwitchDecision, decide_switch
 
-__all__ = ["CalibrationCheck", "PlanCost", "SwitchDecision", "check_calibration", "decide_switch", "exit_verdict",
-           "failed_vms", "first_step_kind", "needs_decision", "stop_reason"]
+__all__ = ["CalibrationCheck", "PlanCost", "SwitchDecision", "all_exited_cleanly", "check_calibration", "decide_switch",
+           "exit_verdict", "failed_vms", "first_step_kind", "needs_decision", "stop_reason"]
 
 # Provider events a running plan must answer (the value names of infra.provider.EventKind).
 ACTIONABLE_KINDS = frozenset({"preemption", "lost", "price_change", "capacity_change"})
@@ -75,9 +76,14 @@ def exit_verdict(codes: Sequence[int | None], step: int, total_steps: int) -> st
     """Agents that all exited with 0: "completed" when the steps are done, else "stopped early" (an
     error: the workers believe they are done and the run is not); None while any still runs or failed
     (the heartbeats and statuses speak for those)."""
-    if not codes or any(c != 0 for c in codes):
+    if not all_exited_cleanly(codes):
         return None
     return "completed" if step >= total_steps else "stopped early"
+
+
+def all_exited_cleanly(codes: Sequence[int | None]) -> bool:
+    """Every agent has exited, each with 0 (None: still running)."""
+    return bool(codes) and all(c == 0 for c in codes)
 
 
 def stop_reason(*, now: float, last_progress_at: float, stall_timeout_s: float, deadline_at: float | None,

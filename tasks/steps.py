@@ -36,6 +36,7 @@ from sailor_core.profiles import ProfileBook
 from tasks.control import HeartbeatBoard, checkpoint_steps
 from tasks.decisions import (
     CalibrationCheck,
+    all_exited_cleanly,
     check_calibration,
     exit_verdict,
     failed_vms,
@@ -303,16 +304,16 @@ class _Watch:
         exit_code = getattr(provider, "agent_exit_code", None)
         if exit_code is None or not job.vms:
             return None
+        codes = [exit_code(v.vm_id) for v in job.vms]
+        if not all_exited_cleanly(codes):  # running or failed: heartbeats and statuses speak for those
+            return None
         prog = read_progress(job)
-        verdict = exit_verdict([exit_code(v.vm_id) for v in job.vms], prog.step, job.total_steps)
-        if verdict == "completed":
+        if exit_verdict(codes, prog.step, job.total_steps) == "completed":
             return MonitorOutcome(completed=True, progress=prog)
-        if verdict is not None:
-            raise RuntimeError(
-                f"every worker of plan v{job.version} exited cleanly at step {prog.step} of {job.total_steps}; "
-                f"to fix: check the worker logs under {job.state.logs('public')}"
-            )
-        return None
+        raise RuntimeError(
+            f"every worker of plan v{job.version} exited cleanly at step {prog.step} of {job.total_steps}; "
+            f"to fix: check the worker logs under {job.state.logs('public')}"
+        )
 
 
 @task(name="monitor", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=2,

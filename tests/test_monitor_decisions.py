@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.decisions import (
+    all_exited_cleanly,
     check_calibration,
     exit_verdict,
     failed_vms,
@@ -51,6 +52,7 @@ def test_agents_that_exit_cleanly_complete_only_when_the_steps_are_done() -> Non
     assert exit_verdict([0, None], 10, 10) is None  # one still runs
     assert exit_verdict([0, 1], 10, 10) is None  # a failure: heartbeats and statuses report it
     assert exit_verdict([], 10, 10) is None
+    assert all_exited_cleanly([0, 0]) and not all_exited_cleanly([0, None]) and not all_exited_cleanly([])
 
 
 def test_a_stall_or_a_deadline_stops_the_run_and_says_how_to_fix_it() -> None:
