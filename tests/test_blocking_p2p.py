@@ -114,14 +114,23 @@ class RendezvousP2P:
 # -- a gloo job of forked processes -----------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, port: int, rendezvous_s: float | None, body: Callable[[int, int], None],
+def _rank_main(rank: int, world: int, port: Any, rendezvous_s: float | None, body: Callable[[int, int], None],
                err_dir: str) -> None:
     code = 1
     try:
         from torch.distributed import PrefixStore, TCPStore
 
         torch.set_num_threads(1)
-        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        if rank == 0:  # rank 0 hosts the store, so the parent forks with no store server thread running
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+            port.value = store.port
+        else:
+            deadline = time.monotonic() + 60
+            while port.value == 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rank 0 published no store port within 60 s")
+                time.sleep(0.01)
+            store = TCPStore("127.0.0.1", port.value, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=PrefixStore("pg", store), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         if rendezvous_s is not None:
@@ -138,12 +147,12 @@ def _rank_main(rank: int, world: int, port: int, rendezvous_s: float | None, bod
 def run_job(world: int, body: Callable[[int, int], None], tmp: Path, *, rendezvous_s: float | None) -> list[str]:
     """Run `body(rank, world)` on `world` forked gloo ranks. Returns the failed ranks' tracebacks;
     the first failure kills the other ranks (they would wait for it until gloo's timeout)."""
-    from torch.distributed import TCPStore
-
     tmp.mkdir(parents=True, exist_ok=True)
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    ctx = multiprocessing.get_context("fork")  # the parent never ran torch ops, so forking is safe and fast
-    procs = [ctx.Process(target=_rank_main, args=(r, world, master.port, rendezvous_s, body, str(tmp)))
+    # Forking is fast and safe here: the parent runs no torch.distributed thread while it forks (a child forked
+    # while a store server thread held a lock hung before registering, and the job timed out waiting for it).
+    ctx = multiprocessing.get_context("fork")
+    port = ctx.Value("i", 0)  # rank 0's store port, shared with the other ranks
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, rendezvous_s, body, str(tmp)))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -160,7 +169,6 @@ def run_job(world: int, body: Callable[[int, int], None], tmp: Path, *, rendezvo
             if p.exitcode is None:
                 p.kill()
             p.join()
-        del master
     return [f.read_text() for f in sorted(tmp.glob("rank-*.err"))]
 
 
