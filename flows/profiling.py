@@ -1,12 +1,14 @@
 """The `profile` subflow: make sure the store holds what planning needs for a model on a set of GPUs.
 
-Contract: `profile(store, model, gpu_types)` returns the store's ProfileBook for the model on those
-GPU types after measuring what is missing. Present profiles are read, never re-measured. Missing
-ones are measured on this machine when it is the machine they describe (GPU type `cpu`: the local
-provider's slots) with the profiler of sailor_core (the same code as `sailor profile model` and
-`sailor profile network`), and written to the store with provenance. A missing profile for a GPU
-type this machine does not have fails with the command to run on such a machine: profiling on
-rented cloud VMs before planning is not implemented yet.
+Contract: `profile(store, model, gpu_types, offers=..., remote=...)` returns the store's ProfileBook for
+the model on those GPU types after measuring what is missing. Present profiles are read, never
+re-measured. With `remote` (tasks/remote.VmCommands) and the provider's offerings, what planning over
+them lacks is measured on rented VMs (`profile_on_vms`): the layers of every device type on a VM of it,
+the node's own link on a multi-device VM, and the link of every zone pair (`sailor profile link` on a
+VM at each end), imported with provenance; the VMs are released. Without them, the GPU type `cpu` is
+measured on this machine (the local provider's slots) with the same profiler; a missing profile of
+another type fails with the command that makes it. `measure_zone_link` is `sailor profile network
+--from/--to`: one zone pair by hand, on VMs rented the same way.
 """
 
 from __future__ import annotations
@@ -178,26 +180,39 @@ def _node_jobs(multi: list[Any], pool: _VmPool, remote: Any, busy: set[str]) -> 
 
 def _measure_links(pairs: list[Any], pool: _VmPool, remote: Any, store: Any, log: Any) -> list[str]:
     """One zone pair at a time (links measured alone): `sailor profile link` on a VM at each end."""
-    from profiles_store import open_store
-
     done = []
     for (za, zb), combos in pairs:
-        a = pool.get(za)
-        b = pool.get(zb, avoid=[a])
-        if a is None or b is None:
+        got = _measure_pair(pool, remote, (za, None), (zb, None))
+        if got is None:
             log.info("cannot measure %s <-> %s: no two VMs there", za, zb)
             continue
-        name = f"link-{za}-{zb}"
-        ends = (f"{za}:{a.gpu_type}", f"{zb}:{b.gpu_type}")
-        codes = remote.run([(v, ["profile", "link", "--rank", str(r), "--from", ends[0], "--to", ends[1],
-                                 "--key", f"links/{za}/{zb}", "--store", remote.store_uri("vm", name)])
-                            for r, v in enumerate((a, b))])
-        if any(codes.values()):
-            raise SailorError(f"measuring {za} <-> {zb} failed on the VMs (exit {codes}); to fix: see the VM logs "
-                              f"under the run's state")
-        _import_links(open_store(remote.store_uri("flow", name)), store, combos, (za, zb), a, b)
+        _import_links(got[0], store, combos, got[1], got[2])
         done.append(f"{za}<->{zb}")
     return done
+
+
+def _measure_pair(pool: _VmPool, remote: Any, src: tuple[str, str | None],
+                  dst: tuple[str, str | None]) -> tuple[Any, Any, Any] | None:
+    """(the link src -> dst as measured, its VM at src, its VM at dst), or None when no two such VMs can be
+    rented: `sailor profile link` on a VM at each end (of that device type where given), meeting through
+    the run's controller. Its ping-pong crosses the link both ways; the fit stands for both directions."""
+    from profiles_store import open_store
+
+    (za, ga), (zb, gb) = src, dst
+    a = pool.get(za, ga)
+    b = pool.get(zb, gb, avoid=[a])
+    if a is None or b is None:
+        return None
+    name = f"link-{za}-{zb}"
+    ends = (f"{za}:{a.gpu_type}", f"{zb}:{b.gpu_type}")
+    codes = remote.run([(v, ["profile", "link", "--rank", str(r), "--from", ends[0], "--to", ends[1],
+                             "--key", f"links/{za}/{zb}", "--store", remote.store_uri("vm", name)])
+                        for r, v in enumerate((a, b))])
+    if any(codes.values()):
+        raise remote.failure(f"measuring {za} <-> {zb}", codes)
+    src_store = open_store(remote.store_uri("flow", name))
+    measured = next(lk for lk in src_store.network_links() if (lk.sender_zone, lk.receiver_zone) == (za, zb))
+    return measured, a, b
 
 
 @task(name="profile-on-vms", cache_policy=NO_CACHE)
@@ -232,9 +247,8 @@ def _run_and_import(remote: Any, jobs: list[Any], store: Any, model: str, measur
         return
     log.info("profiling on %d rented VM(s): %s", len(jobs), sorted(f"{k} {g} in {z}" for _, _, (k, g, z) in jobs))
     codes = remote.run([(vm, cmd) for vm, cmd, _ in jobs])
-    bad = {v: c for v, c in codes.items() if c}
-    if bad:
-        raise SailorError(f"profiling failed on VMs {bad}; to fix: see their logs under the run's state")
+    if any(codes.values()):
+        raise remote.failure("profiling", codes)
     for vm, _, (kind, g, zone) in jobs:
         src = open_store(remote.store_uri("flow", f"{kind}-{g}"))
         prov = _provenance(vm, zone, remote.run_id)
@@ -250,17 +264,16 @@ def _run_and_import(remote: Any, jobs: list[Any], store: Any, model: str, measur
             measured["intra_node"].append(g)
 
 
-def _import_links(src: Any, store: Any, combos: list[Any], zones: tuple[str, str], a: Any, b: Any) -> None:
+def _import_links(measured: Any, store: Any, combos: list[Any], a: Any, b: Any) -> None:
     """The measured link of a zone pair, for every device-type pair of those zones the plans may use:
     on one network the link is the zones', measured once between two of their VMs."""
     from dataclasses import replace
 
-    measured = next(lk for lk in src.network_links() if (lk.sender_zone, lk.receiver_zone) == zones)
     rows = []
     for (za, ga), (zb, gb) in combos:
         fwd = replace(measured, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)
         rows += [fwd, replace(fwd, sender_zone=zb, sender_gpu=gb, receiver_zone=za, receiver_gpu=ga)]
-    store.write_network_links(rows, provenance=_provenance(a, zones[0], "", peer=b))
+    store.write_network_links(rows, provenance=_provenance(a, a.zone, "", peer=b))
 
 
 def _provenance(vm: Any, zone: str, run_id: str, peer: Any = None) -> Any:
@@ -274,6 +287,72 @@ def _provenance(vm: Any, zone: str, run_id: str, peer: Any = None) -> Any:
         info.update(peer_vm=peer.vm_id, peer_zone=peer.zone, peer_gpu_type=peer.gpu_type)
     return Provenance(source="sailor-profile-on-vm", host=vm.vm_id, recorded_at=datetime.now(UTC),
                       settings=json.dumps(info, sort_keys=True))
+
+
+def measure_zone_link(params: Any, src: tuple[str, str | None], dst: tuple[str, str | None],
+                      log: Any) -> dict[str, Any]:
+    """`sailor profile network --from ZONE[:TYPE] --to ZONE[:TYPE]`: the link between two zones, measured by
+    hand on VMs of `params.provider` (on `params.scenario` for the local testbed) as the profile subflow does.
+
+    Rents the cheapest VM at each end (of the type where given), runs `sailor profile link` on both
+    (`_measure_pair`), writes the fit to `params.store_uri` for every device-type pair of the two zones the
+    provider offers (only the named type at an end that names one), and removes everything it started:
+    the VMs, the controller, the testbed's object store, also on an error or Ctrl-C. Returns what it wrote.
+    """
+    from flows.sailor import default_deps
+    from tasks.control import Controller
+    from tasks.history import new_run_id
+    from tasks.remote import VmCommands
+
+    run_id = new_run_id("profile-network")
+    deps = default_deps(params, run_id)
+    assert deps.state is not None  # default_deps always sets the run's state
+    controller = None
+    try:
+        offers = [o for o in deps.provider.offerings(regions=params.regions) if o.count > 0]
+        types = [_offered_types(offers, zone, gpu, end) for (zone, gpu), end in ((src, "--from"), (dst, "--to"))]
+        code = _wheel_for_vms(deps)
+        controller = Controller(host=deps.controller_host)
+        remote = VmCommands(deps.provider, controller, deps.state, code, run_id)
+        log.info("renting a VM in %s and one in %s (run %s)", src[0], dst[0], run_id)
+        got = _measure_pair(_VmPool(remote, offers, log), remote, src, dst)
+        if got is None:
+            raise SailorError(f"no two VMs could be rented in {src[0]} and {dst[0]} (a zone needs two VMs to measure "
+                              f"a link inside it); to fix: try again when capacity is back, or name other zones")
+        measured, a, b = got
+        combos = [((src[0], ga), (dst[0], gb)) for ga in types[0] for gb in types[1]]
+        _import_links(measured, deps.store, combos, a, b)
+        return {"run_id": run_id, "link": measured, "vms": [a.vm_id, b.vm_id], "store": deps.store.uri,
+                "rows": [f"{za}:{ga} <-> {zb}:{gb}" for (za, ga), (zb, gb) in combos]}
+    finally:
+        if controller is not None:
+            controller.close()
+        deps.provider.cleanup(run_id)  # every VM of the run and its testbed; plain calls: no Prefect server
+        for close in deps.closers:
+            close()
+
+
+def _offered_types(offers: Sequence[Any], zone: str, gpu: str | None, end: str) -> list[str]:
+    """The device types an end of a link stands for: the one named, else every type offered in its zone."""
+    here = sorted({o.gpu_type for o in offers if o.zone == zone})
+    if not here:
+        zones = sorted({o.zone for o in offers})
+        raise SailorError(f"{end} {zone}: the provider offers no VM there now; to fix: one of {', '.join(zones)}")
+    if gpu is not None and gpu not in here:
+        raise SailorError(f"{end} {zone}:{gpu}: the provider offers no {gpu} there now; to fix: one of "
+                          f"{', '.join(f'{zone}:{g}' for g in here)}")
+    return [gpu] if gpu is not None else here
+
+
+def _wheel_for_vms(deps: Any) -> Any:
+    """This checkout as a wheel beside the run's state, for the rented VMs to install (as the train flow ships it)."""
+    from tasks.jobs import CodeRef
+    from tasks.runstate import build_wheel, project_root, publish_wheel
+
+    if not deps.ship_wheel or deps.state is None:
+        return CodeRef()
+    url, sha = publish_wheel(deps.state, build_wheel(project_root() / "build" / "sailor-wheels"))
+    return CodeRef(url=url, sha256=sha, extras=deps.provider.name if deps.provider.name in ("aws", "gcp") else "")
 
 
 @flow(name="profile", log_prints=True)

@@ -8,7 +8,8 @@ Contract:
   with the VM's role, gs:// through gcloud, file:// or a path), checks its sha256 against the
   assignment, installs exactly that wheel, and `exec`s `sailor worker` with the assignment's controller,
   VM id, device count, log URI and advertised address, the run secret in `$SAILOR_RUN_SECRET` (or,
-  when the assignment names a `command`, `sailor <command...>`: a one-off job such as profiling). A VM
+  when the assignment names a `command`, `sailor <command...>`: a one-off job such as profiling, whose
+  output is kept as `jobs/<vm id>-<job>.log` under the log URI before its exit status is reported). A VM
   whose venv already holds that wheel skips the install. Where the image already carries the
   dependencies (the local testbed stands in for such an image: `$SAILOR_DEPS_SITE` names their
   site-packages), the wheel installs with `--no-deps`; elsewhere pip installs it with its `extras`.
@@ -94,8 +95,17 @@ export SAILOR_CONTROL SAILOR_VM_ID SAILOR_ADVERTISE_ADDR
 if [ "$(field command)" != "" ] && [ "$(field command)" != "[]" ]; then  # a one-off job (e.g. profiling)
   mapfile -t cmd < <("$py" -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["command"]))' \
     "$SAILOR_ASSIGNMENT_FILE")
-  rc=0; "$bin/sailor" "${cmd[@]}" || rc=$?
+  out="$home/job-$(field plan_version)"
+  rc=0; "$bin/sailor" "${cmd[@]}" >"$out.stdout" 2>"$out.stderr" || rc=$?
+  cat "$out.stdout"; cat "$out.stderr" >&2
   pyrun="$bin/python"; [ -x "$pyrun" ] || pyrun="$py"
+  if [ -n "$(field log_uri)" ]; then  # the command's output, kept under the run's logs (jobs/VM-JOB.log)
+    "$pyrun" -c 'import sys; from sailor_core.uris import filesystem_for
+fs, root = filesystem_for(sys.argv[1]); fs.create_dir(root + "/jobs", recursive=True)
+with fs.open_output_stream(root + "/jobs/" + sys.argv[2]) as f:
+    f.write(b"".join(open(p, "rb").read() for p in sys.argv[3:]))' "$(field log_uri)" \
+      "$SAILOR_VM_ID-$(field plan_version).log" "$out.stdout" "$out.stderr" || echo "sailor: output not kept" >&2
+  fi
   "$pyrun" -m sailor_core.runtime.protocol set "jobs/$SAILOR_VM_ID/$(field plan_version)" "$rc"  # job_key
   exit "$rc"
 fi

@@ -12,7 +12,10 @@ Contract:
   child per device, `dev0`, `dev1`, ..., each of quota cpu_cores / devices: a device is a CPU share,
   and a process binds itself to device i by joining `dev<i>` (sailor_core/runtime/devices.py), as a
   worker on a GPU VM selects GPU i. A process that does not bind stays in the VM's cgroup and may use
-  the whole VM's quota.
+  the whole VM's quota. The testbed's cgroups outweigh the host's other processes (cpu.shares: the
+  kernel's most for `sailor-testbed`, a VM's and a device's in proportion to their cores), so a busy
+  host does not slow a device below its quota: without it every VM's group weighed as one host
+  process, and two devices of a VM under load got no more CPU together than one (tp = 2 never paid).
   Links are shaped on the host end of each VM's veth, i.e. on traffic INTO the VM: an htb class per
   source zone, selected by the sender's zone subnet (10.X.<zone>.0/24), at the scenario's rate for
   that zone pair; traffic from the host address (controller, object store) falls into a generous
@@ -61,6 +64,7 @@ CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_PARENT = "sailor-testbed"
 DEFAULT_NETWORK = "10.213.0.0/16"
 CFS_PERIOD_US = 100_000
+TESTBED_SHARES = 262_144  # cpu.shares of the sailor-testbed group: the kernel's maximum (a host process has 1024)
 HOST_CLASS_GBPS = 20.0  # the default class: traffic from the host address (controller, object store)
 NETNS_PREFIX = "sb-"
 NETNS_DIR = Path("/run/netns")  # where `ip netns add` puts a namespace's handle
@@ -71,8 +75,10 @@ Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
 
 def owners_dir() -> Path:
     """Every live testbed's owner, whatever its home: a cleanup run from another home (a test, a
-    benchmark) must never take a live testbed's namespaces for orphans."""
-    return Path(tempfile.gettempdir()) / "sailor-testbed-owners"
+    benchmark) must never take a live testbed's namespaces for orphans. One folder for the machine, as
+    namespaces are: not under $TMPDIR, which a command run with a private TMPDIR (tests/test_exit_codes.py)
+    sees elsewhere, and whose cleanup then SIGKILLed the VMs of every live testbed."""
+    return Path("/tmp") / "sailor-testbed-owners"
 
 
 def _registered_live(tag: str) -> bool:
@@ -465,6 +471,7 @@ class Testbed:
         self._shape(vm)
         cg = Path(vm.cgroup)
         cg.mkdir(parents=True, exist_ok=True)
+        (CGROUP_CPU / CGROUP_PARENT / "cpu.shares").write_text(str(TESTBED_SHARES))
         _set_quota(cg, vm.cpu_cores)  # the VM's limit: every device's share together
         for i in range(vm.devices):  # removed by _rmdir_cgroup, children first
             (cg / f"dev{i}").mkdir(exist_ok=True)
@@ -679,8 +686,11 @@ def _no_ipv6(dev: str) -> None:
 
 
 def _set_quota(cg: Path, cores: float | None) -> None:
+    """The group may use `cores` (a quota per CFS period; None: no limit), and weighs that much against its
+    siblings when they contend (cpu.shares of 1024 per core, the weight of one host process)."""
     (cg / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
     (cg / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(max(1000, int(cores * CFS_PERIOD_US))))
+    (cg / "cpu.shares").write_text(str(1024 if cores is None else max(2, int(cores * 1024))))
 
 
 def _device_cgroups(vm_cgroup: Path) -> list[Path]:

@@ -17,7 +17,16 @@ from typing import Annotated
 
 import typer
 
-from sailor_cli.options import GlobalBatchSizeOrNone, Json, MaxStages, StepsOrNone, Store, Workdir
+from sailor_cli.options import (
+    GlobalBatchSizeOrNone,
+    Isolation,
+    Json,
+    MaxStages,
+    Scenario,
+    StepsOrNone,
+    Store,
+    Workdir,
+)
 from sailor_core.errors import SailorError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,15 +47,12 @@ def demo(
     workers: Annotated[int | None, typer.Option(
         "--workers", help="most devices a plan may use (default: the scenario's, else 4)")] = None,
     global_batch_size: GlobalBatchSizeOrNone = None,
-    scenario: Annotated[Path, typer.Option(
-        "--scenario", help="scenario file scripting preemptions and prices")] = DEMO_SCENARIO,
+    scenario: Scenario = DEMO_SCENARIO,
     store: Store = None,
     workdir: Workdir = Path(".sailor"),
     as_json: Json = False,
     max_stages: MaxStages = None,
-    isolation: Annotated[str, typer.Option("--isolation", help=(
-        "VMs as isolated testbed VMs (netns, needs root), plain processes (process), or netns where permitted "
-        "(auto)"))] = "auto",
+    isolation: Isolation = "auto",
 ) -> None:
     """Run the sailor flow locally: plan, train gpt-tiny on 4 workers through a preemption and a price change.
 

@@ -91,6 +91,12 @@ _RUN = typer.Option("--run", help="run id: the tag on a run's resources, as `sai
 Run = Annotated[str, _RUN]
 RunOrNone = Annotated[str | None, _RUN]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="print what would be done; do nothing")]
+# the local provider's testbed (sailor demo, sailor profile network --from/--to)
+_SCENARIO = typer.Option("--scenario", help="scenario file of the local testbed: zones, device types, links, events")
+Scenario = Annotated[Path, _SCENARIO]
+ScenarioOrNone = Annotated[Path | None, _SCENARIO]
+Isolation = Annotated[str, typer.Option("--isolation", help=(
+    "VMs as isolated testbed VMs (netns, needs root), plain processes (process), or netns where permitted (auto)"))]
 
 # --- measuring on this machine (sailor profile) ------------------------------------------------------------------
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
@@ -102,6 +108,10 @@ _MAX_BYTES = typer.Option("--max-bytes", help="largest message, in bytes")
 MaxBytes = Annotated[int, _MAX_BYTES]
 MaxBytesOrNone = Annotated[int | None, _MAX_BYTES]
 TimeoutS = Annotated[float, typer.Option("--timeout", help="seconds a silent peer is waited for")]
+LinkFrom = Annotated[str | None, typer.Option(
+    "--from", help="ZONE[:TYPE] of the link's first end (profile link: ZONE:TYPE of rank 0's VM)")]
+LinkTo = Annotated[str | None, typer.Option(
+    "--to", help="ZONE[:TYPE] of the link's other end (profile link: ZONE:TYPE of rank 1's VM)")]
 
 
 def split_values(values: list[str] | None) -> tuple[str, ...]:

@@ -8,6 +8,9 @@ Contract:
   in the store in one commit. `--all-blocks` measures every block instead of a few.
 - `sailor profile network [--workers 2] [--store URI]` measures point-to-point and all-reduce time
   between local workers, prints measured against fitted time per message size, and upserts the link.
+  With `--from ZONE[:TYPE] --to ZONE[:TYPE] [--provider local|aws|gcp] [--scenario FILE]` it rents a VM
+  at each end instead, measures the link between them (flows/profiling.measure_zone_link, the profile
+  subflow's code), upserts it in the format `sailor plan` reads, and releases the VMs, also on failure.
 - `--json` prints the result as JSON instead of tables. Nothing is written when the measurement
   fails or is interrupted (Ctrl-C). Bad input is a `SailorError`: one line, exit 2 (sailor_cli.main).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -24,15 +28,20 @@ import typer
 from sailor_cli.options import (
     Device,
     GpuTypeLabel,
+    Isolation,
     Json,
+    LinkFrom,
+    LinkTo,
     MaxBytes,
     MaxBytesOrNone,
     Model,
     ModelConfig,
+    ScenarioOrNone,
     SeqLen,
     Statistic,
     Store,
     TimeoutS,
+    Workdir,
     open_store,
 )
 from sailor_core.errors import SailorError
@@ -170,6 +179,12 @@ def _print_model(profile, rows: int, uri: str) -> None:
 
 @app.command("network")
 def network_cmd(
+    src: LinkFrom = None,
+    dst: LinkTo = None,
+    provider: Annotated[str, typer.Option("--provider", help="with --from/--to: local, aws or gcp")] = "local",
+    scenario: ScenarioOrNone = None,
+    isolation: Isolation = "auto",
+    workdir: Workdir = Path(".sailor"),
     workers: Annotated[int, typer.Option("--workers", help="local worker processes (one GPU each on CUDA)")] = 2,
     store: Store = None,
     device: Device = "cpu",
@@ -183,7 +198,14 @@ def network_cmd(
     """Measure point-to-point and all-reduce time between local workers, fit, and upsert the link.
 
     The largest message is --max-bytes, else 64 MiB on CPU (gloo) and 1 GiB on CUDA (nccl).
+    With --from ZONE[:TYPE] --to ZONE[:TYPE]: rent a VM at each end from --provider (the local testbed of
+    --scenario, as root for isolated VMs), measure the link between them both ways, store it for every
+    device type of the two zones (the named one at an end that names one) and release the VMs.
     """
+    if src is not None or dst is not None:
+        _zone_link(src, dst, provider=provider, scenario=scenario, isolation=isolation, workdir=workdir, store=store,
+                   as_json=as_json)
+        return
     from sailor_core.profiler import NetworkSettings, profile_network, save_network_profile
     from sailor_core.profiler.network import to_json
 
@@ -234,6 +256,52 @@ def _print_network(profile: Any, workers: int, uri: str) -> None:
               f"and the node's all-reduce over {profile.node_allreduce.workers} workers into {uri}")
 
 
+def _zone_link(src: str | None, dst: str | None, *, provider: str, scenario: Path | None, isolation: str,
+               workdir: Path, store: str | None, as_json: bool) -> None:
+    """`profile network --from/--to`: flows/profiling.measure_zone_link, then what it measured."""
+    from flows.params import validate_params
+    from flows.profiling import measure_zone_link
+
+    if src is None or dst is None:
+        raise SailorError("--from and --to go together; to fix: name both ends, e.g. --from eu-west --to us-east")
+    ends = (_zone_and_type(src, "--from"), _zone_and_type(dst, "--to"))
+    if provider not in ("local", "aws", "gcp"):
+        raise SailorError(f"--provider must be local, aws or gcp, got {provider!r}")
+    if scenario is not None and provider != "local":
+        raise SailorError("--scenario is for the local provider; to fix: drop it, or use --provider local")
+    st = open_store(store)  # checks the URI before anything is rented
+    params = validate_params({"run_name": "profile-network", "provider": provider, "steps": 1,
+                              "scenario": None if scenario is None else str(scenario),
+                              "store_uri": st.uri, "workdir": str(workdir), "isolation": isolation})
+    out = measure_zone_link(params, ends[0], ends[1], _Say())
+    fit = out["link"].fit
+    if as_json:
+        typer.echo(json.dumps({"run_id": out["run_id"], "vms": out["vms"], "store": out["store"], "rows": out["rows"],
+                               "fit_coeffs": list(fit.coeffs), "max_bytes_per_s": fit.max_bytes_per_s,
+                               "bytes_per_s": {str(n): fit.bandwidth_bytes_per_s(n) for n in _SIZES}}, indent=1))
+        return
+    at = ", ".join(f"{_fmt_bytes(n)} {fit.bandwidth_bytes_per_s(n) / 1e6:.1f} MB/s" for n in _SIZES)
+    typer.echo(f"link {src} <-> {dst} measured between {out['vms'][0]} and {out['vms'][1]} (released): {at}")
+    typer.echo(f"wrote {len(out['rows']) * 2} link rows ({'; '.join(out['rows'])}, both ways) into {out['store']}")
+
+
+class _Say:
+    """The log `measure_zone_link` writes to: its lines on stderr, as they come."""
+
+    def info(self, msg: str, *args: Any) -> None:
+        typer.echo(msg % args if args else msg, err=True)
+
+
+_SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # message sizes the by-hand link's summary shows
+
+
+def _zone_and_type(text: str, what: str) -> tuple[str, str | None]:
+    zone, _, gpu = text.partition(":")
+    if not zone:
+        raise SailorError(f"{what} must be ZONE or ZONE:TYPE like eu-west:cpu-fast, got {text!r}")
+    return zone, gpu or None
+
+
 def _zone_type(text: str, what: str) -> tuple[str, str]:
     zone, sep, gpu = text.partition(":")
     if not zone or not sep or not gpu:
@@ -244,9 +312,9 @@ def _zone_type(text: str, what: str) -> tuple[str, str]:
 @app.command("link")
 def link_cmd(
     rank: Annotated[int, typer.Option("--rank", help="0 on the sending VM, 1 on the receiving one")],
-    src: Annotated[str, typer.Option("--from", help="ZONE:TYPE of rank 0's VM")],
-    dst: Annotated[str, typer.Option("--to", help="ZONE:TYPE of rank 1's VM")],
     key: Annotated[str, typer.Option("--key", help="controller key the two ends meet under")],
+    src: LinkFrom = None,
+    dst: LinkTo = None,
     store: Store = None,
     max_bytes: MaxBytes = 4 * 1024 * 1024,
     timeout_s: TimeoutS = 600.0,
@@ -265,7 +333,7 @@ def link_cmd(
 
     if rank not in (0, 1):
         raise SailorError(f"--rank must be 0 or 1, got {rank}")
-    ends = (_zone_type(src, "--from"), _zone_type(dst, "--to"))
+    ends = (_zone_type(src or "", "--from"), _zone_type(dst or "", "--to"))
     settings = NetworkSettings(workers=2, device="cpu", max_bytes=max_bytes, timeout_s=timeout_s, allreduce=False,
                                policy=LINK_POLICY)
     settings.validate()

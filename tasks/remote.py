@@ -5,8 +5,10 @@ Contract (no Prefect here):
   (`rent(offering)`, one VM, named `profile-<n>`), runs `sailor <command...>` on several of them at
   once through the same bootstrap as training (infra/bootstrap.py: the run's wheel, the controller,
   the run's secret; `run([(vm, argv), ...])`), and waits until each VM reports its command's exit
-  status to the controller (`jobs/<vm id>/<job>`), or the timeout. `release()` terminates every VM
-  it rented; it is also what the caller's `finally` calls.
+  status to the controller (`jobs/<vm id>/<job>`), or the timeout. Each VM keeps its command's output
+  under the run's logs before it reports (infra/bootstrap.py): `output(vm_id)` reads the last job's,
+  and `failure(codes)` turns failed exit statuses into an error that quotes it. `release()` terminates
+  every VM it rented; it is also what the caller's `finally` calls.
 - Commands write their results to object storage under the run's state (`store_uri("vm")` is a
   profile store there, `store_uri("flow")` the same one as the flow reaches it), never to the
   flow's disk.
@@ -19,9 +21,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from infra.provider import Offering, Provider, Vm, VmRequest, WorkerAssignment
-from sailor_core.errors import SailorError
+from sailor_core.errors import Failure, SailorError
 from tasks.jobs import CodeRef
 from tasks.runstate import RunState, join
+
+UNFINISHED = -1  # the exit status `run` gives a VM whose command was still running when another one's failed
 
 
 class VmCommands:
@@ -31,6 +35,7 @@ class VmCommands:
         self.poll_s = poll_s
         self.rented: list[Vm] = []
         self._jobs = 0
+        self.job = 0  # the last job's id
 
     def store_uri(self, side: str, name: str) -> str:
         """A profile store under the run's state, as the VMs (`vm`) or the flow (`flow`) reach it."""
@@ -45,11 +50,12 @@ class VmCommands:
         return vm
 
     def run(self, jobs: Sequence[tuple[Vm, Sequence[str]]], *, timeout_s: float = 900.0) -> dict[str, int]:
-        """Run each command on its VM, all at once; returns each VM's exit status. Raises on a timeout."""
+        """Run each command on its VM, all at once; returns each VM's exit status (`UNFINISHED` for one still
+        running 5 s after another failed: a link's other end would wait for ever). Raises on a timeout."""
         from sailor_core.runtime.protocol import job_key
 
         self._jobs += 1
-        job = 1_000_000 + self._jobs  # job ids live beside plan versions; never the same number
+        job = self.job = 1_000_000 + self._jobs  # job ids live beside plan versions; never the same number
         for vm, argv in jobs:
             self.provider.bootstrap(vm, WorkerAssignment(
                 run_id=self.run_id, plan_version=job, plan_json="{}", rendezvous_endpoint=self.controller.endpoint,
@@ -74,13 +80,36 @@ class VmCommands:
                 failed_at = failed_at or time.monotonic()
                 if time.monotonic() - failed_at > 5.0:
                     # one end failed: the others (a link's other end waiting for it) would never finish
-                    return {vm.vm_id: codes.get(vm.vm_id, 1) for vm, _ in jobs}
+                    return {vm.vm_id: codes.get(vm.vm_id, UNFINISHED) for vm, _ in jobs}
             if time.monotonic() > deadline:
                 missing = [vm.vm_id for vm, _ in jobs if vm.vm_id not in codes]
                 raise SailorError(f"profiling on {missing} did not finish within {timeout_s:.0f}s; to fix: see the "
                                   f"VMs' logs under {self.state.logs('public')}")
             time.sleep(self.poll_s)
         return codes
+
+    def output(self, vm_id: str, *, tail_chars: int = 1500) -> str:
+        """The end of what the last job's command printed on `vm_id` ('' when the VM kept nothing)."""
+        from sailor_core.runtime.checkpoint import open_storage
+
+        try:
+            text = open_storage(self.state.logs("flow")).read(f"jobs/{vm_id}-{self.job}.log").decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the VM died before it kept its output: say so, do not fail here
+            return ""
+        return text[-tail_chars:]
+
+    def failure(self, what: str, codes: dict[str, int]) -> Failure:
+        """The error of a job whose commands failed on some VMs: each one's exit status and output's end."""
+        parts = []
+        for vm_id, rc in codes.items():
+            if rc == UNFINISHED:
+                parts.append(f"{vm_id} had not finished when another VM's command failed")
+            elif rc:
+                out = self.output(vm_id).strip() or "(no output kept: the VM ended before its command did)"
+                parts.append(f"{vm_id} exited {rc}:\n{out}")
+        where = join(self.state.logs("public"), "jobs", f"<vm>-{self.job}.log")
+        return Failure(f"{what} failed on the VMs; to fix: read their output below (kept in {where})\n"
+                           + "\n".join(parts))
 
     def release(self) -> None:
         if self.rented:

@@ -27,7 +27,7 @@ OWN_MEANING = {
     ("simulate", "--recompute"), ("train", "--recompute"),
     ("demo", "--workers"), ("profile network", "--workers"),
     ("profile network", "--zone"), ("infra provision", "--zone"), ("infra provision", "--gpu-type"),
-    ("infra provision", "--market"), ("infra catalog", "--cloud"),
+    ("infra provision", "--market"), ("infra catalog", "--cloud"), ("profile network", "--provider"),
 }
 
 
