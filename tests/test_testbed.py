@@ -218,6 +218,28 @@ def test_a_process_bound_to_a_device_gets_that_devices_cpu_share_only():
 
 
 @needs_testbed
+def test_a_busy_host_does_not_slow_two_devices_of_a_vm_below_their_shares():
+    # Host processes outside the testbed keep every core busy; each device of a 2-device VM must still
+    # get its own share (the testbed's cgroups outweigh them). Before, the VM's group weighed as one
+    # host process, and its two devices together got about what one host process gets.
+    share = 0.3
+    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 8: pass"])
+            for _ in range(2 * (os.cpu_count() or 2))]
+    try:
+        with built(["z1"]) as tb:
+            vm = tb.add_vm("two", zone="z1", devices=2, cpu_cores=2 * share)
+            assert int((Path(vm.cgroup).parent.parent / "cpu.shares").read_text()) > 100 * 1024
+            ranks = [subprocess.Popen(tb.command("two", [sys.executable, "-c", SPIN, str(d)]), text=True,
+                                      stdout=subprocess.PIPE, env={**os.environ, **tb.env("two")}) for d in (0, 1)]
+            rates = [float(p.communicate(timeout=30)[0].split()[0]) for p in ranks]
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert all(r > 0.75 * share for r in rates), rates  # each device near its share despite the hogs
+
+
+@needs_testbed
 def test_teardown_removes_everything_also_from_another_process():
     with built(["z1", "z2"]) as tb:
         tb.add_vm("a", zone="z1", cpu_cores=0.5)

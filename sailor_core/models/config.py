@@ -11,7 +11,7 @@ Contract:
   with `register_config` (e.g. read from a Hugging Face config.json by sailor_core.models.hf_config);
   `to_dict`/`config_from_dict` carry a config to worker processes, so the profiler, planner and
   runtime size and build the same model from one description.
-  Built-in: gpt-tiny, gpt-small, OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30 (sailor_core.catalog).
+  Built-in: gpt-tiny, gpt-small, gpt-wide, OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30 (sailor_core.catalog).
 - `model_spec(config, tp_degrees)` returns a `ModelSpec` in the store's layer indexing
   (0 embedding, 1..L blocks, L+1 final norm + head) with, per layer and TP degree:
   `params` held by one GPU of the TP group, `act_input_elems`/`act_output_elems` per sequence, and
@@ -342,6 +342,14 @@ def _builtin() -> dict[str, TransformerConfig]:
         "gpt-small": TransformerConfig(
             name="gpt-small", variant="gpt-neo", num_blocks=6, hidden_size=256, num_heads=8,
             ffn_hidden_size=1024, sequence_length=256, vocab_size=256, tied_head=False,
+        ),
+        # Wide and shallow, for tensor parallelism on CPU devices: a block's compute grows with hidden^2
+        # while a TP all-reduce moves sequence x hidden, so at hidden 512 two devices' halves of a block
+        # finish well before one device's whole block even with gloo's four all-reduces per block
+        # (gpt-tiny's blocks are too small: the all-reduces dominate). The geo testbed demo's model.
+        "gpt-wide": TransformerConfig(
+            name="gpt-wide", variant="gpt-neo", num_blocks=4, hidden_size=512, num_heads=8,
+            ffn_hidden_size=2048, sequence_length=128, vocab_size=256, tied_head=False,
         ),
     }
     # gpt-tiny's shape as an OPT block (ReLU MLP, head tied to the embedding): exercises weight tying
