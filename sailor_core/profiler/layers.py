@@ -10,10 +10,10 @@ real process group):
 - per layer of the store's indexing (0 embedding, 1..L blocks, L+1 final norm + head, the head's
   forward including the loss): forward and backward seconds of one microbatch, warm-up excluded,
   repeated until stable (timing.RepeatPolicy), the mean reported (DEFAULT_STATISTIC).
-  CUDA: CUDA events, synchronised before reading; CPU: the thread's CPU time for work without
-  collectives (tp=1 layers, the optimizer step), read at the speed of the device the rank is bound
-  to (a testbed device is a CPU share: sailor_core/runtime/devices.py), perf_counter wall time for
-  TP layers;
+  CUDA: CUDA events, synchronised before reading; CPU: the thread's CPU time, read at the speed of
+  the device the rank is bound to (a testbed device is a CPU share: sailor_core/runtime/devices.py);
+  a TP layer's adds the least wall time a repetition spent waiting in its collectives (their own
+  cost, without a peer held up by other jobs on the host);
 - blocks are identical, so only `settings.blocks` of them are measured and their mean is copied to
   the others (`all_blocks=True` measures every one);
 - optimizer: one AdamW step (the runtime's settings) over the measured layers' parameters, scaled
@@ -38,7 +38,7 @@ import math
 import resource
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -242,6 +242,7 @@ def layer_worker(
         cpu_timed, layer_timed = _timers(torch, cuda, tp)
         agree = _agreement(torch, dist, dev, tp)
         rig = _LayerRig(torch, settings, ctx, dev, rank, tp)
+        rig.waits = _CollectiveWaits.install() if tp > 1 and not cuda else None
         for mbs in sorted(settings.mbs):
             _measure_mbs(torch, dist, rig, mbs, emit, layer_timed, agree)
         params = [p for ly in rig.layers.values() for p in ly.parameters()]
@@ -285,15 +286,46 @@ def _timers(torch: ModuleType, cuda: bool, tp: int) -> tuple[_Timed, _Timed]:
         out = fn()
         return clock() - t0, out
 
-    # CPU work without collectives (tp=1 layers, the optimizer step) runs entirely in this thread
-    # (one intra-op thread), so its thread CPU time is its cost whatever else the host runs;
-    # wall time would add the other jobs' time slices. TP layers wait for peers off-CPU inside
-    # their all-reduces, so they keep wall time. See docs/profiler.md for the measurements.
-    # Read at the bound device's speed: on the testbed a device is a share of a core, and a tp=1
-    # layer must cost what it costs that device, as the TP layers' wall time under its quota does.
+    # CPU work runs in this thread (one intra-op thread), so its thread CPU time is its cost whatever
+    # else the host runs; wall time would add the other jobs' time slices. Read at the bound device's
+    # speed: on the testbed a device is a share of a core, and a layer must cost what it costs that
+    # device. A TP layer's rank waits off-CPU inside its all-reduces (gloo's threads move the data):
+    # its CPU clock is the layer's compute, and _measure_layer adds the collectives' own time
+    # (_CollectiveWaits). Wall time over a TP layer would count every wake-up and time slice lost to
+    # the other jobs on the host twice per collective, at both ranks. See docs/profiler.md.
     cpu_timed = functools.partial(timed, clock=device_cpu_clock())
-    layer_timed = cpu_timed if (tp == 1 and not cuda) else timed
+    layer_timed = timed if cuda else cpu_timed
     return cpu_timed, layer_timed
+
+
+class _CollectiveWaits:
+    """Wall seconds this rank spends waiting in TP collectives (models/tensor_parallel.set_wait), for a
+    CPU TP layer: `take()` returns those since the last call. Of a layer's repetitions the least is its
+    collectives' own cost (both ranks arrived at once); the rest is a peer held up by the host's load."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._taken_s = 0.0
+
+    @staticmethod
+    def install() -> _CollectiveWaits:
+        import time
+
+        from sailor_core.models.tensor_parallel import set_wait
+
+        waits = _CollectiveWaits()
+
+        def wait(work: Any) -> None:
+            t0 = time.perf_counter()
+            work.wait()
+            waits.total_s += time.perf_counter() - t0
+
+        set_wait(wait)
+        return waits
+
+    def take(self) -> float:
+        out, self._taken_s = self.total_s - self._taken_s, self.total_s
+        return out
 
 
 def _agreement(torch: ModuleType, dist: ModuleType, dev: TorchDevice, tp: int) -> _Agree:
@@ -325,6 +357,7 @@ class _LayerRig:
             i: build_layer(cfg, i, ctx, settings.seed).to(dev) for i in settings.measured_layers(cfg)
         }
         self.head = cfg.num_layers - 1
+        self.waits: _CollectiveWaits | None = None  # CPU TP ranks: time in collectives, added to the compute
 
     def inputs(self, i: int, mbs: int) -> tuple[Tensor, Tensor | None]:
         """(input, targets or None) of layer i for a microbatch of mbs: the same on every TP rank."""
@@ -361,7 +394,8 @@ class _LayerRig:
             x, tgt = self.inputs(i, mbs)
             run_forward = functools.partial(self.forward, i, x, tgt)
             saved, allocated = _saved_for_backward(self.torch, layer, run_forward, self.cuda)
-            fwd, bwd = _measure_layer(self.torch, run_forward, x, self.settings.policy, layer_timed, agree)
+            fwd, bwd = _measure_layer(self.torch, run_forward, x, self.settings.policy, layer_timed, agree,
+                                      self.waits)
             out.append(
                 LayerPoint(
                     mbs=mbs, tp=self.tp, layer=i, forward=fwd, backward=bwd, saved_bytes=saved,
@@ -403,26 +437,40 @@ def _measure_mbs(torch: ModuleType, dist: ModuleType, rig: _LayerRig, mbs: int, 
 
 
 def _measure_layer(torch: ModuleType, run_forward: Callable[[], Tensor], x: Tensor, policy: RepeatPolicy,
-                   timed: _Timed, agree: _Agree) -> tuple[Measurement, Measurement]:
+                   timed: _Timed, agree: _Agree, waits: _CollectiveWaits | None = None
+                   ) -> tuple[Measurement, Measurement]:
     """Forward and backward of one microbatch, each timed on its own, repeated until both are stable.
 
     `agree(stop)` returns rank 0's decision on every rank: TP layers run collectives, so every rank
-    of the group must run the same number of repetitions.
+    of the group must run the same number of repetitions. With `waits` (a CPU TP rank, timed by its
+    CPU clock) each repetition's compute gets the least time a repetition spent in its collectives.
     """
     grad_out = None
     f_rule, b_rule = StopRule(policy), StopRule(policy)
+    f_wait, b_wait = math.inf, math.inf
     while True:
         if x.requires_grad:
             x.grad = None  # the input's gradient would otherwise accumulate across repetitions
+        if waits is not None:
+            waits.take()
         t_f, out = timed(run_forward)
+        f_wait = min(f_wait, waits.take()) if waits is not None else 0.0
         if grad_out is None and out.dim() > 0:
             grad_out = torch.ones_like(out)
         t_b, _ = timed(functools.partial(out.backward, grad_out))
+        b_wait = min(b_wait, waits.take()) if waits is not None else 0.0
         del out  # parameter gradients do accumulate, as over a pipeline's microbatches
         f_rule.add(t_f)
         b_rule.add(t_b)
         if agree(not f_rule.warming() and f_rule.done() and b_rule.done()):
-            return f_rule.result(), b_rule.result()
+            return _plus(f_rule.result(), f_wait, policy), _plus(b_rule.result(), b_wait, policy)
+
+
+def _plus(m: Measurement, seconds: float, policy: RepeatPolicy) -> Measurement:
+    """`m` with `seconds` added to every repetition (a CPU TP layer's collectives, on top of its compute)."""
+    if not seconds:
+        return m
+    return replace(Measurement.of([t + seconds for t in m.samples], policy.rel_err), stable=m.stable)
 
 
 def _warm_up_and_overhead(torch: ModuleType, dev: TorchDevice, cuda: bool) -> int:
