@@ -483,3 +483,15 @@ class TestLocalProviderOnTheTestbed(ProviderContract):
         yield p
         p.cleanup()
 
+
+
+def test_the_owners_registry_is_the_machines_whatever_tmpdir_a_command_runs_with(monkeypatch, tmp_path) -> None:
+    """Namespaces and cgroups are the machine's: a cleanup run with a private TMPDIR (as tests/test_exit_codes.py
+    runs `sailor`) must still see every live testbed's owner, or it takes them for orphans and kills their VMs."""
+    from infra.testbed import owners_dir
+
+    before = owners_dir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    assert tempfile.gettempdir() == str(tmp_path)
+    assert owners_dir() == before == Path("/tmp/sailor-testbed-owners")
