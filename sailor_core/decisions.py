@@ -17,10 +17,18 @@ has reconfigured before, else the caller's estimate). Under max-throughput the g
 saved; under the cost objectives it is dollars saved. A switch happens when gain > min_gain.
 A current plan that cannot go on (workers lost) or now breaks a limit is always left, if the
 candidate can run.
+
+`best_replacement(...)` picks, among plans that could replace one that cannot go on (the best on
+the GPUs still held, the best on everything that can be rented, the same shape moved elsewhere),
+the one whose switch finishes the remaining work soonest (max-throughput) or cheapest (the cost
+objectives), by the same arithmetic; the first of equals wins, so a caller lists the plan that
+needs no new VMs first. Without it a shrink onto the GPUs still held would run until the next
+change however much slower it is, and over a long remainder that costs far more than it saves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -48,6 +56,26 @@ class SwitchDecision:
         return asdict(self)
 
 
+def switch_outcome(candidate: PlanCost, *, remaining_steps: int, lost_steps: int,
+                   reconfiguration_s: float) -> tuple[float, float]:
+    """Seconds and USD to finish the remaining steps after switching to `candidate` (the formula above)."""
+    n = max(0, remaining_steps) + lost_steps
+    return (reconfiguration_s + n * candidate.iteration_time_s,
+            reconfiguration_s * candidate.usd_per_hour / 3600.0 + n * candidate.usd_per_iteration)
+
+
+def best_replacement(*, objective: str, candidates: Sequence[PlanCost], remaining_steps: int, lost_steps: int,
+                     reconfiguration_s: float) -> int:
+    """The index of the candidate whose switch finishes the remaining work soonest (max-throughput) or
+    cheapest (other objectives); the first of equals (list the one that needs no new VMs first)."""
+    if not candidates:
+        raise ValueError("best_replacement needs at least one candidate")
+    at = 0 if objective == "max-throughput" else 1
+    scores = [switch_outcome(c, remaining_steps=remaining_steps, lost_steps=lost_steps,
+                             reconfiguration_s=reconfiguration_s)[at] for c in candidates]
+    return min(range(len(scores)), key=lambda k: (scores[k], k))
+
+
 def decide_switch(
     *,
     objective: str,
@@ -62,8 +90,8 @@ def decide_switch(
 ) -> SwitchDecision:
     """`current` None or `current_broken` non-empty: the current plan cannot continue (or breaks a limit)."""
     r = max(0, remaining_steps)
-    sw_time = reconfiguration_s + (r + lost_steps) * candidate.iteration_time_s
-    sw_usd = reconfiguration_s * candidate.usd_per_hour / 3600.0 + (r + lost_steps) * candidate.usd_per_iteration
+    sw_time, sw_usd = switch_outcome(candidate, remaining_steps=r, lost_steps=lost_steps,
+                                     reconfiguration_s=reconfiguration_s)
     unit = "s" if objective == "max-throughput" else "USD"
     if current is None or current_broken:
         why = current_broken or "the current plan cannot continue"

@@ -186,6 +186,32 @@ def test_after_a_capacity_loss_sailor_replans_relaunch_moves_static_waits():
     assert all(r.finished for r in res.values())
 
 
+def test_after_a_loss_sailor_weighs_the_shrink_against_the_rest_over_the_remaining_work():
+    places = [("r1-a", "fast", OD), ("r1-b", "fast", OD)]
+    base = trace(places, [(0, [4, 0], [3.0, 3.0])])
+    tr = Trace(name="t", places=base.places, points=(base.points[0], TracePoint(  # half the plan's GPUs go;
+        at_s=3600, counts=(2, 4), usd_per_gpu_hour=(3.0, 3.0), taken=(2, 0))))   # r1-b has room for all of it
+    weigh, shrink = job(total_steps=200_000), job(total_steps=200_000, weigh_replacements=False)
+    held = Planner(BOOK, weigh).best(tr.pool_at(0))
+    assert held is not None and held.plan.num_gpus == 4
+    w, f = run(tr, "sailor", weigh), run(tr, "sailor", shrink)
+    # the flow's rule today: the best plan on the 2 GPUs still held, until the next change (none comes)
+    assert f.segments[-1].gpus == 2
+    # weighed over the 200,000 steps left, a plan with r1-b's GPUs finishes sooner (same reconfiguration)
+    assert w.segments[-1].gpus > 2 and w.time_to_train_s < f.time_to_train_s
+    assert w.switches == f.switches == 1
+    # best_replacement: soonest under max-throughput, cheapest otherwise, the first of equals
+    slow = sailor_core.decisions.PlanCost(iteration_time_s=2.0, usd_per_iteration=0.001, usd_per_hour=1.8)
+    fast = sailor_core.decisions.PlanCost(iteration_time_s=1.0, usd_per_iteration=0.002, usd_per_hour=7.2)
+    pick = sailor_core.decisions.best_replacement
+    assert pick(objective="max-throughput", candidates=[slow, fast], remaining_steps=1000, lost_steps=0,
+                reconfiguration_s=60) == 1
+    assert pick(objective="min-cost", candidates=[slow, fast], remaining_steps=1000, lost_steps=0,
+                reconfiguration_s=60) == 0
+    assert pick(objective="max-throughput", candidates=[fast, fast], remaining_steps=1000, lost_steps=0,
+                reconfiguration_s=60) == 0
+
+
 def test_a_spot_price_rise_moves_sailor_not_relaunch_same():
     places = [("r1-a", "fast", SPOT), ("r1-a", "fast", OD)]
     tr = trace(places, [(0, [4, 4], [1.0, 3.0]), (3600, [4, 4], [9.0, 3.0])])

@@ -52,6 +52,11 @@ HORIZON_AFTER_TRACE_S = 30 * 86_400.0
 
 PlaceKey = tuple[str, str, Market]
 
+# The replay's default search: the planner's, narrowed (one stage count past the best, no mixed
+# pipeline groups, 4 plans re-scored, uniform/balanced partitions beyond 8) so a 2,048-GPU pool
+# plans in a fraction of a second; `sailor replay --search full` is the flow's own search.
+FAST_SEARCH: dict[str, Any] = dict(patience=1, mixed_pipelines=0, rescore_top=4, exhaustive_partitions_up_to=8)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReplayJob:
@@ -72,6 +77,8 @@ class ReplayJob:
     min_gain: float = 0.0
     period_s: float = DEFAULT_PERIOD_S
     reuse_dominating_plans: bool = True
+    # After a loss, the sailor policy weighs its replacements (policies.py); False: shrink first.
+    weigh_replacements: bool = True
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "total_steps", "tokens_per_step", "checkpoint_interval"):

@@ -119,7 +119,7 @@ def run_job(run: Mapping[str, Any], *, sequence_length: int,
                                   gpu_types=tuple(p.get("gpu_types") or ()),
                                   markets=tuple(Market.parse(m) for m in p.get("markets") or ()), max_gpus=max_gpus),
         search=search, checkpoint_interval=int(p.get("checkpoint_interval", 10)), reconfiguration_s=reconfiguration_s,
-        min_gain=float(p.get("min_gain", 0.0)), reuse_dominating_plans=False,
+        min_gain=float(p.get("min_gain", 0.0)), reuse_dominating_plans=False, weigh_replacements=False,
         grace_s=max(graces) if graces else DEFAULT_GRACE_S,
     )
 

@@ -4,8 +4,11 @@ function of the `View` the engine shows it, returning an `Action` (stay, switch 
 - `sailor`: the flow's own loop (flows/replan.py). At every change it re-plans against what can be
   rented now and switches when `decide_switch` (the very function the replan subflow calls) says
   the gain over the remaining work pays for the reconfiguration and the steps redone; a plan that
-  lost GPUs is always left, for the best plan on the GPUs it still holds if there is one (the
-  flow shrinks first: those start in seconds), else the best on everything available.
+  lost GPUs is always left, for whichever of the best plan on the GPUs it still holds, the best
+  on everything available and its own shape moved to where it fits now finishes the remaining
+  work soonest (or cheapest: `best_replacement`, ties to the plan on the GPUs still held). With
+  `weigh_replacements` off it shrinks first as the replan subflow does today (the best on the GPUs
+  still held if there is one, else the best on everything).
 - `relaunch_same`: what SkyPilot managed jobs do. Keep the first plan's shape (the same GPU types
   and counts, the same stages); when it loses GPUs, relaunch that shape wherever it fits now, each
   group of GPUs on the cheapest (zone, market) with room for it; if it fits nowhere, wait. Prices
@@ -21,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from sailor_core.decisions import decide_switch
+from sailor_core.decisions import best_replacement, decide_switch
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.errors import MissingProfileError, SailorError
-from sailor_core.replay.engine import Action, Policy, View, counts_of, missing_gpus
+from sailor_core.replay.engine import Action, Candidate, Policy, View, counts_of, missing_gpus
 
 POLICIES = ("sailor", "relaunch-same", "static", "periodic")
 
@@ -37,13 +40,16 @@ def _first(v: View) -> Action:
 
 
 def sailor(v: View) -> Action:
-    cand = None
-    if v.lost and v.held is not None and v.held.entries:
-        # The flow shrinks first: the best plan on the GPUs still held starts in seconds (their
-        # processes go on in place); capacity elsewhere is weighed at the next change.
-        cand = v.planner.best(v.held)
-    if cand is None:
-        cand = v.planner.best(v.pool)
+    if v.lost and v.job.weigh_replacements:
+        cand = _replacement(v)
+    else:
+        cand = None
+        if v.lost and v.held is not None and v.held.entries:
+            # The flow shrinks first: the best plan on the GPUs still held starts in seconds (their
+            # processes go on in place); capacity elsewhere is weighed at the next change.
+            cand = v.planner.best(v.held)
+        if cand is None:
+            cand = v.planner.best(v.pool)
     if cand is None:
         if v.current is None or v.lost:
             return Action(kind="wait", reason="no feasible plan with the GPUs available now; waiting")
@@ -59,6 +65,31 @@ def sailor(v: View) -> Action:
     )
     return Action(kind="switch" if d.switch else "stay", plan=cand.plan if d.switch else None, reason=d.reason,
                   decision=d)
+
+
+def _replacement(v: View) -> Candidate | None:
+    """After a loss: the best on the GPUs still held (no new VMs), the best on everything, or the
+    plan's own shape moved to where it fits now, whichever finishes the remaining work soonest
+    (or cheapest) with a reconfiguration (`best_replacement`, the first of equals)."""
+    options: list[Candidate | None] = []
+    if v.held is not None and v.held.entries:
+        options.append(v.planner.best(v.held))
+    options.append(v.planner.best(v.pool))
+    if v.current is not None:
+        moved = relocate(v.current, v.job.restrictions.apply(v.pool), v.job.restrictions.markets, _priceable(v))
+        if moved is not None:
+            cost = v.planner.cost(moved, v.pool)
+            if not v.job.constraints.violations(usd_per_iteration=cost.usd_per_iteration,
+                                                usd_per_hour=cost.usd_per_hour,
+                                                iterations_per_s=1.0 / cost.iteration_time_s):
+                options.append(Candidate(plan=moved, cost=cost))
+    found = [c for c in options if c is not None]
+    if not found:
+        return None
+    k = best_replacement(objective=v.job.objective, candidates=[c.cost for c in found],
+                         remaining_steps=v.remaining_steps, lost_steps=v.lost_steps,
+                         reconfiguration_s=v.reconfiguration_s)
+    return found[k]
 
 
 def relocate(plan: ParallelPlan, pool: ResourcePool, markets: tuple[Market, ...] = (),
