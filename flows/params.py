@@ -68,6 +68,10 @@ class SailorParams(BaseModel):
                                          description="relative departure of measured from estimated "
                                                      "iteration time that triggers a correction")
     dry_run: bool = False
+    what_if_trace: str | None = Field(default=None, description="before renting anything, replay the job over this "
+                                                                "availability and price trace (a file sailor replay "
+                                                                "reads, or 'synthetic') under each policy; the "
+                                                                "result is the run's what-if artifact")
 
     @field_validator("markets")
     @classmethod
@@ -90,6 +94,13 @@ class SailorParams(BaseModel):
     def _scenario(cls, v: str | None) -> str | None:
         if v is not None and not Path(v).is_file():
             raise ValueError(f"scenario file {v!r} does not exist")
+        return v
+
+    @field_validator("what_if_trace")
+    @classmethod
+    def _what_if_trace(cls, v: str | None) -> str | None:
+        if v is not None and v != "synthetic" and not Path(v).is_file():
+            raise ValueError(f"trace file {v!r} does not exist (or use 'synthetic')")
         return v
 
     @model_validator(mode="after")

@@ -32,13 +32,14 @@ from flows.params import SailorParams, validate_params
 from flows.profiling import profile
 from flows.replan import RunContext, replan
 from infra.provider import CapacityError, Provider
-from sailor_core.domain import ParallelPlan
+from sailor_core.domain import ParallelPlan, ResourcePool
 from sailor_core.planner.request import Objective
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
 from tasks.jobs import CodeRef, Job, node_requests
 from tasks.planning import calibrated_book, chosen_plan, pool_from, priced_book
 from tasks.remote import VmCommands
+from tasks.replay import job_of, what_if
 from tasks.reporting import ProgressBar, emit, publish_cost, publish_timeline
 from tasks.runstate import RunState, TestbedObjectStore, build_wheel, project_root, publish_wheel, state_for
 from tasks.steps import (
@@ -316,6 +317,7 @@ def sailor(
     resume_or_start: bool = False,
     large_batch: bool = False,
     dry_run: bool = False,
+    what_if_trace: str | None = None,
     deps: Any = None,
 ) -> dict[str, Any]:
     raw = {k: v for k, v in locals().items() if k != "deps" and v is not None}
@@ -357,6 +359,8 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
             status, reason = "completed", f"deferred to the live run {deferred['deferred_to']}; rented nothing"
             return deferred
         plan = _first_plan(run)
+        if params.what_if_trace:  # before anything is rented: the job over that trace, per policy
+            _what_if(run)
         if params.dry_run:
             run.ctx.dry_run = dry_run_report(run.deps.provider, node_requests(run_id, run.ctx.version, plan))
             get_run_logger().info("%s", run.ctx.dry_run)
@@ -442,6 +446,16 @@ def _first_plan(run: _Run) -> ParallelPlan:
         check_runnable(plan, params.workers)
     ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
     return plan
+
+
+def _what_if(run: _Run) -> None:
+    """The job replayed over `what_if_trace` under each policy (tasks.replay), published as an artifact."""
+    ctx, p = run.ctx, run.params
+    assert ctx.base_book is not None and p.what_if_trace
+    job = job_of(ctx.plan_request(ResourcePool(entries=())), total_steps=ctx.total_steps,
+                 sequence_length=ctx.base_book.model.sequence_length, checkpoint_interval=p.checkpoint_interval,
+                 reconfiguration_s=ctx.reconfiguration_s(), min_gain=p.min_gain)
+    what_if(run.run_id, p.what_if_trace, calibrated_book(ctx.base_book, ctx.calibration), job, ctx.history)
 
 
 def _resume_from_earlier_run(run: _Run) -> None:

@@ -55,24 +55,19 @@ from sailor_core.replay import (
     ReplayResult,
     SyntheticSpec,
     Trace,
-    TraceError,
+    check_profiled,
     compare,
-    parse_artifact_csv,
-    parse_artifact_json,
-    parse_changes_csv,
-    parse_sailor_trace,
     policy_named,
+    ratios,
+    read_trace,
     synthetic_trace,
+    trace_reading,
     trace_to_json,
 )
+from sailor_core.replay import FAST_SEARCH as FAST_SEARCH  # the bench's search too
 from sailor_core.replay import (
     replay as run_replay,
 )
-
-# The replay's default search: the planner's, narrowed (one stage count past the best, no mixed
-# pipeline groups, 4 plans re-scored, uniform/balanced partitions beyond 8) so a 2,048-GPU pool
-# plans in a fraction of a second; `--search full` is the flow's own search.
-FAST_SEARCH: dict[str, Any] = dict(patience=1, mixed_pipelines=0, rescore_top=4, exhaustive_partitions_up_to=8)
 
 
 def replay(
@@ -135,7 +130,7 @@ def replay(
     tr = _load_trace(trace, book, zone=trace_zone, gpu_type=trace_gpu_type, market=trace_market, gpus=trace_gpus,
                      price=price, spec=SyntheticSpec(total_gpus=synthetic_gpus, days=synthetic_days,
                                                      seed=synthetic_seed))
-    _check_profiled(tr, book)
+    check_profiled(tr, book)
     if save_trace:
         Path(save_trace).write_text(json.dumps(trace_to_json(tr)))
     seq = book.model.sequence_length
@@ -172,13 +167,6 @@ def _policies(policy: str, steps: int | None, token_budget: int | None, search: 
     names = list(POLICIES) if policy == "all" else [policy]
     policy_named(names[0])  # an unknown name fails here
     return names
-
-
-def _check_profiled(tr: Trace, book: ProfileBook) -> None:
-    unknown = sorted({p.gpu_type for p in tr.places if not book.profiled_points(p.gpu_type)})
-    if unknown:
-        raise SailorError(f"the trace offers {', '.join(unknown)}, which the store has no {book.model.name} profile "
-                          f"for; to fix: profile them (sailor profile model) or drop those columns")
 
 
 def _search_options(search: str, max_stages: int | None) -> SearchOptions:
@@ -266,37 +254,14 @@ def _replay_run(run_id: str, store: str | None, as_json: bool) -> None:
 
 def _load_trace(path: str, book: ProfileBook, *, zone: str, gpu_type: str, market: str, gpus: int | None,
                 price: float | None, spec: SyntheticSpec) -> Trace:
-    def gpn(g: str) -> int:
-        known = book.gpu_types.get(g)
-        return known.gpus_per_node if known else 1
-
-    def prices(z: str, g: str, m: Market) -> float | None:
-        return price if price is not None else book.price_usd_per_gpu_hour(z, g, m)
-
+    how = trace_reading(book, zone=zone, gpu_type=gpu_type, market=Market.parse(market), default_count=gpus,
+                        price=price)
     if path == "synthetic":
-        return synthetic_trace(spec, prices, gpn)
+        return synthetic_trace(spec, how.prices, how.gpus_per_node)
     p = Path(path)
     if not p.is_file():
         raise SailorError(f"trace {path} does not exist; to fix: check the path, or use --trace synthetic")
-    text = p.read_text()
-    mk = Market.parse(market)
-    try:
-        if p.suffix == ".json":
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path} is not valid JSON ({e}); to fix: see the trace formats in "
-                                 f"docs/replay.md") from None
-            if isinstance(data, list):
-                return parse_artifact_json(data, zone=zone, gpu_type=gpu_type, market=mk, gpus_per_node=gpn(gpu_type),
-                                           prices=prices, source=p.name)
-            return parse_sailor_trace(data, source=p.name)
-        head = text.splitlines()[0] if text else ""
-        if "Timestamp" in head.split(","):
-            return parse_artifact_csv(text, market=mk, gpus_per_node=gpn, prices=prices, source=p.name)
-        return parse_changes_csv(text, gpus_per_node=gpn, default_count=gpus, source=p.name)
-    except ValidationError as e:
-        raise TraceError(f"{path}: {e}; to fix: see the trace formats in docs/replay.md") from None
+    return read_trace(p.name, p.read_text(), how)
 
 
 def _reconfiguration(given: float | None, store: str | None) -> tuple[float, str]:
@@ -313,20 +278,6 @@ def _reconfiguration(given: float | None, store: str | None) -> tuple[float, str
     if measured is None:
         return DEFAULT_RECONFIGURATION_S, "default (the flow's estimate; the store has no measurement)"
     return measured, f"the store's measured mean over {len(rows)} reconfiguration(s)"
-
-
-def ratios(results: list[ReplayResult]) -> dict[str, Any] | None:
-    by = {r.policy: r for r in results}
-    s, b = by.get("sailor"), by.get("relaunch-same")
-    if s is None or b is None or not s.finished:
-        return None
-    out: dict[str, Any] = {"baseline": "relaunch-same", "baseline_finished": b.finished}
-    # An unfinished baseline has not reached the budget: its time and spend so far are lower bounds.
-    out["time_ratio"] = s.time_to_train_s / b.time_to_train_s if b.time_to_train_s else None
-    out["cost_ratio"] = s.usd / b.usd if b.usd else None
-    out["sooner"] = (not b.finished) or s.time_to_train_s < b.time_to_train_s
-    out["cheaper"] = b.finished and s.usd < b.usd
-    return out
 
 
 def _to_json(tr: Trace, job: ReplayJob, results: list[ReplayResult], reconf_src: str, search: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from sailor_core.profiles import ProfileBook
 from sailor_core.replay.engine import (
     DEFAULT_GRACE_S,
     DEFAULT_PERIOD_S,
+    FAST_SEARCH,
     Action,
     Candidate,
     Planner,
@@ -33,12 +34,15 @@ from sailor_core.replay.trace import (
     Place,
     Trace,
     TracePoint,
+    TraceReading,
     parse_artifact_csv,
     parse_artifact_json,
     parse_changes_csv,
     parse_sailor_trace,
+    read_trace,
     trace_to_json,
 )
+from sailor_core.replay.whatif import check_profiled, ratios, trace_reading, what_if_markdown
 
 
 def compare(trace: Trace, book: ProfileBook, job: ReplayJob, policies: Sequence[str] = POLICIES) -> list[ReplayResult]:
@@ -49,8 +53,9 @@ def compare(trace: Trace, book: ProfileBook, job: ReplayJob, policies: Sequence[
 
 
 __all__ = [
-    "DEFAULT_GRACE_S", "DEFAULT_PERIOD_S", "DEFAULT_RECONFIGURATION_S", "POLICIES", "Action", "Candidate",
-    "Place", "Planner", "Policy", "ReplayJob", "ReplayResult", "SyntheticSpec", "Trace", "TraceError",
-    "TracePoint", "View", "compare", "parse_artifact_csv", "parse_artifact_json", "parse_changes_csv",
-    "parse_sailor_trace", "policy_named", "relocate", "replay", "synthetic_trace", "trace_to_json",
+    "DEFAULT_GRACE_S", "DEFAULT_PERIOD_S", "DEFAULT_RECONFIGURATION_S", "FAST_SEARCH", "POLICIES", "Action",
+    "Candidate", "Place", "Planner", "Policy", "ReplayJob", "ReplayResult", "SyntheticSpec", "Trace", "TraceError",
+    "TracePoint", "TraceReading", "View", "check_profiled", "compare", "parse_artifact_csv", "parse_artifact_json",
+    "parse_changes_csv", "parse_sailor_trace", "policy_named", "ratios", "read_trace", "relocate", "replay",
+    "synthetic_trace", "trace_reading", "trace_to_json", "what_if_markdown",
 ]

@@ -351,3 +351,42 @@ def parse_changes_csv(text: str, *, gpus_per_node: Callable[[str], int], default
     start = points[0].at_s
     shifted = [TracePoint(at_s=p.at_s - start, counts=p.counts, usd_per_gpu_hour=p.usd_per_gpu_hour) for p in points]
     return Trace(name=source, places=tuple(places[k] for k in order), points=_merge_equal(shifted))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceReading:
+    """How to read traces that lack a field: the artifact's (one place for its JSON traces, a market,
+    prices) and price-only histories (GPUs per place)."""
+
+    prices: PriceLookup
+    gpus_per_node: Callable[[str], int]
+    zone: str = "us-central1-a"
+    gpu_type: str = "A100-40"
+    market: Market = Market.ON_DEMAND
+    default_count: int | None = None
+
+
+def read_trace(source: str, text: str, how: TraceReading) -> Trace:
+    """Any trace format from its text, told apart by `source`'s suffix and the text's shape (pure)."""
+    import json
+
+    try:
+        if source.endswith(".json"):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{source} is not valid JSON ({e}); to fix: see the trace formats in "
+                                 f"docs/replay.md") from None
+            if isinstance(data, list):
+                return parse_artifact_json(data, zone=how.zone, gpu_type=how.gpu_type, market=how.market,
+                                           gpus_per_node=how.gpus_per_node(how.gpu_type), prices=how.prices,
+                                           source=source)
+            return parse_sailor_trace(data, source=source)
+        head = text.splitlines()[0] if text else ""
+        if "Timestamp" in head.split(","):
+            return parse_artifact_csv(text, market=how.market, gpus_per_node=how.gpus_per_node, prices=how.prices,
+                                      source=source)
+        return parse_changes_csv(text, gpus_per_node=how.gpus_per_node, default_count=how.default_count,
+                                 source=source)
+    except ValidationError as e:
+        raise TraceError(f"{source}: {e}; to fix: see the trace formats in docs/replay.md") from None
