@@ -212,9 +212,10 @@ def check_profile(n_dev: int, mbs: tuple[int, ...], precision: str) -> str:
         return line(
             name, "FAIL", f"the profiler failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         )
-    store = open_store(tempfile.mkdtemp(prefix="sailor-gpu-check-"))  # the shipped seed: published profiles
-    ok, detail = compare_with_published(prof.profiles, lambda g: store.layer_profiles("OPT-350", [g]),
-                                        default_gpu_type("cuda"))
+    with tempfile.TemporaryDirectory(prefix="sailor-gpu-check-") as tmp:
+        store = open_store(tmp)  # the shipped seed: published profiles
+        ok, detail = compare_with_published(prof.profiles, lambda g: store.layer_profiles("OPT-350", [g]),
+                                            default_gpu_type("cuda"))
     detail += f" ({precision}, {time.monotonic() - t0:.0f} s)"
     if prof.infeasible:
         detail += f"; out of memory at {[(x.mbs, x.tp) for x in prof.infeasible]}"
@@ -235,14 +236,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device here: every check skips")
+        for name in ("cuda", *TRAINING_CHECKS, "profile-opt350"):
+            line(name, "SKIP", "no CUDA device (torch.cuda.is_available() is False)")
+        return 0
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="sailor-gpu-check-"))
     verdicts: list[str] = []
     if a.device == "cuda":
-        if not torch.cuda.is_available():
-            print("no CUDA device here: every check skips")
-            for name in ("cuda", *TRAINING_CHECKS, "profile-opt350"):
-                line(name, "SKIP", "no CUDA device (torch.cuda.is_available() is False)")
-            return 0
         n_dev = torch.cuda.device_count()
         nccl = torch.distributed.is_nccl_available()
         names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(n_dev)}))

@@ -48,6 +48,7 @@ def _find_binary(name: str) -> str:
 class _Server(abc.ABC):
     name = "server"
     proc: subprocess.Popen[bytes] | None = None
+    keep_log = False  # set when the server failed: its log (named in the error) then outlives it
 
     def __init__(self) -> None:
         self.port = free_port()
@@ -62,6 +63,7 @@ class _Server(abc.ABC):
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.keep_log = True
                 raise SailorError(f"{self.name} exited at start (code {self.proc.returncode}); see {self._log.name}")
             try:
                 with urllib.request.urlopen(self.endpoint + probe, timeout=1):
@@ -70,6 +72,7 @@ class _Server(abc.ABC):
                 return  # it answered (403 without credentials is an answer)
             except OSError:
                 time.sleep(0.05)
+        self.keep_log = True
         self.stop()
         raise SailorError(f"{self.name} did not answer on {self.endpoint} within 15 s; see {self._log.name}")
 
@@ -83,6 +86,8 @@ class _Server(abc.ABC):
                 self.proc.wait()
         self.proc = None
         self._log.close()
+        if not self.keep_log:  # the log is only read when the server failed to start
+            Path(self._log.name).unlink(missing_ok=True)
 
     def __enter__(self) -> Self:
         self.start()

@@ -7,11 +7,14 @@ that area's test modules (or tests/*_fixtures.py), not here.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 _TMP = Path(tempfile.mkdtemp(prefix="sailor-tests-"))
-os.environ.setdefault("PREFECT_HOME", str(_TMP / "prefect"))
+# Forced, not defaulted: the Makefile exports PREFECT_HOME for `make run`, and the suite's pytest processes
+# (pytest-xdist) must not share one Prefect database.
+os.environ["PREFECT_HOME"] = str(_TMP / "prefect")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("SAILOR_STORE", str(_TMP / "store"))
@@ -22,3 +25,8 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_DATA = REPO.parent / "shared" / "reference_data"
+
+
+def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook signature
+    """The suite's Prefect home and default store go with the pytest process that made them."""
+    shutil.rmtree(_TMP, ignore_errors=True)

@@ -7,9 +7,6 @@ machine's CPU, about 30 s), so every flow test plans from measured numbers.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 
 
@@ -24,11 +21,11 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
-def profiled_store(prefect_harness):
+def profiled_store(prefect_harness, tmp_path_factory):
     from flows.profiling import profile
     from profiles_store.store import open_store
 
-    uri = str(Path(tempfile.mkdtemp(prefix="sailor-flow-store-")) / "store")
+    uri = str(tmp_path_factory.mktemp("flow-store") / "store")
     store = open_store(uri)
     book = profile(store, "gpt-tiny", ["cpu"], mbs=[1, 2])
     assert book.profiled_points("cpu"), "the profile subflow wrote no cpu profile"
