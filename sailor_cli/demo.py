@@ -3,8 +3,10 @@
 Contract: runs the `sailor` flow in Prefect's ephemeral mode (no server needed; a configured
 server is used if there is one) on the local provider and the local store: gpt-tiny on up to 4
 local worker slots under a 2 USD/hour limit, scripted by scenarios/demo.yaml (a spot worker
-preempted at step 20, the on-demand price doubling at step 80). It prints what happened (plans, events, decisions,
-reconfiguration times, cost) and checks that no worker process of the run is left. Exit status 0
+preempted at step 20, the on-demand price doubling at step 80). With `--scenario`, the scenario's `demo`
+section sets the job: scenarios/geo.yaml trains gpt-wide, one sample per step, on the multi-zone testbed.
+It prints what happened (plans with their zones, device types and TP, events, decisions, reconfiguration
+times, cost) and checks that no worker process, namespace, veth or cgroup of the run is left. Exit status 0
 when the run completed and nothing was left behind.
 """
 
@@ -54,7 +56,8 @@ def demo(
     max_stages: MaxStages = None,
     isolation: Isolation = "auto",
 ) -> None:
-    """Run the sailor flow locally: plan, train gpt-tiny on 4 workers through a preemption and a price change.
+    """Run the sailor flow locally: plan, train (gpt-tiny on 4 workers; a scenario may say what) through a
+    preemption and a price change.
 
     The job is the scenario's `demo` section, else 120 steps of 8 sequences; the options override it.
     """
@@ -118,6 +121,11 @@ def _print(run: dict, left: list[str]) -> None:
         reason = " ".join(str(p.get("reason", "")).split())[:160]
         typer.echo(f"  plan v{p['version']}: {est.get('iteration_time_s', 0):.4f} s/it estimated, "
                    f"{est.get('usd_per_hour', 0):.4f} USD/h  <- {reason}")
+        for stage in (p.get("plan") or {}).get("stages", []):
+            first, last = stage.get("layers", ["?", "?"])
+            where = ", ".join(f"{x.get('gpu_type')} tp {x.get('tp', 1)} on a {x.get('gpus_per_node', 1)}-device "
+                              f"{x.get('market')} VM @{x.get('zone')}" for x in stage.get("replicas", []))
+            typer.echo(f"    layers {first}-{last}: {where}")
     typer.echo("  events:")
     for e in run["events"]:
         typer.echo(f"    {e['time'][11:23]} {e['kind']:<16} {str(e.get('reason', ''))[:150]}")
@@ -131,6 +139,9 @@ def _print(run: dict, left: list[str]) -> None:
         if m["kind"] == "reconfiguration":
             typer.echo(f"  reconfiguration to plan v{m.get('plan_version')}: {m['reconfiguration_s']:.1f} s "
                        f"from the event to the first step")
+    cluster = run.get("cluster") or {}
+    if cluster:
+        typer.echo(f"  cluster: isolation {cluster.get('isolation')}, checkpoints {cluster.get('checkpoint_uri')}")
     for k in ("steps_done", "usd_total", "wall_s"):
         if k in run:
             typer.echo(f"  {k}: {run[k]}")
