@@ -20,9 +20,9 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from sailor_cli.options import load_book  # noqa: E402
-from sailor_cli.replay import FAST_SEARCH  # noqa: E402
 from sailor_core.planner import SearchOptions  # noqa: E402
 from sailor_core.replay import (  # noqa: E402
+    FAST_SEARCH,
     POLICIES,
     Planner,
     ReplayJob,

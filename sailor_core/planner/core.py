@@ -174,15 +174,20 @@ def summarize(plan: ParallelPlan) -> str:
     )
 
 
-def plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
-    """The best plan for `request` on `book`'s profiles, its estimate, the frontier and why (see the module)."""
+def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = None) -> PlanResult:
+    """The best plan for `request` on `book`'s profiles, its estimate, the frontier and why (see the module).
+
+    `costs`: a `SimCosts` of this book and precision kept across calls (the trace replay plans many
+    pools of one book): its memoised link, ring and memory answers are reused; the plans are the same.
+    """
     t0 = time.perf_counter()
     _check_model(request, book)
     opts = request.options
     pool, misses = _usable_pool(request, book)
     slots = build_slots(pool)
     problem = _problem(request, book, slots)
-    costs = SimCosts(book, precision=opts.precision)
+    if costs is None or costs.book is not book or costs.precision != opts.precision:
+        costs = SimCosts(book, precision=opts.precision)
     search = Search(problem, costs)
     cands = search.run() if slots else []
     so = sim_options(pool, opts.precision, opts.schedule)

@@ -38,6 +38,7 @@ from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, PlanRequest, Restrictions, SearchOptions, summarize
 from sailor_core.planner import plan as run_planner
 from sailor_core.planner.core import sim_options
+from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S  # the flow's estimate before it measured one
 from sailor_core.profiles import ProfileBook, calibrated_book
 from sailor_core.replay.trace import Trace, TracePoint
@@ -52,10 +53,15 @@ HORIZON_AFTER_TRACE_S = 30 * 86_400.0
 
 PlaceKey = tuple[str, str, Market]
 
-# The replay's default search: the planner's, narrowed (one stage count past the best, no mixed
-# pipeline groups, 4 plans re-scored, uniform/balanced partitions beyond 8) so a 2,048-GPU pool
-# plans in a fraction of a second; `sailor replay --search full` is the flow's own search.
-FAST_SEARCH: dict[str, Any] = dict(patience=1, mixed_pipelines=0, rescore_top=4, exhaustive_partitions_up_to=8)
+# The replay's default search: the planner's, narrowed (one stage count past the best, one replica
+# shape per stage, 4 plans re-scored, uniform/balanced partitions beyond 8) so a 2,048-GPU pool
+# plans in a fraction of a second; `sailor replay --search full` is the flow's own search. It keeps
+# the flow's second pipeline groups (mixed_pipelines): without them the plans after a loss were
+# 36-43% slower on the bench's pools (docs/replay.md), and Sailor's policy decided on plans the
+# flow would never choose. One shape per stage (max_shapes=1) chose the same plans there at about
+# half the search time.
+FAST_SEARCH: dict[str, Any] = dict(patience=1, mixed_pipelines=4, max_shapes=1, rescore_top=4,
+                                   exhaustive_partitions_up_to=8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +135,7 @@ class Planner:
         self._cost: dict[Any, PlanCost] = {}
         self._keep: list[ParallelPlan] = []
         self._calibrated: dict[tuple[tuple[str, float], ...], Planner] = {}
+        self._costs: SimCosts | None = None  # the search's memoised costs, shared by every pool of this book
 
     def calibrated(self, factors: tuple[tuple[str, float], ...]) -> Planner:
         """The same planner over the book with these GPU types' layer times scaled (memoised too)."""
@@ -167,7 +174,9 @@ class Planner:
             options=j.search,
         )
         t0 = time.perf_counter()
-        result = run_planner(req, self.book)
+        if self._costs is None:
+            self._costs = SimCosts(self.book, precision=j.search.precision)
+        result = run_planner(req, self.book, costs=self._costs)
         self._root.search_s += time.perf_counter() - t0
         self._root.calls += 1
         cand: Candidate | None = None
