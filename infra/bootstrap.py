@@ -100,8 +100,9 @@ if [ "$(field command)" != "" ] && [ "$(field command)" != "[]" ]; then  # a one
   cat "$out.stdout"; cat "$out.stderr" >&2
   pyrun="$bin/python"; [ -x "$pyrun" ] || pyrun="$py"
   if [ -n "$(field log_uri)" ]; then  # the command's output, kept under the run's logs (jobs/VM-JOB.log)
-    "$pyrun" -c 'import sys; from sailor_core.uris import filesystem_for
-fs, root = filesystem_for(sys.argv[1]); fs.create_dir(root + "/jobs", recursive=True)
+    "$pyrun" -c 'import sys; from sailor_core.uris import filesystem_for, is_local
+fs, root = filesystem_for(sys.argv[1])
+if is_local(sys.argv[1]): fs.create_dir(root + "/jobs", recursive=True)  # object stores have no folders
 with fs.open_output_stream(root + "/jobs/" + sys.argv[2]) as f:
     f.write(b"".join(open(p, "rb").read() for p in sys.argv[3:]))' "$(field log_uri)" \
       "$SAILOR_VM_ID-$(field plan_version).log" "$out.stdout" "$out.stderr" || echo "sailor: output not kept" >&2
