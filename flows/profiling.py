@@ -362,12 +362,14 @@ def profile(store: Any, model: str, gpu_types: list[str], mbs: list[int] | None 
     device types and links between offered zones are measured on rented VMs."""
     log = get_run_logger()
     ensure_model(store, model)
+    on_vms = False
     if remote is not None and offers:
         types, pairs, multi = _missing(store, model, [g for g in gpu_types if g != LOCAL_GPU], offers)
         if types or pairs or multi:
             measured = profile_on_vms(store, model, types, pairs, multi, offers, remote)
             log.info("measured on rented VMs: %s", measured)
             remote.measured = measured
+            on_vms = True
     book = load_book(store, model, gpu_types)
     missing = [g for g in gpu_types if not book.profiled_points(g)]
     elsewhere = [g for g in missing if g != LOCAL_GPU]
@@ -388,6 +390,7 @@ def profile(store: Any, model: str, gpu_types: list[str], mbs: list[int] | None 
         profile_network(store)
     if missing or (LOCAL_GPU in gpu_types and not _has_local_link(book)):
         book = load_book(store, model, gpu_types)
-    else:
-        log.info("profiles of %s on %s are in the store; nothing to measure", model, list(gpu_types))
+    elif not on_vms:
+        log.info("profiles of %s on %s and the links between the offered zones are in the store; nothing to "
+                 "measure", model, list(gpu_types))
     return book
