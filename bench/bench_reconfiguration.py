@@ -69,13 +69,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--preempt-at", type=int, default=15)
     ap.add_argument("--store", default=str(ROOT / ".sailor" / "bench-store"), help="kept across runs: profiles")
+    ap.add_argument("--workdir", help="keep the runs' folders (worker logs, run state) here; default: a temporary one")
     a = ap.parse_args()
     os.environ.setdefault("PREFECT_HOME", str(ROOT / ".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="sailor-bench-reconf-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sailor-bench-reconf-") as scratch:
+        tmp = a.workdir or scratch
+        os.makedirs(tmp, exist_ok=True)
         scenario = scenario_file(Path(tmp), a.preempt_at)
         for i in range(a.runs):
             r = one_run(a.store, Path(tmp) / f"run{i}", scenario, a.steps)

@@ -1,10 +1,13 @@
 """A plan change without restarts: the same worker processes go on to the next generation, the ranks
-that keep their shard keep their state in memory, and the losses stay those of one process."""
+that keep their shard keep their state in memory, and the losses stay those of one process; also
+when the generation was aborted because a member was lost."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +16,7 @@ from sailor_core.plan_format import plan_to_dict
 from sailor_core.runtime.protocol import (
     SECRET_ENV,
     ControlServer,
+    abort_key,
     assign_generation,
     loaded_key,
     metrics_key,
@@ -80,6 +84,59 @@ def test_a_plan_change_keeps_the_processes_and_the_losses(tmp_path):
                 r = json.loads(x)
                 rows[r["step"]] = r["loss"]
         got = [rows[k] for k in sorted(rows)]
+        ref = train(SINGLE, tmp_path, "single")
+        assert len(got) == STEPS
+        assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-3, (got, ref)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        server.close()
+
+
+def _losses(server: ControlServer, versions: int) -> list[float]:
+    rows = {}
+    for v in range(versions):
+        for x in server.read_list(metrics_key(v)):
+            r = json.loads(x)
+            rows[r["step"]] = r["loss"]  # a step the next generation ran again: its run wins
+    return [rows[k] for k in sorted(rows)]
+
+
+def test_an_aborted_generation_leaves_the_survivors_state_in_memory(tmp_path):
+    before = plan([((0, 2), [rep()]), ((3, 5), [rep()])])  # a/0 runs stage 0, b/0 stage 1
+    after = plan([((0, 5), [rep()])])  # b is lost: a/0 runs every layer
+    ck = tmp_path / "ck"
+    base = {"model": "gpt-tiny", "steps": STEPS, "timeout_s": 30, "checkpoint_uri": str(ck), "checkpoint_interval": 1}
+    server = ControlServer()
+    procs = []
+    try:
+        assign_generation(server, 0, plan=plan_to_dict(before), settings={**base, "plan_version": 0}, resume=False,
+                          vms=[("a", 1, (0,)), ("b", 1, (1,))])
+        procs = [_agent(tmp_path, server, "a", 1), _agent(tmp_path, server, "b", 1)]
+        _wait(lambda: len(server.read_list(metrics_key(0))) >= SWITCH_AT, 240)
+        pids = _pids(tmp_path, "a")
+        server.set(abort_key(0), "b lost")  # what the flow does when a member's VM is taken back
+        _wait(lambda: all(server.get(status_key(0, w)) for w in ("a/0", "b/0")), 120)
+        assert all(server.get(status_key(0, w)).startswith("failed: PeerLost") for w in ("a/0", "b/0"))
+        reached = max(json.loads(x)["step"] for x in server.read_list(metrics_key(0)))  # a/0 is rank 0
+        # b's VM is released: its worker, waiting for an assignment, ends at once on SIGTERM
+        released_at = time.monotonic()
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(timeout=60) == 0
+        assert time.monotonic() - released_at < 10  # well within the agent's 20 s grace
+        assign_generation(server, 1, plan=plan_to_dict(after), settings={**base, "plan_version": 1}, resume=True,
+                          vms=[("a", 1, (0,))])
+        assert procs[0].wait(timeout=240) == 0
+        assert _pids(tmp_path, "a") == pids
+        assert server.get(loaded_key(1, "a/0")) == "checkpoint"  # stage 1's layers came from the checkpoint
+        log = (tmp_path / "vm-a" / "worker-0.log").read_text()
+        step, kept, loaded = map(int, re.search(r"at step (\d+): (\d+) layer\(s\) kept from memory, (\d+) loaded",
+                                                log).groups())
+        # a/0 kept stage 0's layers 0..2 when the checkpoint it resumed at is the step its trainer reached
+        assert (kept, loaded) == ((3, 3) if step == reached else (0, 6)), (step, reached, kept, loaded)
+        got = _losses(server, 2)
         ref = train(SINGLE, tmp_path, "single")
         assert len(got) == STEPS
         assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-3, (got, ref)

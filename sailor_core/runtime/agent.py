@@ -49,6 +49,7 @@ class WorkerAgent:
         self.heartbeat_s, self.grace_s, self.upload_s = heartbeat_s, grace_s, upload_s
         self.first_generation, self.advertise_addr, self.python = first_generation, advertise_addr, python
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._log_storage: Any = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -103,7 +104,9 @@ class WorkerAgent:
         from sailor_core.runtime.checkpoint import open_storage
 
         try:
-            storage = open_storage(self.log_uri)
+            # One client for the agent's life: making one (an S3 client) costs more than the uploads,
+            # and the last upload is on the path of the VM's release.
+            storage = self._log_storage = self._log_storage or open_storage(self.log_uri)
             for local in range(self.devices):
                 with contextlib.suppress(OSError):
                     with open(self._log_path(local), "rb") as f:

@@ -15,10 +15,14 @@ Contract:
   so a run that goes on from an older step cannot write over it and a person can inspect it.
 - Retention (`AsyncCheckpointer.keep_last`) removes a checkpoint only when it is older than a newer
   *valid* one and more than `keep_last` steps are kept; an invalid old one is quarantined instead.
+  It runs after a save that writes meta.json, on the save's thread once the files are written, one
+  pass at a time, except after a just-in-time save (`prune=False`: the next save prunes).
 - `load_layer_state(storage, step, layer)` returns full-layout tensors (shards concatenated along
   their shard dimension), so a checkpoint written under one plan (stages, DP, TP) loads under any.
 - `AsyncCheckpointer.save` takes an in-memory snapshot (tensors already copied) and serialises and
-  writes it on a background thread; `wait()` joins it and re-raises its error.
+  writes it on a background thread; `wait()` waits for it and for retention (`wait(retention=False)`:
+  for the writes only; `close()` cancels a retention pass at its next read and waits: a rank leaving
+  its generation is done in the time of its writes) and re-raises an error.
 - Storage is pluggable (`CheckpointStorage`): a local directory, or `s3://` / `gs://` through
   pyarrow's filesystems (`open_storage(uri)`).
 """
@@ -170,44 +174,123 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+class RetentionCancelled(Exception):  # noqa: N818 - a signal between threads, not an error
+    """A retention pass was cancelled between two reads (by `AsyncCheckpointer.close`)."""
+
+
+class _CancellableReads:
+    """A storage whose reads (read, exists, listdir) raise RetentionCancelled once `cancel` is set;
+    writes, moves and deletes run to the end, so a cancelled pass leaves no half-moved checkpoint."""
+
+    def __init__(self, storage: CheckpointStorage, cancel: threading.Event) -> None:
+        self._s, self._cancel = storage, cancel
+
+    def _check(self) -> None:
+        if self._cancel.is_set():
+            raise RetentionCancelled()
+
+    def write(self, path: str, data: bytes) -> None:
+        self._s.write(path, data)
+
+    def read(self, path: str) -> bytes:
+        self._check()
+        return self._s.read(path)
+
+    def exists(self, path: str) -> bool:
+        self._check()
+        return self._s.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        self._check()
+        return self._s.listdir(path)
+
+    def delete_tree(self, path: str) -> None:
+        self._s.delete_tree(path)
+
+    def move_tree(self, src: str, dst: str) -> None:
+        self._s.move_tree(src, dst)
+
+
 class AsyncCheckpointer:
-    """One background writer per rank; a new save first waits for the previous one."""
+    """One background writer per rank; a new save first waits for the previous one's files.
+
+    A save's thread writes the files, then (the writer of meta.json, unless `prune` is False) runs
+    the retention pass, which reads older checkpoints to check them: slow on object storage from a
+    fraction of a core, so training does not wait for it (passes run one at a time). `close()`
+    cancels a pass between two reads and waits for every thread: a rank leaving its generation (a
+    plan change, a lost peer) is done in the time of its writes, and no pass of it deletes anything
+    while the next generation reads the checkpoints."""
 
     def __init__(self, storage: CheckpointStorage, keep_last: int = 3):
         self.storage = storage
         self.keep_last = keep_last
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._written: threading.Event | None = None
+        self._prune_lock = threading.Lock()
+        self._cancel = threading.Event()
         self._error: BaseException | None = None
 
     def save(self, step: int, layer_states: dict[int, dict[str, Any]], part_name: str,
-             meta: dict[str, Any] | None = None, *, blocking: bool = False) -> None:
-        self.wait()
+             meta: dict[str, Any] | None = None, *, blocking: bool = False, prune: bool = True) -> None:
+        """Write one rank's part of checkpoint `step` on a background thread (waited for, retention
+        included, when `blocking`); the writer of `meta` then applies retention, unless `prune` is
+        False (a just-in-time checkpoint must be done fast: the next save prunes)."""
+        self.wait(retention=False)
+        written = self._written = threading.Event()
 
         def work() -> None:
             try:
-                d = step_dir(step)
-                digests = {}
-                for layer, state in sorted(layer_states.items()):
-                    name = layer_file(layer, state["tp_rank"], state["tp"])
-                    data = _to_bytes(state)
-                    self.storage.write(f"{d}/{name}", data)
-                    digests[name] = _sha(data)
-                self.storage.write(f"{d}/{part_name}", json.dumps({"files": digests}).encode())
-                if meta is not None:
-                    self.storage.write(f"{d}/meta.json", json.dumps(meta).encode())
-                    self._prune(step)
+                self._write(step, layer_states, part_name, meta)
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 self._error = e
+                return
+            finally:
+                written.set()
+            if meta is not None and prune:
+                with self._prune_lock:
+                    try:
+                        self._prune(step)
+                    except RetentionCancelled:
+                        pass
+                    except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                        self._error = e
 
-        self._thread = threading.Thread(target=work, name=f"ckpt-{step}", daemon=True)
-        self._thread.start()
+        t = threading.Thread(target=work, name=f"ckpt-{step}", daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
         if blocking:
-            self.wait()
+            self.wait(retention=prune)
 
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+    def close(self) -> None:
+        """Cancel a retention pass in progress (at its next read), then `wait()` for every thread."""
+        self._cancel.set()
+        try:
+            self.wait()
+        finally:
+            self._cancel.clear()
+
+    def _write(self, step: int, layer_states: dict[int, dict[str, Any]], part_name: str,
+               meta: dict[str, Any] | None) -> None:
+        d = step_dir(step)
+        digests = {}
+        for layer, state in sorted(layer_states.items()):
+            name = layer_file(layer, state["tp_rank"], state["tp"])
+            data = _to_bytes(state)
+            self.storage.write(f"{d}/{name}", data)
+            digests[name] = _sha(data)
+        self.storage.write(f"{d}/{part_name}", json.dumps({"files": digests}).encode())
+        if meta is not None:
+            self.storage.write(f"{d}/meta.json", json.dumps(meta).encode())
+
+    def wait(self, *, retention: bool = True) -> None:
+        """Until the last save's files are written (and, with `retention`, every retention pass has
+        run); re-raises a write's or a retention pass's error."""
+        if retention:
+            for t in self._threads:
+                t.join()
+            self._threads = []
+        elif self._written is not None:
+            self._written.wait()
         if self._error is not None:
             e, self._error = self._error, None
             raise SailorError(f"writing a checkpoint failed: {e}") from e
@@ -217,22 +300,22 @@ class AsyncCheckpointer:
 
         The step just written may not be valid yet (other stages still writing), so the anchor is
         the newest step that checks out now; nothing at or above it is touched."""
-        meta = json.loads(self.storage.read(f"{step_dir(newest)}/meta.json"))
+        storage = _CancellableReads(self.storage, self._cancel)
+        meta = json.loads(storage.read(f"{step_dir(newest)}/meta.json"))
         num_layers = int(meta.get("num_layers", 0))
-        steps = sorted(list_steps(self.storage))
+        steps = sorted(list_steps(storage))
         old = steps[: max(0, len(steps) - self.keep_last)]
         if not old or not num_layers:
             return
-        anchor = next((s for s in reversed(steps) if s > old[-1] and check_step(self.storage, s, num_layers) is None),
-                      None)
+        anchor = next((s for s in reversed(steps) if s > old[-1] and check_step(storage, s, num_layers) is None), None)
         if anchor is None:
             return  # no newer valid checkpoint: keep everything
         for s in old:
-            reason = check_step(self.storage, s, num_layers)
+            reason = check_step(storage, s, num_layers)
             if reason is None or reason.startswith("no meta.json"):
-                self.storage.delete_tree(step_dir(s))  # valid, or a write that never finished
+                storage.delete_tree(step_dir(s))  # valid, or a write that never finished
             else:
-                quarantine(self.storage, s, reason)
+                quarantine(storage, s, reason)
 
 
 def list_steps(storage: CheckpointStorage) -> list[int]:
@@ -356,14 +439,22 @@ def read_meta(storage: CheckpointStorage, step: int) -> dict[str, Any]:
     return meta
 
 
-def load_layer_state(storage: CheckpointStorage, step: int, layer: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Full-layout {'params': ..., 'exp_avg': ..., 'exp_avg_sq': ...} of one layer."""
+def _listed_files(storage: CheckpointStorage, step: int) -> dict[str, str]:
+    """Every shard file the parts of checkpoint `step` list, with its digest."""
     d = step_dir(step)
     listed: dict[str, str] = {}
     for name in storage.listdir(d):
         if name.startswith("part_"):
             listed.update(json.loads(storage.read(f"{d}/{name}"))["files"])
-    files = _layer_files(listed, layer)
+    return listed
+
+
+def load_layer_state(storage: CheckpointStorage, step: int, layer: int,
+                     listed: dict[str, str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Full-layout {'params': ..., 'exp_avg': ..., 'exp_avg_sq': ...} of one layer (`listed`: the
+    step's `_listed_files`, when the caller read them already)."""
+    d = step_dir(step)
+    files = _layer_files(_listed_files(storage, step) if listed is None else listed, layer)
     if files is None:
         raise SailorError(f"checkpoint step {step} has no complete shards of layer {layer}")
     pieces = [torch.load(io.BytesIO(storage.read(f"{d}/{f}")), map_location="cpu", weights_only=True) for f in files]
@@ -376,3 +467,12 @@ def load_layer_state(storage: CheckpointStorage, step: int, layer: int) -> dict[
             parts = [p[kind][name] for p in pieces]
             out[kind][name] = parts[0] if dim is None else torch.cat(parts, dim=dim)
     return out
+
+
+def load_layer_states(storage: CheckpointStorage, step: int,
+                      layers: list[int]) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+    """`load_layer_state` of several layers, reading the step's parts once."""
+    if not layers:
+        return {}
+    listed = _listed_files(storage, step)
+    return {li: load_layer_state(storage, step, li, listed) for li in layers}

@@ -44,7 +44,7 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +113,12 @@ class _Notices:
 
     checkpoint = False
     stop = False
+    terminated = False  # SIGTERM came (`stop` is also set by a plan change)
     installed = False
+
+    @classmethod
+    def _on_sigterm(cls, *_: Any) -> None:
+        cls.stop = cls.terminated = True
 
     @classmethod
     def install(cls) -> None:
@@ -121,7 +126,7 @@ class _Notices:
             return
         try:
             signal.signal(signal.SIGUSR1, lambda *_: setattr(cls, "checkpoint", True))
-            signal.signal(signal.SIGTERM, lambda *_: setattr(cls, "stop", True))
+            signal.signal(signal.SIGTERM, cls._on_sigterm)
             cls.installed = True
         except ValueError:  # not the main thread (e.g. in a test harness): files still work
             pass
@@ -215,6 +220,9 @@ class Trainer:
         self.storage = ckpt.open_storage(settings.checkpoint_uri) if settings.checkpoint_uri else None
         self.checkpointer = ckpt.AsyncCheckpointer(self.storage) if self.storage else None
         self.step = 0
+        # False only while the optimizer updates the state: a trainer whose generation failed (a lost
+        # peer raises only from a communication wait) otherwise holds exactly the state of `step`
+        self.consistent = True
         self._saved_step = -1
         self._preempt_seen: float | None = None
         self.samples_seen = 0
@@ -365,7 +373,9 @@ class Trainer:
         return {"layer": li, "tp": self.tp.size, "tp_rank": self.tp.rank, "shard_dims": dims,
                 "params": params, "exp_avg": m1, "exp_avg_sq": m2}
 
-    def save_checkpoint(self, *, blocking: bool = False) -> None:
+    def save_checkpoint(self, *, blocking: bool = False, prune: bool = True) -> None:
+        """This step's checkpoint (every rank calls it at the same step); `blocking`: written and agreed
+        by every rank on return; `prune=False`: no retention pass on the way (a just-in-time checkpoint)."""
         if self.checkpointer is None:
             return
         # Every rank runs this at the same steps (the decision is part of the step's world all-reduce),
@@ -374,12 +384,13 @@ class Trainer:
             self._saved_step = self.step
             gathered = self._zero1_gather_state() if self.zero1 else None
             if self.me.pipeline == 0:  # replica 0 of each stage writes its layers; the others hold copies
-                self._write_checkpoint(gathered, blocking)
+                self._write_checkpoint(gathered, blocking, prune)
         if blocking:
-            self.checkpointer.wait()
+            self.checkpointer.wait(retention=prune)
             comm.wait(dist.barrier(async_op=True, device_ids=device_ids(self.device)))
 
-    def _write_checkpoint(self, gathered: dict[int, dict[str, torch.Tensor]] | None, blocking: bool) -> None:
+    def _write_checkpoint(self, gathered: dict[int, dict[str, torch.Tensor]] | None, blocking: bool,
+                          prune: bool = True) -> None:
         assert self.checkpointer is not None
         states = {li: self._layer_snapshot(li, layer, gathered)
                   for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True)}
@@ -389,17 +400,39 @@ class Trainer:
                     "model": self.cfg.name, "seed": self.settings.seed, "num_layers": self.cfg.num_layers,
                     "plan_version": self.settings.plan_version, "time": time.time()}
         self.checkpointer.save(self.step, states, f"part_s{self.me.stage}_t{self.tp.rank}.json", meta,
-                               blocking=blocking)
+                               blocking=blocking, prune=prune)
 
-    def shard_key(self) -> tuple[Any, ...]:
-        """What this rank holds: the same key means the same tensors, shard for shard."""
-        return (self.cfg.name, self.stage.first_layer, self.stage.last_layer, self.tp.rank, self.tp.size, self.zero1)
+    def _layer_key(self, li: int) -> tuple[Any, ...]:
+        """What this rank holds of layer `li`: the same key means the same tensors, shard for shard."""
+        return (self.cfg.name, li, self.tp.rank, self.tp.size)
+
+    def kept_layers(self, previous: Trainer | None) -> set[int]:
+        """The layers of this rank's shard that `previous` (this process's trainer of the last generation)
+        holds shard for shard, in a consistent state; empty when nothing can be kept (ZeRO-1 keeps
+        partial optimizer state, so it never is)."""
+        if previous is None or self.zero1 or previous.zero1 or not previous.consistent:
+            return set()
+        theirs = {previous._layer_key(li) for li in previous.model.layer_ids}
+        return {li for li in self.model.layer_ids if self._layer_key(li) in theirs}
 
     def resume(self, previous: Trainer | None) -> str:
-        """Resume every rank at the newest valid checkpoint's step (rank 0 decides): a rank whose
-        previous generation's trainer holds exactly this shard at exactly that step keeps its model
-        and optimizer state from memory; every other rank loads the checkpoint. Collective. Returns
-        'memory', 'checkpoint' or 'none' (no checkpoint: a fresh start)."""
+        """Resume every rank at one step, from memory where it can: when every rank's previous trainer
+        holds its whole shard at the same step, nobody reads a checkpoint ('memory'); otherwise every
+        rank resumes at the newest valid checkpoint's step (rank 0 decides), a rank whose previous
+        trainer is at that step keeps the layers it holds from memory, and loads the rest ('memory'
+        when it loaded nothing, else 'checkpoint'; 'none' without a checkpoint: a fresh start).
+        Collective."""
+        kept = self.kept_layers(previous)
+        whole = previous is not None and kept == set(self.model.layer_ids)
+        mine = float(previous.step) if whole and previous is not None else -1.0
+        agree = torch.tensor([mine, -mine], dtype=torch.float64, device=self.device)
+        comm.wait(dist.all_reduce(agree, op=dist.ReduceOp.MAX, async_op=True))
+        if previous is not None and mine >= 0 and agree[0].item() == mine == -agree[1].item():
+            self._adopt(previous, kept)
+            self.step, self.samples_seen, self.opt_steps = previous.step, previous.samples_seen, previous.opt_steps
+            self._saved_step = previous._saved_step
+            self.log(f"rank {self.rank}: kept its state from memory at step {self.step}")
+            return "memory"
         if self.storage is None:
             return "none"
         step: list[Any] = [None]
@@ -408,31 +441,38 @@ class Trainer:
         dist.broadcast_object_list(step, src=0, device=self.device)
         if step[0] is None:
             return "none"
-        if previous is not None and previous.step == step[0] and previous.shard_key() == self.shard_key() \
-                and not self.zero1:
-            self._adopt(previous)
-            self.log(f"rank {self.rank}: kept its state from memory at step {self.step}")
-            return "memory"
-        self.load_checkpoint(step=int(step[0]))
-        return "checkpoint"
+        if previous is None or previous.step != step[0]:
+            kept = set()
+        self._adopt(previous, kept)
+        loaded = self._load_step(self.storage, int(step[0]), ckpt.read_meta(self.storage, int(step[0])), skip=kept)
+        self.log(f"rank {self.rank}: at step {self.step}: {len(kept)} layer(s) kept from memory, {loaded} loaded")
+        return "checkpoint" if loaded else "memory"
 
-    def _adopt(self, old: Trainer) -> None:
+    def _adopt(self, old: Trainer | None, layers: set[int]) -> None:
+        """Copy `layers` (parameters and this rank's optimizer state) from `old`, which holds them shard for shard."""
+        if old is None or not layers:
+            return
+        theirs = dict(zip(old.model.layer_ids, old.model.layers, strict=True))
         with torch.no_grad():
-            for (name, p), (old_name, q) in zip(self._params, old._params, strict=True):
-                assert name == old_name, (name, old_name)
-                p.copy_(q.detach().to(self.device))
-                if q in old.opt.state:
-                    self.opt.state[p] = {
-                        k: (v.to(self.device) if v.dim() else v.clone()) for k, v in old.opt.state[q].items()
-                    }
-        self.step, self.samples_seen, self.opt_steps = old.step, old.samples_seen, old.opt_steps
-        self._saved_step = old._saved_step
+            for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True):
+                if li not in layers:
+                    continue
+                pairs = zip(layer.named_parameters(remove_duplicate=False),
+                            theirs[li].named_parameters(remove_duplicate=False), strict=True)
+                for (name, p), (old_name, q) in pairs:
+                    assert name == old_name, (name, old_name)
+                    p.copy_(q.detach().to(self.device))
+                    if q in old.opt.state and id(p) in self._mine:
+                        self.opt.state[p] = {
+                            k: (v.to(self.device) if v.dim() else v.clone()) for k, v in old.opt.state[q].items()
+                        }
 
     def load_checkpoint(self, step: int | None = None) -> bool:
         """Resume from the newest valid checkpoint (rank 0 decides, everyone loads). False if none.
         With `step` (agreed by every rank already), load that one without deciding again."""
         if step is not None and self.storage is not None:
-            return self._load_step(self.storage, step, ckpt.read_meta(self.storage, step))
+            self._load_step(self.storage, step, ckpt.read_meta(self.storage, step))
+            return True
         if self.storage is None:
             return False
         decision: list[Any] = [None]
@@ -442,15 +482,23 @@ class Trainer:
         dist.broadcast_object_list(decision, src=0, device=self.device)
         if decision[0] is None:
             return False
-        return self._load_step(self.storage, *decision[0])
+        self._load_step(self.storage, *decision[0])
+        return True
 
-    def _load_step(self, storage: ckpt.CheckpointStorage, step: int, meta: dict[str, Any]) -> bool:
+    def _load_step(self, storage: ckpt.CheckpointStorage, step: int, meta: dict[str, Any],
+                   skip: Collection[int] = ()) -> int:
+        """Load the layers of checkpoint `step` this rank holds, except `skip` (kept from memory), and
+        the step counters; returns how many layers it read."""
         if meta.get("model") != self.cfg.name:
             raise SailorError(f"checkpoint step {step} is of model {meta.get('model')!r}, not {self.cfg.name!r}")
         opt_steps = int(meta["opt_steps"])
+        wanted = [li for li in self.model.layer_ids if li not in skip]
+        fulls = ckpt.load_layer_states(storage, step, wanted)
         with torch.no_grad():
             for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True):
-                full = ckpt.load_layer_state(storage, step, li)
+                if li not in fulls:
+                    continue
+                full = fulls[li]
                 for name, p in layer.named_parameters(remove_duplicate=False):
                     dim = getattr(p, SHARD_ATTR, None)
                     p.copy_(shard(full["params"][name], dim, self.tp.rank, self.tp.size))
@@ -464,7 +512,7 @@ class Trainer:
                         }
         self.step, self.samples_seen, self.opt_steps = int(meta["step"]), int(meta["samples_seen"]), opt_steps
         self.log(f"rank {self.rank}: resumed from checkpoint step {step}")
-        return True
+        return len(wanted)
 
     # -- one training step -----------------------------------------------------------------------
     def _autocast(self) -> Any:
@@ -732,11 +780,13 @@ class Trainer:
                 self.opt_steps, base_lr=self.settings.lr, schedule=self.settings.lr_schedule,
                 warmup_steps=self.settings.warmup_steps, total_steps=self.settings.steps,
                 min_lr_ratio=self.settings.min_lr_ratio)
+        self.consistent = False  # parameters and optimizer state move to the next step
         self.opt.step()
         if self.zero1:
             self._zero1_share_params()
         self.opt_steps += 1
         self.step += 1
+        self.consistent = True
         self.samples_seen += self.plan.global_batch_size
         dt = time.perf_counter() - t0
         rec = {"step": self.step, "loss": loss, "samples": self.plan.global_batch_size,
@@ -773,7 +823,7 @@ class Trainer:
             self._emit(rec)
             if rec["_jit"] or rec["_stop"]:
                 self.log(f"rank {self.rank}: just-in-time checkpoint at step {self.step}")
-                self.save_checkpoint(blocking=True)
+                self.save_checkpoint(blocking=True, prune=False)
                 if rec["_stop"]:
                     return "stopped"
             elif every and self.step % every == 0:
@@ -783,9 +833,10 @@ class Trainer:
         return "done"
 
     def close(self) -> None:
+        """Waits for this rank's checkpoint writes; a retention pass in progress is cancelled."""
         if self.checkpointer is not None:
             with contextlib.suppress(SailorError):
-                self.checkpointer.wait()
+                self.checkpointer.close()
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -7,9 +7,12 @@ Contract (`python -m sailor_core.runtime.worker_proc`):
   (`g<g>/assign/<W>`; rank -1 means "exit", -2 "sit this generation out"), joins a fresh process group
   through a TCPStore that the generation's rank 0 hosts at SAILOR_ADVERTISE_ADDR (announced under
   `g<g>/rdv`), trains, reports each step (rank 0, `metrics/v<version>`) and sets `g<g>/status/<W>` to
-  `done`, `stopped` or `failed: <reason>`. After a failure (a peer died, a timeout) it drops its
-  process group and waits for generation g+1 in the same process, keeping torch imported and the
-  dataset in memory, so a reconfiguration costs a rendezvous and a checkpoint load, not a cold start.
+  `done`, `stopped`, `switched` (a plan change ended it) or `failed: <reason>`. After a switch or a
+  failure (a peer died, a timeout) it drops its process group and waits for generation g+1 in the
+  same process, keeping torch imported, the dataset and its trainer's state in memory: the next
+  generation keeps the layers it still holds at the step it resumes at (Trainer.resume), so a
+  reconfiguration costs a rendezvous and at most a load of the layers it did not hold, not a cold
+  start. SIGTERM while waiting for an assignment ends the process at once (exit 0).
 - torchrun mode (`--assignment FILE`, with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT): one
   generation from a JSON file {plan, settings, resume}.
 Heartbeats: in controlled mode the worker sets `hb/<W>` to {"time", "step"} every few seconds.
@@ -41,6 +44,7 @@ from sailor_core.runtime.token_shards import ShardedTokenDataset, open_dataset
 from sailor_core.runtime.topology import layout
 
 ASSIGNMENT_WAIT_S = 600.0  # how long a worker waits for its next generation before giving up
+STOP_POLL_S = 0.5  # a worker waiting for its next generation notices SIGTERM within this
 _GRAVEYARD: list[Any] = []  # trainers of aborted generations, never freed (see run_generation)
 
 
@@ -206,10 +210,13 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
     try:
         while True:
             try:
-                raw = client.wait(protocol.assign_key(gen, worker_id), ASSIGNMENT_WAIT_S)
+                raw = _next_assignment(client, protocol.assign_key(gen, worker_id))
             except protocol.ProtocolError as e:  # the controller went away or took too long
                 _log(f"no assignment for generation {gen}: {e}")
                 return 1
+            if raw is None:
+                _log(f"stopped (SIGTERM) while waiting for generation {gen}")
+                return 0
             a = json.loads(raw)
             if int(a["rank"]) == protocol.EXIT:
                 return 0
@@ -217,6 +224,7 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
             ctl.current_gen = gen
             if int(a["rank"]) == protocol.IDLE:
                 gen += 1
+                previous = None  # others train on meanwhile: what it holds would be stale
                 continue
             status, previous = _train_generation(ctl, a, gen, data, previous)
             try:
@@ -229,6 +237,21 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
             gen += 1
     finally:
         ctl.stop.set()
+
+
+def _next_assignment(client: ControlClient, key: str) -> str | None:
+    """The assignment under `key`; None when SIGTERM came while waiting for it (the VM is being
+    released: nothing to checkpoint, so the process exits at once instead of at its agent's grace
+    period); ProtocolError after ASSIGNMENT_WAIT_S."""
+    deadline = time.monotonic() + ASSIGNMENT_WAIT_S
+    while not _Notices.terminated:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise protocol.ProtocolError(f"no {key} from the controller within {ASSIGNMENT_WAIT_S:.0f}s")
+        raw = client.get(key, wait_s=min(STOP_POLL_S, left))
+        if raw is not None:
+            return raw
+    return None
 
 
 def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCache,
@@ -246,12 +269,14 @@ def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCac
         status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         _log(f"generation {gen} {status}")
     ctl.training = -1
-    # Only a generation that ended cleanly at a step boundary leaves state worth keeping.
-    kept_trainer = None
-    if status == "stopped" and ctl.switching == gen:
-        status, kept_trainer = "switched", (kept[0] if kept else None)
+    if ctl.switching == gen:  # the stop was the plan change's, not the run's end
         _Notices.stop = False
-    return status, kept_trainer
+        if status == "stopped":
+            status = "switched"
+    # A generation that switched, or failed because a peer was lost, leaves this process's state
+    # in memory at the step its trainer reached (Trainer.consistent says whether it is whole); the
+    # next generation's resume decides what of it to keep. Without a new trainer, the older one stays.
+    return status, (kept[0] if kept else previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     secret = os.environ.get(protocol.SECRET_ENV)
     if not secret:
         ap.error(f"controlled mode needs the run's secret in ${protocol.SECRET_ENV}")
-    return controlled(a.control, str(a.worker_id), secret)
+    code = controlled(a.control, str(a.worker_id), secret)
+    # Everything worth keeping is written (checkpoints are waited for, statuses reported). A normal
+    # interpreter exit would also join the threads still blocked in collectives of aborted
+    # generations (until their timeout: seconds on the path of a VM's release), so leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
