@@ -34,7 +34,28 @@ def test_the_tail_reaches_the_largest_size_a_fit_is_read_at() -> None:
     assert all(abs(x / t - (4 << 20) / 0.4) < 1e-6 for x, t in zip(xs[2:], ts[2:], strict=True))
 
 
-def test_a_curve_that_levels_off_by_itself_is_fitted_as_measured() -> None:
+def test_a_curve_that_levels_off_by_itself_stays_level_past_the_measured_sizes() -> None:
     sizes = [64 << 10 << k for k in range(7)]
     times = [2e-4 + x / 50e6 for x in sizes]  # latency + bandwidth: concave, saturating
-    assert _fit_pinned(sizes, times) == fit_bandwidth(sizes, times)
+    top = sizes[-1] / times[-1]
+    plain = fit_bandwidth(sizes, times)
+    assert plain.bandwidth_bytes_per_s(1 << 30) < 0.6 * top  # the quadratic bends down past its vertex
+    pinned = _fit_pinned(sizes, times)
+    assert all(0.95 * top < pinned.bandwidth_bytes_per_s(x) < 1.05 * top for x in (16 << 20, 256 << 20, 1 << 30))
+    errs = [abs(pinned.transfer_time_s(x) - t) / t for x, t in zip(sizes, times, strict=True)]
+    assert max(errs) < 0.05, errs  # and still fits the measured sizes
+
+
+def test_a_concave_measured_curve_does_not_fall_past_the_largest_transfer() -> None:
+    # the loopback link of tests/test_profile_network_by_hand.py: peaks near 1 MiB, a little lower at 4 MiB;
+    # its plain fit collapses past 16 MiB (an OPT-350 activation is 8 MiB per sequence)
+    sizes = [64 << 10 << k for k in range(7)]
+    bw = [0.48e9, 0.9e9, 1.6e9, 2.2e9, 2.4e9, 2.2e9, 1.6e9]
+    times = [x / b for x, b in zip(sizes, bw, strict=True)]
+    plain = fit_bandwidth(sizes, times)
+    assert plain.bandwidth_bytes_per_s(64 << 20) < 0.01 * bw[-1]  # what went wrong
+    pinned = _fit_pinned(sizes, times)
+    # one quadratic cannot peak and then stay flat: the tail keeps it within 0.8-1.5x of the largest transfer's
+    # bandwidth out to 1 GiB instead of collapsing
+    for x in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
+        assert 0.8 * bw[-1] < pinned.bandwidth_bytes_per_s(x) < 1.5 * bw[-1]
