@@ -17,6 +17,7 @@ from dataclasses import replace
 from sailor_core.domain import (
     Market,
     ParallelPlan,
+    PoolEntry,
     Replica,
     ResourcePool,
     Stage,
@@ -40,35 +41,54 @@ from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
 
 
-def build_slots(pool: ResourcePool) -> tuple[Slot, ...]:
-    """Group pool entries into slots: one GPU type and market in one region at one price and node shape."""
-    groups: dict[tuple[str, str, str, str, int, float], list[tuple[str, int]]] = defaultdict(list)
+def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot, ...]:
+    """Group pool entries into slots: one GPU type in one region at one node shape, zones pooled.
+
+    Zones of one market at one price are pooled (paper heuristic). With `pool_markets`, the markets
+    of a type in a region are pooled too when each market has one price there (prices differ by
+    market only): spot and on-demand GPUs of one type in one zone are one kind of hardware, and a
+    stage may need more of them than one market offers (68 spot + 60 on-demand GH-96 in a zone run
+    one 128-replica stage); the slot then lists each (zone, market) offer and prices the cheapest
+    first (`Slot.usd_per_hour`). Otherwise (or with zone prices that differ within a market) one
+    slot per market and price, as before.
+    """
+    groups: dict[tuple[str, str, str, int], list[PoolEntry]] = defaultdict(list)
     for e in pool.entries:
-        if e.count <= 0:
-            continue
-        key = (e.gpu_type, e.market.value, e.cloud, e.region, e.gpus_per_node, e.usd_per_gpu_hour)
-        groups[key].append((e.zone, e.count))
-    slots = []
-    for i, key in enumerate(sorted(groups)):
-        gpu, market, cloud, region, gpn, price = key
-        zones = tuple(sorted(groups[key], key=lambda zc: (-zc[1], zc[0])))
-        slots.append(
-            Slot(index=i, gpu_type=gpu, market=Market(market), region=region, cloud=cloud, gpus_per_node=gpn,
-                 usd_per_gpu_hour=price, zones=zones)
-        )
-    return tuple(slots)
+        if e.count > 0:
+            groups[(e.gpu_type, e.cloud, e.region, e.gpus_per_node)].append(e)
+    made: list[tuple[tuple[object, ...], Slot]] = []
+    for (gpu, cloud, region, gpn), entries in groups.items():
+        prices = {(e.market, e.usd_per_gpu_hour) for e in entries}
+        split = not pool_markets or len(prices) == 1 or len(prices) > len({m for m, _ in prices})
+        parts: dict[tuple[str, float], list[PoolEntry]] = defaultdict(list)
+        for e in entries:
+            parts[(e.market.value, e.usd_per_gpu_hour) if split else ("", 0.0)].append(e)
+        for part in parts.values():
+            total: dict[str, int] = defaultdict(int)
+            for e in part:
+                total[e.zone] += e.count
+            zones = tuple(sorted(total.items(), key=lambda zc: (-zc[1], zc[0])))
+            rank = {z: i for i, (z, _) in enumerate(zones)}
+            offers = tuple(sorted(((e.zone, e.market, e.count, e.usd_per_gpu_hour) for e in part),
+                                  key=lambda o: (rank[o[0]], o[3], o[1].value)))
+            cheapest = min(part, key=lambda e: (e.usd_per_gpu_hour, e.market.value))
+            key = (gpu, cheapest.market.value, cloud, region, gpn, cheapest.usd_per_gpu_hour)
+            made.append((key, Slot(index=0, gpu_type=gpu, market=cheapest.market, region=region, cloud=cloud,
+                                   gpus_per_node=gpn, usd_per_gpu_hour=cheapest.usd_per_gpu_hour, zones=zones,
+                                   offers=() if split else offers)))
+    made.sort(key=lambda ks: ks[0])
+    return tuple(replace(slot, index=i) for i, (_, slot) in enumerate(made))
 
 
 def materialize(sk: Sketch, layouts: Sequence[Sequence[tuple[str, int]]], slots: Sequence[Slot], *, model: str,
                 global_batch_size: int, precision: str = "fp32", schedule: str = "1f1b") -> ParallelPlan:
     stages = []
+    free: dict[tuple[str, Market], int] = {}  # GPUs left per (zone, market) of pooled slots
     for (first, last), (si, tp), lay in zip(sk.bounds, sk.kinds, layouts, strict=True):
         slot = slots[si]
         reps: list[Replica] = []
         for zone, n in lay:
-            r = Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
-                        market=slot.market, region=slot.region)
-            reps.extend([r] * n)
+            reps.extend(slot.replicas(zone, tp, n, free))
         stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
     return ParallelPlan(
         model=model,
@@ -184,7 +204,8 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     _check_model(request, book)
     opts = request.options
     pool, misses = _usable_pool(request, book)
-    slots = build_slots(pool)
+    # Under max-goodput a spot GPU is not an on-demand one (it carries the preemption risk): markets stay apart.
+    slots = build_slots(pool, pool_markets=not _goodput_wanted(request))
     problem = _problem(request, book, slots)
     if costs is None or costs.book is not book or costs.precision != opts.precision:
         costs = SimCosts(book, precision=opts.precision)
@@ -610,8 +631,8 @@ def _explain_gpus(pl: ParallelPlan, slots: Sequence[Slot]) -> str:
     used = pl.gpus_by_place()
     have: dict[tuple[str, str], int] = defaultdict(int)
     for s in slots:
-        for _z, n in s.zones:
-            have[(s.gpu_type, s.market.value)] += n
+        for _z, mk, n, _usd in s.offers or tuple((z, s.market, n, 0.0) for z, n in s.zones):
+            have[(s.gpu_type, mk.value)] += n
     per_type: dict[tuple[str, str], int] = defaultdict(int)
     for (_, g, mk), n in used.items():
         per_type[(g, mk.value)] += n

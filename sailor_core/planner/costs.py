@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from sailor_core.domain import Market, Replica
@@ -22,10 +22,20 @@ from sailor_core.simulator import StageCompute, model_for
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import bucket_counts
 
+# One market's GPUs in one zone: (zone, market, GPUs, USD per GPU-hour).
+Offer = tuple[str, Market, int, float]
+
 
 @dataclass(frozen=True, kw_only=True)
 class Slot:
-    """GPUs of one type and market in one region at one price, zones in fill order."""
+    """GPUs of one type in one region, zones in fill order.
+
+    Without `offers`: one market at one price (`market`, `usd_per_gpu_hour`). With `offers` (see
+    `core.build_slots`), the markets of the type in each zone pooled: spot and on-demand GPUs of one
+    type in one zone are the same hardware on the same links, so a stage's replicas may use both;
+    `market` and `usd_per_gpu_hour` are then the cheapest offer's (a lower bound for the search's
+    bounds and its DP), and `usd_per_hour` prices a placement exactly, each zone's cheapest market first.
+    """
 
     index: int
     gpu_type: str
@@ -35,10 +45,57 @@ class Slot:
     gpus_per_node: int
     usd_per_gpu_hour: float
     zones: tuple[tuple[str, int], ...]  # (zone, GPUs), fill order: most GPUs first, then by name
+    offers: tuple[Offer, ...] = ()  # pooled markets, cheapest first within each zone
 
     @property
     def capacity(self) -> int:
         return sum(n for _, n in self.zones)
+
+    def usd_per_hour(self, used: dict[str, int]) -> float:
+        """USD per hour of `used` GPUs per zone: each zone's cheapest market first."""
+        if not self.offers:
+            return self.usd_per_gpu_hour * sum(used.values())
+        total = 0.0
+        for zone, n in used.items():
+            dearest = self.usd_per_gpu_hour
+            for z, _mk, count, price in self.offers:
+                if z == zone and n > 0:
+                    take = min(n, count)
+                    total += take * price
+                    n -= take
+                    dearest = price
+            total += n * dearest  # more than the zone offers: the search's layouts never ask for it
+        return total
+
+    def markets_of(self, zone: str, tp: int, k: int, free: dict[tuple[str, Market], int]) -> list[Market]:
+        """The market of each of k tp-wide replicas in `zone`: the cheapest with room for a whole TP
+        group (`free`: GPUs left per (zone, market), updated); the slot's market where none has room."""
+        out = []
+        for _ in range(k):
+            for z, mk, count, _price in self.offers:
+                if z == zone and free.setdefault((z, mk), count) >= tp:
+                    free[(z, mk)] -= tp
+                    out.append(mk)
+                    break
+            else:
+                out.append(self.market)
+        return out
+
+    def replicas(self, zone: str, tp: int, k: int, free: dict[tuple[str, Market], int]) -> list[Replica]:
+        """k tp-wide replicas in `zone`, each on its market (`markets_of`; one market without offers)."""
+        markets = self.markets_of(zone, tp, k, free) if self.offers else [self.market] * k
+        return [Replica(gpu_type=self.gpu_type, zone=zone, tp=tp, gpus_per_node=self.gpus_per_node, market=mk,
+                        region=self.region) for mk in markets]
+
+    def minus(self, used: dict[str, int]) -> Slot:
+        """The slot less `used` GPUs per zone (taken from each zone's cheapest market first)."""
+        offers = []
+        left = dict(used)
+        for z, mk, count, price in self.offers:
+            take = min(count, left.get(z, 0))
+            left[z] = left.get(z, 0) - take
+            offers.append((z, mk, count - take, price))
+        return replace(self, zones=tuple((z, n - used.get(z, 0)) for z, n in self.zones), offers=tuple(offers))
 
     def usable(self, gpus: int, tp: int) -> int:
         """GPUs of `gpus` that tp-wide groups can use: TP stays inside a node."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from itertools import combinations, product
 
-from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
 from sailor_core.planner.core import build_slots, materialize, objective_value, sim_options
 from sailor_core.planner.costs import Slot
 from sailor_core.planner.mixed import _leftover
@@ -201,14 +201,13 @@ def _group_plan(request: PlanRequest, slots: tuple[Slot, ...], bounds: tuple[tup
         placed.append((sk, lay))
         left = _leftover(left, sk, lay)
     stages = []
+    free: dict[tuple[str, Market], int] = {}
     for s, (first, last) in enumerate(bounds):
         reps: list[Replica] = []
         for sk, lay in placed:
             si, tp = sk.kinds[s]
-            slot = slots[si]
             for zone, k in lay[s]:
-                reps.extend([Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
-                                     market=slot.market, region=slot.region)] * k)
+                reps.extend(slots[si].replicas(zone, tp, k, free))
         stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
     pipes: list[PipelineBatch] = []
     for (mbs, _), x, n in zip(types, counts, split, strict=True):

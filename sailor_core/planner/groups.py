@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations
 
-from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
 from sailor_core.planner.costs import Layout, Slot
 from sailor_core.planner.mixed import _leftover, _linear_time
 from sailor_core.planner.request import Constraints, Objective
@@ -268,14 +268,13 @@ def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, 
         placed.append((sk, lay))
         slots = _leftover(slots, sk, lay)
     stages = []
+    free: dict[tuple[str, Market], int] = {}
     for s, (first, last) in enumerate(types[0].sketch.bounds):
         reps: list[Replica] = []
         for sk, lay in placed:
             si, tp = sk.kinds[s]
-            slot = pb.slots[si]
             for zone, k in lay[s]:
-                reps.extend([Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
-                                     market=slot.market, region=slot.region)] * k)
+                reps.extend(pb.slots[si].replicas(zone, tp, k, free))
         stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
     pipes = [PipelineBatch(microbatch_size=t.sketch.mbs, num_microbatches=m)
              for t, ms in zip(types, micro, strict=True) for m in ms]

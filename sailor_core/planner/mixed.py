@@ -13,9 +13,8 @@ Returns `ParallelPlan`s for the caller to verify with the full simulator. Pure a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
-from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
 from sailor_core.planner.costs import Layout, Slot
 from sailor_core.planner.search import Candidate, Problem, Search, Sketch
 from sailor_core.simulator import pipeline_time_s
@@ -26,9 +25,7 @@ def _leftover(slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> t
     for (si, tp), lay in zip(sk.kinds, layouts, strict=True):
         for zone, n in lay:
             used[(si, zone)] = used.get((si, zone), 0) + n * tp
-    return tuple(
-        replace(s, zones=tuple((z, n - used.get((s.index, z), 0)) for z, n in s.zones)) for s in slots
-    )
+    return tuple(s.minus({z: n for (si, z), n in used.items() if si == s.index}) for s in slots)
 
 
 def _linear_time(search: Search, sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
@@ -110,15 +107,13 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                     continue
                 counts_a, m_b = split
                 stages = []
+                free: dict[tuple[str, Market], int] = {}
                 for s, (first, last) in enumerate(a.bounds):
                     reps: list[Replica] = []
                     for sk, lay in ((a, lay_a), (b, lay_b)):
                         si, tp = sk.kinds[s]
-                        slot = pb.slots[si]
                         for zone, k in lay[s]:
-                            reps.extend([Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp,
-                                                 gpus_per_node=slot.gpus_per_node, market=slot.market,
-                                                 region=slot.region)] * k)
+                            reps.extend(pb.slots[si].replicas(zone, tp, k, free))
                     stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
                 pipes = [PipelineBatch(microbatch_size=a.mbs, num_microbatches=m) for m in counts_a]
                 pipes += [PipelineBatch(microbatch_size=b.mbs, num_microbatches=m_b)] * b.dp

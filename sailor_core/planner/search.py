@@ -313,7 +313,7 @@ class Search:
                     egress += gb * c.egress_usd_per_gb(za, zones[(i + 1) % len(zones)])
         iteration = total + max(0.0, end - total) + opt
         gpus = sum(tp for _, tp in sk.kinds) * sk.dp
-        usd_per_s = sk.dp * sum(tp * slots[si].usd_per_gpu_hour for si, tp in sk.kinds) / SECONDS_PER_HOUR
+        usd_per_s = self.usd_per_hour(sk, layouts) / SECONDS_PER_HOUR
         usd_iter = usd_per_s * iteration + egress
         return Estimate(
             iteration_s=iteration,
@@ -323,6 +323,21 @@ class Search:
             layouts=layouts,
             useful_fraction=self.useful_fraction(sk, layouts, iteration),
         )
+
+    def usd_per_hour(self, sk: Sketch, layouts: Sequence[Layout]) -> float:
+        """The GPUs' price: D x each stage's per-pipeline price, or, for slots that pool markets,
+        the GPUs placed in each zone priced cheapest market first (`Slot.usd_per_hour`)."""
+        slots = self.pb.slots
+        total = 0.0
+        used: dict[int, dict[str, int]] = {}
+        for (si, tp), lay in zip(sk.kinds, layouts, strict=True):
+            if not slots[si].offers:
+                total += sk.dp * tp * slots[si].usd_per_gpu_hour
+                continue
+            per_zone = used.setdefault(si, {})
+            for zone, k in lay:
+                per_zone[zone] = per_zone.get(zone, 0) + k * tp
+        return total + sum(slots[si].usd_per_hour(per_zone) for si, per_zone in used.items())
 
     def useful_fraction(self, sk: Sketch, layouts: Sequence[Layout], iteration_s: float) -> float:
         """The share of wall time that trains given the spot VMs this placement rents (risk.py)."""
