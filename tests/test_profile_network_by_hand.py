@@ -102,3 +102,48 @@ def test_an_end_the_provider_does_not_offer_is_a_one_line_error_and_rents_nothin
     assert "no V100-16 there" in lines[0] and "to fix: one of za:A100-40" in lines[0]
     p = sailor(tmp_path, "profile", "network", "--from", "za", "--store", str(tmp_path / "store"))
     assert p.returncode == 2 and "--from and --to go together" in p.stderr
+
+
+def test_ctrl_c_while_the_link_is_measured_leaves_no_vm_behind(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from infra.local import LocalProvider
+    from profiles_store.store import open_store
+
+    (tmp_path / "sc.yaml").write_text(SCENARIO)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
+    p = subprocess.Popen([sys.executable, "-m", "sailor_cli.main", "profile", "network", "--from", "za", "--to", "zb",
+                          "--scenario", str(tmp_path / "sc.yaml"), "--isolation", "process", "--store",
+                          str(tmp_path / "store"), "--workdir", str(tmp_path / "wd")], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _link_ends(tmp_path / "wd"):  # the VMs are rented and run their ends of the link
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130, err[-2000:]
+    (run_dir,) = (tmp_path / "wd" / "runs").iterdir()
+    vms = LocalProvider(run_dir / "local").list_vms(run_dir.name)
+    assert len(vms) == 2 and all(v.state == "terminated" for v in vms), vms
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).find(str(tmp_path / "wd")) >= 0]
+    assert not left, [_cmdline(pid) for pid in left]  # no agent, no `sailor profile link` end
+    assert "za" not in {lk.sender_zone for lk in open_store(str(tmp_path / "store")).network_links()}
+
+
+def _link_ends(wd: Path) -> list[str]:
+    return [pid for pid in os.listdir("/proc") if pid.isdigit() and str(wd) in (c := _cmdline(pid))
+            and " profile link " in c]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
