@@ -77,11 +77,14 @@ def test_pooled_slot_prices_cheapest_market_first_and_materialises_within_each_m
     assert pl.gpus_by_place() == {(ZONE, GH, Market.SPOT): 8, (ZONE, GH, Market.ON_DEMAND): 4}
 
 
-def test_markets_stay_apart_where_they_differ_for_the_goal_or_in_price_across_zones() -> None:
+def test_markets_stay_apart_for_goodput_for_zone_prices_and_for_part_vms() -> None:
     pool = _pool(8, 8)
     assert len(build_slots(pool, pool_markets=False)) == 2
     # zones of one market at different prices keep the old split (a slot has one price per market)
     other = PoolEntry(zone="us-west1-a", region=REGION, gpu_type=GH, count=8, market=Market.SPOT, gpus_per_node=4,
                       usd_per_gpu_hour=SPOT_USD * 2)
     assert len(build_slots(ResourcePool(entries=pool.entries + (other,)))) == 3
+    # a count that is not whole VMs (6 GPUs of 4-GPU VMs) keeps them apart: pooled, 6 spot + 6 on-demand
+    # would look like 3 tp=4 groups where the markets hold 2
+    assert len(build_slots(_pool(6, 6))) == 2
 

@@ -49,8 +49,8 @@ def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot,
     market only): spot and on-demand GPUs of one type in one zone are one kind of hardware, and a
     stage may need more of them than one market offers (68 spot + 60 on-demand GH-96 in a zone run
     one 128-replica stage); the slot then lists each (zone, market) offer and prices the cheapest
-    first (`Slot.usd_per_hour`). Otherwise (or with zone prices that differ within a market) one
-    slot per market and price, as before.
+    first (`Slot.usd_per_hour`). Otherwise (or with zone prices that differ within a market, or a
+    count that is not whole VMs) one slot per market and price, as before.
     """
     groups: dict[tuple[str, str, str, int], list[PoolEntry]] = defaultdict(list)
     for e in pool.entries:
@@ -59,7 +59,9 @@ def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot,
     made: list[tuple[tuple[object, ...], Slot]] = []
     for (gpu, cloud, region, gpn), entries in groups.items():
         prices = {(e.market, e.usd_per_gpu_hour) for e in entries}
-        split = not pool_markets or len(prices) == 1 or len(prices) > len({m for m, _ in prices})
+        # whole VMs only: a zone's pooled GPUs then form as many TP groups as its markets do apart
+        split = not pool_markets or len(prices) == 1 or len(prices) > len({m for m, _ in prices}) \
+            or any(e.count % gpn for e in entries)
         parts: dict[tuple[str, float], list[PoolEntry]] = defaultdict(list)
         for e in entries:
             parts[(e.market.value, e.usd_per_gpu_hour) if split else ("", 0.0)].append(e)
@@ -324,8 +326,8 @@ def _to_verify(request: PlanRequest, search: Search, cands: Sequence[Candidate],
                                  global_batch_size=request.global_batch_size, precision=opts.precision,
                                  schedule=opts.schedule,
                                  own_microbatch=opts.per_pipeline_microbatches and fastest_wanted)
-    # Pipelines of several kinds pay where GPU types differ (zones and markets of one type are
-    # already mixed by placement and cheapest_markets). Searched for the highest throughput; a
+    # Pipelines of several kinds pay where GPU types differ (the zones and markets of one type in a
+    # region share a slot: build_slots). Searched for the highest throughput; a
     # minimum it/s under a cost objective keeps the cheaper leftover search above.
     if opts.max_shapes >= 2 and cands and fastest_wanted and len({s.gpu_type for s in slots}) > 1:
         to_verify += group_plans(search, cands, model=request.model,

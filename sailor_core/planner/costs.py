@@ -104,7 +104,8 @@ class Slot:
 
     def label(self) -> str:
         zs = ",".join(z for z, _ in self.zones)
-        return f"{self.gpu_type} {self.market.value} @ {self.region} [{zs}]"
+        markets = "+".join(dict.fromkeys(mk.value for _, mk, _, _ in self.offers)) or self.market.value
+        return f"{self.gpu_type} {markets} @ {self.region} [{zs}]"
 
 
 # A stage's replicas of one slot, zone by zone: ((zone, replicas), ...) in pipeline order.
