@@ -16,7 +16,8 @@ Contract:
 - Retention (`AsyncCheckpointer.keep_last`) removes a checkpoint only when it is older than a newer
   *valid* one and more than `keep_last` steps are kept; an invalid old one is quarantined instead.
   It runs after a save that writes meta.json, on the save's thread once the files are written, one
-  pass at a time, except after a just-in-time save (`prune=False`: the next save prunes).
+  pass at a time (a save that finds one running skips its own), and not after a just-in-time save
+  (`prune=False`); a later save prunes what was skipped.
 - `load_layer_state(storage, step, layer)` returns full-layout tensors (shards concatenated along
   their shard dimension), so a checkpoint written under one plan (stages, DP, TP) loads under any.
 - `AsyncCheckpointer.save` takes an in-memory snapshot (tensors already copied) and serialises and
@@ -216,7 +217,8 @@ class AsyncCheckpointer:
 
     A save's thread writes the files, then (the writer of meta.json, unless `prune` is False) runs
     the retention pass, which reads older checkpoints to check them: slow on object storage from a
-    fraction of a core, so training does not wait for it (passes run one at a time). `close()`
+    fraction of a core, so training does not wait for it (one pass at a time: a save whose pass
+    would wait for another's skips it). `close()`
     cancels a pass between two reads and waits for every thread: a rank leaving its generation (a
     plan change, a lost peer) is done in the time of its writes, and no pass of it deletes anything
     while the next generation reads the checkpoints."""
@@ -237,23 +239,26 @@ class AsyncCheckpointer:
         False (a just-in-time checkpoint must be done fast: the next save prunes)."""
         self.wait(retention=False)
         written = self._written = threading.Event()
+        snapshot = [layer_states]  # released once written, not held through a retention pass
 
         def work() -> None:
             try:
-                self._write(step, layer_states, part_name, meta)
+                self._write(step, snapshot.pop(), part_name, meta)
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 self._error = e
                 return
             finally:
                 written.set()
-            if meta is not None and prune:
-                with self._prune_lock:
-                    try:
-                        self._prune(step)
-                    except RetentionCancelled:
-                        pass
-                    except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-                        self._error = e
+            # One pass at a time; while one runs, a newer save skips its own (the next one prunes).
+            if meta is not None and prune and self._prune_lock.acquire(blocking=False):
+                try:
+                    self._prune(step)
+                except RetentionCancelled:
+                    pass
+                except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                    self._error = e
+                finally:
+                    self._prune_lock.release()
 
         t = threading.Thread(target=work, name=f"ckpt-{step}", daemon=True)
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
