@@ -12,7 +12,8 @@ real process group):
   repeated until stable (timing.RepeatPolicy), the mean reported (DEFAULT_STATISTIC).
   CUDA: CUDA events, synchronised before reading; CPU: the thread's CPU time, read at the speed of
   the device the rank is bound to (a testbed device is a CPU share: sailor_core/runtime/devices.py);
-  a TP layer's adds the wall time the repetition waited in its collectives;
+  a TP layer's adds the least wall time a repetition spent waiting in its collectives (their own
+  cost, without a peer held up by other jobs on the host);
 - blocks are identical, so only `settings.blocks` of them are measured and their mean is copied to
   the others (`all_blocks=True` measures every one);
 - optimizer: one AdamW step (the runtime's settings) over the measured layers' parameters, scaled
@@ -37,7 +38,7 @@ import math
 import resource
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -289,9 +290,9 @@ def _timers(torch: ModuleType, cuda: bool, tp: int) -> tuple[_Timed, _Timed]:
     # else the host runs; wall time would add the other jobs' time slices. Read at the bound device's
     # speed: on the testbed a device is a share of a core, and a layer must cost what it costs that
     # device. A TP layer's rank waits off-CPU inside its all-reduces (gloo's threads move the data):
-    # its CPU clock is the layer's compute, and _measure_layer adds the time it waited in them
-    # (_CollectiveWaits). Wall time over a TP layer would also count every time slice the rank lost to
-    # the other jobs on the host while it computed. See docs/profiler.md.
+    # its CPU clock is the layer's compute, and _measure_layer adds the collectives' own time
+    # (_CollectiveWaits). Wall time over a TP layer would count every wake-up and time slice lost to
+    # the other jobs on the host twice per collective, at both ranks. See docs/profiler.md.
     cpu_timed = functools.partial(timed, clock=device_cpu_clock())
     layer_timed = timed if cuda else cpu_timed
     return cpu_timed, layer_timed
@@ -299,9 +300,8 @@ def _timers(torch: ModuleType, cuda: bool, tp: int) -> tuple[_Timed, _Timed]:
 
 class _CollectiveWaits:
     """Wall seconds this rank spends waiting in TP collectives (models/tensor_parallel.set_wait), for a
-    CPU TP layer: `take()` returns those since the last call. They include the wait for a peer that is
-    behind, as in training: on a testbed VM each device is its own CPU share, throttled in its own CFS
-    periods, so the ranks of a TP group reach a collective out of step."""
+    CPU TP layer: `take()` returns those since the last call. Of a layer's repetitions the least is its
+    collectives' own cost (both ranks arrived at once); the rest is a peer held up by the host's load."""
 
     def __init__(self) -> None:
         self.total_s = 0.0
@@ -443,26 +443,34 @@ def _measure_layer(torch: ModuleType, run_forward: Callable[[], Tensor], x: Tens
 
     `agree(stop)` returns rank 0's decision on every rank: TP layers run collectives, so every rank
     of the group must run the same number of repetitions. With `waits` (a CPU TP rank, timed by its
-    CPU clock) each repetition is its compute plus the time it waited in its collectives.
+    CPU clock) each repetition's compute gets the least time a repetition spent in its collectives.
     """
     grad_out = None
     f_rule, b_rule = StopRule(policy), StopRule(policy)
+    f_wait, b_wait = math.inf, math.inf
     while True:
         if x.requires_grad:
             x.grad = None  # the input's gradient would otherwise accumulate across repetitions
         if waits is not None:
             waits.take()
         t_f, out = timed(run_forward)
-        t_f += waits.take() if waits is not None else 0.0
+        f_wait = min(f_wait, waits.take()) if waits is not None else 0.0
         if grad_out is None and out.dim() > 0:
             grad_out = torch.ones_like(out)
         t_b, _ = timed(functools.partial(out.backward, grad_out))
-        t_b += waits.take() if waits is not None else 0.0
+        b_wait = min(b_wait, waits.take()) if waits is not None else 0.0
         del out  # parameter gradients do accumulate, as over a pipeline's microbatches
         f_rule.add(t_f)
         b_rule.add(t_b)
         if agree(not f_rule.warming() and f_rule.done() and b_rule.done()):
-            return f_rule.result(), b_rule.result()
+            return _plus(f_rule.result(), f_wait, policy), _plus(b_rule.result(), b_wait, policy)
+
+
+def _plus(m: Measurement, seconds: float, policy: RepeatPolicy) -> Measurement:
+    """`m` with `seconds` added to every repetition (a CPU TP layer's collectives, on top of its compute)."""
+    if not seconds:
+        return m
+    return replace(Measurement.of([t + seconds for t in m.samples], policy.rel_err), stable=m.stable)
 
 
 def _warm_up_and_overhead(torch: ModuleType, dev: TorchDevice, cuda: bool) -> int:
