@@ -175,8 +175,10 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-class RetentionCancelled(Exception):  # noqa: N818 - a signal between threads, not an error
-    """A retention pass was cancelled between two reads (by `AsyncCheckpointer.close`)."""
+class RetentionCancelled(BaseException):  # noqa: N818 - a signal between threads, not an error
+    """A retention pass was cancelled between two reads (by `AsyncCheckpointer.close`). A BaseException,
+    like KeyboardInterrupt: no handler of a read's errors (which would take the checkpoint for corrupt and
+    quarantine it) may catch it."""
 
 
 class _CancellableReads:
