@@ -1,9 +1,10 @@
 """The `sailor` flow on the aws provider (moto): two regions, a spot interruption, a replan, completion.
 
-The VMs are moto's EC2 CPU instances (GPU type `cpu`, one worker each), provisioned, tagged, secured and
-terminated by AwsProvider; the worker each VM's startup script would start runs on this machine instead
-(tests/fakes/agents_here.py), after the assignment went out by SSM. The spot interruption is the two-minute
-notice as the VM's metadata relay reports it (moto emits none), followed by EC2 taking the VM back.
+The VMs are moto's EC2 CPU instances (GPU type `cpu`; the spot VM interrupted is a 2-device VM that runs
+two ranks), provisioned, tagged, secured and terminated by AwsProvider; the workers each VM's startup script
+would start run on this machine instead (tests/fakes/agents_here.py), after the assignment went out by SSM.
+The spot interruption is the two-minute notice as the VM's metadata relay reports it (moto emits none),
+followed by EC2 taking the VM back.
 Afterwards moto must hold no running instance and no security group of the run, and no credential
 may appear in any log line, artifact, store row or file of the run.
 """
@@ -27,7 +28,7 @@ pytest_plugins = ["tests.flow_fixtures"]  # one Prefect test server per session,
 pytestmark = [pytest.mark.aws, pytest.mark.usefixtures("prefect_harness")]
 
 ZONES = ("us-east-1a", "us-west-2a", "us-west-2b")
-GPU = "cpu"  # CPU instances (c7i.2xlarge), one worker each: the runtime trains on CPU here
+GPU = "cpu"  # CPU instances: c7i.2xlarge has one worker slot, c7i.4xlarge two (a multi-device VM)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
     moto.reset()
     store_uri = cloud_store(request.getfixturevalue("profiled_store"), tmp_path / "store", ZONES)
     prices = ScriptedPriceSource(cloud="aws")
-    prices.set(instance_type="c7i.2xlarge", zone="us-east-1a", market=Market.SPOT, usd_per_hour=0.12)
+    prices.set(instance_type="c7i.4xlarge", zone="us-east-1a", market=Market.SPOT, usd_per_hour=0.24)  # 2 devices
     prices.set(instance_type="c7i.2xlarge", zone="us-west-2a", market=Market.SPOT, usd_per_hour=0.13)
     prices.set(instance_type="c7i.2xlarge", zone="us-west-2b", market=Market.ON_DEMAND, usd_per_hour=0.40)
     notices = ScriptedEventSource()
@@ -71,7 +72,7 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
 
     deps = Deps(provider=provider, store=open_store(store_uri), workdir=work, poll_s=1.5)
     watcher = when_step(deps.board, 4, interrupt)
-    # The budget affords the two spot VMs (0.25/h) but no pair with the on-demand one (>= 0.52/h).
+    # The budget affords the two spot VMs (0.37/h) but no pair with the on-demand one (>= 0.53/h).
     state = sailor(run_name="aws-spot", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
                    max_usd_per_hour=0.5, provider="aws", regions=["us-east-1", "us-west-2"], gpu_types=[GPU], steps=60,
                    checkpoint_interval=4, store_uri=store_uri, workdir=str(work), deps=deps, return_state=True)
@@ -84,12 +85,13 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
     kinds = [e["kind"] for e in run["events"]]
     assert run["status"] == "completed"
     assert "preemption" in kinds and "reconfigured" in kinds, kinds
-    first = {rep["zone"] for st in run["plans"][0]["plan"]["stages"] for rep in st["replicas"]}
-    assert {"us-east-1a"} < first and any(z.startswith("us-west-2") for z in first)  # two regions
-    last = {rep["zone"] for st in run["plans"][-1]["plan"]["stages"] for rep in st["replicas"]}
-    print(f"aws flow: plan v1 zones {sorted(first)}, last plan zones {sorted(last)}, {len(run['plans'])} plans, "
-          f"events {kinds}")
-    assert "us-east-1a" not in last  # replanned onto the remaining capacity
+    zones = [{rep["zone"] for st in p["plan"]["stages"] for rep in st["replicas"]} for p in run["plans"]]
+    print(f"aws flow: zones per plan {[sorted(z) for z in zones]}, events {kinds}")
+    assert "us-east-1a" in zones[0] and any(z.startswith("us-west-2") for z in zones[-1])  # two regions
+    assert "us-east-1a" not in zones[-1]  # replanned onto the remaining capacity
+    # The 2-device VM ran two ranks (two replicas or stages, or one tp=2 replica) until it was taken back.
+    east = [rep for st in run["plans"][0]["plan"]["stages"] for rep in st["replicas"] if rep["zone"] == "us-east-1a"]
+    assert sum(rep["tp"] for rep in east) == 2 and {rep["gpus_per_node"] for rep in east} == {2}, east
 
     # Nothing left on the cloud: no running instance, no security group of the run; no worker here.
     for region in ("us-east-1", "us-west-2"):

@@ -1,6 +1,7 @@
 """The `sailor` flow on the gcp provider (the Compute fake): two regions, a preemption, a replan, completion.
 
-The VMs are the fake's instances (n2-standard-8 CPU VMs, GPU type `cpu`, one worker each),
+The VMs are the fake's instances (CPU VMs of GPU type `cpu`; the one preempted is an n2-standard-16, a
+2-device VM that runs two ranks),
 provisioned with labels, a run firewall and SPOT scheduling by GcpProvider; the worker each VM's
 startup script would start runs on this machine (tests/fakes/agents_here.py) after the assignment
 went into instance metadata. The preemption is GCE's own signal: a `compute.instances.preempted`
@@ -46,7 +47,7 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
     fake.reset()
     store_uri = cloud_store(request.getfixturevalue("profiled_store"), tmp_path / "store", ZONES)
     prices = ScriptedPriceSource(cloud="gcp")
-    prices.set(instance_type="n2-standard-8", zone="us-central1-a", market=Market.SPOT, usd_per_hour=0.08)
+    prices.set(instance_type="n2-standard-16", zone="us-central1-a", market=Market.SPOT, usd_per_hour=0.16)  # 2 dev.
     prices.set(instance_type="n2-standard-8", zone="europe-west4-a", market=Market.SPOT, usd_per_hour=0.09)
     prices.set(instance_type="n2-standard-8", zone="europe-west4-b", market=Market.ON_DEMAND, usd_per_hour=0.43)
     gcp = GcpProvider(GcpConfig(project="flow-project", regions=("us-central1", "europe-west4"), zones=ZONES,
@@ -65,7 +66,7 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
 
     deps = Deps(provider=provider, store=open_store(store_uri), workdir=work, poll_s=1.5)
     watcher = when_step(deps.board, 4, preempt)
-    # The budget affords the two spot VMs (0.17/h) but no pair with the on-demand one (>= 0.51/h).
+    # The budget affords the two spot VMs (0.25/h) but no pair with the on-demand one (>= 0.52/h).
     state = sailor(
         run_name="gcp-spot",
         model="gpt-tiny",
@@ -91,12 +92,13 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
     kinds = [e["kind"] for e in run["events"]]
     assert run["status"] == "completed"
     assert "preemption" in kinds and "reconfigured" in kinds, kinds
-    first = {rep["zone"] for st in run["plans"][0]["plan"]["stages"] for rep in st["replicas"]}
-    assert "us-central1-a" in first and any(z.startswith("europe-west4") for z in first)  # two regions
-    last = {rep["zone"] for st in run["plans"][-1]["plan"]["stages"] for rep in st["replicas"]}
-    print(f"gcp flow: plan v1 zones {sorted(first)}, last plan zones {sorted(last)}, {len(run['plans'])} plans, "
-          f"events {kinds}")
-    assert "us-central1-a" not in last  # replanned onto the remaining capacity
+    zones = [{rep["zone"] for st in p["plan"]["stages"] for rep in st["replicas"]} for p in run["plans"]]
+    print(f"gcp flow: zones per plan {[sorted(z) for z in zones]}, events {kinds}")
+    assert "us-central1-a" in zones[0] and any(z.startswith("europe-west4") for z in zones[-1])  # two regions
+    assert "us-central1-a" not in zones[-1]  # replanned onto the remaining capacity
+    # The 2-device VM ran two ranks (two replicas or stages, or one tp=2 replica) until it was preempted.
+    us = [rep for st in run["plans"][0]["plan"]["stages"] for rep in st["replicas"] if rep["zone"] == "us-central1-a"]
+    assert sum(rep["tp"] for rep in us) == 2 and {rep["gpus_per_node"] for rep in us} == {2}, us
 
     assert fake.instances == {} and fake.firewalls == {}
     assert provider.alive() == []

@@ -1,9 +1,9 @@
 """AWS GPU instance types: GPU type and count per VM, vCPUs, and the quota class they count against.
 
 Contract: pure data and lookups. Families p3, p3dn, p4d, p4de, p5, p5e, g5, g6 and g6e. GPU names
-follow the project's `model-memoryGB` convention. CPU instances (c5/c6i/c7i.2xlarge) serve GPU type
-`cpu`, one worker slot per VM, for smoke runs of the whole system. Quota codes are the Service Quotas codes of the
-vCPU limits each class counts against (on-demand and spot), as AWS documents them.
+follow the project's `model-memoryGB` convention. CPU instances serve GPU type `cpu`, one worker slot per 8
+vCPUs (c5/c6i/c7i.2xlarge one, c7i.4xlarge two), for smoke runs of the whole system. Quota codes are the
+Service Quotas codes of the vCPU limits each class counts against (on-demand and spot), as AWS documents them.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def _shapes() -> dict[str, InstanceShape]:
     ]
     out = {t: InstanceShape(instance_type=t, gpu_type=g, gpus=n, vcpus=v, quota_class=t[0].upper())
            for t, g, n, v in rows}
-    # CPU VMs for GPU type "cpu": one worker slot each (the local provider's worker, on a cloud VM),
-    # for smoke runs of the whole system on cheap instances.
-    for t, v in (("c7i.2xlarge", 8), ("c6i.2xlarge", 8), ("c5.2xlarge", 8)):
-        out[t] = InstanceShape(instance_type=t, gpu_type="cpu", gpus=1, vcpus=v, quota_class="standard")
+    # CPU VMs for GPU type "cpu": one worker slot ("device") per 8 vCPUs, for smoke runs of the whole
+    # system on cheap instances; the 16-vCPU ones are multi-device VMs (two ranks, or one tp=2 replica).
+    for t, v, n in (("c7i.2xlarge", 8, 1), ("c6i.2xlarge", 8, 1), ("c5.2xlarge", 8, 1), ("c7i.4xlarge", 16, 2)):
+        out[t] = InstanceShape(instance_type=t, gpu_type="cpu", gpus=n, vcpus=v, quota_class="standard")
     return out
 
 

@@ -3,8 +3,8 @@
 Contract: pure data. A shape is a machine type plus its GPUs (built in for a2/a3/g2; attached as
 guestAccelerators for N1). Its `instance_type` names both, e.g. `a2-highgpu-4g` or
 `n1-standard-16+nvidia-tesla-v100:2`. `quota_metric` is the regional quota that limits the
-GPUs (the PREEMPTIBLE_ variant applies to spot VMs). A CPU shape (n2-standard-8) serves GPU type
-`cpu`, one worker slot per VM, limited by its family's vCPU quota.
+GPUs (the PREEMPTIBLE_ variant applies to spot VMs). CPU shapes serve GPU type `cpu`, one worker
+slot per 8 vCPUs (n2-standard-8 one, n2-standard-16 two), limited by their family's vCPU quota.
 """
 
 from __future__ import annotations
@@ -76,8 +76,11 @@ def _shapes() -> list[GceShape]:
             v = 8 * n
             out.append(GceShape(machine_type=f"n1-standard-{v}", accelerator=acc, gpus=n, vcpus=v,
                                 memory_gib=3.75 * v, attached=True))
-    # CPU VMs for GPU type "cpu": one worker slot each, for smoke runs of the whole system.
-    out.append(GceShape(machine_type="n2-standard-8", accelerator="", gpus=1, vcpus=8, memory_gib=32, attached=False))
+    # CPU VMs for GPU type "cpu": one worker slot ("device") per 8 vCPUs, for smoke runs of the whole system;
+    # n2-standard-16 is a multi-device VM (two ranks, or one tp=2 replica).
+    for v, n in ((8, 1), (16, 2)):
+        out.append(GceShape(machine_type=f"n2-standard-{v}", accelerator="", gpus=n, vcpus=v, memory_gib=4 * v,
+                            attached=False))
     return out
 
 
