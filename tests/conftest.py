@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 _TMP = Path(tempfile.mkdtemp(prefix="sailor-tests-"))
@@ -28,5 +29,10 @@ REFERENCE_DATA = REPO.parent / "shared" / "reference_data"
 
 
 def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook signature
-    """The suite's Prefect home and default store go with the pytest process that made them."""
-    shutil.rmtree(_TMP, ignore_errors=True)
+    """The suite's Prefect home and default store go with the pytest process that made them (again after a
+    moment when a server still shutting down wrote into it meanwhile: empty folders were left otherwise)."""
+    for _ in range(5):
+        shutil.rmtree(_TMP, ignore_errors=True)
+        if not _TMP.exists():
+            return
+        time.sleep(0.5)
