@@ -40,6 +40,17 @@ def cloud_store(profiled_store: str, dest: Path, zones: Iterable[str]) -> str:
     return str(dest)
 
 
+def zones_per_plan(run: dict[str, Any]) -> list[set[str]]:
+    """The zones each of a stored run's plans placed replicas in, in plan order."""
+    return [{rep["zone"] for st in p["plan"]["stages"] for rep in st["replicas"]} for p in run["plans"]]
+
+
+def assert_two_ranks_on_one_vm(plan: dict[str, Any], zone: str) -> None:
+    """The plan runs two ranks (two replicas or stages, or one tp=2 replica) on the 2-device VM of `zone`."""
+    reps = [rep for st in plan["stages"] for rep in st["replicas"] if rep["zone"] == zone]
+    assert sum(rep["tp"] for rep in reps) == 2 and {rep["gpus_per_node"] for rep in reps} == {2}, reps
+
+
 def when_step(board: Any, step: int, action: Callable[[], None], *, timeout_s: float = 300) -> threading.Thread:
     """Run `action` once the flow has seen any worker at `step` (the heartbeat board its monitor keeps:
     what the workers report to the run's controller)."""

@@ -19,7 +19,7 @@ from infra.aws import AwsConfig, AwsProvider
 from infra.catalog import ScriptedPriceSource
 from infra.cloud import RUN_TAG, ScriptedEventSource
 from sailor_core.domain import Market
-from tests.cloud_flow_fixtures import cloud_store, leaks, when_step
+from tests.cloud_flow_fixtures import assert_two_ranks_on_one_vm, cloud_store, leaks, when_step, zones_per_plan
 from tests.fakes.agents_here import AgentsHere
 from tests.fakes.moto_server import DUMMY_KEY_ID, DUMMY_SECRET, MotoServer, client_factory
 
@@ -85,13 +85,12 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
     kinds = [e["kind"] for e in run["events"]]
     assert run["status"] == "completed"
     assert "preemption" in kinds and "reconfigured" in kinds, kinds
-    zones = [{rep["zone"] for st in p["plan"]["stages"] for rep in st["replicas"]} for p in run["plans"]]
+    zones = zones_per_plan(run)
     print(f"aws flow: zones per plan {[sorted(z) for z in zones]}, events {kinds}")
     assert "us-east-1a" in zones[0] and any(z.startswith("us-west-2") for z in zones[-1])  # two regions
     assert "us-east-1a" not in zones[-1]  # replanned onto the remaining capacity
-    # The 2-device VM ran two ranks (two replicas or stages, or one tp=2 replica) until it was taken back.
-    east = [rep for st in run["plans"][0]["plan"]["stages"] for rep in st["replicas"] if rep["zone"] == "us-east-1a"]
-    assert sum(rep["tp"] for rep in east) == 2 and {rep["gpus_per_node"] for rep in east} == {2}, east
+    # The 2-device VM ran two ranks until it was taken back.
+    assert_two_ranks_on_one_vm(run["plans"][0]["plan"], "us-east-1a")
 
     # Nothing left on the cloud: no running instance, no security group of the run; no worker here.
     for region in ("us-east-1", "us-west-2"):

@@ -19,7 +19,7 @@ from infra.catalog import ScriptedPriceSource
 from infra.cloud import ScriptedEventSource
 from infra.gcp import GceClients, GcpConfig, GcpProvider
 from sailor_core.domain import Market
-from tests.cloud_flow_fixtures import cloud_store, leaks, when_step
+from tests.cloud_flow_fixtures import assert_two_ranks_on_one_vm, cloud_store, leaks, when_step, zones_per_plan
 from tests.fakes.agents_here import AgentsHere
 from tests.fakes.gce_fake import GceFake
 
@@ -92,13 +92,12 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
     kinds = [e["kind"] for e in run["events"]]
     assert run["status"] == "completed"
     assert "preemption" in kinds and "reconfigured" in kinds, kinds
-    zones = [{rep["zone"] for st in p["plan"]["stages"] for rep in st["replicas"]} for p in run["plans"]]
+    zones = zones_per_plan(run)
     print(f"gcp flow: zones per plan {[sorted(z) for z in zones]}, events {kinds}")
     assert "us-central1-a" in zones[0] and any(z.startswith("europe-west4") for z in zones[-1])  # two regions
     assert "us-central1-a" not in zones[-1]  # replanned onto the remaining capacity
-    # The 2-device VM ran two ranks (two replicas or stages, or one tp=2 replica) until it was preempted.
-    us = [rep for st in run["plans"][0]["plan"]["stages"] for rep in st["replicas"] if rep["zone"] == "us-central1-a"]
-    assert sum(rep["tp"] for rep in us) == 2 and {rep["gpus_per_node"] for rep in us} == {2}, us
+    # The 2-device VM ran two ranks until it was taken back.
+    assert_two_ranks_on_one_vm(run["plans"][0]["plan"], "us-central1-a")
 
     assert fake.instances == {} and fake.firewalls == {}
     assert provider.alive() == []

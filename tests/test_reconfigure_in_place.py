@@ -49,6 +49,15 @@ def _pids(tmp_path, vm: str) -> dict[str, int]:
     return json.loads(lines[0])["workers"]
 
 
+def _losses(server: ControlServer, versions: int) -> list[float]:
+    rows = {}
+    for v in range(versions):
+        for x in server.read_list(metrics_key(v)):
+            r = json.loads(x)
+            rows[r["step"]] = r["loss"]  # a step the next generation ran again: its run wins
+    return [rows[k] for k in sorted(rows)]
+
+
 def test_a_plan_change_keeps_the_processes_and_the_losses(tmp_path):
     before = plan([((0, 2), [rep()]), ((3, 5), [rep()])])  # a/0 runs stage 0, b/0 stage 1; a/1 sits out
     after = plan([((0, 2), [rep(2)]), ((3, 5), [rep()])])  # stage 0 now tp=2 over both devices of a
@@ -78,12 +87,7 @@ def test_a_plan_change_keeps_the_processes_and_the_losses(tmp_path):
         # stage 1 kept its shard (same layers, same TP): from memory; stage 0 changed TP: from the checkpoint
         assert server.get(loaded_key(1, "b/0")) == "memory"
         assert server.get(loaded_key(1, "a/0")) == server.get(loaded_key(1, "a/1")) == "checkpoint"
-        rows = {}
-        for key in (metrics_key(0), metrics_key(1)):
-            for x in server.read_list(key):
-                r = json.loads(x)
-                rows[r["step"]] = r["loss"]
-        got = [rows[k] for k in sorted(rows)]
+        got = _losses(server, 2)
         ref = train(SINGLE, tmp_path, "single")
         assert len(got) == STEPS
         assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-3, (got, ref)
@@ -93,15 +97,6 @@ def test_a_plan_change_keeps_the_processes_and_the_losses(tmp_path):
                 p.kill()
                 p.wait()
         server.close()
-
-
-def _losses(server: ControlServer, versions: int) -> list[float]:
-    rows = {}
-    for v in range(versions):
-        for x in server.read_list(metrics_key(v)):
-            r = json.loads(x)
-            rows[r["step"]] = r["loss"]  # a step the next generation ran again: its run wins
-    return [rows[k] for k in sorted(rows)]
 
 
 def test_an_aborted_generation_leaves_the_survivors_state_in_memory(tmp_path):
