@@ -181,6 +181,21 @@ def test_p2p_time_uses_the_link_fit_and_tp_ranks_share_it() -> None:
     assert sm.p2p_time_s(rep(), rep(zone="zb"), msg, same_node=False) == pytest.approx(msg / 5e9)
 
 
+def test_deepspeed_sends_one_slice_of_a_tp_groups_message_per_rank() -> None:
+    """DeepSpeed's pipeline engine partitions the activation (and its gradient) over the TP group
+    (pipe_partitioned / grad_partitioned, on by default): one message crosses, in tp slices that share
+    the nodes' link, and the receivers all-gather the slices. Our runtime sends whole copies."""
+    sm = SimModel(make_book(inter_gbps=10.0, intra_gbps=100.0))
+    msg = 1e6
+    # tp=2: two halves share the fit measured with 2 GPUs (20 GB/s), then one half moves over the pair
+    assert sm.partitioned_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False) == pytest.approx(
+        (msg / 2) / 10e9 + (msg / 2) / 100e9)
+    # our runtime: each receiving rank reads a whole copy, two copies share the same 20 GB/s
+    assert sm.boundary_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False)[0] == pytest.approx(msg / 10e9)
+    # without TP both send one whole message
+    assert sm.partitioned_p2p_s(rep(), rep(), msg, same_node=False) == pytest.approx(msg / 10e9)
+
+
 def test_ring_allreduce_by_hand_with_buckets() -> None:
     sm = SimModel(make_book(inter_gbps=10.0))
     two = [rep(), rep()]

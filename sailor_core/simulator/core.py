@@ -265,9 +265,9 @@ def _pipeline_timeline(
         if ours:
             p2p.append(sm.boundary_p2p_s(a, b, msg, same_node=shared[s]))
             copies_fwd, copies_bwd = b.tp, a.tp  # one per receiving TP rank, each way
-        else:  # every TP rank sends its copy, both ways
-            p2p.append(sm.p2p_time_s(a, b, msg, same_node=shared[s]))
-            copies_fwd = copies_bwd = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
+        else:  # DeepSpeed: the TP group's ranks send one slice each, so one message crosses each way
+            p2p.append(sm.partitioned_p2p_s(a, b, msg, same_node=shared[s]))
+            copies_fwd = copies_bwd = 1
         if a.zone != b.zone:
             gb = msg * num_microbatches / C.BYTES_PER_GB
             egress += gb * (copies_fwd * book.egress_usd_per_gb(a.zone, b.zone)

@@ -439,6 +439,24 @@ class SimModel:
         return (self.p2p_time_s(sender, receiver, message_bytes, same_node=same_node, copies=max(1, receiver.tp)),
                 self.p2p_time_s(receiver, sender, message_bytes, same_node=same_node, copies=max(1, sender.tp)))
 
+    def partitioned_p2p_s(self, sender: Replica, receiver: Replica, message_bytes: float, *,
+                          same_node: bool) -> float:
+        """Seconds of one pipeline message as DeepSpeed's pipeline engine sends it (the artifact's runs).
+
+        With tensor parallelism it partitions the activation, and the gradient coming back, over the
+        TP group (its `pipe_partitioned` and `grad_partitioned` settings, both on by default): each of
+        the k = min(tp) ranks sends its 1/k slice to its peer, k concurrent flows sharing the two
+        nodes' links, and the receiving group rebuilds the whole tensor with an all-gather over its
+        node's GPU pairs ((k - 1) ring steps of one slice). Without TP it is one whole message.
+        """
+        k = max(1, min(sender.tp, receiver.tp))
+        if k == 1 or message_bytes <= 0:
+            return self.p2p_time_s(sender, receiver, message_bytes, same_node=same_node, copies=1)
+        part = message_bytes / k
+        send = self.p2p_time_s(sender, receiver, part, same_node=same_node, copies=k)
+        gather = (k - 1) * part / self.flow_bandwidth_bytes_per_s(receiver, receiver, 1, part, same_node=True)
+        return send + gather
+
     def grad_buckets(self, tp: int, first: int, last: int, bytes_per_elem: int) -> tuple[tuple[int, int], ...]:
         """The runtime's gradient buckets of a stage, in launch order: (bytes, first layer of the bucket).
 
