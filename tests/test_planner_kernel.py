@@ -45,7 +45,8 @@ class SyntheticCosts:
     def boundary_bytes(self, tp: int, last: int, mbs: int) -> float:
         return 2e6 * mbs
 
-    def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str, message_bytes: float) -> float:
+    def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str, message_bytes: float,
+              share: int = 1) -> float:
         return message_bytes / (10e9 if zone_a == zone_b else 2e9)
 
     def grad_bytes(self, tp: int, first: int, last: int) -> float:

@@ -42,6 +42,8 @@ PLANS = {
     "3stages-uneven": plan([((0, 1), [rep()]), ((2, 4), [rep()]), ((5, 5), [rep()])]),
     "2pipelines-mixed-mbs": plan([((0, 2), [rep(), rep()]), ((3, 5), [rep(), rep()])], ((1, 2), (3, 2))),
     "tp2-stage": plan([((0, 3), [rep(2)]), ((4, 5), [rep()])]),
+    # activations reach a TP group in slices that it all-gathers; its input gradients go back whole
+    "tp1-to-tp2": plan([((0, 2), [rep()]), ((3, 5), [rep(2)])]),
 }
 
 
@@ -113,6 +115,19 @@ def test_zero1_owners_split_the_state_evenly():
     assert per == [102, 102] and owners == zero1_owners(sizes, 2)  # balanced and deterministic
     assert zero1_owners(sizes, 1) == [0] * len(sizes)
     assert set(zero1_owners([1, 1], 3)) <= {0, 1}  # more replicas than parameters: some own nothing
+
+
+def test_a_message_between_stages_is_cut_into_one_slice_per_receiving_rank():
+    import torch
+
+    from sailor_core.runtime.engine import message_slices
+
+    t = torch.arange(10, dtype=torch.float32).view(2, 5)
+    parts = message_slices(t, 3)  # 10 elements in 3 slices of 4, the last padded with zeros
+    assert [p.numel() for p in parts] == [4, 4, 4] and all(p.is_contiguous() for p in parts)
+    assert torch.equal(torch.cat(parts)[:10].view(2, 5), t)
+    assert torch.equal(parts[2][2:], torch.zeros(2))
+    assert message_slices(t, 1)[0].numel() == 10
 
 
 def test_data_order_is_a_function_of_the_sample_index():

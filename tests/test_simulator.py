@@ -35,6 +35,7 @@ from sailor_core.simulator import (
     simulate,
 )
 from sailor_core.simulator import constants as C
+from sailor_core.simulator.core import nic_sharing
 
 # Tiny model: layer 0 embedding, 1-2 blocks, 3 head. Per GPU at tp (params halve with tp=2).
 PARAMS = {0: 1000, 1: 500, 2: 500, 3: 800}
@@ -181,19 +182,51 @@ def test_p2p_time_uses_the_link_fit_and_tp_ranks_share_it() -> None:
     assert sm.p2p_time_s(rep(), rep(zone="zb"), msg, same_node=False) == pytest.approx(msg / 5e9)
 
 
-def test_deepspeed_sends_one_slice_of_a_tp_groups_message_per_rank() -> None:
-    """DeepSpeed's pipeline engine partitions the activation (and its gradient) over the TP group
-    (pipe_partitioned / grad_partitioned, on by default): one message crosses, in tp slices that share
-    the nodes' link, and the receivers all-gather the slices. Our runtime sends whole copies."""
+def test_a_tp_groups_message_crosses_once_in_slices_and_is_all_gathered() -> None:
+    """Both runtimes cut a message between stages into one slice per rank of the receiving TP group:
+    the slices share the nodes' link, then the receivers all-gather them over their node's pairs.
+    DeepSpeed (pipe_partitioned / grad_partitioned, on by default) cuts into min(tp) slices; ours into
+    tp_recv slices forward and tp_send back (engine._p2p)."""
     sm = SimModel(make_book(inter_gbps=10.0, intra_gbps=100.0))
     msg = 1e6
-    # tp=2: two halves share the fit measured with 2 GPUs (20 GB/s), then one half moves over the pair
-    assert sm.partitioned_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False) == pytest.approx(
-        (msg / 2) / 10e9 + (msg / 2) / 100e9)
-    # our runtime: each receiving rank reads a whole copy, two copies share the same 20 GB/s
-    assert sm.boundary_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False)[0] == pytest.approx(msg / 10e9)
+    sliced = (msg / 2) / 10e9 + (msg / 2) / 100e9  # two halves share 20 GB/s, one half over the pair
+    assert sm.partitioned_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False) == pytest.approx(sliced)
+    assert sm.boundary_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False) == pytest.approx((sliced, sliced))
+    # tp 2 -> tp 1: one whole message forward, two slices back to the TP group
+    assert sm.boundary_p2p_s(rep(tp=2), rep(), msg, same_node=False) == pytest.approx((msg / 10e9, sliced))
     # without TP both send one whole message
     assert sm.partitioned_p2p_s(rep(), rep(), msg, same_node=False) == pytest.approx(msg / 10e9)
+    # whole copies, one per receiving rank, would take twice as long on the link
+    assert sm.p2p_time_s(rep(tp=2), rep(tp=2), msg, same_node=False, copies=2) == pytest.approx(msg / 10e9)
+
+
+def test_pipelines_crossing_through_one_node_share_its_link() -> None:
+    """Two tp=1 replicas of a stage on one 2-GPU node send to two replicas on another node at the
+    same time: their messages share the link measured with 2 GPUs, or the one NIC measured with 1."""
+    two = [rep(), rep()]
+    plan = plan_of([(0, 1, two), (2, 3, two)], [(1, 4), (1, 4)])
+    nodes = place_nodes(plan)
+    assert nodes == [[0, 0], [1, 1]]
+    assert nic_sharing(nodes) == [[2, 2]]
+    # a node with one NIC: only the count-1 fit is known, so each of the two flows gets half of it
+    book = make_book(inter_gbps=10.0)
+    one_nic = dataclasses.replace(book, links=tuple(lk for lk in book.links if lk.sender_count == 1))
+    sm = SimModel(one_nic)
+    msg = 1e6
+    assert sm.boundary_p2p_s(rep(), rep(), msg, same_node=False, share=2) == pytest.approx(
+        (msg / 5e9, msg / 5e9))
+    assert sm.boundary_p2p_s(rep(), rep(), msg, same_node=False) == pytest.approx((msg / 10e9, msg / 10e9))
+    # per-GPU NICs (the count-2 fit is twice the count-1 fit): sharing costs nothing
+    assert SimModel(book).boundary_p2p_s(rep(), rep(), msg, same_node=False, share=2) == pytest.approx(
+        (msg / 10e9, msg / 10e9))
+    shared_nic = simulate(plan, one_nic).breakdown.pipeline_p2p_s
+    apart = simulate(plan_of([(0, 1, [rep(), rep(zone="zb")]), (2, 3, [rep(), rep(zone="zb")])], [(1, 4), (1, 4)]),
+                     one_nic).breakdown.pipeline_p2p_s
+    assert shared_nic > apart
+    # one pipeline per node on each side: nobody to share with
+    assert nic_sharing([[0, 1], [2, 3]]) == [[1, 1]]
+    # a hop inside one node does not touch the NIC
+    assert nic_sharing([[0, 0], [0, 1]]) == [[1, 1]]
 
 
 def test_ring_allreduce_by_hand_with_buckets() -> None:

@@ -127,7 +127,7 @@ class Costs(Protocol):
     def boundary_bytes(self, tp: int, last: int, mbs: int) -> float: ...
 
     def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str,
-              message_bytes: float) -> float | tuple[float, float]: ...
+              message_bytes: float, share: int = 1) -> float | tuple[float, float]: ...
 
     def grad_bytes(self, tp: int, first: int, last: int) -> float: ...
 
@@ -192,16 +192,18 @@ class SimCosts:
         return float(self.sm.boundary_elems(tp, last) * mbs * self._msg_bytes)
 
     def p2p_s(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str,
-              message_bytes: float) -> tuple[float, float]:
-        """(activation forward, gradient back) seconds across the boundary: `SimModel.boundary_p2p_s`."""
-        key = (a.gpu_type, a.gpus_per_node, tp_a, zone_a, b.gpu_type, b.gpus_per_node, tp_b, zone_b, message_bytes)
+              message_bytes: float, share: int = 1) -> tuple[float, float]:
+        """(activation forward, gradient back) seconds across the boundary, `share` pipelines crossing
+        through one node's link at once: `SimModel.boundary_p2p_s`."""
+        key = (a.gpu_type, a.gpus_per_node, tp_a, zone_a, b.gpu_type, b.gpus_per_node, tp_b, zone_b, message_bytes,
+               share)
         v = self._p2p.get(key)
         if v is None:
             ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node, region=a.region)
             rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node, region=b.region)
             # Consecutive stages sit on different nodes (ranks are laid out stage by stage).
             try:
-                v = self.sm.boundary_p2p_s(ra, rb, message_bytes, same_node=False)
+                v = self.sm.boundary_p2p_s(ra, rb, message_bytes, same_node=False, share=share)
             except MissingProfileError as e:
                 # No measured link between these GPUs/zones: that boundary is not an option.
                 self.missing.add(e.what)
@@ -310,6 +312,16 @@ class SimCosts:
 
     def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float:
         return self.book.egress_usd_per_gb(zone_a, zone_b)
+
+
+def nic_share(slot_a: Slot, tp_a: int, layout_a: Layout, zone_a: str, slot_b: Slot, tp_b: int, layout_b: Layout,
+              zone_b: str) -> int:
+    """Pipelines whose messages cross one node's link at once (`simulator.core.nic_sharing` on the
+    plan these layouts become): a node of a zone holds gpus_per_node // tp of the stage's replicas
+    there, and the busier end of the hop counts."""
+    def crowd(slot: Slot, tp: int, layout: Layout, zone: str) -> int:
+        return min(max(1, slot.gpus_per_node // max(1, tp)), sum(n for z, n in layout if z == zone))
+    return max(1, crowd(slot_a, tp_a, layout_a, zone_a), crowd(slot_b, tp_b, layout_b, zone_b))
 
 
 def zone_pairs(a: Layout, b: Layout) -> list[tuple[str, str, int]]:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 
-from sailor_core.planner.costs import Costs, Layout, Slot, zone_pairs
+from sailor_core.planner.costs import Costs, Layout, Slot, nic_share, zone_pairs
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.risk import SpotRisk, useful_fraction_of
 from sailor_core.simulator import StageCompute, dp_sync_end_s, pipeline_time_s
@@ -285,13 +285,14 @@ class Search:
             msg = c.boundary_bytes(ta, sk.bounds[s][1], sk.mbs)
             worst_f = worst_b = 0.0
             for za, zb, cnt in zone_pairs(layouts[s], layouts[s + 1]):
-                f, bk = _fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg))
+                share = nic_share(a, ta, layouts[s], za, b, tb, layouts[s + 1], zb)
+                f, bk = _fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg, share))
                 worst_f, worst_b = max(worst_f, f), max(worst_b, bk)
                 if za != zb:
-                    # each of these cnt pipelines sends about n/D microbatches each way: one copy
-                    # forward per receiving TP rank, one gradient back per sending TP rank
+                    # each of these cnt pipelines sends about n/D microbatches each way, one message
+                    # per microbatch in slices (SimModel.boundary_p2p_s)
                     gb = msg * (n / sk.dp) * cnt / BYTES_PER_GB
-                    egress += gb * (tb * c.egress_usd_per_gb(za, zb) + ta * c.egress_usd_per_gb(zb, za))
+                    egress += gb * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
             p2p.append((worst_f, worst_b))
         total, _, finish = pipeline_time_s(comp, p2p, m)
         end = 0.0

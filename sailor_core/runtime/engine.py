@@ -19,8 +19,9 @@ Contract:
   that shard differently keep the full state (logged). Gloo has no reduce-scatter, so gradients are
   still all-reduced whole: the memory saving is ZeRO-1's, the traffic is an all-reduce plus the
   parameter broadcast.
-- Between stages activations go forward and gradients back: receiving TP rank r reads from sending
-  TP rank r mod tp_send; gradients go back from receiving rank t mod tp_recv to sending rank t.
+- Between stages activations go forward and gradients back, each message once, in slices: receiving
+  TP rank r gets slice r from sending TP rank r mod tp_send and the receiving TP group all-gathers
+  the slices; gradients go back from receiving rank t mod tp_recv to sending rank t the same way.
   Every exchange is one `dist.batch_isend_irecv` in the schedule's order (Megatron's pairing: a
   1F1B steady-state step sends its activation and receives its gradient in one batch, then sends
   its input gradient and receives the next activation in one batch), so no rank ever waits for a
@@ -156,6 +157,19 @@ def device_ids(device: torch.device) -> list[int] | None:
 
 # Gradient bucket size for the data-parallel all-reduce: torch DDP's default `bucket_cap_mb`.
 BUCKET_CAP_BYTES = 25 * 1024 * 1024
+
+
+def message_slices(t: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """`t` flattened and cut into k equal contiguous slices (the last padded with zeros): TP rank r of
+    the receiving group gets slice r, and the group's all-gather of the k slices, cut back to t's
+    size, is t again."""
+    flat = t.reshape(-1)
+    if k == 1:
+        return [flat]
+    size = -(-flat.numel() // k)
+    if size * k != flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(size * k - flat.numel())])
+    return list(flat.view(k, size).unbind(0))
 
 
 def zero1_owners(sizes: list[int], replicas: int) -> list[int]:
@@ -340,16 +354,21 @@ class Trainer:
         s, j, t = self.me.stage, self.me.pipeline, self.me.tp_rank
         tp_me = self.me.tp
         self.recv_fwd_from = self.send_fwd_to = self.recv_bwd_from = None
-        self.send_bwd_to: list[int] = []
-        self.send_fwd_to_list: list[int] = []
+        # (peer rank, which of the peer group's slices it gets): TP rank r of a receiving group gets
+        # slice r of the message and the group all-gathers the slices (`_p2p`)
+        self.send_bwd_to: list[tuple[int, int]] = []
+        self.send_fwd_to_list: list[tuple[int, int]] = []
+        self.fwd_slices = self.bwd_slices = 1
         if s > 0:
             prev = ranks_of(self.plan, s - 1, j)
             self.recv_fwd_from = prev[t % len(prev)]
-            self.send_bwd_to = [prev[u] for u in range(len(prev)) if u % tp_me == t]
+            self.send_bwd_to = [(prev[u], u) for u in range(len(prev)) if u % tp_me == t]
+            self.bwd_slices = len(prev)
         if s < self.plan.num_stages - 1:
             nxt = ranks_of(self.plan, s + 1, j)
-            self.send_fwd_to_list = [nxt[r] for r in range(len(nxt)) if r % tp_me == t]
+            self.send_fwd_to_list = [(nxt[r], r) for r in range(len(nxt)) if r % tp_me == t]
             self.recv_bwd_from = nxt[t % len(nxt)]
+            self.fwd_slices = len(nxt)
         if self.device.type == "cuda":
             # NCCL builds a group's communicator at its first collective, and a batch of point-to-point
             # operations may only be that first call if every rank of the group takes part: make the
@@ -565,28 +584,39 @@ class Trainer:
             raise RuntimeError(f"microbatch {m}: the received activation got no gradient in backward")
         return inp.grad.to(self.comm_dtype).contiguous()
 
-    def _p2p(self, send: torch.Tensor | None, to: Sequence[int], recv_from: int | None) -> torch.Tensor | None:
-        """One batch of point-to-point operations: `send` to every rank in `to` and, if `recv_from` is
-        set, one activation-shaped tensor from it, which is returned once it has arrived. All of a
-        batch's operations are posted together, so a peer whose own batch sends to us while it
-        receives from us meets our receive whatever the send's semantics. Works of a batch without a
-        receive are waited for at the end of the step (the tensor stays referenced until then)."""
+    def _p2p(self, send: torch.Tensor | None, to: Sequence[tuple[int, int]], recv_from: int | None,
+             slices: int = 1) -> torch.Tensor | None:
+        """One batch of point-to-point operations: to every (rank, i) in `to` slice i of `send` cut in
+        `slices` (`message_slices`) and, if `recv_from` is set, this rank's slice of an
+        activation-shaped tensor from it; the TP group then all-gathers its slices and the whole
+        tensor is returned. So a message crosses the link between two stages once whatever their TP
+        degrees (DeepSpeed's and Megatron's scatter/gather between stages), not once per receiving
+        rank, and the TP group's own link rebuilds it. All of a batch's operations are posted
+        together, so a peer whose own batch sends to us while it receives from us meets our receive
+        whatever the send's semantics. Works of a batch without a receive are waited for at the end
+        of the step (the tensors stay referenced until then)."""
         ops = []
-        buf = None
+        part = None
+        numel = math.prod(self._act_shape())
         if recv_from is not None:
-            buf = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buf, recv_from))
+            part = torch.empty(-(-numel // self.tp.size), dtype=self.comm_dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, part, recv_from))
         if send is not None:
-            ops += [dist.P2POp(dist.isend, send, dst) for dst in to]
+            cut = message_slices(send, slices)
+            ops += [dist.P2POp(dist.isend, cut[i], dst) for dst, i in to]
         if not ops:
-            return buf
+            return None
         works = dist.batch_isend_irecv(ops)
-        if buf is None:
-            self._pending += [(w, send) for w in works]
-        else:
-            for w in works:
-                comm.wait(w)
-        return buf
+        if part is None:
+            self._pending += [(w, send if slices == 1 else cut) for w in works]
+            return None
+        for w in works:
+            comm.wait(w)
+        if self.tp.size == 1:
+            return part.view(self._act_shape())
+        whole = torch.empty(part.numel() * self.tp.size, dtype=self.comm_dtype, device=self.device)
+        comm.wait(dist.all_gather_single(whole, part, group=self.tp.group, async_op=True))
+        return whole[:numel].view(self._act_shape())
 
     def _schedule(self) -> None:
         """GPipe (all forwards, then all backwards) or 1F1B (Megatron's order: stage s runs
@@ -597,23 +627,24 @@ class Trainer:
         n, s, S = self.pipe.num_microbatches, self.me.stage, self.plan.num_stages
         prev, nxt = self.recv_fwd_from, self.recv_bwd_from  # None at the first / last stage
         fwd_to, bwd_to = self.send_fwd_to_list, self.send_bwd_to
+        fk, bk = self.fwd_slices, self.bwd_slices
         if self.plan.schedule == "gpipe":
             for m in range(n):
-                self._p2p(self._forward(m, self._p2p(None, (), prev)), fwd_to, None)
+                self._p2p(self._forward(m, self._p2p(None, (), prev)), fwd_to, None, fk)
             for m in range(n):
-                self._p2p(self._backward(m, self._p2p(None, (), nxt)), bwd_to, None)
+                self._p2p(self._backward(m, self._p2p(None, (), nxt)), bwd_to, None, bk)
             return
         warmup = min(S - s - 1, n)
         for m in range(warmup):
-            self._p2p(self._forward(m, self._p2p(None, (), prev)), fwd_to, None)
+            self._p2p(self._forward(m, self._p2p(None, (), prev)), fwd_to, None, fk)
         steady = n - warmup
         inp = self._p2p(None, (), prev) if steady else None
         for i in range(steady):
-            grad_out = self._p2p(self._forward(warmup + i, inp), fwd_to, nxt)
+            grad_out = self._p2p(self._forward(warmup + i, inp), fwd_to, nxt, fk)
             last = i == steady - 1
-            inp = self._p2p(self._backward(i, grad_out), bwd_to, None if last else prev)
+            inp = self._p2p(self._backward(i, grad_out), bwd_to, None if last else prev, bk)
         for m in range(steady, n):
-            self._p2p(self._backward(m, self._p2p(None, (), nxt)), bwd_to, None)
+            self._p2p(self._backward(m, self._p2p(None, (), nxt)), bwd_to, None, bk)
 
     def _setup_overlap(self) -> None:
         """DDP-style overlap for replicas that shard alike: during the last microbatch's backward the

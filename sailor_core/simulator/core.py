@@ -17,6 +17,7 @@ Time model (docs/simulator.md has the derivations):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -229,14 +230,16 @@ def _pipelines(
     finishes: list[list[float]] = []
     egress_usd = 0.0
     seen: dict[tuple[object, ...], tuple[list[StageCompute], float, float, list[float], float]] = {}
+    crowd = nic_sharing(nodes)
     for j, pb in enumerate(plan.pipelines):
         reps = [st.replicas[j] for st in stages]
         shared = tuple(nodes[s][j] == nodes[s + 1][j] for s in range(p - 1))
-        sig = (pb.microbatch_size, pb.num_microbatches, shared,
+        share = tuple(crowd[s][j] for s in range(p - 1))
+        sig = (pb.microbatch_size, pb.num_microbatches, shared, share,
                tuple((r.gpu_type, r.zone, r.tp, r.gpus_per_node) for r in reps))
         hit = seen.get(sig)
         if hit is None:
-            hit = _pipeline_timeline(sm, stages, reps, shared, pb.microbatch_size, pb.num_microbatches,
+            hit = _pipeline_timeline(sm, stages, reps, shared, share, pb.microbatch_size, pb.num_microbatches,
                                      schedule=schedule, precision=precision, runtime=runtime)
             seen[sig] = hit
         computes.append(hit[0])
@@ -247,11 +250,29 @@ def _pipelines(
     return _Pipelines(computes, pipe_times, pipe_comm, finishes, egress_usd)
 
 
+def nic_sharing(nodes: Sequence[Sequence[int]]) -> list[list[int]]:
+    """For every boundary s and pipeline j: how many pipelines send their stage-s -> s+1 messages
+    through the busier of the two nodes' NICs at the same time (1 inside a node).
+
+    The replicas of a stage run in step, so every pipeline whose boundary leaves node N sends when
+    the others do (and all those entering N receive together): their flows share N's link. This
+    counts pipelines per (boundary, sending node) and (boundary, receiving node) and takes the
+    larger count of the two ends of each pipeline's hop."""
+    out: list[list[int]] = []
+    for s in range(len(nodes) - 1):
+        here, there = nodes[s], nodes[s + 1]
+        leaving = Counter(a for a, b in zip(here, there, strict=True) if a != b)
+        entering = Counter(b for a, b in zip(here, there, strict=True) if a != b)
+        out.append([1 if a == b else max(leaving[a], entering[b]) for a, b in zip(here, there, strict=True)])
+    return out
+
+
 def _pipeline_timeline(
-    sm: SimModel, stages: Sequence[Stage], reps: Sequence[Replica], shared: tuple[bool, ...], mbs: int,
-    num_microbatches: int, *, schedule: str, precision: str, runtime: str,
+    sm: SimModel, stages: Sequence[Stage], reps: Sequence[Replica], shared: tuple[bool, ...],
+    share: tuple[int, ...], mbs: int, num_microbatches: int, *, schedule: str, precision: str, runtime: str,
 ) -> tuple[list[StageCompute], float, float, list[float], float]:
-    """(per-stage compute, pipeline seconds, its p2p part, last-backward ends, egress USD) of one pipeline."""
+    """(per-stage compute, pipeline seconds, its p2p part, last-backward ends, egress USD) of one pipeline;
+    `share[s]`: pipelines whose boundary-s messages share this one's NIC (`nic_sharing`)."""
     book = sm.book
     msg_bytes_per_elem = C.P2P_BYTES_PER_ELEMENT[precision]
     ours = runtime == "sailor"
@@ -263,15 +284,12 @@ def _pipeline_timeline(
         a, b = reps[s], reps[s + 1]
         msg = sm.boundary_elems(a.tp, stages[s].last_layer) * mbs * msg_bytes_per_elem
         if ours:
-            p2p.append(sm.boundary_p2p_s(a, b, msg, same_node=shared[s]))
-            copies_fwd, copies_bwd = b.tp, a.tp  # one per receiving TP rank, each way
-        else:  # DeepSpeed: the TP group's ranks send one slice each, so one message crosses each way
-            p2p.append(sm.partitioned_p2p_s(a, b, msg, same_node=shared[s]))
-            copies_fwd = copies_bwd = 1
-        if a.zone != b.zone:
+            p2p.append(sm.boundary_p2p_s(a, b, msg, same_node=shared[s], share=share[s]))
+        else:
+            p2p.append(sm.partitioned_p2p_s(a, b, msg, same_node=shared[s], share=share[s]))
+        if a.zone != b.zone:  # both runtimes send one message each way, in slices
             gb = msg * num_microbatches / C.BYTES_PER_GB
-            egress += gb * (copies_fwd * book.egress_usd_per_gb(a.zone, b.zone)
-                            + copies_bwd * book.egress_usd_per_gb(b.zone, a.zone))
+            egress += gb * (book.egress_usd_per_gb(a.zone, b.zone) + book.egress_usd_per_gb(b.zone, a.zone))
     total, comm, finish = pipeline_time_s(comp, p2p, num_microbatches, schedule, runtime)
     return comp, total, comm, finish, egress
 

@@ -404,58 +404,71 @@ class SimModel:
         if same_node:
             fit, _ = self._intra_fit(a.gpu_type, 2, a.gpus_per_node)
             return fit.bandwidth_bytes_per_s(message_bytes)
-        fit, n = self._inter_fit(a, flows, b, flows)
+        # more flows than a node has GPUs (several copies per GPU) share the fit of the whole node
+        fit, n = self._inter_fit(a, min(flows, max(1, a.gpus_per_node)), b, min(flows, max(1, b.gpus_per_node)))
         return fit.bandwidth_bytes_per_s(message_bytes) / max(n, flows)
 
     def p2p_time_s(self, sender: Replica, receiver: Replica, message_bytes: float, *, same_node: bool,
-                   copies: int | None = None) -> float:
+                   copies: int | None = None, share: int = 1) -> float:
         """Seconds until `copies` copies of one pipeline message, sent at once from `sender`'s node to
-        `receiver`'s, have all arrived (default: one per rank of the smaller TP group).
+        `receiver`'s, have all arrived (default: one per rank of the smaller TP group), while `share`
+        pipelines in all (this one included) send theirs through the same node's link.
 
         The copies are concurrent flows between the same two nodes: across nodes they share the
-        measured bandwidth (`flow_bandwidth_bytes_per_s`), inside a node each pair has its own link.
+        measured bandwidth (`flow_bandwidth_bytes_per_s`) with every other pipeline's copies on that
+        link, inside a node each pair has its own link.
         """
         if message_bytes <= 0:
             return 0.0
         k = copies if copies is not None else max(1, min(sender.tp, receiver.tp))
+        flows = k if same_node else k * max(1, share)
         key = (sender.zone, sender.gpu_type, sender.gpus_per_node,
-               receiver.zone, receiver.gpu_type, receiver.gpus_per_node, message_bytes, same_node, k)
+               receiver.zone, receiver.gpu_type, receiver.gpus_per_node, message_bytes, same_node, flows)
         hit = self._p2p_memo.get(key)
         if hit is None:
-            bw = self.flow_bandwidth_bytes_per_s(sender, receiver, k, message_bytes, same_node=same_node)
+            bw = self.flow_bandwidth_bytes_per_s(sender, receiver, flows, message_bytes, same_node=same_node)
             hit = message_bytes / bw
             self._p2p_memo[key] = hit
         return hit
 
-    def boundary_p2p_s(self, sender: Replica, receiver: Replica, message_bytes: float, *,
-                       same_node: bool) -> tuple[float, float]:
-        """(activation forward, gradient back) seconds across one stage boundary, as the runtime sends.
+    def sliced_p2p_s(self, sender: Replica, receiver: Replica, message_bytes: float, slices: int, *,
+                     same_node: bool, share: int = 1) -> float:
+        """Seconds to hand one pipeline message to a receiving TP group in `slices` slices: the slices
+        cross at once (each a flow sharing the two nodes' link, with the other `share` - 1 pipelines'
+        flows through the same NIC), then the receiving group all-gathers them over its node's GPU
+        pairs ((slices - 1) ring steps of one slice). One slice is the whole message, no gather."""
+        k = max(1, slices)
+        if k == 1 or message_bytes <= 0:
+            return self.p2p_time_s(sender, receiver, message_bytes, same_node=same_node, copies=1, share=share)
+        part = message_bytes / k
+        send = self.p2p_time_s(sender, receiver, part, same_node=same_node, copies=k, share=share)
+        gather = (k - 1) * part / self.flow_bandwidth_bytes_per_s(receiver, receiver, 1, part, same_node=True)
+        return send + gather
 
-        The TP group's output is replicated on its ranks; receiving TP rank r reads it from sending
-        rank r mod tp_send, and the input gradient goes back from receiving rank t mod tp_recv to
-        sending rank t (sailor_core/runtime/engine.py). So tp_recv copies go forward and tp_send
-        copies come back, each copy one flow sharing the two nodes' links.
+    def boundary_p2p_s(self, sender: Replica, receiver: Replica, message_bytes: float, *,
+                       same_node: bool, share: int = 1) -> tuple[float, float]:
+        """(activation forward, gradient back) seconds across one stage boundary, as our runtime sends.
+
+        The activation crosses once, cut in one slice per receiving TP rank, and the receiving group
+        all-gathers it; the input gradient comes back the same way, one slice per sending TP rank
+        (engine._p2p): `sliced_p2p_s` with tp_recv slices forward and tp_send slices back.
         """
-        return (self.p2p_time_s(sender, receiver, message_bytes, same_node=same_node, copies=max(1, receiver.tp)),
-                self.p2p_time_s(receiver, sender, message_bytes, same_node=same_node, copies=max(1, sender.tp)))
+        return (self.sliced_p2p_s(sender, receiver, message_bytes, max(1, receiver.tp), same_node=same_node,
+                                  share=share),
+                self.sliced_p2p_s(receiver, sender, message_bytes, max(1, sender.tp), same_node=same_node,
+                                  share=share))
 
     def partitioned_p2p_s(self, sender: Replica, receiver: Replica, message_bytes: float, *,
-                          same_node: bool) -> float:
+                          same_node: bool, share: int = 1) -> float:
         """Seconds of one pipeline message as DeepSpeed's pipeline engine sends it (the artifact's runs).
 
         With tensor parallelism it partitions the activation, and the gradient coming back, over the
         TP group (its `pipe_partitioned` and `grad_partitioned` settings, both on by default): each of
-        the k = min(tp) ranks sends its 1/k slice to its peer, k concurrent flows sharing the two
-        nodes' links, and the receiving group rebuilds the whole tensor with an all-gather over its
-        node's GPU pairs ((k - 1) ring steps of one slice). Without TP it is one whole message.
+        the k = min(tp) ranks sends its 1/k slice to its peer and the receiving group all-gathers
+        them (`sliced_p2p_s` with k slices). Without TP it is one whole message.
         """
         k = max(1, min(sender.tp, receiver.tp))
-        if k == 1 or message_bytes <= 0:
-            return self.p2p_time_s(sender, receiver, message_bytes, same_node=same_node, copies=1)
-        part = message_bytes / k
-        send = self.p2p_time_s(sender, receiver, part, same_node=same_node, copies=k)
-        gather = (k - 1) * part / self.flow_bandwidth_bytes_per_s(receiver, receiver, 1, part, same_node=True)
-        return send + gather
+        return self.sliced_p2p_s(sender, receiver, message_bytes, k, same_node=same_node, share=share)
 
     def grad_buckets(self, tp: int, first: int, last: int, bytes_per_elem: int) -> tuple[tuple[int, int], ...]:
         """The runtime's gradient buckets of a stage, in launch order: (bytes, first layer of the bucket).

@@ -25,9 +25,9 @@ class SimOptions:
     stages' reductions hide behind earlier stages' backward tail; False serialises them after the
     whole pipeline. `runtime`: whose communication the plan runs with (docs/simulator.md):
     "sailor" (this project's runtime, sailor_core/runtime/engine.py: batched point-to-point
-    exchanges, one message per receiving TP rank, gradient buckets of 25 MiB launched during the
-    last backward) or "deepspeed" (the Sailor artifact's framework that ran the published runs:
-    blocking sends of every TP rank's copy, 5e8-byte buckets reduced after the stage's backward).
+    exchanges of one message in slices per receiving TP rank, gradient buckets of 25 MiB launched
+    during the last backward) or "deepspeed" (the Sailor artifact's framework that ran the published
+    runs: blocking sends of one slice per TP rank, 5e8-byte buckets reduced after the stage's backward).
     """
 
     schedule: str | None = None
