@@ -219,7 +219,7 @@ FIVE_ZONES = ("us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f"
 
 def _cheapest_within_tolerance() -> bool:
     """max-throughput picks the cheapest plan within 0.5% of the fastest, pipelines inside zones where that
-    costs no speed (GPT-Neo-2.7 on five zones of A100-40)."""
+    costs no speed and no money (GPT-Neo-2.7 on five zones of A100-40)."""
     from profiles_store.store import open_store
     from sailor_core.planner.core import sim_options
     from sailor_core.simulator import simulate
@@ -256,7 +256,9 @@ def _cheapest_within_tolerance() -> bool:
             f"cost ratio chosen/fastest {a.usd_per_iteration / b.usd_per_iteration:.3f}; pipelines "
             f"inside zones: {inside} (a same-throughput in-zone plan exists: {as_fast}); on the frontier: {on_front}"
         )
-        ok &= on_front and a.usd_per_iteration <= b.usd_per_iteration and (inside or not as_fast)
+        # pipelines across zones are fine where they are no dearer than the same plan moved into zones
+        no_dearer = c is not None and a.usd_per_iteration <= c.usd_per_iteration * (1 + 1e-9)
+        ok &= on_front and a.usd_per_iteration <= b.usd_per_iteration and (inside or not as_fast or no_dearer)
     return ok
 
 

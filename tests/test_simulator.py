@@ -227,6 +227,12 @@ def test_pipelines_crossing_through_one_node_share_its_link() -> None:
     assert nic_sharing([[0, 1], [2, 3]]) == [[1, 1]]
     # a hop inside one node does not touch the NIC
     assert nic_sharing([[0, 0], [0, 1]]) == [[1, 1]]
+    # pipelines of different paces (here other GPU types) drift apart: not counted as sharing
+    assert nic_sharing(nodes, ["fast", "slow"]) == [[1, 1]]
+    mixed = plan_of([(0, 1, two), (2, 3, [rep(), rep("G2")])], [(1, 4), (1, 4)])
+    alike = plan_of([(0, 1, two), (2, 3, [rep("G2"), rep("G2")])], [(1, 4), (1, 4)])
+    assert (simulate(mixed, one_nic).breakdown.pipeline_time_per_pipeline_s[1]
+            < simulate(alike, one_nic).breakdown.pipeline_time_per_pipeline_s[1])
 
 
 def test_ring_allreduce_by_hand_with_buckets() -> None:

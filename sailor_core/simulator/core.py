@@ -18,7 +18,7 @@ Time model (docs/simulator.md has the derivations):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 from sailor_core.domain import Market, ParallelPlan, Replica, Stage
@@ -230,7 +230,9 @@ def _pipelines(
     finishes: list[list[float]] = []
     egress_usd = 0.0
     seen: dict[tuple[object, ...], tuple[list[StageCompute], float, float, list[float], float]] = {}
-    crowd = nic_sharing(nodes)
+    crowd = nic_sharing(nodes, [(pb.microbatch_size, pb.num_microbatches,
+                                 tuple((st.replicas[j].gpu_type, st.replicas[j].tp) for st in stages))
+                                for j, pb in enumerate(plan.pipelines)])
     for j, pb in enumerate(plan.pipelines):
         reps = [st.replicas[j] for st in stages]
         shared = tuple(nodes[s][j] == nodes[s + 1][j] for s in range(p - 1))
@@ -250,20 +252,23 @@ def _pipelines(
     return _Pipelines(computes, pipe_times, pipe_comm, finishes, egress_usd)
 
 
-def nic_sharing(nodes: Sequence[Sequence[int]]) -> list[list[int]]:
+def nic_sharing(nodes: Sequence[Sequence[int]], pace: Sequence[Hashable] | None = None) -> list[list[int]]:
     """For every boundary s and pipeline j: how many pipelines send their stage-s -> s+1 messages
     through the busier of the two nodes' NICs at the same time (1 inside a node).
 
-    The replicas of a stage run in step, so every pipeline whose boundary leaves node N sends when
-    the others do (and all those entering N receive together): their flows share N's link. This
-    counts pipelines per (boundary, sending node) and (boundary, receiving node) and takes the
-    larger count of the two ends of each pipeline's hop."""
+    Pipelines of one pace (`pace[j]`: the same microbatches on the same GPU types and TP degrees)
+    run in step, so every such pipeline whose boundary leaves node N sends when the others do (and
+    all those entering N receive together): their flows share N's link. Pipelines of different
+    paces drift apart and meet on the link only now and then, which this first-order count leaves
+    out. It counts pipelines per (boundary, node, pace) at the sending and the receiving end and
+    takes the larger count of the two ends of each pipeline's hop."""
+    keys: Sequence[Hashable] = pace if pace is not None else [0] * (len(nodes[0]) if nodes else 0)
     out: list[list[int]] = []
     for s in range(len(nodes) - 1):
-        here, there = nodes[s], nodes[s + 1]
-        leaving = Counter(a for a, b in zip(here, there, strict=True) if a != b)
-        entering = Counter(b for a, b in zip(here, there, strict=True) if a != b)
-        out.append([1 if a == b else max(leaving[a], entering[b]) for a, b in zip(here, there, strict=True)])
+        hops = list(zip(nodes[s], nodes[s + 1], keys, strict=True))
+        leaving = Counter((a, k) for a, b, k in hops if a != b)
+        entering = Counter((b, k) for a, b, k in hops if a != b)
+        out.append([1 if a == b else max(leaving[a, k], entering[b, k]) for a, b, k in hops])
     return out
 
 
