@@ -447,23 +447,25 @@ def _measure_layer(torch: ModuleType, run_forward: Callable[[], Tensor], x: Tens
     """
     grad_out = None
     f_rule, b_rule = StopRule(policy), StopRule(policy)
-    f_wait, b_wait = math.inf, math.inf
+    f_waits: list[float] = []
+    b_waits: list[float] = []
     while True:
         if x.requires_grad:
             x.grad = None  # the input's gradient would otherwise accumulate across repetitions
         if waits is not None:
             waits.take()
         t_f, out = timed(run_forward)
-        f_wait = min(f_wait, waits.take()) if waits is not None else 0.0
+        f_waits.append(waits.take() if waits is not None else 0.0)
         if grad_out is None and out.dim() > 0:
             grad_out = torch.ones_like(out)
         t_b, _ = timed(functools.partial(out.backward, grad_out))
-        b_wait = min(b_wait, waits.take()) if waits is not None else 0.0
+        b_waits.append(waits.take() if waits is not None else 0.0)
         del out  # parameter gradients do accumulate, as over a pipeline's microbatches
         f_rule.add(t_f)
         b_rule.add(t_b)
         if agree(not f_rule.warming() and f_rule.done() and b_rule.done()):
-            return _plus(f_rule.result(), f_wait, policy), _plus(b_rule.result(), b_wait, policy)
+            return (_plus(f_rule.result(), statistics.median(f_waits), policy),
+                    _plus(b_rule.result(), statistics.median(b_waits), policy))
 
 
 def _plus(m: Measurement, seconds: float, policy: RepeatPolicy) -> Measurement:
