@@ -12,8 +12,8 @@ real process group):
   repeated until stable (timing.RepeatPolicy), the mean reported (DEFAULT_STATISTIC).
   CUDA: CUDA events, synchronised before reading; CPU: the thread's CPU time, read at the speed of
   the device the rank is bound to (a testbed device is a CPU share: sailor_core/runtime/devices.py);
-  a TP layer's adds the least wall time a repetition spent waiting in its collectives (their own
-  cost, without a peer held up by other jobs on the host);
+  a TP layer's adds the median wall time a repetition spent waiting in its collectives (their own
+  cost and the ranks' typical skew, without the rare peer held up by other jobs on the host);
 - blocks are identical, so only `settings.blocks` of them are measured and their mean is copied to
   the others (`all_blocks=True` measures every one);
 - optimizer: one AdamW step (the runtime's settings) over the measured layers' parameters, scaled
@@ -443,7 +443,7 @@ def _measure_layer(torch: ModuleType, run_forward: Callable[[], Tensor], x: Tens
 
     `agree(stop)` returns rank 0's decision on every rank: TP layers run collectives, so every rank
     of the group must run the same number of repetitions. With `waits` (a CPU TP rank, timed by its
-    CPU clock) each repetition's compute gets the least time a repetition spent in its collectives.
+    CPU clock) each repetition's compute gets the median time a repetition spent in its collectives.
     """
     grad_out = None
     f_rule, b_rule = StopRule(policy), StopRule(policy)
