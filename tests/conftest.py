@@ -24,8 +24,6 @@ os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
 os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-REPO = Path(__file__).resolve().parent.parent
-REFERENCE_DATA = REPO.parent / "shared" / "reference_data"
 
 
 def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook signature

@@ -27,7 +27,7 @@ from sailor_core.plan_format import (
     plan_to_dict,
     save_plan_file,
 )
-from tests.conftest import REFERENCE_DATA
+from tests.paths import REFERENCE_DATA
 
 VALIDATION = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
 

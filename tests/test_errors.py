@@ -29,7 +29,7 @@ from sailor_core.errors import (
     TestbedError,
     ValidationError,
 )
-from tests.conftest import REPO
+from tests.paths import REPO
 from tests.planner_fixtures import MODEL, tiny_book
 from tests.test_simulator import make_book, plan_of, rep
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.paths import REPO
 
 GPT_TINY_2_STAGES = {
     "format": "sailor-plan", "version": 1, "model": "gpt-tiny", "global_batch_size": 8, "precision": "fp32",

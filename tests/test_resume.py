@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from sailor_core.runtime import checkpoint as ckpt
-from tests.conftest import REPO
+from tests.paths import REPO
 
 pytest_plugins = ["tests.flow_fixtures"]
 

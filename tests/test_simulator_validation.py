@@ -12,7 +12,7 @@ import os
 import pytest
 
 from sailor_cli.main import main as cli_main
-from tests.conftest import REFERENCE_DATA
+from tests.paths import REFERENCE_DATA
 
 VALIDATION = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
 pytestmark = pytest.mark.skipif(not VALIDATION.is_dir(), reason="published reference data not present")

@@ -21,7 +21,7 @@ from profiles_store.build_seed import build_seed
 from profiles_store.local_servers import free_port
 from profiles_store.schemas import HISTORY_TABLES, META_VERSION, SCHEMA_VERSION, TABLES
 from profiles_store.store import MARKER, SEED_DIR
-from tests.conftest import REFERENCE_DATA, REPO
+from tests.paths import REFERENCE_DATA, REPO
 from tests.store_fixtures import BUCKET, gcs_server, s3_server  # noqa: F401 - fixtures
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from profiles_store import open_store
 from sailor_cli.main import main
-from tests.conftest import REFERENCE_DATA, REPO
+from tests.paths import REFERENCE_DATA, REPO
 from tests.store_fixtures import BUCKET, s3_server  # noqa: F401 - fixture
 
 needs_reference = pytest.mark.skipif(not REFERENCE_DATA.exists(), reason="../shared/reference_data is not here")

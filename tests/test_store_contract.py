@@ -38,7 +38,7 @@ from sailor_core.domain import (
     Provenance,
     SailorError,
 )
-from tests.conftest import REFERENCE_DATA, REPO
+from tests.paths import REFERENCE_DATA, REPO
 from tests.store_fixtures import (  # noqa: F401 - fixtures
     PROV,
     T0,

@@ -112,7 +112,7 @@ def test_schedule_clipping_and_recompute_under_pp_tp_match_one_process(tmp_path)
 
 def test_sailor_simulate_recompute_on_a_published_plan(capsys):
     from sailor_cli.main import main
-    from tests.conftest import REFERENCE_DATA
+    from tests.paths import REFERENCE_DATA
 
     runs = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
     plans = sorted(runs.glob("**/plan_config_N4_D1.json"))
