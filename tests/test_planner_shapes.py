@@ -87,9 +87,7 @@ def test_any_shape_stages_beat_two_shapes(book) -> None:
     assert many.plan is not None and two.plan is not None
     assert max(len({r.gpu_type for r in st.replicas}) for st in many.plan.stages) == 3
     assert max(len({(r.gpu_type, r.tp, r.zone) for r in st.replicas}) for st in two.plan.stages) <= 2
-    # the nodes' links are shared by the pipelines that cross them at once (simulator.core.nic_sharing),
-    # which the A100 NICs measured with 4 GPUs pay for (2.5x one GPU's): the margin is 1.7 % here
-    assert many.estimate.throughput_iterations_per_s > 1.01 * two.estimate.throughput_iterations_per_s
+    assert many.estimate.throughput_iterations_per_s > 1.05 * two.estimate.throughput_iterations_per_s
     assert many.estimate.fits_memory and sum(p.samples for p in many.plan.pipelines) == 4096
 
 
