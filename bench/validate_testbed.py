@@ -48,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from infra.scenario import load_scenario  # noqa: E402
 from infra.testbed import Testbed, TestbedError, TestbedVm, testbed_support  # noqa: E402
 from profiles_store import open_store  # noqa: E402
-from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Provenance, Replica, Stage  # noqa: E402
+from sailor_core.domain import LayerProfile, Market, ParallelPlan, PipelineBatch, Provenance, Replica, Stage  # noqa: E402
 from sailor_core.plan_format import plan_to_dict  # noqa: E402
+from sailor_core.profiles import ProfileBook  # noqa: E402
 from sailor_core.runtime.protocol import SECRET_ENV, ControlServer, assign_generation, metrics_key, status_key  # noqa: E402
 from sailor_core.simulator import place_nodes, simulate  # noqa: E402
 
@@ -152,45 +153,100 @@ def _prov(v: VmInfo, run: str, peer: VmInfo | None = None) -> Provenance:
                       settings=json.dumps(info, sort_keys=True))
 
 
-def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, server: ControlServer,
-            sc: Any) -> None:
+def measure_layers(tb: Testbed, vms: list[VmInfo], model: str, work: Path, tag: str) -> list[tuple[VmInfo, str, Path]]:
+    """One round of layer profiles, all at once as the flow's profile subflow runs them: tp 1 on a
+    1-device VM of each type, tp 2 on a 2-device VM. Every rank is bound to its own device's CPU share
+    (sailor_core/runtime/devices.py), and the profiler's times are that device's. Returns (VM, type,
+    store folder) per job."""
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
-    types = sorted({v.gpu_type for v in vms})
-    # layers: tp 1 on a 1-device VM of each type, tp 2 on a 2-device VM; every rank is bound to its own
-    # device's CPU share (sailor_core/runtime/devices.py), and the profiler's times are that device's
     jobs, where = [], []
-    for g in types:
+    for g in sorted({v.gpu_type for v in vms}):
         one = next((v for v in vms if v.gpu_type == g and v.devices == 1), None)
         two = next((v for v in vms if v.gpu_type == g and v.devices >= 2), None)
         for v, tp in ((one, "1"), (two, "2")):
             if v is None:
                 continue
-            dest = work / f"layers-{g}-tp{tp}"
+            dest = work / f"layers-{tag}-{g}-tp{tp}"
             jobs.append((v, ["profile", "model", "--model", model, "--device", "cpu", "--gpu-type", g, "--tp", tp,
                              "--mbs", PROFILE_MBS, "--json", "--store", str(dest)]))
             where.append((v, g, dest))
-    # the node's own link on each 2-device VM (not at the same time as its layer profile)
+    t0 = time.monotonic()
+    run_on(tb, jobs, logs)
+    log(f"layer profiles ({tag}) on {[f'{v.key} {g}' for v, g, _ in where]} in {time.monotonic() - t0:.0f} s")
+    return where
+
+
+def median_profiles(rounds: Sequence[Sequence[LayerProfile]]) -> list[LayerProfile]:
+    """Per (mbs, tp, layer), the median of each time over the rounds that measured it.
+
+    The testbed's devices are CPU quotas of a shared host whose speed wanders by 10-15 % over minutes
+    (docs/simulator.md): one round, taken in one minute, stands for runs over the next ten. Rounds
+    before, between and after the plans, and their median, keep one slow or fast minute from
+    deciding every plan's simulation. A GPU keeps its speed; the flow profiles once."""
+    by_key: dict[tuple[str, str, int, int, int], list[LayerProfile]] = {}
+    for r in rounds:
+        for p in r:
+            by_key.setdefault((p.model, p.gpu_type, p.mbs, p.tp, p.layer), []).append(p)
+    return [replace(ps[0], forward_s=statistics.median(p.forward_s for p in ps),
+                    backward_s=statistics.median(p.backward_s for p in ps),
+                    optimizer_s=statistics.median(p.optimizer_s for p in ps))
+            for _, ps in sorted(by_key.items())]
+
+
+def round_profiles(model: str, rnd: Sequence[tuple[VmInfo, str, Path]]) -> list[LayerProfile]:
+    """The layer profiles one round measured (every job's store folder)."""
+    out: list[LayerProfile] = []
+    for _, g, dest in rnd:
+        out += open_store(str(dest), seed=False).layer_profiles(model, [g])  # seconds of the bound device
+    return out
+
+
+def import_layers(store: Any, model: str, rounds: Sequence[list[tuple[VmInfo, str, Path]]], run: str) -> None:
+    """Writes the layer profiles of every round into the store (their median per point, `median_profiles`),
+    with the device types and the framework memory of the first round, as flows/profiling.py imports a
+    VM's store, and logs each round's forward + backward of the whole model at microbatch 4."""
+    measured = [round_profiles(model, r) for r in rounds]
+    for v, g, dest in rounds[0]:
+        src = open_store(str(dest), seed=False)
+        store.write_gpu_types([src.gpu_types()[g]], provenance=_prov(v, run))
+        if g in src.framework_overhead() and v.devices == 1:
+            store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=_prov(v, run))
+    for g in sorted({g for _, g, _ in rounds[0]}):
+        new = median_profiles([[p for p in r if p.gpu_type == g] for r in measured])
+        tps = {p.tp for p in new}
+        old = [p for p in store.layer_profiles(model, [g]) if p.tp not in tps]
+        v0 = next(v for v, gg, _ in rounds[0] if gg == g)
+        prov = _prov(v0, f"{run}, median of {len(rounds)} rounds")
+        store.replace_layer_profiles(model, g, old + new, provenance=prov)
+        for tp in sorted(tps):
+            each = [sum(p.forward_s + p.backward_s for p in r if (p.gpu_type, p.tp, p.mbs) == (g, tp, 4))
+                    for r in measured]
+            log(f"{g} tp {tp}: model fwd+bwd at mbs 4 per round {' '.join(f'{x:.3f}' for x in each)} s")
+
+
+def book_with(book: ProfileBook, profiles: Sequence[LayerProfile]) -> ProfileBook:
+    """`book` with the layer profiles of (gpu type, mbs, tp) that `profiles` has replaced by them."""
+    grouped: dict[tuple[str, int, int], list[LayerProfile]] = {}
+    for p in profiles:
+        grouped.setdefault((p.gpu_type, p.mbs, p.tp), []).append(p)
+    return replace(book, layer_profiles={**book.layer_profiles,
+                                         **{k: tuple(sorted(v, key=lambda x: x.layer)) for k, v in grouped.items()}})
+
+
+def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, server: ControlServer,
+            sc: Any) -> None:
+    """The node links and the zone-pair links of the testbed into the store (the layers: `measure_layers`)."""
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    # the node's own link on each 2-device VM (not at the same time as a layer profile)
     node_jobs: list[tuple[VmInfo, list[str], Path]] = []
     for v in vms:
         if v.devices >= 2 and not any(n[0].gpu_type == v.gpu_type for n in node_jobs):
             dest = work / f"node-{v.gpu_type}"
             node_jobs.append((v, ["profile", "network", "--workers", "2", "--zone", v.zone, "--gpu-type", v.gpu_type,
                                   "--max-bytes", str(8 << 20), "--store", str(dest)], dest))
-    log(f"profiling layers on {len(jobs)} VM(s): {[f'{v.key} {g}' for v, g, _ in where]}")
-    t0 = time.monotonic()
-    run_on(tb, jobs, logs)
-    for v, g, dest in where:
-        src = open_store(str(dest), seed=False)
-        prov = _prov(v, "validate-testbed")
-        store.write_gpu_types([src.gpu_types()[g]], provenance=prov)
-        old = [p for p in store.layer_profiles(model, [g])]
-        new = src.layer_profiles(model, [g])  # seconds of the bound device already (profiler/layers.py)
-        tps = {p.tp for p in new}
-        store.replace_layer_profiles(model, g, [p for p in old if p.tp not in tps] + list(new), provenance=prov)
-        if g in src.framework_overhead() and v.devices == 1:
-            store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=prov)
-    log(f"layers done in {time.monotonic() - t0:.0f} s; node links on {[v.key for v, _, _ in node_jobs]}")
+    log(f"node links on {[v.key for v, _, _ in node_jobs]}")
     run_on(tb, [(v, a) for v, a, _ in node_jobs], logs)
     for v, _, dest in node_jobs:
         src = open_store(str(dest), seed=False)
@@ -404,8 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         cores = sum((sc.device_type(v.gpu_type).cpu_per_device or 0) * v.devices for v in bed.vms)
         log(f"testbed {bed.tb.tag}: {len(bed.vms)} VMs ({cores:.1f} cores of quota in all) in {len(sc.zones)} zones; "
             f"work folder {work}")
-        store, types = _profiled_store(bed, args.model, store_dir, work)
-        book = store.profile_book(args.model, types)
+        store, types, rounds = _profiled_store(bed, args.model, store_dir, work)
         chosen = plans(bed.vms, args.model)
         if args.only:
             names = [n.strip() for n in args.only.split(",")]
@@ -414,13 +469,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"unknown plan(s) {unknown}; to fix: one of {list(chosen)}", file=sys.stderr)
                 return 2
             chosen = {n: chosen[n] for n in names}
-        results = []
-        print(f"{'plan':<34} {'stages':>6} {'dp':>3} {'measured s':>10} {'sim s':>8} {'err%':>7}  "
-              f"(sim: p2p {'':>1}dp-exposed)")
+        later = profile_points(len(chosen), args.profile_rounds) if rounds else set()
+        kept: dict[str, list[float]] = {}
         for gen, (name, plan) in enumerate(chosen.items()):
-            sim = simulate(plan, book)
-            times = _train_retrying(bed, gen, plan, args.steps, work, args.timeout)
-            results.append(_report(name, plan, sim, times[args.warmup:]))
+            kept[name] = _train_retrying(bed, gen, plan, args.steps, work, args.timeout)[args.warmup:]
+            log(f"{name}: median step {statistics.median(kept[name]):.3f} s")
+            if gen in later:
+                rounds.append(measure_layers(bed.tb, bed.vms, args.model, work, f"round{len(rounds)}"))
+        if rounds:
+            import_layers(store, args.model, rounds, "validate-testbed")
+        book = store.profile_book(args.model, types)
+        first = book_with(book, round_profiles(args.model, rounds[0])) if len(rounds) > 1 else None
+        print(f"{'plan':<34} {'stages':>6} {'dp':>3} {'measured s':>10} {'sim s':>8} {'err%':>7}  "
+              f"(sim: p2p {'':>1}dp-exposed){'  err% from the first round alone' if first else ''}")
+        results = [_report(name, plan, simulate(plan, book), kept[name], first and simulate(plan, first))
+                   for name, plan in chosen.items()]
         mean = statistics.mean(abs(e) for e in results)
         worst = max(abs(e) for e in results)
         print(f"mean_abs_error_pct={mean:.1f} worst_abs_error_pct={worst:.1f} plans={len(results)}")
@@ -445,12 +508,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                                                   "else measure into it (default: a fresh temporary one)")
     ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per plan")
+    ap.add_argument("--profile-rounds", type=int, default=3,
+                    help="rounds of layer profiles (before, between and after the plans), their median "
+                         "simulated (default 3; 1: before the plans only)")
     return ap.parse_args(argv)
 
 
-def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path) -> tuple[Any, list[str]]:
-    """(the store at store_dir holding the model and profiles of every VM type and the links, those types):
-    the profiles found there are reused, else measured on the testbed."""
+def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path
+                    ) -> tuple[Any, list[str], list[list[tuple[VmInfo, str, Path]]]]:
+    """(the store at store_dir with the model and the links, the VM types, the layer-profile rounds
+    measured so far): profiles found there are reused (no rounds: the store's layers are used as they
+    are), else the links are measured into it and the first round of layers is taken."""
     from sailor_core.models.config import get_config, model_spec
 
     store = open_store(str(store_dir), seed=False)
@@ -458,11 +526,21 @@ def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path) -> tuple
         store.write_model(model_spec(get_config(model)))
     types = sorted({v.gpu_type for v in bed.vms})
     have = {p.gpu_type for p in store.layer_profiles(model, types)}
-    if have != set(types) or not store.network_links():
-        profile(bed.tb, bed.vms, model, store, work, bed.server, bed.sc)
-    else:
+    if have == set(types) and store.network_links():
         log(f"profiles of {types} and {len(store.network_links())} links found in {store_dir}: reused")
-    return store, types
+        return store, types, []
+    first = measure_layers(bed.tb, bed.vms, model, work, "round0")
+    import_layers(store, model, [first], "validate-testbed")  # the device types, before the links name them
+    profile(bed.tb, bed.vms, model, store, work, bed.server, bed.sc)
+    return store, types, [first]
+
+
+def profile_points(plans: int, rounds: int) -> set[int]:
+    """Indices of the plans after which another round of layer profiles is taken: `rounds` in all
+    with the one before the first plan, spread evenly, the last after the last plan."""
+    if rounds <= 1 or plans == 0:
+        return set()
+    return {max(0, round(i * plans / (rounds - 1)) - 1) for i in range(1, rounds)}
 
 
 def _train_retrying(bed: _Bed, gen: int, plan: ParallelPlan, steps: int, work: Path, timeout: float) -> list[float]:
@@ -481,13 +559,15 @@ def _train_retrying(bed: _Bed, gen: int, plan: ParallelPlan, steps: int, work: P
     return train(bed.tb, bed.server, gen, plan, bed.vms, steps, work, timeout)  # the last try: a failure ends it
 
 
-def _report(name: str, plan: ParallelPlan, sim: Any, kept: list[float]) -> float:
-    """Prints one plan's measured median step against the simulated one; returns the error in percent."""
+def _report(name: str, plan: ParallelPlan, sim: Any, kept: list[float], first: Any = None) -> float:
+    """Prints one plan's measured median step against the simulated one (and against the simulation
+    from the first round of layer profiles alone, when given); returns the error in percent."""
     real = statistics.median(kept)
     err = (sim.iteration_time_s - real) / real * 100
     b = sim.breakdown
+    alone = f"  {(first.iteration_time_s - real) / real * 100:+7.1f}" if first is not None else ""
     print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} "
-          f"{sim.iteration_time_s:>8.3f} {err:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f}) "
+          f"{sim.iteration_time_s:>8.3f} {err:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f}){alone} "
           f"steps {' '.join(f'{t:.2f}' for t in kept)}", flush=True)
     return err
 

@@ -1,0 +1,54 @@
+"""The testbed validation bench's pure parts: where its profile rounds fall, how they combine, and the
+CFS periods of its CPU devices (the bench itself needs root and ten minutes: bench/validate_testbed.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+
+import pytest
+
+from sailor_core.domain import LayerProfile
+from tests.paths import REPO
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("validate_testbed", REPO / "bench" / "validate_testbed.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _lp(layer: int, f: float, b: float, mbs: int = 4, tp: int = 1, gpu: str = "cpu-slow") -> LayerProfile:
+    return LayerProfile(model="m", gpu_type=gpu, mbs=mbs, tp=tp, layer=layer, forward_s=f, backward_s=b,
+                        optimizer_s=f / 10)
+
+
+def test_rounds_fall_before_between_and_after_the_plans(bench):
+    assert bench.profile_points(9, 3) == {3, 8}  # before plan 0 (not listed), after plans 4 and 9
+    assert bench.profile_points(9, 1) == set()
+    assert bench.profile_points(4, 5) == {0, 1, 2, 3}
+    assert bench.profile_points(0, 3) == set()
+
+
+def test_the_median_round_decides_each_point_so_one_slow_minute_does_not(bench):
+    rounds = [[_lp(0, 1.0, 2.0), _lp(1, 1.0, 2.0)],
+              [_lp(0, 1.3, 2.6), _lp(1, 0.9, 1.8)],   # a slow minute for layer 0, a fast one for layer 1
+              [_lp(0, 1.1, 2.1), _lp(1, 1.05, 2.2)]]
+    got = {p.layer: p for p in bench.median_profiles(rounds)}
+    assert (got[0].forward_s, got[0].backward_s) == (1.1, 2.1)
+    assert (got[1].forward_s, got[1].backward_s) == (1.0, 2.0)
+    assert got[0].optimizer_s == pytest.approx(0.11)
+    # points one round lacks are the median of the rounds that have them; other keys stay apart
+    two = bench.median_profiles([[_lp(0, 1.0, 2.0), _lp(0, 5.0, 5.0, tp=2)], [_lp(0, 2.0, 4.0)]])
+    assert sorted((p.tp, p.forward_s) for p in two) == [(1, 1.5), (2, 5.0)]
+
+
+def test_cfs_periods_are_the_shortest_the_kernel_accepts(bench):
+    assert bench.short_period_us(0.2) == (5000, 1000)
+    assert bench.short_period_us(0.4) == (2500, 1000)
+    assert bench.short_period_us(2.0) == (1000, 2000)
