@@ -129,7 +129,11 @@ def _models(llm_info: dict) -> dict[str, ModelSpec]:
                         act_memory_bytes=int(r["act_mem_bytes"]),
                     )
                 )
-        out[name] = ModelSpec(name=name, layers=tuple(layers), **arch)
+        out[name] = ModelSpec(  # tied_head: the data does not say (False)
+            name=name, layers=tuple(layers), num_blocks=arch["num_blocks"], hidden_size=arch["hidden_size"],
+            num_heads=arch["num_heads"], sequence_length=arch["sequence_length"], vocab_size=arch["vocab_size"],
+            ffn_hidden_size=arch.get("ffn_hidden_size", 0),
+        )
     return out
 
 

@@ -120,6 +120,7 @@ _SPECS = [
             _f("act_output_elems", _I),
             _f("act_input_elems", _I),
             _f("act_memory_bytes", _I),
+            _f("tied_head", pa.bool_(), nullable=True),  # null: not known (files written before it)
         ),
         partition_by=("model",),
         key=("model", "tp", "layer"),

@@ -284,6 +284,10 @@ class ProfileStore:
                     f"{shown} holds table {meta.get(META_TABLE, b'?').decode()!r}, not {spec.name!r}; "
                     f"to fix: move it out of {spec.name}/"
                 )
+        # a nullable column added after a file was written reads as nulls (not known)
+        for col in spec.fields:
+            if col.nullable and col.name not in t.column_names:
+                t = t.append_column(col.name, pa.nulls(t.num_rows, col.type))
         missing = [c for c in spec.columns if c not in t.column_names]
         if missing:
             raise StoreError(
@@ -463,13 +467,14 @@ class ProfileStore:
             )
             for r in rows
         )
-        return ModelSpec(name=name, layers=layers, **arch)
+        return ModelSpec(name=name, layers=layers, tied_head=bool(rows[0].get("tied_head")), **arch)
 
     def write_model(self, spec: ModelSpec, *, provenance: Provenance | None = None) -> None:
         """Replace a model's architecture and per-layer sizes (every TP degree) in one commit."""
         arch = dict(
             model=spec.name, num_blocks=spec.num_blocks, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
             sequence_length=spec.sequence_length, vocab_size=spec.vocab_size, ffn_hidden_size=spec.ffn_hidden_size,
+            tied_head=spec.tied_head,
         )
         rows = [
             dict(arch, tp=ly.tp, layer=ly.index, kind=ly.kind, params=ly.params, act_output_elems=ly.act_output_elems,

@@ -132,6 +132,10 @@ class ModelSpec:
     vocab_size: int
     ffn_hidden_size: int = 0
     layers: tuple[LayerSpec, ...] = ()
+    # The output head is the embedding's weight (OPT, GPT-Neo). On different stages each keeps a copy,
+    # and our runtime adds the two gradients every step (runtime/engine._sync_tied). False also where
+    # it is not known (models imported from the published data).
+    tied_head: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model.name must be non-empty")

@@ -28,6 +28,7 @@ from sailor_core.planner.core import sim_options
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.search import balanced_partition, uniform_partition
 from sailor_core.simulator import simulate
+from sailor_core.simulator.model import model_for
 from tests.planner_fixtures import MODEL, tiny_book
 
 A, V = "A100-40", "V100-16"
@@ -449,3 +450,44 @@ def test_the_chosen_plan_lies_on_the_frontier_for_every_objective(book) -> None:
         res = plan(PlanRequest(model="OPT-350", global_batch_size=1024, pool=pool, objective=obj,
                                options=SearchOptions(wide_frontier=True)), book)
         _assert_on_frontier(res)
+
+
+@pytest.mark.parametrize("tp_last", [1, 2], ids=["slices", "full-layout"])
+def test_tied_head_exchange_is_billed_once_by_the_simulator_and_the_search(tmp_path: Path, tp_last: int) -> None:
+    """A tied model split over stages: our runtime adds the embedding's and the head's gradients after
+    the rings (engine._sync_tied). The simulator bills it after the first and last stages' rings, with
+    its egress, and the search's estimate composes the same term."""
+    from sailor_core.planner import build_slots
+    from sailor_core.planner.core import materialize
+    from sailor_core.planner.search import Problem, Search, Sketch
+
+    neo = seed_book("GPT-Neo-2.7", tmp_path)
+    tied = replace(neo, model=replace(neo.model, tied_head=True))
+    pool = _pool(neo, {"us-central1-a": {A: 8}, "us-west1-b": {A: 8}})
+    slots = build_slots(pool)
+    west = next(i for i, s in enumerate(slots) if s.zones[0][0] == "us-west1-b")
+    central = next(i for i, s in enumerate(slots) if s.zones[0][0] == "us-central1-a")
+    n = neo.model.num_layers
+    sk = Sketch(mbs=1, bounds=((0, n // 2 - 1), (n // 2, n - 1)), kinds=((central, 1), (west, tp_last)), dp=2)
+    results = {}
+    for name, bk in (("untied", neo), ("tied", tied)):
+        search = Search(Problem(num_layers=n, global_batch_size=16, tokens_per_sample=bk.model.sequence_length,
+                                slots=slots, mbs_values=(1,), tp_values=(1, 2)), costs=SimCosts(bk))
+        lay = search.layouts(sk)
+        assert lay is not None
+        est = search.estimate(sk, lay)
+        assert est is not None
+        p = materialize(sk, lay, slots, model="GPT-Neo-2.7", global_batch_size=16)
+        results[name] = (est, simulate(p, bk, options=sim_options(pool, "fp32", "1f1b")), p)
+    (e0, s0, p), (e1, s1, _) = results["untied"], results["tied"]
+    weight_gb = neo.model.vocab_size * neo.model.hidden_size * 4 / 1e9
+    exchange = s1.iteration_time_s - s0.iteration_time_s
+    assert exchange > 0.05  # 1.3 GB of fp32 gradients between two regions, per pipeline
+    a, b = p.stages[0].replicas[0], p.stages[-1].replicas[0]
+    assert exchange <= model_for(tied).tied_sync_s(a, b, same_node=False) * (1 + 1e-9)
+    crossing = neo.egress_usd_per_gb(a.zone, b.zone) + neo.egress_usd_per_gb(b.zone, a.zone)
+    assert s1.egress_usd_per_iteration - s0.egress_usd_per_iteration == pytest.approx(2 * weight_gb * crossing)
+    # one model: the search's estimate of the same plan is the simulator's
+    assert e1.iteration_s == pytest.approx(s1.iteration_time_s, rel=1e-6)
+    assert e1.usd_per_iteration == pytest.approx(s1.usd_per_iteration, rel=1e-6)
+    assert e0.iteration_s == pytest.approx(s0.iteration_time_s, rel=1e-6)

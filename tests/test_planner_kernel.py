@@ -66,6 +66,9 @@ class SyntheticCosts:
     def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float:
         return 0.0 if zone_a == zone_b else 0.01
 
+    def tied_sync(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str) -> tuple[float, float]:
+        return 0.0, 0.0  # an untied model
+
 
 def world(seed: int) -> tuple[Problem, SyntheticCosts]:
     rng = random.Random(seed)

@@ -18,7 +18,7 @@ from sailor_core.models import get_config
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime.engine import TrainSettings
 from sailor_core.runtime.launcher import run_local, shrink_plan
-from sailor_core.runtime.topology import layout, runtime_problems
+from sailor_core.runtime.topology import layout, runtime_problems, tie_groups
 
 CFG = get_config("gpt-tiny")
 STEPS = 8
@@ -248,8 +248,19 @@ def test_tied_head_on_another_stage_matches_one_stage(tmp_path):
         return losses(out)
 
     one = run(SINGLE, "one")
+    # pipeline 0 adds its two copies rank to rank; pipeline 1 (tp 2 against tp 1) in the full layout
     split = run(plan([((0, 2), [rep(), rep(2)]), ((3, 5), [rep(), rep()])], ((2, 2), (2, 2))), "split")
     assert one[-1] < one[0] and rel(split, one) <= 1e-3
+    # tp 2 at both ends: each TP rank adds its vocabulary slice with its peer's
+    sliced = run(plan([((0, 2), [rep(2)]), ((3, 5), [rep(2)])]), "sliced")
+    assert rel(sliced, one) <= 1e-3
+
+
+def test_tied_copies_meet_per_pipeline_and_slice_where_tp_agrees():
+    p = plan([((0, 1), [rep(2), rep()]), ((2, 3), [rep(), rep()]), ((4, 5), [rep(2), rep(2)])], ((2, 2), (2, 2)))
+    # ranks: stage 0 = 0,1 (tp 2) and 2; stage 1 = 3 and 4; stage 2 = 5,6 and 7,8
+    assert tie_groups(p) == [([0, 5], True), ([1, 6], True), ([2, 7, 8], False)]
+    assert tie_groups(SINGLE) == []
 
 
 def test_preemption_notice_takes_a_just_in_time_checkpoint(tmp_path):

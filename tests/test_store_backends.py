@@ -136,3 +136,18 @@ def test_seed_folder_is_package_data():
     pyproject = (REPO / "pyproject.toml").read_text()
     assert 'profiles_store = ["seed/**/*", "seed/*"]' in pyproject
     assert Path(SEED_DIR).is_relative_to(REPO / "profiles_store")
+
+
+def test_a_nullable_column_added_later_reads_as_not_known_in_older_files(tmp_path):
+    from sailor_core.models.config import get_config, model_spec
+
+    store = open_store(str(tmp_path / "s"), seed=False)
+    spec = model_spec(get_config("opt-tiny"))
+    store.write_model(spec)
+    assert store.model("opt-tiny").tied_head and not model_spec(get_config("gpt-tiny")).tied_head
+    # a file written before `tied_head` existed: the same rows without it
+    (f,) = list((tmp_path / "s" / "model_layers").rglob("*.parquet"))
+    t = pq.read_table(f)
+    pq.write_table(t.drop(["tied_head"]).replace_schema_metadata(t.schema.metadata), f)
+    old = open_store(str(tmp_path / "s"), seed=False).model("opt-tiny")
+    assert old.tied_head is False and old.layers == spec.layers

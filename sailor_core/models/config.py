@@ -325,6 +325,7 @@ def model_spec(cfg: TransformerConfig, tp_degrees: tuple[int, ...] | list[int] =
         vocab_size=cfg.vocab_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
         layers=tuple(layers),
+        tied_head=bool(cfg.tied_head),
     )
 
 

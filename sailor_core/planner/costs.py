@@ -138,6 +138,9 @@ class Costs(Protocol):
 
     def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float: ...
 
+    def tied_sync(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str) -> tuple[float, float]:
+        ...
+
 
 class SimCosts:
     """`Costs` answered by the simulator's memoised `SimModel` of `book`."""
@@ -213,6 +216,27 @@ class SimCosts:
 
     def grad_bytes(self, tp: int, first: int, last: int) -> float:
         return float(self.sm.stage_params(tp, first, last) * self._grad_elem_bytes)
+
+    def tied_sync(self, a: Slot, tp_a: int, zone_a: str, b: Slot, tp_b: int, zone_b: str) -> tuple[float, float]:
+        """(seconds, GB each way) of one pipeline's tied embedding/head exchange between its first stage
+        on `a` and its last on `b` (`SimModel.tied_sync_s`; the two stages on different nodes); (0, 0)
+        for an untied model."""
+        spec = self.book.model
+        if not spec.tied_head:
+            return 0.0, 0.0
+        key = ("tied", a.gpu_type, a.gpus_per_node, tp_a, zone_a, b.gpu_type, b.gpus_per_node, tp_b, zone_b)
+        v = self._p2p.get(key)
+        if v is None:
+            ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node, region=a.region)
+            rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node, region=b.region)
+            try:
+                t = self.sm.tied_sync_s(ra, rb, same_node=False)
+            except MissingProfileError as e:
+                self.missing.add(e.what)
+                t = math.inf
+            v = (t, spec.vocab_size * spec.hidden_size * C.FP32_GRAD_BYTES / C.BYTES_PER_GB)
+            self._p2p[key] = v
+        return v
 
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float:
         """The simulator's ring all-reduce for D identical replicas laid out zone by zone.

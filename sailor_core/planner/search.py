@@ -295,15 +295,15 @@ class Search:
                     egress += gb * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
             p2p.append((worst_f, worst_b))
         total, _, finish = pipeline_time_s(comp, p2p, m)
-        end = 0.0
+        ends: list[float] = []
         opt = 0.0
         for s, ((first, last), (si, tp)) in enumerate(zip(sk.bounds, sk.kinds, strict=True)):
             slot = slots[si]
             if sk.dp > 1:  # the simulator's bucket overlap with the last backward (dp_sync_end_s)
                 ar, ar_last, first_bwd = c.dp_sync_terms(slot, tp, layouts[s], sk.mbs, first, last)
-                end = max(end, dp_sync_end_s(finish[s], finish[s] - comp[s].backward_s + first_bwd, ar, ar_last))
+                ends.append(dp_sync_end_s(finish[s], finish[s] - comp[s].backward_s + first_bwd, ar, ar_last))
             else:
-                end = max(end, finish[s])
+                ends.append(finish[s])
             grads = c.grad_bytes(tp, first, last)
             opt = max(opt, c.optimizer_s(slot.gpu_type, sk.mbs, tp, first, last))
             zones = sorted({z for z, k in layouts[s] if k > 0})
@@ -312,6 +312,16 @@ class Search:
                 gb = 2 * (sk.dp - 1) / sk.dp * grads * flows / BYTES_PER_GB
                 for i, za in enumerate(zones):
                     egress += gb * c.egress_usd_per_gb(za, zones[(i + 1) % len(zones)])
+        end = max(ends)
+        if p > 1:  # the tied embedding/head exchange after the first and last stages' rings (simulator._tied_sync)
+            (sa, ta), (sb, tb) = sk.kinds[0], sk.kinds[-1]
+            tied = 0.0
+            for za, zb, cnt in zone_pairs(layouts[0], layouts[-1]):
+                t, gb = c.tied_sync(slots[sa], ta, za, slots[sb], tb, zb)
+                tied = max(tied, t)
+                if za != zb:
+                    egress += gb * cnt * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
+            end = max(end, max(ends[0], ends[-1]) + tied)
         iteration = total + max(0.0, end - total) + opt
         gpus = sum(tp for _, tp in sk.kinds) * sk.dp
         usd_per_s = self.usd_per_hour(sk, layouts) / SECONDS_PER_HOUR

@@ -50,7 +50,8 @@ def _spec_to_write(store: Any, profile: ModelProfile) -> ModelSpec | None:
     if not missing:
         return None  # keep the stored sizes (e.g. the artifact's measured ones for its models)
     extra = tuple(ly for ly in analytic.layers if ly.tp in missing)
-    return ModelSpec(**{a: getattr(stored, a) for a in ("name", *_ARCH)}, layers=stored.layers + extra)
+    return ModelSpec(**{a: getattr(stored, a) for a in ("name", *_ARCH)}, layers=stored.layers + extra,
+                     tied_head=stored.tied_head)
 
 
 def save_model_profile(store: Any, profile: ModelProfile) -> int:

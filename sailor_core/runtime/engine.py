@@ -63,7 +63,7 @@ from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime import comm
 from sailor_core.runtime.data import TokenBatches, TokenDataset, load_tokens
 from sailor_core.runtime.schedule import learning_rate
-from sailor_core.runtime.topology import layout, ranks_of, sample_offset
+from sailor_core.runtime.topology import layout, ranks_of, sample_offset, tie_groups
 
 
 @dataclass
@@ -319,17 +319,20 @@ class Trainer:
         return out
 
     def _build_tie_group(self) -> None:
-        """A tied head on another stage than the embedding keeps its own copy; the two copies get the
-        sum of both gradients (Megatron's embedding group), so they stay equal to the single weight."""
+        """A tied head on another stage than the embedding keeps its own copy; after the data-parallel
+        sync each replica of the two stages holds its stage's total, and each pipeline's embedding and
+        head add theirs (Megatron's embedding group), so both copies stay the single weight's. Where
+        the two TP degrees agree, TP rank t of one meets TP rank t of the other and they add their
+        vocabulary slice; else the pipeline's two TP groups meet in the full layout (`tie_groups`)."""
         self.tie_group: Any = None
+        self.tie_sliced = False
         self.tied_split = self.cfg.tied_head and self.plan.num_stages > 1
         if not self.tied_split:
             return
-        last = self.plan.num_stages - 1
-        ranks = [r.rank for r in layout(self.plan) if r.stage in (0, last)]
-        g = dist.new_group(ranks, backend=backend_for(self.me.gpu_type))
-        if self.rank in ranks:
-            self.tie_group = g
+        for ranks, sliced in tie_groups(self.plan):  # every rank creates every group, in one order
+            g = dist.new_group(ranks, backend=backend_for(self.me.gpu_type))
+            if self.rank in ranks:
+                self.tie_group, self.tie_sliced = g, sliced
 
     def _tied_param(self) -> nn.Parameter | None:
         if self.model.has_embedding:
@@ -342,11 +345,16 @@ class Trainer:
         p = self._tied_param()
         if self.tie_group is None or p is None:
             return
+        if self.tie_sliced:  # both ends hold the same vocabulary slice
+            buf = _grad(p).to(torch.float32)
+            comm.wait(dist.all_reduce(buf, group=self.tie_group, async_op=True))
+            if buf is not _grad(p):
+                _grad(p).copy_(buf)
+            return
         full_shape = (p.shape[0] * self.tp.size, p.shape[1])
         buf = torch.zeros(full_shape, dtype=torch.float32, device=self.device)
         idx = shard_slice(full_shape, 0, self.tp.rank, self.tp.size)
-        if self.me.pipeline == 0:  # every replica already holds its stage's total: count one per stage
-            buf[idx] = _grad(p)
+        buf[idx] = _grad(p)
         comm.wait(dist.all_reduce(buf, group=self.tie_group, async_op=True))
         _grad(p).copy_(buf[idx])
 

@@ -46,6 +46,24 @@ def ranks_of(plan: ParallelPlan, stage: int, pipeline: int) -> list[int]:
     return [r.rank for r in layout(plan) if r.stage == stage and r.pipeline == pipeline]
 
 
+def tie_groups(plan: ParallelPlan) -> list[tuple[list[int], bool]]:
+    """The groups that add a tied embedding's and head's gradients when they sit on different stages:
+    per pipeline, (TP rank t of its first stage, TP rank t of its last), a vocabulary slice each
+    (sliced = True), where the two stages' TP degrees agree; else (both TP groups, False), which meet
+    in the full layout. Empty for a one-stage plan."""
+    last = plan.num_stages - 1
+    if last == 0:
+        return []
+    out: list[tuple[list[int], bool]] = []
+    for j in range(len(plan.pipelines)):
+        a, b = ranks_of(plan, 0, j), ranks_of(plan, last, j)
+        if len(a) == len(b):
+            out += [([x, y], True) for x, y in zip(a, b, strict=True)]
+        else:
+            out.append((a + b, False))
+    return out
+
+
 def sample_offset(plan: ParallelPlan, pipeline: int) -> int:
     return sum(p.samples for p in plan.pipelines[:pipeline])
 

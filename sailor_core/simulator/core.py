@@ -196,6 +196,7 @@ class _GradSync(NamedTuple):
     optimizer_s: list[list[float]]  # [stage][replica]
     end_s: float
     egress_usd: float  # the pipelines' egress plus the rings' crossings between zones
+    tied_s: float = 0.0  # the tied embedding/head exchange after the first and last stages' rings
 
 
 def simulate_valid(
@@ -308,7 +309,7 @@ def _gradient_sync(
     grad_bytes = C.FP32_GRAD_BYTES if precision == "fp32" else C.BF16_GRAD_BYTES
     dp_sync: list[float] = []
     opt_s: list[list[float]] = []
-    end = 0.0
+    ends: list[float] = []
     egress_usd = pipes.egress_usd
     for s, st in enumerate(plan.stages):
         reps = list(st.replicas)
@@ -327,8 +328,30 @@ def _gradient_sync(
                 for j, r in enumerate(reps)
             ]
         )
-        end = max(end, sync_end)
-    return _GradSync(dp_sync, opt_s, end, egress_usd)
+        ends.append(sync_end)
+    end = max(ends)
+    tied = _tied_sync(plan, sm, nodes) if runtime == "sailor" else None
+    if tied is None:
+        return _GradSync(dp_sync, opt_s, end, egress_usd)
+    tied_s, tied_usd = tied
+    return _GradSync(dp_sync, opt_s, max(end, max(ends[0], ends[-1]) + tied_s), egress_usd + tied_usd, tied_s)
+
+
+def _tied_sync(plan: ParallelPlan, sm: SimModel, nodes: list[list[int]]) -> tuple[float, float] | None:
+    """(seconds, egress USD) of our runtime's tied embedding/head exchange, which starts when the first
+    and the last stage's rings have ended (engine._sync_tied): the slowest pipeline's, each crossing
+    zones moving the fp32 weight once each way. None for one stage or an untied model."""
+    spec = sm.book.model
+    if len(plan.stages) < 2 or not spec.tied_head:
+        return None
+    first, last = plan.stages[0], plan.stages[-1]
+    gb = spec.vocab_size * spec.hidden_size * C.FP32_GRAD_BYTES / C.BYTES_PER_GB
+    worst = usd = 0.0
+    for j, (a, b) in enumerate(zip(first.replicas, last.replicas, strict=True)):
+        worst = max(worst, sm.tied_sync_s(a, b, same_node=nodes[0][j] == nodes[-1][j]))
+        if a.zone != b.zone:
+            usd += gb * (sm.book.egress_usd_per_gb(a.zone, b.zone) + sm.book.egress_usd_per_gb(b.zone, a.zone))
+    return worst, usd
 
 
 def _stage_ring(
@@ -434,7 +457,7 @@ def _result(
     pipe_times, pipe_comm = pipes.times_s, pipes.p2p_s
     slowest = max(range(len(plan.pipelines)), key=lambda j: pipe_times[j])
     pipeline_end = pipe_times[slowest]
-    end = sync.end_s if options.overlap_dp_sync else pipeline_end + sum(sync.ring_s)
+    end = sync.end_s if options.overlap_dp_sync else pipeline_end + sum(sync.ring_s) + sync.tied_s
     dp_exposed = max(0.0, end - pipeline_end)
     opt_max = max(max(row) for row in sync.optimizer_s)
     iteration = pipeline_end + dp_exposed + opt_max

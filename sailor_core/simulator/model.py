@@ -521,6 +521,23 @@ class SimModel:
             self._ar_memo[key] = hit
         return hit
 
+    def tied_sync_s(self, first: Replica, last: Replica, *, same_node: bool) -> float:
+        """Seconds of one pipeline's tied embedding/head exchange in our runtime (engine._sync_tied),
+        0 for an untied model: after the data-parallel sync, the first stage's replica and the last
+        one's add their fp32 gradients of the vocab x hidden weight. With one TP degree at both ends
+        TP rank t meets TP rank t over its vocabulary slice: tp two-member rings at once
+        (`allreduce_time_s` of the two replicas); else the two TP groups form one ring over the
+        whole weight, each of its 2(k - 1) steps a chunk of 1/k across the nodes' link."""
+        spec = self.book.model
+        if not spec.tied_head:
+            return 0.0
+        weight = spec.vocab_size * spec.hidden_size * C.FP32_GRAD_BYTES
+        if first.tp == last.tp:
+            return self.allreduce_time_s([first, last], [0, 0 if same_node else 1], [weight / first.tp])
+        k = first.tp + last.tp
+        chunk = weight / k
+        return 2 * (k - 1) * chunk / self.flow_bandwidth_bytes_per_s(first, last, 1, chunk, same_node=same_node)
+
     def node_allreduce_s(self, gpu_type: str, workers: int, tp: int,
                          grad_bytes_per_gpu: float | Sequence[float]) -> float | None:
         """A data-parallel group of `workers` replicas inside one node, from the node's measured
