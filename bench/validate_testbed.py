@@ -12,14 +12,19 @@ testbed's bridge address. Then, as the flow's profile subflow does on rented VMs
 - imported into a fresh profile store with their provenance (VM, zone), as flows/profiling.py does.
 
 Then it trains each plan below on the testbed VMs through per-VM agents (`sailor worker`) and one
-ControlServer (a generation per plan), takes the median iteration time of the steps after
-`--warmup` (rank 0's metrics list), simulates the same plan from the store, and prints the error.
+ControlServer (a generation per run), `--sweeps` times (a pass over the list, then one backwards),
+takes the median iteration time of the steps after `--warmup` over its runs (rank 0's metrics list),
+simulates the same plan from the store, and prints the error. The layer profiles are taken again
+between and after the sweeps (`--profile-rounds`) and their median is simulated: the testbed's
+devices are CPU quotas of a host whose speed wanders by 10-15 % over minutes, and a plan's runs and
+the profile rounds spread over the bench average that out as far as they can.
 Everything is torn down at the end, also on an error or Ctrl-C. The last line:
 
     mean_abs_error_pct=X worst_abs_error_pct=Y plans=N
 
     sudo .venv/bin/python bench/validate_testbed.py [--scenario bench/validate_testbed.yaml] [--model gpt-tiny]
-        [--steps 8] [--warmup 3] [--store DIR (reuse profiles measured before)] [--only NAME,...]
+        [--steps 9] [--warmup 3] [--sweeps 2] [--profile-rounds 3] [--store DIR (reuse profiles measured
+        before)] [--only NAME,...]
 
 The quotas of every VM together are the scenario's `cpu_budget_cores` (2 on geo.yaml). The machine
 is shared: other jobs on its cores slow a VM below its quota, which neither the profiles nor the
@@ -469,11 +474,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"unknown plan(s) {unknown}; to fix: one of {list(chosen)}", file=sys.stderr)
                 return 2
             chosen = {n: chosen[n] for n in names}
-        later = profile_points(len(chosen), args.profile_rounds) if rounds else set()
-        kept: dict[str, list[float]] = {}
-        for gen, (name, plan) in enumerate(chosen.items()):
-            kept[name] = _train_retrying(bed, gen, plan, args.steps, work, args.timeout)[args.warmup:]
-            log(f"{name}: median step {statistics.median(kept[name]):.3f} s")
+        runs = sweep_order(list(chosen), args.sweeps)
+        later = profile_points(len(runs), args.profile_rounds) if rounds else set()
+        kept: dict[str, list[float]] = {name: [] for name in chosen}
+        for gen, name in enumerate(runs):
+            steps = _train_retrying(bed, gen, chosen[name], args.steps, work, args.timeout)[args.warmup:]
+            kept[name] += steps
+            log(f"{name}: median step {statistics.median(steps):.3f} s")
             if gen in later:
                 rounds.append(measure_layers(bed.tb, bed.vms, args.model, work, f"round{len(rounds)}"))
         if rounds:
@@ -508,6 +515,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                                                   "else measure into it (default: a fresh temporary one)")
     ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per plan")
+    ap.add_argument("--sweeps", type=int, default=2,
+                    help="runs of each plan, in passes over the list (every other one backwards); the median "
+                         "step is taken over all of them (default 2)")
     ap.add_argument("--profile-rounds", type=int, default=3,
                     help="rounds of layer profiles (before, between and after the plans), their median "
                          "simulated (default 3; 1: before the plans only)")
@@ -533,6 +543,12 @@ def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path
     import_layers(store, model, [first], "validate-testbed")  # the device types, before the links name them
     profile(bed.tb, bed.vms, model, store, work, bed.server, bed.sc)
     return store, types, [first]
+
+
+def sweep_order(names: list[str], sweeps: int) -> list[str]:
+    """The order the plans train in: `sweeps` passes over them, every other one backwards, so each
+    plan's runs lie at different times of the bench (minutes apart) and its median step spans them."""
+    return [n for k in range(max(1, sweeps)) for n in (names if k % 2 == 0 else names[::-1])]
 
 
 def profile_points(plans: int, rounds: int) -> set[int]:

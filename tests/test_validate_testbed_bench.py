@@ -35,6 +35,13 @@ def test_rounds_fall_before_between_and_after_the_plans(bench):
     assert bench.profile_points(0, 3) == set()
 
 
+def test_plans_train_in_sweeps_every_other_one_backwards(bench):
+    assert bench.sweep_order(["a", "b", "c"], 2) == ["a", "b", "c", "c", "b", "a"]
+    assert bench.sweep_order(["a", "b"], 3) == ["a", "b", "b", "a", "a", "b"]
+    assert bench.sweep_order(["a"], 0) == ["a"]
+    assert bench.profile_points(18, 3) == {8, 17}  # after each sweep of 9 plans
+
+
 def test_the_median_round_decides_each_point_so_one_slow_minute_does_not(bench):
     rounds = [[_lp(0, 1.0, 2.0), _lp(1, 1.0, 2.0)],
               [_lp(0, 1.3, 2.6), _lp(1, 0.9, 1.8)],   # a slow minute for layer 0, a fast one for layer 1
