@@ -95,36 +95,8 @@ def build(tb: Testbed, sc: Any) -> list[VmInfo]:
             key = f"{o.zone.replace('-', '')[:6]}{o.gpu_type[4:5]}{o.gpus_per_vm}{i}"
             vm = tb.add_vm(key, zone=o.zone, devices=o.gpus_per_vm,
                            cpu_cores=None if quota is None else quota * o.gpus_per_vm)
-            if vm.cgroup and vm.cpu_cores is not None:
-                _short_period(Path(vm.cgroup), vm.cpu_cores, vm.devices)
             out.append(VmInfo(key, o.zone, o.region, o.gpu_type, o.gpus_per_vm, o.market.value, vm))
     return out
-
-
-MIN_QUOTA_US = 1000  # the kernel's smallest cpu.cfs_quota_us
-
-
-def short_period_us(share: float) -> tuple[int, int]:
-    """(period, quota) in µs for a CPU share: the shortest period whose quota the kernel accepts
-    (quota at its 1 ms minimum, period 1 ms at least), with quota / period = share."""
-    period = max(MIN_QUOTA_US, round(MIN_QUOTA_US / share)) if share > 0 else MIN_QUOTA_US
-    return period, max(MIN_QUOTA_US, round(share * period))
-
-
-def _short_period(cgroup: Path, cores: float, devices: int) -> None:
-    """The same CPU shares in the shortest periods the kernel allows (5 ms for 0.2 cores, 2.5 ms for
-    0.4) instead of the testbed's 100 ms, the VM's and each device's (`dev<i>`, which ranks bind to).
-    A rank that waited (a pipeline stage between microbatches) finds its period's quota unspent and
-    runs at full speed until it is spent: a quota is a duty cycle, not a slower device. Back to back
-    (what the profiler measures) every period gives the share; after a wait a period gives at most
-    one quota at full speed, so the shorter the period, the less a stage that waits often runs
-    faster than its profile (10 ms periods left single-layer stages of a 4-stage pipeline ~25 %
-    faster than profiled)."""
-    for cg, share in [(cgroup, cores)] + [(cgroup / f"dev{i}", cores / devices) for i in range(devices)]:
-        period, quota = short_period_us(share)
-        (cg / "cpu.cfs_quota_us").write_text("-1")
-        (cg / "cpu.cfs_period_us").write_text(str(period))
-        (cg / "cpu.cfs_quota_us").write_text(str(quota))
 
 
 def run_on(tb: Testbed, jobs: Sequence[tuple[VmInfo, list[str]]], logs: Path, env: dict[str, str] | None = None,

@@ -200,9 +200,13 @@ def test_a_process_bound_to_a_device_gets_that_devices_cpu_share_only():
         vm = tb.add_vm("two", zone="z1", devices=2, cpu_cores=2 * share)
         assert tb.env("two")["SAILOR_DEVICE_CGROUP_ROOT"] == vm.cgroup
         cg = Path(vm.cgroup)
-        assert int((cg / "cpu.cfs_quota_us").read_text()) == int(2 * share * 100_000)  # the VM: both devices
+        def cores(c: Path) -> float:
+            return int((c / "cpu.cfs_quota_us").read_text()) / int((c / "cpu.cfs_period_us").read_text())
+
+        assert cores(cg) == pytest.approx(2 * share)  # the VM: both devices
         for dev in ("dev0", "dev1"):
-            assert int((cg / dev / "cpu.cfs_quota_us").read_text()) == int(share * 100_000)
+            assert cores(cg / dev) == pytest.approx(share)
+            assert int((cg / dev / "cpu.cfs_period_us").read_text()) == 10_000  # the shortest for 0.1 cores
         bound = in_vm(tb, "two", SPIN, "0", timeout=30)
         assert bound.returncode == 0, bound.stderr
         rate, where = bound.stdout.split(maxsplit=1)
@@ -495,3 +499,12 @@ def test_the_owners_registry_is_the_machines_whatever_tmpdir_a_command_runs_with
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     assert tempfile.gettempdir() == str(tmp_path)
     assert owners_dir() == before == Path("/tmp/sailor-testbed-owners")
+
+
+def test_cfs_periods_are_the_shortest_the_kernel_accepts_for_each_share():
+    from infra.testbed import cfs_period_us
+
+    assert cfs_period_us(0.2) == (5000, 1000)
+    assert cfs_period_us(0.4) == (2500, 1000)
+    assert cfs_period_us(0.8) == (1250, 1000)
+    assert cfs_period_us(2.0) == (1000, 2000)

@@ -1,5 +1,5 @@
-"""The testbed validation bench's pure parts: where its profile rounds fall, how they combine, and the
-CFS periods of its CPU devices (the bench itself needs root and ten minutes: bench/validate_testbed.py)."""
+"""The testbed validation bench's pure parts: the order its plans train in, where its profile rounds fall
+and how they combine (the bench itself needs root and a quarter of an hour: bench/validate_testbed.py)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,3 @@ def test_the_median_round_decides_each_point_so_one_slow_minute_does_not(bench):
     # points one round lacks are the median of the rounds that have them; other keys stay apart
     two = bench.median_profiles([[_lp(0, 1.0, 2.0), _lp(0, 5.0, 5.0, tp=2)], [_lp(0, 2.0, 4.0)]])
     assert sorted((p.tp, p.forward_s) for p in two) == [(1, 1.5), (2, 5.0)]
-
-
-def test_cfs_periods_are_the_shortest_the_kernel_accepts(bench):
-    assert bench.short_period_us(0.2) == (5000, 1000)
-    assert bench.short_period_us(0.4) == (2500, 1000)
-    assert bench.short_period_us(2.0) == (1000, 2000)
