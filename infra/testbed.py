@@ -64,6 +64,7 @@ CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_PARENT = "sailor-testbed"
 DEFAULT_NETWORK = "10.213.0.0/16"
 MIN_QUOTA_US = 1000  # the kernel's smallest cpu.cfs_quota_us
+MIN_PERIOD_US = 10_000
 TESTBED_SHARES = 262_144  # cpu.shares of the sailor-testbed group: the kernel's maximum (a host process has 1024)
 HOST_CLASS_GBPS = 20.0  # the default class: traffic from the host address (controller, object store)
 NETNS_PREFIX = "sb-"
@@ -472,10 +473,10 @@ class Testbed:
         cg = Path(vm.cgroup)
         cg.mkdir(parents=True, exist_ok=True)
         (CGROUP_CPU / CGROUP_PARENT / "cpu.shares").write_text(str(TESTBED_SHARES))
-        _set_quota(cg, vm.cpu_cores)  # the VM's limit: every device's share together
+        set_cpu_share(cg, vm.cpu_cores)  # the VM's limit: every device's share together
         for i in range(vm.devices):  # removed by _rmdir_cgroup, children first
             (cg / f"dev{i}").mkdir(exist_ok=True)
-            _set_quota(cg / f"dev{i}", None if vm.cpu_cores is None else vm.cpu_cores / vm.devices)
+            set_cpu_share(cg / f"dev{i}", None if vm.cpu_cores is None else vm.cpu_cores / vm.devices)
 
     def _shape(self, vm: TestbedVm) -> None:
         """htb on the host end of the VM's veth (traffic into the VM): one class per source zone."""
@@ -685,29 +686,31 @@ def _no_ipv6(dev: str) -> None:
         Path(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6").write_text("1")
 
 
-def cfs_period_us(cores: float) -> tuple[int, int]:
-    """(period, quota) in µs for a CPU share: the shortest period whose quota the kernel accepts (quota
-    at its 1 ms minimum, period 1 ms at least), with quota / period = cores: 5 ms for 0.2 cores, 2.5 ms
-    for 0.4, 1 ms for 2.
+def cfs_period_us(cores: float, shortest_us: int = MIN_PERIOD_US) -> tuple[int, int]:
+    """(period, quota) in µs for a CPU share: the shortest period at least `shortest_us` whose quota the
+    kernel accepts (1 ms at least), with quota / period = cores: 10 ms by default, 5 ms for 0.2 cores
+    and 2.5 ms for 0.4 with `shortest_us=MIN_QUOTA_US`.
 
     A quota is a duty cycle, not a slower device: a rank that waited (a pipeline stage between
     microbatches, a stage of a one-microbatch step) finds its period's quota unspent and runs at full
-    speed until it is spent, and back to back (what the profiler measures) every period gives the
+    speed until it is spent, while back to back (what the profiler measures) every period gives the
     share. The shorter the period, the less a stage that waits runs faster than its profile: with the
-    kernel's default 100 ms, a 0.2-core stage of gpt-wide at one sample per step did a step's compute
-    in one burst, and the geo demo's 4-stage plan ran at 0.47x its estimate; with 10 ms periods the
-    testbed bench's single-layer stages ran ~25 % faster than profiled."""
-    period = max(MIN_QUOTA_US, round(MIN_QUOTA_US / cores)) if cores > 0 else MIN_QUOTA_US
+    kernel's 100 ms, the geo demo's 4-stage plan of 0.2-core stages (one sample per step) ran at 0.47x
+    its estimate, and with 10 ms the validation bench's single-layer stages still ran ~25 % faster
+    than profiled. Shorter than 10 ms, a busy host takes its toll instead: a device waiting for a core
+    loses part of a 3 ms period's quota (0.3-core devices got 0.22 with host processes spinning on
+    every core), so only the bench, which has the host to itself, asks for the shortest."""
+    period = max(shortest_us, MIN_QUOTA_US, round(MIN_QUOTA_US / cores)) if cores > 0 else shortest_us
     return period, max(MIN_QUOTA_US, round(cores * period))
 
 
-def _set_quota(cg: Path, cores: float | None) -> None:
+def set_cpu_share(cg: Path, cores: float | None, shortest_period_us: int = MIN_PERIOD_US) -> None:
     """The group may use `cores` (a quota per CFS period, `cfs_period_us`; None: no limit), and weighs that
     much against its siblings when they contend (cpu.shares of 1024 per core, the weight of one host
     process)."""
     (cg / "cpu.cfs_quota_us").write_text("-1")  # no limit while the period changes under it
     if cores is not None:
-        period, quota = cfs_period_us(cores)
+        period, quota = cfs_period_us(cores, shortest_period_us)
         (cg / "cpu.cfs_period_us").write_text(str(period))
         (cg / "cpu.cfs_quota_us").write_text(str(quota))
     (cg / "cpu.shares").write_text(str(1024 if cores is None else max(2, int(cores * 1024))))

@@ -206,7 +206,7 @@ def test_a_process_bound_to_a_device_gets_that_devices_cpu_share_only():
         assert cores(cg) == pytest.approx(2 * share)  # the VM: both devices
         for dev in ("dev0", "dev1"):
             assert cores(cg / dev) == pytest.approx(share)
-            assert int((cg / dev / "cpu.cfs_period_us").read_text()) == 10_000  # the shortest for 0.1 cores
+            assert int((cg / dev / "cpu.cfs_period_us").read_text()) == 10_000  # the testbed's 10 ms (1 ms of quota)
         bound = in_vm(tb, "two", SPIN, "0", timeout=30)
         assert bound.returncode == 0, bound.stderr
         rate, where = bound.stdout.split(maxsplit=1)
@@ -501,10 +501,11 @@ def test_the_owners_registry_is_the_machines_whatever_tmpdir_a_command_runs_with
     assert owners_dir() == before == Path("/tmp/sailor-testbed-owners")
 
 
-def test_cfs_periods_are_the_shortest_the_kernel_accepts_for_each_share():
-    from infra.testbed import cfs_period_us
+def test_cfs_periods_are_10_ms_or_the_shortest_the_kernel_accepts_for_each_share():
+    from infra.testbed import MIN_QUOTA_US, cfs_period_us
 
-    assert cfs_period_us(0.2) == (5000, 1000)
-    assert cfs_period_us(0.4) == (2500, 1000)
-    assert cfs_period_us(0.8) == (1250, 1000)
-    assert cfs_period_us(2.0) == (1000, 2000)
+    assert cfs_period_us(0.2) == (10_000, 2000) and cfs_period_us(0.05) == (20_000, 1000)
+    assert cfs_period_us(0.2, MIN_QUOTA_US) == (5000, 1000)  # the validation bench's
+    assert cfs_period_us(0.4, MIN_QUOTA_US) == (2500, 1000)
+    assert cfs_period_us(0.8, MIN_QUOTA_US) == (1250, 1000)
+    assert cfs_period_us(2.0, MIN_QUOTA_US) == (1000, 2000)
