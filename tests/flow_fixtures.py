@@ -1,11 +1,16 @@
 """Fixtures for flow tests: one Prefect test server per session, and a store with gpt-tiny's cpu profile.
 
 Load them in a test module with `pytest_plugins = ["tests.flow_fixtures"]` (one instance per session).
-The store is profiled once per session by the real `profile` subflow (sailor_core.profiler on this
-machine's CPU, about 30 s), so every flow test plans from measured numbers.
+The store is profiled once per test run by the real `profile` subflow (sailor_core.profiler on this
+machine's CPU, about 30 s; the pytest-xdist workers share it), so every flow test plans from
+measured numbers.
 """
 
 from __future__ import annotations
+
+import fcntl
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -21,12 +26,32 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
-def profiled_store(prefect_harness, tmp_path_factory):
+def profiled_once(prefect_harness, tmp_path_factory, worker_id) -> Path:
+    """A store with gpt-tiny's cpu profile and the local link, measured by the real `profile` subflow
+    once per test run (under pytest-xdist the first worker to get here profiles into the run's shared
+    folder, the others wait for it). Never written to: tests copy it (`profiled_store`)."""
+    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    shared = root / "profiled-gpt-tiny"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "complete").exists():
+            _profile(shared / "store")
+            (shared / "complete").touch()
+    return shared / "store"
+
+
+@pytest.fixture(scope="session")
+def profiled_store(profiled_once, tmp_path_factory) -> str:
+    """This session's copy of `profiled_once`: the flow tests write their run histories into it."""
+    own = tmp_path_factory.mktemp("flow-store") / "store"
+    shutil.copytree(profiled_once, own)
+    return str(own)
+
+
+def _profile(dest: Path) -> None:
     from flows.profiling import profile
     from profiles_store.store import open_store
 
-    uri = str(tmp_path_factory.mktemp("flow-store") / "store")
-    store = open_store(uri)
-    book = profile(store, "gpt-tiny", ["cpu"], mbs=[1, 2])
+    book = profile(open_store(str(dest)), "gpt-tiny", ["cpu"], mbs=[1, 2])
     assert book.profiled_points("cpu"), "the profile subflow wrote no cpu profile"
-    return uri

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,15 @@ from sailor_cli.lifeline import descendants
 from sailor_core.runtime import checkpoint as ckpt
 from tests.test_exit_codes import GPT_TINY_2_STAGES, _env, _ours_left, finish, start, wait_for
 
+pytest_plugins = ["tests.flow_fixtures"]
 NUM_LAYERS = 6  # gpt-tiny's blocks: what checkpoints of GPT_TINY_2_STAGES record
+
+
+@pytest.fixture
+def demo_store(profiled_once, tmp_path):
+    """The demo's store (`SAILOR_STORE` of `_env`) already holds gpt-tiny's cpu profile and the local
+    link, as after a first demo: the demo measures nothing and the test's time goes to its fault."""
+    shutil.copytree(profiled_once, tmp_path / "store")
 
 
 def report(fault: str, survived: str) -> None:
@@ -134,7 +143,7 @@ def test_full_disk_for_the_checkpoint_folder(tmp_path):
                                                          f"partial files; --resume went on from step 5")
 
 
-def test_sigkill_of_the_demo_flow_process(tmp_path):
+def test_sigkill_of_the_demo_flow_process(tmp_path, demo_store):
     """`sailor demo` killed with SIGKILL: its ephemeral Prefect server and workers die with it, and the
     run is shown crashed once its lease expires."""
     work = tmp_path / "wd"
@@ -269,7 +278,7 @@ def _training(work: Path) -> bool:
     return any(m.stat().st_size > 0 for m in work.glob("runs/*/**/metrics/**/*.jsonl"))
 
 
-def test_sigkill_of_an_agent(tmp_path):
+def test_sigkill_of_an_agent(tmp_path, demo_store):
     """The agent of one VM (`sailor worker`, the process the local provider started) dies with SIGKILL:
     the flow sees the VM's worker lost, re-plans, and the demo completes every step, leaving nothing."""
     work = tmp_path / "wd"
@@ -294,7 +303,7 @@ def test_sigkill_of_an_agent(tmp_path):
                                   f"no process left")
 
 
-def test_sigterm_of_the_demo(tmp_path):
+def test_sigterm_of_the_demo(tmp_path, demo_store):
     """SIGTERM (as a Prefect cancellation or `kill` sends) stops the demo after its cleanup: exit 143, the
     run recorded cancelled, the ephemeral server and every worker gone."""
     work = tmp_path / "wd"
