@@ -4,7 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # pytest processes (pytest-xdist): the suite mostly waits on the workers, servers and flows it starts, so two
-# processes on two cores halve its wall time; `make test TEST_WORKERS=0` runs it in one process.
+# processes on two cores halve its wall time; `make test TEST_WORKERS=0` runs it in one process. Work
+# stealing: the flow and chaos tests take a minute or two each, and a process left alone with the
+# last of them would set the suite's end.
 TEST_WORKERS ?= 2
 
 export PREFECT_HOME ?= $(CURDIR)/.prefect
@@ -29,7 +31,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
