@@ -226,6 +226,21 @@ class ProfileStore:
     # ------------------------------------------------------------------------------------------
     # Generic table access
 
+    @staticmethod
+    def _listing(loc: Any, prefix: str) -> list[Any]:
+        """The files under `prefix`. A local directory listing is no snapshot: one that starts before a
+        replace renames its file in and reaches the superseded file after `_retire` deleted it sees
+        neither (an empty partition). So a local folder is listed until two listings in a row agree."""
+        got = loc.list_files(prefix)
+        if not loc.is_local:
+            return got
+        for _ in range(8):
+            again = loc.list_files(prefix)
+            if [i.path for i in again] == [i.path for i in got]:
+                return again
+            got = again
+        return got
+
     def _files(self, spec: TableSpec, where: Mapping[str, str | Sequence[str]]) -> list[_File]:
         # List only below the leading partition values that are fixed (fewer objects on S3).
         prefix = []
@@ -239,7 +254,7 @@ class ProfileStore:
             if loc is None:
                 continue
             base = loc.path(spec.name)
-            for info in loc.list_files(loc.path(spec.name, *prefix)):
+            for info in self._listing(loc, loc.path(spec.name, *prefix)):
                 rel_dir, _, name = info.path[len(base) + 1 :].rpartition("/")
                 m = FILE_RE.match(name)
                 values = _parse_dir(rel_dir)
