@@ -156,6 +156,7 @@ class SimCosts:
         self._ar: dict[tuple[object, ...], float] = {}
         self._opt: dict[tuple[object, ...], float] = {}
         self._sync: dict[tuple[object, ...], tuple[float, float, float]] = {}
+        self._tied: dict[tuple[object, ...], tuple[float, float]] = {}
         self._replicas: dict[tuple[object, ...], Replica] = {}
         self.missing: set[str] = set()  # network profiles the search wanted and the store lacks
 
@@ -221,11 +222,11 @@ class SimCosts:
         """(seconds, GB each way) of one pipeline's tied embedding/head exchange between its first stage
         on `a` and its last on `b` (`SimModel.tied_sync_s`; the two stages on different nodes); (0, 0)
         for an untied model."""
-        spec = self.book.model
-        if not spec.tied_head:
+        gb = self.sm.tied_weight_bytes() / C.BYTES_PER_GB
+        if not gb:
             return 0.0, 0.0
-        key = ("tied", a.gpu_type, a.gpus_per_node, tp_a, zone_a, b.gpu_type, b.gpus_per_node, tp_b, zone_b)
-        v = self._p2p.get(key)
+        key = (a.gpu_type, a.gpus_per_node, tp_a, zone_a, b.gpu_type, b.gpus_per_node, tp_b, zone_b)
+        v = self._tied.get(key)
         if v is None:
             ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node, region=a.region)
             rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node, region=b.region)
@@ -234,8 +235,8 @@ class SimCosts:
             except MissingProfileError as e:
                 self.missing.add(e.what)
                 t = math.inf
-            v = (t, spec.vocab_size * spec.hidden_size * C.FP32_GRAD_BYTES / C.BYTES_PER_GB)
-            self._p2p[key] = v
+            v = (t, gb)
+            self._tied[key] = v
         return v
 
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float:

@@ -341,11 +341,10 @@ def _tied_sync(plan: ParallelPlan, sm: SimModel, nodes: list[list[int]]) -> tupl
     """(seconds, egress USD) of our runtime's tied embedding/head exchange, which starts when the first
     and the last stage's rings have ended (engine._sync_tied): the slowest pipeline's, each crossing
     zones moving the fp32 weight once each way. None for one stage or an untied model."""
-    spec = sm.book.model
-    if len(plan.stages) < 2 or not spec.tied_head:
+    gb = sm.tied_weight_bytes() / C.BYTES_PER_GB
+    if len(plan.stages) < 2 or not gb:
         return None
     first, last = plan.stages[0], plan.stages[-1]
-    gb = spec.vocab_size * spec.hidden_size * C.FP32_GRAD_BYTES / C.BYTES_PER_GB
     worst = usd = 0.0
     for j, (a, b) in enumerate(zip(first.replicas, last.replicas, strict=True)):
         worst = max(worst, sm.tied_sync_s(a, b, same_node=nodes[0][j] == nodes[-1][j]))

@@ -521,6 +521,11 @@ class SimModel:
             self._ar_memo[key] = hit
         return hit
 
+    def tied_weight_bytes(self) -> float:
+        """Bytes of the fp32 gradient of a tied embedding/head weight (vocab x hidden); 0 when untied."""
+        spec = self.book.model
+        return spec.vocab_size * spec.hidden_size * C.FP32_GRAD_BYTES if spec.tied_head else 0.0
+
     def tied_sync_s(self, first: Replica, last: Replica, *, same_node: bool) -> float:
         """Seconds of one pipeline's tied embedding/head exchange in our runtime (engine._sync_tied),
         0 for an untied model: after the data-parallel sync, the first stage's replica and the last
@@ -528,10 +533,9 @@ class SimModel:
         TP rank t meets TP rank t over its vocabulary slice: tp two-member rings at once
         (`allreduce_time_s` of the two replicas); else the two TP groups form one ring over the
         whole weight, each of its 2(k - 1) steps a chunk of 1/k across the nodes' link."""
-        spec = self.book.model
-        if not spec.tied_head:
+        weight = self.tied_weight_bytes()
+        if not weight:
             return 0.0
-        weight = spec.vocab_size * spec.hidden_size * C.FP32_GRAD_BYTES
         if first.tp == last.tp:
             return self.allreduce_time_s([first, last], [0, 0 if same_node else 1], [weight / first.tp])
         k = first.tp + last.tp
