@@ -200,16 +200,21 @@ def round_profiles(model: str, rnd: Sequence[tuple[VmInfo, str, Path]]) -> list[
     return out
 
 
-def import_layers(store: Any, model: str, rounds: Sequence[list[tuple[VmInfo, str, Path]]], run: str) -> None:
-    """Writes the layer profiles of every round into the store (their median per point, `median_profiles`),
-    with the device types and the framework memory of the first round, as flows/profiling.py imports a
-    VM's store, and logs each round's forward + backward of the whole model at microbatch 4."""
-    measured = [round_profiles(model, r) for r in rounds]
-    for v, g, dest in rounds[0]:
+def import_types(store: Any, rnd: Sequence[tuple[VmInfo, str, Path]], run: str) -> None:
+    """Writes the device types and framework memory one round of layer profiles measured, as
+    flows/profiling.py imports a VM's store."""
+    for v, g, dest in rnd:
         src = open_store(str(dest), seed=False)
         store.write_gpu_types([src.gpu_types()[g]], provenance=_prov(v, run))
         if g in src.framework_overhead() and v.devices == 1:
             store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=_prov(v, run))
+
+
+def import_layers(store: Any, model: str, rounds: Sequence[list[tuple[VmInfo, str, Path]]], run: str) -> None:
+    """Writes the layer profiles of every round into the store (their median per point, `median_profiles`;
+    the device types: `import_types`) and logs each round's forward + backward of the whole model at
+    microbatch 4."""
+    measured = [round_profiles(model, r) for r in rounds]
     for g in sorted({g for _, g, _ in rounds[0]}):
         new = median_profiles([[p for p in r if p.gpu_type == g] for r in measured])
         tps = {p.tp for p in new}
@@ -533,7 +538,8 @@ def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path
         log(f"profiles of {types} and {len(store.network_links())} links found in {store_dir}: reused")
         return store, types, []
     first = measure_layers(bed.tb, bed.vms, model, work, "round0")
-    import_layers(store, model, [first], "validate-testbed")  # the device types, before the links name them
+    import_types(store, first, "validate-testbed")  # before the links name them
+    import_layers(store, model, [first], "validate-testbed")
     profile(bed.tb, bed.vms, model, store, work, bed.server, bed.sc)
     return store, types, [first]
 
