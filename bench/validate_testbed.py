@@ -15,9 +15,16 @@ Then it trains each plan below on the testbed VMs through per-VM agents (`sailor
 ControlServer (a generation per run), `--sweeps` times (a pass over the list, then one backwards),
 takes the median iteration time of the steps after `--warmup` over its runs (rank 0's metrics list),
 simulates the same plan from the store, and prints the error. The layer profiles are taken again
-between and after the sweeps (`--profile-rounds`) and their median is simulated: the testbed's
-devices are CPU quotas of a host whose speed wanders by 10-15 % over minutes, and a plan's runs and
-the profile rounds spread over the bench average that out as far as they can.
+between and after the sweeps (`--profile-rounds`).
+
+The testbed's devices are CPU quotas of a host whose speed moves by up to ~40 % within minutes (a
+GPU's clock does not). A host clock beside the testbed (`HostClock`: a fixed unit of CPU work timed
+every 0.1 s) reads that speed during each profile round and each plan's kept steps, and each plan is
+simulated from the layer profiles at the speed its steps ran at (`unit_speed_profiles`, `at_speed`):
+each round's times divided by the clock during the round, their median, times the clock during the
+plan's steps. Only compute is scaled; links are shaped by `tc` and measured once. Beside each error
+the bench prints the error of the profiles as measured (the rounds' median, the host's speed left as
+it was), and their mean and worst before the last line.
 Everything is torn down at the end, also on an error or Ctrl-C. The last line:
 
     mean_abs_error_pct=X worst_abs_error_pct=Y plans=N
@@ -91,6 +98,85 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# the host's speed
+
+# A fixed unit of the work the devices do (a gpt-tiny-sized MLP's forward and backward on 64 tokens,
+# one thread, about 2 ms), timed in thread CPU seconds every 0.1 s: a CPU second of this VM does more
+# or less of it as the host's other tenants come and go, which wall time, CPU time and CFS quotas (all
+# counted in those seconds) cannot tell apart; the unit's CPU time can. Torch's kernels, not a Python
+# loop: the two did not move together (a pure-Python unit read 2-3x slower for minutes in which the
+# layer profiles and the plans ran at their usual speed).
+_CLOCK_SRC = """
+import sys, time
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+x = torch.randn(64, 128)
+def unit():
+    mlp.zero_grad(set_to_none=True)
+    mlp(x).square().sum().backward()
+for _ in range(20):
+    unit()
+out = open(sys.argv[1], "w", buffering=1)
+while True:
+    c0 = time.thread_time()
+    unit()
+    out.write(f"{time.time():.3f} {(time.thread_time() - c0) * 1e3:.4f}\\n")
+    time.sleep(0.1)
+"""
+MIN_CLOCK_SAMPLES = 10
+
+
+class HostClock:
+    """The host's speed over the bench, read beside the testbed: a process outside the VMs (~2 % of a
+    core) times `_CLOCK_SRC`'s unit of work every 0.1 s into `path`.
+
+    The testbed's devices are CPU quotas of a 2-vCPU VM on a shared host: the same work takes more
+    or fewer CPU seconds from one second to the next, and its mean over the seconds of a plan's kept
+    steps or the minute of a profile round moves by tens of percent within minutes. A GPU's clock
+    does not. `speed_over` reads the unit's mean CPU time in given windows."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.proc = subprocess.Popen([sys.executable, "-c", _CLOCK_SRC, str(path)])
+
+    def samples(self) -> list[tuple[float, float]]:
+        """(wall time, CPU ms of one unit) of every sample so far."""
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                out.append((float(parts[0]), float(parts[1])))
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def speed_over(samples: Sequence[tuple[float, float]], windows: Sequence[tuple[float, float]]) -> float | None:
+    """The unit's mean CPU ms over the samples inside any of `windows` ((start, end) wall times); None
+    when fewer than MIN_CLOCK_SAMPLES fall inside (too little to tell)."""
+    inside = [c for t, c in samples if any(a <= t <= b for a, b in windows)]
+    return statistics.mean(inside) if len(inside) >= MIN_CLOCK_SAMPLES else None
+
+
+def at_speed(profiles: Sequence[LayerProfile], factor: float) -> list[LayerProfile]:
+    """The layer profiles' times (forward, backward, optimizer: CPU work) with the host `factor` times
+    slower than when they were measured."""
+    return [replace(p, forward_s=p.forward_s * factor, backward_s=p.backward_s * factor,
+                    optimizer_s=p.optimizer_s * factor) for p in profiles]
+
+
+# ------------------------------------------------------------------------------------------
 # testbed
 
 
@@ -151,11 +237,20 @@ def _prov(v: VmInfo, run: str, peer: VmInfo | None = None) -> Provenance:
                       settings=json.dumps(info, sort_keys=True))
 
 
-def measure_layers(tb: Testbed, vms: list[VmInfo], model: str, work: Path, tag: str) -> list[tuple[VmInfo, str, Path]]:
+@dataclass(frozen=True)
+class LayerRound:
+    """One round of layer profiles: (VM, device type, store folder) per job, and when it ran (wall time)."""
+
+    jobs: list[tuple[VmInfo, str, Path]]
+    start: float
+    end: float
+
+
+def measure_layers(tb: Testbed, vms: list[VmInfo], model: str, work: Path, tag: str) -> LayerRound:
     """One round of layer profiles, all at once as the flow's profile subflow runs them: tp 1 on a
     1-device VM of each type, tp 2 on a 2-device VM. Every rank is bound to its own device's CPU share
     (sailor_core/runtime/devices.py), and the profiler's times are that device's. Returns (VM, type,
-    store folder) per job."""
+    store folder) per job, and the round's start and end."""
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
     jobs, where = [], []
@@ -169,10 +264,11 @@ def measure_layers(tb: Testbed, vms: list[VmInfo], model: str, work: Path, tag: 
             jobs.append((v, ["profile", "model", "--model", model, "--device", "cpu", "--gpu-type", g, "--tp", tp,
                              "--mbs", PROFILE_MBS, "--json", "--store", str(dest)]))
             where.append((v, g, dest))
-    t0 = time.monotonic()
+    t0 = time.time()
     run_on(tb, jobs, logs)
-    log(f"layer profiles ({tag}) on {[f'{v.key} {g}' for v, g, _ in where]} in {time.monotonic() - t0:.0f} s")
-    return where
+    t1 = time.time()
+    log(f"layer profiles ({tag}) on {[f'{v.key} {g}' for v, g, _ in where]} in {t1 - t0:.0f} s")
+    return LayerRound(where, t0, t1)
 
 
 def median_profiles(rounds: Sequence[Sequence[LayerProfile]]) -> list[LayerProfile]:
@@ -192,34 +288,34 @@ def median_profiles(rounds: Sequence[Sequence[LayerProfile]]) -> list[LayerProfi
             for _, ps in sorted(by_key.items())]
 
 
-def round_profiles(model: str, rnd: Sequence[tuple[VmInfo, str, Path]]) -> list[LayerProfile]:
+def round_profiles(model: str, rnd: LayerRound) -> list[LayerProfile]:
     """The layer profiles one round measured (every job's store folder)."""
     out: list[LayerProfile] = []
-    for _, g, dest in rnd:
+    for _, g, dest in rnd.jobs:
         out += open_store(str(dest), seed=False).layer_profiles(model, [g])  # seconds of the bound device
     return out
 
 
-def import_types(store: Any, rnd: Sequence[tuple[VmInfo, str, Path]], run: str) -> None:
+def import_types(store: Any, rnd: LayerRound, run: str) -> None:
     """Writes the device types and framework memory one round of layer profiles measured, as
     flows/profiling.py imports a VM's store."""
-    for v, g, dest in rnd:
+    for v, g, dest in rnd.jobs:
         src = open_store(str(dest), seed=False)
         store.write_gpu_types([src.gpu_types()[g]], provenance=_prov(v, run))
         if g in src.framework_overhead() and v.devices == 1:
             store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=_prov(v, run))
 
 
-def import_layers(store: Any, model: str, rounds: Sequence[list[tuple[VmInfo, str, Path]]], run: str) -> None:
+def import_layers(store: Any, model: str, rounds: Sequence[LayerRound], run: str) -> None:
     """Writes the layer profiles of every round into the store (their median per point, `median_profiles`;
     the device types: `import_types`) and logs each round's forward + backward of the whole model at
     microbatch 4."""
     measured = [round_profiles(model, r) for r in rounds]
-    for g in sorted({g for _, g, _ in rounds[0]}):
+    for g in sorted({g for _, g, _ in rounds[0].jobs}):
         new = median_profiles([[p for p in r if p.gpu_type == g] for r in measured])
         tps = {p.tp for p in new}
         old = [p for p in store.layer_profiles(model, [g]) if p.tp not in tps]
-        v0 = next(v for v, gg, _ in rounds[0] if gg == g)
+        v0 = next(v for v, gg, _ in rounds[0].jobs if gg == g)
         prov = _prov(v0, f"{run}, median of {len(rounds)} rounds")
         store.replace_layer_profiles(model, g, old + new, provenance=prov)
         for tp in sorted(tps):
@@ -370,7 +466,8 @@ def assign(plan: ParallelPlan, vms: list[VmInfo]) -> list[tuple[str, int, tuple[
 
 
 def train(tb: Testbed, server: ControlServer, gen: int, plan: ParallelPlan, vms: list[VmInfo], steps: int,
-          work: Path, timeout_s: float) -> list[float]:
+          work: Path, timeout_s: float) -> list[tuple[float, float]]:
+    """(seconds, wall time it ended) of each step of the plan trained on the testbed (rank 0's metrics)."""
     placed = assign(plan, vms)
     settings = {"model": plan.model, "steps": steps, "timeout_s": 120, "plan_version": gen}
     members = assign_generation(server, gen, plan=plan_to_dict(plan), settings=settings, resume=False, vms=placed)
@@ -404,7 +501,7 @@ def train(tb: Testbed, server: ControlServer, gen: int, plan: ParallelPlan, vms:
             raise RuntimeError(f"generation {gen} did not finish: {dict(zip(members, status, strict=True))}; "
                                f"see {work / 'logs'}")
         rows = [json.loads(x) for x in server.read_list(metrics_key(gen))]
-        return [float(r["iteration_time_s"]) for r in sorted(rows, key=lambda r: r["step"])]
+        return [(float(r["iteration_time_s"]), float(r["time"])) for r in sorted(rows, key=lambda r: r["step"])]
     finally:
         for pr in procs:
             if pr.poll() is None:
@@ -458,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     store_dir = Path(args.store) if args.store else work / "store"
     store_dir.mkdir(parents=True, exist_ok=True)
     bed = _Bed(sc)
+    clock = HostClock(work / "host-clock.txt")
     try:
         bed.vms = build(bed.tb, sc)
         cores = sum((sc.device_type(v.gpu_type).cpu_per_device or 0) * v.devices for v in bed.vms)
@@ -474,26 +572,21 @@ def main(argv: list[str] | None = None) -> int:
             chosen = {n: chosen[n] for n in names}
         runs = sweep_order(list(chosen), args.sweeps)
         later = profile_points(len(runs), args.profile_rounds) if rounds else set()
-        kept: dict[str, list[float]] = {name: [] for name in chosen}
+        kept: dict[str, list[tuple[float, float]]] = {name: [] for name in chosen}
         for gen, name in enumerate(runs):
             steps = _train_retrying(bed, gen, chosen[name], args.steps, work, args.timeout)[args.warmup:]
             kept[name] += steps
-            log(f"{name}: median step {statistics.median(steps):.3f} s")
+            speed = speed_over(clock.samples(), [(end - dt, end) for dt, end in steps])
+            log(f"{name}: median step {statistics.median(dt for dt, _ in steps):.3f} s, host clock unit "
+                f"{speed or float('nan'):.3f} ms")
             if gen in later:
                 rounds.append(measure_layers(bed.tb, bed.vms, args.model, work, f"round{len(rounds)}"))
         if rounds:
             import_layers(store, args.model, rounds, "validate-testbed")
-        book = store.profile_book(args.model, types)
-        first = book_with(book, round_profiles(args.model, rounds[0])) if len(rounds) > 1 else None
-        print(f"{'plan':<34} {'stages':>6} {'dp':>3} {'measured s':>10} {'sim s':>8} {'err%':>7}  "
-              f"(sim: p2p {'':>1}dp-exposed){'  err% from the first round alone' if first else ''}")
-        results = [_report(name, plan, simulate(plan, book), kept[name], first and simulate(plan, first))
-                   for name, plan in chosen.items()]
-        mean = statistics.mean(abs(e) for e in results)
-        worst = max(abs(e) for e in results)
-        print(f"mean_abs_error_pct={mean:.1f} worst_abs_error_pct={worst:.1f} plans={len(results)}")
+        compare(chosen, store.profile_book(args.model, types), kept, rounds, clock.samples())
         return 0
     finally:
+        clock.close()
         bed.server.close()
         bed.tb.teardown()
         if os.environ.get("SAILOR_KEEP_WORK") != "1":
@@ -523,7 +616,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path
-                    ) -> tuple[Any, list[str], list[list[tuple[VmInfo, str, Path]]]]:
+                    ) -> tuple[Any, list[str], list[LayerRound]]:
     """(the store at store_dir with the model and the links, the VM types, the layer-profile rounds
     measured so far): profiles found there are reused (no rounds: the store's layers are used as they
     are), else the links are measured into it and the first round of layers is taken."""
@@ -558,7 +651,8 @@ def profile_points(plans: int, rounds: int) -> set[int]:
     return {max(0, round(i * plans / (rounds - 1)) - 1) for i in range(1, rounds)}
 
 
-def _train_retrying(bed: _Bed, gen: int, plan: ParallelPlan, steps: int, work: Path, timeout: float) -> list[float]:
+def _train_retrying(bed: _Bed, gen: int, plan: ParallelPlan, steps: int, work: Path, timeout: float
+                    ) -> list[tuple[float, float]]:
     """The plan's step times, trained up to three times: another testbed's stale cleanup on this shared
     machine can remove ours, which is then built again (same scenario, VM names and quotas)."""
     for _ in range(2):
@@ -574,17 +668,50 @@ def _train_retrying(bed: _Bed, gen: int, plan: ParallelPlan, steps: int, work: P
     return train(bed.tb, bed.server, gen, plan, bed.vms, steps, work, timeout)  # the last try: a failure ends it
 
 
-def _report(name: str, plan: ParallelPlan, sim: Any, kept: list[float], first: Any = None) -> float:
-    """Prints one plan's measured median step against the simulated one (and against the simulation
-    from the first round of layer profiles alone, when given); returns the error in percent."""
-    real = statistics.median(kept)
-    err = (sim.iteration_time_s - real) / real * 100
-    b = sim.breakdown
-    alone = f"  {(first.iteration_time_s - real) / real * 100:+7.1f}" if first is not None else ""
-    print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} "
-          f"{sim.iteration_time_s:>8.3f} {err:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f}){alone} "
-          f"steps {' '.join(f'{t:.2f}' for t in kept)}", flush=True)
-    return err
+def unit_speed_profiles(model: str, rounds: Sequence[LayerRound], samples: Sequence[tuple[float, float]]
+                        ) -> list[LayerProfile] | None:
+    """The layer times on a host of unit speed: each round's profiles divided by the host clock's unit
+    during that round (`speed_over` its window), their median per point (`median_profiles`). None
+    without rounds or when a round has too few clock samples."""
+    scaled = []
+    for r in rounds:
+        k = speed_over(samples, [(r.start, r.end)])
+        if k is None:
+            return None
+        scaled.append(at_speed(round_profiles(model, r), 1.0 / k))
+    return median_profiles(scaled) if scaled else None
+
+
+def compare(chosen: dict[str, ParallelPlan], book: ProfileBook, kept: dict[str, list[tuple[float, float]]],
+            rounds: Sequence[LayerRound], samples: Sequence[tuple[float, float]]) -> None:
+    """Prints every plan's measured median step against its simulation, then the last line.
+
+    The simulation takes the layer profiles at the host's speed during the plan's kept steps: the
+    unit-speed profiles (`unit_speed_profiles`) times the clock's unit over those steps. Beside it,
+    the error of the profiles as measured (the rounds' median, the host's speed left as it was).
+    Without the clock (a reused store, too few samples) only the latter is printed and used."""
+    unit = unit_speed_profiles(book.model.name, rounds, samples) if rounds else None
+    print(f"{'plan':<34} {'stages':>6} {'dp':>3} {'measured s':>10} {'sim s':>8} {'err%':>7}  "
+          f"(sim: p2p {'':>1}dp-exposed){'  host clock ms, err% as measured' if unit else ''}")
+    errors, raw = [], []
+    for name, plan in chosen.items():
+        real = statistics.median(dt for dt, _ in kept[name])
+        as_measured = simulate(plan, book)
+        raw.append((as_measured.iteration_time_s - real) / real * 100)
+        speed = speed_over(samples, [(end - dt, end) for dt, end in kept[name]]) if unit else None
+        sim = simulate(plan, book_with(book, at_speed(unit, speed))) if unit and speed else as_measured
+        errors.append((sim.iteration_time_s - real) / real * 100)
+        b = sim.breakdown
+        beside = f"  {speed:.3f} {raw[-1]:+7.1f}" if speed else "  (too few clock samples: as measured)"
+        beside = beside if unit else ""
+        print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} "
+              f"{sim.iteration_time_s:>8.3f} {errors[-1]:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f})"
+              f"{beside} steps {' '.join(f'{dt:.2f}' for dt, _ in kept[name])}", flush=True)
+    if unit:
+        print(f"profiles as measured, without the host clock: mean |error| {statistics.mean(map(abs, raw)):.1f} %, "
+              f"worst {max(map(abs, raw)):.1f} %")
+    print(f"mean_abs_error_pct={statistics.mean(map(abs, errors)):.1f} "
+          f"worst_abs_error_pct={max(map(abs, errors)):.1f} plans={len(errors)}")
 
 
 if __name__ == "__main__":

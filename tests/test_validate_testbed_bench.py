@@ -53,3 +53,26 @@ def test_the_median_round_decides_each_point_so_one_slow_minute_does_not(bench):
     # points one round lacks are the median of the rounds that have them; other keys stay apart
     two = bench.median_profiles([[_lp(0, 1.0, 2.0), _lp(0, 5.0, 5.0, tp=2)], [_lp(0, 2.0, 4.0)]])
     assert sorted((p.tp, p.forward_s) for p in two) == [(1, 1.5), (2, 5.0)]
+
+
+def test_the_host_clock_is_read_inside_the_windows_only_and_not_from_too_few_samples(bench):
+    samples = [(float(t), 1.0 if t < 50 else 2.0) for t in range(100)]
+    assert bench.speed_over(samples, [(0, 20)]) == 1.0
+    assert bench.speed_over(samples, [(10, 19), (60, 69)]) == 1.5  # both windows, ten samples each
+    assert bench.speed_over(samples, [(0, 5)]) is None  # six samples: too few to tell
+    assert bench.speed_over([], [(0, 100)]) is None
+
+
+def test_profiles_follow_the_host_speed_of_their_round_and_of_the_plan(bench, tmp_path, monkeypatch):
+    # the same layer measured twice at two host speeds: at unit speed both say the same, and a plan
+    # that ran at the second speed is simulated with the second round's times
+    rounds = [bench.LayerRound(jobs=[], start=0.0, end=10.0), bench.LayerRound(jobs=[], start=20.0, end=30.0)]
+    measured = {id(rounds[0]): [_lp(0, 1.0, 2.0)], id(rounds[1]): [_lp(0, 1.5, 3.0)]}
+    monkeypatch.setattr(bench, "round_profiles", lambda model, r: measured[id(r)])
+    samples = [(float(t), 1.0) for t in range(11)] + [(float(t), 1.5) for t in range(20, 31)]
+    unit = bench.unit_speed_profiles("m", rounds, samples)
+    assert [(p.forward_s, p.backward_s) for p in unit] == [(1.0, 2.0)]
+    at = bench.at_speed(unit, 1.5)[0]
+    assert (at.forward_s, at.backward_s, at.optimizer_s) == pytest.approx((1.5, 3.0, 0.15))
+    # a round the clock did not see: no unit-speed profiles (the bench then uses them as measured)
+    assert bench.unit_speed_profiles("m", rounds, samples[:11]) is None
