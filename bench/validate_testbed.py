@@ -107,7 +107,7 @@ def log(msg: str) -> None:
 # loop: the two did not move together (a pure-Python unit read 2-3x slower for minutes in which the
 # layer profiles and the plans ran at their usual speed).
 _CLOCK_SRC = """
-import sys, time
+import os, sys, time
 import torch
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -119,7 +119,8 @@ def unit():
 for _ in range(20):
     unit()
 out = open(sys.argv[1], "w", buffering=1)
-while True:
+parent = os.getppid()
+while os.getppid() == parent:  # ends with the bench, also when the bench is killed
     c0 = time.thread_time()
     unit()
     out.write(f"{time.time():.3f} {(time.thread_time() - c0) * 1e3:.4f}\\n")
@@ -690,7 +691,7 @@ def compare(chosen: dict[str, ParallelPlan], book: ProfileBook, kept: dict[str, 
     unit-speed profiles (`unit_speed_profiles`) times the clock's unit over those steps. Beside it,
     the error of the profiles as measured (the rounds' median, the host's speed left as it was).
     Without the clock (a reused store, too few samples) only the latter is printed and used."""
-    unit = unit_speed_profiles(book.model.name, rounds, samples) if rounds else None
+    unit = unit_speed_profiles(book.model.name, rounds, samples)
     print(f"{'plan':<34} {'stages':>6} {'dp':>3} {'measured s':>10} {'sim s':>8} {'err%':>7}  "
           f"(sim: p2p {'':>1}dp-exposed){'  host clock ms, err% as measured' if unit else ''}")
     errors, raw = [], []
@@ -702,8 +703,7 @@ def compare(chosen: dict[str, ParallelPlan], book: ProfileBook, kept: dict[str, 
         sim = simulate(plan, book_with(book, at_speed(unit, speed))) if unit and speed else as_measured
         errors.append((sim.iteration_time_s - real) / real * 100)
         b = sim.breakdown
-        beside = f"  {speed:.3f} {raw[-1]:+7.1f}" if speed else "  (too few clock samples: as measured)"
-        beside = beside if unit else ""
+        beside = "" if not unit else f"  {speed:.3f} {raw[-1]:+7.1f}" if speed else "  (too few clock samples)"
         print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} "
               f"{sim.iteration_time_s:>8.3f} {errors[-1]:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f})"
               f"{beside} steps {' '.join(f'{dt:.2f}' for dt, _ in kept[name])}", flush=True)
