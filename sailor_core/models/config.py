@@ -26,7 +26,7 @@ the package) never imports torch, so the planner and simulator can use it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from sailor_core.domain import LayerSpec, ModelSpec
 from sailor_core.errors import SailorError, ValidationError
@@ -72,6 +72,10 @@ class TransformerConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 0
+    # how the source config.json held its rotary settings: under `rope_parameters` (transformers >= 5)
+    # or as top-level rope_theta / rope_scaling / rotary_pct (older); an export writes them the same
+    # way. Presentation, not architecture: two configs that differ only here are the same model.
+    hf_rope_parameters: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -6,10 +6,14 @@ Contract:
   architecture with, for Qwen2, biases on q/k/v, and a sliding window no shorter than the trained
   sequence), GPT-NeoX ("gpt_neox": partial rotary,
   parallel residual) or OPT ("opt": pre-norm, learned positions with OPT's offset of 2, tied head)
-  family onto a `TransformerConfig`; rotary models may carry `rope_scaling` of type "linear" or
-  "llama3" (Llama 3.1 and later). The sequence length is `max_position_embeddings` unless
-  `sequence_length` is given. Anything the runtime would build differently (other rope scalings
-  such as dynamic or yarn, biases Llama does not have, OPT-350m's post-norm or projected
+  family onto a `TransformerConfig`. Rotary settings are read in both forms transformers writes:
+  `rope_parameters` {rope_type, rope_theta, factor, ..., partial_rotary_factor} (transformers >= 5)
+  and the older top-level `rope_theta` (GPT-NeoX: `rotary_emb_base`), `rope_scaling` and
+  `rotary_pct`, with transformers' precedence (a top-level `rope_scaling` wins); rope types
+  "default", "linear" and "llama3" (Llama 3.1 and later) are built. The sequence length is
+  `max_position_embeddings` unless `sequence_length` is given. Anything the runtime would build
+  differently (other rope types such as dynamic, yarn or longrope, rope parameters per layer type,
+  partial rotary outside GPT-NeoX, biases Llama does not have, OPT-350m's post-norm or projected
   embeddings, other activations) is refused with what was wrong and how to fix it, never silently
   approximated.
 - The model's name is `name`, else the config's `_name_or_path` (last path part), else
@@ -20,7 +24,8 @@ Contract:
   pyarrow's filesystems), maps it and registers it (`sailor_core.models.config.register_config`),
   so `get_config(name)` finds it in this process.
 - `hf_config_of(cfg)` is the config.json of a config (the inverse mapping), written next to exported
-  weights so the result loads in the tools people already use.
+  weights so the result loads in the tools people already use; its rotary settings are in the form
+  the source config used (`TransformerConfig.hf_rope_parameters`).
 """
 
 from __future__ import annotations
@@ -66,35 +71,82 @@ def default_name(d: dict[str, Any]) -> str:
     return f"{d.get('model_type', 'model')}-{hashlib.sha256(canon.encode()).hexdigest()[:8]}"
 
 
-def _rope_scaling(d: dict[str, Any]) -> dict[str, Any]:
-    rs = d.get("rope_scaling")
-    if rs is None:
-        return {}
-    kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
-    if kind not in ("linear", "llama3"):
-        raise _bad(f"rope_scaling {rs!r} is not supported (supported: linear, llama3)",
+ROPE_TYPES = ("default", "linear", "llama3")  # what the runtime builds; dynamic, yarn, longrope, ... are refused
+LLAMA3_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_source(d: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The rope settings dict and whether the config keeps them under `rope_parameters` (transformers
+    >= 5). Like transformers, a top-level `rope_scaling` (the older form) takes precedence."""
+    params, legacy = d.get("rope_parameters"), d.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise _bad(f"{key} must be an object, got {value!r}", "use the config.json the model was published with")
+    if legacy:
+        return dict(legacy), False
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise _bad(f"rope_parameters per layer type ({', '.join(params)}) are not supported",
+                   "use a model with one rope setting for every layer")
+    return dict(params or {}), params is not None
+
+
+def _rope(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """TransformerConfig's rotary fields from either form: `rope_parameters` {rope_type, rope_theta,
+    factor, ..., partial_rotary_factor} (transformers >= 5), or top-level rope_theta (rotary_emb_base
+    for GPT-NeoX), rope_scaling {type or rope_type, factor, ...} and rotary_pct (older)."""
+    rp, new_form = _rope_source(d)
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        where = "rope_parameters" if new_form else "rope_scaling"
+        raise _bad(f"{where} rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
                    "use a model without rope scaling or with linear / llama3 scaling")
-    out: dict[str, Any] = {"rope_scaling": kind, "rope_factor": float(rs.get("factor", 1.0))}
-    if kind == "llama3":
-        try:
-            out.update(rope_low_freq_factor=float(rs["low_freq_factor"]),
-                       rope_high_freq_factor=float(rs["high_freq_factor"]),
-                       rope_original_max_positions=int(rs["original_max_position_embeddings"]))
-        except KeyError as e:
-            raise _bad(
-                f"llama3 rope_scaling has no {e.args[0]}", "use the config.json the model was published with"
-            ) from None
+    neox = model_type == "gpt_neox"
+    top_theta = d.get("rotary_emb_base", d.get("rope_theta")) if neox else d.get("rope_theta")
+    top_partial = d.get("rotary_pct", d.get("partial_rotary_factor")) if neox else d.get("partial_rotary_factor")
+    try:
+        theta = float(rp.get("rope_theta", top_theta if top_theta is not None else 10000.0))
+        partial = float(rp.get("partial_rotary_factor", top_partial if top_partial is not None else
+                               (0.25 if neox else 1.0)))
+        out: dict[str, Any] = {"rope_theta": theta, "hf_rope_parameters": new_form}
+        if neox:
+            out["rotary_pct"] = partial
+        elif partial != 1.0:
+            raise _bad(f"partial_rotary_factor {partial} is not built for model_type {model_type!r}",
+                       "use a config that turns every head dimension (partial_rotary_factor 1.0)")
+        if kind == "default":
+            return out
+        out.update(rope_scaling=kind, rope_factor=float(rp.get("factor", 1.0)))
+        if kind == "llama3":
+            missing = [k for k in LLAMA3_KEYS if k not in rp]
+            if missing:
+                raise _bad(f"llama3 rope scaling has no {missing[0]}",
+                           "use the config.json the model was published with")
+            out.update(rope_low_freq_factor=float(rp["low_freq_factor"]),
+                       rope_high_freq_factor=float(rp["high_freq_factor"]),
+                       rope_original_max_positions=int(rp["original_max_position_embeddings"]))
+    except (TypeError, ValueError) as e:
+        raise _bad(f"rope settings {rp or top_theta!r} are not numbers ({e})",
+                   "use the config.json the model was published with") from None
     return out
 
 
-def _rope_scaling_json(cfg: TransformerConfig) -> dict[str, Any] | None:
-    if cfg.rope_scaling is None:
-        return None
-    out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
-    if cfg.rope_scaling == "llama3":
-        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
-                   original_max_position_embeddings=cfg.rope_original_max_positions)
-    return out
+def _rope_json(cfg: TransformerConfig) -> dict[str, Any]:
+    """The rotary keys of `cfg`'s config.json, in the form its source used (see `_rope`)."""
+    scaling: dict[str, Any] = {}
+    if cfg.rope_scaling is not None:
+        scaling = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
+        if cfg.rope_scaling == "llama3":
+            scaling.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                           original_max_position_embeddings=cfg.rope_original_max_positions)
+    neox = cfg.variant == "gpt-neox"
+    if cfg.hf_rope_parameters:
+        params = {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling}
+        if neox:
+            params["partial_rotary_factor"] = cfg.rotary_pct
+        return {"rope_parameters": params}
+    if neox:
+        return {"rotary_emb_base": cfg.rope_theta, "rotary_pct": cfg.rotary_pct, "rope_scaling": scaling or None}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling or None}
 
 
 def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: int | None = None) -> TransformerConfig:
@@ -129,22 +181,20 @@ def config_from_hf(d: dict[str, Any], name: str | None = None, sequence_length: 
             raise _bad(f"sliding-window attention over {window} tokens is not built",
                        f"train sequences of at most {window} tokens (--seq-len {window})")
         return TransformerConfig(
-            **common, **_rope_scaling(d), ffn_hidden_size=_int(d, "intermediate_size"),
+            **common, **_rope(d, model_type), ffn_hidden_size=_int(d, "intermediate_size"),
             qkv_bias=model_type == "qwen2", sliding_window=int(window) if window is not None else None,
             hf_model_type=model_type,
             num_kv_heads=int(d.get("num_key_value_heads") or nh), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)), tied_head=bool(d.get("tie_word_embeddings", False)),
+            tied_head=bool(d.get("tie_word_embeddings", False)),
         )
     if model_type == "gpt_neox":
         _require(d, "hidden_act", ("gelu",), "gelu")
         _require(d, "attention_bias", (True,), True)
         return TransformerConfig(
             **common,
-            **_rope_scaling(d),
+            **_rope(d, model_type),
             ffn_hidden_size=_int(d, "intermediate_size"),
             norm_eps=float(d.get("layer_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rotary_emb_base", d.get("rope_theta", 10000.0))),
-            rotary_pct=float(d.get("rotary_pct", d.get("partial_rotary_factor", 0.25))),
             parallel_residual=bool(d.get("use_parallel_residual", True)),
             tied_head=bool(d.get("tie_word_embeddings", False)),
         )
@@ -174,8 +224,7 @@ def hf_config_of(cfg: TransformerConfig) -> dict[str, Any]:
         kind = cfg.hf_model_type or "llama"
         out = {**base, "model_type": kind, "architectures": [LLAMA_FAMILY[kind]],
                "intermediate_size": cfg.ffn_hidden_size, "num_key_value_heads": cfg.kv_heads,
-               "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-               "rope_scaling": _rope_scaling_json(cfg)}
+               "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", **_rope_json(cfg)}
         if kind == "llama":
             out.update(attention_bias=False, mlp_bias=False)
         elif kind == "mistral":
@@ -186,9 +235,7 @@ def hf_config_of(cfg: TransformerConfig) -> dict[str, Any]:
     if cfg.variant == "gpt-neox":
         return {**base, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
                 "intermediate_size": cfg.ffn_hidden_size, "layer_norm_eps": cfg.norm_eps,
-                "rotary_emb_base": cfg.rope_theta, "rotary_pct": cfg.rotary_pct,
-                "use_parallel_residual": cfg.parallel_residual, "hidden_act": "gelu",
-                "rope_scaling": _rope_scaling_json(cfg)}
+                "use_parallel_residual": cfg.parallel_residual, "hidden_act": "gelu", **_rope_json(cfg)}
     if cfg.variant == "opt" and cfg.position_offset == OPT_POSITION_OFFSET:
         return {**base, "model_type": "opt", "architectures": ["OPTForCausalLM"], "ffn_dim": cfg.ffn_hidden_size,
                 "do_layer_norm_before": True, "word_embed_proj_dim": cfg.hidden_size,
