@@ -27,9 +27,7 @@ from sailor_core.plan_format import (
     plan_to_dict,
     save_plan_file,
 )
-from tests.paths import REFERENCE_DATA
-
-VALIDATION = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
+from tests.paths import MEASURED_RUNS as VALIDATION
 
 
 def two_stage_plan(**kw) -> ParallelPlan:
@@ -156,7 +154,6 @@ def test_plan_file_errors_are_explained(tmp_path: Path) -> None:
         load_plan_file(bad)
 
 
-@pytest.mark.skipif(not VALIDATION.exists(), reason="published reference data not beside this checkout")
 def test_every_published_plan_imports_with_exact_batch() -> None:
     files = sorted(VALIDATION.rglob("plan_config_*.json"))
     assert len(files) == 15

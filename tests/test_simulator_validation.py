@@ -1,6 +1,7 @@
 """The simulator against the 15 measured GH200 runs, and `sailor simulate` end to end.
 
-Skipped when the published reference data is not next to the repository.
+The measured runs and the profiles they are simulated with ship in tests/data (unchanged published
+files, tests/data/README-eth-easl-sailor.md), so these tests run in a plain clone.
 """
 
 from __future__ import annotations
@@ -12,17 +13,26 @@ import os
 import pytest
 
 from sailor_cli.main import main as cli_main
-from tests.paths import REFERENCE_DATA
+from tests.paths import MEASURED_RUNS, PUBLISHED_DATA
 
-VALIDATION = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
-pytestmark = pytest.mark.skipif(not VALIDATION.is_dir(), reason="published reference data not present")
+VALIDATION = MEASURED_RUNS
+MEASURED_RUN_COUNT = 15  # the published clariden/OPT-350 set: N = 1..32 nodes of 4 GH200
+
+# Accuracy gates on the 15 measured runs (|simulated / measured - 1|), the simulator issue's targets,
+# set below the published reference simulator's own error on this set as measured by this project
+# (../shared/reference_data/README.md, section on the validation runs: time mean 8.9 %, max 16.1 %;
+# memory mean 5.9 %, max 8.8 %). Ours, measured (docs/simulator.md, "Validation"): time mean 5.6 %,
+# memory mean 1.5 %, max 11.9 % (N4_D4's time), so the margins are 0.4, 3.5 and 0.1 points.
+TIME_MEAN_ABS_ERR_GATE = 0.06
+MEMORY_MEAN_ABS_ERR_GATE = 0.05
+MAX_ABS_ERR_GATE = 0.12  # over every run, time and memory
 
 
 @pytest.fixture(scope="module")
 def book():  # type: ignore[no-untyped-def]
     from profiles_store.eth_easl import read_eth_easl
 
-    return read_eth_easl(REFERENCE_DATA).profile_book("OPT-350")
+    return read_eth_easl(PUBLISHED_DATA).profile_book("OPT-350")
 
 
 def test_error_on_the_measured_runs_meets_the_targets(book) -> None:  # type: ignore[no-untyped-def]
@@ -36,10 +46,24 @@ def test_error_on_the_measured_runs_meets_the_targets(book) -> None:  # type: ig
         r = simulate(load_plan_file(f, fmt="eth-easl", model="OPT-350"), book, options=SimOptions(runtime="deepspeed"))
         errs.append((abs(r.iteration_time_s / meas["real"] - 1), abs(r.peak_memory_bytes / meas["max_mem"] - 1)))
         assert r.fits_memory
-    assert len(errs) == 15
-    assert sum(e[0] for e in errs) / len(errs) <= 0.06
-    assert sum(e[1] for e in errs) / len(errs) <= 0.05
-    assert max(max(e) for e in errs) <= 0.12
+    assert len(errs) == MEASURED_RUN_COUNT
+    assert sum(e[0] for e in errs) / len(errs) <= TIME_MEAN_ABS_ERR_GATE
+    assert sum(e[1] for e in errs) / len(errs) <= MEMORY_MEAN_ABS_ERR_GATE
+    assert max(max(e) for e in errs) <= MAX_ABS_ERR_GATE
+
+
+def test_the_shipped_seed_simulates_the_measured_runs_as_the_published_files_do(book) -> None:  # type: ignore[no-untyped-def]
+    """The default store (the shipped seed) and the published files give one answer on every run."""
+    from profiles_store.store import SEED_DIR, open_store
+    from sailor_core.plan_format import load_plan_file
+    from sailor_core.simulator import SimOptions, simulate
+
+    seed = open_store(str(SEED_DIR), seed=False).profile_book("OPT-350", ["GH-96"])
+    for f in sorted(VALIDATION.glob("**/plan_config_*.json")):
+        plan = load_plan_file(str(f), fmt="eth-easl", model="OPT-350")
+        a, b = (simulate(plan, bk, options=SimOptions(runtime="deepspeed")) for bk in (book, seed))
+        assert (a.iteration_time_s, a.peak_memory_bytes) == pytest.approx((b.iteration_time_s, b.peak_memory_bytes),
+                                                                           rel=1e-9), f.name
 
 
 def _plan(name: str) -> str:
@@ -93,9 +117,9 @@ def test_cli_missing_profile_and_invalid_plan(tmp_path: os.PathLike[str], capsys
 
 def test_cli_store_may_be_a_folder_of_published_data_and_schedule_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["simulate", _plan("N8_D2"), "--format", "eth-easl", "--model", "OPT-350", "--json"]
-    assert cli_main(args + ["--store", str(REFERENCE_DATA)]) == 0
+    assert cli_main(args + ["--store", str(PUBLISHED_DATA)]) == 0
     one = json.loads(capsys.readouterr().out)
-    assert cli_main(args + ["--store", str(REFERENCE_DATA), "--schedule", "gpipe"]) == 0
+    assert cli_main(args + ["--store", str(PUBLISHED_DATA), "--schedule", "gpipe"]) == 0
     gp = json.loads(capsys.readouterr().out)
     assert one["schedule"] == "1f1b" and gp["schedule"] == "gpipe"
     # GPipe keeps every microbatch in flight: more memory than 1F1B's p - s

@@ -38,7 +38,7 @@ from sailor_core.domain import (
     Provenance,
     SailorError,
 )
-from tests.paths import REFERENCE_DATA, REPO
+from tests.paths import PUBLISHED_DATA, REFERENCE_DATA, REPO
 from tests.store_fixtures import (  # noqa: F401 - fixtures
     PROV,
     T0,
@@ -218,20 +218,27 @@ def test_upsert_newest_write_wins_and_prices_keep_history(store_uri):
 def test_seed_lists_every_published_pair_and_matches_the_reader(store_uri):
     store = open_store(store_uri)
     pairs = {(p.model, p.gpu_type) for p in store.list_pairs()}
-    data = read_eth_easl(REFERENCE_DATA) if REFERENCE_DATA.exists() else None
-    assert len(pairs) >= 17
-    if data is not None:
-        assert pairs == set(data.layer_profile_files)
-        ref = data.profile_book("GPT-Neo-2.7")
-        book = store.profile_book("GPT-Neo-2.7")
-        assert book.layer_profiles == ref.layer_profiles
-        assert set(book.model.layers) == set(ref.model.layers)
-        assert set(book.links) == set(ref.links) and set(book.prices) == set(ref.prices)
+    # the published files shipped in tests/data (a subset of the tree the seed was built from)
+    data = read_eth_easl(PUBLISHED_DATA)
+    assert len(pairs) == 17 and set(data.layer_profile_files) < pairs
+    ref = data.profile_book("GPT-Neo-2.7")
+    book = store.profile_book("GPT-Neo-2.7")
+    assert book.layer_profiles == ref.layer_profiles
+    assert set(book.model.layers) == set(ref.model.layers)
+    assert set(ref.links) < set(book.links) and set(book.prices) == set(ref.prices)
     book = store.profile_book("OPT-350", ["A100-40", "V100-16", "GH-96"])
     assert book.price_usd_per_gpu_hour("us-central1-c", "A100-40", Market.ON_DEMAND) == 3.673385
     assert book.price_usd_per_gpu_hour("us-west1-b", "V100-16", Market.ON_DEMAND) == 2.859998
     assert book.price_usd_per_gpu_hour("us-central1-a", "GH-96", Market.ON_DEMAND) == 11.06
     assert len(book.layers("GH-96", 1, 4)) == 26
+
+
+@pytest.mark.skipif(not REFERENCE_DATA.exists(), reason="needs the whole published tree (../shared/reference_data)")
+def test_seed_holds_exactly_the_whole_published_tree():
+    seed = open_store(str(SEED_DIR), seed=False)
+    data = read_eth_easl(REFERENCE_DATA)
+    assert {(p.model, p.gpu_type) for p in seed.list_pairs()} == set(data.layer_profile_files)
+    assert set(seed.profile_book("GPT-Neo-2.7").links) == set(data.links)
 
 
 def test_store_rows_override_the_seed_without_touching_it(store_uri):

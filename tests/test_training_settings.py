@@ -112,12 +112,10 @@ def test_schedule_clipping_and_recompute_under_pp_tp_match_one_process(tmp_path)
 
 def test_sailor_simulate_recompute_on_a_published_plan(capsys):
     from sailor_cli.main import main
-    from tests.paths import REFERENCE_DATA
+    from tests.paths import MEASURED_RUNS
 
-    runs = REFERENCE_DATA / "eth-easl-sailor/sailor/Planner/simulations/validation/clariden/OPT-350"
-    plans = sorted(runs.glob("**/plan_config_N4_D1.json"))
-    if not plans:
-        pytest.skip("published reference data not present")
+    plans = sorted(MEASURED_RUNS.glob("**/plan_config_N4_D1.json"))
+    assert plans, f"the shipped published plan N4_D1 is missing under {MEASURED_RUNS}"
     args = ["simulate", str(plans[0]), "--format", "eth-easl", "--model", "OPT-350"]
     out = {}
     for rc in ("none", "all"):
