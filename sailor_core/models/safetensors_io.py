@@ -8,13 +8,17 @@ Contract:
   them loads into any plan's stages and TP degrees. Separate q/k/v projections are fused into the
   runtime's QKV rows (KV group, [its query heads, key, value], head_dim); GPT-NeoX's fused
   query_key_value already is that layout. A tied head takes the embedding when the file has no
-  lm_head. A missing tensor or a shape that disagrees with the config is a `SailorError`;
+  lm_head. A missing tensor, or a tensor whose shape disagrees with the config (`hf_shapes`,
+  checked by its Hugging Face name before anything is fused), is a `SailorError` naming it;
   buffers a checkpoint may carry (rotary inv_freq, attention masks) are ignored.
 - `layers_to_hf(cfg, states)` is the inverse: the same names and shapes `transformers` loads
   (a tied head is written once, as the embedding, as `save_pretrained` does).
-- `read_safetensors(uri)` reads one `.safetensors` file or every `*.safetensors` of a folder
-  (sharded checkpoints), local (lazily: a tensor is read when asked for) or object storage
-  (s3://, gs://, read whole); `write_safetensors(tensors, cfg, out)` writes `model.safetensors` and
+- `read_safetensors(uri)` reads one `.safetensors` file; the files a `model.safetensors.index.json`
+  lists (the index itself, or a folder holding one: files it does not list are not read, and a
+  tensor the index puts in a file that lacks it is an error); or every `*.safetensors` of a folder
+  without an index (a tensor in two files is an error). Local files are read lazily (a tensor when
+  asked for), object storage (s3://, gs://) whole. A file that is not safetensors, or is
+  truncated, is a `SailorError` naming it; `write_safetensors(tensors, cfg, out)` writes `model.safetensors` and
   `config.json` (sailor_core.models.hf_config) into a folder or object-storage prefix;
   `write_safetensors_sharded` writes transformers' sharded layout (files of at most 5 GB by
   default, `export_groups`, with `model.safetensors.index.json`) one group of layers at a time.
@@ -26,12 +30,14 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.hf_config import hf_config_of, read_bytes
+from sailor_core.uris import redact
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
@@ -110,35 +116,67 @@ def layer_shapes(cfg: TransformerConfig, index: int) -> dict[str, tuple[int, ...
         return {n: tuple(p.shape) for n, p in _new_layer(cfg, index, TPContext.single()).named_parameters()}
 
 
+def hf_shapes(cfg: TransformerConfig, index: int) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> the shape `cfg` gives it, for layer `index` (separate q/k/v included;
+    a tied head's lm_head, which a file may leave out, too)."""
+    fam = _family(cfg)
+    shapes = layer_shapes(cfg, index)
+    out = {theirs: shapes[ours] for ours, theirs in _names(cfg, index).items() if ours in shapes}
+    if cfg.layer_kind(index) == "block" and fam in _SEPARATE_QKV:
+        pre = f"{_LAYER_PREFIX[fam]}{index - 1}."
+        rows = (cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim)
+        for kind in ("weight", "bias"):
+            if f"attn.qkv.{kind}" in shapes:
+                rest = shapes[f"attn.qkv.{kind}"][1:]
+                out.update({f"{pre}{p}.{kind}": (n, *rest) for p, n in zip(_SEPARATE_QKV[fam], rows, strict=True)})
+    return out
+
+
+def _shape_error(cfg: TransformerConfig, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> SailorError:
+    why = ""
+    if any(p in name for p in (".k_proj.", ".v_proj.")):
+        why = f" (num_key_value_heads {cfg.kv_heads} x head_dim {cfg.head_dim} rows)"
+    elif ".q_proj." in name:
+        why = f" (num_attention_heads {cfg.num_heads} x head_dim {cfg.head_dim} rows)"
+    return SailorError(f"tensor {name!r} has shape {list(got)} in the weights but model {cfg.name}'s config gives "
+                       f"{list(want)}{why}; to fix: pass the config.json these weights were saved with")
+
+
 def hf_to_layers(cfg: TransformerConfig, tensors: Mapping[str, torch.Tensor],
                  layers: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    """Full-layout states of `layers` (default: all; with all, unused tensors are an error)."""
+    """Full-layout states of `layers` (default: all; with all, unused tensors are an error). Every
+    tensor's shape is checked against the config, by its Hugging Face name, before it is fused."""
     fam = _family(cfg)
     used: set[str] = set()
+    embedding_name = _ENDS[fam][("embedding", "wte.weight")]
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, want: tuple[int, ...]) -> torch.Tensor:
         if name not in tensors:
             raise SailorError(f"the weights have no tensor {name!r} that model {cfg.name} needs; to fix: pass the "
                               f"safetensors of the model its config.json describes")
+        t = tensors[name]
+        if tuple(t.shape) != want:
+            raise _shape_error(cfg, name, tuple(t.shape), want)
         used.add(name)
-        return tensors[name].detach().to(torch.float32)
+        return t.detach().to(torch.float32)
 
     out: dict[int, dict[str, torch.Tensor]] = {}
     for i in range(cfg.num_layers) if layers is None else layers:
-        shapes = layer_shapes(cfg, i)
+        shapes, expected = layer_shapes(cfg, i), hf_shapes(cfg, i)
         state: dict[str, torch.Tensor] = {}
         for ours, theirs in _names(cfg, i).items():
             if ours not in shapes:
                 continue
+            want = expected[theirs]
             if ours == "out.weight" and cfg.tied_head and theirs not in tensors:
-                theirs = _ENDS[fam][("embedding", "wte.weight")]  # save_pretrained writes a tied weight once
-            state[ours] = take(theirs)
+                theirs = embedding_name  # save_pretrained writes a tied weight once
+            state[ours] = take(theirs, want)
         if cfg.layer_kind(i) == "block" and fam in _SEPARATE_QKV:
             pre = f"{_LAYER_PREFIX[fam]}{i - 1}."
-            q, k, v = (pre + p for p in _SEPARATE_QKV[fam])
-            state["attn.qkv.weight"] = _fuse_qkv(cfg, take(q + ".weight"), take(k + ".weight"), take(v + ".weight"))
-            if "attn.qkv.bias" in shapes:
-                state["attn.qkv.bias"] = _fuse_qkv(cfg, take(q + ".bias"), take(k + ".bias"), take(v + ".bias"))
+            for kind in ("weight", "bias"):
+                if f"attn.qkv.{kind}" in shapes:
+                    q, k, v = (take(f"{pre}{p}.{kind}", expected[f"{pre}{p}.{kind}"]) for p in _SEPARATE_QKV[fam])
+                    state[f"attn.qkv.{kind}"] = _fuse_qkv(cfg, q, k, v)
         for n, shape in shapes.items():
             if n not in state:
                 raise SailorError(f"model {cfg.name}: no weights map to layer {i}'s {n}")
@@ -172,15 +210,33 @@ def layers_to_hf(cfg: TransformerConfig, states: dict[int, dict[str, torch.Tenso
     return out
 
 
+INDEX_NAME = "model.safetensors.index.json"  # transformers' sharded layout: tensor name -> file
+
+
+def _unreadable(path: str, e: Exception) -> SailorError:
+    reason = " ".join(str(e).split()) or type(e).__name__
+    return SailorError(f"weights file {redact(path)!r} is not a readable safetensors file ({reason}); to fix: pass "
+                       f"the model's .safetensors files (download or export this one again)")
+
+
 class LazyTensors(Mapping[str, torch.Tensor]):
     """Tensors of local .safetensors files, each read from its file only when asked for (memory-
     mapped by safetensors), so a model far larger than memory can be mapped layer by layer."""
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], keep: Callable[[str], bool] = lambda name: True):
         from safetensors import safe_open
 
-        self._handles = [safe_open(p, framework="pt") for p in paths]
-        self._where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118 - not a dict
+        self._where: dict[str, Any] = {}
+        self.file_of: dict[str, str] = {}
+        for p in paths:
+            try:
+                handle = safe_open(p, framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type (and OSError)
+                raise _unreadable(p, e) from None
+            for k in handle.keys():  # noqa: SIM118 - not a dict
+                if keep(k):
+                    _no_duplicate(k, self.file_of, p)
+                    self._where[k], self.file_of[k] = handle, p
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t: torch.Tensor = self._where[name].get_tensor(name)
@@ -197,18 +253,57 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         return {k: torch.empty(self._where[k].get_slice(k).get_shape(), device="meta") for k in self._where}
 
 
+def _no_duplicate(name: str, file_of: dict[str, str], path: str) -> None:
+    if name in file_of:
+        raise SailorError(f"tensor {name!r} is in both {redact(file_of[name])!r} and {redact(path)!r}; to fix: pass "
+                          f"the model's {INDEX_NAME}, or a folder holding one copy of the weights")
+
+
 def read_safetensors(uri: str) -> Mapping[str, torch.Tensor]:
-    """Every tensor of one .safetensors file, or of all *.safetensors in a folder: lazily from local
-    files (`LazyTensors`), read whole from object storage (s3:// / gs://)."""
+    """Every tensor of one .safetensors file, of the files a `model.safetensors.index.json` lists (the
+    index itself, or a folder holding one: files it does not list are not read), or of all
+    *.safetensors in a folder without an index: lazily from local files (`LazyTensors`), read whole
+    from object storage (s3:// / gs://). An unreadable file, a tensor in two files, or a tensor the
+    index names but its file lacks is a `SailorError` naming the file."""
     from safetensors.torch import load
 
-    files = _list_safetensors(uri)
+    files, weight_map = _weight_files(uri)
+    keep: Callable[[str], bool] = (lambda name: True) if weight_map is None else weight_map.__contains__
+    tensors: Mapping[str, torch.Tensor]
     if all("://" not in f or f.startswith("file://") for f in files):
-        return LazyTensors([f.removeprefix("file://") for f in files])
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load(read_bytes(f)))
-    return out
+        lazy = LazyTensors([f.removeprefix("file://") for f in files], keep)
+        tensors, file_of = lazy, lazy.file_of
+    else:
+        out: dict[str, torch.Tensor] = {}
+        file_of = {}
+        for f in files:
+            try:
+                part = load(read_bytes(f))
+            except SailorError:
+                raise
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+                raise _unreadable(f, e) from None
+            for k, t in part.items():
+                if keep(k):
+                    _no_duplicate(k, file_of, f)
+                    out[k], file_of[k] = t, f
+        tensors = out
+    if weight_map is not None:
+        _check_index(uri, weight_map, file_of)
+    return tensors
+
+
+def _check_index(uri: str, weight_map: dict[str, str], file_of: dict[str, str]) -> None:
+    for name, file in sorted(weight_map.items()):
+        found = file_of.get(name)
+        if found is None or _base_name(found) != file:
+            where = f"is in {_base_name(found)!r}" if found else "is in none of its files"
+            raise SailorError(f"{INDEX_NAME} of {redact(uri)!r} puts tensor {name!r} in {file!r} but it {where}; "
+                              f"to fix: pass the index written with these files (or the files without it)")
+
+
+def _base_name(path: str) -> str:
+    return path.partition("?")[0].rstrip("/").rsplit("/", 1)[-1]
 
 
 def meta_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -218,29 +313,67 @@ def meta_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {n: t.to("meta") for n, t in tensors.items()}
 
 
-def _list_safetensors(uri: str) -> list[str]:
-    if uri.partition("?")[0].endswith(".safetensors"):
-        return [uri]
+def _weight_files(uri: str) -> tuple[list[str], dict[str, str] | None]:
+    """The weight files `uri` names and, where an index names them, its weight_map (tensor -> file)."""
+    base, _, query = uri.partition("?")
+    if base.endswith(".safetensors"):
+        return [uri], None
+    if base.endswith(".json"):
+        return _indexed_files(uri)
+    names = _folder_names(uri)
+    if INDEX_NAME in names:
+        return _indexed_files(_join(uri, INDEX_NAME))
+    found = [_join(uri, n) for n in sorted(names) if n.endswith(".safetensors")]
+    if not found:
+        raise SailorError(
+            f"no .safetensors files in {redact(uri)!r}; to fix: pass a .safetensors file, the folder holding "
+            f"them or their {INDEX_NAME}"
+        )
+    return found, None
+
+
+def _join(folder_uri: str, name: str) -> str:
+    base, sep, query = folder_uri.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
+
+
+def _folder_names(uri: str) -> list[str]:
+    """Names of the files directly in folder or prefix `uri`."""
     if "://" not in uri or uri.startswith("file://"):
         path = uri.removeprefix("file://")
         if not os.path.isdir(path):
-            raise SailorError(f"{path!r} is neither a .safetensors file nor a folder; to fix: check the path")
-        found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
-    else:
-        from pyarrow import fs as pafs
+            raise SailorError(f"{path!r} is neither a .safetensors file, an index nor a folder; to fix: check the path")
+        return [n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))]
+    from pyarrow import fs as pafs
 
-        from sailor_core.uris import filesystem_for
+    from sailor_core.uris import filesystem_for
 
-        filesystem, root = filesystem_for(uri)
-        infos = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-        base, _, query = uri.partition("?")
-        found = sorted(f"{base.rstrip('/')}/{i.base_name}" + (f"?{query}" if query else "")
-                       for i in infos if i.base_name.endswith(".safetensors"))
-    if not found:
-        raise SailorError(
-            f"no .safetensors files in {uri!r}; to fix: pass a .safetensors file or the folder holding them"
-        )
-    return found
+    filesystem, root = filesystem_for(uri)
+    infos = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    return [i.base_name for i in infos if i.type == pafs.FileType.File]
+
+
+def _indexed_files(index_uri: str) -> tuple[list[str], dict[str, str]]:
+    """The files of a `model.safetensors.index.json` (beside it) and its weight_map."""
+    shown = redact(index_uri)
+    try:
+        index = json.loads(read_bytes(index_uri))
+    except json.JSONDecodeError as e:
+        raise SailorError(f"{shown!r} is not valid JSON ({e}); to fix: pass the {INDEX_NAME} transformers "
+                          f"wrote, or the .safetensors files") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(f, str) and f.endswith(".safetensors") and "/" not in f for f in weight_map.values()):
+        raise SailorError(f"{shown!r} has no weight_map of tensor names to .safetensors files beside it; to fix: "
+                          f"pass a {INDEX_NAME} as transformers writes it, or the .safetensors files")
+    base, sep, query = index_uri.partition("?")
+    folder = base.rsplit("/", 1)[0] if "/" in base else "."
+    files = [f"{folder}/{name}{sep}{query}" for name in sorted(set(weight_map.values()))]
+    for f in files:
+        if ("://" not in f or f.startswith("file://")) and not os.path.isfile(f.removeprefix("file://")):
+            raise SailorError(f"{shown!r} lists {_base_name(f)!r}, which is not beside it; to fix: put every file "
+                              f"the index lists in its folder")
+    return files, weight_map
 
 
 def _writer(out: str) -> Callable[[str, bytes], None]:
