@@ -5,7 +5,8 @@ Contract: `sailor data prepare INPUT... --tokenizer tokenizer.json --out URI [--
 text files (local paths or s3:// / gs:// URIs, files or folders) with a Hugging Face tokenizer.json into sharded token
 files with an index (sailor_core.runtime.prepare, layout in sailor_core.runtime.token_shards) at
 URI; `sailor train --data URI` then streams them. Prints one line per shard and a summary, or the
-index as JSON. Bad input is a `SailorError`: one line, exit 2.
+index as JSON. Bad input is a `SailorError`: one line, exit 2. `--eos auto` with a tokenizer that has
+no known end-of-document token prints a warning naming the flag on stderr (the documents run into each other).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def prepare_cmd(
     from sailor_core.runtime.prepare import prepare_dataset
 
     def progress(msg: dict) -> None:
-        if msg["kind"] == "shard" and not as_json:
+        if msg["kind"] == "warning":
+            typer.echo(f"warning: {msg['message']}", err=True)
+        elif msg["kind"] == "shard" and not as_json:
             typer.echo(f"wrote {msg['name']}: {msg['tokens']} tokens ({msg['documents']} documents so far)")
 
     index = prepare_dataset(list(inputs), tokenizer, out, text_field=text_field, shard_tokens=shard_tokens,

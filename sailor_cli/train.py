@@ -83,6 +83,7 @@ def train(
     from sailor_core.runtime.engine import TrainSettings
     from sailor_core.runtime.launcher import check_settings
     from sailor_core.runtime.schedule import check_schedule
+    from sailor_core.runtime.token_shards import check_dataset
 
     check_schedule(lr_schedule, warmup_steps, min_lr_ratio)
     if model_config:  # a config.json model, registered under its name: the plan's model resolves to it
@@ -98,6 +99,7 @@ def train(
                              lr_schedule=lr_schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
                              max_grad_norm=max_grad_norm, recompute=recompute)
     check_settings(settings)  # before any checkpoint is touched or a worker starts
+    check_dataset(data, cfg.sequence_length, cfg.vocab_size)  # e.g. a tokenizer larger than the model
     settings = _start_from(settings, cfg, init_weights, resume_or_start)
     _run_and_export(plan, cfg, settings, log_dir, metrics_out, export)
 

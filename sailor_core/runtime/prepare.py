@@ -7,7 +7,8 @@ path order), one document per JSON line (field `text_field`), per Parquet row (c
 (`tokenizers` package; a folder or prefix means its tokenizer.json; the tokenizer's own special
 tokens, e.g. Llama's beginning-of-text, only with `add_special_tokens`; the end-of-sequence id
 appended per document when the tokenizer has one: `eos` "auto" looks for </s>, <|endoftext|>,
-<|end_of_text|>, <eos>); and
+<|end_of_text|>, <eos>, and warns (a `progress` message of kind "warning", else Python's warnings)
+when it finds none, since the documents then run into each other); and
 writes shards of `shard_tokens` tokens, then index.json, to `out` (a folder or s3:// / gs://
 prefix). A non-empty `out` (one with an index) is refused, a document without the field is an
 error naming the file and line, and nothing is half-visible: readers look at index.json, written
@@ -129,6 +130,16 @@ def _eos_id(tok: Any, eos: str | None) -> int | None:
     return int(i)
 
 
+def _warn(progress: Callable[[dict[str, Any]], None] | None, message: str) -> None:
+    """A warning to the caller's progress callback (the CLI prints it on stderr), else Python's warnings."""
+    if progress is not None:
+        progress({"kind": "warning", "message": message})
+    else:
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
+
+
 def prepare_dataset(inputs: list[str], tokenizer_uri: str, out: str, *, text_field: str = "text",
                     shard_tokens: int = DEFAULT_SHARD_TOKENS, eos: str | None = "auto",
                     add_special_tokens: bool = False,
@@ -141,6 +152,10 @@ def prepare_dataset(inputs: list[str], tokenizer_uri: str, out: str, *, text_fie
     vocab = int(tok.get_vocab_size(with_added_tokens=True))
     dtype = np.dtype(dtype_for(vocab)).newbyteorder("<")
     eos_id = _eos_id(tok, eos)
+    if eos == "auto" and eos_id is None:
+        _warn(progress, f"the tokenizer has none of {', '.join(EOS_CANDIDATES)}: documents are joined with no "
+                        f"end-of-document token between them; to fix: pass --eos with the tokenizer's end-of-document "
+                        f"token, or --eos none to join them so on purpose")
     filesystem, root = open_root(out)
     if read_index(filesystem, root) is not None:
         raise SailorError(f"{redact(out)!r} already holds a prepared dataset; to fix: choose another --out")

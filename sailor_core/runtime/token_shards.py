@@ -18,6 +18,8 @@ Contract (the layout `sailor data prepare` writes under a folder or object-stora
   background (object-storage latency overlaps training; the samples are the same either way).
 - `open_dataset(uri, seq_len, seed, vocab_size)` opens a prepared dataset when `uri` holds an
   index.json, else the byte-level corpus of sailor_core.runtime.data (the demo's default).
+  `check_dataset(uri, seq_len, vocab_size)` makes the same checks from the index alone, so
+  `sailor train` refuses a dataset tokenized for a larger vocabulary before any worker starts.
 """
 
 from __future__ import annotations
@@ -190,6 +192,14 @@ def is_prepared(uri: str | None) -> bool:
         return False
     except OSError:
         return False
+
+
+def check_dataset(uri: str | None, seq_len: int, vocab_size: int) -> None:
+    """Refuse, before any worker starts, a prepared dataset no worker could train on (a tokenizer
+    vocabulary larger than the model's, fewer tokens than one sample): only its index is read."""
+    if is_prepared(uri):
+        assert uri is not None
+        ShardedTokenDataset(uri, seq_len, 0, vocab_size)
 
 
 DEFAULT_PREFETCH = 2  # batches read ahead by a training worker
