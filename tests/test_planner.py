@@ -172,6 +172,37 @@ def _pool(book, zones: dict[str, dict[str, int]]) -> ResourcePool:
     )
 
 
+def _assert_estimate_adds_up_by_hand(pl, est, book, usd_per_gpu_hour: dict[str, float]) -> None:
+    """The planner's estimate of a one-zone fp32 1F1B plan against values computed here from the plan,
+    the model's published layer sizes and the pool's prices (not by calling the simulator again)."""
+    # cost: every GPU of the plan at its price for the iteration's seconds; one zone, so no egress
+    gpus = [(r.gpu_type, r.tp) for st in pl.stages for r in st.replicas]
+    assert est.num_gpus == sum(tp for _, tp in gpus)
+    usd_per_s = sum(tp * usd_per_gpu_hour[g] for g, tp in gpus) / 3600
+    assert est.egress_usd_per_iteration == 0.0
+    assert est.usd_per_iteration == pytest.approx(est.iteration_time_s * usd_per_s, rel=1e-9)
+    # the four top terms of the breakdown are the iteration (docs/simulator.md)
+    b = est.breakdown
+    assert est.iteration_time_s == pytest.approx(
+        b.pipeline_compute_s + b.pipeline_p2p_s + b.dp_sync_exposed_s + b.optimizer_s, rel=1e-9)
+    # 1F1B's critical path: m microbatches through the slowest stage plus one through every other
+    # stage, (m - 1) * max_s t_s + sum_s t_s with t_s = forward + backward of one microbatch
+    m = pl.pipelines[0].num_microbatches
+    t = [next(r.forward_s + r.backward_s for r in est.per_stage if r.stage == s) for s in range(pl.num_stages)]
+    assert b.pipeline_compute_s == pytest.approx((m - 1) * max(t) + sum(t), rel=1e-9)
+    assert b.bubble_s == pytest.approx(sum(t) - max(t), rel=1e-9)
+    # memory: fp32 weights are 4 B per parameter the stage holds at its TP degree, gradients 4 B,
+    # Adam's two moments 8 B; the total fits the GPU type's memory
+    for row in est.per_stage:
+        st = pl.stages[row.stage]
+        params = sum(ly.params for ly in book.model.layers
+                     if ly.tp == row.tp and st.first_layer <= ly.index <= st.last_layer)
+        assert (row.memory.weights_bytes, row.memory.gradients_bytes, row.memory.optimizer_bytes) == (
+            4 * params, 4 * params, 8 * params)
+        assert row.peak_memory_bytes <= book.gpu_types[row.gpu_type].memory_bytes
+    assert est.fits_memory
+
+
 def test_plan_is_verified_by_the_simulator_and_deterministic(book) -> None:
     pool = _pool(book, {"us-central1-a": {A: 16, V: 16}})
     req = PlanRequest(model="OPT-350", global_batch_size=256, pool=pool)
@@ -179,9 +210,7 @@ def test_plan_is_verified_by_the_simulator_and_deterministic(book) -> None:
     r2 = plan(req, book)
     assert r1.plan is not None and r1.plan == r2.plan
     assert r1.estimate.to_json() == r2.estimate.to_json()
-    again = simulate(r1.plan, book, options=sim_options(pool, "fp32", "1f1b"))
-    assert again.iteration_time_s == pytest.approx(r1.estimate.iteration_time_s)
-    assert again.fits_memory
+    _assert_estimate_adds_up_by_hand(r1.plan, r1.estimate, book, {A: 3.673385, V: 2.859998})
     used = r1.plan.gpus_by_place()
     for e in pool.entries:
         assert used.get((e.zone, e.gpu_type, e.market), 0) <= e.count
@@ -423,13 +452,15 @@ def test_max_throughput_keeps_pipelines_inside_zones_when_that_is_as_fast(tmp_pa
     inside = _pipelines_in_zones(fastest.plan, pool)
     assert inside is not None
     r_in = simulate(inside, neo, options=sim_options(pool, "fp32", "1f1b"))
-    if r_in.throughput_iterations_per_s >= f.throughput_iterations_per_s * (1 - 0.005):
-        # a same-throughput plan keeps pipelines inside zones: the chosen one pays no pipeline egress
-        for j in range(res.plan.data_parallel):
-            assert len({st.replicas[j].zone for st in res.plan.stages}) == 1, f"pipeline {j} crosses zones"
-        assert e.usd_per_iteration <= r_in.usd_per_iteration * (1 + 1e-9)
-    # (else the simulator prices rings across zones above the sends saved: moving pipelines into zones
-    # is slower by more than the tolerance, and max throughput rightly keeps the faster plan)
+    # (0.09 % slower when this was written; should the simulator come to price rings across zones above
+    # the sends saved, the premise fails here, and the case needs a pool where it holds)
+    assert r_in.throughput_iterations_per_s >= f.throughput_iterations_per_s * (1 - 0.005), (
+        "premise: whole pipelines per zone are within the 0.5 % tolerance of the fastest plan")
+    # a same-throughput plan keeps pipelines inside zones: the chosen one pays no pipeline egress
+    for j in range(res.plan.data_parallel):
+        assert len({st.replicas[j].zone for st in res.plan.stages}) == 1, f"pipeline {j} crosses zones"
+    assert e.usd_per_iteration <= r_in.usd_per_iteration * (1 + 1e-9)
+    assert e.usd_per_iteration < f.usd_per_iteration  # the egress the fastest plan's pipelines paid is saved
     _assert_on_frontier(res)
 
 
