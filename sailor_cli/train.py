@@ -12,9 +12,10 @@ to `quarantine/` beside them, never written over. The plan file's model is the m
 by SIGTERM/SIGINT (the workers checkpoint first). Worker logs live in a temporary folder that is
 removed at the end (`--log-dir` keeps them).
 Models: `--model NAME` (built in) or `--model-config config.json` (Hugging Face style Llama,
-GPT-NeoX, OPT). `--init-weights` (safetensors file or folder, local or s3:// / gs://) starts from
-those weights under any plan: they become step 0 of the checkpoint folder (sailor_core.runtime.
-weights), which the run resumes from. `--export DIR` writes the trained weights in the model's
+GPT-NeoX, OPT). `--init-weights` (safetensors file, model.safetensors.index.json, or a folder, local
+or s3:// / gs://; checked against the config before anything starts) starts from those weights
+under any plan: they become step 0 of the checkpoint folder (sailor_core.runtime.weights), which
+the run resumes from. `--export DIR` writes the trained weights in the model's
 original Hugging Face layout (model.safetensors + config.json). Training settings: `--lr-schedule
 constant|cosine|linear` with `--warmup-steps` and `--min-lr-ratio`, `--max-grad-norm` (global norm;
 0 turns clipping off), `--recompute` (activation recomputation in every block).
@@ -60,7 +61,7 @@ def train(
     model_config: ModelConfig = None,
     seq_len: SeqLen = None,
     init_weights: Annotated[str | None, typer.Option(
-        "--init-weights", help="start from these safetensors (file or folder, local or s3://)")] = None,
+        "--init-weights", help="start from these safetensors (file, index.json or folder, local or s3://)")] = None,
     export: Annotated[str | None, typer.Option(
         "--export", help="write the trained weights here as safetensors + config.json")] = None,
     lr_schedule: Annotated[str, typer.Option(
