@@ -90,10 +90,14 @@ def test_unrunnable_plans_fail_before_any_process(tmp_path):
     assert any("stages cover layers 0..4" in p for p in runtime_problems(short, CFG))
     too_big = plan([((0, 5), [rep(2)])])
     assert any("slots" in p for p in runtime_problems(too_big, CFG, slots=1))
-    t0 = time.monotonic()
+    # a "python" that leaves a mark if anything runs it: no worker may be started
+    marker, python = tmp_path / "started", tmp_path / "python"
+    python.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    python.chmod(0o755)
     with pytest.raises(SailorError, match="cannot run this plan"):
-        run_local(too_big, CFG, TrainSettings(model="gpt-tiny", steps=1), slots=1, run_dir=str(tmp_path / "r"))
-    assert time.monotonic() - t0 < 2
+        run_local(too_big, CFG, TrainSettings(model="gpt-tiny", steps=1), slots=1, run_dir=str(tmp_path / "r"),
+                  python=str(python))
+    assert not marker.exists()
     assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")  # no worker was started
 
 
