@@ -158,3 +158,21 @@ def test_unsupported_rope_types_are_refused_in_both_forms(rope):
         config_from_hf(new)
     with pytest.raises(SailorError, match=f"rope_scaling rope_type '{rope['rope_type']}' is not supported.*to fix"):
         config_from_hf(legacy_form(new))
+
+
+def test_sharded_save_pretrained_is_read_through_its_index(tmp_path):
+    import torch
+
+    from sailor_core.models.hf_config import config_from_hf
+    from sailor_core.models.safetensors_io import INDEX_NAME, hf_to_layers, read_safetensors
+
+    model = build("llama-theta")
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / INDEX_NAME).exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    torch.save({}, tmp_path / "stray.safetensors")  # not listed by the index: never opened
+    cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()), name="hf-sharded")
+    for uri in (tmp_path, tmp_path / INDEX_NAME):
+        tensors = read_safetensors(str(uri))
+        assert sorted(tensors) == sorted(model.state_dict())
+        states = hf_to_layers(cfg, tensors)
+        assert torch.equal(states[1]["mlp.w2.weight"], model.state_dict()["model.layers.0.mlp.down_proj.weight"])
