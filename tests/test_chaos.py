@@ -143,6 +143,36 @@ def test_full_disk_for_the_checkpoint_folder(tmp_path):
                                                          f"partial files; --resume went on from step 5")
 
 
+GPT_TINY_2_REPLICAS = {**GPT_TINY_2_STAGES,
+                       "stages": [{"layers": [0, 5], "replicas": GPT_TINY_2_STAGES["stages"][0]["replicas"] * 2}],
+                       "pipelines": [{"microbatch_size": 4, "num_microbatches": 1}] * 2}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_full_disk_with_two_replicas_ends_the_job(tmp_path):
+    """One stage over two replicas: only replica 0 writes, so its ENOSPC is its own fault; its peer, in
+    the step's all-reduce, must be woken (it once waited forever) and the command end with exit 1."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(ck)], check=True)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(GPT_TINY_2_REPLICAS))
+    try:
+        p = start(tmp_path, "train", str(plan), "--steps", "30", "--checkpoint-dir", str(ck / "run"),
+                  "--checkpoint-every", "5")
+        kids: dict[int, int] = {}
+        wait_for(lambda: bool(kids.update(descendants(p.pid)) or p.poll() is not None), 200, "the job's processes")
+        rc, out, err = finish(p, 240)  # the peer's collective timeout is 60 s: no hang may outlast it much
+    finally:
+        subprocess.run(["umount", "-l", str(ck)], check=False)
+    assert rc == 1, (rc, out[-1000:], err[-1500:])
+    line = _one_line_error(err)
+    assert "No space left" in line and "worker 0" in line, line
+    wait_for(lambda: not _alive(kids), 30, "every process of the job to end")
+    assert _ours_left(tmp_path) == []
+    report("full disk (3 MiB tmpfs), 2 replicas", f"exit 1 with one line ({line[:90]}...); nothing left")
+
+
 def test_sigkill_of_the_demo_flow_process(tmp_path, demo_store):
     """`sailor demo` killed with SIGKILL: its ephemeral Prefect server and workers die with it, and the
     run is shown crashed once its lease expires."""

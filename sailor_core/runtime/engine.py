@@ -334,6 +334,12 @@ class Trainer:
             if self.rank in ranks:
                 self.tie_group, self.tie_sliced = g, sliced
 
+    def process_groups(self) -> list[Any]:
+        """The subgroups this rank belongs to. A failed generation's worker keeps these (not the trainer)
+        until the process ends: gloo work blocked on a lost peer runs on their threads until its
+        timeout, and freeing a group joins them."""
+        return [g for g in (self.tp.group, self.dp_group, self.tie_group) if g is not None]
+
     def _tied_param(self) -> nn.Parameter | None:
         if self.model.has_embedding:
             return self.model.embedding().wte.weight

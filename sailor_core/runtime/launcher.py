@@ -263,6 +263,11 @@ def _watch(store: Any, gen: int, members: list[int], workers: dict[int, _Worker]
             key = protocol.status_key(gen, str(wid))
             if (status := store.get(key)) is not None:
                 statuses[wid] = status
+                if status.startswith("failed") and failed_at is None:
+                    # a rank failed on its own (it also aborts its peers itself): the others get the
+                    # same grace to report as after a lost worker, then count as stuck
+                    failed_at = time.monotonic()
+                    store.set(protocol.abort_key(gen), f"worker {wid} {status}")
             elif workers[wid].proc.poll() is not None and wid not in lost:
                 if (status := store.get(key)) is not None:  # it reported just before exiting
                     statuses[wid] = status
@@ -272,7 +277,7 @@ def _watch(store: Any, gen: int, members: list[int], workers: dict[int, _Worker]
                 store.set(protocol.abort_key(gen), str(wid))  # wake survivors blocked on the lost peer
         if len(statuses) + len(lost) == len(members):
             break
-        if lost and failed_at is not None and time.monotonic() - failed_at > ABORT_GRACE_S:
+        if failed_at is not None and time.monotonic() - failed_at > ABORT_GRACE_S:
             # survivors wake within milliseconds of the abort key; one that did not is stuck: count
             # it as lost too, so the next plan does not wait for it
             for wid in members:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sailor_core.errors import PeerLost
 from sailor_core.models.config import config_from_dict, get_config
 from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
@@ -45,7 +46,6 @@ from sailor_core.runtime.topology import layout
 
 ASSIGNMENT_WAIT_S = 600.0  # how long a worker waits for its next generation before giving up
 STOP_POLL_S = 0.5  # a worker waiting for its next generation notices SIGTERM within this
-_GRAVEYARD: list[Any] = []  # trainers of aborted generations, never freed (see run_generation)
 
 
 def _log(msg: str) -> None:
@@ -74,12 +74,14 @@ class _DataCache:
 
 def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[str, Any], local_rank: int = 0,
                    on_metrics: Any = None, previous: Trainer | None = None,
-                   kept: list[Any] | None = None, on_loaded: Any = None) -> str:
+                   kept: list[Any] | None = None, on_loaded: Any = None,
+                   graveyard: list[Any] | None = None) -> str:
     """Join the process group described by `init`, train, and return 'done' or 'stopped'.
 
     `previous`: the trainer of this process's last generation, if it ended cleanly; where it holds the
     same shard at the resume step, its state is kept from memory instead of loaded. `kept` receives
-    (this trainer, how it resumed); `on_loaded(how)` is told how it resumed before training starts."""
+    (this trainer, how it resumed); `on_loaded(how)` is told how it resumed before training starts;
+    `graveyard` receives the process groups of an aborted generation (see below)."""
     plan = plan_from_dict(assignment["plan"])
     settings = TrainSettings.from_dict(assignment["settings"])
     cfg = config_from_dict(settings.model_config) if settings.model_config else get_config(settings.model)
@@ -105,9 +107,11 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
     except BaseException:
         # An aborted generation may leave gloo work running on its subgroups' threads (blocked on the
         # lost peer until its timeout). Destroying such a group joins those threads, and Python would
-        # do that at whatever moment the garbage collector frees the trainer - stalling the next
-        # generation. Keep them referenced; their threads end at the timeout.
-        _GRAVEYARD.append(trainer)
+        # do that at whatever moment the garbage collector frees it - stalling the next generation.
+        # Keep the groups referenced (their threads end at the timeout); the trainer itself, its model
+        # and optimizer state, is freed once no later generation keeps it.
+        if trainer is not None and graveyard is not None:
+            graveyard.extend(trainer.process_groups())
         raise
     finally:
         if trainer is not None:
@@ -145,6 +149,7 @@ class _Control:
         self.last_step = 0
         self.switching = -1  # the generation the controller asked to end for a plan change
         self.training = -1  # the generation this process trains in now (-1: none: waiting, or sitting one out)
+        self.aborted_groups: list[Any] = []  # process groups of aborted generations (run_generation)
 
     def start(self) -> None:
         """Starts the heartbeat and the stop and abort watchers (daemon threads until `stop` is set)."""
@@ -263,11 +268,13 @@ def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCac
     try:
         status = run_generation(a, data=data, init={"store": _pg_store(a, client, gen)},
                                 local_rank=int(a.get("local_rank", 0)), on_metrics=ctl.on_metrics,
-                                previous=previous, kept=kept,
+                                previous=previous, kept=kept, graveyard=ctl.aborted_groups,
                                 on_loaded=lambda how, g=gen: client.set(protocol.loaded_key(g, worker_id), how))
-    except Exception as e:  # noqa: BLE001 - a lost peer or timeout: report and await a new plan
+    except Exception as e:  # noqa: BLE001 - a lost peer, a timeout or this rank's own fault: report, await a new plan
         status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         _log(f"generation {gen} {status}")
+        if not isinstance(e, PeerLost):
+            _abort_peers(client, gen, f"worker {worker_id} {status}")
     ctl.training = -1
     if ctl.switching == gen:  # the stop was the plan change's, not the run's end
         _Notices.stop = False
@@ -277,6 +284,17 @@ def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCac
     # in memory at the step its trainer reached (Trainer.consistent says whether it is whole); the
     # next generation's resume decides what of it to keep. Without a new trainer, the older one stays.
     return status, (kept[0] if kept else previous)
+
+
+def _abort_peers(client: ControlClient, gen: int, reason: str) -> None:
+    """This rank failed on its own (a full disk, a bad input, a bug): its peers would otherwise wait for
+    it in their next collective until the timeout, or forever in a wait the timeout does not cover.
+    Setting the generation's abort key wakes every one of them at once, as a lost VM does."""
+    comm.ABORT.set()
+    try:
+        client.set(protocol.abort_key(gen), reason)
+    except protocol.ProtocolError as e:  # the controller is gone: it cannot restart anyone either
+        _log(f"cannot abort generation {gen} for its peers: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
