@@ -172,6 +172,11 @@ class ProtocolError(Failure):
     """The run's controller refused a request or could not be reached."""
 
 
+class StorageUnavailable(Failure):
+    """Object storage kept failing (5xx, timeouts, reset connections) past the retry deadline. Never
+    read as "not there": a checkpoint that cannot be listed is not a checkpoint that does not exist."""
+
+
 class PeerLost(Failure, RuntimeError):
     """The controller announced a lost worker while this rank was waiting on communication.
 

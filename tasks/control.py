@@ -54,14 +54,14 @@ class HeartbeatBoard:
             return max((int(b.get("step") or 0) for b in self._beats.values()), default=0)
 
 
-def checkpoint_steps(checkpoint_uri: str, num_layers: int) -> int | None:
-    """Newest complete checkpoint step under the folder (None: none yet)."""
+def checkpoint_steps(checkpoint_uri: str, num_layers: int, *, retry_s: float | None = None) -> int | None:
+    """Newest complete checkpoint step under the folder (None: there is none). Only "not found" means
+    none: an object store that keeps failing raises StorageUnavailable after `retry_s` of retries
+    (default checkpoint.STORAGE_RETRY_S), so a hiccup never restarts a job from step 0."""
     from sailor_core.runtime import checkpoint as ckpt
 
-    try:
-        return ckpt.latest_valid_step(ckpt.open_storage(checkpoint_uri), num_layers)
-    except Exception:
-        return None
+    storage = ckpt.open_storage(checkpoint_uri, **({} if retry_s is None else {"retry_s": retry_s}))
+    return ckpt.latest_valid_step(storage, num_layers)
 
 
 class Controller:

@@ -25,12 +25,16 @@ Contract:
   for the writes only; `close()` cancels a retention pass at its next read and waits: a rank leaving
   its generation is done in the time of its writes) and re-raises an error.
 - Storage is pluggable (`CheckpointStorage`): a local directory, or `s3://` / `gs://` through
-  pyarrow's filesystems (`open_storage(uri)`).
+  pyarrow's filesystems (`open_storage(uri)`). Object storage is wrapped in `RetryingStorage`: only
+  "not found" means absent; a transient error (5xx, timeout, reset connection) is retried with
+  backoff for up to `retry_s` (default STORAGE_RETRY_S) and then raised as `StorageUnavailable`,
+  which no reader takes for a missing or corrupt checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -44,7 +48,7 @@ from typing import Any, Protocol
 
 import torch
 
-from sailor_core.errors import SailorError
+from sailor_core.errors import SailorError, StorageUnavailable
 
 
 class CheckpointStorage(Protocol):
@@ -130,10 +134,8 @@ class PyArrowStorage:
         return sorted(i.base_name for i in self._fs.get_file_info(sel))
 
     def delete_tree(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # gone already; any other error is the caller's
             self._fs.delete_dir(self._p(path))
-        except OSError:
-            pass
 
     def move_tree(self, src: str, dst: str) -> None:
         # object stores have no directory rename: copy every object, then delete the source
@@ -145,15 +147,89 @@ class PyArrowStorage:
         self.delete_tree(src)
 
 
-def open_storage(uri: str) -> CheckpointStorage:
-    if "://" in uri and not uri.startswith("file://"):
-        try:
-            return PyArrowStorage(uri)
-        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad URI
-            from sailor_core.uris import redact
+STORAGE_RETRY_S = 120.0  # how long an object store may fail transiently before the caller is told
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 8.0  # exponential backoff between tries, capped
+# Errors of an object store that no retry mends (pyarrow raises a plain OSError for all of them).
+_PERMANENT_MARKERS = ("ACCESS_DENIED", "AccessDenied", "HTTP status 403", "Forbidden", "NoSuchBucket",
+                      "NO_SUCH_BUCKET", "INVALID_", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+_PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR,
+                     errno.ENOTDIR, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTEMPTY}
 
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a storage error may go away if the call is tried again: an OSError that is not "not found",
+    not a local filesystem's permanent condition (full, read-only, permissions) and not an object
+    store's refusal (credentials, no such bucket)."""
+    if not isinstance(e, OSError) or isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError):
+        return False
+    if e.errno in _PERMANENT_ERRNOS:
+        return False
+    return not any(m in str(e) for m in _PERMANENT_MARKERS)
+
+
+class RetryingStorage:
+    """A storage whose calls are retried on transient errors (`is_transient`) with exponential backoff
+    for up to `retry_s`; then `StorageUnavailable`. "Not found" and permanent errors pass at once.
+    Writes are safe to repeat (each is atomic: a temporary name renamed, or one object PUT); so is
+    `move_tree` (it copies what is left, then deletes). `sleep` and `clock` are passed in for tests."""
+
+    def __init__(self, storage: CheckpointStorage, *, retry_s: float = STORAGE_RETRY_S, what: str = "storage",
+                 sleep: Any = time.sleep, clock: Any = time.monotonic, log: Any = None) -> None:
+        self._s, self.retry_s, self.what = storage, retry_s, what
+        self._sleep, self._clock, self._log = sleep, clock, log
+
+    def _call(self, op: str, fn: Any, *args: Any) -> Any:
+        deadline = self._clock() + self.retry_s
+        pause, tries = _RETRY_FIRST_S, 0
+        while True:
+            try:
+                return fn(*args)
+            except OSError as e:
+                tries += 1
+                if not is_transient(e):
+                    raise
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise StorageUnavailable(
+                        f"{self.what} kept failing for {self.retry_s:.0f}s ({tries} tries of {op} "
+                        f"{args[0] if args else ''!s}): {str(e).splitlines()[0][:200]}; nothing was taken for "
+                        f"missing; to fix: check the object store's health and the network, then retry "
+                        f"(checkpoints already written are intact)") from e
+                if self._log is not None:
+                    self._log(f"{self.what}: {op} failed ({str(e).splitlines()[0][:120]}); retrying in {pause:.1f}s")
+                self._sleep(min(pause, left))
+                pause = min(pause * 2, _RETRY_MAX_S)
+
+    def write(self, path: str, data: bytes) -> None:
+        self._call("write", self._s.write, path, data)
+
+    def read(self, path: str) -> bytes:
+        return bytes(self._call("read", self._s.read, path))
+
+    def exists(self, path: str) -> bool:
+        return bool(self._call("exists", self._s.exists, path))
+
+    def listdir(self, path: str) -> list[str]:
+        return list(self._call("listdir", self._s.listdir, path))
+
+    def delete_tree(self, path: str) -> None:
+        self._call("delete", self._s.delete_tree, path)
+
+    def move_tree(self, src: str, dst: str) -> None:
+        self._call("move", self._s.move_tree, src, dst)
+
+
+def open_storage(uri: str, *, retry_s: float = STORAGE_RETRY_S) -> CheckpointStorage:
+    """The storage of a checkpoint folder or URI; object storage retries transient errors (RetryingStorage)."""
+    if "://" in uri and not uri.startswith("file://"):
+        from sailor_core.uris import redact
+
+        try:
+            inner = PyArrowStorage(uri)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad URI
             raise SailorError(f"cannot open checkpoint storage {redact(uri)!r}: {e}; to fix: check the URI and "
                               f"credentials") from None
+        return RetryingStorage(inner, retry_s=retry_s, what=f"checkpoint storage {redact(uri)}")
     return LocalStorage(uri.removeprefix("file://"))
 
 
