@@ -151,6 +151,14 @@ def test_a_scheduled_rerun_while_the_run_trains_asks_it_to_replan_and_rents_noth
           f"{decided[0]['reason'][:160]}")
 
 
+def _wait_until_crashed(h: RunHistory, run_id: str, timeout_s: float = 120) -> None:
+    """Until the killed flow's lease (6 s) has expired: the history then shows its run `crashed`."""
+    end = time.monotonic() + timeout_s
+    while next(x for x in h.list_runs() if x["run_id"] == run_id)["status"] != "crashed":
+        assert time.monotonic() < end, f"run {run_id} not shown crashed {timeout_s} s after its flow was killed"
+        time.sleep(0.5)
+
+
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_killed_flow_is_crashed_and_the_next_run_cleans_up_after_it(profiled_store, tmp_path):
     from flows.sailor import sailor
@@ -167,7 +175,7 @@ def test_a_killed_flow_is_crashed_and_the_next_run_cleans_up_after_it(profiled_s
     finally:
         if proc.poll() is None:
             proc.kill()
-    time.sleep(7)  # past the lease
+    _wait_until_crashed(h, run_id)
     r = next(x for x in h.list_runs() if x["run_id"] == run_id)
     assert r["status"] == "crashed", r
     state = sailor(
@@ -206,7 +214,7 @@ def test_infra_cleanup_removes_what_a_crashed_run_left(profiled_store, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
-    time.sleep(7)  # past the lease
+    _wait_until_crashed(h, run_id)
     out = subprocess.run([sys.executable, "-m", "sailor_cli.main", "infra", "cleanup", "--provider", "local",
                           "--workdir", str(work), "--store", profiled_store], capture_output=True, text=True,
                          cwd=REPO, timeout=120)
