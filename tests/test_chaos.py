@@ -164,6 +164,8 @@ def test_full_disk_with_two_replicas_ends_the_job(tmp_path):
         wait_for(lambda: bool(kids.update(descendants(p.pid)) or p.poll() is not None), 200, "the job's processes")
         rc, out, err = finish(p, 240)  # the peer's collective timeout is 60 s: no hang may outlast it much
     finally:
+        if p.poll() is None:  # a hang: end the command (its guardian then ends the workers)
+            p.terminate()
         subprocess.run(["umount", "-l", str(ck)], check=False)
     assert rc == 1, (rc, out[-1000:], err[-1500:])
     line = _one_line_error(err)
@@ -171,6 +173,31 @@ def test_full_disk_with_two_replicas_ends_the_job(tmp_path):
     wait_for(lambda: not _alive(kids), 30, "every process of the job to end")
     assert _ours_left(tmp_path) == []
     report("full disk (3 MiB tmpfs), 2 replicas", f"exit 1 with one line ({line[:90]}...); nothing left")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_workers_start(tmp_path, sig):
+    """Ctrl-C (or SIGTERM) just after `started`: the workers are still importing torch and die of the
+    forwarded SIGTERM before they can checkpoint. That is the user's stop, not a lost worker: the
+    command once exited 1 ("worker 0 exited with code -15")."""
+    p = start(tmp_path, "train", str(_plan(tmp_path)), "--steps", "2000")
+    out_lines: list[str] = []
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()  # "started 2 workers ..." (the first line the command prints)
+        out_lines.append(line)
+        assert line.startswith("started"), line
+        kids = descendants(p.pid)
+        p.send_signal(sig)
+        rc, out, err = finish(p, 90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 128 + sig, (rc, out[-800:], err[-1500:])
+    assert "Traceback" not in err and "exited with code" not in err, err[-1500:]
+    wait_for(lambda: not _alive(kids), 30, "every process of the job to end")
+    assert _ours_left(tmp_path) == []
+    report(f"{signal.Signals(sig).name} while workers start", f"exit {rc}; nothing left")
 
 
 def test_sigkill_of_the_demo_flow_process(tmp_path, demo_store):

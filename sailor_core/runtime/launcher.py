@@ -143,6 +143,12 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
         while True:
             members = _assign(store, gen, current, settings, sorted(workers), resume, version=gen)
             outcome, lost, reason = _watch(store, gen, members, workers, settings, signals.stopping)
+            if signals.stopping.is_set() and outcome not in ("done", "stopped"):
+                # Stopped by the user: a worker the forwarded SIGTERM ended before it could checkpoint
+                # (still starting, or between generations) is not a lost VM and the run did not fail.
+                _release(store, gen + 1, workers, members)
+                emit({"event": "finished", "status": "stopped", "plan_version": gen, "detail": reason})
+                return RunResult("stopped", gen + 1, plans, events, signals.stopped_by[0])
             if outcome in ("done", "stopped"):
                 _release(store, gen + 1, workers, members)
                 emit({"event": "finished", "status": outcome, "plan_version": gen})

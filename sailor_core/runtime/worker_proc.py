@@ -129,13 +129,29 @@ def _pg_store(a: dict[str, Any], client: ControlClient, gen: int) -> Any:
     timeout = timedelta(seconds=float(a["settings"].get("timeout_s", 60)))
     rank, world = int(a["rank"]), int(a["world_size"])
     if rank == 0:
-        st = TCPStore(os.environ.get("SAILOR_ADVERTISE_ADDR", "127.0.0.1"), 0, world_size=world, is_master=True,
-                      timeout=timeout, wait_for_workers=False)
-        client.set(protocol.rendezvous_key(gen), f"{os.environ.get('SAILOR_ADVERTISE_ADDR', '127.0.0.1')}:{st.port}")
+        addr = os.environ.get("SAILOR_ADVERTISE_ADDR", "127.0.0.1")
+        st = TCPStore(addr, 0, world_size=world, is_master=True, timeout=timeout, wait_for_workers=False,
+                      master_listen_fd=_listen_on(addr))
+        client.set(protocol.rendezvous_key(gen), f"{addr}:{st.port}")
     else:
         host, port = client.wait(protocol.rendezvous_key(gen), timeout.total_seconds()).rsplit(":", 1)
         st = TCPStore(host, int(port), world_size=world, is_master=False, timeout=timeout)
     return PrefixStore(f"g{gen}/pg", st)
+
+
+def _listen_on(addr: str) -> int:
+    """A listening socket on `addr` only, for the rendezvous store to take over: TCPStore's own server
+    listens on every interface, and the store is unauthenticated, so it must be reachable only at the
+    address the job's peers use (loopback on one machine, the VM's private address on the testbed or
+    a cloud). Returns the file descriptor, which the store owns from then on."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, 0))
+    sock.listen(256)
+    return sock.detach()
 
 
 class _Control:
