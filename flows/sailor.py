@@ -33,6 +33,7 @@ from flows.profiling import profile
 from flows.replan import RunContext, replan
 from infra.provider import CapacityError, Provider
 from sailor_core.domain import ParallelPlan, ResourcePool
+from sailor_core.errors import SailorError, StorageUnavailable
 from sailor_core.planner.request import Objective
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
@@ -165,8 +166,10 @@ def check_runnable(plan: Any, slots: int | None) -> None:
 
     try:
         cfg = get_config(plan.model)
-    except Exception:
-        return  # a published model the runtime does not build: the cloud workers will say
+    except SailorError as e:  # a published model the runtime does not build: the cloud workers will say
+        get_run_logger().warning("the runtime has no config for %s (%s); its workers will check the plan",
+                                 plan.model, e)
+        return
     runtime_check(plan, cfg, slots=slots)
 
 
@@ -242,9 +245,15 @@ def _previous_checkpoint(history: RunHistory, deps: Deps, run_name: str, run_id:
     prev = [r for r in history.list_runs() if r.get("name") == run_name and r["run_id"] != run_id]
     for r in reversed(prev):
         state = _state_of(deps, r["run_id"])
-        with contextlib.suppress(Exception):
-            if any(d.startswith("step_") for d in open_storage(state.checkpoints()).listdir("")):
-                return state
+        try:
+            names = open_storage(state.checkpoints()).listdir("")
+        except StorageUnavailable:
+            raise  # a store that does not answer must not turn a resume into a start from step 0
+        except (SailorError, OSError) as e:  # that run's storage is gone or unreadable: an older one may do
+            get_run_logger().warning("run %s's checkpoints cannot be listed (%s); looking further back", r["run_id"], e)
+            continue
+        if any(d.startswith("step_") for d in names):
+            return state
     return None
 
 
@@ -560,8 +569,10 @@ def _finish(run: _Run, status: str, reason: str) -> None:
     ctx, deps, run_id = run.ctx, run.deps, run.run_id
     run.keeper.stop()  # the final status below ends the lease
     if run.job is not None and run.job.controller is not None:
-        with contextlib.suppress(Exception):
+        try:
             save_metrics(run.job)
+        except Exception as e:  # noqa: BLE001 - teardown comes next whatever happened; the metrics stay in the log
+            get_run_logger().warning("could not save the last plan version's metrics: %s", e)
     if run.controller is not None:
         run.controller.close()
     removed: list[str] = []

@@ -30,6 +30,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ from infra.cloud import (
 from infra.provider import EventKind, ProviderEvent, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Market, default_region
 from sailor_core.errors import ProviderError
+
+_LOG = logging.getLogger(__name__)
 
 CAPACITY_CODES = frozenset({"InsufficientInstanceCapacity", "InsufficientCapacity", "InsufficientHostCapacity",
                             "Unsupported", "InsufficientCapacityOnHost", "SpotMaxPriceTooLow",
@@ -403,7 +406,8 @@ class AwsProvider(CloudProvider[InstanceShape]):
             try:
                 reqs = self.ec2(reg).describe_spot_instance_requests(
                     SpotInstanceRequestIds=[i["SpotInstanceRequestId"] for i in insts])["SpotInstanceRequests"]
-            except Exception:
+            except Exception as e:  # noqa: BLE001 - botocore's errors; the instance-state poll above still sees the loss
+                _LOG.warning("spot request status in %s unreadable (%s): no early notice this poll", reg, e)
                 continue
             for req in reqs:
                 code = req.get("Status", {}).get("Code", "")
