@@ -200,6 +200,31 @@ def test_a_signal_while_the_workers_start(tmp_path, sig):
     report(f"{signal.Signals(sig).name} while workers start", f"exit {rc}; nothing left")
 
 
+def _listening(pids: set[int]) -> list[str]:
+    """Local addresses on which these processes listen (TCP), from `ss`."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [ln.split()[3] for ln in out.splitlines() if any(f"pid={q}," in ln for q in pids)]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss")
+def test_no_socket_of_a_training_job_listens_on_every_interface(tmp_path):
+    """The controller, each rank-0 rendezvous store and gloo's pairs: loopback only under `sailor train`
+    (the rendezvous store once listened on *:PORT, unauthenticated)."""
+    metrics = tmp_path / "m.jsonl"
+    p = start(tmp_path, "train", str(_plan(tmp_path)), "--steps", "2000", "--metrics-out", str(metrics))
+    try:
+        wait_for(lambda: len(_steps(metrics)) >= 2 or p.poll() is not None, 120, "two steps")
+        pids = {p.pid, *descendants(p.pid)}
+        addrs = _listening(pids)
+    finally:
+        p.terminate()
+        finish(p, 90)
+    assert addrs, "no listening socket found: the check would pass vacuously"
+    wide = [a for a in addrs if not a.startswith("127.")]
+    assert wide == [], addrs
+    report("listening sockets of a training job", f"{len(addrs)} sockets, all on loopback")
+
+
 def test_sigkill_of_the_demo_flow_process(tmp_path, demo_store):
     """`sailor demo` killed with SIGKILL: its ephemeral Prefect server and workers die with it, and the
     run is shown crashed once its lease expires."""
