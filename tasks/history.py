@@ -12,11 +12,16 @@ that its flow renews (`LeaseKeeper`). `list_runs` shows a run whose lease expire
 (`crash_detected: True` until `mark_crashed` writes it down), so a run whose process died is never
 `running` forever. `live_run(name)` is the run of that name whose lease is current; another run
 asks it to re-plan with `request_replan` (an event `replan_request` on the live run), which the
-live run's keeper hands to its flow (`LeaseKeeper.take_request`).
+live run's keeper hands to its flow (`LeaseKeeper.take_request`). Each renewal names its owner (host,
+pid, process start time); a reader on the same host whose `owner_alive` says that process is gone
+shows the run `crashed` at once instead of after the lease (a SIGKILLed flow showed `running` for up
+to a minute). On another host the lease alone decides.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -46,14 +51,41 @@ def new_run_id(name: str, suffix: str | None = None) -> str:
     return f"{name}-{suffix or uuid.uuid4().hex[:8]}"
 
 
+def _start_ticks(pid: int) -> int | None:
+    """A live process's start time in clock ticks since boot (Linux /proc), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def this_process() -> dict[str, Any]:
+    """Who renews a lease: this host, pid and start time (so a reused pid is not mistaken for it)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_ticks(os.getpid())}
+
+
+def owner_alive(owner: Mapping[str, Any]) -> bool | None:
+    """Whether a lease's owning process still lives: None when that cannot be seen from here (another
+    host, no /proc, an owner recorded without a start time)."""
+    if owner.get("host") != socket.gethostname() or owner.get("start") is None or not os.path.isdir("/proc/self"):
+        return None
+    return _start_ticks(int(owner["pid"])) == owner["start"]
+
+
 def _iso(t: datetime) -> str:
     return t.astimezone(UTC).isoformat(timespec="milliseconds")
 
 
 class RunHistory:
-    def __init__(self, store: HistoryStore, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(self, store: HistoryStore, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 alive: Callable[[Mapping[str, Any]], bool | None] = owner_alive,
+                 owner: Callable[[], dict[str, Any]] = this_process) -> None:
         self.store = store
         self.clock = clock
+        self.alive, self.owner = alive, owner
         self._last: datetime | None = None
 
     # -- writes ----------------------------------------------------------------------------------
@@ -76,7 +108,8 @@ class RunHistory:
     def renew_lease(self, run_id: str, ttl_s: float = DEFAULT_LEASE_S) -> datetime:
         """The run's process is alive: extend its lease by `ttl_s`; returns the new expiry."""
         until = self.clock() + timedelta(seconds=ttl_s)
-        self._append("runs", run_id, "running", "lease renewed", {"lease_expires_at": _iso(until), "renewal": True})
+        self._append("runs", run_id, "running", "lease renewed",
+                     {"lease_expires_at": _iso(until), "renewal": True, "owner": self.owner()})
         return until
 
     def mark_crashed(self, run_id: str, reason: str) -> None:
@@ -126,8 +159,10 @@ class RunHistory:
         runs: dict[str, dict[str, Any]] = {}
         for r in sorted(rows, key=lambda r: r.time):
             cur = runs.setdefault(r.run_id, {"run_id": r.run_id, "name": "", "started_at": _iso(r.time)})
-            if r.payload.get("renewal"):  # a lease renewal changes nothing but the lease
+            if r.payload.get("renewal"):  # a lease renewal changes nothing but the lease (and who holds it)
                 cur["lease_expires_at"] = r.payload["lease_expires_at"]
+                if r.payload.get("owner"):
+                    cur["owner"] = r.payload["owner"]
                 continue
             if r.kind == "running":
                 cur["name"] = r.payload.get("name", "")
@@ -153,10 +188,17 @@ class RunHistory:
         now = self.clock()
         for cur in runs.values():
             lease = cur.get("lease_expires_at")
-            if cur.get("status") == "running" and lease and datetime.fromisoformat(lease) < now:
+            if cur.get("status") != "running" or not lease:
+                continue
+            if datetime.fromisoformat(lease) < now:
                 cur["status"] = "crashed"
                 cur["status_reason"] = f"its flow stopped renewing its lease (expired {lease[:19]} UTC)"
                 cur["crash_detected"] = True  # derived here, not yet written (mark_crashed does)
+            elif cur.get("owner") and self.alive(cur["owner"]) is False:
+                o = cur["owner"]
+                cur["status"] = "crashed"
+                cur["status_reason"] = f"its flow process (pid {o.get('pid')} on {o.get('host')}) is gone"
+                cur["crash_detected"] = True
         return sorted(runs.values(), key=lambda r: r["started_at"])
 
     def show(self, run_id: str) -> dict[str, Any]:

@@ -58,6 +58,31 @@ def test_an_expired_lease_shows_the_run_crashed(tmp_path):
     assert h.list_runs()[0]["name"] == "a"  # renewals do not overwrite what the run is
 
 
+def test_a_lease_whose_owner_process_is_gone_shows_crashed_at_once(tmp_path):
+    """A SIGKILLed flow on this host: no need to wait out its lease (it showed `running` for a minute)."""
+    from profiles_store.store import open_store
+
+    clock = Clock()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    from tasks.history import _start_ticks, this_process
+
+    owner = {**this_process(), "pid": child.pid, "start": _start_ticks(child.pid)}
+    h = RunHistory(open_store(str(tmp_path / "store")), clock=clock, owner=lambda: owner)
+    h.run_status("a-1", "running", "started", {"name": "a"})
+    h.renew_lease("a-1", 60)
+    assert h.list_runs()[0]["status"] == "running"
+    child.kill()
+    child.wait()
+    a = h.list_runs()[0]  # the lease has 60 s left on the fake clock
+    assert a["status"] == "crashed" and a["crash_detected"] and f"pid {child.pid}" in a["status_reason"], a
+    assert h.live_run("a") is None
+    # another host's run: only its lease can tell
+    far = RunHistory(open_store(str(tmp_path / "store2")), clock=clock, owner=lambda: {**owner, "host": "elsewhere"})
+    far.run_status("b-1", "running", "started", {"name": "b"})
+    far.renew_lease("b-1", 60)
+    assert far.list_runs()[0]["status"] == "running"
+
+
 def test_the_keeper_passes_on_a_replan_request_once(tmp_path):
     from profiles_store.store import open_store
 

@@ -8,6 +8,7 @@ the seed is reproducible from the published data.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -147,3 +148,30 @@ def test_a_nullable_column_added_later_reads_as_not_known_in_older_files(tmp_pat
     pq.write_table(t.drop(["tied_head"]).replace_schema_metadata(t.schema.metadata), f)
     old = open_store(str(tmp_path / "s"), seed=False).model("opt-tiny")
     assert old.tied_head is False and old.layers == spec.layers
+
+
+@pytest.mark.parametrize("server", ["LocalS3Server", "LocalGcsServer"])
+def test_a_killed_test_run_leaves_no_object_store_server(server, tmp_path):
+    """The servers run in sessions of their own; a test process killed by SIGTERM (a CI timeout) or SIGKILL
+    runs no fixture finalizer, so the kernel's parent-death signal must end them."""
+    import signal
+    import subprocess
+    import sys
+
+    from sailor_cli.lifeline import descendants
+    from tests.test_exit_codes import wait_for
+
+    code = (f"from profiles_store.local_servers import {server}; import sys, time; s = {server}(); s.start(); "
+            f"print(s.proc.pid, flush=True); time.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        pid = int(p.stdout.readline())
+        assert pid in descendants(p.pid)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z",
+             30, f"the {server} process to end")
