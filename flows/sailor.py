@@ -35,6 +35,7 @@ from infra.provider import CapacityError, Provider
 from sailor_core.domain import ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError, StorageUnavailable
 from sailor_core.planner.request import Objective
+from tasks import interrupt
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
 from tasks.jobs import CodeRef, Job, node_requests
@@ -384,8 +385,9 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         record(run.ctx.history.event, run_id, "completed", reason, {"steps": run.ctx.total_steps})
         return run.ctx.summary(status, run.t0)
     except BaseException as e:
-        status = "cancelled" if type(e).__name__ in ("TerminationSignal", "KeyboardInterrupt", "CancelledError") \
-            else "failed"
+        stopped = interrupt.requested() is not None or isinstance(e, KeyboardInterrupt | interrupt.Interrupted) \
+            or type(e).__name__ in ("TerminationSignal", "Terminated", "CancelledError")
+        status = "cancelled" if stopped else "failed"
         reason = f"{type(e).__name__}: {e}"[:500]
         raise
     finally:
@@ -551,6 +553,7 @@ def _train(run: _Run) -> None:
     seen: set[tuple[str, str, str]] = set()
     replans = 0
     while True:
+        interrupt.check()  # a stop that library code swallowed on the way still ends the run here
         out = monitor(provider, job, ctx.history, bar, deps.board, seen=seen, poll_s=deps.poll_s,
                       deadline_at=deadline_at, tolerance=params.calibration_tolerance, calibrate_after=5,
                       calibrated=bool(job.extra.get("calibrated")), stall_timeout_s=deps.stall_timeout_s)
@@ -561,6 +564,7 @@ def _train(run: _Run) -> None:
         replans += 1
         if replans > deps.max_replans:
             raise RuntimeError(f"gave up after {deps.max_replans} replans; see the run's events for why")
+        interrupt.check()
         job = run.job = replan(ctx, job, out.events, out.calibration, out.progress)
 
 

@@ -18,6 +18,7 @@ import threading
 import typer
 
 from sailor_core.errors import Failure, SailorError
+from tasks import interrupt
 
 app = typer.Typer(
     name="sailor",
@@ -73,7 +74,13 @@ class Terminated(BaseException):
 
 
 def _on_sigterm(signum: int, _frame: object) -> None:
+    interrupt.request(signum)
     raise Terminated(signum)
+
+
+def _on_sigint(signum: int, _frame: object) -> None:
+    interrupt.request(signum)
+    raise KeyboardInterrupt
 
 
 def _interrupted(e: BaseException) -> int:
@@ -92,19 +99,37 @@ def exit_code(e: SailorError) -> int:
     return next(EXIT_CODES[c] for c in type(e).__mro__ if c in EXIT_CODES)
 
 
+def _run_app(argv: list[str] | None) -> object:
+    """The command; once the user asked to stop, whatever it raised or returned, it ends as interrupted
+    (a library on the way may have turned the signal's exception into another, or swallowed it)."""
+    interrupt.clear()
+    try:
+        rv = app(args=argv, standalone_mode=False)
+    except (KeyboardInterrupt, Terminated, interrupt.Interrupted):
+        raise
+    except BaseException:
+        if (s := interrupt.requested()) is not None:
+            raise Terminated(s) from None
+        raise
+    if (s := interrupt.requested()) is not None and not (isinstance(rv, int) and rv == 128 + s):
+        raise Terminated(s)
+    return rv
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; the exit status is 0 on success, 2 for a user error, 1 for a failure and
     128 + signal when interrupted (after the command's cleanup ran)."""
     _register()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGINT, _on_sigint)
         args = sys.argv[1:] if argv is None else argv
         if args and args[0] in _GUARDED:
             from sailor_cli.lifeline import hold
 
             hold()  # what this command starts dies with it, even on SIGKILL
     try:
-        rv = app(args=argv, standalone_mode=False)
+        rv = _run_app(argv)
     except SailorError as e:
         typer.echo(f"error: {e}", err=True)
         return exit_code(e)
@@ -113,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (KeyboardInterrupt, Terminated) as e:
         return _interrupted(e)
+    except interrupt.Interrupted as e:
+        return _interrupted(Terminated(e.signum))
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except Exception as e:  # click's usage errors come here in non-standalone mode

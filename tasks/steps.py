@@ -33,6 +33,7 @@ from infra.provider import (
 from sailor_core.domain import Market
 from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook
+from tasks import interrupt
 from tasks.control import HeartbeatBoard, checkpoint_steps
 from tasks.decisions import (
     CalibrationCheck,
@@ -349,6 +350,7 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
                           logs=job.state.logs("public"))
         if why is not None:
             raise RuntimeError(why)
+        interrupt.check()  # the user's stop, if an exception for it was swallowed on the way
         time.sleep(poll_s)
 
 
