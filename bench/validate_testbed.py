@@ -13,26 +13,32 @@ testbed's bridge address. Then, as the flow's profile subflow does on rented VMs
 
 Then it trains each plan below on the testbed VMs through per-VM agents (`sailor worker`) and one
 ControlServer (a generation per run), `--sweeps` times (a pass over the list, then one backwards),
-takes the median iteration time of the steps after `--warmup` over its runs (rank 0's metrics list),
-simulates the same plan from the store, and prints the error. The layer profiles are taken again
-between and after the sweeps (`--profile-rounds`).
+and takes the median iteration time of the steps after `--warmup` over its runs (rank 0's metrics list).
 
 The testbed's devices are CPU quotas of a host whose speed moves by up to ~40 % within minutes (a
-GPU's clock does not). A host clock beside the testbed (`HostClock`: a fixed unit of CPU work timed
-every 0.1 s) reads that speed during each profile round and each plan's kept steps, and each plan is
-simulated from the layer profiles at the speed its steps ran at (`unit_speed_profiles`, `at_speed`):
-each round's times divided by the clock during the round, their median, times the clock during the
-plan's steps. Only compute is scaled; links are shaped by `tc` and measured once. Beside each error
-the bench prints the error of the profiles as measured (the rounds' median, the host's speed left as
-it was), and their mean and worst before the last line.
-Everything is torn down at the end, also on an error or Ctrl-C. The last line:
+GPU's clock does not), so one profile taken at the start stands for none of the runs. Every run is
+bracketed by short rounds of layer profiles on the testbed's VMs (`sailor profile model`, only the
+device types, TP degrees and microbatch sizes of the plans on either side of the round): one round
+ends before the run's agents start, the next starts after they have exited, and that round is also
+the one before the next run. A run is simulated from the mean of its two adjacent rounds
+(`estimate`), from nothing measured while it ran: no step time, no clock reading of its window. A
+run whose window saw the host drift is run again between fresh rounds (at most `--repeats` repeats
+in all): drift is the simulations from the round before and from the round after alone disagreeing
+by more than `--max-drift-pct`, or a host clock beside the testbed (`HostClock`: a fixed unit of CPU
+work timed every 0.1 s, outside the VMs) reading more than that apart during the run's kept steps
+and during its two rounds. The clock decides repeats and is printed; it never enters an estimate.
+A plan's simulated time is the mean of its runs' (each run keeps as many steps); links are shaped by
+`tc` and measured once, before the runs. Everything is torn down at the end, also on an error or
+Ctrl-C. The last line:
 
     mean_abs_error_pct=X worst_abs_error_pct=Y plans=N
 
     sudo .venv/bin/python bench/validate_testbed.py [--scenario bench/validate_testbed.yaml] [--model gpt-tiny]
-        [--steps 9] [--warmup 3] [--sweeps 2] [--profile-rounds 3] [--store DIR (reuse profiles measured
-        before)] [--only NAME,...]
+        [--steps 9] [--warmup 3] [--sweeps 2] [--max-drift-pct 10] [--repeats 4] [--store DIR (reuse the
+        links and device types measured before)] [--only NAME,...] [--dry (build the testbed, print its
+        VMs and quotas, tear it down)]
 
+Without root (no network namespaces or cgroups) it prints `skipped: needs root (...)` and exits 0.
 The quotas of every VM together are the scenario's `cpu_budget_cores` (2 on geo.yaml). The machine
 is shared: other jobs on its cores slow a VM below its quota, which neither the profiles nor the
 simulator know about.
@@ -49,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -135,8 +141,9 @@ class HostClock:
 
     The testbed's devices are CPU quotas of a 2-vCPU VM on a shared host: the same work takes more
     or fewer CPU seconds from one second to the next, and its mean over the seconds of a plan's kept
-    steps or the minute of a profile round moves by tens of percent within minutes. A GPU's clock
-    does not. `speed_over` reads the unit's mean CPU time in given windows."""
+    steps or the seconds of a profile round moves by tens of percent within minutes. A GPU's clock
+    does not. `speed_over` reads the unit's mean CPU time in given windows; the bench reads it to
+    decide whether a run is repeated (`drift`) and prints it, never to estimate a run."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -170,13 +177,6 @@ def speed_over(samples: Sequence[tuple[float, float]], windows: Sequence[tuple[f
     return statistics.mean(inside) if len(inside) >= MIN_CLOCK_SAMPLES else None
 
 
-def at_speed(profiles: Sequence[LayerProfile], factor: float) -> list[LayerProfile]:
-    """The layer profiles' times (forward, backward, optimizer: CPU work) with the host `factor` times
-    slower than when they were measured."""
-    return [replace(p, forward_s=p.forward_s * factor, backward_s=p.backward_s * factor,
-                    optimizer_s=p.optimizer_s * factor) for p in profiles]
-
-
 # ------------------------------------------------------------------------------------------
 # testbed
 
@@ -204,7 +204,7 @@ def _shortest_periods(cgroup: Path, cores: float, devices: int) -> None:
     lose quota on a busy host (infra.testbed.cfs_period_us); this bench has the host to itself."""
     set_cpu_share(cgroup, cores, MIN_QUOTA_US)
     for i in range(devices):
-        set_cpu_share(cgroup / f"dev{i}", cores / devices, MIN_QUOTA_US)
+        set_cpu_share(cgroup / f"dev{i}", cores / devices, MIN_QUOTA_US, child=True)
 
 
 def run_on(tb: Testbed, jobs: Sequence[tuple[VmInfo, list[str]]], logs: Path, env: dict[str, str] | None = None,
@@ -247,24 +247,41 @@ class LayerRound:
     end: float
 
 
-def measure_layers(tb: Testbed, vms: list[VmInfo], model: str, work: Path, tag: str) -> LayerRound:
+Point = tuple[str, int, int]  # a layer profile's (device type, tp, microbatch size)
+
+
+def plan_points(plan: ParallelPlan) -> set[Point]:
+    """The (device type, tp, microbatch size) whose layer profiles the plan's simulation reads."""
+    return {(r.gpu_type, r.tp, pb.microbatch_size) for st in plan.stages for r in st.replicas for pb in plan.pipelines}
+
+
+def measure_layers(tb: Testbed, vms: list[VmInfo], model: str, work: Path, tag: str,
+                   points: set[Point] | None = None) -> LayerRound:
     """One round of layer profiles, all at once as the flow's profile subflow runs them: tp 1 on a
-    1-device VM of each type, tp 2 on a 2-device VM. Every rank is bound to its own device's CPU share
-    (sailor_core/runtime/devices.py), and the profiler's times are that device's. Returns (VM, type,
-    store folder) per job, and the round's start and end."""
+    1-device VM of each type, tp 2 on a 2-device VM, at every microbatch size of PROFILE_MBS, or only
+    the device types, TP degrees and microbatch sizes of `points` (a short round). Every rank is bound
+    to its own device's CPU share (sailor_core/runtime/devices.py), and the profiler's times are that
+    device's. Returns (VM, type, store folder) per job, and the round's start and end."""
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
     jobs, where = [], []
     for g in sorted({v.gpu_type for v in vms}):
         one = next((v for v in vms if v.gpu_type == g and v.devices == 1), None)
         two = next((v for v in vms if v.gpu_type == g and v.devices >= 2), None)
-        for v, tp in ((one, "1"), (two, "2")):
-            if v is None:
+        for v, tp in ((one, 1), (two, 2)):
+            mbs = PROFILE_MBS if points is None else ",".join(
+                str(m) for m in sorted({m for gg, t, m in points if (gg, t) == (g, tp)}))
+            if v is None or not mbs:
                 continue
             dest = work / f"layers-{tag}-{g}-tp{tp}"
-            jobs.append((v, ["profile", "model", "--model", model, "--device", "cpu", "--gpu-type", g, "--tp", tp,
-                             "--mbs", PROFILE_MBS, "--json", "--store", str(dest)]))
+            jobs.append((v, ["profile", "model", "--model", model, "--device", "cpu", "--gpu-type", g, "--tp", str(tp),
+                             "--mbs", mbs, "--json", "--store", str(dest)]))
             where.append((v, g, dest))
+    missing = {(g, tp) for g, tp, _ in points or ()} - {(g, int(a[a.index("--tp") + 1])) for (_, g, _), (_, a)
+                                                       in zip(where, jobs, strict=True)}
+    if missing:
+        raise SystemExit(f"no VM to profile {sorted(missing)} on (tp 1 needs a 1-device VM of the type, tp 2 a "
+                         f"2-device one); to fix: add such VMs to the scenario")
     t0 = time.time()
     run_on(tb, jobs, logs)
     t1 = time.time()
@@ -273,12 +290,8 @@ def measure_layers(tb: Testbed, vms: list[VmInfo], model: str, work: Path, tag: 
 
 
 def median_profiles(rounds: Sequence[Sequence[LayerProfile]]) -> list[LayerProfile]:
-    """Per (mbs, tp, layer), the median of each time over the rounds that measured it.
-
-    The testbed's devices are CPU quotas of a shared host whose speed wanders by 10-15 % over minutes
-    (docs/simulator.md): one round, taken in one minute, stands for runs over the next ten. Rounds
-    before, between and after the plans, and their median, keep one slow or fast minute from
-    deciding every plan's simulation. A GPU keeps its speed; the flow profiles once."""
+    """Per (mbs, tp, layer), the median of each time over the rounds that measured it (of two rounds,
+    the round before a run and the round after it: their mean)."""
     by_key: dict[tuple[str, str, int, int, int], list[LayerProfile]] = {}
     for r in rounds:
         for p in r:
@@ -307,22 +320,19 @@ def import_types(store: Any, rnd: LayerRound, run: str) -> None:
             store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=_prov(v, run))
 
 
-def import_layers(store: Any, model: str, rounds: Sequence[LayerRound], run: str) -> None:
-    """Writes the layer profiles of every round into the store (their median per point, `median_profiles`;
-    the device types: `import_types`) and logs each round's forward + backward of the whole model at
-    microbatch 4."""
-    measured = [round_profiles(model, r) for r in rounds]
-    for g in sorted({g for _, g, _ in rounds[0].jobs}):
-        new = median_profiles([[p for p in r if p.gpu_type == g] for r in measured])
+def import_layers(store: Any, model: str, rnd: LayerRound, run: str) -> None:
+    """Writes the layer profiles of one round into the store (the device types: `import_types`) and logs
+    the round's forward + backward of the whole model at microbatch 4."""
+    measured = round_profiles(model, rnd)
+    for g in sorted({g for _, g, _ in rnd.jobs}):
+        new = [p for p in measured if p.gpu_type == g]
         tps = {p.tp for p in new}
         old = [p for p in store.layer_profiles(model, [g]) if p.tp not in tps]
-        v0 = next(v for v, gg, _ in rounds[0].jobs if gg == g)
-        prov = _prov(v0, f"{run}, median of {len(rounds)} rounds")
-        store.replace_layer_profiles(model, g, old + new, provenance=prov)
+        v0 = next(v for v, gg, _ in rnd.jobs if gg == g)
+        store.replace_layer_profiles(model, g, old + new, provenance=_prov(v0, run))
         for tp in sorted(tps):
-            each = [sum(p.forward_s + p.backward_s for p in r if (p.gpu_type, p.tp, p.mbs) == (g, tp, 4))
-                    for r in measured]
-            log(f"{g} tp {tp}: model fwd+bwd at mbs 4 per round {' '.join(f'{x:.3f}' for x in each)} s")
+            total = sum(p.forward_s + p.backward_s for p in new if (p.tp, p.mbs) == (tp, 4))
+            log(f"{g} tp {tp}: model fwd+bwd at mbs 4 {total:.3f} s")
 
 
 def book_with(book: ProfileBook, profiles: Sequence[LayerProfile]) -> ProfileBook:
@@ -540,7 +550,8 @@ class _Bed:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Profiles the testbed, trains each plan on it, prints measured against simulated (see the module)."""
+    """Profiles the testbed, trains each plan on it between short profile rounds, prints measured
+    against simulated (see the module)."""
     args = _args(argv)
     if args.steps <= args.warmup:
         print(f"--steps {args.steps} leaves no step after --warmup {args.warmup}; to fix: --steps > --warmup",
@@ -548,21 +559,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ok, why = testbed_support()
     if not ok:
-        print(f"cannot build the testbed here: {why}; to fix: run as root", file=sys.stderr)
-        return 2
+        print(f"skipped: needs root ({why}); the testbed's network namespaces and cgroups need it", flush=True)
+        return 0
     sc = load_scenario(args.scenario)
     work = Path(tempfile.mkdtemp(prefix="sailor-validate-testbed-"))
     (work / "logs").mkdir()
     store_dir = Path(args.store) if args.store else work / "store"
     store_dir.mkdir(parents=True, exist_ok=True)
     bed = _Bed(sc)
-    clock = HostClock(work / "host-clock.txt")
+    clock: HostClock | None = None
     try:
         bed.vms = build(bed.tb, sc)
         cores = sum((sc.device_type(v.gpu_type).cpu_per_device or 0) * v.devices for v in bed.vms)
-        log(f"testbed {bed.tb.tag}: {len(bed.vms)} VMs ({cores:.1f} cores of quota in all) in {len(sc.zones)} zones; "
+        log(f"testbed {bed.tb.tag}: {len(bed.vms)} VMs ({cores:.2f} cores of quota in all) in {len(sc.zones)} zones; "
             f"work folder {work}")
-        store, types, rounds = _profiled_store(bed, args.model, store_dir, work)
+        if args.dry:
+            describe(bed.vms, args.model)
+            return 0
         chosen = plans(bed.vms, args.model)
         if args.only:
             names = [n.strip() for n in args.only.split(",")]
@@ -571,29 +584,36 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"unknown plan(s) {unknown}; to fix: one of {list(chosen)}", file=sys.stderr)
                 return 2
             chosen = {n: chosen[n] for n in names}
-        runs = sweep_order(list(chosen), args.sweeps)
-        later = profile_points(len(runs), args.profile_rounds) if rounds else set()
-        kept: dict[str, list[tuple[float, float]]] = {name: [] for name in chosen}
-        for gen, name in enumerate(runs):
-            steps = _train_retrying(bed, gen, chosen[name], args.steps, work, args.timeout)[args.warmup:]
-            kept[name] += steps
-            speed = speed_over(clock.samples(), [(end - dt, end) for dt, end in steps])
-            log(f"{name}: median step {statistics.median(dt for dt, _ in steps):.3f} s, host clock unit "
-                f"{speed or float('nan'):.3f} ms")
-            if gen in later:
-                rounds.append(measure_layers(bed.tb, bed.vms, args.model, work, f"round{len(rounds)}"))
-        if rounds:
-            import_layers(store, args.model, rounds, "validate-testbed")
-        compare(chosen, store.profile_book(args.model, types), kept, rounds, clock.samples())
+        clock = HostClock(work / "host-clock.txt")
+        store, types = _profiled_store(bed, args.model, store_dir, work)
+        runs = _measure(bed, chosen, store.profile_book(args.model, types), args, work, clock)
+        compare(chosen, runs, clock.samples(), args.max_drift_pct)
         return 0
     finally:
-        clock.close()
+        if clock is not None:
+            clock.close()
         bed.server.close()
         bed.tb.teardown()
         if os.environ.get("SAILOR_KEEP_WORK") != "1":
             shutil.rmtree(work, ignore_errors=True)
         else:
             log(f"kept {work}")
+
+
+def describe(vms: Sequence[VmInfo], model: str) -> None:
+    """Prints every VM with the CFS period and quota of its cgroup and of each device's, and which
+    plans fit the scenario (`--dry`)."""
+    print(f"{'vm':<12} {'zone':<10} {'type':<10} {'devices':>7}  cgroup period/quota us (VM; devices)")
+    for v in vms:
+        groups = [Path(v.vm.cgroup)] + [Path(v.vm.cgroup) / f"dev{i}" for i in range(v.devices)] if v.vm.cgroup else []
+        cfs = [f"{(g / 'cpu.cfs_period_us').read_text().strip()}/{(g / 'cpu.cfs_quota_us').read_text().strip()}"
+               for g in groups]
+        print(f"{v.key:<12} {v.zone:<10} {v.gpu_type:<10} {v.devices:>7}  {cfs[0] if cfs else '-'}; "
+              f"{' '.join(cfs[1:])}")
+    try:
+        print(f"plans that fit: {', '.join(plans(list(vms), model))}")
+    except SystemExit as e:
+        print(f"plans that fit: none ({e})")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -603,24 +623,27 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="gpt-tiny")
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
-    ap.add_argument("--store", default=None, help="a profile store folder: reuse its profiles if it has them, "
-                                                  "else measure into it (default: a fresh temporary one)")
+    ap.add_argument("--store", default=None, help="a profile store folder: reuse its links and device types if it "
+                                                  "has them, else measure into it (default: a fresh temporary one)")
     ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per plan")
     ap.add_argument("--sweeps", type=int, default=2,
                     help="runs of each plan, in passes over the list (every other one backwards); the median "
                          "step is taken over all of them (default 2)")
-    ap.add_argument("--profile-rounds", type=int, default=3,
-                    help="rounds of layer profiles (before, between and after the plans), their median "
-                         "simulated (default 3; 1: before the plans only)")
+    ap.add_argument("--max-drift-pct", type=float, default=10.0,
+                    help="a run is repeated when its rounds before and after simulate it this many %% apart, or "
+                         "the host clock during its steps reads this many %% off its rounds' (default 10)")
+    ap.add_argument("--repeats", type=int, default=4,
+                    help="runs repeated for drift, in all (default 4; 0: keep every run, flagged)")
+    ap.add_argument("--dry", action="store_true", help="build the testbed, print its VMs, quotas and the plans "
+                                                       "that fit, and tear it down")
     return ap.parse_args(argv)
 
 
-def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path
-                    ) -> tuple[Any, list[str], list[LayerRound]]:
-    """(the store at store_dir with the model and the links, the VM types, the layer-profile rounds
-    measured so far): profiles found there are reused (no rounds: the store's layers are used as they
-    are), else the links are measured into it and the first round of layers is taken."""
+def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path) -> tuple[Any, list[str]]:
+    """(the store at store_dir with the model, the device types and the links; the VM types): found there,
+    they are reused, else one full round of layers is taken (the device types and framework memory come
+    from it) and the links are measured into it. The rounds each run is simulated from come later."""
     from sailor_core.models.config import get_config, model_spec
 
     store = open_store(str(store_dir), seed=False)
@@ -630,26 +653,18 @@ def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path
     have = {p.gpu_type for p in store.layer_profiles(model, types)}
     if have == set(types) and store.network_links():
         log(f"profiles of {types} and {len(store.network_links())} links found in {store_dir}: reused")
-        return store, types, []
+        return store, types
     first = measure_layers(bed.tb, bed.vms, model, work, "round0")
     import_types(store, first, "validate-testbed")  # before the links name them
-    import_layers(store, model, [first], "validate-testbed")
+    import_layers(store, model, first, "validate-testbed")
     profile(bed.tb, bed.vms, model, store, work, bed.server, bed.sc)
-    return store, types, [first]
+    return store, types
 
 
 def sweep_order(names: list[str], sweeps: int) -> list[str]:
     """The order the plans train in: `sweeps` passes over them, every other one backwards, so each
     plan's runs lie at different times of the bench (minutes apart) and its median step spans them."""
     return [n for k in range(max(1, sweeps)) for n in (names if k % 2 == 0 else names[::-1])]
-
-
-def profile_points(plans: int, rounds: int) -> set[int]:
-    """Indices of the plans after which another round of layer profiles is taken: `rounds` in all
-    with the one before the first plan, spread evenly, the last after the last plan."""
-    if rounds <= 1 or plans == 0:
-        return set()
-    return {max(0, round(i * plans / (rounds - 1)) - 1) for i in range(1, rounds)}
 
 
 def _train_retrying(bed: _Bed, gen: int, plan: ParallelPlan, steps: int, work: Path, timeout: float
@@ -669,47 +684,168 @@ def _train_retrying(bed: _Bed, gen: int, plan: ParallelPlan, steps: int, work: P
     return train(bed.tb, bed.server, gen, plan, bed.vms, steps, work, timeout)  # the last try: a failure ends it
 
 
-def unit_speed_profiles(model: str, rounds: Sequence[LayerRound], samples: Sequence[tuple[float, float]]
-                        ) -> list[LayerProfile] | None:
-    """The layer times on a host of unit speed: each round's profiles divided by the host clock's unit
-    during that round (`speed_over` its window), their median per point (`median_profiles`). None
-    without rounds or when a round has too few clock samples."""
-    scaled = []
-    for r in rounds:
-        k = speed_over(samples, [(r.start, r.end)])
-        if k is None:
-            return None
-        scaled.append(at_speed(round_profiles(model, r), 1.0 / k))
-    return median_profiles(scaled) if scaled else None
+# ------------------------------------------------------------------------------------------
+# runs between rounds
 
 
-def compare(chosen: dict[str, ParallelPlan], book: ProfileBook, kept: dict[str, list[tuple[float, float]]],
-            rounds: Sequence[LayerRound], samples: Sequence[tuple[float, float]]) -> None:
-    """Prints every plan's measured median step against its simulation, then the last line.
+@dataclass(frozen=True)
+class Estimate:
+    """A run's simulated iteration time from the mean of its adjacent rounds, and from each alone."""
 
-    The simulation takes the layer profiles at the host's speed during the plan's kept steps: the
-    unit-speed profiles (`unit_speed_profiles`) times the clock's unit over those steps. Beside it,
-    the error of the profiles as measured (the rounds' median, the host's speed left as it was).
-    Without the clock (a reused store, too few samples) only the latter is printed and used."""
-    unit = unit_speed_profiles(book.model.name, rounds, samples)
-    print(f"{'plan':<34} {'stages':>6} {'dp':>3} {'measured s':>10} {'sim s':>8} {'err%':>7}  "
-          f"(sim: p2p {'':>1}dp-exposed){'  host clock ms, err% as measured' if unit else ''}")
-    errors, raw = [], []
+    iteration_s: float
+    before_s: float
+    after_s: float
+    p2p_s: float = 0.0
+    dp_exposed_s: float = 0.0
+
+    @property
+    def rounds_apart_pct(self) -> float:
+        """How far the round before and the round after alone simulate the run apart (% of the lower)."""
+        return abs(self.after_s - self.before_s) / min(self.after_s, self.before_s) * 100
+
+
+@dataclass(frozen=True)
+class Run:
+    """One kept run of a plan: its steps after the warm-up ((seconds, wall time it ended) each), when it
+    started and ended (wall time: before its agents started, after they exited), the rounds of layer
+    profiles just before and just after it, the estimate from them, the runs of it thrown away for drift
+    before this one, and the drift it was kept with when no repeat was left ('' when none)."""
+
+    name: str
+    steps: list[tuple[float, float]]
+    start: float
+    end: float
+    before: Any  # a LayerRound (anything with .start and .end in the tests)
+    after: Any
+    sim: Estimate
+    discarded: int = 0
+    drift: str = ""
+
+    @property
+    def steps_window(self) -> tuple[float, float]:
+        """From the first kept step's start to the last one's end (wall time)."""
+        return min(end - dt for dt, end in self.steps), max(end for _, end in self.steps)
+
+
+def estimate(plan: ParallelPlan, book: ProfileBook, before: Sequence[LayerProfile], after: Sequence[LayerProfile]
+             ) -> Estimate:
+    """The plan simulated from the mean of two rounds' layer profiles (`median_profiles` of two), and from
+    each round alone; links, device types and the rest from `book`. Nothing else: not the run's steps,
+    not the host clock. Every (type, tp, microbatch) the plan reads must be in both rounds."""
+    for which, profiles in (("before", before), ("after", after)):
+        lacking = plan_points(plan) - {(p.gpu_type, p.tp, p.mbs) for p in profiles}
+        if lacking:
+            raise ValueError(f"the round {which} the run lacks the layer profiles of {sorted(lacking)}")
+    sim = simulate(plan, book_with(book, median_profiles([before, after])))
+    return Estimate(iteration_s=sim.iteration_time_s,
+                    before_s=simulate(plan, book_with(book, before)).iteration_time_s,
+                    after_s=simulate(plan, book_with(book, after)).iteration_time_s,
+                    p2p_s=sim.breakdown.pipeline_p2p_s, dp_exposed_s=sim.breakdown.dp_sync_exposed_s)
+
+
+def clock_apart_pct(samples: Sequence[tuple[float, float]], run: Run) -> float | None:
+    """How far the host clock during the run's kept steps reads from the clock during its two rounds
+    (% of the latter); None when either window has too few samples."""
+    during = speed_over(samples, [run.steps_window])
+    rounds = speed_over(samples, [(run.before.start, run.before.end), (run.after.start, run.after.end)])
+    return None if during is None or rounds is None else abs(during / rounds - 1) * 100
+
+
+def drift(run: Run, samples: Sequence[tuple[float, float]], bound_pct: float) -> str:
+    """Why the host drifted beyond `bound_pct` over the run ('' if it did not): its rounds disagree on
+    it, or the clock during its steps is off the clock during its rounds."""
+    why = []
+    if run.sim.rounds_apart_pct > bound_pct:
+        why.append(f"rounds {run.sim.rounds_apart_pct:.0f} % apart ({run.sim.before_s:.3f} / {run.sim.after_s:.3f} s)")
+    off = clock_apart_pct(samples, run)
+    if off is not None and off > bound_pct:
+        why.append(f"host clock {off:.0f} % off its rounds'")
+    return ", ".join(why)
+
+
+def measure_runs(queue: Sequence[str], *, train_run: Callable[[str], list[tuple[float, float]]],
+                 take_round: Callable[[Sequence[str]], Any], estimate_run: Callable[[str, Any, Any], Estimate],
+                 drifted: Callable[[Run], str], repeats: int, now: Callable[[], float] = time.time) -> list[Run]:
+    """Runs the plans of `queue` in order, each between two rounds of layer profiles: `take_round(names)`
+    profiles what the named plans read, once before the first run and once after each run (for it and
+    the next in line: the round after one run is the round before the next). Each run is estimated from
+    its two rounds (`estimate_run(name, before, after)`), never from what was measured during it. A run
+    `drifted` says drifted is thrown away and run again between fresh rounds, `repeats` times in all;
+    after that, runs are kept with their drift noted. Returns the kept runs, in order."""
+    runs: list[Run] = []
+    if not queue:
+        return runs
+    left, thrown = repeats, 0
+    before = take_round([queue[0]])
+    k = 0
+    while k < len(queue):
+        name = queue[k]
+        t0 = now()
+        steps = train_run(name)
+        t1 = now()
+        after = take_round([name, *queue[k + 1:k + 2]])
+        run = Run(name, steps, t0, t1, before, after, estimate_run(name, before, after), discarded=thrown)
+        why = drifted(run)
+        if why and left > 0:
+            left, thrown = left - 1, thrown + 1
+            log(f"{name}: {why}; run again between fresh rounds ({left} repeats left)")
+        else:
+            runs.append(replace(run, drift=why))
+            k, thrown = k + 1, 0
+        before = after
+    return runs
+
+
+def _measure(bed: _Bed, chosen: dict[str, ParallelPlan], book: ProfileBook, args: argparse.Namespace, work: Path,
+             clock: HostClock) -> list[Run]:
+    """`measure_runs` on the testbed: the plans trained in sweeps, short rounds of what they read."""
+    gens = iter(range(1_000_000))
+    rounds = iter(range(1, 1_000_000))
+
+    def train_run(name: str) -> list[tuple[float, float]]:
+        steps = _train_retrying(bed, next(gens), chosen[name], args.steps, work, args.timeout)[args.warmup:]
+        log(f"{name}: median step {statistics.median(dt for dt, _ in steps):.3f} s")
+        return steps
+
+    def take_round(names: Sequence[str]) -> LayerRound:
+        points = set().union(*(plan_points(chosen[n]) for n in names))
+        return measure_layers(bed.tb, bed.vms, args.model, work, f"round{next(rounds)}", points)
+
+    def estimate_run(name: str, before: LayerRound, after: LayerRound) -> Estimate:
+        est = estimate(chosen[name], book, round_profiles(args.model, before), round_profiles(args.model, after))
+        log(f"{name}: simulated {est.iteration_s:.3f} s (round before {est.before_s:.3f}, after {est.after_s:.3f})")
+        return est
+
+    return measure_runs(sweep_order(list(chosen), args.sweeps), train_run=train_run, take_round=take_round,
+                        estimate_run=estimate_run, drifted=lambda r: drift(r, clock.samples(), args.max_drift_pct),
+                        repeats=args.repeats)
+
+
+def compare(chosen: dict[str, ParallelPlan], runs: Sequence[Run], samples: Sequence[tuple[float, float]],
+            bound_pct: float) -> None:
+    """Prints every plan's measured median step (over the kept steps of all its runs) against its
+    simulation (the mean of its runs' estimates, each from the rounds around that run), then the last
+    line. Beside them, printed only: the most its runs' rounds disagreed, the host clock during its
+    steps, the runs thrown away for drift, and the drift a run was kept with when no repeat was left."""
+    print(f"{'plan':<34} {'stages':>6} {'dp':>3} {'measured s':>10} {'sim s':>8} {'err%':>7}  (sim: p2p dp-exposed)"
+          f"  rounds apart %  clock ms  repeated  steps")
+    errors = []
     for name, plan in chosen.items():
-        real = statistics.median(dt for dt, _ in kept[name])
-        as_measured = simulate(plan, book)
-        raw.append((as_measured.iteration_time_s - real) / real * 100)
-        speed = speed_over(samples, [(end - dt, end) for dt, end in kept[name]]) if unit else None
-        sim = simulate(plan, book_with(book, at_speed(unit, speed))) if unit and speed else as_measured
-        errors.append((sim.iteration_time_s - real) / real * 100)
-        b = sim.breakdown
-        beside = "" if not unit else f"  {speed:.3f} {raw[-1]:+7.1f}" if speed else "  (too few clock samples)"
-        print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} "
-              f"{sim.iteration_time_s:>8.3f} {errors[-1]:>+7.1f}  ({b.pipeline_p2p_s:.3f} {b.dp_sync_exposed_s:.3f})"
-              f"{beside} steps {' '.join(f'{dt:.2f}' for dt, _ in kept[name])}", flush=True)
-    if unit:
-        print(f"profiles as measured, without the host clock: mean |error| {statistics.mean(map(abs, raw)):.1f} %, "
-              f"worst {max(map(abs, raw)):.1f} %")
+        mine = [r for r in runs if r.name == name]
+        real = statistics.median(dt for r in mine for dt, _ in r.steps)
+        sim = statistics.mean(r.sim.iteration_s for r in mine)
+        errors.append((sim - real) / real * 100)
+        speed = speed_over(samples, [r.steps_window for r in mine])
+        kept = "; ".join(f"kept with {r.drift}" for r in mine if r.drift)
+        print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} {sim:>8.3f} {errors[-1]:>+7.1f}"
+              f"  ({statistics.mean(r.sim.p2p_s for r in mine):.3f} "
+              f"{statistics.mean(r.sim.dp_exposed_s for r in mine):.3f})"
+              f"  {max(r.sim.rounds_apart_pct for r in mine):>14.1f}  {speed or float('nan'):>8.3f}"
+              f"  {sum(r.discarded for r in mine):>8}  {' '.join(f'{dt:.2f}' for r in mine for dt, _ in r.steps)}"
+              f"{'  (' + kept + ')' if kept else ''}", flush=True)
+    over = sum(1 for r in runs if r.drift)
+    print(f"runs: {len(runs)} kept, {sum(r.discarded for r in runs)} repeated for drift over {bound_pct:g} %, "
+          f"{over} kept beyond it (no repeat left)")
     print(f"mean_abs_error_pct={statistics.mean(map(abs, errors)):.1f} "
           f"worst_abs_error_pct={max(map(abs, errors)):.1f} plans={len(errors)}")
 

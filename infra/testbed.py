@@ -43,6 +43,7 @@ import fcntl
 import ipaddress
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -65,6 +66,7 @@ CGROUP_PARENT = "sailor-testbed"
 DEFAULT_NETWORK = "10.213.0.0/16"
 MIN_QUOTA_US = 1000  # the kernel's smallest cpu.cfs_quota_us
 MIN_PERIOD_US = 10_000
+_ROUNDING_US = 1e-6  # float noise in a quota's µs (0.2 x 5000 = 1000.0000000000001) is not a µs to round
 TESTBED_SHARES = 262_144  # cpu.shares of the sailor-testbed group: the kernel's maximum (a host process has 1024)
 HOST_CLASS_GBPS = 20.0  # the default class: traffic from the host address (controller, object store)
 NETNS_PREFIX = "sb-"
@@ -476,7 +478,7 @@ class Testbed:
         set_cpu_share(cg, vm.cpu_cores)  # the VM's limit: every device's share together
         for i in range(vm.devices):  # removed by _rmdir_cgroup, children first
             (cg / f"dev{i}").mkdir(exist_ok=True)
-            set_cpu_share(cg / f"dev{i}", None if vm.cpu_cores is None else vm.cpu_cores / vm.devices)
+            set_cpu_share(cg / f"dev{i}", None if vm.cpu_cores is None else vm.cpu_cores / vm.devices, child=True)
 
     def _shape(self, vm: TestbedVm) -> None:
         """htb on the host end of the VM's veth (traffic into the VM): one class per source zone."""
@@ -686,7 +688,7 @@ def _no_ipv6(dev: str) -> None:
         Path(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6").write_text("1")
 
 
-def cfs_period_us(cores: float, shortest_us: int = MIN_PERIOD_US) -> tuple[int, int]:
+def cfs_period_us(cores: float, shortest_us: int = MIN_PERIOD_US, *, child: bool = False) -> tuple[int, int]:
     """(period, quota) in µs for a CPU share: the shortest period at least `shortest_us` whose quota the
     kernel accepts (1 ms at least), with quota / period = cores: 10 ms by default, 5 ms for 0.2 cores
     and 2.5 ms for 0.4 with `shortest_us=MIN_QUOTA_US`.
@@ -699,18 +701,31 @@ def cfs_period_us(cores: float, shortest_us: int = MIN_PERIOD_US) -> tuple[int, 
     its estimate, and with 10 ms the validation bench's single-layer stages still ran ~25 % faster
     than profiled. Shorter than 10 ms, a busy host takes its toll instead: a device waiting for a core
     loses part of a 3 ms period's quota (0.3-core devices got 0.22 with host processes spinning on
-    every core), so only the bench, which has the host to itself, asks for the shortest."""
-    period = max(shortest_us, MIN_QUOTA_US, round(MIN_QUOTA_US / cores)) if cores > 0 else shortest_us
-    return period, max(MIN_QUOTA_US, round(cores * period))
+    every core), so only the bench, which has the host to itself, asks for the shortest.
+
+    Rounding: the kernel (cgroup v1) refuses a quota / period above the parent group's (EINVAL), and a
+    share that is not 1 ms over a whole number of µs (0.15 cores: 1000.05 µs of a 6667 µs period) rounds
+    either way. So a VM's quota rounds up (at least its devices' share) and a device's (`child`) down
+    (at most its VM's), whatever their periods; the period is long enough that the rounded-down quota
+    is still the kernel's 1 ms. Either is off by under 1 µs a period."""
+    if cores <= 0:
+        return shortest_us, MIN_QUOTA_US
+    period = max(shortest_us, MIN_QUOTA_US, math.ceil(MIN_QUOTA_US / cores - _ROUNDING_US))
+    exact = cores * period
+    quota = math.floor(exact + _ROUNDING_US) if child else math.ceil(exact - _ROUNDING_US)
+    return period, max(MIN_QUOTA_US, quota)
 
 
-def set_cpu_share(cg: Path, cores: float | None, shortest_period_us: int = MIN_PERIOD_US) -> None:
+def set_cpu_share(cg: Path, cores: float | None, shortest_period_us: int = MIN_PERIOD_US, *,
+                  child: bool = False) -> None:
     """The group may use `cores` (a quota per CFS period, `cfs_period_us`; None: no limit), and weighs that
     much against its siblings when they contend (cpu.shares of 1024 per core, the weight of one host
-    process)."""
+    process). `child`: a device's group inside a VM's, whose quota rounds down so that it never exceeds
+    the VM's, which rounds up (the kernel refuses a child above its parent), before or after either's
+    period changes."""
     (cg / "cpu.cfs_quota_us").write_text("-1")  # no limit while the period changes under it
     if cores is not None:
-        period, quota = cfs_period_us(cores, shortest_period_us)
+        period, quota = cfs_period_us(cores, shortest_period_us, child=child)
         (cg / "cpu.cfs_period_us").write_text(str(period))
         (cg / "cpu.cfs_quota_us").write_text(str(quota))
     (cg / "cpu.shares").write_text(str(1024 if cores is None else max(2, int(cores * 1024))))
