@@ -36,8 +36,13 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Every script under bench/ (or BENCHES="bench_store validate_testbed"), one after the other; those that need
+# root or a GPU this machine lacks are listed as skipped. Writes RESULTS: the machine, each bench's output.
+BENCHES ?=
+RESULTS ?= docs/results.md
+BENCH_TIMEOUT ?= 3600
 bench: $(STAMP)
-	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	$(BIN)/python bench/results.py --out $(RESULTS) --timeout $(BENCH_TIMEOUT) $(BENCHES)
 
 clean:
 	rm -rf $(VENV) .prefect .pytest_cache

@@ -38,7 +38,7 @@ Ctrl-C. The last line:
         links and device types measured before)] [--only NAME,...] [--dry (build the testbed, print its
         VMs and quotas, tear it down)]
 
-Without root (no network namespaces or cgroups) it prints `skipped: needs root (...)` and exits 0.
+Without root (no network namespaces or cgroups) it prints `skipped: needs root: ...` and exits 0.
 The quotas of every VM together are the scenario's `cpu_budget_cores` (2 on geo.yaml). The machine
 is shared: other jobs on its cores slow a VM below its quota, which neither the profiles nor the
 simulator know about.
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ok, why = testbed_support()
     if not ok:
-        print(f"skipped: needs root ({why}); the testbed's network namespaces and cgroups need it", flush=True)
+        print(f"skipped: needs root: {why}", flush=True)
         return 0
     sc = load_scenario(args.scenario)
     work = Path(tempfile.mkdtemp(prefix="sailor-validate-testbed-"))

@@ -196,7 +196,7 @@ def test_drift_is_the_rounds_disagreeing_or_the_clock_moving_off_its_rounds(benc
 def test_without_root_the_bench_says_it_skipped_and_exits_0(bench, monkeypatch, capsys):
     monkeypatch.setattr(bench, "testbed_support", lambda: (False, "not root"))
     assert bench.main(["--steps", "2", "--warmup", "1"]) == 0
-    assert capsys.readouterr().out.startswith("skipped: needs root (not root)")
+    assert capsys.readouterr().out.startswith("skipped: needs root: not root")
 
 
 # ------------------------------------------------------------------------------------------
