@@ -92,7 +92,9 @@ def hand_out(job: Job) -> float:
     """Give every worker its rank and the plan; resume from the newest complete checkpoint if any."""
     resume_step = checkpoint_steps(job.state.checkpoints("flow"), job.num_layers)
     job.start_step = resume_step or 0
-    job.controller.assign(job, resume=resume_step is not None)
+    # After a replan the workers may hold a newer state in memory than any checkpoint (a lost replica's
+    # layers live on in the others): they resume, from memory where they can, even with no checkpoint yet.
+    job.controller.assign(job, resume=resume_step is not None or job.version > 1)
     return time.time()
 
 

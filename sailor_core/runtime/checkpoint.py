@@ -251,6 +251,24 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def write_part(storage: CheckpointStorage, step: int, layer_states: Any, part_name: str) -> None:
+    """One writer's share of checkpoint `step`: each (layer, state) of `layer_states` as its shard file,
+    then `part_name` listing them with their digests (a reader trusts only files a part lists)."""
+    d = step_dir(step)
+    digests = {}
+    for layer, state in sorted(layer_states, key=lambda x: x[0]):
+        name = layer_file(layer, state["tp_rank"], state["tp"])
+        data = _to_bytes(state)
+        storage.write(f"{d}/{name}", data)
+        digests[name] = _sha(data)
+    storage.write(f"{d}/{part_name}", json.dumps({"files": digests}).encode())
+
+
+def write_meta(storage: CheckpointStorage, step: int, meta: dict[str, Any]) -> None:
+    """meta.json of checkpoint `step`: written last, by one writer, once every part is written."""
+    storage.write(f"{step_dir(step)}/meta.json", json.dumps(meta).encode())
+
+
 class RetentionCancelled(BaseException):  # noqa: N818 - a signal between threads, not an error
     """A retention pass was cancelled between two reads (by `AsyncCheckpointer.close`). A BaseException,
     like KeyboardInterrupt: no handler of a read's errors (which would take the checkpoint for corrupt and
@@ -354,16 +372,9 @@ class AsyncCheckpointer:
 
     def _write(self, step: int, layer_states: dict[int, dict[str, Any]], part_name: str,
                meta: dict[str, Any] | None) -> None:
-        d = step_dir(step)
-        digests = {}
-        for layer, state in sorted(layer_states.items()):
-            name = layer_file(layer, state["tp_rank"], state["tp"])
-            data = _to_bytes(state)
-            self.storage.write(f"{d}/{name}", data)
-            digests[name] = _sha(data)
-        self.storage.write(f"{d}/{part_name}", json.dumps({"files": digests}).encode())
+        write_part(self.storage, step, layer_states.items(), part_name)
         if meta is not None:
-            self.storage.write(f"{d}/meta.json", json.dumps(meta).encode())
+            write_meta(self.storage, step, meta)
 
     def wait(self, *, retention: bool = True) -> None:
         """Until the last save's files are written (and, with `retention`, every retention pass has

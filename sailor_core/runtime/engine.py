@@ -60,7 +60,7 @@ from sailor_core.models.config import TransformerConfig
 from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext, shard, shard_slice
 from sailor_core.models.torch_model import StageModel
 from sailor_core.runtime import checkpoint as ckpt
-from sailor_core.runtime import comm
+from sailor_core.runtime import comm, memory_checkpoint
 from sailor_core.runtime.data import TokenBatches, TokenDataset, load_tokens
 from sailor_core.runtime.schedule import learning_rate
 from sailor_core.runtime.topology import layout, ranks_of, sample_offset, tie_groups
@@ -471,6 +471,11 @@ class Trainer:
         step: list[Any] = [None]
         if self.rank == 0:
             step = [ckpt.latest_valid_step(self.storage, self.cfg.num_layers, self.log)]
+        # The survivors of a lost member may together hold a newer step than any checkpoint (a lost
+        # replica's layers live on in its stage's other replicas): write it, and resume there.
+        newer = memory_checkpoint.write_from_memory(self, previous, step[0])
+        if self.rank == 0 and newer is not None:
+            step = [newer]
         dist.broadcast_object_list(step, src=0, device=self.device)
         if step[0] is None:
             return "none"
