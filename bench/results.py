@@ -110,8 +110,8 @@ def _tee(src: IO[str], dst: IO[str], into: list[str]) -> None:
 
 
 def run_bench(name: str, timeout_s: float) -> Outcome:
-    """Runs bench/NAME.py with this Python in its own process group, its output shown as it comes and
-    kept; the group is killed when it outlives `timeout_s` or on Ctrl-C."""
+    """Runs the bench `name` (a script under bench/) with this Python in its own process group, its
+    output shown as it comes and kept; the group is killed when it outlives `timeout_s` or on Ctrl-C."""
     print(f"== bench/{name}.py", flush=True)
     t0 = time.monotonic()
     p = subprocess.Popen([sys.executable, str(BENCH / f"{name}.py")], cwd=ROOT, stdout=subprocess.PIPE,
@@ -183,11 +183,12 @@ def _block(text: str) -> str:
     return f"{fence}text\n{text.rstrip()}\n{fence}\n" if text.strip() else "(no output)\n"
 
 
-def render(outcomes: Sequence[Outcome], host: dict[str, str], started: str, load_before: str, load_after: str
-           ) -> str:
-    """docs/results.md: the machine, every bench that ran with its output, then the skipped ones and why."""
+def render(outcomes: Sequence[Outcome], host: dict[str, str], started: str, load_before: str, load_after: str,
+           not_asked: Sequence[str] = ()) -> str:
+    """docs/results.md: the machine, every bench that ran with its output, then the skipped ones and why,
+    and the benches left out of a run of named ones (`not_asked`)."""
     lines = ["# Benchmark results", "",
-             f"Written by `make bench` (bench/results.py) on {started}. The figures are this machine's, at its",
+             f"Written by bench/results.py (`make bench`) on {started}. The figures are this machine's, at its",
              "load at the time: rerun on a quiet machine before comparing them with docs/simulator.md.", "",
              "## Machine", ""]
     lines += [f"- {k}: {v}" for k, v in host.items()]
@@ -208,6 +209,8 @@ def render(outcomes: Sequence[Outcome], host: dict[str, str], started: str, load
     failed = [o for o in outcomes if o.status in ("failed", "timed out")]
     if failed:
         lines += ["", "## Failed", ""] + [f"- {o.name}.py: {o.status} ({o.reason})" for o in failed]
+    if not_asked:
+        lines += ["", "## Not run", "", f"Only the benches named were asked for; not run: {', '.join(not_asked)}."]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -237,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(Outcome(name, "skipped", known[need]))
             continue
         outcomes.append(run_bench(name, a.timeout))
-    out.write_text(render(outcomes, host, started, load_before, load_average()))
+    not_asked = [n for n in benches([]) if n not in names]
+    out.write_text(render(outcomes, host, started, load_before, load_average(), not_asked))
     print(f"\nwrote {out}")
     for o in outcomes:
         if o.status != "ok":

@@ -80,7 +80,8 @@ def test_named_benches_only_and_an_unwritable_page_is_refused_before_running(res
     out = tmp_path / "only.md"
     assert results.main(["a_ok", "b_needs_root.py", "--out", str(out)]) == 0
     page = out.read_text()
-    assert "### a_ok.py" in page and "d_fails" not in page and "- b_needs_root.py: needs root" in page
+    assert "### a_ok.py" in page and "### d_fails" not in page and "- b_needs_root.py: needs root" in page
+    assert "not run: c_says_skip, d_fails, e_hangs." in page
     with pytest.raises(SystemExit, match="no bench"):
         results.main(["nope", "--out", str(out)])
     assert results.main(["a_ok", "--out", str(tmp_path / "missing" / "r.md")]) == 2
