@@ -840,7 +840,7 @@ def compare(chosen: dict[str, ParallelPlan], runs: Sequence[Run], samples: Seque
         print(f"{name:<34} {len(plan.stages):>6} {len(plan.pipelines):>3} {real:>10.3f} {sim:>8.3f} {errors[-1]:>+7.1f}"
               f"  ({statistics.mean(r.sim.p2p_s for r in mine):.3f} "
               f"{statistics.mean(r.sim.dp_exposed_s for r in mine):.3f})"
-              f"  {max(r.sim.rounds_apart_pct for r in mine):>14.1f}  {speed or float('nan'):>8.3f}"
+              f"  {max(r.sim.rounds_apart_pct for r in mine):>14.1f}  {f'{speed:.3f}' if speed else '-':>8}"
               f"  {sum(r.discarded for r in mine):>8}  {' '.join(f'{dt:.2f}' for r in mine for dt, _ in r.steps)}"
               f"{'  (' + kept + ')' if kept else ''}", flush=True)
     over = sum(1 for r in runs if r.drift)

@@ -254,3 +254,18 @@ def test_the_kernel_takes_the_quotas_of_045_and_015_core_devices_as_the_testbed_
             cg.rmdir()
         if root.exists():
             root.rmdir()
+
+
+def test_the_table_and_the_last_line_the_checks_parse(bench, capsys):
+    rnd = _Round(0.0, 5.0, [], 1.0)
+    runs = [bench.Run("p", [(1.0, 10.0), (1.2, 11.2)], 5.0, 12.0, rnd, rnd, bench.Estimate(1.0, 0.95, 1.05)),
+            bench.Run("p", [(1.4, 30.0)], 20.0, 31.0, rnd, rnd, bench.Estimate(1.4, 1.4, 1.4), discarded=1,
+                      drift="rounds 12 % apart")]
+    bench.compare({"p": _plan()}, runs, [], 10.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:6] == ["plan", "stages", "dp", "measured", "s", "sim"]
+    # measured: the median of every kept step (1.2); simulated: the mean of the runs' estimates (1.2)
+    assert lines[1].split()[:6] == ["p", "2", "1", "1.200", "1.200", "+0.0"]
+    assert "kept with rounds 12 % apart" in lines[1]
+    assert lines[-2] == "runs: 2 kept, 1 repeated for drift over 10 %, 1 kept beyond it (no repeat left)"
+    assert lines[-1] == "mean_abs_error_pct=0.0 worst_abs_error_pct=0.0 plans=1"
