@@ -54,7 +54,12 @@ class SailorParams(BaseModel):
     dataset: str | None = Field(default=None, description="data URI; None uses the runtime's built-in corpus")
     steps: int | None = Field(default=None, ge=1)
     token_budget: int | None = Field(default=None, ge=1)
-    checkpoint_interval: int = Field(default=10, ge=1, description="steps between checkpoints")
+    checkpoint_interval: int = Field(default=0, ge=0, description="steps between checkpoints; 0: chosen for each plan "
+                                     "by the Young/Daly rule from the checkpoint's measured time, the preemption rate "
+                                     "and the notice (tasks/checkpointing.py)")
+    spot_notice_s: float | None = Field(default=None, gt=0, description="seconds of notice before a spot VM is taken "
+                                        "back; None: the provider's documented notice (AWS 120, GCP 30) or the "
+                                        "local scenario's shortest grace")
     scenario: str | None = Field(default=None, description="local provider: YAML file scripting events")
     workers: int = Field(default=4, ge=1, le=64, description="local provider: most devices a plan may use")
     isolation: Literal["auto", "netns", "process"] = Field(

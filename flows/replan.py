@@ -26,13 +26,15 @@ from prefect.logging import get_run_logger
 
 from flows.params import SailorParams
 from infra.provider import CapacityError, EventKind, Provider, ProviderEvent, Vm
+from infra.scenario import load_scenario
 from profiles_store.spot_risk import spot_risk_from_store
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.plan_format import plan_to_dict
 from sailor_core.planner.request import Constraints, Objective, PlanRequest, Restrictions, SearchOptions
-from sailor_core.planner.risk import SpotRisk
+from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS, SpotRisk
 from sailor_core.profiles import ProfileBook
 from sailor_core.runtime.protocol import vm_of
+from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
 from tasks.decisions import PlanCost, decide_switch
 from tasks.history import RunHistory
 from tasks.jobs import Job, Progress, node_request, nodes, place
@@ -99,10 +101,31 @@ class RunContext:
         """Under max-goodput, the rates the store's history and the parameters give (read at every plan:
         the run's own preemptions count); other objectives ignore spot risk, so nothing is read."""
         p = self.params
+        every = p.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL_STEPS  # the planner weighs one before a plan
         if p.objective is not Objective.MAX_GOODPUT:
-            return SpotRisk(checkpoint_interval_steps=p.checkpoint_interval)
+            return SpotRisk(checkpoint_interval_steps=every)
+        return self._spot_rates(every)
+
+    def _spot_rates(self, every: int) -> SpotRisk:
+        p = self.params
         return spot_risk_from_store(self.history.store, default_rate=p.spot_preemptions_per_vm_hour,
-                                    checkpoint_interval=p.checkpoint_interval, given_as="spot_preemptions_per_vm_hour")
+                                    checkpoint_interval=every, given_as="spot_preemptions_per_vm_hour")
+
+    def checkpoint_interval(self, plan: ParallelPlan, est: dict[str, Any],
+                            measured: dict[str, float] | None = None) -> int:
+        """Steps between checkpoints for this plan version (tasks/checkpointing.py); the choice and its
+        reason are a decision of the run."""
+        p = self.params
+        graces = [e.grace_s for e in load_scenario(p.scenario).events if e.kind == "preemption"] \
+            if p.provider == "local" and p.scenario else []
+        choice = interval_for(p.checkpoint_interval, plan, float(est["iteration_time_s"]),
+                              total_steps=max(1, self.total_steps), risk=self._spot_rates(1),
+                              notice=notice_s(p.provider, p.spot_notice_s, graces), measured=measured)
+        get_run_logger().info("plan v%s: checkpoint %s", self.version, choice.reason)
+        record(self.history.measurement, self.run_id, "checkpoint_interval",
+               {"plan_version": self.version, "steps": choice.steps, "seconds": choice.seconds,
+                "measured": measured}, choice.reason)
+        return choice.steps
 
     def adopt_plan(self, plan: ParallelPlan, est: dict[str, Any], reason: str, frontier: Any = ()) -> None:
         self.version += 1
@@ -315,8 +338,10 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
     record(ctx.history.event, ctx.run_id, "provisioned",
            f"plan v{ctx.version}: kept {len(keep)} VMs, rented {len(new_vms)}, released {len(drop)}",
            {"kept": sorted(keep), "rented": [v.vm_id for v in new_vms], "released": drop, "plan_version": ctx.version})
+    measured = measured_checkpoint(ctl.metrics(job.version)) if ctl is not None else None
+    every = ctx.checkpoint_interval(cand, cand_est, measured)
     new = Job(run_id=ctx.run_id, version=ctx.version, plan=cand, vms=vms, run_dir=job.run_dir, state=job.state,
-              code=job.code, total_steps=job.total_steps, checkpoint_interval=job.checkpoint_interval, seed=job.seed,
+              code=job.code, total_steps=job.total_steps, checkpoint_interval=every, seed=job.seed,
               data_uri=job.data_uri, estimate_s=float(cand_est["iteration_time_s"]), controller=ctl)
     new.extra.update(reconfig_trigger_at=trigger_at, trigger=kinds, pids_before=pids_before)
     if new_vms:

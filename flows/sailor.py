@@ -35,6 +35,7 @@ from infra.provider import CapacityError, Provider
 from sailor_core.domain import ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError, StorageUnavailable
 from sailor_core.planner.request import Objective
+from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS
 from tasks import interrupt
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
@@ -315,7 +316,8 @@ def sailor(
     dataset: str | None = None,
     steps: int | None = None,
     token_budget: int | None = None,
-    checkpoint_interval: int = 10,
+    checkpoint_interval: int = 0,
+    spot_notice_s: float | None = None,
     scenario: str | None = None,
     workers: int = 4,
     isolation: str = "auto",
@@ -464,7 +466,8 @@ def _what_if(run: _Run) -> None:
     ctx, p = run.ctx, run.params
     assert ctx.base_book is not None and p.what_if_trace
     job = job_of(ctx.plan_request(ResourcePool(entries=())), total_steps=ctx.total_steps,
-                 sequence_length=ctx.base_book.model.sequence_length, checkpoint_interval=p.checkpoint_interval,
+                 sequence_length=ctx.base_book.model.sequence_length,
+                 checkpoint_interval=p.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL_STEPS,
                  reconfiguration_s=ctx.reconfiguration_s(), min_gain=p.min_gain)
     what_if(run.run_id, p.what_if_trace, calibrated_book(ctx.base_book, ctx.calibration), job, ctx.history)
 
@@ -530,8 +533,9 @@ def _start_training(run: _Run, vms: list[Any]) -> Job:
     record(ctx.history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
            {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
     emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
+    every = ctx.checkpoint_interval(ctx.plan, ctx.estimate)
     job = Job(run_id=run_id, version=ctx.version, plan=ctx.plan, vms=vms, run_dir=ctx.run_dir, state=run.state,
-              code=run.code, total_steps=ctx.total_steps, checkpoint_interval=params.checkpoint_interval,
+              code=run.code, total_steps=ctx.total_steps, checkpoint_interval=every,
               seed=params.seed, data_uri=params.dataset or "", estimate_s=float(ctx.estimate["iteration_time_s"]),
               controller=run.controller)
     job.extra["provisioned_at"] = time.time()

@@ -75,7 +75,7 @@ def demo(
     job.update({k: v for k, v in given.items() if v is not None})
     steps, workers = job["steps"], job["workers"]
     params = dict(run_name="demo", max_stages=max_stages, provider="local", scenario=str(scenario),
-                  isolation=isolation, checkpoint_interval=10, store_uri=store, workdir=str(workdir), **job)
+                  isolation=isolation, checkpoint_interval=0, store_uri=store, workdir=str(workdir), **job)
     validate_params({k: v for k, v in params.items() if v is not None})  # a user error: one line, exit 2
     typer.echo(f"sailor demo: {job['model']}, {steps} steps of {job['global_batch_size']} samples on up to {workers} "
                f"devices, scenario {scenario}")

@@ -211,3 +211,37 @@ def test_cli_takes_rates_and_reconfiguration_time_from_the_store_history(tmp_pat
     assert risk["reconfiguration_s"] == pytest.approx(60.0)
     assert any("history, 6 preemption(s) in 20.0 spot VM-hours" in s for s in risk["sources"])
     assert risk["default_preemptions_per_vm_hour"] == 5.0  # the pool file's, for markets history has not seen
+
+
+# -- the checkpoint interval (Young/Daly) ----------------------------------------------------------
+def test_checkpoint_interval_is_youngs_with_daly_correction_by_hand():
+    from sailor_core.planner.risk import UNNOTICED_FAILURES_PER_VM_HOUR, checkpoint_interval
+
+    # 2 spot preemptions per hour, a 5 s notice that a 1 s step + 8 s write does not fit in:
+    # lambda = (2 + 4 x 1/720) / 3600 per s, M = 1 / lambda = 1795.0 s; sqrt(2 x 0.5 x 1795.0) - 0.5 = 41.87 s
+    c = checkpoint_interval(iteration_s=1.0, write_s=8.0, stall_s=0.5, notice_s=5.0, spot_preemptions_per_hour=2.0,
+                            vms=4, total_steps=10_000)
+    m = 3600 / (2 + 4 * UNNOTICED_FAILURES_PER_VM_HOUR)
+    assert abs(m - 1795.01) < 0.01
+    assert c.steps == 42 and "Young/Daly" in c.reason and "shorter than a step and a write" in c.reason
+    # the same job with a notice long enough for the step and the write: only unnoticed failures count
+    # (M = 180 h), so T = sqrt(2 x 0.5 x 648000) - 0.5 = 804.48 s
+    c = checkpoint_interval(iteration_s=1.0, write_s=8.0, stall_s=0.5, notice_s=120.0, spot_preemptions_per_hour=2.0,
+                            vms=4, total_steps=10_000)
+    assert c.steps == 804 and "answered by their notice" in c.reason
+
+
+def test_checkpoint_interval_bounds():
+    from sailor_core.errors import ValidationError
+    from sailor_core.planner.risk import checkpoint_interval
+
+    # never below one write (here 30 s of 1 s steps), never above the job, never below one step
+    assert checkpoint_interval(iteration_s=1.0, write_s=30.0, stall_s=0.01, notice_s=None,
+                               spot_preemptions_per_hour=100.0, vms=1, total_steps=1000).steps == 30
+    assert checkpoint_interval(iteration_s=1.0, write_s=1.0, stall_s=1.0, notice_s=None,
+                               spot_preemptions_per_hour=0.0, vms=1, total_steps=50).steps == 50
+    assert checkpoint_interval(iteration_s=100.0, write_s=1.0, stall_s=1.0, notice_s=None,
+                               spot_preemptions_per_hour=50.0, vms=1, total_steps=50).steps == 1
+    with pytest.raises(ValidationError):
+        checkpoint_interval(iteration_s=0.0, write_s=1.0, stall_s=1.0, notice_s=None, spot_preemptions_per_hour=0.0,
+                            vms=1, total_steps=5)

@@ -113,6 +113,56 @@ def plan_nodes(plan: ParallelPlan) -> dict[tuple[str, str, Market], int]:
     return {k: -(-n // gpn[k]) for k, n in plan.gpus_by_place().items()}
 
 
+# A VM that fails with no notice at all (a host fault, a kernel panic, a lost network path): about once a
+# VM-month. An assumption, not a measurement, stated so that an on-demand job still checkpoints; the
+# spot rates above come from the store's history or the user.
+UNNOTICED_FAILURES_PER_VM_HOUR = 1.0 / (30 * 24)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInterval:
+    """How often a job checkpoints, and why (the numbers the rule used)."""
+
+    steps: int
+    seconds: float
+    reason: str
+
+
+def checkpoint_interval(*, iteration_s: float, write_s: float, stall_s: float, notice_s: float | None,
+                        spot_preemptions_per_hour: float, vms: int, total_steps: int) -> CheckpointInterval:
+    """The checkpoint interval of a job (Young 1974, Daly 2006).
+
+    A checkpoint costs training `stall_s` (the snapshot the step waits for; the write goes on in the
+    background) and takes `write_s` to reach storage. Failures that lose work arrive at rate lambda:
+    every VM's unnoticed failures, plus the plan's spot preemptions when their notice is too short
+    for a just-in-time checkpoint (the step in flight, then the write: iteration_s + write_s; a
+    notice at least that long costs no steps). With M = 1 / lambda, the expected waste per unit of
+    time, stall_s / T + T / (2 M), is least at Young's T = sqrt(2 stall_s M); Daly's first order,
+    T = sqrt(2 stall_s M) - stall_s, for stall_s < M / 2. T is never below write_s (a checkpoint must
+    be written before the next begins, or the step waits), and is counted in whole steps, at least 1
+    and at most the job's."""
+    if not (iteration_s > 0 and write_s >= 0 and stall_s >= 0 and vms >= 1 and total_steps >= 1):
+        raise ValidationError(f"checkpoint_interval needs iteration_s > 0, write_s and stall_s >= 0, vms and "
+                              f"total_steps >= 1; got {iteration_s}, {write_s}, {stall_s}, {vms}, {total_steps}")
+    jit_s = iteration_s + write_s
+    noticed = notice_s is not None and notice_s >= jit_s
+    lam = (vms * UNNOTICED_FAILURES_PER_VM_HOUR + (0.0 if noticed else spot_preemptions_per_hour)) / SECONDS_PER_HOUR
+    mtbf = 1.0 / lam
+    stall = max(stall_s, 1e-3)  # a checkpoint is never free: its snapshot copies every tensor once
+    young = math.sqrt(2 * stall * mtbf)
+    t = young - stall if stall < mtbf / 2 else young
+    steps = max(1, math.ceil(write_s / iteration_s), round(t / iteration_s))
+    steps = min(steps, total_steps)
+    why = ("spot preemptions are answered by their notice" if noticed else
+           "no spot preemptions expected" if spot_preemptions_per_hour == 0 else
+           f"spot preemptions count ({spot_preemptions_per_hour:.3g}/h): their notice "
+           f"{'is unknown' if notice_s is None else f'{notice_s:.0f} s'} is shorter than a step and a write "
+           f"({jit_s:.1f} s)")
+    reason = (f"every {steps} steps ({steps * iteration_s:.0f} s): Young/Daly sqrt(2 x {stall:.2f} s stall x "
+              f"MTBF {mtbf / 3600:.1f} h) - stall = {t:.0f} s, at least one write ({write_s:.1f} s); {why}")
+    return CheckpointInterval(steps=steps, seconds=steps * iteration_s, reason=reason)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Goodput:
     """A plan's nominal and expected (preemption-aware) throughput and cost."""

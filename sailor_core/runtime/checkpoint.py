@@ -327,6 +327,7 @@ class AsyncCheckpointer:
         self._prune_lock = threading.Lock()
         self._cancel = threading.Event()
         self._error: BaseException | None = None
+        self.last_write_s = 0.0  # how long the last completed save took to write its files
 
     def save(self, step: int, layer_states: dict[int, dict[str, Any]], part_name: str,
              meta: dict[str, Any] | None = None, *, blocking: bool = False, prune: bool = True) -> None:
@@ -338,8 +339,10 @@ class AsyncCheckpointer:
         snapshot = [layer_states]  # released once written, not held through a retention pass
 
         def work() -> None:
+            t0 = time.perf_counter()
             try:
                 self._write(step, snapshot.pop(), part_name, meta)
+                self.last_write_s = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 self._error = e
                 return

@@ -238,6 +238,8 @@ class Trainer:
         # peer raises only from a communication wait) otherwise holds exactly the state of `step`
         self.consistent = True
         self._saved_step = -1
+        self._stall_s: float | None = None  # the last checkpoint's snapshot time on this rank
+        self._measured: dict[str, float] = {}  # the slowest rank's last checkpoint times, for the next record
         self._preempt_seen: float | None = None
         self.samples_seen = 0
         self.opt_steps = 0
@@ -415,12 +417,28 @@ class Trainer:
         # so the ZeRO-1 gather, a collective over the stage's replicas, is reached by all of them.
         if self._saved_step != self.step:
             self._saved_step = self.step
+            self._checkpoint_times()
+            t0 = time.perf_counter()
             gathered = self._zero1_gather_state() if self.zero1 else None
             if self.me.pipeline == 0:  # replica 0 of each stage writes its layers; the others hold copies
                 self._write_checkpoint(gathered, blocking, prune)
+            self._stall_s = time.perf_counter() - t0
         if blocking:
             self.checkpointer.wait(retention=prune)
             comm.wait(dist.barrier(async_op=True, device_ids=device_ids(self.device)))
+
+    def _checkpoint_times(self) -> None:
+        """The slowest rank's last checkpoint: the stall (snapshot) and the write, for the next step's record
+        (the flow chooses the checkpoint interval from them). Every rank checkpoints at the same steps, so
+        one MAX all-reduce per checkpoint carries them; the previous write is waited for first, as the
+        next save would."""
+        assert self.checkpointer is not None
+        self.checkpointer.wait(retention=False)
+        if self._stall_s is None:
+            return  # the first checkpoint of this trainer: nothing measured yet
+        t = torch.tensor([self._stall_s, self.checkpointer.last_write_s], dtype=torch.float64, device=self.device)
+        comm.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
+        self._measured = {"checkpoint_stall_s": float(t[0]), "checkpoint_write_s": float(t[1])}
 
     def _write_checkpoint(self, gathered: dict[int, dict[str, torch.Tensor]] | None, blocking: bool,
                           prune: bool = True) -> None:
@@ -846,6 +864,8 @@ class Trainer:
                "world_size": self.world, "time": time.time(), "lr": self.lr_now,
                "model_flops_per_s": self.plan.global_batch_size * self.cfg.sequence_length * self.flops_per_token / dt}
         rec["_jit"], rec["_stop"] = jit_any > 0, stop_any > 0
+        rec.update(self._measured)
+        self._measured = {}
         return rec
 
     def _emit(self, rec: dict[str, Any]) -> None:

@@ -1,0 +1,63 @@
+"""The flow's checkpoint interval (tasks/checkpointing.py): the user's, or Young/Daly's from what is known."""
+
+from __future__ import annotations
+
+import pytest
+
+from sailor_core.domain import Market, Replica
+from sailor_core.models.config import get_config, layer_params
+from sailor_core.planner.risk import SpotRisk
+from tasks.checkpointing import (
+    ASSUMED_WRITE_BYTES_PER_S,
+    interval_for,
+    measured_checkpoint,
+    notice_s,
+    writer_state_bytes,
+)
+from tests.test_runtime import plan, rep
+
+
+def test_the_notice_comes_from_the_user_the_cloud_or_the_scenario():
+    assert notice_s("aws", None) == 120.0 and notice_s("gcp", None) == 30.0
+    assert notice_s("aws", 45.0) == 45.0
+    assert notice_s("local", None, [10.0, 2.0]) == 2.0 and notice_s("local", None) is None
+
+
+def test_the_largest_writer_holds_its_stages_weights_and_two_moments():
+    p = plan([((0, 1), [rep()]), ((2, 5), [rep(2)])])
+    cfg = get_config("gpt-tiny")
+    stage0 = sum(layer_params(cfg, li) for li in (0, 1)) * 12
+    stage1 = sum(layer_params(cfg, li, 2) for li in range(2, 6)) * 12
+    assert writer_state_bytes(p) == max(stage0, stage1)
+
+
+def test_measured_times_are_the_newest_records():
+    rows = [{"step": 1}, {"step": 5, "checkpoint_write_s": 3.0, "checkpoint_stall_s": 0.2}, {"step": 6},
+            {"step": 10, "checkpoint_write_s": 4.0, "checkpoint_stall_s": 0.3}]
+    assert measured_checkpoint(rows) == {"write_s": 4.0, "stall_s": 0.3}
+    assert measured_checkpoint([{"step": 1}]) is None
+
+
+def test_given_interval_wins_and_auto_follows_the_rule():
+    p = plan([((0, 5), [rep()])])
+    assert interval_for(7, p, 0.5, total_steps=100, risk=SpotRisk(), notice=None).steps == 7
+    # spot VMs at 3 preemptions per VM-hour, a 10 s notice, a measured 20 s write: the notice is too short
+    spot = plan([((0, 5), [Replica(gpu_type="cpu", zone="local", tp=1, gpus_per_node=1, market=Market.SPOT)])])
+    risky = SpotRisk(default_preemptions_per_vm_hour=3.0)
+    short = interval_for(0, spot, 1.0, total_steps=10_000, risk=risky, notice=10.0,
+                         measured={"write_s": 20.0, "stall_s": 0.5})
+    long = interval_for(0, spot, 1.0, total_steps=10_000, risk=risky, notice=60.0,
+                        measured={"write_s": 20.0, "stall_s": 0.5})
+    assert 20 <= short.steps < 40 < long.steps  # sqrt(2 x 0.5 x 3600 / 3.0014) - 0.5 = 34.1 s
+    assert short.steps == 34 and "measured" in short.reason
+    est = interval_for(0, spot, 1.0, total_steps=10_000, risk=risky, notice=None)
+    assert "estimated" in est.reason
+    assert est.steps >= writer_state_bytes(spot) / ASSUMED_WRITE_BYTES_PER_S  # never below one write
+
+
+@pytest.mark.parametrize("given", [0, 3])
+def test_the_flow_parameters_accept_auto_and_a_number(given):
+    from flows.params import SailorParams
+
+    p = SailorParams(model="gpt-tiny", global_batch_size=8, steps=10, checkpoint_interval=given)
+    assert p.checkpoint_interval == given
