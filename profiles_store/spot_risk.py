@@ -10,7 +10,6 @@ standing (planning must not fail on a damaged history). Reads only.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,12 +56,14 @@ def spot_risk_from_store(store: Any, *, rates: Sequence[tuple[RateKey, float]] =
     sources = {key: f"{key[0]} {key[1]}: {given_as}" for key in by_market}
     measured_reconf = None
     if store is not None:
-        # no readable history: the given rates stand
-        with contextlib.suppress(Exception):
+        try:
             measured, measured_reconf = _measured(store)
-            for key, (rate, n, hours) in measured.items():
-                by_market[key] = rate
-                sources[key] = f"{key[0]} {key[1]}: history, {n} preemption(s) in {hours:.1f} spot VM-hours"
+        except Exception as e:  # noqa: BLE001 - no readable history: the given rates stand, and the answer says so
+            measured = {}
+            sources[("*", "*")] = f"run history unreadable ({str(e).splitlines()[0][:120]}): given rates only"
+        for key, (rate, n, hours) in measured.items():
+            by_market[key] = rate
+            sources[key] = f"{key[0]} {key[1]}: history, {n} preemption(s) in {hours:.1f} spot VM-hours"
     if reconfiguration_s is not None:
         reconf, src = reconfiguration_s, "given"
     elif measured_reconf is not None:
