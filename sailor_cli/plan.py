@@ -58,6 +58,7 @@ from sailor_core.planner import (
     plan as run_planner,
 )
 from sailor_core.planner.pool import parse_preemption_rates, read_pool_document
+from sailor_core.planner.request import stage_range
 from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS, SpotRisk
 
 
@@ -90,6 +91,8 @@ def plan(
     reconfiguration_s: ReconfigurationS = None,
     large_batch: Annotated[bool, typer.Option("--large-batch", help=(
         f"plan a global batch above {MAX_PLAIN_GLOBAL_BATCH} sequences (refused without it)"))] = False,
+    stages: Annotated[str | None, typer.Option("--stages", help=(
+        "pipeline stages: N (exactly N) or a range A-B (default: as many as pay)"))] = None,
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them.
 
@@ -100,6 +103,7 @@ def plan(
     if model_config or model is None or seq_len is not None:  # the name `sailor profile model --model-config` used
         model = resolve_model(model, model_config, seq_len).name
     _check_batch(global_batch_size, large_batch)
+    min_stages, max_stages = stage_range(stages) if stages else (1, SearchOptions.max_stages)
     book = load_model_book(model, store)
     doc = read_pool_document(pool_file)
     pool = parse_pool(doc, book, source=pool_file)
@@ -120,7 +124,8 @@ def plan(
             gpu_types=split_values(gpu_types), markets=tuple(Market.parse(m) for m in split_values(markets)),
             max_gpus=max_gpus,
         ),
-        options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None),
+        options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None, min_stages=min_stages,
+                              max_stages=max_stages),
         spot_risk=_spot_risk(doc, store, checkpoint_interval, reconfiguration_s),
     )
     result = run_planner(request, book)

@@ -206,6 +206,9 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     _check_model(request, book)
     opts = request.options
     pool, misses = _usable_pool(request, book)
+    if opts.min_stages > book.model.num_layers:
+        misses.append(f"{book.model.name} has {book.model.num_layers} layers, fewer than the {opts.min_stages} "
+                      f"pipeline stages asked for; to fix: ask for at most {book.model.num_layers} stages")
     # Under max-goodput a spot GPU is not an on-demand one (it carries the preemption risk): markets stay apart.
     slots = build_slots(pool, pool_markets=not _goodput_wanted(request))
     problem = _problem(request, book, slots)
@@ -299,6 +302,7 @@ def _problem(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...]) -
         constraints=request.constraints,
         max_gpus=request.restrictions.max_gpus,
         max_stages=opts.max_stages,
+        min_stages=opts.min_stages,
         exhaustive_partitions_up_to=opts.exhaustive_partitions_up_to,
         keep=opts.rescore_top,
         patience=opts.patience,
@@ -445,6 +449,9 @@ def _problems(request: PlanRequest, pool: ResourcePool, pl: ParallelPlan, r: Sim
         iterations_per_s=r.throughput_iterations_per_s,
     )
     problems.extend(_over_pool(pl, pool, request.restrictions.max_gpus))
+    lo, hi = request.options.min_stages, request.options.max_stages
+    if not lo <= pl.num_stages <= hi:
+        problems.append(f"has {pl.num_stages} pipeline stages, outside {lo}-{hi}")
     if not r.fits_memory:
         worst = r.oom[0]
         problems.append(

@@ -95,6 +95,8 @@ class SearchOptions:
     """Knobs of the search (defaults are what the benchmarks measured)."""
 
     max_stages: int = 26  # capped by the model's layer count
+    # Fewest pipeline stages a plan may have (`sailor plan --stages 2-4`: 2 and 4; equal: exactly that many).
+    min_stages: int = 1
     # Enumerate every contiguous partition when a stage count has at most this many (exact on
     # small models); beyond it, uniform and profile-balanced partitions only.
     exhaustive_partitions_up_to: int = 64
@@ -120,6 +122,25 @@ class SearchOptions:
     tolerance: float = 0.005
     precision: str = "fp32"
     schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_stages <= self.max_stages:
+            raise ValidationError(f"pipeline stages must satisfy 1 <= min_stages <= max_stages, got "
+                                  f"min_stages {self.min_stages}, max_stages {self.max_stages}")
+
+
+def stage_range(spec: str) -> tuple[int, int]:
+    """(min, max) pipeline stages of a `--stages` value: `N` (exactly N) or `A-B` (A to B stages)."""
+    lo, sep, hi = spec.strip().partition("-")
+    try:
+        a, b = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise ValidationError(f"--stages must be a number of pipeline stages or a range like 2-4, got {spec!r}; "
+                              f"to fix: pass e.g. --stages 2 or --stages 2-4") from None
+    if not 1 <= a <= b:
+        raise ValidationError(f"--stages {spec!r} is not a range of at least 1 stage; to fix: pass e.g. --stages 2 "
+                              f"or --stages 2-4 (low end first)")
+    return a, b
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,6 +61,7 @@ class Problem:
     constraints: Constraints = field(default_factory=Constraints)
     max_gpus: int | None = None
     max_stages: int = 26
+    min_stages: int = 1
     exhaustive_partitions_up_to: int = 64
     keep: int = 24  # best candidates returned
     patience: int = 4  # stop adding stages after this many stage counts without a near-best plan (0: never)
@@ -431,7 +432,7 @@ class Search:
             if pb.global_batch_size % mbs:
                 continue
             misses = 0
-            for p in range(1, max_p + 1):
+            for p in range(pb.min_stages, max_p + 1):
                 self._round_best = math.inf
                 for bounds in self.partitions(p, mbs):
                     self.count.configurations += 1
