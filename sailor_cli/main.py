@@ -41,6 +41,7 @@ _COMMANDS: list[tuple[str, str, str | None]] = [
     ("plan", "plan", None),
     ("profile", "app", "profile"),
     ("train", "train", None),
+    ("convert", "convert", None),
     ("worker", "worker", None),
     ("runs", "app", "runs"),
     ("infra", "app", "infra"),

@@ -1,7 +1,8 @@
 """`sailor simulate PLAN_FILE`: iteration time, memory and cost of a plan, from stored profiles.
 
 Contract: reads the plan (our format or a published `plan_config_*.json` with --format eth-easl and
---model), loads the model's ProfileBook (`sailor_cli.options.load_book`: from --store, else the
+--model; a Hugging Face config.json model with --model-config, named as `sailor profile model
+--model-config` stored it), loads the model's ProfileBook (`sailor_cli.options.load_book`: from --store, else the
 default store, else the data published with the Sailor artifact), runs `sailor_core.simulator.simulate`
 and prints a readable breakdown (per stage: time, activation memory, peak memory; `--recompute all|0,1`
 simulates activation recomputation in those stages), or one JSON object with --json. User errors (bad
@@ -17,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from sailor_cli.options import Json, Model, PlanFormat, Store, load_book
+from sailor_cli.options import Json, Model, ModelConfig, PlanFormat, SeqLen, Store, load_book
 from sailor_core.domain import ParallelPlan
 from sailor_core.errors import SailorError
 from sailor_core.plan_format import load_plan_file
@@ -108,12 +109,19 @@ def simulate(
         "--runtime", help="whose communication runs the plan: sailor (this project's runtime) | deepspeed (the "
                           "Sailor artifact's framework); default: deepspeed for a published eth-easl plan, sailor "
                           "otherwise")] = None,
+    model_config: ModelConfig = None,
+    seq_len: SeqLen = None,
 ) -> None:
     """Estimate iteration time, peak memory per GPU and cost of PLAN_FILE.
 
-    The model is the plan's; a published plan names none: give --model.
+    The model is the plan's; a published plan names none: give --model (or --model-config).
+    A --model-config model (and --seq-len) must be as `sailor profile model --model-config` stored it.
     Profiles come from --store (or a folder of the Sailor artifact's data), else the default store, else that data.
     """
+    if model_config or seq_len is not None:  # registered under the name `sailor plan --model-config` wrote
+        from sailor_core.models.hf_config import resolve_model
+
+        model = resolve_model(model, model_config, seq_len).name
     plan = load_plan_file(plan_file, fmt=format, model=model)
     if recompute is not None:
         plan = _with_recompute(plan, recompute)
