@@ -73,6 +73,9 @@ def train(
         "--max-grad-norm", help="clip the global gradient norm to this (0: off)")] = 1.0,
     recompute: Annotated[bool, typer.Option(
         "--recompute", help="recompute block activations in backward (less memory)")] = False,
+    tensorboard: Annotated[Path | None, typer.Option("--tensorboard", help=(
+        "write TensorBoard event files to this folder as the run trains (loss, learning rate, tokens/s, step time, "
+        "per stage step time)"))] = None,
 ) -> None:
     """Train the plan's model under PLAN_FILE with local workers (one process per GPU slot of the plan).
 
@@ -87,6 +90,8 @@ def train(
     from sailor_core.runtime.token_shards import check_dataset
 
     check_schedule(lr_schedule, warmup_steps, min_lr_ratio)
+    if tensorboard is not None and tensorboard.exists() and not tensorboard.is_dir():
+        raise SailorError(f"--tensorboard {tensorboard} is a file; to fix: name a folder (created if missing)")
     if model_config:  # a config.json model, registered under its name: the plan's model resolves to it
         from sailor_core.models.hf_config import load_model_config
 
@@ -102,7 +107,7 @@ def train(
     check_settings(settings)  # before any checkpoint is touched or a worker starts
     check_dataset(data, cfg.sequence_length, cfg.vocab_size)  # e.g. a tokenizer larger than the model
     settings = _start_from(settings, cfg, init_weights, resume_or_start)
-    _run_and_export(plan, cfg, settings, log_dir, metrics_out, export)
+    _run_and_export(plan, cfg, settings, log_dir, metrics_out, export, tensorboard)
 
 
 def _need_checkpoint_dir(checkpoint_uri: str | None, *, through: bool, resume: bool) -> None:
@@ -127,13 +132,13 @@ def _start_from(settings: Any, cfg: Any, init_weights: str | None, or_start: boo
 
 
 def _run_and_export(plan: Any, cfg: Any, settings: Any, log_dir: Path | None, metrics_out: Path | None,
-                    export: str | None) -> None:
+                    export: str | None, tensorboard: Path | None = None) -> None:
     """Train in a log folder (a temporary one unless --log-dir), then export the weights if asked."""
     from sailor_core.runtime.launcher import run_local
 
     run_dir = str(log_dir) if log_dir is not None else tempfile.mkdtemp(prefix="sailor-train-")
     try:
-        _run(plan, cfg, settings, run_dir, metrics_out, run_local)
+        _run(plan, cfg, settings, run_dir, metrics_out, run_local, tensorboard)
         if export:
             from sailor_core.runtime.weights import export_weights
 
@@ -160,11 +165,28 @@ def _resume_point(uri: str, num_layers: int, or_start: bool) -> bool:
     return False
 
 
-def _run(plan: Any, cfg: Any, settings: Any, run_dir: str, metrics_out: Path | None, run_local: Any) -> None:
+def _follow(settings: Any, run_dir: str, tensorboard: Path | None) -> tuple[Any, Any]:
+    """(settings, a thread writing TensorBoard events from the step records as they arrive, or None)."""
+    if tensorboard is None:
+        return settings, None
+    from sailor_core.runtime.tensorboard import Follower
+
+    ranks = os.path.join(run_dir, "rank-metrics")  # each rank's own records: per stage step time
+    shutil.rmtree(ranks, ignore_errors=True)
+    os.makedirs(ranks)
+    follower = Follower(settings.metrics_out, str(tensorboard), rank_dir=ranks)
+    if os.path.exists(settings.metrics_out):  # resumed: the steps before are in the events of the earlier run
+        follower.tail.offset = os.path.getsize(settings.metrics_out)
+    follower.start()
+    return replace(settings, extra={**settings.extra, "rank_metrics_dir": ranks}), follower
+
+
+def _run(plan: Any, cfg: Any, settings: Any, run_dir: str, metrics_out: Path | None, run_local: Any,
+         tensorboard: Path | None = None) -> None:
     metrics = str(metrics_out) if metrics_out else os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics) and not settings.resume:
         os.remove(metrics)
-    settings = replace(settings, metrics_out=metrics)
+    settings, follower = _follow(replace(settings, metrics_out=metrics), run_dir, tensorboard)
 
     def on_event(ev: dict) -> None:
         if ev["event"] == "started":
@@ -177,7 +199,12 @@ def _run(plan: Any, cfg: Any, settings: Any, run_dir: str, metrics_out: Path | N
             typer.echo(f"checkpoint step {ev['step']} skipped: {ev['reason']}; moved aside to {ev['moved_to']}",
                        err=True)
 
-    result = run_local(plan, cfg, settings, on_event=on_event, run_dir=run_dir)
+    try:
+        result = run_local(plan, cfg, settings, on_event=on_event, run_dir=run_dir)
+    finally:
+        if follower is not None:
+            typer.echo(f"TensorBoard: {follower.stop()} steps written to {tensorboard} "
+                       f"(tensorboard --logdir {tensorboard})")
     rows = []
     if os.path.exists(metrics):
         with open(metrics) as f:

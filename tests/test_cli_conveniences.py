@@ -72,3 +72,38 @@ def test_simulate_takes_the_model_config_a_plan_was_made_for(tmp_path: Path, cap
     assert json.loads(capsys.readouterr().out)["iteration_time_s"] == pytest.approx(sim["iteration_time_s"])
     # another sequence length is another model, which the plan was not made for
     assert main(["simulate", plan, "--model-config", str(cfg), "--seq-len", "16", "--store", store]) == 2
+
+
+def test_train_writes_tensorboard_events_as_it_trains(tmp_path: Path, capsys) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sailor_cli.main import main
+    from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+    from sailor_core.models.config import get_config
+    from sailor_core.plan_format import save_plan_file
+
+    n = get_config("gpt-tiny").num_layers
+    rep = Replica(gpu_type="cpu", zone="local", tp=1, gpus_per_node=1)
+    plan = ParallelPlan(model="gpt-tiny", global_batch_size=2, precision="fp32",
+                        stages=(Stage(first_layer=0, last_layer=n // 2 - 1, replicas=(rep,)),
+                                Stage(first_layer=n // 2, last_layer=n - 1, replicas=(rep,))),
+                        pipelines=(PipelineBatch(microbatch_size=1, num_microbatches=2),))
+    save_plan_file(plan, str(tmp_path / "plan.json"))
+    tb = tmp_path / "tb"
+    assert main(["train", str(tmp_path / "plan.json"), "--steps", "3", "--tensorboard", str(tb),
+                 "--metrics-out", str(tmp_path / "m.jsonl"), "--lr-schedule", "linear", "--warmup-steps", "1"]) == 0
+    assert "TensorBoard: 3 steps written" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/learning_rate", "train/tokens_per_s", "train/step_time_s",
+            "stage/0/step_time_s", "stage/1/step_time_s"} <= tags
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert [e.value for e in acc.Scalars("train/learning_rate")] == pytest.approx([r["lr"] for r in rows], rel=1e-6)
+    assert [e.step for e in acc.Scalars("stage/1/step_time_s")] == [1, 2, 3]
+    # a file where the folder should be is refused before anything starts
+    (tmp_path / "file").write_text("x")
+    assert main(["train", str(tmp_path / "plan.json"), "--steps", "1", "--tensorboard", str(tmp_path / "file")]) == 2
