@@ -4,17 +4,21 @@ Contract: `list [--store URI] [--json]` prints every run (id, name, status, star
 `show RUN_ID [--store URI] [--json]` prints one run: status, its events in time order (each with a
 `kind` such as preemption, price_change, capacity_change, replan, reconfigured, and its `time`),
 decisions with their reasons, plans and measured vs estimated iteration times. `--json` prints one
-JSON document. An unknown run id is a one-line error naming recent ids.
+JSON document. `--plot PNG` draws the loss and tokens/s of every step the run saved under its state
+(`metrics/v<version>.jsonl`), each reconfiguration marked: the picture of its Prefect "curves" artifact.
+An unknown run id is a one-line error naming recent ids.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from sailor_cli.options import Json, Store, open_store
+from sailor_core.errors import SailorError
 
 app = typer.Typer(help="Runs of the sailor flow: status, events, decisions and plans from the store.",
                   no_args_is_help=True)
@@ -51,9 +55,13 @@ def show(
     run_id: Annotated[str, typer.Argument(help="a run id from `sailor runs list`")],
     store: Store = None,
     as_json: Json = False,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="draw the run's loss and tokens/s per step, reconfigurations marked, to this PNG")] = None,
 ) -> None:
     """Show one run: status, events, decisions with reasons, plans, measured vs estimated."""
     run = _history(store).show(run_id)
+    if plot is not None:
+        _plot(run, plot)
     if as_json:
         typer.echo(json.dumps(run, indent=2, default=str))
         return
@@ -95,3 +103,32 @@ def show(
             t.add_row(str(m.get("plan_version")), f"{m['measured_s']:.4f}", f"{m['estimated_s']:.4f}",
                       f"{m['ratio']:.2f}")
         con.print(t)
+
+
+def _plot(run: dict[str, Any], out: Path) -> None:
+    """The run's training curves from the per-step records under its state, as a PNG."""
+    from tasks.reporting import curves_png
+    from tasks.runstate import RunState, read_metrics
+
+    uri = (run.get("cluster") or {}).get("state_uri")
+    if not uri:
+        raise SailorError(f"run {run['run_id']} recorded no state folder, so no per-step records to plot; to fix: "
+                          f"plot a run of the sailor flow that trained")
+    if "://" not in uri and not Path(uri).is_dir():
+        raise SailorError(f"run {run['run_id']}'s state folder {uri} is gone; to fix: plot a run whose work folder "
+                          f"is still there")
+    if out.is_dir():
+        raise SailorError(f"--plot {out} is a folder; to fix: name a .png file")
+    try:
+        rows = read_metrics(RunState(uri=uri, flow_uri=uri, vm_uri=uri))
+    except SailorError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. the testbed's object store, which lived with the run
+        raise SailorError(f"could not read the per-step records under {uri}: {e}; to fix: plot while its "
+                          f"storage is reachable") from None
+    if not rows:
+        raise SailorError(f"run {run['run_id']} saved no per-step records under {uri}; to fix: plot a run that "
+                          f"trained at least one step")
+    out.write_bytes(curves_png(rows, title=f"{run['run_id']} ({run.get('status', '')})"))
+    typer.echo(f"wrote {out}: {len(rows)} steps, {len({r.get('plan_version', 0) for r in rows})} plan version(s)",
+               err=True)

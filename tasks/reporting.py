@@ -3,8 +3,9 @@
 Contract: `emit(kind, run_id, ...)` sends a Prefect event `sailor.<kind>` about the resource
 `sailor.run.<run_id>` (and records nothing else); the artifact functions publish the plan as a
 table, the throughput-cost frontier as a plot (PNG, inlined) with its table, the event and
-decision timeline, and the cost so far, under keys derived from the run id (Prefect keeps every
-version of a key, so the latest is what the UI shows). `Progress` wraps a progress artifact.
+decision timeline, the cost so far, and the training curves (loss and tokens/s per step, reconfigurations
+marked; `curves_png` is also what `sailor runs show --plot` draws), under keys derived from the run id
+(Prefect keeps every version of a key, so the latest is what the UI shows). `Progress` wraps a progress artifact.
 Nothing here decides anything; failures to publish are logged, never fatal for the run.
 """
 
@@ -144,6 +145,76 @@ def publish_cost(run_id: str, cost: Mapping[str, Any]) -> None:
         create_table_artifact(key=artifact_key("cost", run_id), table=rows, description="Cost so far")
     except Exception as e:
         _logger().warning("could not publish the cost artifact: %s", e)
+
+
+def reconfiguration_steps(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
+    """(step, plan version) where each plan version after the first trained its first step."""
+    out: list[tuple[int, int]] = []
+    seen: set[int] = set()
+    for r in sorted(rows, key=lambda r: (r.get("plan_version", 0), r["step"])):
+        v = int(r.get("plan_version", 0))
+        if v not in seen:
+            seen.add(v)
+            if len(seen) > 1:
+                out.append((int(r["step"]), v))
+    return out
+
+
+def curves_png(rows: Sequence[Mapping[str, Any]], title: str = "") -> bytes:
+    """Loss and throughput (tokens/s) against the step, each reconfiguration a dashed line named by its plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows, key=lambda r: (r.get("plan_version", 0), r["step"]))
+    fig, (loss_ax, tps_ax) = plt.subplots(2, 1, figsize=(6, 4.6), dpi=90, sharex=True)
+    for v in sorted({int(r.get("plan_version", 0)) for r in rows}):
+        mine = [r for r in rows if int(r.get("plan_version", 0)) == v]
+        steps = [r["step"] for r in mine]
+        loss_ax.plot(steps, [r.get("loss", float("nan")) for r in mine], ".-", label=f"plan v{v}")
+        tps_ax.plot(steps, [r.get("tokens_per_s", float("nan")) for r in mine], ".-")
+    for step, v in reconfiguration_steps(rows):
+        for ax in (loss_ax, tps_ax):
+            ax.axvline(step - 0.5, color="#dc2626", ls="--", lw=1)
+        loss_ax.annotate(f"v{v}", (step - 0.5, 1), xycoords=("data", "axes fraction"), color="#dc2626",
+                         ha="left", va="top", fontsize=8)
+    loss_ax.set_ylabel("loss")
+    tps_ax.set_ylabel("tokens / s")
+    tps_ax.set_xlabel("step")
+    for ax in (loss_ax, tps_ax):
+        ax.grid(alpha=0.3)
+    if rows:
+        loss_ax.legend(loc="upper right", fontsize=8)
+    if title:
+        loss_ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def publish_curves(run_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """The loss and throughput curves so far (PNG, inlined) with one row per plan version; a new version
+    of the artifact each call, so the UI shows the latest while the run trains."""
+    try:
+        if not rows:
+            return
+        png = base64.b64encode(curves_png(rows)).decode()
+        lines = ["# Training curves", "", f"![loss and throughput](data:image/png;base64,{png})", "",
+                 "| plan version | steps | loss (first -> last) | median tokens/s |", "|---|---|---|---|"]
+        for v in sorted({int(r.get("plan_version", 0)) for r in rows}):
+            mine = sorted((r for r in rows if int(r.get("plan_version", 0)) == v), key=lambda r: r["step"])
+            tps = sorted(float(r.get("tokens_per_s", 0.0)) for r in mine)
+            lines.append(f"| v{v} | {mine[0]['step']}-{mine[-1]['step']} | {mine[0].get('loss', float('nan')):.4f} -> "
+                         f"{mine[-1].get('loss', float('nan')):.4f} | {tps[len(tps) // 2]:,.0f} |")
+        marks = ", ".join(f"step {s}: plan v{v}" for s, v in reconfiguration_steps(rows))
+        lines += ["", f"Reconfigurations (dashed lines): {marks or 'none'}."]
+        create_markdown_artifact(key=artifact_key("curves", run_id), markdown="\n".join(lines),
+                                 description="Loss and tokens/s per step, each reconfiguration marked")
+    except Exception as e:
+        _logger().warning("could not publish the training curves: %s", e)
 
 
 class ProgressBar:

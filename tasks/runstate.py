@@ -176,3 +176,32 @@ def flush_metrics(state: RunState, version: int, rows: list[dict[str, Any]]) -> 
     import json
 
     state.write(f"metrics/v{version}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def read_metrics(state: RunState) -> list[dict[str, Any]]:
+    """Every per-step record saved under the run's state (`flush_metrics`), plan version by version; records of
+    a version whose file is missing or torn are skipped, not fatal (a picture of the run, not its accounting)."""
+    import json
+
+    from sailor_core.runtime.checkpoint import open_storage
+
+    storage = open_storage(state.flow_uri)
+    try:
+        names = storage.listdir("metrics")
+    except (OSError, FileNotFoundError):
+        return []
+    versions = sorted(int(n[1:-6]) for n in names if n.startswith("v") and n.endswith(".jsonl") and n[1:-6].isdigit())
+    rows: list[dict[str, Any]] = []
+    for v in versions:
+        try:
+            text = storage.read(f"metrics/v{v}.jsonl").decode()
+        except (OSError, FileNotFoundError):
+            continue
+        for line in text.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "step" in rec:
+                rows.append({"plan_version": v, **rec})
+    return rows

@@ -48,8 +48,8 @@ from tasks.decisions import (
 from tasks.history import RunHistory
 from tasks.jobs import Job, Progress, assignments, read_progress
 from tasks.planning import run_planner
-from tasks.reporting import ProgressBar, emit
-from tasks.runstate import flush_metrics
+from tasks.reporting import ProgressBar, emit, publish_curves
+from tasks.runstate import flush_metrics, read_metrics
 
 
 def _no_retry_on_capacity(task, task_run, state) -> bool:
@@ -109,6 +109,15 @@ def save_metrics(job: Job) -> None:
     """The plan version's per-step records, from the controller to the run's state in object storage."""
     if job.controller is not None:
         flush_metrics(job.state, job.version, job.controller.metrics(job.version))
+        publish_training_curves(job)
+
+
+def publish_training_curves(job: Job) -> None:
+    """The loss and throughput artifact from every plan version's saved records; a picture, never fatal."""
+    try:
+        publish_curves(job.run_id, read_metrics(job.state))
+    except Exception as e:  # noqa: BLE001 - e.g. the state's storage unreachable: the run goes on
+        get_run_logger().warning("could not read the run's metrics for its curves: %s", e)
 
 
 @task(name="terminate", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE)
@@ -228,6 +237,7 @@ class _Watch:
             self.bar.update(prog.step)
             if time.time() - self.last_flush > METRICS_FLUSH_S and ctl is not None:
                 flush_metrics(job.state, job.version, ctl.metrics(job.version))
+                publish_training_curves(job)  # the curves artifact, while it trains
                 self.last_flush = time.time()
             if time.time() - self.last_log > 5 or prog.step >= job.total_steps:
                 it = f"{prog.recent_iteration_s:.3f}s/it" if prog.recent_iteration_s else "warming up"

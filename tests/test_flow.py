@@ -151,6 +151,28 @@ events:
     last = r["plans"][-1]["plan"]
     assert {rep["market"] for st in last["stages"] for rep in st["replicas"]} == {"on-demand"}
     assert_nothing_left(tmp_path, r["run_id"])
+    assert_training_curves(profiled_store, tmp_path, r["run_id"], versions=len(r["plans"]))
+
+
+def assert_training_curves(store: str, tmp_path: Path, run_id: str, versions: int) -> None:
+    """The curves artifact (loss and tokens/s, each reconfiguration marked) was published more than once while
+    the run trained, and `sailor runs show --plot` draws the same picture from the saved records."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from sailor_cli.main import main
+    from tasks.reporting import artifact_key
+
+    key = artifact_key("curves", run_id)
+    with get_client(sync_client=True) as c:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert len(arts) >= 2, [a.key for a in arts]  # updated during the run, not only at its end
+    latest = max(arts, key=lambda a: a.created)
+    assert "data:image/png;base64," in latest.data and "Reconfigurations (dashed lines): step" in latest.data
+    assert f"| v{versions} |" in latest.data
+    png = tmp_path / "curves.png"
+    assert main(["runs", "show", run_id, "--store", store, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_small_price_change_is_not_worth_a_switch(profiled_store, tmp_path):

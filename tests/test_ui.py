@@ -1,4 +1,4 @@
-"""The Prefect UI shows a run's plan artifact, checked in headless Chromium.
+"""The Prefect UI shows a run's plan, frontier and training-curves artifacts, checked in headless Chromium.
 
 Starts a real `prefect server start` on a free port (its own PREFECT_HOME), runs the `sailor` flow
 against it in a subprocess (a dry run: profile, plan and publish the artifacts, rent nothing), then
@@ -81,9 +81,13 @@ def test_the_ui_shows_the_runs_plan_artifact(profiled_store, tmp_path):
                               start_new_session=True)
     try:
         _wait_healthy(api, server)
-        code = ("from flows.sailor import sailor; import json; "
+        # a dry run trains nothing: its curves artifact is published as the monitor does, from step records
+        # of two plan versions (tests/test_flow.py checks that a training run publishes it)
+        code = ("from flows.sailor import sailor; import json; from tasks.reporting import publish_curves; "
                 f"r = sailor(run_name='ui', steps=5, workers=2, dry_run=True, store_uri={profiled_store!r}, "
-                f"workdir={str(tmp_path / 'work')!r}); print('RUN', r['run_id'])")
+                f"workdir={str(tmp_path / 'work')!r}); print('RUN', r['run_id']); "
+                "publish_curves(r['run_id'], [{'step': s, 'loss': 5.0 - s / 4, 'tokens_per_s': 900.0 + 40 * (s > 3), "
+                "'plan_version': 1 + (s > 3)} for s in range(1, 8)])")
         run = subprocess.run([sys.executable, "-c", code], env={**env, "PREFECT_API_URL": api}, cwd=REPO,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
@@ -95,6 +99,9 @@ def test_the_ui_shows_the_runs_plan_artifact(profiled_store, tmp_path):
         assert "Plan v1 for gpt-tiny" in dom
         frontier = _dom(f"http://127.0.0.1:{port}/artifacts/key/frontier-{run_id}".lower(), tmp_path / "chromium2")
         assert f"frontier-{run_id}".lower() in frontier and "Pareto frontier of throughput against cost" in frontier
+        curves = _dom(f"http://127.0.0.1:{port}/artifacts/key/curves-{run_id}".lower(), tmp_path / "chromium3")
+        assert f"curves-{run_id}".lower() in curves and "Loss and tokens/s per step" in curves, curves[-3000:]
+        assert "data:image/png;base64," in curves and "step 4: plan v2" in curves
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
