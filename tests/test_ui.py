@@ -101,7 +101,6 @@ def test_the_ui_shows_the_runs_plan_artifact(profiled_store, tmp_path):
         assert f"frontier-{run_id}".lower() in frontier and "Pareto frontier of throughput against cost" in frontier
         curves = _dom(f"http://127.0.0.1:{port}/artifacts/key/curves-{run_id}".lower(), tmp_path / "chromium3")
         assert f"curves-{run_id}".lower() in curves and "Loss and tokens/s per step" in curves, curves[-3000:]
-        assert "data:image/png;base64," in curves and "step 4: plan v2" in curves
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
