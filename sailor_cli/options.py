@@ -182,3 +182,56 @@ def load_model_book(model: str, store: str | None) -> ProfileBook:
     if book.model.name != model:
         raise SailorError(f"the store returned profiles for {book.model.name}, not {model}; to fix: check --model")
     return book
+
+
+# --- paths checked before anything starts (a typo found in a worker costs a start-up and shows late) ---------------
+def local_path(uri: str | os.PathLike[str]) -> Path | None:
+    """The local path a path-or-URI option names (`file://` included); None for a remote one (s3://, gs://)."""
+    s = os.fspath(uri)
+    if s.startswith("file://"):
+        return Path(s.removeprefix("file://"))
+    return None if "://" in s else Path(s)
+
+
+def _existing_ancestor(p: Path) -> Path:
+    q = p.absolute()
+    while not q.exists() and q != q.parent:
+        q = q.parent
+    return q
+
+
+def check_input_path(flag: str, uri: str | None) -> None:
+    """A local file or folder the command reads must exist (a remote URI is the store's or the worker's to check)."""
+    p = local_path(uri) if uri else None
+    if p is not None and not p.exists():
+        raise SailorError(f"{flag} {uri} does not exist; to fix: check the path, or name an existing file or folder "
+                          f"(s3:// and gs:// URIs are read as they are)")
+
+
+def check_folder(flag: str, uri: str | os.PathLike[str] | None) -> None:
+    """A local folder the command writes into (created if missing) must not be a file, nor lie under one."""
+    p = local_path(uri) if uri is not None else None
+    if p is None:
+        return
+    if p.exists() and not p.is_dir():
+        raise SailorError(f"{flag} {uri} is a file, not a folder; to fix: name a folder (it is created if missing)")
+    base = _existing_ancestor(p)
+    if not base.is_dir():
+        raise SailorError(f"{flag} {uri} cannot be created: {base} is a file; to fix: name a folder elsewhere")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise SailorError(f"{flag} {uri}: {base} is not writable; to fix: name a folder you may write to")
+
+
+def check_output_file(flag: str, path: str | os.PathLike[str] | None) -> None:
+    """A local file the command writes must not be a folder, and its folder must exist."""
+    p = local_path(path) if path is not None else None
+    if p is None:
+        return
+    if p.is_dir():
+        raise SailorError(f"{flag} {path} is a folder, not a file; to fix: name a file (e.g. {p / 'metrics.jsonl'})")
+    parent = p.absolute().parent
+    if not parent.is_dir():
+        raise SailorError(f"{flag} {path}: folder {parent} does not exist; to fix: create it, or name a file in an "
+                          f"existing folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise SailorError(f"{flag} {path} is not writable; to fix: name a file you may write")

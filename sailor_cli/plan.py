@@ -14,6 +14,7 @@ import contextlib
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -104,12 +105,12 @@ def plan(
         model = resolve_model(model, model_config, seq_len).name
     _check_batch(global_batch_size, large_batch)
     min_stages, max_stages = stage_range(stages) if stages else (1, SearchOptions.max_stages)
-    book = load_model_book(model, store)
-    doc = read_pool_document(pool_file)
-    pool = parse_pool(doc, book, source=pool_file)
     if checkpoint_interval < 1:
         raise SailorError(f"--checkpoint-interval must be >= 1 step, got {checkpoint_interval}; "
                           f"to fix: pass a positive number")
+    doc = _read_pool(pool_file)  # before the store is read: a wrong path costs nothing
+    book = load_model_book(model, store)
+    pool = parse_pool(doc, book, source=pool_file)
     request = PlanRequest(
         model=model,
         global_batch_size=global_batch_size,
@@ -163,6 +164,17 @@ def _spot_risk(doc: Any, store: str | None, checkpoint_interval: int, reconfigur
         opened = open_store(store)
     return spot_risk_from_store(opened, rates=rates, default_rate=default, checkpoint_interval=checkpoint_interval,
                                 reconfiguration_s=reconfiguration_s)
+
+
+def _read_pool(pool_file: str) -> Any:
+    if Path(pool_file).is_dir():
+        raise SailorError(f"--pool {pool_file} is a folder, not a pool file; to fix: name the YAML or JSON pool "
+                          f"file in it (format in docs/planner.md)")
+    try:
+        return read_pool_document(pool_file)
+    except PermissionError:
+        raise SailorError(f"pool file {pool_file} is not readable (permission denied); to fix: check its "
+                          f"permissions") from None
 
 
 def _check_batch(global_batch_size: int, confirmed: bool) -> None:

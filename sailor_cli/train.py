@@ -33,7 +33,17 @@ from typing import Annotated, Any
 
 import typer
 
-from sailor_cli.options import Model, ModelConfig, PlanFormat, SeqLen, Steps, TimeoutS
+from sailor_cli.options import (
+    Model,
+    ModelConfig,
+    PlanFormat,
+    SeqLen,
+    Steps,
+    TimeoutS,
+    check_folder,
+    check_input_path,
+    check_output_file,
+)
 from sailor_core.errors import SailorError
 
 
@@ -82,6 +92,14 @@ def train(
     The model is the plan's; a published plan names none: give --model (or --model-config).
     --timeout: how long a silent peer is waited for before it counts as lost.
     """
+    # inputs a worker would trip over 15-20 s after the start: refused before anything starts
+    if resume and resume_or_start:
+        raise SailorError("--resume and --resume-or-start exclude each other (without a checkpoint the first fails, "
+                          "the second starts at step 0); to fix: pass one of them")
+    check_input_path("--data", data)  # local paths only: s3:// and gs:// are the workers' to read
+    for flag, folder in (("--checkpoint-dir", checkpoint_uri), ("--log-dir", log_dir), ("--export", export)):
+        check_folder(flag, folder)
+    check_output_file("--metrics-out", metrics_out)
     from sailor_core.models.config import get_config
     from sailor_core.plan_format import load_plan_file
     from sailor_core.runtime.engine import TrainSettings

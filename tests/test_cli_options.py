@@ -9,6 +9,7 @@ shared definition; and no command declares an option as a default argument (the 
 from __future__ import annotations
 
 import ast
+import json
 import typing
 from collections import defaultdict
 from pathlib import Path
@@ -105,3 +106,84 @@ def test_docs_cli_lists_every_shared_flag_and_exception() -> None:
     missing = [flag for flag in _shared() if f"`{flag}`" not in text]
     missing += [flag for _, flag in OWN_MEANING if f"`{flag}`" not in text]
     assert not missing, f"docs/cli.md does not name {missing}"
+
+
+# -- inputs refused before anything starts (issue 25 item 6) ---------------------------------------------------------
+TINY_PLAN = {"format": "sailor-plan", "version": 1, "model": "gpt-tiny", "global_batch_size": 8, "schedule": "1f1b",
+             "precision": "fp32", "zero1": False,
+             "stages": [{"layers": [0, 5], "replicas": [{"gpu_type": "cpu", "gpus_per_node": 1, "zone": "local",
+                                                         "region": "local", "market": "on-demand", "tp": 1}]}],
+             "pipelines": [{"microbatch_size": 8, "num_microbatches": 1}]}
+
+
+@pytest.fixture
+def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting workers (or the guardian that outlives them) fails the test: the error must come first."""
+    from sailor_cli import lifeline
+    from sailor_core.runtime import launcher
+
+    def started(*_: object, **__: object) -> None:
+        raise AssertionError("a worker was started before the input was refused")
+
+    monkeypatch.setattr(launcher, "run_local", started)
+    monkeypatch.setattr(lifeline, "hold", lambda *_: None)
+
+
+def _one_line_exit_2(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    rc = cli_main.main(list(argv))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "to fix" in lines[0], err
+    return lines[0]
+
+
+@pytest.mark.parametrize(("flags", "expect"), [
+    (["--data", "{tmp}/nonexistent"], "--data {tmp}/nonexistent does not exist"),
+    (["--data", "file://{tmp}/nonexistent"], "does not exist"),
+    (["--metrics-out", "{tmp}/nonexistent-dir/m.jsonl"], "folder {tmp}/nonexistent-dir does not exist"),
+    (["--metrics-out", "{tmp}"], "is a folder, not a file"),
+    (["--checkpoint-dir", "{tmp}/a-file"], "--checkpoint-dir {tmp}/a-file is a file, not a folder"),
+    (["--checkpoint-dir", "{tmp}/a-file/ck"], "{tmp}/a-file is a file"),
+    (["--log-dir", "{tmp}/a-file"], "--log-dir {tmp}/a-file is a file"),
+    (["--export", "{tmp}/a-file", "--checkpoint-dir", "{tmp}/ck"], "--export {tmp}/a-file is a file"),
+    (["--resume", "--resume-or-start", "--checkpoint-dir", "{tmp}/ck"], "exclude each other"),
+])
+def test_train_refuses_bad_paths_before_any_worker_starts(tmp_path, capsys, no_start, flags, expect) -> None:  # noqa: ANN001
+    (tmp_path / "plan.json").write_text(json.dumps(TINY_PLAN))
+    (tmp_path / "a-file").write_text("x")
+    argv = [f.format(tmp=tmp_path) for f in flags]
+    line = _one_line_exit_2(capsys, "train", str(tmp_path / "plan.json"), "--steps", "2", *argv)
+    assert expect.format(tmp=tmp_path) in line
+    assert not (tmp_path / "ck").exists()  # no checkpoint folder was touched either
+
+
+def test_train_leaves_remote_data_and_existing_folders_to_the_run(tmp_path, capsys, no_start, monkeypatch) -> None:  # noqa: ANN001
+    from sailor_core.runtime import token_shards
+
+    monkeypatch.setattr(token_shards, "check_dataset", lambda *_: None)  # it would look for a prepared index in s3://
+    (tmp_path / "plan.json").write_text(json.dumps(TINY_PLAN))
+    (tmp_path / "shards").mkdir()
+    for data in ("s3://bucket/corpus", "gs://bucket/corpus", str(tmp_path / "shards")):
+        with pytest.raises(AssertionError, match="a worker was started"):  # every check passed
+            cli_main.main(["train", str(tmp_path / "plan.json"), "--steps", "2", "--data", data,
+                           "--checkpoint-dir", str(tmp_path / "new" / "ck"), "--log-dir", str(tmp_path / "logs"),
+                           "--metrics-out", str(tmp_path / "m.jsonl")])
+    capsys.readouterr()
+
+
+def test_plan_with_a_folder_as_the_pool_is_one_line(tmp_path, capsys) -> None:  # noqa: ANN001
+    line = _one_line_exit_2(capsys, "plan", "--pool", str(tmp_path), "--model", "OPT-350", "--global-batch-size", "8")
+    assert f"--pool {tmp_path} is a folder" in line and "Traceback" not in line
+
+
+def test_replay_checks_the_trace_path_before_reading_the_store(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    import sailor_cli.replay as replay
+
+    monkeypatch.setattr(replay, "load_model_book", lambda *_: pytest.fail("the store was read first"))
+    line = _one_line_exit_2(capsys, "replay", "--trace", str(tmp_path / "none.json"), "--model", "OPT-350",
+                            "--global-batch-size", "1024", "--steps", "10")
+    assert "does not exist" in line
+    line = _one_line_exit_2(capsys, "replay", "--trace", str(tmp_path), "--model", "OPT-350",
+                            "--global-batch-size", "1024", "--steps", "10")
+    assert "is a folder" in line
