@@ -14,6 +14,7 @@ import importlib
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 import typer
 
@@ -119,7 +120,59 @@ def _run_app(argv: list[str] | None) -> object:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; the exit status is 0 on success, 2 for a user error, 1 for a failure and
-    128 + signal when interrupted (after the command's cleanup ran)."""
+    128 + signal when interrupted (after the command's cleanup ran).
+
+    Called as the program (`sailor ...`, `python -m sailor_cli.main`: no `argv`, main thread) it does not
+    return: it leaves through `_leave`. Called with `argv` (tests, other Python code) it returns the status.
+    """
+    if argv is not None or threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    try:
+        code = _main(None)
+    except BaseException:  # a bug: its traceback, as Python would print it, and the same way out
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _leave(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """End the process with `code` after the cleanup a normal interpreter exit runs, minus its last step.
+
+    Why: pyarrow's thread pool can still be dropping the last reference to a Python `bytes` it read
+    (the store reads Parquet from `pa.BufferReader(bytes)`; the dataset scanner releases its fragment
+    on a pool thread after `read_table` returned). If that happens once the interpreter is finalising,
+    the pool thread's PyGILState_Ensure ends it with pthread_exit, whose unwinding through Arrow's
+    noexcept destructor calls std::terminate: "terminate called without an active exception" and
+    exit 134, after the command had already printed its answer (core dumps: issue 25 item 5). Under
+    load this hit 3 in 60 `sailor runs list` on a corrupt store.
+
+    What a normal exit does, in its order (Py_FinalizeEx): join non-daemon threads, run the atexit
+    callbacks (Prefect's services and ephemeral server, multiprocessing, logging, weakref.finalize,
+    hence every TemporaryDirectory still open), flush stdout/stderr; these run here too. What is
+    skipped: the finalisation proper (module teardown, C++ static destructors), the step that races
+    with Arrow's threads. Nothing of ours relies on it: files are written through `with` and the
+    commands' own cleanup (`finally`) ran before this point.
+    """
+    import atexit
+    import os
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # Py_FinalizeEx's wait_for_thread_shutdown
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - e.g. Ctrl-C while a thread is joined: still leave, do not hang
+        code = code or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001 - e.g. a closed pipe: Python's own exit status for it is 120
+            code = code or 120
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     _register()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -126,6 +126,7 @@ def replay(
         raise SailorError("give --trace, --model and --global-batch-size (or --run RUN_ID); "
                           "to fix: add the missing ones")
     names = _policies(policy, steps, token_budget, search)
+    _check_trace_path(trace)  # before the store is read: a typo costs nothing and starts no reader threads
     book = load_model_book(model, store)
     tr = _load_trace(trace, book, zone=trace_zone, gpu_type=trace_gpu_type, market=trace_market, gpus=trace_gpus,
                      price=price, spec=SyntheticSpec(total_gpus=synthetic_gpus, days=synthetic_days,
@@ -258,10 +259,20 @@ def _load_trace(path: str, book: ProfileBook, *, zone: str, gpu_type: str, marke
                         price=price)
     if path == "synthetic":
         return synthetic_trace(spec, how.prices, how.gpus_per_node)
+    _check_trace_path(path)
     p = Path(path)
+    return read_trace(p.name, p.read_text(), how)
+
+
+def _check_trace_path(path: str) -> None:
+    if path == "synthetic":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise SailorError(f"trace {path} is a folder, not a trace file; to fix: name the file in it "
+                          f"(docs/replay.md), or use --trace synthetic")
     if not p.is_file():
         raise SailorError(f"trace {path} does not exist; to fix: check the path, or use --trace synthetic")
-    return read_trace(p.name, p.read_text(), how)
 
 
 def _reconfiguration(given: float | None, store: str | None) -> tuple[float, str]:
