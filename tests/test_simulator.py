@@ -164,9 +164,10 @@ def test_pipeline_time_1f1b_and_gpipe_by_hand() -> None:
     # stage 1 finishes before stage 0 by stage 0's backward plus the gradient send
     assert finish == pytest.approx([22.5, 22.5 - 3.5])
     total_g, _, _ = pipeline_time_s(comp, [0.5], 4, "gpipe")
-    # GPipe: sends overlap the next microbatch, so 3 more forward cycles of max(1, 3, 0.5) and 3 more
-    # backward cycles of max(3, 1, 0.5)
-    assert total_g == pytest.approx(8 + 1 + 3 * (3 + 3))
+    # GPipe: a message moves once its receive is posted, which the busy stage posts after its previous
+    # microbatch: stage 1's forwards run every 3 + 0.5 s (from 1 + 0.5 to 15), its backwards at 16-19,
+    # then stage 0's backwards every 0.5 + 3 s from 19.5 to 30
+    assert total_g == pytest.approx(1 + 4 * 3.5 + 4 * 1 + 4 * 3.5 - 3)
     one, _, _ = pipeline_time_s(comp[:1], [], 5)
     assert one == pytest.approx(5 * 4)
 

@@ -23,8 +23,9 @@ The search, per (b, P, partition):
    the same count only adds GPUs and ring length: paper heuristic);
 5. each (assignment, D) is estimated with the simulator's own composition (1F1B pipeline time,
    gradient rings per stage, optimizer, prices, egress) and kept if it beats the bound.
-Lower bounds (time: the fill plus (m-1) x tau with the best stage times; cost: that time x the
-cheapest GPUs) prune whole configurations and stop the tau sweep. After the sweep, the best
+Lower bounds (time: the exact 1F1B schedule's bound, `simulator.schedule.lower_bound_1f1b`, with
+the best stage times, some stage at tau and the cheapest messages; cost: that time x the cheapest
+GPUs) prune whole configurations and stop the tau sweep. After the sweep, the best
 sketches are re-partitioned: the layers are re-balanced for the chosen GPUs (min-max stage time,
 memory-checked), which the published planner never does (it splits uniformly).
 """
@@ -42,6 +43,7 @@ from sailor_core.planner.costs import Costs, Layout, Slot, nic_share, zone_pairs
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.risk import SpotRisk, useful_fraction_of
 from sailor_core.simulator import StageCompute, dp_sync_end_s, pipeline_time_s
+from sailor_core.simulator.schedule import lower_bound_1f1b
 
 SECONDS_PER_HOUR = 3600.0
 BYTES_PER_GB = 1e9
@@ -120,12 +122,28 @@ class Candidate:
 
 @dataclass(frozen=True)
 class _Floor:
-    """Lower-bound terms of one (mbs, partition): fill + (m - 1) x max(tau + cycle_add, cycle_floor)."""
+    """Lower-bound terms of one (mbs, partition), stage by stage, for `schedule.lower_bound_1f1b`:
+    stage b is reached no earlier than `reach[b]` (the cheapest stages and sends before it, both
+    ways), computes m microbatches of at least `best[b]` and waits at least (m - 1) `act[b]` and
+    m `grad[b]` for its neighbours; `opt` is the least optimizer step that ends the iteration."""
 
-    fill: float
-    cycle_add: float
-    cycle_floor: float
+    reach: tuple[float, ...]
+    best: tuple[float, ...]
+    act: tuple[float, ...]  # the cheapest activation into stage b (0 for the first)
+    grad: tuple[float, ...]  # the cheapest gradient into stage b (0 for the last)
+    opt: float
     rate: float  # USD/hour of the cheapest GPUs per pipeline
+    memo: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
+
+    def at(self, m: int) -> tuple[float, float]:
+        """(the least wait of any stage, the largest bound of a stage at its cheapest time) at m
+        microbatches: the parts of the bound that do not depend on tau."""
+        v = self.memo.get(m)
+        if v is None:
+            waits = [(m - 1) * a + m * g + r for a, g, r in zip(self.act, self.grad, self.reach, strict=True)]
+            v = (min(waits), max(m * t + w for t, w in zip(self.best, waits, strict=True)))
+            self.memo[m] = v
+        return v
 
 
 @dataclass
@@ -153,8 +171,9 @@ class Search:
         self.nearest: tuple[float, str] | None = None  # smallest violation seen, and its reason
         self._p2p_floor: dict[tuple[int, int], float] = {}
         # quick_bound's terms that do not depend on D, per (mbs, bounds, kinds)
-        self._sketch_terms: dict[tuple[object, ...], tuple[float, float, float, float, float]] = {}
+        self._sketch_terms: dict[tuple[object, ...], tuple[tuple[float, ...], float, float, float]] = {}
         self._p2p_fill_floor: dict[tuple[int, int], float] = {}
+        self._p2p_dir_floor: dict[tuple[int, int], tuple[float, float]] = {}
         self._round_best = math.inf
         self._violators: list[tuple[float, int, Candidate]] = []  # best scores that break a limit
         self._closest: list[tuple[float, int, Candidate]] = []  # smallest breaches of a limit
@@ -295,7 +314,7 @@ class Search:
                     gb = msg * (n / sk.dp) * cnt / BYTES_PER_GB
                     egress += gb * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
             p2p.append((worst_f, worst_b))
-        total, _, finish = pipeline_time_s(comp, p2p, m)
+        total, _, finish = pipeline_time_s(comp, p2p, m, with_p2p_part=False)
         ends: list[float] = []
         opt = 0.0
         for s, ((first, last), (si, tp)) in enumerate(zip(sk.bounds, sk.kinds, strict=True)):
@@ -503,21 +522,24 @@ class Search:
         min_rate = [
             min(tp * slots[g].usd_per_gpu_hour for g, row in enumerate(table[s]) for tp, _ in row) for s in range(p)
         ]
-        # Network and optimizer floors: every boundary sends at least its cheapest message, each
-        # stage's cycle includes its sends, and some stage's optimizer step ends the iteration.
-        # (simulator.pipeline_time_s: a boundary adds max(forward, back) >= pmin to both stages' cycles
-        # and forward + back to the fill)
-        pmin = [self.p2p_floor(mbs, bounds[b][1]) for b in range(p - 1)]
-        comm = [(pmin[s - 1] if s > 0 else 0.0) + (pmin[s] if s < p - 1 else 0.0) for s in range(p)]
+        # Network and optimizer floors: every boundary sends at least its cheapest message each way
+        # (the exact schedule's bound, simulator.schedule.lower_bound_1f1b, with the cheapest stage
+        # times and messages), and some stage's optimizer step ends the iteration.
+        dirs = [self.p2p_dir_floor(mbs, bounds[b][1]) for b in range(p - 1)]
+        reach = [0.0]
+        for b in range(p - 1):
+            reach.append(reach[-1] + best_t[b] + self.p2p_fill_floor(mbs, bounds[b][1]))
         opt_lb = max(
             min(self.costs.optimizer_s(slots[g].gpu_type, mbs, tp, *bounds[s]) for g, row in enumerate(table[s])
                 for tp, _ in row)
             for s in range(p)
         )
         lb = _Floor(
-            fill=sum(best_t) + sum(self.p2p_fill_floor(mbs, bounds[b][1]) for b in range(p - 1)) + opt_lb,
-            cycle_add=min(comm),
-            cycle_floor=max(best_t[s] + comm[s] for s in range(p)),
+            reach=tuple(reach),
+            best=tuple(best_t),
+            act=tuple([0.0] + [f for f, _ in dirs]),
+            grad=tuple([bk for _, bk in dirs] + [0.0]),
+            opt=opt_lb,
             rate=sum(min_rate),
         )
         d_cap = max(1, self.total_gpus // max(1, sum(min_gpus)))
@@ -543,7 +565,7 @@ class Search:
         v = self._p2p_floor.get(key)
         if v is None:
             c = self.costs
-            v = both = math.inf
+            v = both = lo_f = lo_b = math.inf
             for a in self.pb.slots:
                 for ta in self.pb.tp_values:
                     if ta > a.gpus_per_node or not c.profiled(a.gpu_type, mbs, ta):
@@ -558,10 +580,17 @@ class Search:
                                     f, bk = _fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg))
                                     v = min(v, max(f, bk))
                                     both = min(both, f + bk)
+                                    lo_f, lo_b = min(lo_f, f), min(lo_b, bk)
             v = 0.0 if not math.isfinite(v) else v
             self._p2p_floor[key] = v
             self._p2p_fill_floor[key] = 0.0 if not math.isfinite(both) else both
+            self._p2p_dir_floor[key] = (lo_f if math.isfinite(lo_f) else 0.0, lo_b if math.isfinite(lo_b) else 0.0)
         return v
+
+    def p2p_dir_floor(self, mbs: int, last: int) -> tuple[float, float]:
+        """The least activation and the least gradient time of that boundary, each on its own."""
+        self.p2p_floor(mbs, last)
+        return self._p2p_dir_floor[(mbs, last)]
 
     def p2p_fill_floor(self, mbs: int, last: int) -> float:
         """The least forward + back send time of that boundary (what the first microbatch pays)."""
@@ -573,10 +602,12 @@ class Search:
         o = self.pb.objective
         c = self.pb.constraints
         best = math.inf
-        cycle = max(tau + lb.cycle_add, lb.cycle_floor)
         for d in d_list:
             m = -(-n // d)
-            t = lb.fill + (m - 1) * cycle
+            # some stage computes at least tau per microbatch (which one is not known: the least of
+            # them), and every stage at least its cheapest time
+            least_wait, floor = lb.at(m)
+            t = lb.opt + max(m * tau + least_wait, floor)
             if c.min_iterations_per_s is not None and 1.0 / t < c.min_iterations_per_s * 0.98:
                 continue  # too slow at this D whatever it runs on
             if o is Objective.MAX_THROUGHPUT:
@@ -737,16 +768,19 @@ class Search:
             ts = [c.compute(slots[si].gpu_type, mbs, tp, a, b).total_s
                   for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
             (a0, b0), (s0, tp0) = bounds[0], kinds[0]
-            fixed = (sum(ts), max(ts), c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s,
+            fixed = (tuple(ts), c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s,
                      max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b)
                          for (a, b), (si, tp) in zip(bounds, kinds, strict=True)),
-                     sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds))
+                     float(sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds)))
             if len(self._sketch_terms) > 200_000:
                 self._sketch_terms.clear()
             self._sketch_terms[(mbs, bounds, kinds)] = fixed
-        total, slowest, bwd0, opt_s, usd_per_hour = fixed
+        times, bwd0, opt_s, usd_per_hour = fixed
         m = -(-n // d)
-        t = total + (m - 1) * slowest + opt_s
+        # simulator.schedule.lower_bound_1f1b without the sends: stage b starts after the stages
+        # before it have run microbatch 0 both ways and computes m microbatches
+        half = [x / 2 for x in times]
+        t = opt_s + lower_bound_1f1b(half, half, [0.0] * (len(times) - 1), [0.0] * (len(times) - 1), m)
         # The gradient ring only adds time: skip it when the sketch loses without it.
         score = self._score_of(t, d, usd_per_hour)
         if d > 1 and score < self.cutoff:

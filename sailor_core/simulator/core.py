@@ -6,13 +6,13 @@ naming (model, GPU type, mbs, tp) and the command that creates it; a plan that d
 memory is a valid result (`fits_memory` False, with stage, replica and bytes over).
 
 Time model (docs/simulator.md has the derivations):
-- pipeline j runs m_j microbatches of its own size through its replica of every stage. Under
-  1F1B, T_j = sum_s (F_s + B_s) + 2 sum_b t_b + (m_j - 1) max_s c_s, where c_s = F_s + B_s plus the
-  blocking sends and receives of stage s per microbatch (each boundary b costs t_b on both ends,
-  once for the activation and once for its gradient). GPipe runs all forwards, then all backwards.
-- stage s finishes its last backward at T_j - sum_{k<s} (B_k + t_k) (the last backward flows from
-  the last stage to the first); its gradient ring starts when every pipeline's replica is done
-  (stragglers gate the sync) and the iteration ends when every ring and the optimizer step are done.
+- pipeline j runs m_j microbatches of its own size through its replica of every stage. Our runtime's
+  schedule (1F1B or GPipe) is run batch by batch as engine._schedule posts it (`schedule`), so each
+  stage ends its last backward when the runtime's order of operations says; DeepSpeed's blocking
+  sends keep their closed form T_j = sum_s (F_s + B_s) + 2 sum_b t_b + (m_j - 1) max_s c_s.
+- a stage's gradient ring starts when every pipeline's replica is done with it (stragglers gate
+  the sync; ours overlaps it with the last backward in buckets) and the iteration ends when every
+  ring and the optimizer step are done.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import SimModel, StageCompute, allreduce_buckets, model_for
 from sailor_core.simulator.result import Breakdown, ReplicaRow, SimOptions, SimulationResult
+from sailor_core.simulator.schedule import run_1f1b, run_gpipe
 
 
 def place_nodes(plan: ParallelPlan) -> list[list[int]]:
@@ -55,60 +56,34 @@ def place_nodes(plan: ParallelPlan) -> list[list[int]]:
 
 def pipeline_time_s(
     compute: Sequence[StageCompute], p2p_s: Sequence[float | tuple[float, float]], num_microbatches: int,
-    schedule: str = "1f1b", runtime: str = "sailor",
+    schedule: str = "1f1b", runtime: str = "sailor", *, with_p2p_part: bool = True,
 ) -> tuple[float, float, list[float]]:
-    """(pipeline seconds, its p2p part on the critical path, finish time of each stage's last backward).
+    """(pipeline seconds, its p2p part, when each stage ends its last backward).
 
     `compute[s]` is stage s's per-microbatch forward/backward, `p2p_s[b]` the send times across
     boundary b (between stages b and b+1): (activation forward, gradient back), or one number for
-    both; len(p2p_s) == len(compute) - 1. The schedules are the runtime's (engine._schedule):
+    both; len(p2p_s) == len(compute) - 1.
 
-    - 1F1B: a steady-state step is forward, one batch {send activation, receive gradient}, backward,
-      one batch {send input gradient, receive the next activation}, each batch waited for whole.
-      The mirror batches of two neighbours exchange the same microbatches in opposite directions
-      at once, so a boundary costs both of its stages x_b = max(fwd_b, bwd_b) per microbatch and
-      stage s is busy c_s = F_s + B_s + x_{s-1} + x_s per steady-state microbatch (the largest cycle
-      mean of that max-plus system). The first microbatch crosses every boundary both ways once:
-
-          T = sum_s (F_s + B_s) + sum_b (fwd_b + bwd_b) + (m - 1) max_s c_s
-
-      Against an event-by-event replay of those batches (tests/test_simulator_pipeline.py) it is
-      within 1 % at the median; unequal stages overlap part of their fill, which this form does not
-      credit (pessimistic by up to ~15 % at the 90th percentile of random unequal pipelines). The
-      planner's pruning bounds rely on this form (sum of stage times plus the cycles).
-    - GPipe: a stage waits for its input, computes and posts the send without waiting for it, so
-      sends overlap the next microbatch's compute: forwards run at max(F_s, fwd_b) per microbatch,
-      backwards at max(B_s, bwd_b).
+    Our runtime (`sailor`): the schedule is run as engine._schedule runs it, batch by batch
+    (`simulator.schedule`: 1F1B's warm-up forwards, steady one-forward-one-backward with the mirror
+    batches, drain; GPipe's forwards then backwards; a message moves once its send and its receive
+    are both posted). Unequal stages get the overlap of their fill and drain exactly. The p2p part
+    is the time over the same schedule with free links (skipped with `with_p2p_part=False`).
+    DeepSpeed (`deepspeed`): the closed form of its blocking sends (`_blocking_pipeline_time_s`).
     """
     if runtime == "deepspeed":
         return _blocking_pipeline_time_s(compute, [x if isinstance(x, (int, float)) else max(x) for x in p2p_s],
                                          num_microbatches, schedule)
-    p = len(compute)
-    m = num_microbatches
-    fwd = [x if isinstance(x, (int, float)) else x[0] for x in p2p_s]
-    bwd = [x if isinstance(x, (int, float)) else x[1] for x in p2p_s]
-    fill_comm = sum(fwd) + sum(bwd)
-    base = sum(c.total_s for c in compute)
-    if schedule == "gpipe":
-        f_period = max([c.forward_s for c in compute] + fwd)
-        b_period = max([c.backward_s for c in compute] + bwd)
-        total = base + fill_comm + (m - 1) * (f_period + b_period)
-        comm = fill_comm + (m - 1) * (max(0.0, f_period - max(c.forward_s for c in compute))
-                                      + max(0.0, b_period - max(c.backward_s for c in compute)))
-    else:
-        x = [max(f, b) for f, b in zip(fwd, bwd, strict=True)]
-        x_in = [0.0] + x
-        x_out = x + [0.0]
-        cycle = [compute[s].total_s + x_in[s] + x_out[s] for s in range(p)]
-        bott = max(range(p), key=lambda s: cycle[s])
-        total = base + fill_comm + (m - 1) * cycle[bott]
-        comm = fill_comm + (m - 1) * (x_in[bott] + x_out[bott])
-    finish = []
-    back = 0.0
-    for s in range(p):
-        finish.append(total - back)
-        back += compute[s].backward_s + (bwd[s] if s < p - 1 else 0.0)
-    return total, comm, finish
+    fwd = [float(x) if isinstance(x, (int, float)) else x[0] for x in p2p_s]
+    bwd = [float(x) if isinstance(x, (int, float)) else x[1] for x in p2p_s]
+    f_s = [c.forward_s for c in compute]
+    b_s = [c.backward_s for c in compute]
+    run = run_gpipe if schedule == "gpipe" else run_1f1b
+    total, finish = run(f_s, b_s, fwd, bwd, num_microbatches)
+    if not with_p2p_part:
+        return total, 0.0, finish
+    zero = [0.0] * len(fwd)
+    return total, max(0.0, total - run(f_s, b_s, zero, zero, num_microbatches)[0]), finish
 
 
 def _blocking_pipeline_time_s(

@@ -1,0 +1,248 @@
+"""One pipeline's step as our runtime runs it (engine._schedule), event by event, and a lower bound on it.
+
+Contract: `run_1f1b(fwd_s, bwd_s, act_s, grad_s, n)` and `run_gpipe(...)` return (seconds until the
+first stage ends its last backward, when each stage ends its last backward) for stage compute
+fwd_s[s] / bwd_s[s] per microbatch and one-way message times act_s[b] (activation b -> b+1) and
+grad_s[b] (gradient b+1 -> b). `lower_bound_1f1b` is never above `run_1f1b` for the same inputs
+(tests/test_simulator_schedule.py checks it on thousands of random pipelines); the planner prunes
+with its terms.
+
+The model of one exchange (both torch backends the runtime uses, NCCL and gloo, rendezvous a send
+with its receive: gloo's tcp pair holds a send until the peer says its receive is posted; an NCCL
+send kernel moves data only once the receive kernel runs):
+
+- every point-to-point operation is posted in a batch (`dist.batch_isend_irecv`) in the schedule's
+  order; a message moves when both its send and its receive are posted and takes its one-way time
+  (`boundary_p2p_s`: the runtime's slices and the receivers' all-gather);
+- a batch with a receive is waited for whole (its sends too); a send-only batch is not (the runtime
+  waits for those works at the end of the step, after every later message has already depended on
+  them);
+- every batch of our 1F1B talks to one neighbour, so each boundary is a sequence of meetings of a
+  batch on either side, in program order: (send-only, receive) pairs in the warm-up and the drain,
+  and mirror batches {send activation, receive gradient} / {send gradient, receive next
+  activation} in the steady state, which end together at max(posts) + max(act, grad).
+
+Speed: the steady state is a max-plus linear map from one 1F1B step of every stage to the next. Once
+the stages' step starts move by one common lambda between two consecutive steps they do so for
+every later step (linearity), so a long pipeline is run for `n0` microbatches and extended by
+(n - n0) x lambda, exactly; if no such step shows up (`_TRY_STEPS`) it is run in full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+_F, _B, _SEND, _RECV, _MIRROR = 0, 1, 2, 3, 4
+_LEFT, _RIGHT = 0, 1
+# The steady state is tried with (k x stages + 1) more microbatches than the warm-up needs, for each k
+# here, before the pipeline is run in full: the last stage runs ahead of the first for up to a stage
+# count of steps, and the transient after that is short (algorithmic choice; any value is exact,
+# these only decide how much is run).
+_TRY_STEPS = (1, 3)
+_SHIFT_TOL = 1e-9  # relative: consecutive steps moving by one lambda (float rounding only)
+
+
+@lru_cache(maxsize=4096)
+def programs_1f1b(p: int, n: int) -> tuple[tuple[tuple[int, int, int, bool], ...], ...]:
+    """Per stage, its ops in engine._schedule's order: (kind, side, meeting index on that side,
+    starts a steady step). Kinds: forward, backward, send-only batch, receive-only batch, mirror batch."""
+    progs = []
+    for s in range(p):
+        prev, nxt = s > 0, s < p - 1
+        k = [0, 0]  # meetings so far on the left and right boundary
+        ops: list[tuple[int, int, int, bool]] = []
+
+        def meet(kind: int, side: int, ops: list[tuple[int, int, int, bool]] = ops, k: list[int] = k) -> None:
+            ops.append((kind, side, k[side], False))
+            k[side] += 1
+
+        warm = min(p - s - 1, n)
+        for _ in range(warm):
+            if prev:
+                meet(_RECV, _LEFT)
+            ops.append((_F, 0, 0, False))
+            if nxt:
+                meet(_SEND, _RIGHT)
+        steady = n - warm
+        if steady and prev:
+            meet(_RECV, _LEFT)
+        for i in range(steady):
+            ops.append((_F, 0, 0, True))
+            if nxt:
+                meet(_MIRROR, _RIGHT)
+            ops.append((_B, 0, 0, False))
+            if prev:
+                meet(_MIRROR if i < steady - 1 else _SEND, _LEFT)
+        for _ in range(steady, n):
+            if nxt:
+                meet(_RECV, _RIGHT)
+            ops.append((_B, 0, 0, False))
+            if prev:
+                meet(_SEND, _LEFT)
+        progs.append(tuple(ops))
+    return tuple(progs)
+
+
+@lru_cache(maxsize=512)
+def _compiled_1f1b(p: int, n: int) -> Callable[..., tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]]:
+    """The 1F1B walk of p stages and n microbatches as one straight-line function of the durations.
+
+    Which batch waits for which is a property of the schedule, not of the durations, so the walk
+    is done once per (p, n) on symbols: every clock is a sum of durations after some earlier
+    meeting, and every waited meeting becomes `max(own clock, peer's post) + its time`. The function
+    returns (each stage's end, each stage's steady-step starts)."""
+    progs = programs_1f1b(p, n)
+    post_l: list[dict[int, str]] = [{} for _ in range(max(p - 1, 0))]  # boundary b: stage b's posts
+    post_r: list[dict[int, str]] = [{} for _ in range(max(p - 1, 0))]  # boundary b: stage b+1's posts
+    clock = ["0.0"] * p
+    pc = [0] * p
+    starts: list[list[str]] = [[] for _ in range(p)]
+    lines: list[str] = []
+    count = [0]
+
+    def meet(c: str, other: str, dur: str) -> str:
+        count[0] += 1
+        v = f"v{count[0]}"
+        lines.append(f"    a = {c}; b = {other}; {v} = (a if a > b else b) + {dur}")
+        return v
+
+    left = p
+    while left:
+        moved = False
+        for s in range(p):
+            prog = progs[s]
+            i, c, end = pc[s], clock[s], len(prog)
+            if i == end:
+                continue
+            while i < end:
+                kind, side, k, mark = prog[i]
+                if kind == _F:
+                    if mark:
+                        count[0] += 1
+                        lines.append(f"    v{count[0]} = {c}")
+                        c = f"v{count[0]}"
+                        starts[s].append(c)
+                    c = f"{c} + F[{s}]"
+                elif kind == _B:
+                    c = f"{c} + B[{s}]"
+                else:
+                    bb = s if side == _RIGHT else s - 1
+                    mine, theirs = (post_l[bb], post_r[bb]) if side == _RIGHT else (post_r[bb], post_l[bb])
+                    if kind == _SEND:
+                        mine[k] = c
+                    else:
+                        if kind == _MIRROR:
+                            mine[k] = c
+                        other = theirs.get(k)
+                        if other is None:
+                            break
+                        dur = f"X[{bb}]" if kind == _MIRROR else (f"G[{bb}]" if side == _RIGHT else f"A[{bb}]")
+                        c = meet(c, other, dur)
+                i += 1
+            if i != pc[s]:
+                moved = True
+            pc[s], clock[s] = i, c
+            if i == end:
+                left -= 1
+        if not moved:
+            raise RuntimeError(f"1F1B schedule of {p} stages and {n} microbatches deadlocked")
+    ends = ", ".join(clock)
+    rows = ", ".join("(" + "".join(f"{x}, " for x in row) + ")" for row in starts)
+    src = "def run(F, B, A, G, X):\n" + "\n".join(lines) + f"\n    return ({ends},), ({rows},)\n"
+    scope: dict[str, object] = {}
+    exec(compile(src, f"<1f1b p={p} n={n}>", "exec"), scope)  # noqa: S102 - code generated above, no input
+    return scope["run"]  # type: ignore[return-value]
+
+
+def _walk_1f1b(
+    fwd_s: Sequence[float], bwd_s: Sequence[float], act_s: Sequence[float], grad_s: Sequence[float], n: int,
+) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
+    """(each stage's end, each stage's steady-step start times) of n microbatches."""
+    mirror = [max(a, g) for a, g in zip(act_s, grad_s, strict=True)]
+    return _compiled_1f1b(len(fwd_s), n)(fwd_s, bwd_s, act_s, grad_s, mirror)
+
+
+def _common_shift(starts: Sequence[Sequence[float]], steps: int) -> float | None:
+    """lambda if some two consecutive steady steps (both before the first stage's last) move every
+    stage by the same lambda, else None."""
+    for i in range(steps - 1):
+        ds = [row[i + 1] - row[i] for row in starts]
+        lo, hi = min(ds), max(ds)
+        if hi - lo <= _SHIFT_TOL * max(1.0, abs(hi)):
+            return hi
+    return None
+
+
+def run_1f1b(
+    fwd_s: Sequence[float], bwd_s: Sequence[float], act_s: Sequence[float], grad_s: Sequence[float], n: int,
+) -> tuple[float, list[float]]:
+    """(pipeline seconds, when each stage ends its last backward) of engine._schedule's 1F1B."""
+    p = len(fwd_s)
+    for times in _TRY_STEPS:
+        extra = times * p + 1
+        n0 = p - 1 + extra
+        if n <= n0:
+            break
+        ends, starts = _walk_1f1b(fwd_s, bwd_s, act_s, grad_s, n0)
+        lam = _common_shift(starts, extra)
+        if lam is not None:
+            ext = (n - n0) * lam
+            return ends[0] + ext, [e + ext for e in ends]
+    ends, _ = _walk_1f1b(fwd_s, bwd_s, act_s, grad_s, n)
+    return ends[0], list(ends)
+
+
+def run_gpipe(
+    fwd_s: Sequence[float], bwd_s: Sequence[float], act_s: Sequence[float], grad_s: Sequence[float], n: int,
+) -> tuple[float, list[float]]:
+    """(pipeline seconds, when each stage ends its last backward) of engine._schedule's GPipe: per
+    microbatch a waited receive, the compute, a send not waited for. A receive is posted when the
+    previous microbatch's compute is done, so a message moves at max(sent, receive posted):
+
+        F_end(s, m) = max(F_end(s-1, m), F_end(s, m-1)) + act(s-1) + F_s
+        B_end(s, m) = max(B_end(s+1, m), B_end(s, m-1)) + grad(s) + B_s,  B_end(s, -1) = F_end(s, n-1)
+    """
+    p = len(fwd_s)
+    row = [0.0] * p  # F_end(s, m - 1)
+    for _ in range(n):
+        up = row[0] + fwd_s[0]
+        row[0] = up
+        for s in range(1, p):
+            mine = row[s]
+            up = (up if up > mine else mine) + act_s[s - 1] + fwd_s[s]
+            row[s] = up
+    for _ in range(n):  # backward, from the last stage down
+        down = row[p - 1] + bwd_s[p - 1]
+        row[p - 1] = down
+        for s in range(p - 2, -1, -1):
+            mine = row[s]
+            down = (down if down > mine else mine) + grad_s[s] + bwd_s[s]
+            row[s] = down
+    return row[0], row
+
+
+def lower_bound_1f1b(
+    fwd_s: Sequence[float], bwd_s: Sequence[float], act_s: Sequence[float], grad_s: Sequence[float], n: int,
+) -> float:
+    """A lower bound on `run_1f1b`: for every stage b,
+
+        T >= sum_{k<b} (F_k + act_k + grad_k + B_k) + n (F_b + B_b) + (n - 1) act_{b-1} + n grad_b
+
+    Microbatch 0 reaches b after the forwards and sends before it; b then computes n forwards and
+    backwards; each of its n batches with its left neighbour (a receive or a mirror) lasts at least
+    that boundary's activation time after it is posted, one of them already counted in the reach,
+    and each of its n waited batches with its right neighbour at least the gradient's time; after
+    its last backward the gradient still crosses every boundary and stage below it."""
+    best = 0.0
+    prefix = 0.0
+    p = len(fwd_s)
+    for b in range(p):
+        t = prefix + n * (fwd_s[b] + bwd_s[b])
+        if b > 0:
+            t += (n - 1) * act_s[b - 1]
+        if b < p - 1:
+            t += n * grad_s[b]
+            prefix += fwd_s[b] + bwd_s[b] + act_s[b] + grad_s[b]
+        best = max(best, t)
+    return best
