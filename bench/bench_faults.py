@@ -109,6 +109,7 @@ class Job:
             cmd = [sys.executable, *script] if script else [sys.executable, "-m", "sailor_cli.main", *argv]
             self.proc = subprocess.Popen(cmd, stdout=o, stderr=e,
                                          stdin=subprocess.DEVNULL, cwd=REPO, env=self.env, start_new_session=True)
+        _LIVE.append(self)
         self.t0 = time.monotonic()
         self.seen: dict[int, int] = {}  # every descendant seen while it ran: {pid: start time}
         self.arrivals: list[tuple[float, int]] = []  # (when seen, step) of each metrics line, in order
@@ -218,6 +219,26 @@ class Job:
         return out
 
 
+_LIVE: list[Job] = []  # every job started: stopped by `stop_all` if the bench itself is stopped
+
+
+def stop_all(root: Path) -> None:
+    """Ends every job still running (SIGTERM, then SIGKILL) and unmounts what a case mounted under `root`."""
+    for job in _LIVE:
+        if job.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.proc.pid, signal.SIGTERM)
+            try:
+                job.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(job.proc.pid, signal.SIGKILL)
+                job.proc.wait(timeout=10)
+        reap({p: s for p, s in job.seen.items() if _same(p, s)}, grace_s=2.0)
+    for m in sorted(mounts_under(root), reverse=True):
+        subprocess.run(["umount", "-l", m], check=False)
+
+
 def _cmd(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:80].strip()
@@ -263,7 +284,8 @@ def latest_valid(uri: str) -> int | None:
 
     try:
         return ckpt.latest_valid_step(ckpt.open_storage(uri, retry_s=5), NUM_LAYERS)
-    except Exception:  # noqa: BLE001 - an unreadable store reads as "nothing valid" to the bench
+    except Exception as e:  # noqa: BLE001 - an unreadable store reads as "nothing valid" to the bench
+        print(f"(bench: cannot read checkpoints at {uri}: {type(e).__name__}: {e})"[:300], file=sys.stderr)
         return None
 
 
@@ -277,7 +299,7 @@ def observe(job: Job, bound_s: float, *, total: int | None, ck: str | None,
     left = job.leftovers(own_mounts)
     fault_at = job.fault_at if job.fault_at is not None else job.t0
     seconds = end - fault_at
-    lost: int | None = steps_lost_by_repeats(steps)
+    lost = steps_lost_by_repeats(steps)
     if rc == 0 and job.fault_at is not None:
         seconds = _heal_seconds(job.arrivals, fault_at, job.step_at_fault, lost > 0)
     elif rc not in (0, None) and ck is not None and steps:
@@ -298,7 +320,7 @@ def classify(expect: str, obs: Observed, *, interval: int = EVERY) -> tuple[str,
     if "Traceback" in obs.stderr:
         return "unclean", f"traceback: {_last_lines(obs.stderr)}"
     if obs.steps_lost is not None and obs.steps_lost > interval:
-        return "unclean", f"{obs.steps_lost} steps lost, more than the checkpoint interval {interval}"
+        return "unclean", f"{obs.steps_lost} steps lost, more than the checkpoint interval {interval}; {obs.note}"
     if obs.rc == 0:
         if obs.total_steps is not None and set(range(1, obs.total_steps + 1)) - set(obs.steps_done):
             return "unclean", f"exit 0 but steps missing: trained {sorted(set(obs.steps_done))[-5:]}"
@@ -414,6 +436,14 @@ def _ck_write_in_progress(ck: Path) -> bool:
     return False
 
 
+def _has_child(job: Job, marker: bytes) -> bool:
+    for pid in descendants(job.proc.pid):
+        with contextlib.suppress(OSError):
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+    return False
+
+
 def case_signal(sig: int, phase: str, plan: str = "2stages-tp2", *, group: bool = False) -> Callable[[Path], Observed]:
     """`sig` to the command (to its whole process group if `group`, as Ctrl-C in a terminal) at `phase`."""
     def run(folder: Path) -> Observed:
@@ -433,8 +463,10 @@ def case_signal(sig: int, phase: str, plan: str = "2stages-tp2", *, group: bool 
 
 
 def _reach_phase(job: Job, phase: str, folder: Path) -> bool:
-    if phase == "before workers start":
-        return job.wait(lambda: False, 0.4) or job.poll()
+    if phase == "CLI importing":  # before the CLI installed its signal handlers (its imports take ~0.6 s+)
+        return job.wait(lambda: False, 0.15) or job.poll()
+    if phase == "before workers start":  # handlers installed (its guardian runs), no worker yet
+        return job.wait(lambda: _has_child(job, b"sailor_cli.lifeline"), 60, every=0.01) and not job.workers()
     if phase == "workers starting":
         return job.wait(lambda: job.stdout().startswith("started"), 120, every=0.01)
     if phase == "training":
@@ -464,8 +496,9 @@ def case_disk_full(plan: str, size_mib: int) -> Callable[[Path], Observed]:
             job.fault()  # the fault is there from the start; the clock runs from the first step
             obs = observe(job, _bound(), total=STEPS, ck=ck, own_mounts=(mnt,))
             partial = [f.name for f in mnt.rglob("*") if ".tmp-" in f.name]
-            obs.note = f"newest valid checkpoint {latest_valid(str(ck))}" + (f"; partial files {partial}"
-                                                                             if partial else "")
+            dirs = {d.name: len(list(d.iterdir())) for d in sorted((mnt / "run").glob("*")) if d.is_dir()}
+            obs.note = f"newest valid checkpoint {latest_valid(str(ck))}, files per step {dirs}"
+            obs.note += f"; partial files {partial}" if partial else ""
             if partial:
                 obs.leftovers.append(f"half-written files {partial[:3]}")
         finally:
@@ -475,7 +508,8 @@ def case_disk_full(plan: str, size_mib: int) -> Callable[[Path], Observed]:
 
 
 # the object store failing (a fault proxy in front of a local S3 server) ------------------------------
-def case_store_outage(kind: str, outage_s: float, *, expect_failure: bool) -> Callable[[Path], Observed]:
+def case_store_outage(kind: str, outage_s: float, *, expect_failure: bool,
+                      timeout_s: float = 30.0) -> Callable[[Path], Observed]:
     """Checkpoints to S3 through a proxy that answers `kind` for `outage_s` from the step after a checkpoint."""
     def run(folder: Path) -> Observed:
         from urllib.parse import quote
@@ -486,12 +520,12 @@ def case_store_outage(kind: str, outage_s: float, *, expect_failure: bool) -> Ca
         with LocalS3Server() as s3, FaultProxy("127.0.0.1", s3.port) as proxy:
             s3.create_bucket("faults")
             uri = s3.uri("faults", "run").replace(quote(s3.endpoint, safe=""), quote(proxy.endpoint, safe=""))
-            job, ck = train_job(folder, "2stages-tp2", STEPS, ck=uri, every=2)
+            job, ck = train_job(folder, "2stages-tp2", STEPS, ck=uri, every=2, timeout_s=timeout_s)
             if job.wait_steps(5):
                 job.fault()
                 proxy.fault(kind, outage_s)
             waits = min(outage_s, 150.0) + (140.0 if expect_failure else 0.0)  # the store's 120 s of retries
-            obs = observe(job, _bound(waits_s=waits), total=STEPS, ck=None)
+            obs = observe(job, _bound(timeout_s, waits_s=waits), total=STEPS, ck=None)
             proxy.heal()
             valid = latest_valid(uri)
             if obs.rc not in (0, None) and obs.steps_done:
@@ -504,7 +538,7 @@ def case_store_outage(kind: str, outage_s: float, *, expect_failure: bool) -> Ca
 
 
 # the flow (`sailor demo`, the local provider; the testbed's isolated VMs as root) ----------------------
-FLOW_STEPS = 40
+FLOW_STEPS = 160  # long enough that a fault at step ~5 lands well before the end (the heartbeat timeout is 20 s)
 FLOW_EVERY = 10  # the demo's checkpoint interval
 PLAIN_SCENARIO = "offerings:\n  - {market: on-demand, count: 4, usd_per_gpu_hour: 0.3}\n"
 # two VMs of one device in one zone (the local link is the only one to know), on the testbed
@@ -568,16 +602,26 @@ def wait_training(job: Job, folder: Path, n: int = 1, timeout: float = 240) -> b
     return job.wait(lambda: any(len(set(r)) >= n for r in flow_steps(folder)), timeout, every=0.5)
 
 
+def flow_fault(job: Job, folder: Path) -> None:
+    """Marks the fault of a flow case, with the last step its runs' metrics show."""
+    job.fault()
+    job.step_at_fault = max((max(r) for r in flow_steps(folder)), default=0)
+
+
 def observe_flow(job: Job, folder: Path, bound_s: float) -> Observed:
     obs = observe(job, bound_s, total=None, ck=None)
     obs.leftovers += testbed_leftovers(folder)
     runs = flow_steps(folder)
+    obs.note = f"steps per run {[(min(r), max(r), len(r)) for r in runs]}; "
+    gap = sorted(set(range(1, max((max(r) for r in runs), default=0) + 1)) - {s for r in runs for s in r})
+    if gap:
+        obs.note += f"no metrics record of steps {gap[0]}-{gap[-1]} ({len(gap)}); "
     obs.steps_done = runs[-1] if runs else []
     obs.steps_lost = steps_lost_by_repeats([s for r in runs for s in r])
     out = job.stdout()
     with contextlib.suppress(ValueError):
         doc = json.loads(out[out.index("{\n"):])
-        obs.note = f"run {doc.get('status')}, {doc.get('steps_done')} steps, events " + ",".join(
+        obs.note += f"run {doc.get('status')}, {doc.get('steps_done')} steps, events " + ",".join(
             sorted({e["kind"] for e in doc.get("events", [])}))
         if obs.rc == 0 and doc.get("steps_done") != FLOW_STEPS:
             obs.note += f" (expected {FLOW_STEPS} steps)"
@@ -606,13 +650,16 @@ def testbed_leftovers(folder: Path) -> list[str]:
 def case_agent_killed(folder: Path) -> Observed:
     """SIGKILL of one VM's agent (`sailor worker`) while the flow trains: the flow replans, completes."""
     job = demo_job(folder, PLAIN_SCENARIO, "process")
-    if wait_training(job, folder, 12):
+    if wait_training(job, folder, 5):
         recs = [json.loads(f.read_text()) for f in (folder / "wd").glob("runs/*/local/vms/*.json")]
-        agent = next((r for r in recs if r.get("pid")), None)
-        job.fault()
+        agent = next((r for r in recs if r.get("pid") and r.get("state") == "running"), None)
+        flow_fault(job, folder)
         if agent:
             os.kill(int(agent["pid"]), signal.SIGKILL)
-    return observe_flow(job, folder, 300)
+    obs = observe_flow(job, folder, 300)
+    obs.note = f"agent of {agent['name'] if agent else 'no VM (none running)'} killed at step {job.step_at_fault}; " \
+        + obs.note
+    return obs
 
 
 def case_link_down(cut_s: float) -> Callable[[Path], Observed]:
@@ -620,9 +667,9 @@ def case_link_down(cut_s: float) -> Callable[[Path], Observed]:
     def run(folder: Path) -> Observed:
         job = demo_job(folder, TESTBED_SCENARIO, "netns")
         veth = ""
-        if wait_training(job, folder, 12, timeout=400):
+        if wait_training(job, folder, 5, timeout=400):
             veth = _a_vm_link(folder)
-            job.fault()
+            flow_fault(job, folder)
             subprocess.run(["ip", "link", "set", veth, "down"], check=False)
             job.wait(lambda: False, cut_s, every=0.5)
             subprocess.run(["ip", "link", "set", veth, "up"], check=False)
@@ -636,7 +683,8 @@ def _a_vm_link(folder: Path) -> str:
     for rec in (folder / "testbeds").glob("*/testbed.json"):
         vms = json.loads(rec.read_text()).get("vms", {})
         items = vms.values() if isinstance(vms, dict) else vms
-        links = sorted(v["veth"] for v in items if v.get("veth"))
+        have = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        links = sorted(v["veth"] for v in items if v.get("veth") and f" {v['veth']}@" in have)
         if links:
             return links[-1]
     return ""
@@ -645,9 +693,9 @@ def _a_vm_link(folder: Path) -> str:
 def case_flow_killed_and_resumed(folder: Path) -> Observed:
     """`sailor demo` SIGKILLed while it trains; once its lease expired the flow runs again with resume."""
     first = demo_job(folder, PLAIN_SCENARIO, "process")
-    if not wait_training(first, folder, 14):
+    if not wait_training(first, folder, 5):
         return observe_flow(first, folder, 60)
-    first.fault()
+    flow_fault(first, folder)
     first.proc.kill()
     killed = observe(first, 30, total=None, ck=None)
     time.sleep(7)  # past the lease (SAILOR_LEASE_S=6): the run is crashed, not alive
@@ -689,7 +737,8 @@ def flow_driver(params_json: str) -> int:
 
 
 # -- the matrix -------------------------------------------------------------------------------------
-PHASES = ("before workers start", "workers starting", "training", "checkpoint write", "replan", "teardown")
+PHASES = ("CLI importing", "before workers start", "workers starting", "training", "checkpoint write", "replan",
+          "teardown")
 
 
 def train_cases() -> list[Case]:
@@ -775,14 +824,15 @@ def _has_s3() -> bool:
 # -- main -------------------------------------------------------------------------------------------
 def run_case(case: Case, root: Path, index: int) -> tuple[str, str, Observed | None, float]:
     folder = root / f"case{index:02d}"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     t0 = time.monotonic()
     try:
         obs = case.run(folder)
     except Exception as e:  # noqa: BLE001 - a broken case is reported, the bench goes on
         return "error", f"{type(e).__name__}: {e}"[:240], None, time.monotonic() - t0
     outcome, why = classify(case.expect, obs, interval=case.interval)
-    shutil.rmtree(folder, ignore_errors=True)
+    if not os.environ.get("BENCH_FAULTS_KEEP"):
+        shutil.rmtree(folder, ignore_errors=True)
     return outcome, why, obs, time.monotonic() - t0
 
 
@@ -795,38 +845,53 @@ def row(case: Case, outcome: str, why: str, obs: Observed | None, wall: float) -
             f"{wall:6.1f}  {why}")
 
 
+def _run_all(cases: list[Case], root: Path, counts: dict[str, int]) -> tuple[int, int]:
+    """Runs the cases one after the other, printing a row each; (cases run, most steps lost)."""
+    n, max_lost = 0, 0
+    for i, case in enumerate(cases):
+        why_not = missing(case.needs)
+        if why_not:
+            print(f"SKIP {case.name}: {why_not}", flush=True)
+            continue
+        outcome, why, obs, wall = run_case(case, root, i)
+        n += 1
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if obs is not None and obs.steps_lost is not None and case.counts_lost:
+            max_lost = max(max_lost, obs.steps_lost)
+        print(row(case, outcome, why, obs, wall), flush=True)
+    return n, max_lost
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a fast subset (~1-2 min)")
     ap.add_argument("--only", default=None, help="only cases whose fault or phase contains this")
+    ap.add_argument("--group", choices=("train", "store", "flow"), default=None, help="only this group of cases")
     ap.add_argument("--skip", default=None, help="leave out cases whose fault or phase contains this")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--flow-driver", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.flow_driver:
         return flow_driver(args.flow_driver)
-    cases = [c for c in all_cases() if (c.quick or not args.quick)
+    groups = {"train": train_cases, "store": store_cases, "flow": flow_cases}
+    pool = groups[args.group]() if args.group else all_cases()
+    cases = [c for c in pool if (c.quick or not args.quick)
              and (args.only is None or args.only in c.name) and (args.skip is None or args.skip not in c.name)]
     if args.list:
         for c in cases:
             print(f"{c.name}  (expect {c.expect}{', quick' if c.quick else ''})")
         return 0
     counts = dict.fromkeys(("healed", "failed_cleanly", "hung", "wrong_exit", "leaked"), 0)
-    n, max_lost, t_start = 0, 0, time.monotonic()
+    t_start = time.monotonic()
     print(f"{'fault':<44} {'phase':<20} {'outcome':<14} {'heal/fail s':>6} {'lost':>4} {'exit':>4} "
           f"{'left':>4} {'wall s':>6}  detail", flush=True)
-    with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
-        for i, case in enumerate(cases):
-            why_not = missing(case.needs)
-            if why_not:
-                print(f"SKIP {case.name}: {why_not}", flush=True)
-                continue
-            outcome, why, obs, wall = run_case(case, Path(tmp), i)
-            n += 1
-            counts[outcome] = counts.get(outcome, 0) + 1
-            if obs is not None and obs.steps_lost is not None and case.counts_lost:
-                max_lost = max(max_lost, obs.steps_lost)
-            print(row(case, outcome, why, obs, wall), flush=True)
+    keep = os.environ.get("BENCH_FAULTS_KEEP")  # a folder: keep every case's folder there to look at
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the bench: clean up first
+    with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
+        try:
+            n, max_lost = _run_all(cases, Path(tmp), counts)
+        finally:
+            stop_all(Path(tmp))
     others = {k: v for k, v in counts.items() if k not in ("healed", "failed_cleanly", "hung", "wrong_exit", "leaked")}
     print(f"wall time {time.monotonic() - t_start:.0f} s" + (f"; other outcomes: {others}" if others else ""))
     print(f"cases={n} healed={counts['healed']} failed_cleanly={counts['failed_cleanly']} hung={counts['hung']} "
