@@ -28,6 +28,7 @@ from sailor_cli.options import (
     StepsOrNone,
     Store,
     Workdir,
+    check_folder,
 )
 from sailor_core.errors import SailorError
 
@@ -61,6 +62,8 @@ def demo(
 
     The job is the scenario's `demo` section, else 120 steps of 8 sequences; the options override it.
     """
+    for flag, folder in (("--workdir", workdir), ("--store", store)):  # before the Prefect server and VMs start
+        check_folder(flag, folder)
     workdir = workdir.resolve()
     _prefect_env(workdir)
     from flows.params import validate_params

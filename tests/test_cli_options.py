@@ -187,3 +187,11 @@ def test_replay_checks_the_trace_path_before_reading_the_store(tmp_path, capsys,
     line = _one_line_exit_2(capsys, "replay", "--trace", str(tmp_path), "--model", "OPT-350",
                             "--global-batch-size", "1024", "--steps", "10")
     assert "is a folder" in line
+
+
+@pytest.mark.parametrize("flag", ["--workdir", "--store"])
+def test_demo_refuses_a_file_as_its_folders_before_anything_starts(tmp_path, capsys, no_start, flag) -> None:  # noqa: ANN001
+    (tmp_path / "a-file").write_text("x")
+    line = _one_line_exit_2(capsys, "demo", "--steps", "5", flag, str(tmp_path / "a-file"))
+    assert f"{flag} {tmp_path / 'a-file'} is a file, not a folder" in line
+    assert not (tmp_path / ".prefect").exists()  # the Prefect home was not even chosen
