@@ -266,7 +266,10 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
     cand, cand_est = chosen_plan(result)
     same = plan_to_dict(cand) == plan_to_dict(job.plan) and not lost
     remaining = ctx.total_steps - step
-    lost_steps = step - _checkpoint_step(step, job.checkpoint_interval)
+    # A whole plan is stopped at a step boundary with a checkpoint (and its state kept in memory): a
+    # switch redoes nothing. After a loss, the steps since the last periodic checkpoint are at risk
+    # (the survivors' memory may save them, runtime/memory_checkpoint.py, but that is not known here).
+    lost_steps = step - _checkpoint_step(step, job.checkpoint_interval) if lost else 0
     decision = decide_switch(
         objective=p.objective,
         current=None if lost else PlanCost(iteration_time_s=float(current_est["iteration_time_s"]),

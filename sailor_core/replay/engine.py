@@ -219,7 +219,7 @@ class View:
     broken: str  # why the current plan cannot go on as it is ("" if it can)
     initial: ParallelPlan | None  # the job's first plan (None before it has one)
     remaining_steps: int
-    lost_steps: int  # steps since the last periodic checkpoint (what decide_switch charges)
+    lost_steps: int  # after a loss, steps since the last periodic checkpoint (what decide_switch charges); else 0
     reconfiguration_s: float  # the reconfiguration time in force (the job's, or one measured since)
     held: ResourcePool | None = None  # when GPUs were lost: those of the current plan still there
 
@@ -521,7 +521,8 @@ def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: R
     view = View(t_s=s.t, trigger=trigger, pool=pool, job=job, planner=planner, current=s.plan,
                 current_cost=s.cost if s.plan is not None else None, lost=lost, broken=broken, initial=s.initial,
                 remaining_steps=job.total_steps - step_i,
-                lost_steps=step_i - (step_i // job.checkpoint_interval) * job.checkpoint_interval,
+                # a whole plan stops at a step boundary with a checkpoint: only a loss risks steps
+                lost_steps=step_i - (step_i // job.checkpoint_interval) * job.checkpoint_interval if lost else 0,
                 reconfiguration_s=s.reconf_now,
                 held=_held_pool(s.plan, gone, trace, i) if lost and s.plan is not None else None)
     action = policy(view)
