@@ -205,6 +205,13 @@ def _checkpoint_step(step: int, interval: int) -> int:
     return (step // interval) * interval
 
 
+def _steps_at_risk(step: int, interval: int, *, lost: bool) -> int:
+    """Steps a switch may redo. A whole plan is stopped at a step boundary with a checkpoint (its state
+    kept in memory): none. After a loss, those since the last periodic checkpoint (the survivors'
+    memory may still save them, runtime/memory_checkpoint.py, but that is not known here)."""
+    return step - _checkpoint_step(step, interval) if lost else 0
+
+
 @flow(name="replan", log_prints=True)
 def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: dict[str, Any] | None,
            progress: Progress | None) -> Job:
@@ -266,10 +273,7 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
     cand, cand_est = chosen_plan(result)
     same = plan_to_dict(cand) == plan_to_dict(job.plan) and not lost
     remaining = ctx.total_steps - step
-    # A whole plan is stopped at a step boundary with a checkpoint (and its state kept in memory): a
-    # switch redoes nothing. After a loss, the steps since the last periodic checkpoint are at risk
-    # (the survivors' memory may save them, runtime/memory_checkpoint.py, but that is not known here).
-    lost_steps = step - _checkpoint_step(step, job.checkpoint_interval) if lost else 0
+    lost_steps = _steps_at_risk(step, job.checkpoint_interval, lost=bool(lost))
     decision = decide_switch(
         objective=p.objective,
         current=None if lost else PlanCost(iteration_time_s=float(current_est["iteration_time_s"]),
