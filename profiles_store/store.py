@@ -95,6 +95,16 @@ def _next_ts() -> int:
         return _last_ts
 
 
+def _arrow_owned(data: bytes) -> pa.Buffer:
+    """`data` copied into memory Arrow owns. A reader over Python `bytes` holds them through a PyBuffer
+    that pyarrow's scanner threads may release after `read_table` returned; releasing it takes the GIL,
+    and a thread that does so while the interpreter shuts down aborts the process ("terminate called
+    without an active exception", exit 134, seen after a command printed its one-line error)."""
+    owned = pa.allocate_buffer(len(data))
+    memoryview(owned).cast("B")[:] = data
+    return owned
+
+
 @dataclass(frozen=True, kw_only=True)
 class HistoryRecord:
     """One row of run history (runs, events, decisions, plans, measurements)."""
@@ -279,7 +289,7 @@ class ProfileStore:
 
     def _read_file(self, spec: TableSpec, f: _File) -> pa.Table:
         shown = f.loc.display(f.path)
-        data = f.loc.get(f.path)
+        data = _arrow_owned(f.loc.get(f.path))
         try:
             t = pq.read_table(pa.BufferReader(data))
         except (pa.ArrowException, OSError) as e:
