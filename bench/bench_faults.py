@@ -114,6 +114,7 @@ class Job:
         self.seen: dict[int, int] = {}  # every descendant seen while it ran: {pid: start time}
         self.arrivals: list[tuple[float, int]] = []  # (when seen, step) of each metrics line, in order
         self.fault_at: float | None = None
+        self.ended_at: float | None = None
         self.step_at_fault = 0
         self._read = 0
 
@@ -190,6 +191,7 @@ class Job:
         self.wait(lambda: False, max(0.0, since + bound_s - time.monotonic()), every=0.2)
         if self.proc.poll() is not None:
             self.poll()
+            self.ended_at = time.monotonic()
             return True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -320,7 +322,9 @@ def classify(expect: str, obs: Observed, *, interval: int = EVERY) -> tuple[str,
     if "Traceback" in obs.stderr:
         return "unclean", f"traceback: {_last_lines(obs.stderr)}"
     if obs.steps_lost is not None and obs.steps_lost > interval:
-        return "unclean", f"{obs.steps_lost} steps lost, more than the checkpoint interval {interval}; {obs.note}"
+        err = next((ln for ln in obs.stderr.splitlines() if ln.startswith("error: ")), "")[:300]
+        lost = f"{obs.steps_lost} steps lost, more than the checkpoint interval {interval}"
+        return "unclean", f"{lost}; {obs.note}; {err}"
     if obs.rc == 0:
         if obs.total_steps is not None and set(range(1, obs.total_steps + 1)) - set(obs.steps_done):
             return "unclean", f"exit 0 but steps missing: trained {sorted(set(obs.steps_done))[-5:]}"
@@ -610,6 +614,8 @@ def flow_fault(job: Job, folder: Path) -> None:
 
 def observe_flow(job: Job, folder: Path, bound_s: float) -> Observed:
     obs = observe(job, bound_s, total=None, ck=None)
+    if job.fault_at is not None and job.ended_at is not None:
+        obs.seconds = job.ended_at - job.fault_at  # a flow's steps arrive in batches: from the fault to its end
     obs.leftovers += testbed_leftovers(folder)
     runs = flow_steps(folder)
     obs.note = f"steps per run {[(min(r), max(r), len(r)) for r in runs]}; "
@@ -670,11 +676,12 @@ def case_link_down(cut_s: float) -> Callable[[Path], Observed]:
         if wait_training(job, folder, 5, timeout=400):
             veth = _a_vm_link(folder)
             flow_fault(job, folder)
-            subprocess.run(["ip", "link", "set", veth, "down"], check=False)
+            down = subprocess.run(["ip", "link", "set", veth, "down"], capture_output=True, text=True)
             job.wait(lambda: False, cut_s, every=0.5)
-            subprocess.run(["ip", "link", "set", veth, "up"], check=False)
+            subprocess.run(["ip", "link", "set", veth, "up"], capture_output=True, check=False)
+            veth += f" (set down: {(down.stderr.strip() or 'ok')[:60]})"
         obs = observe_flow(job, folder, 300 + cut_s)
-        obs.note = f"{veth} down {cut_s:g}s; {obs.note}"
+        obs.note = f"{veth} down {cut_s:g}s at step {job.step_at_fault}; {obs.note}"
         return obs
     return run
 
@@ -684,9 +691,9 @@ def _a_vm_link(folder: Path) -> str:
         vms = json.loads(rec.read_text()).get("vms", {})
         items = vms.values() if isinstance(vms, dict) else vms
         have = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        links = sorted(v["veth"] for v in items if v.get("veth") and f" {v['veth']}@" in have)
+        links = sorted(f"{v['veth']}" for v in items if v.get("veth") and f" {v['veth']}@" in have)
         if links:
-            return links[-1]
+            return links[-1]  # the newest VM's: one of the plan's (profiling VMs come first and are gone)
     return ""
 
 
