@@ -30,6 +30,7 @@ table of exit codes is keyed by these classes (`sailor_cli.main.EXIT_CODES`). Pu
         ├── CloudUnreachable       the cloud's API did not answer
         ├── MetadataUnavailable    a VM's metadata service did not answer
         ├── ProtocolError          the run's controller refused a request or could not be reached
+        ├── StorageUnavailable     object storage kept failing past the retry deadline (never "not found")
         ├── PeerLost               a worker was lost while this rank waited on it (also a RuntimeError)
         └── TrainingFailed         the job failed while training
 """
