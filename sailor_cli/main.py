@@ -10,16 +10,33 @@ commands, so registering them all at start stays cheap.
 
 from __future__ import annotations
 
-import importlib
+import os
 import signal
 import sys
-import threading
-from typing import NoReturn
 
-import typer
 
-from sailor_core.errors import Failure, SailorError
-from tasks import interrupt
+def _stopped_before_start(signum: int, _frame: object) -> None:
+    """SIGINT/SIGTERM while the command is still importing: nothing was started, so leave at once with
+    128 + signal (a KeyboardInterrupt would print the traceback of whichever import it landed in)."""
+    name = signal.Signals(signum).name
+    os.write(2, f"interrupted by {name} before the command started; nothing was done\n".encode())
+    os._exit(128 + signum)
+
+
+# As the program (`sailor`, `python -m sailor_cli.main`), before the imports below: `_main` replaces
+# these with the command's own handlers once everything is imported.
+if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "sailor":
+    signal.signal(signal.SIGINT, _stopped_before_start)
+    signal.signal(signal.SIGTERM, _stopped_before_start)
+
+import importlib  # noqa: E402 - after the handlers above, on purpose
+import threading  # noqa: E402
+from typing import NoReturn  # noqa: E402
+
+import typer  # noqa: E402
+
+from sailor_core.errors import Failure, SailorError  # noqa: E402
+from tasks import interrupt  # noqa: E402
 
 app = typer.Typer(
     name="sailor",
@@ -156,7 +173,6 @@ def _leave(code: int) -> NoReturn:
     commands' own cleanup (`finally`) ran before this point.
     """
     import atexit
-    import os
 
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # Py_FinalizeEx's wait_for_thread_shutdown
@@ -178,7 +194,7 @@ def _main(argv: list[str] | None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
         signal.signal(signal.SIGINT, _on_sigint)
         args = sys.argv[1:] if argv is None else argv
-        if args and args[0] in _GUARDED:
+        if argv is None and args and args[0] in _GUARDED:  # the program only: a caller in Python owns its children
             from sailor_cli.lifeline import hold
 
             hold()  # what this command starts dies with it, even on SIGKILL

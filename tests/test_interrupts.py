@@ -83,3 +83,22 @@ def test_the_flows_safe_points_raise_the_stop_again():
         assert not isinstance(e.value, Exception)  # no `except Exception` may swallow it
     finally:
         interrupt.clear()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_command_is_still_importing(tmp_path, sig):
+    """Ctrl-C in the first tenths of a second (Python importing the CLI): exit 128 + signal with one line,
+    not the traceback of whichever import it landed in (once exit 1 with a KeyboardInterrupt traceback)."""
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+
+    p = subprocess.Popen([sys.executable, "-m", "sailor_cli.main", "plan", "--help"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO, env={**__import__("os").environ,
+                                                                             "TMPDIR": str(tmp_path)})
+    p.send_signal(sig)  # at once: the interpreter is starting or importing
+    out, err = p.communicate(timeout=60)
+    # the signal may land before Python installed any handler (then the process dies of it: -sig)
+    assert p.returncode in (128 + sig, -sig), (p.returncode, err[-800:])
+    assert "Traceback" not in err, err[-1500:]

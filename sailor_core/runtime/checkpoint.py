@@ -365,6 +365,16 @@ class AsyncCheckpointer:
         if blocking:
             self.wait(retention=prune)
 
+    def busy(self) -> bool:
+        """Whether the last save's files are still being written (object storage retrying, a slow disk)."""
+        return self._written is not None and not self._written.is_set()
+
+    def raise_if_failed(self) -> None:
+        """Without waiting: re-raise the error of a write or retention pass that has ended in one."""
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise SailorError(f"writing a checkpoint failed: {e}") from e
+
     def close(self) -> None:
         """Cancel a retention pass in progress (at its next read), then `wait()` for every thread."""
         self._cancel.set()
@@ -388,9 +398,7 @@ class AsyncCheckpointer:
             self._threads = []
         elif self._written is not None:
             self._written.wait()
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise SailorError(f"writing a checkpoint failed: {e}") from e
+        self.raise_if_failed()
 
     def _prune(self, newest: int) -> None:
         """Keep the newest `keep_last` steps; drop an older one only below a newer valid checkpoint.

@@ -416,8 +416,14 @@ class Trainer:
         # Every rank runs this at the same steps (the decision is part of the step's world all-reduce),
         # so the ZeRO-1 gather, a collective over the stage's replicas, is reached by all of them.
         if self._saved_step != self.step:
+            if self._checkpoint_times(wait=blocking) and not blocking:
+                # A rank's previous write is still going (object storage retrying, a slow disk): skip this
+                # periodic one rather than stall every rank's step behind it (its peers would take the
+                # wait for a lost peer); the next one, or the final or a just-in-time one, is written.
+                self.log(f"rank {self.rank}: checkpoint of step {self.step} skipped: the previous one is still "
+                         f"being written")
+                return
             self._saved_step = self.step
-            self._checkpoint_times()
             t0 = time.perf_counter()
             gathered = self._zero1_gather_state() if self.zero1 else None
             if self.me.pipeline == 0:  # replica 0 of each stage writes its layers; the others hold copies
@@ -427,18 +433,21 @@ class Trainer:
             self.checkpointer.wait(retention=prune)
             comm.wait(dist.barrier(async_op=True, device_ids=device_ids(self.device)))
 
-    def _checkpoint_times(self) -> None:
-        """The slowest rank's last checkpoint: the stall (snapshot) and the write, for the next step's record
-        (the flow chooses the checkpoint interval from them). Every rank checkpoints at the same steps, so
-        one MAX all-reduce per checkpoint carries them; the previous write is waited for first, as the
-        next save would."""
+    def _checkpoint_times(self, *, wait: bool) -> bool:
+        """Whether any rank's previous write is still going (after waiting for this rank's when `wait`),
+        and the slowest rank's last checkpoint times, the stall (snapshot) and the write, for the next
+        step's record (the flow chooses the checkpoint interval from them). Every rank checkpoints at the
+        same steps, so one MAX all-reduce per checkpoint carries them. A write that failed is raised here."""
         assert self.checkpointer is not None
-        self.checkpointer.wait(retention=False)
-        if self._stall_s is None:
-            return  # the first checkpoint of this trainer: nothing measured yet
-        t = torch.tensor([self._stall_s, self.checkpointer.last_write_s], dtype=torch.float64, device=self.device)
+        if wait:
+            self.checkpointer.wait(retention=False)
+        self.checkpointer.raise_if_failed()
+        t = torch.tensor([self._stall_s or 0.0, self.checkpointer.last_write_s, float(self.checkpointer.busy())],
+                         dtype=torch.float64, device=self.device)
         comm.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
-        self._measured = {"checkpoint_stall_s": float(t[0]), "checkpoint_write_s": float(t[1])}
+        if self._stall_s is not None and not t[2]:  # the first checkpoint of this trainer measured nothing yet
+            self._measured = {"checkpoint_stall_s": float(t[0]), "checkpoint_write_s": float(t[1])}
+        return bool(t[2])
 
     def _write_checkpoint(self, gathered: dict[int, dict[str, torch.Tensor]] | None, blocking: bool,
                           prune: bool = True) -> None:
@@ -891,6 +900,8 @@ class Trainer:
         while self.step < until:
             rec = self.train_step()
             self._emit(rec)
+            if self.checkpointer is not None:  # a background write that failed ends the job now, not at
+                self.checkpointer.raise_if_failed()  # the next checkpoint (its peers are aborted with it)
             if rec["_jit"] or rec["_stop"]:
                 self.log(f"rank {self.rank}: just-in-time checkpoint at step {self.step}")
                 self.save_checkpoint(blocking=True, prune=False)
