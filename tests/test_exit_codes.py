@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -127,13 +128,20 @@ def test_plan_user_error_and_infeasible(tmp_path):
 # -- profile --------------------------------------------------------------------------------------
 def test_profile_interrupted_by_sigint_exits_130_and_stores_nothing(tmp_path):
     store = tmp_path / "pstore"
-    p = start(tmp_path, "profile", "model", "--model", "gpt-tiny", "--mbs", "1,2,4,8", "--store", str(store))
+    # every block and large microbatches: the measurement outlasts the wait below on a quiet machine too
+    p = start(tmp_path, "profile", "model", "--model", "gpt-tiny", "--mbs", "1,2,4,8,16,32,64", "--all-blocks",
+              "--store", str(store))
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: p.stderr.read(64), "")), daemon=True)
+    reader.start()
     try:
-        # the progress bar goes to stderr once measuring started; give it a moment into the measurement
-        time.sleep(6)
-        assert p.poll() is None, finish(p)
+        # the progress bar goes to stderr once measuring started: interrupt it there
+        wait_for(lambda: "mbs=" in "".join(chunks) or p.poll() is not None, 180, "the measurement to start")
+        assert p.poll() is None, "".join(chunks)[-1500:]
         p.send_signal(signal.SIGINT)
-        rc, _, err = finish(p, 60)
+        rc = p.wait(timeout=60)
+        reader.join(timeout=30)
+        err = "".join(chunks)
     finally:
         if p.poll() is None:
             p.kill()
