@@ -416,13 +416,16 @@ class Trainer:
         # Every rank runs this at the same steps (the decision is part of the step's world all-reduce),
         # so the ZeRO-1 gather, a collective over the stage's replicas, is reached by all of them.
         if self._saved_step != self.step:
-            if self._checkpoint_times(wait=blocking) and not blocking:
-                # A rank's previous write is still going (object storage retrying, a slow disk): skip this
-                # periodic one rather than stall every rank's step behind it (its peers would take the
-                # wait for a lost peer); the next one, or the final or a just-in-time one, is written.
-                self.log(f"rank {self.rank}: checkpoint of step {self.step} skipped: the previous one is still "
-                         f"being written")
-                return
+            waited = 0
+            while self._checkpoint_times(wait=blocking):
+                # A rank's previous write is still going (object storage retrying, a slow disk). Every rank
+                # pauses here together, meeting in one small all-reduce a second, so none takes the wait
+                # for a lost peer; training past it would only add steps to lose if the write then fails.
+                if waited % 30 == 0:
+                    self.log(f"rank {self.rank}: checkpoint of step {self.step} waits for the previous write "
+                             f"({waited} s so far)")
+                waited += 1
+                time.sleep(1.0)
             self._saved_step = self.step
             t0 = time.perf_counter()
             gathered = self._zero1_gather_state() if self.zero1 else None
