@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     try:
         code = _main(None)
+    except (KeyboardInterrupt, Terminated) as e:  # landed outside the command's own try (e.g. starting the guardian)
+        code = _interrupted(e)
     except BaseException:  # a bug: its traceback, as Python would print it, and the same way out
         import traceback
 
