@@ -819,11 +819,12 @@ def missing(needs: tuple[str, ...]) -> str:
 
 
 def _has_s3() -> bool:
-    try:
-        from profiles_store.local_servers import _find_binary
+    from profiles_store.local_servers import _find_binary
+    from sailor_core.errors import SailorError
 
+    try:
         _find_binary("rclone")
-    except Exception:  # noqa: BLE001 - any failure means: not available
+    except SailorError:  # _find_binary's "not found": the S3 cases are skipped with that reason
         return False
     return True
 

@@ -92,7 +92,7 @@ def _is_checkpoint(src: str) -> bool:
         return bool(ckpt.list_steps(ckpt.open_storage(src)))
     except SailorError:
         raise
-    except Exception:  # noqa: BLE001 - not a checkpoint (e.g. a prefix without step folders): read as weights
+    except OSError:  # not a checkpoint folder (e.g. a file, or a prefix that cannot be listed): read as weights
         return False
 
 
