@@ -119,14 +119,17 @@ def test_full_disk_for_the_checkpoint_folder(tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(ck)], check=True)
     try:
         plan = str(_plan(tmp_path))
+        first = tmp_path / "first.jsonl"
         p = subprocess.run([sys.executable, "-m", "sailor_cli.main", "train", plan, "--steps", "20",
-                            "--checkpoint-dir", str(ck), "--checkpoint-every", "5"], capture_output=True, text=True,
-                           env=_env(tmp_path), timeout=300)
+                            "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--metrics-out", str(first)],
+                           capture_output=True, text=True, env=_env(tmp_path), timeout=300)
         assert p.returncode == 1, (p.returncode, p.stdout[-1000:], p.stderr[-1500:])
         line = _one_line_error(p.stderr)
         assert "No space left" in line or "ENOSPC" in line or "space" in line, line
         storage = ckpt.open_storage(str(ck))
         assert ckpt.latest_valid_step(storage, NUM_LAYERS) == 5
+        # step 10's write failed: no step after it committed, so the steps lost are one interval, not more
+        assert _steps(first)[-1] == 10, _steps(first)
         assert not [f for f in ck.rglob("*") if ".tmp-" in f.name]  # no half-written files left
         # more room: --resume continues from the last valid step; the partial one is moved aside
         subprocess.run(["mount", "-o", "remount,size=96m", str(ck)], check=True)

@@ -48,8 +48,14 @@ def test_given_interval_wins_and_auto_follows_the_rule():
                          measured={"write_s": 20.0, "stall_s": 0.5})
     long = interval_for(0, spot, 1.0, total_steps=10_000, risk=risky, notice=60.0,
                         measured={"write_s": 20.0, "stall_s": 0.5})
-    assert 20 <= short.steps < 40 < long.steps  # sqrt(2 x 0.5 x 3600 / 3.0014) - 0.5 = 34.1 s
-    assert short.steps == 34 and "measured" in short.reason
+    # A checkpoint costs its 0.5 s stall plus the 19 s its write outlasts the next 1 s step (that step
+    # commits only once the write is durable): sqrt(2 x 19.5 x 3600 / 3.0014) - 19.5 = 196.8 s.
+    assert short.steps == 197 and "measured" in short.reason
+    assert long.steps > 1000  # the notice covers a just-in-time checkpoint: only unnoticed failures count
+    # A write shorter than a step costs only its stall: sqrt(2 x 0.5 x 3600 / 3.0014) - 0.5 = 34.1 s.
+    fast = interval_for(0, spot, 1.0, total_steps=10_000, risk=risky, notice=1.0,
+                        measured={"write_s": 0.8, "stall_s": 0.5})
+    assert fast.steps == 34
     est = interval_for(0, spot, 1.0, total_steps=10_000, risk=risky, notice=None)
     assert "estimated" in est.reason
     assert est.steps >= writer_state_bytes(spot) / ASSUMED_WRITE_BYTES_PER_S  # never below one write

@@ -132,8 +132,9 @@ def checkpoint_interval(*, iteration_s: float, write_s: float, stall_s: float, n
                         spot_preemptions_per_hour: float, vms: int, total_steps: int) -> CheckpointInterval:
     """The checkpoint interval of a job (Young 1974, Daly 2006).
 
-    A checkpoint costs training `stall_s` (the snapshot the step waits for; the write goes on in the
-    background) and takes `write_s` to reach storage. Failures that lose work arrive at rate lambda:
+    A checkpoint costs training `stall_s` (the snapshot the step waits for) plus whatever of its
+    `write_s` (the background write to storage) outlasts the next step, which commits only once the
+    write is durable (so a write that fails loses at most one interval). Failures that lose work arrive at rate lambda:
     every VM's unnoticed failures, plus the plan's spot preemptions when their notice is too short
     for a just-in-time checkpoint (the step in flight, then the write: iteration_s + write_s; a
     notice at least that long costs no steps). With M = 1 / lambda, the expected waste per unit of
@@ -148,7 +149,8 @@ def checkpoint_interval(*, iteration_s: float, write_s: float, stall_s: float, n
     noticed = notice_s is not None and notice_s >= jit_s
     lam = (vms * UNNOTICED_FAILURES_PER_VM_HOUR + (0.0 if noticed else spot_preemptions_per_hour)) / SECONDS_PER_HOUR
     mtbf = 1.0 / lam
-    stall = max(stall_s, 1e-3)  # a checkpoint is never free: its snapshot copies every tensor once
+    # A checkpoint is never free: its snapshot copies every tensor once.
+    stall = max(stall_s + max(0.0, write_s - iteration_s), 1e-3)
     young = math.sqrt(2 * stall * mtbf)
     t = young - stall if stall < mtbf / 2 else young
     steps = max(1, math.ceil(write_s / iteration_s), round(t / iteration_s))

@@ -238,6 +238,7 @@ class Trainer:
         # peer raises only from a communication wait) otherwise holds exactly the state of `step`
         self.consistent = True
         self._saved_step = -1
+        self._write_unconfirmed = False  # a background write started at the last checkpoint, not yet agreed done
         self._stall_s: float | None = None  # the last checkpoint's snapshot time on this rank
         self._measured: dict[str, float] = {}  # the slowest rank's last checkpoint times, for the next record
         self._preempt_seen: float | None = None
@@ -416,25 +417,35 @@ class Trainer:
         # Every rank runs this at the same steps (the decision is part of the step's world all-reduce),
         # so the ZeRO-1 gather, a collective over the stage's replicas, is reached by all of them.
         if self._saved_step != self.step:
-            waited = 0
-            while self._checkpoint_times(wait=blocking):
-                # A rank's previous write is still going (object storage retrying, a slow disk). Every rank
-                # pauses here together, meeting in one small all-reduce a second, so none takes the wait
-                # for a lost peer; training past it would only add steps to lose if the write then fails.
-                if waited % 30 == 0:
-                    self.log(f"rank {self.rank}: checkpoint of step {self.step} waits for the previous write "
-                             f"({waited} s so far)")
-                waited += 1
-                time.sleep(1.0)
+            self._wait_for_writes(blocking)
             self._saved_step = self.step
             t0 = time.perf_counter()
             gathered = self._zero1_gather_state() if self.zero1 else None
             if self.me.pipeline == 0:  # replica 0 of each stage writes its layers; the others hold copies
                 self._write_checkpoint(gathered, blocking, prune)
             self._stall_s = time.perf_counter() - t0
+            self._write_unconfirmed = not blocking
         if blocking:
             self.checkpointer.wait(retention=prune)
             comm.wait(dist.barrier(async_op=True, device_ids=device_ids(self.device)))
+
+    def _wait_for_writes(self, blocking: bool = False) -> None:
+        """Until no rank's last checkpoint write is still going; a write that failed is raised here.
+
+        Every rank pauses together, meeting in one small all-reduce per poll (at most one a second), so
+        none takes the wait for a lost peer. Called before the step after a checkpoint commits, so a
+        write that fails for good (a full disk, a store down past its retries) ends the job with at
+        most one interval of steps lost: the write overlaps that step's forward and backward only."""
+        t0, pause, told = time.monotonic(), 0.02, -30.0
+        while self._checkpoint_times(wait=blocking):
+            waited = time.monotonic() - t0
+            if waited - told >= 30.0:
+                told = waited
+                self.log(f"rank {self.rank}: step {self.step + 1} waits for the checkpoint write of step "
+                         f"{self._saved_step} ({waited:.0f} s so far)")
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+        self._write_unconfirmed = False
 
     def _checkpoint_times(self, *, wait: bool) -> bool:
         """Whether any rank's previous write is still going (after waiting for this rank's when `wait`),
@@ -860,6 +871,8 @@ class Trainer:
                 self.opt_steps, base_lr=self.settings.lr, schedule=self.settings.lr_schedule,
                 warmup_steps=self.settings.warmup_steps, total_steps=self.settings.steps,
                 min_lr_ratio=self.settings.min_lr_ratio)
+        if self._write_unconfirmed:  # the last checkpoint is durable before this step commits (see
+            self._wait_for_writes()   # _wait_for_writes): a failed write loses at most one interval
         self.consistent = False  # parameters and optimizer state move to the next step
         self.opt.step()
         if self.zero1:
