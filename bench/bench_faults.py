@@ -853,20 +853,30 @@ def row(case: Case, outcome: str, why: str, obs: Observed | None, wall: float) -
             f"{wall:6.1f}  {why}")
 
 
+TABLE = REPO / "out" / "bench_faults.txt"  # the last run's table, kept for reports (out/ is not tracked)
+
+
+def say(line: str) -> None:
+    """Print a line of the table and append it to `TABLE`."""
+    print(line, flush=True)
+    with open(TABLE, "a") as f:
+        f.write(line + "\n")
+
+
 def _run_all(cases: list[Case], root: Path, counts: dict[str, int]) -> tuple[int, int]:
     """Runs the cases one after the other, printing a row each; (cases run, most steps lost)."""
     n, max_lost = 0, 0
     for i, case in enumerate(cases):
         why_not = missing(case.needs)
         if why_not:
-            print(f"SKIP {case.name}: {why_not}", flush=True)
+            say(f"SKIP {case.name}: {why_not}")
             continue
         outcome, why, obs, wall = run_case(case, root, i)
         n += 1
         counts[outcome] = counts.get(outcome, 0) + 1
         if obs is not None and obs.steps_lost is not None and case.counts_lost:
             max_lost = max(max_lost, obs.steps_lost)
-        print(row(case, outcome, why, obs, wall), flush=True)
+        say(row(case, outcome, why, obs, wall))
     return n, max_lost
 
 
@@ -891,8 +901,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     counts = dict.fromkeys(("healed", "failed_cleanly", "hung", "wrong_exit", "leaked"), 0)
     t_start = time.monotonic()
-    print(f"{'fault':<44} {'phase':<20} {'outcome':<14} {'heal/fail s':>6} {'lost':>4} {'exit':>4} "
-          f"{'left':>4} {'wall s':>6}  detail", flush=True)
+    TABLE.parent.mkdir(exist_ok=True)
+    TABLE.write_text(f"# python bench/bench_faults.py {' '.join(argv if argv is not None else sys.argv[1:])}; "
+                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average "
+                     f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    say(f"{'fault':<44} {'phase':<20} {'outcome':<14} {'heal/fail s':>6} {'lost':>4} {'exit':>4} "
+        f"{'left':>4} {'wall s':>6}  detail")
     keep = os.environ.get("BENCH_FAULTS_KEEP")  # a folder: keep every case's folder there to look at
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the bench: clean up first
     with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
@@ -901,8 +915,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_all(Path(tmp))
     others = {k: v for k, v in counts.items() if k not in ("healed", "failed_cleanly", "hung", "wrong_exit", "leaked")}
-    print(f"wall time {time.monotonic() - t_start:.0f} s" + (f"; other outcomes: {others}" if others else ""))
-    print(f"cases={n} healed={counts['healed']} failed_cleanly={counts['failed_cleanly']} hung={counts['hung']} "
+    say(f"wall time {time.monotonic() - t_start:.0f} s" + (f"; other outcomes: {others}" if others else ""))
+    say(f"cases={n} healed={counts['healed']} failed_cleanly={counts['failed_cleanly']} hung={counts['hung']} "
           f"wrong_exit={counts['wrong_exit']} leaked={counts['leaked']} max_steps_lost={max_lost}")
     return 0
 
