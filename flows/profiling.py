@@ -36,7 +36,7 @@ def load_book(store: Any, model: str, gpu_types: Sequence[str]) -> ProfileBook:
 def _exc(state: Any) -> BaseException | None:
     try:
         state.result()
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - returned, not swallowed: the caller reports each failed profile
         return e
     return None
 

@@ -14,7 +14,6 @@ at `store_uri`). Tests pass their own `Deps` (e.g. a provider whose agent cannot
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import pydantic
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
@@ -135,7 +135,7 @@ def _cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     run_id = run_id_for(str(name), str(flow_run.id))
     try:
         p = SailorParams.model_validate({k: v for k, v in params.items() if k in SailorParams.model_fields})
-    except Exception:
+    except pydantic.ValidationError:
         return  # invalid parameters: nothing was provisioned
     run_dir = Path(p.workdir).resolve() / "runs" / run_id
     if p.provider == "local" and not (run_dir / "local").exists():
@@ -590,12 +590,17 @@ def _finish(run: _Run, status: str, reason: str) -> None:
         reason = (reason + f"; teardown failed: {e}")[:800]
         status = "failed"
     ctx.ledger_close_all()
+    # Teardown goes on past each of these, logging it: the run's outcome must still be written.
     if getattr(deps.provider, "cluster_info", None) is not None and run.job is not None:
-        with contextlib.suppress(Exception):  # the VMs the run had, as they ended
+        try:  # the VMs the run had, as they ended
             _record_cluster(run, "the run's VMs at teardown", at_teardown=True)
+        except Exception as e:  # noqa: BLE001 - a record for people; the outcome below is what counts
+            get_run_logger().warning("could not record the run's VMs at teardown: %s", e)
     for close in deps.closers:
-        with contextlib.suppress(Exception):
+        try:
             close()
+        except Exception as e:  # noqa: BLE001 - a server or client the run opened; nothing else depends on it
+            get_run_logger().warning("closing %s at teardown failed: %s", getattr(close, "__qualname__", close), e)
     _write_outcome(run, status, reason, removed)
 
 

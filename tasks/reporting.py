@@ -80,7 +80,7 @@ def publish_plan(run_id: str, version: int, plan: ParallelPlan, estimate: Mappin
                          f"{estimate.get('iteration_time_s', float('nan')):.3f} s/iteration, "
                          f"{estimate.get('usd_per_hour', float('nan')):.4f} USD/hour. {reason}"),
         )
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the plan artifact: %s", e)
 
 
@@ -121,7 +121,7 @@ def publish_frontier(run_id: str, version: int, points: Sequence[Mapping[str, An
                          f"| {p['num_gpus']} | {'**chosen**: ' if p.get('chosen') else ''}{p.get('summary', '')} |")
         create_markdown_artifact(key=artifact_key("frontier", run_id), markdown="\n".join(lines),
                                  description="Pareto frontier of throughput against cost, as the simulator scores it")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the frontier artifact: %s", e)
 
 
@@ -135,7 +135,7 @@ def publish_timeline(run_id: str, events: Iterable[Mapping[str, Any]], decisions
             lines.append(f"| {t[11:23]} | {what} | {kind} | {str(reason).replace('|', '/')} |")
         create_markdown_artifact(key=artifact_key("timeline", run_id), markdown="\n".join(lines),
                                  description="What happened in this run and what the flow decided, with reasons")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the timeline artifact: %s", e)
 
 
@@ -143,7 +143,7 @@ def publish_cost(run_id: str, cost: Mapping[str, Any]) -> None:
     try:
         rows = [{"item": k, "value": v} for k, v in cost.items()]
         create_table_artifact(key=artifact_key("cost", run_id), table=rows, description="Cost so far")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the cost artifact: %s", e)
 
 
@@ -213,7 +213,7 @@ def publish_curves(run_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
         lines += ["", f"Reconfigurations (dashed lines): {marks or 'none'}."]
         create_markdown_artifact(key=artifact_key("curves", run_id), markdown="\n".join(lines),
                                  description="Loss and tokens/s per step, each reconfiguration marked")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the training curves: %s", e)
 
 
@@ -226,7 +226,7 @@ class ProgressBar:
             made = create_progress_artifact(progress=0.0, key=artifact_key("progress", run_id),
                                             description=f"training steps done of {total_steps}")
             self.id = made if isinstance(made, UUID) else None  # the sync client returns the id
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
             _logger().warning("could not create the progress artifact: %s", e)
 
     def update(self, step: int) -> None:
@@ -236,5 +236,5 @@ class ProgressBar:
         self.last = pct
         try:
             update_progress_artifact(self.id, pct)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
             _logger().warning("could not update progress: %s", e)

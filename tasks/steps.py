@@ -57,7 +57,7 @@ def _no_retry_on_capacity(task, task_run, state) -> bool:
         state.result()
     except CapacityError:
         return False
-    except Exception:
+    except Exception:  # noqa: BLE001 - a retry condition only classifies: Prefect raises the error after the last try
         return True
     return True
 
@@ -206,7 +206,7 @@ def _retry_on_outside_errors(task, task_run, state) -> bool:
         state.result()
     except (ProviderError, OSError):
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - a retry condition only classifies: Prefect raises the error after the last try
         return False
     return False
 

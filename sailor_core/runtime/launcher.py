@@ -252,7 +252,7 @@ def _release(store: Any, gen: int, workers: dict[int, _Worker], members: list[in
     for wid in workers:
         if wid not in members:
             continue
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a store gone with rank 0: its workers end on losing it instead
             store.set(protocol.assign_key(gen, str(wid)), protocol.Assignment(rank=protocol.EXIT).to_json())
 
 

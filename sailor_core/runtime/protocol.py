@@ -268,7 +268,7 @@ class ControlServer:
             return self._board.received.get(key)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: a server already closed has nothing to release
             self._http.shutdown()
             self._http.server_close()
 

@@ -116,7 +116,7 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
     finally:
         if trainer is not None:
             trainer.close()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # no default group (never joined, or already left): nothing to do
             dist.destroy_process_group()
         _log(f"plan version {settings.plan_version}: rank {rank} left its process group")
 
