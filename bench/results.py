@@ -189,7 +189,7 @@ def render(outcomes: Sequence[Outcome], host: dict[str, str], started: str, load
     and the benches left out of a run of named ones (`not_asked`)."""
     lines = ["# Benchmark results", "",
              f"Written by bench/results.py (`make bench`) on {started}. The figures are this machine's, at its",
-             "load at the time: rerun on a quiet machine before comparing them with docs/simulator.md.", "",
+             "load at the time: rerun on a quiet machine before comparing them with another run's.", "",
              "## Machine", ""]
     lines += [f"- {k}: {v}" for k, v in host.items()]
     lines += [f"- load average (1, 5, 15 min) before: {load_before}; after: {load_after}", "", "## Benches", ""]

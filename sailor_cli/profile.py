@@ -159,7 +159,8 @@ def _print_model(profile, rows: int, uri: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{profile.model} on {profile.gpu_type}: measured layers (10th percentile)")
+    stat = profile.points[0].statistic if profile.points else "mean"
+    t = Table(title=f"{profile.model} on {profile.gpu_type}: measured layers ({stat} of the repetitions)")
     for c in ("mbs", "tp", "layer", "forward ms", "backward ms", "reps", "kept for backward", "spec", "diff"):
         t.add_column(c, justify="right")
     for p in profile.points:

@@ -21,8 +21,8 @@ MEASURED_RUN_COUNT = 15  # the published clariden/OPT-350 set: N = 1..32 nodes o
 # Accuracy gates on the 15 measured runs (|simulated / measured - 1|), the simulator issue's targets,
 # set below the published reference simulator's own error on this set as measured by this project
 # (../shared/reference_data/README.md, section on the validation runs: time mean 8.9 %, max 16.1 %;
-# memory mean 5.9 %, max 8.8 %). Ours, measured (docs/simulator.md, "Validation"): time mean 5.6 %,
-# memory mean 1.5 %, max 11.9 % (N4_D4's time), so the margins are 0.4, 3.5 and 0.1 points.
+# memory mean 5.9 %, max 8.8 %). Ours, measured (`python bench/validate_simulator.py`, docs/results.md):
+# time mean 5.6 %, memory mean 1.5 %, max 11.9 % (N4_D4's time), so the margins are 0.4, 3.5 and 0.1 points.
 TIME_MEAN_ABS_ERR_GATE = 0.06
 MEMORY_MEAN_ABS_ERR_GATE = 0.05
 MAX_ABS_ERR_GATE = 0.12  # over every run, time and memory

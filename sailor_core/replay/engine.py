@@ -57,7 +57,7 @@ PlaceKey = tuple[str, str, Market]
 # shape per stage, 4 plans re-scored, uniform/balanced partitions beyond 8) so a 2,048-GPU pool
 # plans in a fraction of a second; `sailor replay --search full` is the flow's own search. It keeps
 # the flow's second pipeline groups (mixed_pipelines): without them the plans after a loss were
-# 36-43% slower on the bench's pools (docs/replay.md), and Sailor's policy decided on plans the
+# 36-43% slower on bench/bench_replay.py's pools, and Sailor's policy decided on plans the
 # flow would never choose. One shape per stage (max_shapes=1) chose the same plans there at about
 # half the search time.
 FAST_SEARCH: dict[str, Any] = dict(patience=1, mixed_pipelines=4, max_shapes=1, rescore_top=4,
