@@ -14,7 +14,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 120
 export PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW = ignore
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-under-load lint bench clean
 
 -include mk/deploy.mk
 
@@ -32,6 +32,17 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
+# The suite beside load: HOGS CPU-burning processes for the whole time, RUNS full `make test` runs in a row;
+# each run's wall time and the load average are printed. The hogs end with the target, however it ends.
+HOGS ?= 2
+RUNS ?= 3
+test-under-load: $(STAMP)
+	@pids=; for i in $$(seq $(HOGS)); do $(BIN)/python -c 'while True: pass' & pids="$$pids $$!"; done; \
+	trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
+	for r in $$(seq $(RUNS)); do t0=$$(date +%s); $(MAKE) --no-print-directory test || exit 1; \
+	  echo "make test run $$r of $(RUNS) passed in $$(( $$(date +%s) - t0 )) s beside $(HOGS) CPU hogs" \
+	       "(load average $$(cut -d' ' -f1-3 /proc/loadavg))"; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
