@@ -41,6 +41,12 @@ ALLREDUCE_BUCKET_BYTES = 25 * 1024 * 1024
 # a stage's gradients after its last backward in buckets of `reduce_bucket_size` = 5e8 (its default,
 # the artifact's simulator times buckets of 5e8 B). Source: DeepSpeed's configuration defaults.
 DEEPSPEED_BUCKET_BYTES = 500_000_000
+# What the flat copy of one such bucket holds in memory: DeepSpeed's `allreduce_gradients` passes
+# MEMORY_OPT_ALLREDUCE_SIZE = 5e8 to `buffered_allreduce_fallback` as *elements* per bucket (gradients
+# are gathered until their element count passes it, then flattened into one new tensor and
+# all-reduced), so a bucket of fp32 gradients holds up to 2 GB, not 0.5 GB. Source: DeepSpeed's
+# runtime/engine.py (allreduce_no_retain's numel_per_bucket).
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 RUNTIMES = ("sailor", "deepspeed")
 
 # --- backward-pass workspace -------------------------------------------------------------------

@@ -325,8 +325,8 @@ class SimModel:
         msg = C.P2P_BYTES_PER_ELEMENT.get(precision, C.FP32_BYTES)
         p2p = 0
         # this project's runtime keeps every bucket's flat copy until the step's synchronisation ends (all
-        # the gradients); DeepSpeed reuses one bucket of at most reduce_bucket_size
-        bucket = (params * g if runtime == "sailor" else min(params * g, C.DEEPSPEED_BUCKET_BYTES)) if dp > 1 else 0
+        # the gradients); DeepSpeed reuses one bucket of at most 5e8 gradient elements
+        bucket = (params * g if runtime == "sailor" else min(params, C.DEEPSPEED_BUCKET_ELEMENTS) * g) if dp > 1 else 0
         if receives_activations:  # inputs received from the previous stage, one per microbatch in flight
             p2p += s.in_elems[first] * mbs * msg * in_flight
         if receives_gradients:  # the gradient of the stage output, one microbatch at a time
