@@ -218,26 +218,29 @@ def test_checkpoint_interval_is_youngs_with_daly_correction_by_hand():
     from sailor_core.planner.risk import UNNOTICED_FAILURES_PER_VM_HOUR, checkpoint_interval
 
     # 2 spot preemptions per hour, a 5 s notice that a 1 s step + 8 s write does not fit in:
-    # lambda = (2 + 4 x 1/720) / 3600 per s, M = 1 / lambda = 1795.0 s; sqrt(2 x 0.5 x 1795.0) - 0.5 = 41.87 s
+    # lambda = (2 + 4 x 1/720) / 3600 per s, M = 1 / lambda = 1795.0 s. A checkpoint costs its 0.5 s stall
+    # plus the 7 s its write outlasts the next step (which commits only once the write is durable):
+    # S = 7.5 s, sqrt(2 x 7.5 x 1795.0) - 7.5 = 156.59 s
     c = checkpoint_interval(iteration_s=1.0, write_s=8.0, stall_s=0.5, notice_s=5.0, spot_preemptions_per_hour=2.0,
                             vms=4, total_steps=10_000)
     m = 3600 / (2 + 4 * UNNOTICED_FAILURES_PER_VM_HOUR)
     assert abs(m - 1795.01) < 0.01
-    assert c.steps == 42 and "Young/Daly" in c.reason and "shorter than a step and a write" in c.reason
+    assert c.steps == 157 and "Young/Daly" in c.reason and "shorter than a step and a write" in c.reason
     # the same job with a notice long enough for the step and the write: only unnoticed failures count
-    # (M = 180 h), so T = sqrt(2 x 0.5 x 648000) - 0.5 = 804.48 s
+    # (M = 180 h), so T = sqrt(2 x 7.5 x 648000) - 7.5 = 3110.19 s
     c = checkpoint_interval(iteration_s=1.0, write_s=8.0, stall_s=0.5, notice_s=120.0, spot_preemptions_per_hour=2.0,
                             vms=4, total_steps=10_000)
-    assert c.steps == 804 and "answered by their notice" in c.reason
+    assert c.steps == 3110 and "answered by their notice" in c.reason
 
 
 def test_checkpoint_interval_bounds():
     from sailor_core.errors import ValidationError
     from sailor_core.planner.risk import checkpoint_interval
 
-    # never below one write (here 30 s of 1 s steps), never above the job, never below one step
+    # never below one write (here 30 s of 1 s steps: at 1000 preemptions an hour, M = 3.6 s and Young's
+    # sqrt(2 x 29.01 x 3.6) = 14.5 s is shorter), never above the job, never below one step
     assert checkpoint_interval(iteration_s=1.0, write_s=30.0, stall_s=0.01, notice_s=None,
-                               spot_preemptions_per_hour=100.0, vms=1, total_steps=1000).steps == 30
+                               spot_preemptions_per_hour=1000.0, vms=1, total_steps=1000).steps == 30
     assert checkpoint_interval(iteration_s=1.0, write_s=1.0, stall_s=1.0, notice_s=None,
                                spot_preemptions_per_hour=0.0, vms=1, total_steps=50).steps == 50
     assert checkpoint_interval(iteration_s=100.0, write_s=1.0, stall_s=1.0, notice_s=None,
