@@ -30,7 +30,8 @@ from itertools import combinations
 
 from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
 from sailor_core.planner.costs import Layout, Slot
-from sailor_core.planner.mixed import _leftover, _linear_time
+from sailor_core.planner.mixed import _linear_time
+from sailor_core.planner.placement import leftover, place
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.search import Candidate, Problem, Search, Sketch
 
@@ -51,7 +52,7 @@ class PipeType:
 
 def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequence[int], keep: int
            ) -> list[PipeType]:
-    pb = search.pb
+    pb = search.problem
     out: dict[tuple[int, tuple[tuple[int, int], ...]], PipeType] = {}
     pools: list[tuple[Slot, ...]] = [pb.slots]
     def only(keep: set[int]) -> tuple[Slot, ...]:
@@ -76,7 +77,7 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
                 use = [0] * len(pb.slots)
                 for si, tp in sk.kinds:
                     use[si] += tp
-                fill, cycle = _linear_time(sub, sk, cand.estimate.layouts)
+                fill, cycle = _linear_time(sub.costs, sub.problem.slots, sk, cand.estimate.layouts)
                 if cycle > 0 and math.isfinite(cycle):
                     out[key] = PipeType(sketch=replace(sk, dp=1, zone_rot=()), use=tuple(use), fill_s=fill,
                                         cycle_s=cycle)
@@ -100,7 +101,7 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
 
 
 def _variants(search: Search, sk: Sketch) -> list[PipeType]:
-    pb = search.pb
+    pb = search.problem
     c = search.costs
     p = sk.num_stages
     out = []
@@ -121,10 +122,10 @@ def _variants(search: Search, sk: Sketch) -> list[PipeType]:
                 if any(u > s_.capacity for u, s_ in zip(use, pb.slots, strict=True)):
                     continue
                 v = replace(sk, kinds=kinds, dp=1)
-                lay = search.layouts(v)
+                lay = place(pb.slots, v)
                 if lay is None:
                     continue
-                fill, cycle = _linear_time(search, v, lay)
+                fill, cycle = _linear_time(c, pb.slots, v, lay)
                 if cycle > 0 and math.isfinite(cycle):
                     out.append(PipeType(sketch=v, use=tuple(use), fill_s=fill, cycle_s=cycle))
                 break  # the smallest TP that fits
@@ -224,7 +225,7 @@ def split_batch_by_finish(gbs: int, types: Sequence[PipeType], counts: Sequence[
 def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
                 schedule: str, max_groups: int = 4, own_microbatch: bool = True, types_kept: int = 8,
                 per_base: int = 4, splits: int = 3) -> list[ParallelPlan]:
-    pb = search.pb
+    pb = search.problem
     caps = [s.capacity for s in pb.slots]
     out: list[ParallelPlan] = []
     done: set[tuple[tuple[int, int], ...]] = set()
@@ -245,14 +246,14 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                     scored.append((_balanced_time(global_batch_size, chosen, counts), combo, counts))
         scored.sort(key=lambda s: (s[0], s[1], s[2]))
         for _, combo, counts in scored[:per_base]:
-            pl = _materialize([types[i] for i in combo], counts, pb, search, model=model,
+            pl = _materialize([types[i] for i in combo], counts, pb, model=model,
                               global_batch_size=global_batch_size, precision=precision, schedule=schedule)
             if pl is not None:
                 out.append(pl)
     return out
 
 
-def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, search: Search, *, model: str,
+def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, *, model: str,
                  global_batch_size: int, precision: str, schedule: str) -> ParallelPlan | None:
     micro = split_batch_by_finish(global_batch_size, types, counts)
     if micro is None:
@@ -260,13 +261,12 @@ def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, 
     slots = pb.slots
     placed: list[tuple[Sketch, tuple[Layout, ...]]] = []
     for t, x in zip(types, counts, strict=True):
-        sub = Search(replace(pb, slots=slots), search.costs)
         sk = replace(t.sketch, dp=x)
-        lay = sub.layouts(sk)
+        lay = place(slots, sk)
         if lay is None:
             return None
         placed.append((sk, lay))
-        slots = _leftover(slots, sk, lay)
+        slots = leftover(slots, sk, lay)
     stages = []
     free: dict[tuple[str, Market], int] = {}
     for s, (first, last) in enumerate(types[0].sketch.bounds):

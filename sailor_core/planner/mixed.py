@@ -15,23 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
-from sailor_core.planner.costs import Layout, Slot
+from sailor_core.planner.costs import Costs, Layout, Slot
+from sailor_core.planner.placement import leftover
 from sailor_core.planner.search import Candidate, Problem, Search, Sketch
 from sailor_core.simulator import pipeline_time_s
 
 
-def _leftover(slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tuple[Slot, ...]:
-    used: dict[tuple[int, str], int] = {}
-    for (si, tp), lay in zip(sk.kinds, layouts, strict=True):
-        for zone, n in lay:
-            used[(si, zone)] = used.get((si, zone), 0) + n * tp
-    return tuple(s.minus({z: n for (si, z), n in used.items() if si == s.index}) for s in slots)
-
-
-def _linear_time(search: Search, sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
+def _linear_time(c: Costs, slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
     """(a, b) with pipeline seconds = a + b x microbatches, from the simulator's 1F1B composition."""
-    c = search.costs
-    slots = search.pb.slots
     comp = [
         c.compute(slots[si].gpu_type, sk.mbs, tp, lo, hi)
         for (lo, hi), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)
@@ -73,18 +64,18 @@ def _split(gbs: int, mbs_a: int, d_a: int, mbs_b: int, d_b: int, ta: tuple[float
 def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
                 schedule: str, per_base: int = 3, own_microbatch: bool = True) -> list[ParallelPlan]:
     out: list[ParallelPlan] = []
-    pb = search.pb
+    pb = search.problem
     seen: set[tuple[Sketch, Sketch]] = set()
     for cand in top:
         a = cand.sketch
         lay_a = cand.estimate.layouts
-        left = _leftover(pb.slots, a, lay_a)
+        left = leftover(pb.slots, a, lay_a)
         if sum(s.capacity for s in left) == 0:
             continue
         max_gpus = None if pb.max_gpus is None else pb.max_gpus - cand.estimate.num_gpus
         if max_gpus is not None and max_gpus <= 0:
             continue
-        ta = _linear_time(search, a, lay_a)
+        ta = _linear_time(search.costs, pb.slots, a, lay_a)
         # The second group has its own microbatch size: slower or smaller GPUs may run (or only fit)
         # a smaller one, and the counts then balance the two groups' finish times.
         for mbs_b in pb.mbs_values if own_microbatch else (a.mbs,):
@@ -101,7 +92,7 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                     continue
                 seen.add((a, b))
                 lay_b = b_cand.estimate.layouts
-                tb = _linear_time(sub, b, lay_b)
+                tb = _linear_time(sub.costs, sub.problem.slots, b, lay_b)
                 split = _split(global_batch_size, a.mbs, a.dp, b.mbs, b.dp, ta, tb)
                 if split is None:
                     continue
