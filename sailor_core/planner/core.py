@@ -19,16 +19,14 @@ from sailor_core.domain import (
     Market,
     ParallelPlan,
     PoolEntry,
-    Replica,
     ResourcePool,
-    Stage,
     split_batch,
 )
 from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.groups import group_plans
 from sailor_core.planner.mixed import mixed_plans
-from sailor_core.planner.placement import place
+from sailor_core.planner.placement import place, stages_of
 from sailor_core.planner.request import (
     Constraints,
     FrontierPoint,
@@ -39,8 +37,9 @@ from sailor_core.planner.request import (
 )
 from sailor_core.planner.risk import Goodput, goodput
 from sailor_core.planner.scoring import score, secondary
-from sailor_core.planner.search import Candidate, Problem, Search, Sketch
+from sailor_core.planner.search import Search
 from sailor_core.planner.shapes import uniform_partition
+from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
 
@@ -88,18 +87,10 @@ def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot,
 
 def materialize(sk: Sketch, layouts: Sequence[Sequence[tuple[str, int]]], slots: Sequence[Slot], *, model: str,
                 global_batch_size: int, precision: str = "fp32", schedule: str = "1f1b") -> ParallelPlan:
-    stages = []
-    free: dict[tuple[str, Market], int] = {}  # GPUs left per (zone, market) of pooled slots
-    for (first, last), (si, tp), lay in zip(sk.bounds, sk.kinds, layouts, strict=True):
-        slot = slots[si]
-        reps: list[Replica] = []
-        for zone, n in lay:
-            reps.extend(slot.replicas(zone, tp, n, free))
-        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
     return ParallelPlan(
         model=model,
         global_batch_size=global_batch_size,
-        stages=tuple(stages),
+        stages=stages_of(slots, sk.bounds, ((sk, layouts),)),
         pipelines=split_batch(global_batch_size, [sk.mbs] * sk.dp),
         schedule=schedule,
         precision=precision,

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from itertools import combinations, product
 
-from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.domain import ParallelPlan, PipelineBatch
 from sailor_core.planner.core import build_slots, materialize, objective_value, sim_options
 from sailor_core.planner.costs import Slot
-from sailor_core.planner.placement import leftover, place
+from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import PlanRequest
 from sailor_core.planner.shapes import bounds_from_cuts
 from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Sketch
@@ -186,27 +186,14 @@ def _group_plan(request: PlanRequest, slots: tuple[Slot, ...], bounds: tuple[tup
                 types: list[tuple[int, tuple[tuple[int, int], ...]]], counts: list[int], split: list[int]
                 ) -> ParallelPlan | None:
     """Place each kind's pipelines on what earlier kinds left (the planner's fill); share its microbatches evenly."""
-    left = slots
-    placed = []
-    for (mbs, kinds), x in zip(types, counts, strict=True):
-        sk = Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=x)
-        lay = place(left, sk)
-        if lay is None:
-            return None
-        placed.append((sk, lay))
-        left = leftover(left, sk, lay)
-    stages = []
-    free: dict[tuple[str, Market], int] = {}
-    for s, (first, last) in enumerate(bounds):
-        reps: list[Replica] = []
-        for sk, lay in placed:
-            si, tp = sk.kinds[s]
-            for zone, k in lay[s]:
-                reps.extend(slots[si].replicas(zone, tp, k, free))
-        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+    placed = place_in_turn(slots, [Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=x)
+                                   for (mbs, kinds), x in zip(types, counts, strict=True)])
+    if placed is None:
+        return None
+    stages = stages_of(slots, bounds, placed)
     pipes: list[PipelineBatch] = []
     for (mbs, _), x, n in zip(types, counts, split, strict=True):
         base, extra = divmod(n, x)
         pipes += [PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0)) for j in range(x)]
-    return ParallelPlan(model=request.model, global_batch_size=request.global_batch_size, stages=tuple(stages),
+    return ParallelPlan(model=request.model, global_batch_size=request.global_batch_size, stages=stages,
                         pipelines=tuple(pipes), schedule=request.options.schedule, precision=request.options.precision)

@@ -28,12 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations
 
-from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
-from sailor_core.planner.costs import Layout, Slot
+from sailor_core.domain import ParallelPlan, PipelineBatch
+from sailor_core.planner.costs import Slot
 from sailor_core.planner.mixed import _linear_time
-from sailor_core.planner.placement import leftover, place
+from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import Constraints, Objective
-from sailor_core.planner.search import Candidate, Problem, Search, Sketch
+from sailor_core.planner.search import Search
+from sailor_core.planner.space import Candidate, Problem, Sketch
 
 
 @dataclass(frozen=True)
@@ -258,25 +259,11 @@ def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, 
     micro = split_batch_by_finish(global_batch_size, types, counts)
     if micro is None:
         return None
-    slots = pb.slots
-    placed: list[tuple[Sketch, tuple[Layout, ...]]] = []
-    for t, x in zip(types, counts, strict=True):
-        sk = replace(t.sketch, dp=x)
-        lay = place(slots, sk)
-        if lay is None:
-            return None
-        placed.append((sk, lay))
-        slots = leftover(slots, sk, lay)
-    stages = []
-    free: dict[tuple[str, Market], int] = {}
-    for s, (first, last) in enumerate(types[0].sketch.bounds):
-        reps: list[Replica] = []
-        for sk, lay in placed:
-            si, tp = sk.kinds[s]
-            for zone, k in lay[s]:
-                reps.extend(pb.slots[si].replicas(zone, tp, k, free))
-        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+    placed = place_in_turn(pb.slots, [replace(t.sketch, dp=x) for t, x in zip(types, counts, strict=True)])
+    if placed is None:
+        return None
+    stages = stages_of(pb.slots, types[0].sketch.bounds, placed)
     pipes = [PipelineBatch(microbatch_size=t.sketch.mbs, num_microbatches=m)
              for t, ms in zip(types, micro, strict=True) for m in ms]
-    return ParallelPlan(model=model, global_batch_size=global_batch_size, stages=tuple(stages), pipelines=tuple(pipes),
+    return ParallelPlan(model=model, global_batch_size=global_batch_size, stages=stages, pipelines=tuple(pipes),
                         schedule=schedule, precision=precision)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.domain import ParallelPlan, PipelineBatch
 from sailor_core.planner.costs import Costs, Layout, Slot
-from sailor_core.planner.placement import leftover
-from sailor_core.planner.search import Candidate, Problem, Search, Sketch
+from sailor_core.planner.placement import leftover, stages_of
+from sailor_core.planner.search import Search
+from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.simulator import pipeline_time_s
 
 
@@ -97,17 +98,9 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                 if split is None:
                     continue
                 counts_a, m_b = split
-                stages = []
-                free: dict[tuple[str, Market], int] = {}
-                for s, (first, last) in enumerate(a.bounds):
-                    reps: list[Replica] = []
-                    for sk, lay in ((a, lay_a), (b, lay_b)):
-                        si, tp = sk.kinds[s]
-                        for zone, k in lay[s]:
-                            reps.extend(pb.slots[si].replicas(zone, tp, k, free))
-                    stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+                stages = stages_of(pb.slots, a.bounds, ((a, lay_a), (b, lay_b)))
                 pipes = [PipelineBatch(microbatch_size=a.mbs, num_microbatches=m) for m in counts_a]
                 pipes += [PipelineBatch(microbatch_size=b.mbs, num_microbatches=m_b)] * b.dp
-                out.append(ParallelPlan(model=model, global_batch_size=global_batch_size, stages=tuple(stages),
+                out.append(ParallelPlan(model=model, global_batch_size=global_batch_size, stages=stages,
                                         pipelines=tuple(pipes), schedule=schedule, precision=precision))
     return out

@@ -6,9 +6,10 @@ None when they do not fit. Stage-major (`STAGE_MAJOR`): each stage fills its slo
 own, starting at the sketch's zone rotation (default: the largest zone). Pipeline-major
 (`PIPELINE_MAJOR`): zone by zone, as many whole pipelines as fit first (their sends stay inside a
 zone), the rest stage-major. `fill_variants` lists the other fills of a sketch worth estimating;
-`leftover` is what a placed sketch leaves of the slots.
-The search, the leftover and group planners, the frontier and the brute-force oracle all place
-with this one rule.
+`leftover` is what a placed sketch leaves of the slots, `place_in_turn` places several groups of
+pipelines one after the other, and `stages_of` turns placed groups into the plan's stages. The
+search, the leftover and group planners, the frontier, materialisation and the brute-force oracle
+all place with these.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
+from sailor_core.domain import Market, Replica, Stage
 from sailor_core.planner.costs import Layout, Slot
 from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Sketch
 
@@ -103,6 +105,34 @@ def leftover(slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tu
         for zone, n in lay:
             used[(si, zone)] = used.get((si, zone), 0) + n * tp
     return tuple(s.minus({z: n for (si, z), n in used.items() if si == s.index}) for s in slots)
+
+
+def place_in_turn(slots: Sequence[Slot], sketches: Sequence[Sketch]) -> list[tuple[Sketch, tuple[Layout, ...]]] | None:
+    """Each sketch's pipelines placed on what the earlier ones left; None when one does not fit."""
+    placed = []
+    for sk in sketches:
+        lay = place(slots, sk)
+        if lay is None:
+            return None
+        placed.append((sk, lay))
+        slots = leftover(slots, sk, lay)
+    return placed
+
+
+def stages_of(slots: Sequence[Slot], bounds: Sequence[tuple[int, int]],
+              placed: Sequence[tuple[Sketch, Sequence[Sequence[tuple[str, int]]]]]) -> tuple[Stage, ...]:
+    """The plan's stages: stage s holds every placed group's stage-s replicas, group by group, each TP
+    group on the cheapest market of its zone that has room (pooled slots, `Slot.replicas`)."""
+    stages = []
+    free: dict[tuple[str, Market], int] = {}  # GPUs left per (zone, market) of pooled slots
+    for s, (first, last) in enumerate(bounds):
+        reps: list[Replica] = []
+        for sk, lay in placed:
+            si, tp = sk.kinds[s]
+            for zone, k in lay[s]:
+                reps.extend(slots[si].replicas(zone, tp, k, free))
+        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+    return tuple(stages)
 
 
 def fill_variants(slots: Sequence[Slot], sk: Sketch) -> Iterator[Sketch]:

@@ -48,9 +48,6 @@ from sailor_core.planner.shapes import Bounds, StageTable, d_values, kind_change
 from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.planner.state import SearchState
 
-# The names the planner's other modules and tests import from here.
-__all__ = ["Candidate", "Problem", "Search", "Sketch"]
-
 
 class Search:
     """One search over a problem's plan space: the steps composed, the state kept in `state`."""
