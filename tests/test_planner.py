@@ -240,6 +240,19 @@ def test_constraints_are_never_broken_and_misses_are_explained(book) -> None:
     assert "iterations/s" in miss.nearest_miss and "to fix" in miss.nearest_miss
 
 
+def test_the_constraint_gap_and_the_broken_limits_agree() -> None:
+    """One table of limits: the gap is the largest relative excess, and a limit is reported broken
+    exactly where it adds to the gap (beyond rounding)."""
+    c = Constraints(max_usd_per_iteration=2.0, max_usd_per_hour=100.0, min_iterations_per_s=0.5)
+    within = dict(usd_per_iteration=1.0, usd_per_hour=100.0, iterations_per_s=0.5)
+    assert c.gap(**within) == 0.0 and c.violations(**within) == []
+    over = dict(usd_per_iteration=3.0, usd_per_hour=110.0, iterations_per_s=0.25)
+    assert c.gap(**over) == pytest.approx(1.0)  # the speed is 2x short, the budget 1.5x over
+    assert c.violations(**over) == ["costs 3.0000 USD/iteration > limit 2", "costs 110.00 USD/hour > limit 100",
+                                    "runs 0.2500 iterations/s < minimum 0.5"]
+    assert Constraints().gap(**over) == 0.0 and Constraints().violations(**over) == []
+
+
 def test_restrictions_and_unprofiled_gpus(book) -> None:
     pool = _pool(book, {"us-central1-a": {A: 8, V: 8}, "us-central1-b": {A: 8}})
     r = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=pool,
