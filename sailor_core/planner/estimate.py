@@ -7,7 +7,8 @@ time (`simulator.pipeline_time_s`) of the stages' compute and the slowest zone p
 boundary, each stage's gradient ring overlapped with its last backward (`simulator.dp_sync_end_s`),
 the tied embedding/head exchange, the slowest optimizer step, the GPUs' price (pooled markets
 cheapest first) and the egress between zones; under spot risk, the expected share of wall time
-that trains (risk.py). None when the sketch does not fit its slots' zones.
+that trains (risk.py). None when the sketch does not fit its slots' zones. `linear_time` is one
+pipeline's time as fill + cycle x microbatches, for the planners that balance groups of pipelines.
 """
 
 from __future__ import annotations
@@ -106,6 +107,24 @@ def _rings(slots: Sequence[Slot], c: Costs, sk: Sketch, layouts: Sequence[Layout
                 egress += gb * cnt * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
         end = max(end, max(ends[0], ends[-1]) + tied)
     return end, opt, egress
+
+
+def linear_time(c: Costs, slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
+    """(a, b) with one pipeline's seconds = a + b x microbatches, from the simulator's 1F1B composition
+    (each boundary timed between the stages' first zones): what the group planners balance pipelines by."""
+    comp = [
+        c.compute(slots[si].gpu_type, sk.mbs, tp, lo, hi)
+        for (lo, hi), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)
+    ]
+    p2p = []
+    for s in range(sk.num_stages - 1):
+        (sa, ta), (sb, tb) = sk.kinds[s], sk.kinds[s + 1]
+        msg = c.boundary_bytes(ta, sk.bounds[s][1], sk.mbs)
+        za, zb = layouts[s][0][0], layouts[s + 1][0][0]
+        p2p.append(c.p2p_s(slots[sa], ta, za, slots[sb], tb, zb, msg))
+    t1 = pipeline_time_s(comp, p2p, 1)[0]
+    t2 = pipeline_time_s(comp, p2p, 2)[0]
+    return t1 - (t2 - t1), t2 - t1
 
 
 def usd_per_hour(slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> float:

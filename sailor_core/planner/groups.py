@@ -30,7 +30,7 @@ from itertools import combinations
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
 from sailor_core.planner.costs import Slot
-from sailor_core.planner.mixed import _linear_time
+from sailor_core.planner.estimate import linear_time
 from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.search import Search
@@ -78,7 +78,7 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
                 use = [0] * len(pb.slots)
                 for si, tp in sk.kinds:
                     use[si] += tp
-                fill, cycle = _linear_time(sub.costs, sub.problem.slots, sk, cand.estimate.layouts)
+                fill, cycle = linear_time(sub.costs, sub.problem.slots, sk, cand.estimate.layouts)
                 if cycle > 0 and math.isfinite(cycle):
                     out[key] = PipeType(sketch=replace(sk, dp=1, zone_rot=()), use=tuple(use), fill_s=fill,
                                         cycle_s=cycle)
@@ -126,7 +126,7 @@ def _variants(search: Search, sk: Sketch) -> list[PipeType]:
                 lay = place(pb.slots, v)
                 if lay is None:
                     continue
-                fill, cycle = _linear_time(c, pb.slots, v, lay)
+                fill, cycle = linear_time(c, pb.slots, v, lay)
                 if cycle > 0 and math.isfinite(cycle):
                     out.append(PipeType(sketch=v, use=tuple(use), fill_s=fill, cycle_s=cycle))
                 break  # the smallest TP that fits

@@ -15,28 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
-from sailor_core.planner.costs import Costs, Layout, Slot
+from sailor_core.planner.estimate import linear_time
 from sailor_core.planner.placement import leftover, stages_of
 from sailor_core.planner.search import Search
 from sailor_core.planner.space import Candidate, Problem, Sketch
-from sailor_core.simulator import pipeline_time_s
-
-
-def _linear_time(c: Costs, slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
-    """(a, b) with pipeline seconds = a + b x microbatches, from the simulator's 1F1B composition."""
-    comp = [
-        c.compute(slots[si].gpu_type, sk.mbs, tp, lo, hi)
-        for (lo, hi), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)
-    ]
-    p2p = []
-    for s in range(sk.num_stages - 1):
-        (sa, ta), (sb, tb) = sk.kinds[s], sk.kinds[s + 1]
-        msg = c.boundary_bytes(ta, sk.bounds[s][1], sk.mbs)
-        za, zb = layouts[s][0][0], layouts[s + 1][0][0]
-        p2p.append(c.p2p_s(slots[sa], ta, za, slots[sb], tb, zb, msg))
-    t1 = pipeline_time_s(comp, p2p, 1)[0]
-    t2 = pipeline_time_s(comp, p2p, 2)[0]
-    return t1 - (t2 - t1), t2 - t1
 
 
 def _split(gbs: int, mbs_a: int, d_a: int, mbs_b: int, d_b: int, ta: tuple[float, float], tb: tuple[float, float]
@@ -76,7 +58,7 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
         max_gpus = None if pb.max_gpus is None else pb.max_gpus - cand.estimate.num_gpus
         if max_gpus is not None and max_gpus <= 0:
             continue
-        ta = _linear_time(search.costs, pb.slots, a, lay_a)
+        ta = linear_time(search.costs, pb.slots, a, lay_a)
         # The second group has its own microbatch size: slower or smaller GPUs may run (or only fit)
         # a smaller one, and the counts then balance the two groups' finish times.
         for mbs_b in pb.mbs_values if own_microbatch else (a.mbs,):
@@ -93,7 +75,7 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                     continue
                 seen.add((a, b))
                 lay_b = b_cand.estimate.layouts
-                tb = _linear_time(sub.costs, sub.problem.slots, b, lay_b)
+                tb = linear_time(sub.costs, sub.problem.slots, b, lay_b)
                 split = _split(global_batch_size, a.mbs, a.dp, b.mbs, b.dp, ta, tb)
                 if split is None:
                     continue
