@@ -26,7 +26,7 @@ from sailor_core.planner import (
 )
 from sailor_core.planner.core import sim_options
 from sailor_core.planner.costs import SimCosts, Slot
-from sailor_core.planner.search import balanced_partition, uniform_partition
+from sailor_core.planner.shapes import balanced_partition, uniform_partition
 from sailor_core.simulator import simulate
 from sailor_core.simulator.model import model_for
 from tests.planner_fixtures import MODEL, tiny_book
@@ -238,6 +238,19 @@ def test_constraints_are_never_broken_and_misses_are_explained(book) -> None:
                             constraints=Constraints(min_iterations_per_s=1000.0)), book)
     assert miss.plan is None and miss.estimate is None
     assert "iterations/s" in miss.nearest_miss and "to fix" in miss.nearest_miss
+
+
+def test_the_constraint_gap_and_the_broken_limits_agree() -> None:
+    """One table of limits: the gap is the largest relative excess, and a limit is reported broken
+    exactly where it adds to the gap (beyond rounding)."""
+    c = Constraints(max_usd_per_iteration=2.0, max_usd_per_hour=100.0, min_iterations_per_s=0.5)
+    within = dict(usd_per_iteration=1.0, usd_per_hour=100.0, iterations_per_s=0.5)
+    assert c.gap(**within) == 0.0 and c.violations(**within) == []
+    over = dict(usd_per_iteration=3.0, usd_per_hour=110.0, iterations_per_s=0.25)
+    assert c.gap(**over) == pytest.approx(1.0)  # the speed is 2x short, the budget 1.5x over
+    assert c.violations(**over) == ["costs 3.0000 USD/iteration > limit 2", "costs 110.00 USD/hour > limit 100",
+                                    "runs 0.2500 iterations/s < minimum 0.5"]
+    assert Constraints().gap(**over) == 0.0 and Constraints().violations(**over) == []
 
 
 def test_restrictions_and_unprofiled_gpus(book) -> None:
@@ -490,7 +503,9 @@ def test_tied_head_exchange_is_billed_once_by_the_simulator_and_the_search(tmp_p
     its egress, and the search's estimate composes the same term."""
     from sailor_core.planner import build_slots
     from sailor_core.planner.core import materialize
-    from sailor_core.planner.search import Problem, Search, Sketch
+    from sailor_core.planner.estimate import estimate
+    from sailor_core.planner.placement import place
+    from sailor_core.planner.space import Problem, Sketch
 
     neo = seed_book("GPT-Neo-2.7", tmp_path)
     tied = replace(neo, model=replace(neo.model, tied_head=True))
@@ -502,11 +517,11 @@ def test_tied_head_exchange_is_billed_once_by_the_simulator_and_the_search(tmp_p
     sk = Sketch(mbs=1, bounds=((0, n // 2 - 1), (n // 2, n - 1)), kinds=((central, 1), (west, tp_last)), dp=2)
     results = {}
     for name, bk in (("untied", neo), ("tied", tied)):
-        search = Search(Problem(num_layers=n, global_batch_size=16, tokens_per_sample=bk.model.sequence_length,
-                                slots=slots, mbs_values=(1,), tp_values=(1, 2)), costs=SimCosts(bk))
-        lay = search.layouts(sk)
+        problem = Problem(num_layers=n, global_batch_size=16, tokens_per_sample=bk.model.sequence_length,
+                          slots=slots, mbs_values=(1,), tp_values=(1, 2))
+        lay = place(slots, sk)
         assert lay is not None
-        est = search.estimate(sk, lay)
+        est = estimate(problem, SimCosts(bk), sk, lay)
         assert est is not None
         p = materialize(sk, lay, slots, model="GPT-Neo-2.7", global_batch_size=16)
         results[name] = (est, simulate(p, bk, options=sim_options(pool, "fp32", "1f1b")), p)

@@ -13,7 +13,9 @@ import pytest
 from sailor_core.domain import Market, ParallelPlan, PipelineBatch, PoolEntry, Replica, ResourcePool, Stage
 from sailor_core.planner import PlanRequest, SearchOptions, build_slots, plan
 from sailor_core.planner.core import materialize, sim_options
-from sailor_core.planner.search import Problem, Search, Sketch
+from sailor_core.planner.estimate import usd_per_hour
+from sailor_core.planner.placement import place
+from sailor_core.planner.space import Sketch
 from sailor_core.simulator import simulate
 from tests.test_planner import seed_book
 
@@ -67,12 +69,10 @@ def test_pooled_slot_prices_cheapest_market_first_and_materialises_within_each_m
     (slot,) = build_slots(pool)
     assert slot.capacity == 16 and slot.market is Market.SPOT and slot.usd_per_gpu_hour == SPOT_USD
     assert slot.usd_per_hour({ZONE: 12}) == pytest.approx(8 * SPOT_USD + 4 * ON_DEMAND_USD)
-    search = Search(Problem(num_layers=book.model.num_layers, global_batch_size=64, tokens_per_sample=1,
-                            slots=(slot,), mbs_values=(), tp_values=()), costs=None)  # type: ignore[arg-type]
     sk = Sketch(mbs=2, bounds=((0, 1), (2, book.model.num_layers - 1)), kinds=((0, 2), (0, 4)), dp=2)
-    lay = search.layouts(sk)
+    lay = place((slot,), sk)
     assert lay is not None
-    assert search.usd_per_hour(sk, lay) == pytest.approx(8 * SPOT_USD + 4 * ON_DEMAND_USD)
+    assert usd_per_hour((slot,), sk, lay) == pytest.approx(8 * SPOT_USD + 4 * ON_DEMAND_USD)
     pl = materialize(sk, lay, (slot,), model="OPT-350", global_batch_size=64)
     assert pl.gpus_by_place() == {(ZONE, GH, Market.SPOT): 8, (ZONE, GH, Market.ON_DEMAND): 4}
 

@@ -9,7 +9,7 @@ import pytest
 from sailor_core.planner import PlanRequest, SearchOptions, parse_pool, plan
 from sailor_core.planner.groups import PipeType, split_batch_by_finish
 from sailor_core.planner.mixed import _split
-from sailor_core.planner.search import Sketch
+from sailor_core.planner.space import Sketch
 
 
 @pytest.fixture(scope="module")

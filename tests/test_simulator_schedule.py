@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 
-from sailor_core.planner.search import Problem, Search, _Floor
+from sailor_core.planner.bounds import Floor, bound
+from sailor_core.planner.request import Constraints, Objective
+from sailor_core.planner.scoring import Goal
 from sailor_core.simulator import StageCompute, pipeline_time_s
 from sailor_core.simulator.schedule import lower_bound_1f1b, run_1f1b
 
@@ -31,18 +33,16 @@ def test_the_schedule_bound_is_never_above_the_exact_time() -> None:
     assert tight > 2500  # and it is a useful bound: within 10 % most of the time
 
 
-def _search() -> Search:
-    s = object.__new__(Search)  # Search.bound reads the problem's objective and limits only
-    s.pb = Problem(num_layers=8, global_batch_size=64, tokens_per_sample=1, slots=(), mbs_values=(1,),
-                   tp_values=(1,))
-    return s
+def _goal() -> Goal:
+    """Max throughput without limits: the bound is a time, comparable with the exact schedule's."""
+    return Goal(Objective.MAX_THROUGHPUT, Constraints(), tolerance=0.005, tokens_per_iteration=64)
 
 
 def test_the_sweeps_bound_is_never_above_the_exact_time_of_anything_it_prunes() -> None:
     # The sweep knows per stage the cheapest compute and messages over every option, and that the
     # bottleneck is at least tau; any pipeline of stages at least that slow runs no faster.
     rng = random.Random(9)
-    search = _search()
+    goal = _goal()
     for _ in range(3000):
         fs, bs, ta, tg, _ = _random(rng)
         p = len(fs)
@@ -55,11 +55,11 @@ def test_the_sweeps_bound_is_never_above_the_exact_time_of_anything_it_prunes() 
         for b in range(p - 1):
             reach.append(reach[-1] + best[b] + fill[b])
         opt = rng.uniform(0, 1)
-        lb = _Floor(reach=tuple(reach), best=tuple(best), act=tuple([0.0] + a_lo), grad=tuple(g_lo + [0.0]),
+        lb = Floor(reach=tuple(reach), best=tuple(best), act=tuple([0.0] + a_lo), grad=tuple(g_lo + [0.0]),
                     opt=opt, rate=1.0)
         tau = max(f + b for f, b in zip(fs, bs, strict=True)) * rng.uniform(0.5, 1.0)
         dp = rng.choice([1, 2, 4, 8])
         m = -(-64 // dp)
         comp = [StageCompute(forward_s=f, backward_s=b) for f, b in zip(fs, bs, strict=True)]
         exact = pipeline_time_s(comp, list(zip(ta, tg, strict=True)), m)[0] + opt
-        assert search.bound(tau, lb, 64, [dp]) <= exact * (1 + 1e-12)
+        assert bound(goal, tau, lb, 64, [dp]) <= exact * (1 + 1e-12)

@@ -1,9 +1,10 @@
 """`plan(request, book)`: the best plan for a pool, its estimate, the frontier and why.
 
 Contract: pure and deterministic (same request and book, same result). The search kernel
-(`search.Search`) proposes candidates estimated with the simulator's building blocks; the best
-ones are materialised (zones, replicas, microbatches) and scored with the full `simulate()`; only
-a plan that fits in memory and meets every constraint under `simulate()` is returned. When none
+(`search.Search`, a pipeline of pure steps: shapes, assign, place, estimate, score) proposes
+candidates estimated with the simulator's building blocks; the best ones are materialised (zones,
+replicas, microbatches) and scored with the full `simulate()` by the same `scoring.score`; only a
+plan that fits in memory and meets every constraint under `simulate()` is returned. When none
 does, `PlanResult.plan` is None and `nearest_miss` explains what came closest and what to change.
 """
 
@@ -18,15 +19,14 @@ from sailor_core.domain import (
     Market,
     ParallelPlan,
     PoolEntry,
-    Replica,
     ResourcePool,
-    Stage,
     split_batch,
 )
 from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.groups import group_plans
 from sailor_core.planner.mixed import mixed_plans
+from sailor_core.planner.placement import place, stages_of
 from sailor_core.planner.request import (
     Constraints,
     FrontierPoint,
@@ -36,7 +36,10 @@ from sailor_core.planner.request import (
     SearchStats,
 )
 from sailor_core.planner.risk import Goodput, goodput
-from sailor_core.planner.search import Candidate, Problem, Search, Sketch
+from sailor_core.planner.scoring import score, secondary
+from sailor_core.planner.search import Search
+from sailor_core.planner.shapes import uniform_partition
+from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
 
@@ -84,18 +87,10 @@ def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot,
 
 def materialize(sk: Sketch, layouts: Sequence[Sequence[tuple[str, int]]], slots: Sequence[Slot], *, model: str,
                 global_batch_size: int, precision: str = "fp32", schedule: str = "1f1b") -> ParallelPlan:
-    stages = []
-    free: dict[tuple[str, Market], int] = {}  # GPUs left per (zone, market) of pooled slots
-    for (first, last), (si, tp), lay in zip(sk.bounds, sk.kinds, layouts, strict=True):
-        slot = slots[si]
-        reps: list[Replica] = []
-        for zone, n in lay:
-            reps.extend(slot.replicas(zone, tp, n, free))
-        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
     return ParallelPlan(
         model=model,
         global_batch_size=global_batch_size,
-        stages=tuple(stages),
+        stages=stages_of(slots, sk.bounds, ((sk, layouts),)),
         pipelines=split_batch(global_batch_size, [sk.mbs] * sk.dp),
         schedule=schedule,
         precision=precision,
@@ -108,21 +103,16 @@ def sim_options(pool: ResourcePool, precision: str, schedule: str) -> SimOptions
 
 
 def objective_value(objective: Objective, r: SimulationResult, useful_fraction: float = 1.0) -> float:
-    """Lower is better. `useful_fraction`: the plan's expected share of time that trains (risk.py)."""
-    if objective is Objective.MAX_THROUGHPUT:
-        return r.iteration_time_s
-    if objective is Objective.MIN_COST:
-        return r.usd_per_iteration
-    if objective is Objective.MAX_GOODPUT:
-        return r.usd_per_iteration / useful_fraction if useful_fraction > 0 else float("inf")
-    return r.usd_per_million_tokens
+    """`scoring.score` of a simulated plan; lower is better. `useful_fraction`: the plan's expected share
+    of time that trains (risk.py)."""
+    return score(objective, iteration_s=r.iteration_time_s, usd_per_iteration=r.usd_per_iteration,
+                 usd_per_million_tokens=r.usd_per_million_tokens, useful_fraction=useful_fraction)
 
 
 def secondary_value(objective: Objective, r: SimulationResult) -> float:
-    """The other goal, deciding among plans within the tolerance on the objective (lower is better)."""
-    if objective is Objective.MAX_THROUGHPUT:
-        return r.usd_per_iteration
-    return r.iteration_time_s
+    """`scoring.secondary` of a simulated plan: the other goal, deciding among plans within the
+    tolerance on the objective (lower is better)."""
+    return secondary(objective, iteration_s=r.iteration_time_s, usd_per_iteration=r.usd_per_iteration)
 
 
 def choose(objective: Objective, options: Sequence[tuple[float, ParallelPlan, SimulationResult]], tolerance: float,
@@ -233,11 +223,11 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     frontier = _pareto(front_sims, best[1:] if best is not None else None)
     stats = SearchStats(
         search_time_s=time.perf_counter() - t0,
-        configurations=search.count.configurations,
-        assignments=search.count.assignments,
-        candidates=search.count.candidates,
+        configurations=search.state.counters.configurations,
+        assignments=search.state.counters.assignments,
+        candidates=search.state.counters.candidates,
         simulated=simulated,
-        pruned=search.count.pruned,
+        pruned=search.state.counters.pruned,
     )
     if costs.missing:
         misses.append(
@@ -402,7 +392,7 @@ def _verify(
 
 
 def _widen_frontier(request: PlanRequest, problem: Problem, search: Search, costs: SimCosts) -> None:
-    """Adds to `search.points` the points of the other objective's search without limits."""
+    """Adds to `search.state.points` the points of the other objective's search without limits."""
     # The main search prunes toward its objective; the other objective's search (no limits)
     # fills the far end of the frontier. Both explore the same plan space and placement.
     unconstrained = request.constraints == Constraints()
@@ -412,7 +402,7 @@ def _widen_frontier(request: PlanRequest, problem: Problem, search: Search, cost
             continue  # the main search already covers this end
         wide = Search(replace(problem, objective=other, constraints=Constraints()), costs)
         wide.run()
-        search.points.extend(wide.points)
+        search.state.points.extend(wide.state.points)
 
 
 def _no_plan(
@@ -428,13 +418,13 @@ def _no_plan(
         misses[:0] = relaxed
     elif closest is not None:
         misses.insert(0, f"closest plan: {closest[1]}")
-    elif search.nearest is not None:
-        misses.insert(0, f"closest estimate {search.nearest[1]}")
+    elif search.state.nearest is not None:
+        misses.insert(0, f"closest estimate {search.state.nearest[1]}")
     elif slots:
         misses.insert(0, _memory_miss(book, slots, request))
     # The constraint hint only where a constraint is what failed (memory and empty-pool misses
     # carry their own fix).
-    hint = _constraint_hint(request) if relaxed or closest is not None or search.nearest is not None else ""
+    hint = _constraint_hint(request) if relaxed or closest is not None or search.state.nearest is not None else ""
     return PlanResult(
         plan=None, estimate=None, frontier=frontier, stats=stats,
         explanation="no feasible plan",
@@ -491,15 +481,11 @@ def _relaxed_misses(request: PlanRequest, book: ProfileBook) -> list[str]:
 
 
 def _gap(request: PlanRequest, r: SimulationResult) -> float:
-    c = request.constraints
-    g = 0.0 if r.fits_memory else 1.0 + max(x.bytes_over for x in r.per_stage) / 2**30
-    if c.max_usd_per_iteration is not None:
-        g = max(g, r.usd_per_iteration / c.max_usd_per_iteration - 1)
-    if c.max_usd_per_hour is not None:
-        g = max(g, r.usd_per_hour / c.max_usd_per_hour - 1)
-    if c.min_iterations_per_s is not None:
-        g = max(g, c.min_iterations_per_s / r.throughput_iterations_per_s - 1)
-    return g
+    """How far a simulated plan is from returnable: past memory (1 + GiB over on its fullest GPU) or
+    past the limits (`Constraints.gap`), whichever is further."""
+    memory = 0.0 if r.fits_memory else 1.0 + max(x.bytes_over for x in r.per_stage) / 2**30
+    return max(memory, request.constraints.gap(usd_per_iteration=r.usd_per_iteration, usd_per_hour=r.usd_per_hour,
+                                               iterations_per_s=r.throughput_iterations_per_s))
 
 
 def _constraint_hint(request: PlanRequest) -> str:
@@ -514,8 +500,6 @@ def _constraint_hint(request: PlanRequest) -> str:
 
 def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest) -> str:
     """No split fits: report the GPU, TP, microbatch and stage count that come closest, and why."""
-    from sailor_core.planner.search import uniform_partition
-
     costs = SimCosts(book, precision=request.options.precision)
     L = book.model.num_layers
     best: tuple[float, str] | None = None
@@ -545,7 +529,7 @@ def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest)
 def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions
                    ) -> list[tuple[ParallelPlan, SimulationResult]]:
     """The estimated points' Pareto set (more iterations/s, fewer USD/iteration), simulated; those that fit."""
-    pts = sorted(search.points, key=lambda p: (-p[0], p[1], p[2]))
+    pts = sorted(search.state.points, key=lambda p: (-p[0], p[1], p[2]))
     front: list[tuple[float, float, Sketch]] = []
     cheapest = float("inf")
     for thr, usd, sk in pts:
@@ -558,7 +542,7 @@ def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, 
         front = [front[i] for i in idx]
     out = []
     for _, _, sk in front:
-        lay = search.layouts(sk)
+        lay = place(slots, sk)
         if lay is None:
             continue
         pl = materialize(sk, lay, slots, model=request.model, global_batch_size=request.global_batch_size,

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from itertools import combinations, product
 
-from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.domain import ParallelPlan, PipelineBatch
 from sailor_core.planner.core import build_slots, materialize, objective_value, sim_options
 from sailor_core.planner.costs import Slot
-from sailor_core.planner.mixed import _leftover
+from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import PlanRequest
-from sailor_core.planner.search import PIPELINE_MAJOR, STAGE_MAJOR, Problem, Search, Sketch, _bounds_from_cuts
+from sailor_core.planner.shapes import bounds_from_cuts
+from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Sketch
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimulationResult, simulate
 
@@ -31,9 +32,6 @@ def exhaustive_best(
     L = book.model.num_layers
     gbs = request.global_batch_size
     so = sim_options(pool, request.options.precision, request.options.schedule)
-    # A Search object only for its zone filling (the same placement rule the planner uses).
-    placer = Search(Problem(num_layers=L, global_batch_size=gbs, tokens_per_sample=book.model.sequence_length,
-                            slots=slots, mbs_values=(), tp_values=()), costs=None)  # type: ignore[arg-type]
     best: tuple[float, ParallelPlan, SimulationResult] | None = None
     simulated = 0
     caps = [s.capacity for s in slots]
@@ -50,7 +48,7 @@ def exhaustive_best(
         ]
         for p in range(1, min(max_stages, L) + 1):
             for cuts in combinations(range(1, L), p - 1):
-                bounds = _bounds_from_cuts(cuts, L)
+                bounds = bounds_from_cuts(cuts, L)
                 for kinds in product(kinds_all, repeat=p):
                     per_pipe = [0] * len(slots)
                     for si, tp in kinds:
@@ -63,7 +61,7 @@ def exhaustive_best(
                         for rot, placement in product(rotations, (STAGE_MAJOR, PIPELINE_MAJOR)):
                             sk = Sketch(mbs=mbs, bounds=bounds, kinds=tuple(kinds), dp=d, zone_rot=tuple(rot),
                                         placement=placement)
-                            lay = placer.layouts(sk)
+                            lay = place(slots, sk)  # the planner's own placement rule
                             if lay is None or lay in placed:
                                 continue
                             placed.add(lay)
@@ -115,7 +113,7 @@ def exhaustive_groups_best(
     mbs_all = sorted({m for s in slots for m, _ in book.profiled_points(s.gpu_type)})
     for p in range(1, min(max_stages, L) + 1):
         for cuts in combinations(range(1, L), p - 1):
-            bounds = _bounds_from_cuts(cuts, L)
+            bounds = bounds_from_cuts(cuts, L)
             kinds_of = {
                 mbs: [(s.index, tp) for s in slots for m, tp in book.profiled_points(s.gpu_type)
                       if m == mbs and tp <= s.gpus_per_node]
@@ -188,30 +186,14 @@ def _group_plan(request: PlanRequest, slots: tuple[Slot, ...], bounds: tuple[tup
                 types: list[tuple[int, tuple[tuple[int, int], ...]]], counts: list[int], split: list[int]
                 ) -> ParallelPlan | None:
     """Place each kind's pipelines on what earlier kinds left (the planner's fill); share its microbatches evenly."""
-    left = slots
-    placed = []
-    for (mbs, kinds), x in zip(types, counts, strict=True):
-        placer = Search(Problem(num_layers=bounds[-1][1] + 1, global_batch_size=request.global_batch_size,
-                                tokens_per_sample=1, slots=left, mbs_values=(), tp_values=()),
-                        costs=None)  # type: ignore[arg-type]
-        sk = Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=x)
-        lay = placer.layouts(sk)
-        if lay is None:
-            return None
-        placed.append((sk, lay))
-        left = _leftover(left, sk, lay)
-    stages = []
-    free: dict[tuple[str, Market], int] = {}
-    for s, (first, last) in enumerate(bounds):
-        reps: list[Replica] = []
-        for sk, lay in placed:
-            si, tp = sk.kinds[s]
-            for zone, k in lay[s]:
-                reps.extend(slots[si].replicas(zone, tp, k, free))
-        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+    placed = place_in_turn(slots, [Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=x)
+                                   for (mbs, kinds), x in zip(types, counts, strict=True)])
+    if placed is None:
+        return None
+    stages = stages_of(slots, bounds, placed)
     pipes: list[PipelineBatch] = []
     for (mbs, _), x, n in zip(types, counts, split, strict=True):
         base, extra = divmod(n, x)
         pipes += [PipelineBatch(microbatch_size=mbs, num_microbatches=base + (1 if j < extra else 0)) for j in range(x)]
-    return ParallelPlan(model=request.model, global_batch_size=request.global_batch_size, stages=tuple(stages),
+    return ParallelPlan(model=request.model, global_batch_size=request.global_batch_size, stages=stages,
                         pipelines=tuple(pipes), schedule=request.options.schedule, precision=request.options.precision)

@@ -28,11 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations
 
-from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
-from sailor_core.planner.costs import Layout, Slot
-from sailor_core.planner.mixed import _leftover, _linear_time
+from sailor_core.domain import ParallelPlan, PipelineBatch
+from sailor_core.planner.costs import Slot
+from sailor_core.planner.estimate import linear_time
+from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import Constraints, Objective
-from sailor_core.planner.search import Candidate, Problem, Search, Sketch
+from sailor_core.planner.search import Search
+from sailor_core.planner.space import Candidate, Problem, Sketch
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class PipeType:
 
 def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequence[int], keep: int
            ) -> list[PipeType]:
-    pb = search.pb
+    pb = search.problem
     out: dict[tuple[int, tuple[tuple[int, int], ...]], PipeType] = {}
     pools: list[tuple[Slot, ...]] = [pb.slots]
     def only(keep: set[int]) -> tuple[Slot, ...]:
@@ -76,7 +78,7 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
                 use = [0] * len(pb.slots)
                 for si, tp in sk.kinds:
                     use[si] += tp
-                fill, cycle = _linear_time(sub, sk, cand.estimate.layouts)
+                fill, cycle = linear_time(sub.costs, sub.problem.slots, sk, cand.estimate.layouts)
                 if cycle > 0 and math.isfinite(cycle):
                     out[key] = PipeType(sketch=replace(sk, dp=1, zone_rot=()), use=tuple(use), fill_s=fill,
                                         cycle_s=cycle)
@@ -100,7 +102,7 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
 
 
 def _variants(search: Search, sk: Sketch) -> list[PipeType]:
-    pb = search.pb
+    pb = search.problem
     c = search.costs
     p = sk.num_stages
     out = []
@@ -121,10 +123,10 @@ def _variants(search: Search, sk: Sketch) -> list[PipeType]:
                 if any(u > s_.capacity for u, s_ in zip(use, pb.slots, strict=True)):
                     continue
                 v = replace(sk, kinds=kinds, dp=1)
-                lay = search.layouts(v)
+                lay = place(pb.slots, v)
                 if lay is None:
                     continue
-                fill, cycle = _linear_time(search, v, lay)
+                fill, cycle = linear_time(c, pb.slots, v, lay)
                 if cycle > 0 and math.isfinite(cycle):
                     out.append(PipeType(sketch=v, use=tuple(use), fill_s=fill, cycle_s=cycle))
                 break  # the smallest TP that fits
@@ -224,7 +226,7 @@ def split_batch_by_finish(gbs: int, types: Sequence[PipeType], counts: Sequence[
 def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
                 schedule: str, max_groups: int = 4, own_microbatch: bool = True, types_kept: int = 8,
                 per_base: int = 4, splits: int = 3) -> list[ParallelPlan]:
-    pb = search.pb
+    pb = search.problem
     caps = [s.capacity for s in pb.slots]
     out: list[ParallelPlan] = []
     done: set[tuple[tuple[int, int], ...]] = set()
@@ -245,38 +247,23 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                     scored.append((_balanced_time(global_batch_size, chosen, counts), combo, counts))
         scored.sort(key=lambda s: (s[0], s[1], s[2]))
         for _, combo, counts in scored[:per_base]:
-            pl = _materialize([types[i] for i in combo], counts, pb, search, model=model,
+            pl = _materialize([types[i] for i in combo], counts, pb, model=model,
                               global_batch_size=global_batch_size, precision=precision, schedule=schedule)
             if pl is not None:
                 out.append(pl)
     return out
 
 
-def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, search: Search, *, model: str,
+def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, *, model: str,
                  global_batch_size: int, precision: str, schedule: str) -> ParallelPlan | None:
     micro = split_batch_by_finish(global_batch_size, types, counts)
     if micro is None:
         return None
-    slots = pb.slots
-    placed: list[tuple[Sketch, tuple[Layout, ...]]] = []
-    for t, x in zip(types, counts, strict=True):
-        sub = Search(replace(pb, slots=slots), search.costs)
-        sk = replace(t.sketch, dp=x)
-        lay = sub.layouts(sk)
-        if lay is None:
-            return None
-        placed.append((sk, lay))
-        slots = _leftover(slots, sk, lay)
-    stages = []
-    free: dict[tuple[str, Market], int] = {}
-    for s, (first, last) in enumerate(types[0].sketch.bounds):
-        reps: list[Replica] = []
-        for sk, lay in placed:
-            si, tp = sk.kinds[s]
-            for zone, k in lay[s]:
-                reps.extend(pb.slots[si].replicas(zone, tp, k, free))
-        stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+    placed = place_in_turn(pb.slots, [replace(t.sketch, dp=x) for t, x in zip(types, counts, strict=True)])
+    if placed is None:
+        return None
+    stages = stages_of(pb.slots, types[0].sketch.bounds, placed)
     pipes = [PipelineBatch(microbatch_size=t.sketch.mbs, num_microbatches=m)
              for t, ms in zip(types, micro, strict=True) for m in ms]
-    return ParallelPlan(model=model, global_batch_size=global_batch_size, stages=tuple(stages), pipelines=tuple(pipes),
+    return ParallelPlan(model=model, global_batch_size=global_batch_size, stages=stages, pipelines=tuple(pipes),
                         schedule=schedule, precision=precision)

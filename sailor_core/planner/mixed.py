@@ -14,37 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Stage
-from sailor_core.planner.costs import Layout, Slot
-from sailor_core.planner.search import Candidate, Problem, Search, Sketch
-from sailor_core.simulator import pipeline_time_s
-
-
-def _leftover(slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tuple[Slot, ...]:
-    used: dict[tuple[int, str], int] = {}
-    for (si, tp), lay in zip(sk.kinds, layouts, strict=True):
-        for zone, n in lay:
-            used[(si, zone)] = used.get((si, zone), 0) + n * tp
-    return tuple(s.minus({z: n for (si, z), n in used.items() if si == s.index}) for s in slots)
-
-
-def _linear_time(search: Search, sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
-    """(a, b) with pipeline seconds = a + b x microbatches, from the simulator's 1F1B composition."""
-    c = search.costs
-    slots = search.pb.slots
-    comp = [
-        c.compute(slots[si].gpu_type, sk.mbs, tp, lo, hi)
-        for (lo, hi), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)
-    ]
-    p2p = []
-    for s in range(sk.num_stages - 1):
-        (sa, ta), (sb, tb) = sk.kinds[s], sk.kinds[s + 1]
-        msg = c.boundary_bytes(ta, sk.bounds[s][1], sk.mbs)
-        za, zb = layouts[s][0][0], layouts[s + 1][0][0]
-        p2p.append(c.p2p_s(slots[sa], ta, za, slots[sb], tb, zb, msg))
-    t1 = pipeline_time_s(comp, p2p, 1)[0]
-    t2 = pipeline_time_s(comp, p2p, 2)[0]
-    return t1 - (t2 - t1), t2 - t1
+from sailor_core.domain import ParallelPlan, PipelineBatch
+from sailor_core.planner.estimate import linear_time
+from sailor_core.planner.placement import leftover, stages_of
+from sailor_core.planner.search import Search
+from sailor_core.planner.space import Candidate, Problem, Sketch
 
 
 def _split(gbs: int, mbs_a: int, d_a: int, mbs_b: int, d_b: int, ta: tuple[float, float], tb: tuple[float, float]
@@ -73,18 +47,18 @@ def _split(gbs: int, mbs_a: int, d_a: int, mbs_b: int, d_b: int, ta: tuple[float
 def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
                 schedule: str, per_base: int = 3, own_microbatch: bool = True) -> list[ParallelPlan]:
     out: list[ParallelPlan] = []
-    pb = search.pb
+    pb = search.problem
     seen: set[tuple[Sketch, Sketch]] = set()
     for cand in top:
         a = cand.sketch
         lay_a = cand.estimate.layouts
-        left = _leftover(pb.slots, a, lay_a)
+        left = leftover(pb.slots, a, lay_a)
         if sum(s.capacity for s in left) == 0:
             continue
         max_gpus = None if pb.max_gpus is None else pb.max_gpus - cand.estimate.num_gpus
         if max_gpus is not None and max_gpus <= 0:
             continue
-        ta = _linear_time(search, a, lay_a)
+        ta = linear_time(search.costs, pb.slots, a, lay_a)
         # The second group has its own microbatch size: slower or smaller GPUs may run (or only fit)
         # a smaller one, and the counts then balance the two groups' finish times.
         for mbs_b in pb.mbs_values if own_microbatch else (a.mbs,):
@@ -101,22 +75,14 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                     continue
                 seen.add((a, b))
                 lay_b = b_cand.estimate.layouts
-                tb = _linear_time(sub, b, lay_b)
+                tb = linear_time(sub.costs, sub.problem.slots, b, lay_b)
                 split = _split(global_batch_size, a.mbs, a.dp, b.mbs, b.dp, ta, tb)
                 if split is None:
                     continue
                 counts_a, m_b = split
-                stages = []
-                free: dict[tuple[str, Market], int] = {}
-                for s, (first, last) in enumerate(a.bounds):
-                    reps: list[Replica] = []
-                    for sk, lay in ((a, lay_a), (b, lay_b)):
-                        si, tp = sk.kinds[s]
-                        for zone, k in lay[s]:
-                            reps.extend(pb.slots[si].replicas(zone, tp, k, free))
-                    stages.append(Stage(first_layer=first, last_layer=last, replicas=tuple(reps)))
+                stages = stages_of(pb.slots, a.bounds, ((a, lay_a), (b, lay_b)))
                 pipes = [PipelineBatch(microbatch_size=a.mbs, num_microbatches=m) for m in counts_a]
                 pipes += [PipelineBatch(microbatch_size=b.mbs, num_microbatches=m_b)] * b.dp
-                out.append(ParallelPlan(model=model, global_batch_size=global_batch_size, stages=tuple(stages),
+                out.append(ParallelPlan(model=model, global_batch_size=global_batch_size, stages=stages,
                                         pipelines=tuple(pipes), schedule=schedule, precision=precision))
     return out

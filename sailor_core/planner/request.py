@@ -50,15 +50,36 @@ class Constraints:
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValidationError(f"constraint {name} must be a positive number, got {v!r}")
 
-    def violations(self, *, usd_per_iteration: float, usd_per_hour: float, iterations_per_s: float) -> list[str]:
+    def _limits(self, usd_per_iteration: float, usd_per_hour: float, iterations_per_s: float
+                ) -> list[tuple[float, float, bool, str]]:
+        """(what the plan uses, the limit, whether the limit is a minimum, how to say it broken) of each
+        limit set: the one table `gap` and `violations` read, so they never disagree on what a limit is."""
         out = []
-        if self.max_usd_per_iteration is not None and usd_per_iteration > self.max_usd_per_iteration * (1 + 1e-9):
-            out.append(f"costs {usd_per_iteration:.4f} USD/iteration > limit {self.max_usd_per_iteration:g}")
-        if self.max_usd_per_hour is not None and usd_per_hour > self.max_usd_per_hour * (1 + 1e-9):
-            out.append(f"costs {usd_per_hour:.2f} USD/hour > limit {self.max_usd_per_hour:g}")
-        if self.min_iterations_per_s is not None and iterations_per_s < self.min_iterations_per_s * (1 - 1e-9):
-            out.append(f"runs {iterations_per_s:.4f} iterations/s < minimum {self.min_iterations_per_s:g}")
+        if self.max_usd_per_iteration is not None:
+            out.append((usd_per_iteration, self.max_usd_per_iteration, False,
+                        "costs {used:.4f} USD/iteration > limit {limit:g}"))
+        if self.max_usd_per_hour is not None:
+            out.append((usd_per_hour, self.max_usd_per_hour, False, "costs {used:.2f} USD/hour > limit {limit:g}"))
+        if self.min_iterations_per_s is not None:
+            out.append((iterations_per_s, self.min_iterations_per_s, True,
+                        "runs {used:.4f} iterations/s < minimum {limit:g}"))
         return out
+
+    def gap(self, *, usd_per_iteration: float, usd_per_hour: float, iterations_per_s: float) -> float:
+        """How far past the limits a plan is: the largest relative excess (0 when within every one).
+        The one measure of "how close" that the search's pruning, its nearest miss and the verification use."""
+        g = 0.0
+        for used, limit, minimum, _ in self._limits(usd_per_iteration, usd_per_hour, iterations_per_s):
+            g = max(g, limit / used - 1 if minimum else used / limit - 1)
+        return g
+
+    def violations(self, *, usd_per_iteration: float, usd_per_hour: float, iterations_per_s: float) -> list[str]:
+        """One line per limit the plan breaks (beyond rounding), in the order the limits are listed."""
+        return [
+            why.format(used=used, limit=limit)
+            for used, limit, minimum, why in self._limits(usd_per_iteration, usd_per_hour, iterations_per_s)
+            if (used < limit * (1 - 1e-9) if minimum else used > limit * (1 + 1e-9))
+        ]
 
 
 @dataclass(frozen=True, kw_only=True)

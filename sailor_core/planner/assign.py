@@ -1,0 +1,163 @@
+"""The assign step: at a bottleneck time tau, which (slot, TP) kind each stage takes, by dynamic programming.
+
+Contract: pure functions (no search state; the caller's moving cutoff is read through a callable).
+At tau each stage may take, in each slot, the smallest TPs whose time is <= tau (`stage_options`;
+paper heuristic: a larger TP only when it pays). `usage_dp` runs over stages with the GPUs used
+per slot (per pipeline) as the state and the objective's own key (summed stage time for
+throughput, price for the cost objectives) then the other as the value; `end_states` ranks its
+end states by how many copies (D) fit the pool, and `fronts` yields, per D, the usage vectors worth
+estimating (each key's optimum, or their Pareto set when a limit couples time and money, plus the
+best by an estimate of goodput under spot risk); `reconstruct` turns one into per-stage kinds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+from sailor_core.planner.bounds import Floor, bound
+from sailor_core.planner.request import Objective
+from sailor_core.planner.risk import useful_fraction_of
+from sailor_core.planner.scoring import SECONDS_PER_HOUR, Goal
+from sailor_core.planner.shapes import StageTable
+from sailor_core.planner.space import Problem
+
+Usage = tuple[int, ...]  # GPUs per pipeline used in each slot
+# A DP state's value: (primary, secondary, the usage it came from, the (slot, tp) step taken)
+Value = tuple[float, float, Usage | None, tuple[int, int] | None]
+# (slot, tp, primary, secondary) of one choice for one stage
+Option = tuple[int, int, float, float]
+# (D that fits, primary, secondary, usage) of one end state
+End = tuple[int, float, float, Usage]
+
+
+def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool) -> list[list[Option]] | None:
+    """options[s] = [(slot, tp, primary, secondary)] of the TPs that meet tau; None when a stage has none.
+
+    Each stage, each slot: the smallest TP that meets tau (and the next ones, `Problem.tp_options` in
+    all). The primary key is the stage time for throughput, the price for cost objectives; the
+    secondary the other."""
+    slots = pb.slots
+    options = []
+    for row in table:
+        opts = []
+        for g, cand in enumerate(row):
+            # The smallest TP that meets tau, and the next larger one: tau sees compute only,
+            # a larger TP can still pay through shorter sends per cycle or a shorter fill.
+            fit = [(tp, t) for tp, t in cand if t <= tau][: pb.tp_options]
+            for tp, t in fit:
+                price = tp * slots[g].usd_per_gpu_hour
+                opts.append((g, tp, t if speed_first else price, price if speed_first else t))
+        if not opts:
+            return None
+        options.append(opts)
+    return options
+
+
+def usage_dp(options: list[list[Option]], caps: Sequence[int]
+             ) -> tuple[list[dict[Usage, Value]], dict[Usage, Value]] | None:
+    """(every stage's layer of the DP, its last layer): per per-pipeline slot usage that fits the
+    slots' capacity, the best (primary, secondary) and the step that reached it; None if none fits."""
+    zero = (0,) * len(caps)
+    layers: list[dict[Usage, Value]] = []
+    states: dict[Usage, Value] = {zero: (0.0, 0.0, None, None)}
+    for opts in options:
+        nxt: dict[Usage, Value] = {}
+        for u, (p1, p2, _, _) in states.items():
+            for g, tp, x1, x2 in opts:
+                if u[g] + tp > caps[g]:
+                    continue
+                v = u[:g] + (u[g] + tp,) + u[g + 1 :]
+                q1 = p1 + x1
+                q2 = p2 + x2
+                old = nxt.get(v)
+                if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and q2 < old[1] - 1e-12):
+                    nxt[v] = (q1, q2, u, (g, tp))
+        if not nxt:
+            return None
+        layers.append(nxt)
+        states = nxt
+    return layers, states
+
+
+def end_states(states: dict[Usage, Value], caps: Sequence[int], max_gpus: int | None) -> list[End]:
+    """(D-capacity, primary, secondary, usage) of each end state, most copies first then best value."""
+    ends = []
+    for u, (p1, p2, _, _) in states.items():
+        d_max = min((caps[g] // u[g] for g in range(len(caps)) if u[g]), default=0)
+        if max_gpus is not None:
+            d_max = min(d_max, max_gpus // max(1, sum(u)))
+        ends.append((d_max, p1, p2, u))
+    ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
+    return ends
+
+
+def reconstruct(layers: list[dict[Usage, Value]], end: Usage) -> tuple[tuple[int, int], ...]:
+    """The per-stage (slot, tp) kinds that reached `end`, from the DP's back-pointers."""
+    kinds: list[tuple[int, int]] = []
+    u: Usage | None = end
+    for i, layer in enumerate(reversed(layers)):
+        if u is None:
+            raise RuntimeError(f"usage DP: the back-pointers end {len(layers) - i} stages early")
+        _, _, prev, kind = layer[u]
+        if kind is None:
+            raise RuntimeError(f"usage DP: state {u} of stage {len(layers) - 1 - i} has no (slot, tp) kind")
+        kinds.append(kind)
+        u = prev
+    return tuple(reversed(kinds))
+
+
+def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list: Sequence[int], lb: Floor,
+           cutoff: Callable[[], float]) -> Iterator[tuple[int, list[Usage]]]:
+    """Yields (D, the usage vectors worth estimating at D), largest D first, each D only while the
+    bound (against `cutoff()` read at that moment: estimates of earlier D move it) does not rule it out."""
+    risk = pb.risk
+    risky = pb.objective is Objective.MAX_GOODPUT and risk is not None and not risk.riskless
+    eligible: list[tuple[float, float, Usage]] = []
+    i = 0
+    for d in reversed(d_list):
+        while i < len(ends) and ends[i][0] >= d:
+            bisect.insort(eligible, (ends[i][1], ends[i][2], ends[i][3]))
+            i += 1
+        if not eligible:
+            continue
+        if bound(goal, tau, lb, n, [d]) >= cutoff():
+            continue
+        front = pareto_front(eligible, goal.coupled)
+        if risky:
+            # Price and time alone always prefer spot; at this D the risk of each state's spot VMs
+            # decides: add the states best by an estimate of the goodput score.
+            m = -(-n // d)
+            ranked = sorted(eligible, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2], d, m, tau), e))
+            front += [u for _, _, u in ranked[:2]]
+        yield d, front
+
+
+def pareto_front(eligible: Sequence[tuple[float, float, Usage]], coupled: bool) -> list[Usage]:
+    """The usage vectors on the (primary, secondary) Pareto front of `eligible` (sorted by primary):
+    up to 32 spread along it when a limit couples time and money, else its two ends."""
+    front = []
+    low2 = math.inf
+    for _p1, p2, u in eligible:
+        if p2 < low2 - 1e-12:
+            front.append(u)
+            low2 = p2
+    if coupled and len(front) > 32:
+        front = [front[round(j * (len(front) - 1) / 31)] for j in range(32)]
+    elif not coupled:
+        front = [front[0], front[-1]]
+    return front
+
+
+def approx_goodput(pb: Problem, usd_per_hour: float, fill_s: float, use: Usage, d: int, m: int, tau: float) -> float:
+    """Goodput score of a DP end state at D, before placement: time fill + (m - 1) tau, each
+    slot's VMs at the rate of its first zone."""
+    risk = pb.risk
+    assert risk is not None
+    t = fill_s + (m - 1) * tau
+    slots = pb.slots
+    lam = sum(-(-d * g_use // slots[g].gpus_per_node) * risk.rate(slots[g].zones[0][0], slots[g].gpu_type,
+                                                                slots[g].market)
+              for g, g_use in enumerate(use) if g_use)
+    return d * usd_per_hour * t / SECONDS_PER_HOUR / useful_fraction_of(lam, t, risk)
