@@ -30,6 +30,15 @@ BF16_WEIGHT_BYTES = 2
 BF16_GRAD_BYTES = 2
 BF16_MASTER_AND_ADAM_BYTES = 12
 
+# --- the optimizer step's temporaries ---------------------------------------------------------
+# The runtime steps with torch.optim.AdamW, which on a GPU takes its multi-tensor (foreach) path: it
+# allocates sqrt(exp_avg_sq) for every parameter it steps (`torch._foreach_sqrt`, one fp32 tensor per
+# parameter, the rest of the update works in place) and frees it when the step ends. By then the
+# activations are freed, so it adds to the peak only beyond them. Source: torch/optim/adam.py
+# (_multi_tensor_adam). The artifact's runs (DeepSpeed) are not charged: their optimizer's
+# implementation is not in the published data.
+ADAM_STEP_TEMPORARY_BYTES_PER_PARAM = 4
+
 # --- data-parallel gradient reduction ----------------------------------------------------------
 # The runtime (sailor_core/runtime/engine.py, BUCKET_CAP_BYTES) all-reduces gradients in buckets of
 # whole layers, from the last layer back, filled up to 25 MiB (PyTorch DDP's default bucket_cap_mb),

@@ -56,6 +56,7 @@ class StageMemory:
     activations_bytes: int  # saved activations of the microbatches in flight
     workspace_bytes: int  # backward temporaries of the largest layer
     p2p_buffers_bytes: int  # received activations/gradients from neighbouring stages
+    optimizer_step_bytes: int = 0  # the optimizer step's temporaries beyond the freed activations
 
     @property
     def total_bytes(self) -> int:
@@ -68,6 +69,7 @@ class StageMemory:
             + self.activations_bytes
             + self.workspace_bytes
             + self.p2p_buffers_bytes
+            + self.optimizer_step_bytes
         )
 
 
@@ -332,6 +334,9 @@ class SimModel:
         if receives_gradients:  # the gradient of the stage output, one microbatch at a time
             p2p += s.out_elems[last] * mbs * msg
         comm = max(0, bucket - (act + workspace + p2p))
+        stepped = math.ceil(params / dp) if zero1 and dp > 1 else params  # what this rank's optimizer steps
+        step_tmp = stepped * C.ADAM_STEP_TEMPORARY_BYTES_PER_PARAM if runtime == "sailor" else 0
+        step_extra = max(0, step_tmp - (act + workspace + p2p + comm))  # after the backward's memory is freed
         return StageMemory(
             framework_bytes=self.book.overhead_bytes(gpu),
             weights_bytes=params * w,
@@ -341,6 +346,7 @@ class SimModel:
             activations_bytes=act,
             workspace_bytes=workspace,
             p2p_buffers_bytes=p2p,
+            optimizer_step_bytes=step_extra,
         )
 
     # -- network ---------------------------------------------------------------------------
