@@ -111,7 +111,7 @@ def test_shrink_plan_keeps_the_global_batch():
 
 
 def test_zero1_owners_split_the_state_evenly():
-    from sailor_core.runtime.engine import zero1_owners
+    from sailor_core.runtime.data_parallel import zero1_owners
 
     sizes = [100, 1, 50, 50, 1, 2]
     owners = zero1_owners(sizes, 2)
@@ -124,7 +124,7 @@ def test_zero1_owners_split_the_state_evenly():
 def test_a_message_between_stages_is_cut_into_one_slice_per_receiving_rank():
     import torch
 
-    from sailor_core.runtime.engine import message_slices
+    from sailor_core.runtime.pipeline_schedule import message_slices
 
     t = torch.arange(10, dtype=torch.float32).view(2, 5)
     parts = message_slices(t, 3)  # 10 elements in 3 slices of 4, the last padded with zeros
