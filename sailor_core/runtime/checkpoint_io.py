@@ -75,23 +75,6 @@ class Holder(Protocol):
     checkpoints: CheckpointIO
 
 
-def layer_snapshot(li: int, layer: torch.nn.Module, state_of: Callable[[torch.Tensor], Any],
-                   tp: TPContext) -> LayerState:
-    """Layer `li`'s parameters and AdamW moments (`state_of(p)`: a parameter's optimizer state, None
-    or empty where it has none: zeros), copied to the CPU."""
-    params, m1, m2, dims = {}, {}, {}, {}
-    for name, p in layer.named_parameters(remove_duplicate=False):
-        params[name] = p.detach().to("cpu", copy=True)
-        st = state_of(p) or {}
-        m1[name] = st["exp_avg"].detach().to("cpu", copy=True) if "exp_avg" in st else torch.zeros_like(params[name])
-        m2[name] = (
-            st["exp_avg_sq"].detach().to("cpu", copy=True) if "exp_avg_sq" in st else torch.zeros_like(params[name])
-        )
-        dims[name] = getattr(p, SHARD_ATTR, None)
-    return {"layer": li, "tp": tp.size, "tp_rank": tp.rank, "shard_dims": dims,
-            "params": params, "exp_avg": m1, "exp_avg_sq": m2}
-
-
 def _layer_key(h: Holder, li: int) -> tuple[Any, ...]:
     """What `h` holds of layer `li`: the same key means the same tensors, shard for shard."""
     return (h.cfg.name, li, h.tp.rank, h.tp.size)

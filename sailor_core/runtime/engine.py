@@ -43,7 +43,8 @@ from sailor_core.domain import ParallelPlan
 from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.torch_model import StageModel
-from sailor_core.runtime.checkpoint_io import CheckpointIO, layer_snapshot
+from sailor_core.runtime.checkpoint import layer_state
+from sailor_core.runtime.checkpoint_io import CheckpointIO
 from sailor_core.runtime.comm import Waiter
 from sailor_core.runtime.data import TokenBatches, TokenDataset, load_tokens
 from sailor_core.runtime.data_parallel import GradSync, dp_group, grad_of, grad_sq_norm, zero1_for
@@ -140,7 +141,7 @@ class Trainer:
         self.log = log or (lambda m: None)
         self.on_metrics = on_metrics
         self.waiter = waiter or Waiter()  # plain waits unless the worker hands in its abortable one
-        self.notices = NoticePoll(notices or Notices(), settings.preempt_file, settings.stop_file)
+        self.notice_poll = NoticePoll(notices or Notices(), settings.preempt_file, settings.stop_file)
         stage, backend = plan.stages[self.me.stage], backend_for(self.me.gpu_type)
         # 1. The device, before any communication: NCCL and device-allocating collectives use the current GPU.
         self.device = select_device(self.me.gpu_type, local_rank)
@@ -211,7 +212,7 @@ class Trainer:
         if self.me.pipeline != 0:
             return None
         state_of = (lambda p: gathered[id(p)]) if gathered is not None else (lambda p: self.opt.state.get(p, {}))
-        states = {li: layer_snapshot(li, layer, state_of, self.tp)
+        states = {li: layer_state(li, layer, state_of, self.tp.rank, self.tp.size)
                   for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True)}
         meta = None
         if self.rank == 0:
@@ -265,7 +266,7 @@ class Trainer:
     def _agree(self) -> tuple[float, float, bool, bool]:
         """The step's one world all-reduce: (loss, global grad norm, checkpoint now, stop) for every rank."""
         head_reporter = self.model.has_head and self.tp.rank == 0
-        jit, stop = self.notices.poll()
+        jit, stop = self.notice_poll.poll()
         red = torch.stack([
             self.compute.loss if head_reporter else torch.zeros((), device=self.device),
             grad_sq_norm(self.grads.params, pipeline=self.me.pipeline, tp_rank=self.tp.rank, device=self.device,
@@ -276,7 +277,7 @@ class Trainer:
         self.waiter.wait(dist.all_reduce(red, async_op=True))
         loss, sq, jit_any, stop_any = red.tolist()
         if jit_any:
-            self.notices.answered()
+            self.notice_poll.answered()
         return loss, math.sqrt(max(sq, 0.0)), jit_any > 0, stop_any > 0
 
     def _record(self, loss: float, norm: float, jit: bool, stop: bool, dt: float) -> dict[str, Any]:

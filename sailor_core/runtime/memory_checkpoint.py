@@ -91,8 +91,6 @@ def write_from_memory(io: CheckpointIO, previous: Holder | None, newest_valid: i
     """Collective over the `world` ranks: write checkpoint S through `io` from the ranks' previous
     trainers when they hold every layer at a step S newer than `newest_valid` (rank 0's answer
     counts); returns S, or None when nothing was written. `meta_extra`: the run's meta.json fields."""
-    from sailor_core.runtime.checkpoint_io import layer_snapshot
-
     mine = held_by(previous)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (mine, newest_valid if io.rank == 0 else None))
@@ -107,7 +105,8 @@ def write_from_memory(io: CheckpointIO, previous: Holder | None, newest_valid: i
     assigned = writers(helds, step).get(io.rank, [])
     if assigned and previous is not None:
         layers = dict(zip(previous.model.layer_ids, previous.model.layers, strict=True))
-        states = [(li, layer_snapshot(li, layers[li], previous.opt.state.get, previous.tp)) for li, _, _ in assigned]
+        states = [(li, ckpt.layer_state(li, layers[li], previous.opt.state.get, previous.tp.rank, previous.tp.size))
+                  for li, _, _ in assigned]
         ckpt.write_part(storage, step, states, f"part_mem_r{io.rank}.json")
     io.waiter.barrier(io.device)
     if io.rank == 0:

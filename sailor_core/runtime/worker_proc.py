@@ -12,10 +12,14 @@ Contract (`python -m sailor_core.runtime.worker_proc`):
   same process, keeping torch imported, the dataset and its trainer's state in memory: the next
   generation keeps the layers it still holds at the step it resumes at (Trainer.resume), so a
   reconfiguration costs a rendezvous and at most a load of the layers it did not hold, not a cold
-  start. SIGTERM while waiting for an assignment ends the process at once (exit 0).
+  start. The older trainer lives on only until then (`Kept`): its model and optimizer are freed
+  before the next generation trains, and an aborted generation leaves only its process groups.
+  SIGTERM while waiting for an assignment ends the process at once (exit 0).
 - torchrun mode (`--assignment FILE`, with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT): one
   generation from a JSON file {plan, settings, resume}.
 Heartbeats: in controlled mode the worker sets `hb/<W>` to {"time", "step"} every few seconds.
+Process state lives in the worker's `_Control`: its `Notices` (SIGUSR1, SIGTERM, the plan change's
+stop) and its `Waiter` (waits a lost peer aborts), handed to each generation's trainer.
 """
 
 from __future__ import annotations
