@@ -184,10 +184,10 @@ class CheckpointIO:
                 self.checkpointer.close()
 
     # -- resume --------------------------------------------------------------------------------
-    def resume(self, me: Holder, previous: Holder | None, *, world: int,
-               meta_extra: dict[str, Any]) -> tuple[str, Progress | None]:
+    def resume(self, me: Holder, previous: Holder | None, *, world: int, seed: int,
+               plan_version: int) -> tuple[str, Progress | None]:
         """How `me` resumed ('memory', 'checkpoint' or 'none') and where it stands now (None: at 0).
-        Collective (see the module's contract); `meta_extra`: the run's fields of a meta.json
+        Collective (see the module's contract); `seed`, `plan_version`: the run's, for a meta.json
         written from memory."""
         kept = kept_layers(me, previous)
         whole = previous is not None and kept == set(me.model.layer_ids)
@@ -206,8 +206,8 @@ class CheckpointIO:
             step = [ckpt.latest_valid_step(self.storage, me.cfg.num_layers, self.log)]
         # The survivors of a lost member may together hold a newer step than any checkpoint (a lost
         # replica's layers live on in its stage's other replicas): write it, and resume there.
-        newer = memory_checkpoint.write_from_memory(self, previous, step[0], world=world, cfg=me.cfg,
-                                                    meta_extra=meta_extra)
+        newer = memory_checkpoint.write_from_memory(self, previous, step[0], world=world, cfg=me.cfg, seed=seed,
+                                                    plan_version=plan_version)
         if self.rank == 0 and newer is not None:
             step = [newer]
         dist.broadcast_object_list(step, src=0, device=self.device)

@@ -225,8 +225,8 @@ class Trainer:
         """Resume every rank at one step, from `previous` (this process's trainer of the last
         generation) where it can, else from the newest valid checkpoint: 'memory', 'checkpoint' or
         'none' (checkpoint_io.py). Collective."""
-        how, at = self.checkpoints.resume(self, previous, world=self.world, meta_extra={
-            "seed": self.settings.seed, "plan_version": self.settings.plan_version})
+        how, at = self.checkpoints.resume(self, previous, world=self.world, seed=self.settings.seed,
+                                          plan_version=self.settings.plan_version)
         if at is not None:
             self.step, self.samples_seen, self.opt_steps = at.step, at.samples_seen, at.opt_steps
         return how

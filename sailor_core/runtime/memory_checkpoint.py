@@ -87,10 +87,10 @@ def writers(helds: Sequence[Held], step: int) -> dict[int, list[Shard]]:
 
 
 def write_from_memory(io: CheckpointIO, previous: Holder | None, newest_valid: int | None, *, world: int,
-                      cfg: TransformerConfig, meta_extra: dict[str, Any]) -> int | None:
+                      cfg: TransformerConfig, seed: int, plan_version: int) -> int | None:
     """Collective over the `world` ranks: write checkpoint S through `io` from the ranks' previous
     trainers when they hold every layer at a step S newer than `newest_valid` (rank 0's answer
-    counts); returns S, or None when nothing was written. `meta_extra`: the run's meta.json fields."""
+    counts); returns S, or None when nothing was written. `seed`, `plan_version`: the run's, for meta.json."""
     mine = held_by(previous)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (mine, newest_valid if io.rank == 0 else None))
@@ -113,8 +113,8 @@ def write_from_memory(io: CheckpointIO, previous: Holder | None, newest_valid: i
         src = next(h for h in helds if h.step == step)
         ckpt.write_meta(storage, step, {
             "step": step, "samples_seen": src.samples_seen, "opt_steps": src.opt_steps, "model": cfg.name,
-            "seed": meta_extra["seed"], "num_layers": cfg.num_layers,
-            "plan_version": meta_extra["plan_version"], "time": time.time(), "written_from": "memory"})
+            "seed": seed, "num_layers": cfg.num_layers,
+            "plan_version": plan_version, "time": time.time(), "written_from": "memory"})
     io.waiter.barrier(io.device)
     io.log(f"rank {io.rank}: checkpoint step {step} written from the survivors' memory "
            f"({len(assigned)} shard(s) from this rank)")
