@@ -133,7 +133,7 @@ class ModelSpec:
     ffn_hidden_size: int = 0
     layers: tuple[LayerSpec, ...] = ()
     # The output head is the embedding's weight (OPT, GPT-Neo). On different stages each keeps a copy,
-    # and our runtime adds the two gradients every step (runtime/engine._sync_tied). False also where
+    # and our runtime adds the two gradients every step (runtime/tied_weights.py). False also where
     # it is not known (models imported from the published data).
     tied_head: bool = False
 

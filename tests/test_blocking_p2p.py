@@ -255,7 +255,8 @@ def test_wrapper_turns_an_unbatched_exchange_into_a_deadlock(tmp_path):
 
 
 def test_each_cuda_rank_makes_its_own_gpu_current(monkeypatch):
-    from sailor_core.runtime.engine import backend_for, device_ids, select_device
+    from sailor_core.runtime.comm import device_ids
+    from sailor_core.runtime.engine import backend_for, select_device
 
     made_current: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

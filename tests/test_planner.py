@@ -499,7 +499,7 @@ def test_the_chosen_plan_lies_on_the_frontier_for_every_objective(book) -> None:
 @pytest.mark.parametrize("tp_last", [1, 2], ids=["slices", "full-layout"])
 def test_tied_head_exchange_is_billed_once_by_the_simulator_and_the_search(tmp_path: Path, tp_last: int) -> None:
     """A tied model split over stages: our runtime adds the embedding's and the head's gradients after
-    the rings (engine._sync_tied). The simulator bills it after the first and last stages' rings, with
+    the rings (tied_weights.TiedWeights.sync). The simulator bills it after the first and last stages' rings, with
     its egress, and the search's estimate composes the same term."""
     from sailor_core.planner import build_slots
     from sailor_core.planner.core import materialize

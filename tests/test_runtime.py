@@ -111,7 +111,7 @@ def test_shrink_plan_keeps_the_global_batch():
 
 
 def test_zero1_owners_split_the_state_evenly():
-    from sailor_core.runtime.engine import zero1_owners
+    from sailor_core.runtime.data_parallel import zero1_owners
 
     sizes = [100, 1, 50, 50, 1, 2]
     owners = zero1_owners(sizes, 2)
@@ -121,10 +121,52 @@ def test_zero1_owners_split_the_state_evenly():
     assert set(zero1_owners([1, 1], 3)) <= {0, 1}  # more replicas than parameters: some own nothing
 
 
+def test_each_rank_exchanges_one_slice_per_receiving_tp_rank():
+    from sailor_core.runtime.pipeline_schedule import Peers, stage_peers
+
+    p = PLANS["tp1-to-tp2"]  # rank 0: stage 0 (tp 1); ranks 1, 2: stage 1 (tp 2)
+    peers = [stage_peers(p, me) for me in layout(p)]
+    # the activation goes out once, in two slices; its gradient comes back once, from TP rank 0 only
+    assert peers[0] == Peers(None, ((1, 0), (2, 1)), 2, 1, (), 1)
+    assert peers[1] == Peers(0, (), 1, None, ((0, 0),), 1)
+    assert peers[2] == Peers(0, (), 1, None, (), 1)
+
+
+def test_gradient_buckets_are_whole_layers_from_the_last():
+    from torch import nn
+
+    from sailor_core.runtime.data_parallel import buckets_of
+
+    layers = [nn.Linear(2, 4, bias=False) for _ in range(3)]  # 32 bytes each
+    shared = nn.Sequential(layers[0])  # a last layer reusing layer 0's weight: backward reaches it first
+    ids = [[id(p) for p in b] for b in buckets_of([*layers, shared], cap_bytes=64)]
+    assert ids == [[id(layers[0].weight), id(layers[2].weight)], [id(layers[1].weight)]]  # layer 0: already in
+    assert len(buckets_of(layers, cap_bytes=16)) == 3  # a layer above the cap is a bucket of its own
+
+
+def test_a_preemption_notice_is_one_checkpoint_per_version_of_its_file(tmp_path):
+    from sailor_core.runtime.notices import NoticePoll, Notices
+
+    notices, preempt, stop = Notices(), tmp_path / "preempt", tmp_path / "stop"
+    poll = NoticePoll(notices, str(preempt), str(stop))
+    assert poll.poll() == (0.0, 0.0)
+    preempt.write_text("1")
+    assert poll.poll() == (1.0, 0.0)
+    assert poll.poll() == (0.0, 0.0)  # the same notice: answered by the checkpoint it asked for
+    os.utime(preempt, ns=(1, 2))  # rewritten: a new notice
+    assert poll.poll() == (1.0, 0.0)
+    notices.checkpoint = True  # SIGUSR1
+    assert poll.poll() == (1.0, 0.0) and not notices.checkpoint
+    assert NoticePoll(notices, str(preempt), None).poll() == (1.0, 0.0)  # a new trainer: not answered yet
+    stop.write_text("")
+    assert poll.poll() == (0.0, 1.0)
+    assert NoticePoll(Notices(), None, None).poll() == (0.0, 0.0)
+
+
 def test_a_message_between_stages_is_cut_into_one_slice_per_receiving_rank():
     import torch
 
-    from sailor_core.runtime.engine import message_slices
+    from sailor_core.runtime.pipeline_schedule import message_slices
 
     t = torch.arange(10, dtype=torch.float32).view(2, 5)
     parts = message_slices(t, 3)  # 10 elements in 3 slices of 4, the last padded with zeros

@@ -187,7 +187,7 @@ def test_a_tp_groups_message_crosses_once_in_slices_and_is_all_gathered() -> Non
     """Both runtimes cut a message between stages into one slice per rank of the receiving TP group:
     the slices share the nodes' link, then the receivers all-gather them over their node's pairs.
     DeepSpeed (pipe_partitioned / grad_partitioned, on by default) cuts into min(tp) slices; ours into
-    tp_recv slices forward and tp_send back (engine._p2p)."""
+    tp_recv slices forward and tp_send back (pipeline_schedule.P2P)."""
     sm = SimModel(make_book(inter_gbps=10.0, intra_gbps=100.0))
     msg = 1e6
     sliced = (msg / 2) / 10e9 + (msg / 2) / 100e9  # two halves share 20 GB/s, one half over the pair

@@ -1,5 +1,5 @@
 """The simulator's pipeline time against an independent event-by-event replay of the runtime's
-schedules (engine._schedule): every batch of point-to-point operations as the runtime posts it, a
+schedules (pipeline_schedule.run_schedule): every batch of point-to-point operations as the runtime posts it, a
 message moving once both its send and its receive are posted (NCCL and gloo rendezvous), a batch with
 a receive waited for whole, send-only batches waited for at the step's end."""
 
@@ -13,7 +13,7 @@ from sailor_core.simulator import StageCompute, pipeline_time_s
 
 
 def _programs(p: int, n: int, schedule: str) -> list[list[tuple]]:
-    """Per stage, engine._schedule's ops: ("F"|"B", m) or ("batch", [(send|recv, a|g, m)], waited)."""
+    """Per stage, pipeline_schedule.run_schedule's ops: ("F"|"B", m) or ("batch", [(send|recv, a|g, m)], waited)."""
     progs = []
     for s in range(p):
         prev, nxt = s > 0, s < p - 1

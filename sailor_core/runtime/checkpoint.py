@@ -6,6 +6,7 @@ Contract:
   parameter shards and AdamW moments, with each tensor's shard dimension), one `part_s{stage}_t{t}.json`
   per writer listing its files and their SHA-256, and `meta.json` (step, samples seen, optimizer step, model, seed).
   Each file is written to a temporary name and renamed, so a reader never sees half a file.
+  `layer_state` makes what one shard file holds, from a layer and its optimizer state.
 - A checkpoint is *valid* only if meta.json exists and, for every layer 0..L+1, the shard files of
   one TP degree are all listed in parts and match their digests. `latest_valid_step` walks back
   from the newest step and skips incomplete or corrupt ones (with the reason).
@@ -43,12 +44,14 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from sailor_core.errors import SailorError, StorageUnavailable
+from sailor_core.models.tensor_parallel import SHARD_ATTR
 
 
 class CheckpointStorage(Protocol):
@@ -249,6 +252,24 @@ def _to_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def layer_state(li: int, layer: torch.nn.Module, state_of: Callable[[torch.Tensor], Any], tp_rank: int,
+                tp: int) -> dict[str, Any]:
+    """What a shard file holds: layer `li`'s parameters (TP rank `tp_rank` of `tp`) and their AdamW
+    moments (`state_of(p)`: a parameter's optimizer state, None or empty where it has none: zeros),
+    copied to the CPU, with each tensor's shard dimension."""
+    params, m1, m2, dims = {}, {}, {}, {}
+    for name, p in layer.named_parameters(remove_duplicate=False):
+        params[name] = p.detach().to("cpu", copy=True)
+        st = state_of(p) or {}
+        m1[name] = st["exp_avg"].detach().to("cpu", copy=True) if "exp_avg" in st else torch.zeros_like(params[name])
+        m2[name] = (
+            st["exp_avg_sq"].detach().to("cpu", copy=True) if "exp_avg_sq" in st else torch.zeros_like(params[name])
+        )
+        dims[name] = getattr(p, SHARD_ATTR, None)
+    return {"layer": li, "tp": tp, "tp_rank": tp_rank, "shard_dims": dims,
+            "params": params, "exp_avg": m1, "exp_avg_sq": m2}
 
 
 def write_part(storage: CheckpointStorage, step: int, layer_states: Any, part_name: str) -> None:

@@ -1,8 +1,8 @@
 """A checkpoint from the survivors' memory: a lost VM costs no steps when its state lives on elsewhere.
 
 Contract: when a generation ends because a member was lost, every surviving process keeps its
-trainer (worker_proc) at the step it completed. The next generation's `Trainer.resume` first calls
-`write_from_memory(trainer, previous, newest_valid)`, a collective over the new world:
+trainer (worker_proc) at the step it completed. The next generation's resume (checkpoint_io) first
+calls `write_from_memory(io, previous, newest_valid, ...)`, a collective over the new world:
 - every rank tells what its previous trainer holds, shard for shard, at which step (`Held`);
 - `newest_complete_step` finds the newest step S, newer than the newest valid checkpoint, at which
   the ranks together hold every layer whole (all TP shards of one degree): a layer of a replica that
@@ -20,12 +20,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from sailor_core.models.config import TransformerConfig
 from sailor_core.runtime import checkpoint as ckpt
-from sailor_core.runtime import comm
+
+if TYPE_CHECKING:  # checkpoint_io calls this module: its types only, no import at run time
+    from sailor_core.runtime.checkpoint_io import CheckpointIO, Holder
 
 Shard = tuple[int, int, int]  # (layer, tp rank, tp degree)
 
@@ -43,9 +46,9 @@ class Held:
 NOTHING = Held(-1, 0, 0, ())
 
 
-def held_by(previous: Any) -> Held:
+def held_by(previous: Holder | None) -> Held:
     """`previous` trainer's shards, or NOTHING when it has none in a consistent, whole state."""
-    if previous is None or previous.zero1 or not previous.consistent or previous.step <= 0:
+    if previous is None or previous.zero1 is not None or not previous.consistent or previous.step <= 0:
         return NOTHING
     shards = tuple((li, previous.tp.rank, previous.tp.size) for li in previous.model.layer_ids)
     return Held(previous.step, previous.samples_seen, previous.opt_steps, shards)
@@ -83,39 +86,36 @@ def writers(helds: Sequence[Held], step: int) -> dict[int, list[Shard]]:
     return out
 
 
-def write_from_memory(trainer: Any, previous: Any, newest_valid: int | None) -> int | None:
-    """Collective: write checkpoint S from the ranks' previous trainers when they hold every layer at a
-    step S newer than `newest_valid` (rank 0's answer counts); returns S, or None when nothing was written."""
+def write_from_memory(io: CheckpointIO, previous: Holder | None, newest_valid: int | None, *, world: int,
+                      cfg: TransformerConfig, seed: int, plan_version: int) -> int | None:
+    """Collective over the `world` ranks: write checkpoint S through `io` from the ranks' previous
+    trainers when they hold every layer at a step S newer than `newest_valid` (rank 0's answer
+    counts); returns S, or None when nothing was written. `seed`, `plan_version`: the run's, for meta.json."""
     mine = held_by(previous)
-    gathered: list[Any] = [None] * trainer.world
-    dist.all_gather_object(gathered, (mine, newest_valid if trainer.rank == 0 else None))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (mine, newest_valid if io.rank == 0 else None))
     helds = [g[0] for g in gathered]
-    step = newest_complete_step(helds, trainer.cfg.num_layers, gathered[0][1])
-    if step is None or trainer.storage is None:
+    step = newest_complete_step(helds, cfg.num_layers, gathered[0][1])
+    if step is None or io.storage is None:
         return None
-    storage = trainer.storage
-    if trainer.rank == 0 and storage.exists(ckpt.step_dir(step)):
+    storage = io.storage
+    if io.rank == 0 and storage.exists(ckpt.step_dir(step)):
         ckpt.quarantine(storage, step, "incomplete when its job lost a member; rewritten from the survivors' memory")
-    _barrier(trainer)
-    assigned = writers(helds, step).get(trainer.rank, [])
-    if assigned:
+    io.waiter.barrier(io.device)
+    assigned = writers(helds, step).get(io.rank, [])
+    if assigned and previous is not None:
         layers = dict(zip(previous.model.layer_ids, previous.model.layers, strict=True))
-        states = [(li, previous._layer_snapshot(li, layers[li])) for li, _, _ in assigned]
-        ckpt.write_part(storage, step, states, f"part_mem_r{trainer.rank}.json")
-    _barrier(trainer)
-    if trainer.rank == 0:
+        states = [(li, ckpt.layer_state(li, layers[li], previous.opt.state.get, previous.tp.rank, previous.tp.size))
+                  for li, _, _ in assigned]
+        ckpt.write_part(storage, step, states, f"part_mem_r{io.rank}.json")
+    io.waiter.barrier(io.device)
+    if io.rank == 0:
         src = next(h for h in helds if h.step == step)
         ckpt.write_meta(storage, step, {
-            "step": step, "samples_seen": src.samples_seen, "opt_steps": src.opt_steps, "model": trainer.cfg.name,
-            "seed": trainer.settings.seed, "num_layers": trainer.cfg.num_layers,
-            "plan_version": trainer.settings.plan_version, "time": time.time(), "written_from": "memory"})
-    _barrier(trainer)
-    trainer.log(f"rank {trainer.rank}: checkpoint step {step} written from the survivors' memory "
-                f"({len(assigned)} shard(s) from this rank)")
+            "step": step, "samples_seen": src.samples_seen, "opt_steps": src.opt_steps, "model": cfg.name,
+            "seed": seed, "num_layers": cfg.num_layers,
+            "plan_version": plan_version, "time": time.time(), "written_from": "memory"})
+    io.waiter.barrier(io.device)
+    io.log(f"rank {io.rank}: checkpoint step {step} written from the survivors' memory "
+           f"({len(assigned)} shard(s) from this rank)")
     return step
-
-
-def _barrier(trainer: Any) -> None:
-    from sailor_core.runtime.engine import device_ids
-
-    comm.wait(dist.barrier(async_op=True, device_ids=device_ids(trainer.device)))

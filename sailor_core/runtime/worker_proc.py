@@ -12,10 +12,14 @@ Contract (`python -m sailor_core.runtime.worker_proc`):
   same process, keeping torch imported, the dataset and its trainer's state in memory: the next
   generation keeps the layers it still holds at the step it resumes at (Trainer.resume), so a
   reconfiguration costs a rendezvous and at most a load of the layers it did not hold, not a cold
-  start. SIGTERM while waiting for an assignment ends the process at once (exit 0).
+  start. The older trainer lives on only until then (`Kept`): its model and optimizer are freed
+  before the next generation trains, and an aborted generation leaves only its process groups.
+  SIGTERM while waiting for an assignment ends the process at once (exit 0).
 - torchrun mode (`--assignment FILE`, with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT): one
   generation from a JSON file {plan, settings, resume}.
 Heartbeats: in controlled mode the worker sets `hb/<W>` to {"time", "step"} every few seconds.
+Process state lives in the worker's `_Control`: its `Notices` (SIGUSR1, SIGTERM, the plan change's
+stop) and its `Waiter` (waits a lost peer aborts), handed to each generation's trainer.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from sailor_core.errors import PeerLost
 from sailor_core.models.config import config_from_dict, get_config
 from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
-from sailor_core.runtime import comm, protocol
+from sailor_core.runtime import protocol
+from sailor_core.runtime.comm import Waiter
 from sailor_core.runtime.data import TokenDataset
 from sailor_core.runtime.devices import bind_device
-from sailor_core.runtime.engine import Trainer, TrainSettings, _Notices, backend_for
+from sailor_core.runtime.engine import Trainer, TrainSettings, backend_for
+from sailor_core.runtime.notices import Notices
 from sailor_core.runtime.protocol import ControlClient
 from sailor_core.runtime.token_shards import ShardedTokenDataset, open_dataset
 from sailor_core.runtime.topology import layout
@@ -72,34 +78,54 @@ class _DataCache:
         return self._ds
 
 
+class Kept:
+    """The trainer this process keeps between generations: its model and optimizer state at the step it
+    reached, for the next generation to keep from memory (Trainer.resume). The next generation takes
+    it (`take`) and, once resumed, drops it, so at most one generation's state is alive while training."""
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+
+    def take(self) -> Trainer | None:
+        t, self.trainer = self.trainer, None
+        return t
+
+
 def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[str, Any], local_rank: int = 0,
-                   on_metrics: Any = None, previous: Trainer | None = None,
-                   kept: list[Any] | None = None, on_loaded: Any = None,
-                   graveyard: list[Any] | None = None) -> str:
+                   on_metrics: Any = None, kept: Kept | None = None, on_loaded: Any = None,
+                   graveyard: list[Any] | None = None, notices: Notices | None = None,
+                   waiter: Waiter | None = None) -> str:
     """Join the process group described by `init`, train, and return 'done' or 'stopped'.
 
-    `previous`: the trainer of this process's last generation, if it ended cleanly; where it holds the
-    same shard at the resume step, its state is kept from memory instead of loaded. `kept` receives
-    (this trainer, how it resumed); `on_loaded(how)` is told how it resumed before training starts;
-    `graveyard` receives the process groups of an aborted generation (see below)."""
+    `kept`: this process's trainer of its last generation, if any; where it holds the same shard at
+    the resume step, its state is kept from memory instead of loaded. This generation's trainer
+    replaces it there once resumed (and also when it then fails: a lost peer leaves its state whole),
+    unless its state is torn (`Trainer.consistent`); a generation that fails before it resumed leaves
+    the older one. `on_loaded(how)` is told how it resumed before training starts; `graveyard`
+    receives the process groups of an aborted generation (see below). `notices` (installed once the
+    trainer is built) and `waiter`: the process's (fresh ones when not given)."""
     plan = plan_from_dict(assignment["plan"])
     settings = TrainSettings.from_dict(assignment["settings"])
     cfg = config_from_dict(settings.model_config) if settings.model_config else get_config(settings.model)
     rank, world = int(assignment["rank"]), int(assignment["world_size"])
     me = layout(plan)[rank]
+    notices = notices or Notices()
     _log(f"plan version {settings.plan_version}: joining as rank {rank} of {world}")
     # Before any communication: NCCL works on the current GPU; on the testbed a device is a CPU share.
     bind_device(local_rank, me.gpu_type)
     dist.init_process_group(backend_for(me.gpu_type), rank=rank, world_size=world,
                             timeout=timedelta(seconds=settings.timeout_s), **init)
+    previous = kept.take() if kept is not None else None
     trainer = None
     try:
         ds = data.get(settings, cfg.sequence_length, cfg.vocab_size)
         trainer = Trainer(plan, cfg, settings, rank, world, local_rank=local_rank, dataset=ds, log=_log,
-                          on_metrics=on_metrics)
+                          on_metrics=on_metrics, notices=notices, waiter=waiter)
+        notices.install()
         loaded = trainer.resume(previous) if assignment.get("resume") else "none"
+        previous = None  # resumed: the last generation's model and optimizer are freed before this one trains
         if kept is not None:
-            kept[:] = [trainer, loaded]
+            kept.trainer = trainer
         if on_loaded is not None:
             on_loaded(loaded)
         _log(f"plan version {settings.plan_version}: rank {rank} ready at step {trainer.step}")
@@ -108,12 +134,17 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
         # An aborted generation may leave gloo work running on its subgroups' threads (blocked on the
         # lost peer until its timeout). Destroying such a group joins those threads, and Python would
         # do that at whatever moment the garbage collector frees it - stalling the next generation.
-        # Keep the groups referenced (their threads end at the timeout); the trainer itself, its model
-        # and optimizer state, is freed once no later generation keeps it.
+        # Keep the groups referenced (their threads end at the timeout), not the trainer: its model
+        # and optimizer state live on only in `kept`, for the next generation's resume, and only
+        # when whole (a step torn in the optimizer's update is of no use to anyone: freed now).
         if trainer is not None and graveyard is not None:
             graveyard.extend(trainer.process_groups())
+        if kept is not None and kept.trainer is trainer and trainer is not None and not trainer.consistent:
+            kept.trainer = None
         raise
     finally:
+        if kept is not None and previous is not None:
+            kept.trainer = previous  # failed before resuming: the older state is still the newest held
         if trainer is not None:
             trainer.close()
         with contextlib.suppress(Exception):  # no default group (never joined, or already left): nothing to do
@@ -166,14 +197,16 @@ class _Control:
         self.switching = -1  # the generation the controller asked to end for a plan change
         self.training = -1  # the generation this process trains in now (-1: none: waiting, or sitting one out)
         self.aborted_groups: list[Any] = []  # process groups of aborted generations (run_generation)
+        self.notices = Notices()  # this process's: SIGUSR1/SIGTERM, and the plan change's stop
+        # 0: plain waits (lost peers then cost a timeout)
+        self.waiter = Waiter(abortable=os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0")
 
     def start(self) -> None:
         """Starts the heartbeat and the stop and abort watchers (daemon threads until `stop` is set)."""
         threading.Thread(target=self.heartbeat, daemon=True).start()
         threading.Thread(target=self.watch, args=(protocol.stop_key, self.switch), daemon=True).start()
-        if os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0":  # 0: plain waits (lost peers then cost a timeout)
-            comm.set_watched(True)
-            set_wait(comm.wait)
+        if self.waiter.abortable:  # the TP layers' collectives wait through it too
+            set_wait(self.waiter.wait)
         threading.Thread(target=self.watch, args=(protocol.abort_key, self.abort), daemon=True).start()
 
     def heartbeat(self) -> None:
@@ -199,9 +232,9 @@ class _Control:
     def abort(self, gen: int) -> bool:
         """A member of the generation was lost: wakes every blocked wait (a reconfiguration within
         milliseconds instead of a timeout); False when already aborting."""
-        if comm.ABORT.is_set():
+        if self.waiter.abort.is_set():
             return False
-        comm.ABORT.set()
+        self.waiter.abort.set()
         return True
 
     def switch(self, gen: int) -> bool:
@@ -210,7 +243,7 @@ class _Control:
         if self.training != gen or self.switching == gen:
             return False
         self.switching = gen
-        _Notices.stop = True  # every rank agrees on the step through the step's all-reduce
+        self.notices.stop = True  # every rank agrees on the step through the step's all-reduce
         return True
 
     def on_metrics(self, rec: dict[str, Any]) -> None:
@@ -227,11 +260,11 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
     ctl.start()
     data = _DataCache()
     gen = int(os.environ.get("SAILOR_FIRST_GENERATION", "0"))  # a worker added to a running job
-    previous: Trainer | None = None
+    kept = Kept()
     try:
         while True:
             try:
-                raw = _next_assignment(client, protocol.assign_key(gen, worker_id))
+                raw = _next_assignment(client, protocol.assign_key(gen, worker_id), ctl.notices)
             except protocol.ProtocolError as e:  # the controller went away or took too long
                 _log(f"no assignment for generation {gen}: {e}")
                 return 1
@@ -241,13 +274,13 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
             a = json.loads(raw)
             if int(a["rank"]) == protocol.EXIT:
                 return 0
-            comm.ABORT.clear()
+            ctl.waiter.abort.clear()
             ctl.current_gen = gen
             if int(a["rank"]) == protocol.IDLE:
                 gen += 1
-                previous = None  # others train on meanwhile: what it holds would be stale
+                kept.trainer = None  # others train on meanwhile: what it holds would be stale
                 continue
-            status, previous = _train_generation(ctl, a, gen, data, previous)
+            status = _train_generation(ctl, a, gen, data, kept)
             try:
                 client.set(protocol.status_key(gen, worker_id), status)
             except protocol.ProtocolError as e:
@@ -260,12 +293,12 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
         ctl.stop.set()
 
 
-def _next_assignment(client: ControlClient, key: str) -> str | None:
+def _next_assignment(client: ControlClient, key: str, notices: Notices) -> str | None:
     """The assignment under `key`; None when SIGTERM came while waiting for it (the VM is being
     released: nothing to checkpoint, so the process exits at once instead of at its agent's grace
     period); ProtocolError after ASSIGNMENT_WAIT_S."""
     deadline = time.monotonic() + ASSIGNMENT_WAIT_S
-    while not _Notices.terminated:
+    while not notices.terminated:
         left = deadline - time.monotonic()
         if left <= 0:
             raise protocol.ProtocolError(f"no {key} from the controller within {ASSIGNMENT_WAIT_S:.0f}s")
@@ -275,40 +308,39 @@ def _next_assignment(client: ControlClient, key: str) -> str | None:
     return None
 
 
-def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCache,
-                      previous: Trainer | None) -> tuple[str, Trainer | None]:
-    """(the generation's status to report, the trainer to keep in memory for the next one or None)."""
+def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCache, kept: Kept) -> str:
+    """The generation's status to report; `kept` then holds the trainer to keep in memory for the next
+    one, or None."""
     client, worker_id = ctl.client, ctl.worker_id
-    kept: list[Any] = []
     ctl.training = gen
     try:
         status = run_generation(a, data=data, init={"store": _pg_store(a, client, gen)},
                                 local_rank=int(a.get("local_rank", 0)), on_metrics=ctl.on_metrics,
-                                previous=previous, kept=kept, graveyard=ctl.aborted_groups,
+                                kept=kept, graveyard=ctl.aborted_groups, notices=ctl.notices, waiter=ctl.waiter,
                                 on_loaded=lambda how, g=gen: client.set(protocol.loaded_key(g, worker_id), how))
     except Exception as e:  # noqa: BLE001 - a lost peer, a timeout or this rank's own fault: report, await a new plan
         status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         _log(f"generation {gen} {status}")
         if not isinstance(e, PeerLost):
-            _abort_peers(client, gen, f"worker {worker_id} {status}")
+            _abort_peers(ctl, gen, f"worker {worker_id} {status}")
     ctl.training = -1
     if ctl.switching == gen:  # the stop was the plan change's, not the run's end
-        _Notices.stop = False
+        ctl.notices.stop = False
         if status == "stopped":
             status = "switched"
     # A generation that switched, or failed because a peer was lost, leaves this process's state
     # in memory at the step its trainer reached (Trainer.consistent says whether it is whole); the
-    # next generation's resume decides what of it to keep. Without a new trainer, the older one stays.
-    return status, (kept[0] if kept else previous)
+    # next generation's resume decides what of it to keep (run_generation keeps it in `kept`).
+    return status
 
 
-def _abort_peers(client: ControlClient, gen: int, reason: str) -> None:
+def _abort_peers(ctl: _Control, gen: int, reason: str) -> None:
     """This rank failed on its own (a full disk, a bad input, a bug): its peers would otherwise wait for
     it in their next collective until the timeout, or forever in a wait the timeout does not cover.
     Setting the generation's abort key wakes every one of them at once, as a lost VM does."""
-    comm.ABORT.set()
+    ctl.waiter.abort.set()
     try:
-        client.set(protocol.abort_key(gen), reason)
+        ctl.client.set(protocol.abort_key(gen), reason)
     except protocol.ProtocolError as e:  # the controller is gone: it cannot restart anyone either
         _log(f"cannot abort generation {gen} for its peers: {e}")
 

@@ -40,7 +40,7 @@ BF16_MASTER_AND_ADAM_BYTES = 12
 ADAM_STEP_TEMPORARY_BYTES_PER_PARAM = 4
 
 # --- data-parallel gradient reduction ----------------------------------------------------------
-# The runtime (sailor_core/runtime/engine.py, BUCKET_CAP_BYTES) all-reduces gradients in buckets of
+# The runtime (sailor_core/runtime/data_parallel.py, BUCKET_CAP_BYTES) all-reduces gradients in buckets of
 # whole layers, from the last layer back, filled up to 25 MiB (PyTorch DDP's default bucket_cap_mb),
 # launched during the last microbatch's backward as soon as a bucket's gradients are final. Each
 # bucket is a flat copy of its gradients that the runtime keeps until the step's synchronisation

@@ -7,7 +7,7 @@ memory is a valid result (`fits_memory` False, with stage, replica and bytes ove
 
 Time model (docs/simulator.md has the derivations):
 - pipeline j runs m_j microbatches of its own size through its replica of every stage. Our runtime's
-  schedule (1F1B or GPipe) is run batch by batch as engine._schedule posts it (`schedule`), so each
+  schedule (1F1B or GPipe) is run batch by batch as pipeline_schedule.run_schedule posts it (`schedule`), so each
   stage ends its last backward when the runtime's order of operations says; DeepSpeed's blocking
   sends keep their closed form T_j = sum_s (F_s + B_s) + 2 sum_b t_b + (m_j - 1) max_s c_s.
 - a stage's gradient ring starts when every pipeline's replica is done with it (stragglers gate
@@ -64,7 +64,7 @@ def pipeline_time_s(
     boundary b (between stages b and b+1): (activation forward, gradient back), or one number for
     both; len(p2p_s) == len(compute) - 1.
 
-    Our runtime (`sailor`): the schedule is run as engine._schedule runs it, batch by batch
+    Our runtime (`sailor`): the schedule is run as pipeline_schedule.run_schedule runs it, batch by batch
     (`simulator.schedule`: 1F1B's warm-up forwards, steady one-forward-one-backward with the mirror
     batches, drain; GPipe's forwards then backwards; a message moves once its send and its receive
     are both posted). Unequal stages get the overlap of their fill and drain exactly. The p2p part
@@ -314,7 +314,7 @@ def _gradient_sync(
 
 def _tied_sync(plan: ParallelPlan, sm: SimModel, nodes: list[list[int]]) -> tuple[float, float] | None:
     """(seconds, egress USD) of our runtime's tied embedding/head exchange, which starts when the first
-    and the last stage's rings have ended (engine._sync_tied): the slowest pipeline's, each crossing
+    and the last stage's rings have ended (tied_weights.TiedWeights.sync): the slowest pipeline's, each crossing
     zones moving the fp32 weight once each way. None for one stage or an untied model."""
     gb = sm.tied_weight_bytes() / C.BYTES_PER_GB
     if len(plan.stages) < 2 or not gb:
@@ -342,7 +342,7 @@ def _stage_ring(
         ar = sm.allreduce_time_s(reps, nodes_s, allreduce_buckets(grads, C.DEEPSPEED_BUCKET_BYTES))
         return ar, dp_sync_end_s(finish_s, finish_s, ar, ar)
     if dp > 1 and len({r.tp for r in reps}) == 1:
-        # the runtime's buckets, launched during the last microbatch's backward (engine._setup_overlap)
+        # the runtime's buckets, launched during the last microbatch's backward (data_parallel.buckets_of)
         buckets = sm.grad_buckets(reps[0].tp, st.first_layer, st.last_layer, grad_bytes)
         ar = sm.allreduce_time_s(reps, nodes_s, [b for b, _ in buckets])
         ar_last = sm.allreduce_time_s(reps, nodes_s, [buckets[-1][0]])

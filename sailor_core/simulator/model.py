@@ -457,7 +457,7 @@ class SimModel:
 
         The activation crosses once, cut in one slice per receiving TP rank, and the receiving group
         all-gathers it; the input gradient comes back the same way, one slice per sending TP rank
-        (engine._p2p): `sliced_p2p_s` with tp_recv slices forward and tp_send slices back.
+        (pipeline_schedule.P2P): `sliced_p2p_s` with tp_recv slices forward and tp_send slices back.
         """
         return (self.sliced_p2p_s(sender, receiver, message_bytes, max(1, receiver.tp), same_node=same_node,
                                   share=share),
@@ -480,7 +480,7 @@ class SimModel:
         """The runtime's gradient buckets of a stage, in launch order: (bytes, first layer of the bucket).
 
         Whole layers from the last one back, each bucket filled while it stays within
-        `ALLREDUCE_BUCKET_BYTES` (a larger layer is a bucket of its own): engine._setup_overlap.
+        `ALLREDUCE_BUCKET_BYTES` (a larger layer is a bucket of its own): data_parallel.buckets_of.
         """
         key = (tp, first, last, bytes_per_elem)
         hit = self._bucket_memo.get(key)
@@ -533,7 +533,7 @@ class SimModel:
         return spec.vocab_size * spec.hidden_size * C.FP32_GRAD_BYTES if spec.tied_head else 0.0
 
     def tied_sync_s(self, first: Replica, last: Replica, *, same_node: bool) -> float:
-        """Seconds of one pipeline's tied embedding/head exchange in our runtime (engine._sync_tied),
+        """Seconds of one pipeline's tied embedding/head exchange in our runtime (tied_weights.TiedWeights.sync),
         0 for an untied model: after the data-parallel sync, the first stage's replica and the last
         one's add their fp32 gradients of the vocab x hidden weight. With one TP degree at both ends
         TP rank t meets TP rank t over its vocabulary slice: tp two-member rings at once

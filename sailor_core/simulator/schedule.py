@@ -1,4 +1,4 @@
-"""One pipeline's step as our runtime runs it (engine._schedule), event by event, and a lower bound on it.
+"""One pipeline's step as our runtime runs it (pipeline_schedule.run_schedule), event by event, and a lower bound on it.
 
 Contract: `run_1f1b(fwd_s, bwd_s, act_s, grad_s, n)` and `run_gpipe(...)` return (seconds until the
 first stage ends its last backward, when each stage ends its last backward) for stage compute
@@ -45,7 +45,7 @@ _SHIFT_TOL = 1e-9  # relative: consecutive steps moving by one lambda (float rou
 
 @lru_cache(maxsize=4096)
 def programs_1f1b(p: int, n: int) -> tuple[tuple[tuple[int, int, int, bool], ...], ...]:
-    """Per stage, its ops in engine._schedule's order: (kind, side, meeting index on that side,
+    """Per stage, its ops in pipeline_schedule.run_schedule's order: (kind, side, meeting index on that side,
     starts a steady step). Kinds: forward, backward, send-only batch, receive-only batch, mirror batch."""
     progs = []
     for s in range(p):
@@ -177,7 +177,7 @@ def _common_shift(starts: Sequence[Sequence[float]], steps: int) -> float | None
 def run_1f1b(
     fwd_s: Sequence[float], bwd_s: Sequence[float], act_s: Sequence[float], grad_s: Sequence[float], n: int,
 ) -> tuple[float, list[float]]:
-    """(pipeline seconds, when each stage ends its last backward) of engine._schedule's 1F1B."""
+    """(pipeline seconds, when each stage ends its last backward) of pipeline_schedule.run_schedule's 1F1B."""
     p = len(fwd_s)
     for times in _TRY_STEPS:
         extra = times * p + 1
@@ -196,7 +196,7 @@ def run_1f1b(
 def run_gpipe(
     fwd_s: Sequence[float], bwd_s: Sequence[float], act_s: Sequence[float], grad_s: Sequence[float], n: int,
 ) -> tuple[float, list[float]]:
-    """(pipeline seconds, when each stage ends its last backward) of engine._schedule's GPipe: per
+    """(pipeline seconds, when each stage ends its last backward) of pipeline_schedule.run_schedule's GPipe: per
     microbatch a waited receive, the compute, a send not waited for. A receive is posted when the
     previous microbatch's compute is done, so a message moves at max(sent, receive posted):
 
