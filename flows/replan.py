@@ -256,7 +256,7 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
             # in place); one that needs new VMs would wait for them to boot. Capacity that comes back
             # later (a capacity_change) is weighed then, like any other change.
             try:
-                none_free = [dataclasses.replace(o, count=0) for o in offers]  # their zones' regions, no capacity
+                none_free = [dataclasses.replace(o, gpus=0) for o in offers]  # their zones' regions, no capacity
                 result = make_plan(ctx.plan_request(pool_from(none_free, held)), book)
             except NoPlanError:
                 result = None

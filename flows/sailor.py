@@ -440,10 +440,10 @@ def _first_plan(run: _Run) -> ParallelPlan:
     and the first plan, adopted and returned."""
     ctx, params, provider = run.ctx, run.params, run.deps.provider
     offers = _offers(run)
-    if not any(o.count > 0 for o in offers):
+    if not any(o.gpus > 0 for o in offers):
         raise RuntimeError(f"provider {params.provider} offers no GPUs matching the request; "
                            f"to fix: allow more regions, GPU types or markets")
-    gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
+    gpu_set = sorted({o.gpu_type for o in offers if o.gpus > 0})
     run.code = _ship_code(run.deps)
     run.controller = Controller(host=run.deps.controller_host)
     remote = VmCommands(provider, run.controller, run.state, run.code, run.run_id)

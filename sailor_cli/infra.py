@@ -132,7 +132,7 @@ def offerings(
     for c in ("zone", "instance type", "GPU", "per VM", "market", "GPUs", "USD/GPU-h", "fetched (UTC)"):
         t.add_column(c)
     for o in sorted(offers, key=lambda o: (o.usd_per_gpu_hour, o.zone)):
-        t.add_row(o.zone, o.instance_type, o.gpu_type, str(o.gpus_per_node), o.market.value, str(o.count),
+        t.add_row(o.zone, o.instance_type, o.gpu_type, str(o.gpus_per_vm), o.market.value, str(o.gpus),
                   f"{o.usd_per_gpu_hour:.4f}", str(o.price_fetched_at or "")[:19])
     Console().print(t)
 

@@ -220,7 +220,7 @@ def run_inputs(store_uri: str | None, run_id: str,
     provider = LocalProvider(workdir, scenario=load_scenario(p["scenario"]) if p.get("scenario") else None)
     offers = provider.offerings(regions=p.get("regions"), gpu_types=p.get("gpu_types"),
                                 markets=[Market.parse(m) for m in p["markets"]] if p.get("markets") else None)
-    gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
+    gpu_set = sorted({o.gpu_type for o in offers if o.gpus > 0})
     started = datetime.fromisoformat(r["started_at"])
     factors: dict[str, float] = {}  # the flow's starting calibration: the newest factor per type before the run
     for m in sorted(st.read_history("measurements", kind="calibration"), key=lambda m: m.time):

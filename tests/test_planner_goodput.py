@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool
+from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.planner import Objective, PlanRequest, PoolFileError, parse_pool, plan
 from sailor_core.planner.pool import parse_preemption_rates
 from sailor_core.planner.risk import (
@@ -41,9 +41,9 @@ def test_useful_fraction_follows_the_renewal_model() -> None:
 
 def _pool(spot_count: int = 8, od_count: int = 8) -> ResourcePool:
     return ResourcePool(entries=(
-        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=od_count, market=Market.ON_DEMAND, gpus_per_node=2,
+        Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=od_count, market=Market.ON_DEMAND, gpus_per_vm=2,
                   usd_per_gpu_hour=3.0),
-        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=spot_count, market=Market.SPOT, gpus_per_node=2,
+        Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=spot_count, market=Market.SPOT, gpus_per_vm=2,
                   usd_per_gpu_hour=1.0),
     ))
 
@@ -89,7 +89,7 @@ def test_moderate_rates_keep_some_spot_and_report_expected_below_nominal() -> No
 def test_near_zero_rates_pick_the_max_throughput_per_dollar_plan(seed: int) -> None:
     book = tiny_book(seed)
     pool = ResourcePool(entries=_pool().entries + (
-        PoolEntry(zone="r1-b", region="r1", gpu_type="slow", count=6, market=Market.SPOT, gpus_per_node=2,
+        Capacity(zone="r1-b", region="r1", gpu_type="slow", gpus=6, market=Market.SPOT, gpus_per_vm=2,
                   usd_per_gpu_hour=0.6),
     ))
     per_dollar = plan(PlanRequest(model=MODEL, global_batch_size=16, pool=pool, objective=Objective.MIN_COST), book)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor_core.decisions import PlanCost, SwitchDecision
-from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool
+from sailor_core.domain import Capacity, Market, ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, PlanRequest, Restrictions, SearchOptions, summarize
 from sailor_core.planner import plan as run_planner
@@ -107,11 +107,11 @@ class Candidate:
 
 
 def pool_key(pool: ResourcePool) -> tuple[tuple[str, str, str, int, float], ...]:
-    return tuple(sorted((e.zone, e.gpu_type, e.market.value, e.count, e.usd_per_gpu_hour) for e in pool.entries))
+    return tuple(sorted((e.zone, e.gpu_type, e.market.value, e.gpus, e.usd_per_gpu_hour) for e in pool.entries))
 
 
 def counts_of(pool: ResourcePool) -> dict[PlaceKey, int]:
-    return {(e.zone, e.gpu_type, e.market): e.count for e in pool.entries}
+    return {(e.zone, e.gpu_type, e.market): e.gpus for e in pool.entries}
 
 
 def missing_gpus(plan: ParallelPlan, pool: ResourcePool) -> dict[PlaceKey, int]:
@@ -492,9 +492,9 @@ def _held_pool(plan: ParallelPlan, gone: dict[PlaceKey, int], trace: Trace, i: i
         left = n - gone.get(k, 0)
         if left > 0 and k in info:
             pl, u = info[k]
-            entries.append(PoolEntry(zone=pl.zone, region=pl.region, gpu_type=pl.gpu_type, count=left,
-                                     market=pl.market, gpus_per_node=pl.gpus_per_node, usd_per_gpu_hour=u,
-                                     cloud=pl.cloud))
+            entries.append(Capacity(zone=pl.zone, region=pl.region, gpu_type=pl.gpu_type, gpus=left,
+                                    market=pl.market, gpus_per_vm=pl.gpus_per_node, usd_per_gpu_hour=u,
+                                    cloud=pl.cloud))
     return ResourcePool(entries=tuple(entries))
 
 
