@@ -35,7 +35,7 @@ from infra.provider import CapacityError, Provider
 from sailor_core.domain import ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError, StorageUnavailable
 from sailor_core.planner.request import Objective
-from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS
+from sailor_core.planner.risk import planning_checkpoint_interval
 from tasks import interrupt
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
@@ -467,7 +467,7 @@ def _what_if(run: _Run) -> None:
     assert ctx.base_book is not None and p.what_if_trace
     job = job_of(ctx.plan_request(ResourcePool(entries=())), total_steps=ctx.total_steps,
                  sequence_length=ctx.base_book.model.sequence_length,
-                 checkpoint_interval=p.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL_STEPS,
+                 checkpoint_interval=planning_checkpoint_interval(p.checkpoint_interval),
                  reconfiguration_s=ctx.reconfiguration_s(), min_gain=p.min_gain)
     what_if(run.run_id, p.what_if_trace, calibrated_book(ctx.base_book, ctx.calibration), job, ctx.history)
 

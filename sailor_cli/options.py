@@ -68,8 +68,8 @@ MinIterationsPerS = Annotated[float | None, typer.Option(
 MaxGpus = Annotated[int | None, typer.Option("--max-gpus", help="use at most this many GPUs")]
 MaxStages = Annotated[int | None, typer.Option(
     "--max-stages", help="most pipeline stages per plan (default: as many as pay)")]
-CheckpointInterval = Annotated[int, typer.Option(
-    "--checkpoint-interval", help="steps between checkpoints (the work a preemption loses)")]
+CheckpointInterval = Annotated[int, typer.Option("--checkpoint-interval", min=0, help=(
+    "steps between checkpoints (the work a preemption loses); 0, the default: automatic (docs/cli.md)"))]
 ReconfigurationS = Annotated[float | None, typer.Option(
     "--reconfiguration-s", help="seconds from a preemption or a re-plan to training on the new plan "
                                 "(default: the store's measured mean, else 15)")]

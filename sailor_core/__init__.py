@@ -11,10 +11,19 @@ Resources
   zone, region,   Where a VM runs and who sells it (`Zone`); `region` defaults to the zone minus its
   cloud           last `-x` part (`default_region`).
   market          `Market.ON_DEMAND` | `Market.SPOT`.
-  node            One VM of `gpus_per_node` devices. A TP group never spans nodes.
-  pool            What may be rented now: `ResourcePool` of `PoolEntry` (zone, gpu_type, market,
-                  count in GPUs, price). A provider reports it as `Offering`s (infra/provider.py);
-                  the pool file is its written form.
+  vm              One rented machine of `gpus_per_vm` devices (`Vm` in infra/provider.py). A TP group
+                  never spans VMs. Drifts: `node` / `gpus_per_node` (the plan's `Replica`, plan JSON,
+                  `GpuType`, the planner's `Slot`, traces: kept there as the store's and the
+                  paper's name; the pool file reads `gpus_per_node` as `gpus_per_vm`'s older name).
+  capacity        What can be rented: `Capacity` (domain.py): `gpus` GPUs of `gpu_type` in `zone` on
+                  `market` in VMs of `gpus_per_vm`, `vms` the whole VMs they make, a price per GPU-hour.
+                  `gpus` always counts GPUs; a count of VMs is called `vms`.
+  offering        A `Capacity` a provider reports now (`Provider.offerings()`, with `instance_type` and
+                  `price_fetched_at`) or a scenario file lists (its `count` is VMs there: the file's
+                  word). A catalog's priced VM shape is `CatalogShape` (infra/catalog.py): a price, not
+                  capacity. Drifts: the planner's `Offer` tuple (sailor_core/planner/costs.py).
+  pool            What may be rented now: `ResourcePool`, one `Capacity` per (zone, gpu_type, market);
+                  the pool file is its written form (`count` there is GPUs).
 
 The plan (domain.py, validated on construction)
   plan            `ParallelPlan`: stages x data-parallel pipelines x TP, for one model and one
@@ -58,9 +67,13 @@ Running
   step            One optimizer step = one iteration over `global_batch_size` samples.
                   `total_steps`: steps the run trains. Drifts: `steps` (the flow parameter and
                   `sailor train --steps`, `TrainSettings.steps`).
-  checkpoint_interval  Steps between checkpoints (`TrainSettings.checkpoint_interval`, the flow
-                  parameter). Drifts: the flag `sailor train --checkpoint-every` (0 there: only at
-                  the end, which the flow's interval does not allow).
+  checkpoint_interval  Steps between checkpoints: the flow parameter, `--checkpoint-interval` of
+                  `sailor train`, `plan` and `replay` (`--checkpoint-every`: train's older name).
+                  0, the default everywhere, is automatic: Young/Daly per plan version in the flow;
+                  before a plan exists (`plan`, `replay`, the planner's spot risk) the flow's
+                  stand-in, 10 steps; `sailor train` at the end and on a notice
+                  (sailor_core/planner/risk.py `AUTO_CHECKPOINT_INTERVAL`). The runtime's
+                  `TrainSettings.checkpoint_interval` is the resolved number (0 there: at the end).
   checkpoint_uri  Where a run's checkpoints live (a folder or s3:// / gs:// URI;
                   `TrainSettings.checkpoint_uri`). Drifts: the flag `sailor train --checkpoint-dir`.
   plan_version    The number of the plan a run trains with: 1 for the first plan, +1 for every

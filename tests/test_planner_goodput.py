@@ -11,6 +11,7 @@ from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.planner import Objective, PlanRequest, PoolFileError, parse_pool, plan
 from sailor_core.planner.pool import parse_preemption_rates
 from sailor_core.planner.risk import (
+    DEFAULT_CHECKPOINT_INTERVAL_STEPS,
     SpotRisk,
     goodput,
     rates_from_history,
@@ -170,8 +171,14 @@ def test_cli_max_goodput_reports_expected_and_nominal_throughput(tmp_path, capsy
     assert g["nominal_iterations_per_s"] == pytest.approx(got["estimate"]["throughput_iterations_per_s"])
     assert got["spot_risk"]["checkpoint_interval_steps"] == 20 and got["spot_risk"]["reconfiguration_s"] == 90
     assert got["spot_risk"]["default_preemptions_per_vm_hour"] == 2.0
+    # 0 (the default) is the automatic interval: before a plan exists, the flow's stand-in
+    rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "64", "--json",
+               "--objective", "max-goodput", "--checkpoint-interval", "0", "--store", str(store)])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["spot_risk"]["checkpoint_interval_steps"] == \
+        DEFAULT_CHECKPOINT_INTERVAL_STEPS
     rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "64",
-               "--checkpoint-interval", "0", "--store", str(store)])
+               "--checkpoint-interval", "-1", "--store", str(store)])
     assert rc == 2 and "--checkpoint-interval" in capsys.readouterr().err
 
 

@@ -39,7 +39,10 @@ from sailor_core.planner import Constraints, Objective, PlanRequest, Restriction
 from sailor_core.planner import plan as run_planner
 from sailor_core.planner.core import sim_options
 from sailor_core.planner.costs import SimCosts
-from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S  # the flow's estimate before it measured one
+from sailor_core.planner.risk import (  # the flow's stand-ins before it has measured or planned
+    DEFAULT_CHECKPOINT_INTERVAL_STEPS,
+    DEFAULT_RECONFIGURATION_S,
+)
 from sailor_core.profiles import ProfileBook, calibrated_book
 from sailor_core.replay.trace import Trace, TracePoint
 from sailor_core.simulator import simulate
@@ -76,7 +79,7 @@ class ReplayJob:
     constraints: Constraints = field(default_factory=Constraints)
     restrictions: Restrictions = field(default_factory=Restrictions)
     search: SearchOptions = field(default_factory=SearchOptions)
-    checkpoint_interval: int = 100
+    checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL_STEPS
     reconfiguration_s: float = DEFAULT_RECONFIGURATION_S
     grace_s: float = DEFAULT_GRACE_S
     checkpoint_on_notice: bool = True

@@ -25,7 +25,7 @@ from typing import Any
 from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
-from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S
+from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S, planning_checkpoint_interval
 from sailor_core.replay.engine import DEFAULT_GRACE_S, ReplayJob
 from sailor_core.replay.trace import Place, Trace, TracePoint
 
@@ -118,7 +118,8 @@ def run_job(run: Mapping[str, Any], *, sequence_length: int,
         restrictions=Restrictions(clouds=tuple(p.get("clouds") or ()), regions=tuple(p.get("regions") or ()),
                                   gpu_types=tuple(p.get("gpu_types") or ()),
                                   markets=tuple(Market.parse(m) for m in p.get("markets") or ()), max_gpus=max_gpus),
-        search=search, checkpoint_interval=int(p.get("checkpoint_interval", 10)), reconfiguration_s=reconfiguration_s,
+        search=search, checkpoint_interval=planning_checkpoint_interval(int(p.get("checkpoint_interval") or 0)),
+        reconfiguration_s=reconfiguration_s,
         min_gain=float(p.get("min_gain", 0.0)), reuse_dominating_plans=False, weigh_replacements=False,
         grace_s=max(graces) if graces else DEFAULT_GRACE_S,
     )
