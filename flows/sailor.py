@@ -105,9 +105,14 @@ def default_deps(params: SailorParams, run_id: str) -> Deps:
     run_dir = workdir / "runs" / run_id
     import os
 
+    from sailor_core.uris import s3_compat_settings
+
+    # the flow's process is an edge: it hands the store its environment, and adds the AWS SDK's
+    # S3-compatible settings there when the store names an endpoint (sailor_core/uris.py)
+    os.environ.update(s3_compat_settings([params.store_uri or "", params.dataset or ""], os.environ))
     board = HeartbeatBoard()
     provider = make_provider(params, run_dir, board)
-    deps = Deps(provider=provider, store=open_store(params.store_uri), workdir=workdir, board=board,
+    deps = Deps(provider=provider, store=open_store(params.store_uri, env=os.environ), workdir=workdir, board=board,
                 state=state_for(params.store_uri, run_id, run_dir))
     host = "127.0.0.1"
     host_address = getattr(provider, "host_address", None)

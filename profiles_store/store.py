@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import secrets
 import socket
@@ -873,15 +874,18 @@ def open_store(
     seed: bool = True,
     clock: Callable[[], datetime] | None = None,
     host: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> ProfileStore:
     """Open the store at `uri` (None: $SAILOR_STORE, else .sailor/store under the current directory).
 
     `seed=True` lays the shipped seed data (the Sailor artifact's profiles) under the store as a
     read-only base layer. Checks the bucket or folder and the schema version once; writes nothing.
+    `env`: the environment that completes the URI (sailor_core.uris); the CLI and the flow pass
+    `os.environ`, which is also what None stands for (a notebook's or a bench's `open_store(uri)`).
     """
-    loc = resolve(uri)
+    loc = resolve(uri, os.environ if env is None else env)
     loc.check_reachable()
-    seed_loc = resolve(str(SEED_DIR)) if seed else None
+    seed_loc = resolve(str(SEED_DIR), {}) if seed else None  # a local folder: no environment to consult
     store = ProfileStore(loc, seed=seed_loc, clock=clock or (lambda: datetime.now(UTC)), host=host)
     store.check_marker()
     return store

@@ -123,7 +123,7 @@ def open_store(store: str | None) -> ProfileStore:
     """The store `--store` names (default: $SAILOR_STORE, else .sailor/store), over the shipped seed."""
     from profiles_store.store import open_store as _open
 
-    return _open(store)
+    return _open(store, env=os.environ)
 
 
 # Where the artifact's published data lies when no store has the model: $SAILOR_REFERENCE_DATA,
