@@ -158,12 +158,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _s3_compat_environment(args: list[str]) -> None:
     """The AWS SDK reads the settings an S3-compatible endpoint needs from the process environment only
-    (sailor_core/uris.py): add them here, the process's entry, when an argument or $SAILOR_STORE names one;
-    `sailor train`'s workers inherit them."""
+    (sailor_core/uris.py): add them here, the process's entry, when an argument, $SAILOR_STORE or
+    `sailor worker`'s $SAILOR_LOG_URI names one; `sailor train`'s workers inherit them."""
     from sailor_core.uris import s3_compat_settings
 
     values = [a.partition("=")[2] if a.startswith("--") else a for a in args]
-    os.environ.update(s3_compat_settings([*values, os.environ.get("SAILOR_STORE", "")], os.environ))
+    values += [os.environ.get("SAILOR_STORE", ""), os.environ.get("SAILOR_LOG_URI", "")]
+    os.environ.update(s3_compat_settings(values, os.environ))
 
 
 def _leave(code: int) -> NoReturn:
