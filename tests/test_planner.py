@@ -79,6 +79,20 @@ def test_pool_file_shape_of_the_issue_with_defaults_from_the_store(tmp_path: Pat
     assert load_pool_file(j, book).entries[0].gpus == 8
 
 
+def test_pool_file_reads_gpus_per_vm_and_its_older_name_and_writes_the_new_one(book) -> None:
+    from sailor_core.planner.pool import pool_to_dict
+
+    new = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 8, "gpus_per_vm": 2}}}}}, book)
+    old = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 8, "gpus_per_node": 2}}}}}, book)
+    assert new == old and (new.entries[0].gpus, new.entries[0].gpus_per_vm, new.entries[0].vms) == (8, 2, 4)
+    written = pool_to_dict(new)
+    assert written["zones"]["us-central1-a"]["gpus"][A][0]["gpus_per_vm"] == 2
+    assert parse_pool(written, book) == new
+    with pytest.raises(PoolFileError, match="give gpus_per_vm or gpus_per_node"):
+        parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 8, "gpus_per_vm": 2, "gpus_per_node": 2}}}}},
+                   book)
+
+
 def test_pool_file_lists_every_problem_with_a_fix(book) -> None:
     bad = {
         "zones": {
