@@ -34,8 +34,9 @@ The testbed form (scenarios/geo.yaml) has regions of zones, device types and lin
 
 An offering's `count` is a number of VMs (each with `devices_per_vm` devices: 1, 2 or 4); its price
 is per device and hour. Parsed, an offering is a `Capacity` (sailor_core/domain.py): `vms` VMs of
-`gpus_per_vm` devices, `gpus` = their product. A (zone, device type, market) appears once. Latency is not part of the
-format: this machine's kernel has no netem, so only bandwidth is emulated (docs/orchestration.md).
+`gpus_per_vm` devices, `gpus` their product. A (zone, device type, market) appears once. Latency is
+not part of the format: this machine's kernel has no netem, so only bandwidth is emulated
+(docs/orchestration.md).
 
     events:                          # each fires once, when its trigger is reached
       - {at_step: 8, kind: preemption, market: spot, zone: eu-north}   # the newest matching VM (no market,
