@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import typing
 from collections import defaultdict
 from pathlib import Path
@@ -216,3 +217,14 @@ def test_demo_refuses_a_file_as_its_folders_before_anything_starts(tmp_path, cap
     line = _one_line_exit_2(capsys, "demo", "--steps", "5", flag, str(tmp_path / "a-file"))
     assert f"{flag} {tmp_path / 'a-file'} is a file, not a folder" in line
     assert not (tmp_path / ".prefect").exists()  # the Prefect home was not even chosen
+
+
+def test_the_cli_adds_the_sdk_settings_an_s3_endpoint_needs_to_its_own_environment(monkeypatch) -> None:  # noqa: ANN001
+    from sailor_core.uris import S3_COMPAT_ENV
+
+    for k in (*S3_COMPAT_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "SAILOR_STORE", "SAILOR_LOG_URI"):
+        monkeypatch.delenv(k, raising=False)
+    cli_main._s3_compat_environment(["plan", "--store", "s3://bkt/x"])  # AWS itself: nothing to add
+    assert not any(k in os.environ for k in S3_COMPAT_ENV)
+    cli_main._s3_compat_environment(["plan", "--store=s3://bkt/x?endpoint_override=127.0.0.1:9"])
+    assert {k: os.environ[k] for k in S3_COMPAT_ENV} == S3_COMPAT_ENV
