@@ -123,7 +123,10 @@ def offerings(
     offers = _call(p.offerings, regions=list(regions) or None, gpu_types=list(gpu_types) or None,
                    markets=[Market.parse(m) for m in markets] or None)
     if as_json:
-        typer.echo(json.dumps([asdict(o) for o in offers], indent=2, default=str))
+        # `count` and `gpus_per_node`: what this output called `gpus` and `gpus_per_vm` before the one
+        # capacity type, kept so that scripts reading them go on working
+        rows = [{**asdict(o), "count": o.gpus, "gpus_per_node": o.gpus_per_vm} for o in offers]
+        typer.echo(json.dumps(rows, indent=2, default=str))
         return
     from rich.console import Console
     from rich.table import Table
