@@ -56,8 +56,9 @@ def main() -> None:
         first = Planner(book, probe).best(trace.pool_at(0))
         assert first is not None, f"no plan on the first pool of {size} GPUs"
         steps = int(0.6 * args.days * 86400 / first.cost.iteration_time_s)
+        # A checkpoint every 100 steps: the job this bench has measured from its first run on.
         job = ReplayJob(model="OPT-350", global_batch_size=1024, total_steps=steps, tokens_per_step=1024 * seq,
-                        search=SearchOptions(**FAST_SEARCH))
+                        search=SearchOptions(**FAST_SEARCH), checkpoint_interval=100)
         print(f"-- {size} GPUs: {len(trace.points)} changes over {trace.duration_s / 3600:.0f} h, generated in "
               f"{gen_s:.3f} s; job: {steps} steps ({steps * 1024 * seq:.3g} tokens), first plan "
               f"{first.plan.num_gpus} GPUs at {first.cost.iteration_time_s:.3f} s/step")

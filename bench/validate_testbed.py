@@ -185,7 +185,7 @@ def build(tb: Testbed, sc: Any) -> list[VmInfo]:
     out = []
     for o in sc.offerings:
         quota = sc.device_type(o.gpu_type).cpu_per_device
-        for i in range(o.count):
+        for i in range(o.vms):
             key = f"{o.zone.replace('-', '')[:6]}{o.gpu_type[4:5]}{o.gpus_per_vm}{i}"
             vm = tb.add_vm(key, zone=o.zone, devices=o.gpus_per_vm,
                            cpu_cores=None if quota is None else quota * o.gpus_per_vm)

@@ -80,8 +80,8 @@ def _has_local_link(book: ProfileBook) -> bool:
 
 
 def _cheapest(offers: Sequence[Any], **match: Any) -> Any | None:
-    fits = [o for o in offers if o.count > 0 and all(getattr(o, k) == v for k, v in match.items())]
-    return min(fits, key=lambda o: (o.usd_per_gpu_hour * o.gpus_per_node, o.zone)) if fits else None
+    fits = [o for o in offers if o.gpus > 0 and all(getattr(o, k) == v for k, v in match.items())]
+    return min(fits, key=lambda o: (o.usd_per_gpu_hour * o.gpus_per_vm, o.zone)) if fits else None
 
 
 def _known_types(store: Any, gpu_types: Sequence[str]) -> list[str]:
@@ -98,22 +98,22 @@ def _missing(
     def lacks(g: str) -> bool:  # no profile, or none at the TP degrees its VMs allow
         if book is None or g not in present or not book.profiled_points(g):
             return True
-        most = max((o.gpus_per_node for o in offers if o.gpu_type == g and o.count > 0), default=1)
+        most = max((o.gpus_per_vm for o in offers if o.gpu_type == g and o.gpus > 0), default=1)
         return max(t for _, t in book.profiled_points(g)) < min(most, 2)
 
     types = [g for g in gpu_types if lacks(g)]
-    ends = sorted({(o.zone, o.gpu_type) for o in offers if o.count > 0})
+    ends = sorted({(o.zone, o.gpu_type) for o in offers if o.gpus > 0})
     links = store.network_links()
     have = {(lk.sender_zone, lk.sender_gpu, lk.receiver_zone, lk.receiver_gpu) for lk in links}
     pairs: dict[tuple[str, str], list[tuple[tuple[str, str], tuple[str, str]]]] = {}
     for i, a in enumerate(ends):
         for b in ends[i:]:
-            if a == b and sum(o.count // max(o.gpus_per_node, 1) for o in offers if (o.zone, o.gpu_type) == a) < 2:
+            if a == b and sum(o.vms for o in offers if (o.zone, o.gpu_type) == a) < 2:
                 continue  # one VM of it at most: no two VMs of it ever talk
             if (a[0], a[1], b[0], b[1]) not in have and (b[0], b[1], a[0], a[1]) not in have:
                 pairs.setdefault(tuple(sorted((a[0], b[0]))), []).append((a, b))  # type: ignore[arg-type]
     intra = {(lk.gpu_type, lk.num_gpus) for lk in store.intra_node_links()}
-    multi = [o for o in offers if o.count > 0 and o.gpus_per_node >= 2 and (o.gpu_type, 2) not in intra]
+    multi = [o for o in offers if o.gpus > 0 and o.gpus_per_vm >= 2 and (o.gpu_type, 2) not in intra]
     multi = list({o.gpu_type: o for o in multi}.values())
     return types, list(pairs.items()), multi
 
@@ -135,7 +135,7 @@ class _VmPool:
                     and (devices is None or v.gpus >= devices)
                 ):
                     return v
-        fits = [o for o in self.offers if o.gpus_per_node >= (devices or 1)]
+        fits = [o for o in self.offers if o.gpus_per_vm >= (devices or 1)]
         o = _cheapest(fits, zone=zone, **({"gpu_type": gpu} if gpu else {}))
         if o is None:
             return None
@@ -152,8 +152,8 @@ def _layer_jobs(model: str, types: list[str], offers: Sequence[Any], pool: _VmPo
     """(vm, command, (kind, type, zone)) per device type: its layers on its largest VM, TP up to its size."""
     jobs = []
     for g in types:
-        most = max((o.gpus_per_node for o in offers if o.gpu_type == g and o.count > 0), default=1)
-        o = _cheapest(offers, gpu_type=g, gpus_per_node=most)
+        most = max((o.gpus_per_vm for o in offers if o.gpu_type == g and o.gpus > 0), default=1)
+        o = _cheapest(offers, gpu_type=g, gpus_per_vm=most)
         v = pool.get(o.zone, g, devices=most) if o is not None else None
         if o is None or v is None:
             raise MissingProfileError(f"no VM of {g} can be rented to profile {model} on it",
@@ -309,7 +309,7 @@ def measure_zone_link(params: Any, src: tuple[str, str | None], dst: tuple[str, 
     assert deps.state is not None  # default_deps always sets the run's state
     controller = None
     try:
-        offers = [o for o in deps.provider.offerings(regions=params.regions) if o.count > 0]
+        offers = [o for o in deps.provider.offerings(regions=params.regions) if o.gpus > 0]
         types = [_offered_types(offers, zone, gpu, end) for (zone, gpu), end in ((src, "--from"), (dst, "--to"))]
         code = _wheel_for_vms(deps)
         controller = Controller(host=deps.controller_host)

@@ -31,7 +31,7 @@ from profiles_store.spot_risk import spot_risk_from_store
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.plan_format import plan_to_dict
 from sailor_core.planner.request import Constraints, Objective, PlanRequest, Restrictions, SearchOptions
-from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS, SpotRisk
+from sailor_core.planner.risk import SpotRisk, planning_checkpoint_interval
 from sailor_core.profiles import ProfileBook
 from sailor_core.runtime.protocol import vm_of
 from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
@@ -101,7 +101,7 @@ class RunContext:
         """Under max-goodput, the rates the store's history and the parameters give (read at every plan:
         the run's own preemptions count); other objectives ignore spot risk, so nothing is read."""
         p = self.params
-        every = p.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL_STEPS  # the planner weighs one before a plan
+        every = planning_checkpoint_interval(p.checkpoint_interval)  # the planner weighs one before a plan
         if p.objective is not Objective.MAX_GOODPUT:
             return SpotRisk(checkpoint_interval_steps=every)
         return self._spot_rates(every)
@@ -256,7 +256,7 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
             # in place); one that needs new VMs would wait for them to boot. Capacity that comes back
             # later (a capacity_change) is weighed then, like any other change.
             try:
-                none_free = [dataclasses.replace(o, count=0) for o in offers]  # their zones' regions, no capacity
+                none_free = [dataclasses.replace(o, gpus=0) for o in offers]  # their zones' regions, no capacity
                 result = make_plan(ctx.plan_request(pool_from(none_free, held)), book)
             except NoPlanError:
                 result = None

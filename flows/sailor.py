@@ -35,7 +35,7 @@ from infra.provider import CapacityError, Provider
 from sailor_core.domain import ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError, StorageUnavailable
 from sailor_core.planner.request import Objective
-from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS
+from sailor_core.planner.risk import planning_checkpoint_interval
 from tasks import interrupt
 from tasks.control import Controller, HeartbeatBoard
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
@@ -105,9 +105,14 @@ def default_deps(params: SailorParams, run_id: str) -> Deps:
     run_dir = workdir / "runs" / run_id
     import os
 
+    from sailor_core.uris import s3_compat_settings
+
+    # the flow's process is an edge: it hands the store its environment, and adds the AWS SDK's
+    # S3-compatible settings there when the store names an endpoint (sailor_core/uris.py)
+    os.environ.update(s3_compat_settings([params.store_uri or "", params.dataset or ""], os.environ))
     board = HeartbeatBoard()
     provider = make_provider(params, run_dir, board)
-    deps = Deps(provider=provider, store=open_store(params.store_uri), workdir=workdir, board=board,
+    deps = Deps(provider=provider, store=open_store(params.store_uri, env=os.environ), workdir=workdir, board=board,
                 state=state_for(params.store_uri, run_id, run_dir))
     host = "127.0.0.1"
     host_address = getattr(provider, "host_address", None)
@@ -440,10 +445,10 @@ def _first_plan(run: _Run) -> ParallelPlan:
     and the first plan, adopted and returned."""
     ctx, params, provider = run.ctx, run.params, run.deps.provider
     offers = _offers(run)
-    if not any(o.count > 0 for o in offers):
+    if not any(o.gpus > 0 for o in offers):
         raise RuntimeError(f"provider {params.provider} offers no GPUs matching the request; "
                            f"to fix: allow more regions, GPU types or markets")
-    gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
+    gpu_set = sorted({o.gpu_type for o in offers if o.gpus > 0})
     run.code = _ship_code(run.deps)
     run.controller = Controller(host=run.deps.controller_host)
     remote = VmCommands(provider, run.controller, run.state, run.code, run.run_id)
@@ -467,7 +472,7 @@ def _what_if(run: _Run) -> None:
     assert ctx.base_book is not None and p.what_if_trace
     job = job_of(ctx.plan_request(ResourcePool(entries=())), total_steps=ctx.total_steps,
                  sequence_length=ctx.base_book.model.sequence_length,
-                 checkpoint_interval=p.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL_STEPS,
+                 checkpoint_interval=planning_checkpoint_interval(p.checkpoint_interval),
                  reconfiguration_s=ctx.reconfiguration_s(), min_gain=p.min_gain)
     what_if(run.run_id, p.what_if_trace, calibrated_book(ctx.base_book, ctx.calibration), job, ctx.history)
 

@@ -9,7 +9,7 @@ Contract:
   placeholder (zero or sentinel), negative or NaN prices. A row whose spot price alone is bad keeps
   its on-demand price and loses only the spot market (reported too).
 - `CatalogTable` is an immutable table; the query functions (`vm_price`, `accelerator_price`,
-  `catalog_offers`, `cheapest`) are pure functions of the table and their arguments.
+  `catalog_shapes`, `cheapest`) are pure functions of the table and their arguments.
 - `PriceQuote` is one price of one VM shape in one zone on one market, with its fetch time and
   source; `PriceSource` is the protocol that live price feeds (infra/aws, infra/gcp) and
   `CatalogPriceSource` implement, so providers take any of them and tests inject their own.
@@ -223,7 +223,12 @@ def accelerator_price(table: CatalogTable, *, gpu_type: str, zone: str, market: 
 
 
 @dataclass(frozen=True, kw_only=True)
-class CatalogOffer:
+class CatalogShape:
+    """One VM shape a catalog prices: `usd_per_hour` per VM of `gpus_per_vm` GPUs on `market`.
+
+    A price, not capacity: a catalog does not say how many VMs are free. What can be rented now is a
+    provider's offering, a `Capacity` (sailor_core/domain.py)."""
+
     cloud: str
     instance_type: str
     gpu_type: str
@@ -238,10 +243,10 @@ class CatalogOffer:
         return self.usd_per_hour / self.gpus_per_vm
 
 
-def catalog_offers(
+def catalog_shapes(
     table: CatalogTable, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
     markets: Sequence[Market] | None = None,
-) -> list[CatalogOffer]:
+) -> list[CatalogShape]:
     """GPU VM shapes with a price, filtered; sorted by price per GPU-hour, then zone and type."""
     mk = list(markets) if markets else list(Market)
     out = []
@@ -255,15 +260,15 @@ def catalog_offers(
         for m in mk:
             p = row.price(m)
             if p is not None:
-                out.append(CatalogOffer(cloud=row.cloud, instance_type=row.instance_type, gpu_type=row.gpu_type,
+                out.append(CatalogShape(cloud=row.cloud, instance_type=row.instance_type, gpu_type=row.gpu_type,
                                         gpus_per_vm=int(row.gpu_count), region=row.region, zone=row.zone,
                                         market=m, usd_per_hour=p))
     out.sort(key=lambda o: (o.usd_per_gpu_hour, o.zone, o.instance_type, o.market.value))
     return out
 
 
-def cheapest(offers: Iterable[CatalogOffer], *, gpu_type: str, market: Market) -> CatalogOffer | None:
-    best = [o for o in offers if o.gpu_type == gpu_type and o.market is market]
+def cheapest(shapes: Iterable[CatalogShape], *, gpu_type: str, market: Market) -> CatalogShape | None:
+    best = [o for o in shapes if o.gpu_type == gpu_type and o.market is market]
     return min(best, key=lambda o: (o.usd_per_gpu_hour, o.zone, o.instance_type), default=None)
 
 

@@ -30,8 +30,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from infra.catalog import PriceQuote, PriceSource, lookup
-from infra.provider import EventKind, Offering, ProviderEvent, Vm, VmRequest
-from sailor_core.domain import Market, default_region
+from infra.provider import EventKind, ProviderEvent, Vm, VmRequest
+from sailor_core.domain import Capacity, Market, default_region
 from sailor_core.errors import CapacityError, ProviderError
 
 RUN_TAG = "sailor:run"  # AWS tag key; GCP label key is "sailor-run" (labels allow no ':')
@@ -385,7 +385,7 @@ class CloudProvider(ABC, Generic[S]):
     def offerings(
         self, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
         markets: Sequence[Market] | None = None,
-    ) -> list[Offering]:
+    ) -> list[Capacity]:
         regs = [r for r in self.config.regions if not regions or r in regions]
         mks = [Market.parse(m) for m in markets] if markets else list(Market)
         shapes = [s for s in self.SHAPES.values() if not gpu_types or s.gpu_type in gpu_types]
@@ -401,11 +401,11 @@ class CloudProvider(ABC, Generic[S]):
                     if q is None:
                         continue
                     # Sold out (quota or cap used, or spot just interrupted) still reports its price
-                    # with count 0: a caller holding VMs there needs it.
+                    # with 0 GPUs: a caller holding VMs there needs it.
                     gpus = 0 if self._spot_blocked(zone, shape.instance_type, m) else free_gpus(zone, shape, m)
-                    out.append(Offering(
-                        cloud=self.name, region=region, zone=zone, gpu_type=shape.gpu_type, market=m, count=gpus,
-                        gpus_per_node=shape.gpus, usd_per_gpu_hour=q.usd_per_hour / shape.gpus,
+                    out.append(Capacity(
+                        cloud=self.name, region=region, zone=zone, gpu_type=shape.gpu_type, market=m, gpus=gpus,
+                        gpus_per_vm=shape.gpus, usd_per_gpu_hour=q.usd_per_hour / shape.gpus,
                         instance_type=shape.instance_type, price_fetched_at=q.fetched_at))
         return out
 

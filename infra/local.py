@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -50,15 +51,14 @@ from typing import Any
 from infra.bootstrap import AGENT_SCRIPT, assignment_json
 from infra.provider import (
     EventKind,
-    Offering,
     ProviderEvent,
     Vm,
     VmRequest,
     WorkerAssignment,
 )
-from infra.scenario import CLOUD, Scenario, ScenarioEvent, ScenarioOffering, default_scenario, offering_key
+from infra.scenario import Scenario, ScenarioEvent, default_scenario
 from infra.testbed import Testbed, TestbedVm, cleanup_stale, leftovers, testbed_support
-from sailor_core.domain import GpuType, Market
+from sailor_core.domain import Capacity, GpuType, Market, capacity_key
 from sailor_core.errors import CapacityError, ProviderError, TestbedError
 
 AgentCommand = Callable[[Vm, WorkerAssignment, Path], list[str]]
@@ -113,10 +113,10 @@ def _deps_site() -> str:
 
 
 def _rec_key(rec: dict[str, Any]) -> str:
-    return offering_key(rec.get("zone", "local"), rec["gpu_type"], rec["market"])
+    return capacity_key(rec.get("zone", "local"), rec["gpu_type"], rec["market"])
 
 
-def _instance_type(o: ScenarioOffering) -> str:
+def _instance_type(o: Capacity) -> str:
     return f"local-{o.gpus_per_vm}x{o.gpu_type}"
 
 
@@ -212,7 +212,7 @@ class LocalProvider:
             # Capacity counts VMs per offering (zone/device type/market); prices are per device and hour.
             _write_json(self._state_path, {
                 "prices": {o.key: o.usd_per_gpu_hour for o in self.scenario.offerings},
-                "capacity": {o.key: o.count for o in self.scenario.offerings},
+                "capacity": {o.key: o.vms for o in self.scenario.offerings},
                 "fired": {},
                 "run_started": {},
                 "testbeds": {},
@@ -294,7 +294,7 @@ class LocalProvider:
     def offerings(
         self, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
         markets: Sequence[Market] | None = None,
-    ) -> list[Offering]:
+    ) -> list[Capacity]:
         wanted_markets = None if markets is None else {Market.parse(m) for m in markets}
         with self._lock:
             st = self._state()
@@ -309,10 +309,8 @@ class LocalProvider:
             if wanted_markets is not None and o.market not in wanted_markets:
                 continue
             free_vms = max(0, int(st["capacity"].get(o.key, 0)) - used.get(o.key, 0))
-            out.append(Offering(
-                cloud=CLOUD, region=o.region, zone=o.zone, gpu_type=o.gpu_type, market=o.market,
-                count=free_vms * o.gpus_per_vm, gpus_per_node=o.gpus_per_vm,
-                usd_per_gpu_hour=float(st["prices"].get(o.key, o.usd_per_gpu_hour)),
+            out.append(replace(
+                o, gpus=free_vms * o.gpus_per_vm, usd_per_gpu_hour=float(st["prices"].get(o.key, o.usd_per_gpu_hour)),
                 instance_type=_instance_type(o), price_fetched_at=now,
             ))
         return out
@@ -326,8 +324,8 @@ class LocalProvider:
                 used[key] = used.get(key, 0) + 1
         return used
 
-    def _offering_for(self, r: VmRequest) -> tuple[ScenarioOffering | None, str]:
-        key = offering_key(r.zone, r.gpu_type, r.market)
+    def _offering_for(self, r: VmRequest) -> tuple[Capacity | None, str]:
+        key = capacity_key(r.zone, r.gpu_type, r.market)
         try:
             o = self.scenario.offering(key)
         except KeyError:
@@ -340,7 +338,7 @@ class LocalProvider:
 
     def provision(self, requests: Sequence[VmRequest], *, dry_run: bool = False) -> list[Vm]:
         problems = []
-        chosen: list[ScenarioOffering] = []
+        chosen: list[Capacity] = []
         for r in requests:
             o, why = self._offering_for(r)
             if o is None:
@@ -411,7 +409,7 @@ class LocalProvider:
             self._testbeds[run_id] = tb
             return tb
 
-    def _create_vm(self, run_id: str, vm_id: str, o: ScenarioOffering) -> TestbedVm:
+    def _create_vm(self, run_id: str, vm_id: str, o: Capacity) -> TestbedVm:
         cpu = self.scenario.device_type(o.gpu_type).cpu_per_device
         return self._testbed(run_id).add_vm(vm_id, zone=o.zone, devices=o.gpus_per_vm,
                                             cpu_cores=None if cpu is None else cpu * o.gpus_per_vm)
@@ -635,13 +633,13 @@ class LocalProvider:
                         market=o.market, detail={**detail, "old_usd_per_gpu_hour": old,
                                                  "new_usd_per_gpu_hour": ev.usd_per_gpu_hour}))
             elif ev.kind == "capacity_change":
-                assert ev.count is not None
+                assert ev.vms is not None
                 o = next(o for o in self.scenario.offerings if ev.matches(o))  # the scenario checked: exactly one
                 old_count = int(st["capacity"].get(o.key, 0))
-                st["capacity"][o.key] = ev.count
-                free_vms = max(0, ev.count - self._used_vms().get(o.key, 0))
+                st["capacity"][o.key] = ev.vms
+                free_vms = max(0, ev.vms - self._used_vms().get(o.key, 0))
                 # What is rentable now, so a replan can weigh capacity that returned (new > old) too.
-                detail.update(old_count=old_count, new_count=ev.count, returned=max(0, ev.count - old_count),
+                detail.update(old_count=old_count, new_count=ev.vms, returned=max(0, ev.vms - old_count),
                               free_vms=free_vms, free_gpus=free_vms * o.gpus_per_vm, gpus_per_node=o.gpus_per_vm,
                               region=o.region)
                 self._record_event(run_id, ProviderEvent(

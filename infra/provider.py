@@ -1,6 +1,7 @@
 """The Provider protocol: what a cloud (or this machine) must offer the orchestration.
 
-Contract: a provider reports offerings (what can be rented now, at what price), provisions VMs for
+Contract: a provider reports offerings (what can be rented now, at what price: `Capacity` with its
+`instance_type` and `price_fetched_at`, `gpus` in whole VMs of `gpus_per_vm`), provisions VMs for
 a run, bootstraps the worker agent on them, reports events (preemption notices, lost VMs,
 capacity and price changes) and terminates. Input and output models are separate frozen
 dataclasses. Every resource a provider creates is tagged with the run id so `cleanup(run_id)`
@@ -16,33 +17,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from sailor_core.domain import Market, PoolEntry
+from sailor_core.domain import Capacity, Market
 
 # re-exported: flows, tasks and tests import the provider's errors from here
 from sailor_core.errors import CapacityError as CapacityError
 from sailor_core.errors import ProviderError as ProviderError
-
-
-@dataclass(frozen=True, kw_only=True)
-class Offering:
-    """Rentable now: `count` GPUs of `gpu_type` in `zone` on `market`, as VMs of `instance_type`."""
-
-    cloud: str
-    region: str
-    zone: str
-    gpu_type: str
-    market: Market
-    count: int
-    gpus_per_node: int
-    usd_per_gpu_hour: float
-    instance_type: str = ""
-    price_fetched_at: datetime | None = None
-
-    def as_pool_entry(self) -> PoolEntry:
-        return PoolEntry(
-            zone=self.zone, region=self.region, gpu_type=self.gpu_type, count=self.count, market=self.market,
-            gpus_per_node=self.gpus_per_node, usd_per_gpu_hour=self.usd_per_gpu_hour, cloud=self.cloud,
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +116,7 @@ class Provider(Protocol):
     def offerings(
         self, *, regions: Sequence[str] | None = None, gpu_types: Sequence[str] | None = None,
         markets: Sequence[Market] | None = None,
-    ) -> list[Offering]: ...
+    ) -> list[Capacity]: ...
 
     def provision(self, requests: Sequence[VmRequest], *, dry_run: bool = False) -> list[Vm]: ...
 

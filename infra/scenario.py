@@ -33,8 +33,10 @@ The testbed form (scenarios/geo.yaml) has regions of zones, device types and lin
     cpu_budget_cores: 2              # the quotas of every offered VM together must fit (default 2)
 
 An offering's `count` is a number of VMs (each with `devices_per_vm` devices: 1, 2 or 4); its price
-is per device and hour. A (zone, device type, market) appears once. Latency is not part of the
-format: this machine's kernel has no netem, so only bandwidth is emulated (docs/orchestration.md).
+is per device and hour. Parsed, an offering is a `Capacity` (sailor_core/domain.py): `vms` VMs of
+`gpus_per_vm` devices, `gpus` their product. A (zone, device type, market) appears once. Latency is
+not part of the format: this machine's kernel has no netem, so only bandwidth is emulated
+(docs/orchestration.md).
 
     events:                          # each fires once, when its trigger is reached
       - {at_step: 8, kind: preemption, market: spot, zone: eu-north}   # the newest matching VM (no market,
@@ -58,7 +60,7 @@ from typing import Any
 
 import yaml
 
-from sailor_core.domain import Market
+from sailor_core.domain import Capacity, Market
 from sailor_core.errors import ScenarioError as ScenarioError  # re-exported: tests import it from here
 from sailor_core.errors import ValidationError
 
@@ -89,28 +91,6 @@ class DeviceType:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScenarioOffering:
-    """`count` VMs of `gpus_per_vm` devices of `gpu_type` in `zone` on `market`."""
-
-    market: Market
-    count: int
-    usd_per_gpu_hour: float
-    gpu_type: str = GPU_TYPE
-    zone: str = ZONE
-    region: str = REGION
-    gpus_per_vm: int = 1
-
-    @property
-    def key(self) -> str:
-        """The offering's identity in the provider's state: zone/device type/market."""
-        return offering_key(self.zone, self.gpu_type, self.market)
-
-
-def offering_key(zone: str, gpu_type: str, market: Market | str) -> str:
-    return f"{zone}/{gpu_type}/{Market.parse(market).value}"
-
-
-@dataclass(frozen=True, kw_only=True)
 class Links:
     """Bandwidth between zones, Gbit/s per direction; `pairs` maps a sorted zone pair to an override."""
 
@@ -131,7 +111,7 @@ class ScenarioEvent:
     gpu_type: str | None = None
     vm: int | None = None
     usd_per_gpu_hour: float | None = None
-    count: int | None = None
+    vms: int | None = None  # a capacity_change's new VM count (the file's `count`)
     grace_s: float = 2.0
 
     def due(self, *, step: int, elapsed_s: float) -> bool:
@@ -140,7 +120,7 @@ class ScenarioEvent:
         assert self.at_s is not None
         return elapsed_s >= self.at_s
 
-    def matches(self, offering: ScenarioOffering) -> bool:
+    def matches(self, offering: Capacity) -> bool:
         """Does this event concern that offering (its zone, device type and market filters)?"""
         return ((self.market is None or offering.market == self.market)
                 and (self.zone is None or offering.zone == self.zone)
@@ -149,7 +129,7 @@ class ScenarioEvent:
 
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
-    offerings: tuple[ScenarioOffering, ...]
+    offerings: tuple[Capacity, ...]
     events: tuple[ScenarioEvent, ...] = ()
     name: str = ""
     device_types: tuple[DeviceType, ...] = (DeviceType(name=GPU_TYPE),)
@@ -191,19 +171,26 @@ class Scenario:
             return self.links.same_region_gbps
         return self.links.cross_region_gbps
 
-    def offering(self, key: str) -> ScenarioOffering:
+    def offering(self, key: str) -> Capacity:
         for o in self.offerings:
             if o.key == key:
                 return o
         raise KeyError(key)
 
 
-DEFAULT_OFFERINGS = (ScenarioOffering(market=Market.ON_DEMAND, count=4, usd_per_gpu_hour=0.20),)
+def local_offering(*, market: Market, vms: int, usd_per_gpu_hour: float, gpu_type: str = GPU_TYPE,
+                   zone: str = ZONE, region: str = REGION, gpus_per_vm: int = 1) -> Capacity:
+    """One scenario offering: `vms` VMs of `gpus_per_vm` devices (the one-zone form's defaults)."""
+    return Capacity(zone=zone, region=region, gpu_type=gpu_type, market=market, gpus=vms * gpus_per_vm,
+                    gpus_per_vm=gpus_per_vm, usd_per_gpu_hour=usd_per_gpu_hour, cloud=CLOUD)
+
+
+DEFAULT_OFFERINGS = (local_offering(market=Market.ON_DEMAND, vms=4, usd_per_gpu_hour=0.20),)
 
 
 def default_scenario(slots: int = 4, usd_per_gpu_hour: float = 0.20) -> Scenario:
     return Scenario(
-        offerings=(ScenarioOffering(market=Market.ON_DEMAND, count=slots, usd_per_gpu_hour=usd_per_gpu_hour),),
+        offerings=(local_offering(market=Market.ON_DEMAND, vms=slots, usd_per_gpu_hour=usd_per_gpu_hour),),
         name="default",
     )
 
@@ -246,7 +233,7 @@ def _unknown(d: dict[str, Any], allowed: set[str], where: str, errors: list[str]
 _OFFERING_KEYS = {"market", "count", "usd_per_gpu_hour", "device_type", "devices_per_vm"}
 
 
-def _offering(o: Any, where: str, zone: str, region: str, testbed: bool, errors: list[str]) -> ScenarioOffering | None:
+def _offering(o: Any, where: str, zone: str, region: str, testbed: bool, errors: list[str]) -> Capacity | None:
     if not isinstance(o, dict):
         errors.append(f"{where}: must be a mapping, got {o!r}")
         return None
@@ -270,8 +257,8 @@ def _offering(o: Any, where: str, zone: str, region: str, testbed: bool, errors:
         if "count" not in o or "usd_per_gpu_hour" not in o:
             errors.append(f"{where}: needs count and usd_per_gpu_hour")
         return None
-    return ScenarioOffering(market=market, count=count, usd_per_gpu_hour=float(price), gpu_type=gpu_type, zone=zone,
-                            region=region, gpus_per_vm=devices or 1)
+    return local_offering(market=market, vms=count, usd_per_gpu_hour=float(price), gpu_type=gpu_type, zone=zone,
+                          region=region, gpus_per_vm=devices or 1)
 
 
 def _device_types(raw: Any, errors: list[str]) -> tuple[DeviceType, ...]:
@@ -337,11 +324,11 @@ def _links(raw: Any, zones: dict[str, str], errors: list[str]) -> Links:
     return Links(**rates, pairs=tuple(pairs))
 
 
-def _regions(raw: Any, errors: list[str]) -> list[ScenarioOffering]:
+def _regions(raw: Any, errors: list[str]) -> list[Capacity]:
     if not isinstance(raw, dict) or not raw:
         errors.append(f"regions: must be a mapping region -> zone -> list of offerings, got {raw!r}")
         return []
-    out: list[ScenarioOffering] = []
+    out: list[Capacity] = []
     seen_zones: dict[str, str] = {}
     for region, zones in raw.items():
         if not isinstance(zones, dict) or not zones:
@@ -364,7 +351,7 @@ def _regions(raw: Any, errors: list[str]) -> list[ScenarioOffering]:
 
 
 def _event(
-    e: Any, where: str, index: int, offerings: list[ScenarioOffering], errors: list[str]
+    e: Any, where: str, index: int, offerings: list[Capacity], errors: list[str]
 ) -> ScenarioEvent | None:
     if not isinstance(e, dict):
         errors.append(f"{where}: must be a mapping, got {e!r}")
@@ -400,7 +387,7 @@ def _event(
         return None
     ev = ScenarioEvent(
         index=index, kind=kind, at_step=at_step, at_s=at_s, market=market, zone=zone, gpu_type=gpu_type, vm=vm,
-        usd_per_gpu_hour=None if price is None else float(price), count=count,
+        usd_per_gpu_hour=None if price is None else float(price), vms=count,
         grace_s=2.0 if grace is None else float(grace),
     )
     if market is not None or zone is not None or gpu_type is not None:
@@ -433,7 +420,7 @@ def parse_scenario(raw: dict[str, Any], *, name: str = "") -> Scenario:
         if key in demo and not isinstance(demo[key], kind):
             errors.append(f"demo.{key}: must be {getattr(kind, '__name__', 'a number')}, got {demo[key]!r}")
     testbed = "regions" in raw
-    offerings: list[ScenarioOffering] = []
+    offerings: list[Capacity] = []
     if testbed:
         if raw.get("offerings"):
             errors.append("scenario: give either offerings (one local zone) or regions (zones), not both")
@@ -464,7 +451,7 @@ def parse_scenario(raw: dict[str, Any], *, name: str = "") -> Scenario:
     budget = _num(raw, "cpu_budget_cores", "scenario", errors, positive=True)
     budget = DEFAULT_CPU_BUDGET_CORES if budget is None else float(budget)
     quota = {d.name: d.cpu_per_device for d in device_types}
-    total = sum(o.count * o.gpus_per_vm * (quota.get(o.gpu_type) or 0.0) for o in offerings)
+    total = sum(o.gpus * (quota.get(o.gpu_type) or 0.0) for o in offerings)
     if total > budget + 1e-9:
         errors.append(f"device quotas: all offered VMs together may use {total:g} cores, more than cpu_budget_cores "
                       f"{budget:g} (VMs running at once would contend and a device type's speed would be whatever "

@@ -1,7 +1,9 @@
 """Store locations: a URI -> (pyarrow filesystem, root path), and the few object operations the store uses.
 
-Contract: `resolve(uri)` is the only place that knows about schemes. Everything above it works on a
-`Location` (a pyarrow `FileSystem` plus a root path) through one code path, whatever the backend:
+Contract: `resolve(uri, env)` turns a store URI into a `Location` (a pyarrow `FileSystem` plus a
+root path); the URI's schemes, query parameters and the environment variables that complete them
+are sailor_core.uris's (`store_target`), handed `env` by the caller. Everything above works on a
+`Location` through one code path, whatever the backend:
 
 - a local path or `file://` URI (the embedded default),
 - `s3://bucket/prefix` with optional query parameters `endpoint_override` (or $AWS_ENDPOINT_URL_S3 /
@@ -18,24 +20,22 @@ and how to fix it (`explain`).
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TypeVar
-from urllib.parse import parse_qs, urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from sailor_core.errors import StoreError
+from sailor_core.uris import redact as redact  # re-exported: the store shows its URI through it
+from sailor_core.uris import store_target
 
 T = TypeVar("T")
 
 TMP_PREFIX = ".tmp-"
-_TRUE = {"1", "true", "yes", "on"}
 
 
 @dataclass(frozen=True)
@@ -218,116 +218,11 @@ def _short(msg: str, n: int = 220) -> str:
     return msg if len(msg) <= n else msg[: n - 3] + "..."
 
 
-def _aws_credentials_configured() -> bool:
-    """Whether the AWS credential chain has something to find (env, config files, container/web identity)."""
-    env = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-           "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_ROLE_ARN")
-    if any(os.environ.get(v) for v in env):
-        return True
-    files = (
-        os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials",
-        os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config",
-    )
-    if any(os.path.exists(os.path.expanduser(f)) for f in files):
-        return True
-    return os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true"  # an instance role may answer
+def resolve(uri: str | None, env: Mapping[str, str]) -> Location:
+    """Parse a store URI (None: $SAILOR_STORE in `env`, else the embedded default) into a Location.
 
-
-def redact(uri: str) -> str:
-    """The URI with any secret_key query value hidden, for messages and listings."""
-    return re.sub(r"(secret_key=)[^&]*", r"\1***", uri)
-
-
-def default_store_uri() -> str:
-    return os.environ.get("SAILOR_STORE") or os.path.join(os.getcwd(), ".sailor", "store")
-
-
-def _opt(q: dict[str, list[str]], name: str) -> str | None:
-    v = q.get(name)
-    return v[-1] if v else None
-
-
-def _split_endpoint(endpoint: str) -> tuple[str, str | None]:
-    """'http://host:port' -> ('host:port', 'http'); 'host:port' -> ('host:port', None)."""
-    m = re.match(r"^(https?)://(.+?)/?$", endpoint)
-    return (m.group(2), m.group(1)) if m else (endpoint.rstrip("/"), None)
-
-
-def resolve(uri: str | None) -> Location:
-    """Parse a store URI (None: the embedded default) into a Location. Does no I/O."""
-    raw = uri if uri else default_store_uri()
-    parts = urlsplit(raw)
-    scheme = parts.scheme.lower()
-    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
-        path = parts.path if scheme == "file" else raw
-        root = os.path.abspath(os.path.expanduser(path)).replace(os.sep, "/").rstrip("/")
-        return Location(uri=raw, fs=pafs.LocalFileSystem(), root=root, scheme="file")
-    q = parse_qs(parts.query)
-    bucket = parts.netloc
-    if not bucket:
-        raise StoreError(f"store URI {raw!r} names no bucket; to fix: use {scheme}://BUCKET/PREFIX")
-    root = (bucket + "/" + parts.path.strip("/")).rstrip("/")
-    anonymous = (_opt(q, "anonymous") or "").lower() in _TRUE
-    if scheme == "s3":
-        endpoint = (
-            _opt(q, "endpoint_override")
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-            or ""
-        )
-        kwargs: dict = dict(
-            anonymous=anonymous,
-            region=_opt(q, "region")
-            or os.environ.get("AWS_REGION")
-            or os.environ.get("AWS_DEFAULT_REGION")
-            or "us-east-1",
-            connect_timeout=float(_opt(q, "connect_timeout") or 5),
-            request_timeout=float(_opt(q, "request_timeout") or 60),
-            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=int(_opt(q, "max_attempts") or 3)),
-            allow_bucket_creation=False,
-            allow_bucket_deletion=False,
-        )
-        if _opt(q, "access_key"):
-            kwargs.update(access_key=_opt(q, "access_key"), secret_key=_opt(q, "secret_key") or "")
-        signed = not anonymous and bool(_opt(q, "access_key") or _aws_credentials_configured())
-        if endpoint:
-            host, sch = _split_endpoint(endpoint)
-            kwargs.update(endpoint_override=host, scheme=_opt(q, "scheme") or sch or "https")
-            # S3-compatible servers (rclone, older MinIO) reject the AWS SDK's default trailing
-            # checksums with 411/400; ask for checksums only where the operation requires them.
-            os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
-            os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
-        try:
-            fs: pafs.FileSystem = pafs.S3FileSystem(**kwargs)
-            kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=1)
-            delete_fs = pafs.S3FileSystem(**kwargs)
-        except (OSError, pa.ArrowException, ValueError) as e:
-            raise StoreError(
-                f"cannot set up S3 for {redact(raw)!r}: {e}; to fix: check the URI's query parameters"
-            ) from None
-        return Location(
-            uri=raw, fs=fs, root=root, scheme="s3", bucket=bucket, endpoint=endpoint, delete_fs=delete_fs, signed=signed
-        )
-    if scheme in ("gs", "gcs"):
-        endpoint = (
-            _opt(q, "endpoint_override")
-            or os.environ.get("SAILOR_GCS_ENDPOINT")
-            or os.environ.get("STORAGE_EMULATOR_HOST")
-            or ""
-        )
-        gkw: dict = dict(anonymous=anonymous, retry_time_limit=timedelta(seconds=float(_opt(q, "retry_seconds") or 15)))
-        if _opt(q, "project_id"):
-            gkw["project_id"] = _opt(q, "project_id")
-        if endpoint:
-            host, sch = _split_endpoint(endpoint)
-            gkw.update(endpoint_override=host, scheme=_opt(q, "scheme") or sch or "https")
-        try:
-            fs = pafs.GcsFileSystem(**gkw)
-        except (OSError, pa.ArrowException, ValueError) as e:
-            raise StoreError(
-                f"cannot set up GCS for {redact(raw)!r}: {e}; to fix: check the URI's query parameters"
-            ) from None
-        return Location(uri=raw, fs=fs, root=root, scheme="gs", bucket=bucket, endpoint=endpoint, signed=not anonymous)
-    raise StoreError(
-        f"unsupported store URI scheme {scheme!r} in {raw!r}; to fix: use a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX"
-    )
+    Does no I/O. The URI's rules, and the environment variables that complete it, are
+    sailor_core.uris's (`store_target`)."""
+    t = store_target(uri, env)
+    return Location(uri=t.uri, fs=t.fs, root=t.root, scheme=t.scheme, bucket=t.bucket, endpoint=t.endpoint,
+                    delete_fs=t.delete_fs, signed=t.signed)

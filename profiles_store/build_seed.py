@@ -31,7 +31,7 @@ def build_seed(reference: str | Path, out: str | Path = SEED_DIR) -> dict[str, i
     data = read_eth_easl(reference)
     out = Path(out)
     with tempfile.TemporaryDirectory() as tmp:
-        store = ProfileStore(resolve(tmp), seed=None, host="")
+        store = ProfileStore(resolve(tmp, {}), seed=None, host="")  # a local folder
         counts = import_eth_easl(store, data, recorded_at=SEED_RECORDED_AT)
         files = sorted(p for p in Path(tmp).rglob("*.parquet") if FILE_RE.match(p.name))
         dirs = [p.parent for p in files]

@@ -25,6 +25,7 @@ from pathlib import Path
 from sailor_core.catalog import GPU_TYPES, MODEL_ARCHITECTURES
 from sailor_core.domain import (
     BandwidthFit,
+    Capacity,
     EgressPrice,
     GpuPrice,
     GpuType,
@@ -34,7 +35,6 @@ from sailor_core.domain import (
     Market,
     ModelSpec,
     NetworkLink,
-    PoolEntry,
 )
 from sailor_core.errors import SailorError
 from sailor_core.profiles import ProfileBook
@@ -68,7 +68,7 @@ class EthEaslData:
     intra_node: tuple[IntraNodeLink, ...]
     egress: tuple[EgressPrice, ...]
     prices: tuple[GpuPrice, ...]
-    quotas: tuple[PoolEntry, ...]
+    quotas: tuple[Capacity, ...]
 
     def profile_book(self, model: str) -> ProfileBook:
         if model not in self.models:
@@ -264,7 +264,7 @@ def _network_links(
     return links, link_files
 
 
-def _quotas(planner: Path, gpu_types: dict[str, GpuType]) -> list[PoolEntry]:
+def _quotas(planner: Path, gpu_types: dict[str, GpuType]) -> list[Capacity]:
     """The artifact's dummy quotas as pool entries at the evaluation prices (none when the file is absent)."""
     quotas_path = planner / "sailor_planner" / "dummy_quotas_dict.json"
     quotas = []
@@ -272,8 +272,8 @@ def _quotas(planner: Path, gpu_types: dict[str, GpuType]) -> list[PoolEntry]:
         for g, by_zone in _load(quotas_path).items():
             for z, n in by_zone.items():
                 quotas.append(
-                    PoolEntry(zone=z, region=z.rsplit("-", 1)[0], gpu_type=g, count=int(n),
-                              gpus_per_node=gpu_types[g].gpus_per_node if g in gpu_types else 1,
-                              usd_per_gpu_hour=EVALUATION_PRICES_USD_PER_GPU_HOUR.get(g, 0.0))
+                    Capacity(zone=z, region=z.rsplit("-", 1)[0], gpu_type=g, gpus=int(n),
+                             gpus_per_vm=gpu_types[g].gpus_per_node if g in gpu_types else 1,
+                             usd_per_gpu_hour=EVALUATION_PRICES_USD_PER_GPU_HOUR.get(g, 0.0))
                 )
     return quotas

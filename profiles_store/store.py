@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import secrets
 import socket
@@ -54,6 +55,7 @@ from profiles_store.schemas import (
 )
 from sailor_core.domain import (
     BandwidthFit,
+    Capacity,
     EgressPrice,
     GpuPrice,
     GpuType,
@@ -64,7 +66,6 @@ from sailor_core.domain import (
     ModelSpec,
     NetworkLink,
     NodeAllReduce,
-    PoolEntry,
     Provenance,
     default_region,
 )
@@ -692,7 +693,7 @@ class ProfileStore:
         ]
         self.write_table("gpu_prices", rows, provenance=provenance)
 
-    def quotas(self) -> tuple[PoolEntry, ...]:
+    def quotas(self) -> tuple[Capacity, ...]:
         """Quotas as pool entries: GPUs per node from the GPU types, price from the current prices."""
         types = self.gpu_types()
         price = {(p.cloud, p.zone, p.gpu_type, p.market): p.usd_per_gpu_hour for p in self.prices()}
@@ -701,18 +702,18 @@ class ProfileStore:
             market = Market.parse(r["market"])
             g = types.get(r["gpu_type"])
             out.append(
-                PoolEntry(
-                    zone=r["zone"], region=r["region"], gpu_type=r["gpu_type"], count=r["max_gpus"], market=market,
-                    gpus_per_node=g.gpus_per_node if g else 1,
+                Capacity(
+                    zone=r["zone"], region=r["region"], gpu_type=r["gpu_type"], gpus=r["max_gpus"], market=market,
+                    gpus_per_vm=g.gpus_per_node if g else 1,
                     usd_per_gpu_hour=price.get((r["cloud"], r["zone"], r["gpu_type"], market), 0.0), cloud=r["cloud"],
                 )
             )
         return tuple(out)
 
-    def write_quotas(self, entries: Iterable[PoolEntry], *, provenance: Provenance | None = None) -> None:
+    def write_quotas(self, entries: Iterable[Capacity], *, provenance: Provenance | None = None) -> None:
         rows = [
             dict(cloud=e.cloud, zone=e.zone, region=e.region or default_region(e.zone), gpu_type=e.gpu_type,
-                 market=Market.parse(e.market).value, max_gpus=e.count)
+                 market=Market.parse(e.market).value, max_gpus=e.gpus)
             for e in entries
         ]
         self.write_table("quotas", rows, provenance=provenance)
@@ -873,15 +874,18 @@ def open_store(
     seed: bool = True,
     clock: Callable[[], datetime] | None = None,
     host: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> ProfileStore:
     """Open the store at `uri` (None: $SAILOR_STORE, else .sailor/store under the current directory).
 
     `seed=True` lays the shipped seed data (the Sailor artifact's profiles) under the store as a
     read-only base layer. Checks the bucket or folder and the schema version once; writes nothing.
+    `env`: the environment that completes the URI (sailor_core.uris); the CLI and the flow pass
+    `os.environ`, which is also what None stands for (a notebook's or a bench's `open_store(uri)`).
     """
-    loc = resolve(uri)
+    loc = resolve(uri, os.environ if env is None else env)
     loc.check_reachable()
-    seed_loc = resolve(str(SEED_DIR)) if seed else None
+    seed_loc = resolve(str(SEED_DIR), {}) if seed else None  # a local folder: no environment to consult
     store = ProfileStore(loc, seed=seed_loc, clock=clock or (lambda: datetime.now(UTC)), host=host)
     store.check_marker()
     return store

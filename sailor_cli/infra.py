@@ -123,7 +123,10 @@ def offerings(
     offers = _call(p.offerings, regions=list(regions) or None, gpu_types=list(gpu_types) or None,
                    markets=[Market.parse(m) for m in markets] or None)
     if as_json:
-        typer.echo(json.dumps([asdict(o) for o in offers], indent=2, default=str))
+        # `count` and `gpus_per_node`: what this output called `gpus` and `gpus_per_vm` before the one
+        # capacity type, kept so that scripts reading them go on working
+        rows = [{**asdict(o), "count": o.gpus, "gpus_per_node": o.gpus_per_vm} for o in offers]
+        typer.echo(json.dumps(rows, indent=2, default=str))
         return
     from rich.console import Console
     from rich.table import Table
@@ -132,7 +135,7 @@ def offerings(
     for c in ("zone", "instance type", "GPU", "per VM", "market", "GPUs", "USD/GPU-h", "fetched (UTC)"):
         t.add_column(c)
     for o in sorted(offers, key=lambda o: (o.usd_per_gpu_hour, o.zone)):
-        t.add_row(o.zone, o.instance_type, o.gpu_type, str(o.gpus_per_node), o.market.value, str(o.count),
+        t.add_row(o.zone, o.instance_type, o.gpu_type, str(o.gpus_per_vm), o.market.value, str(o.gpus),
                   f"{o.usd_per_gpu_hour:.4f}", str(o.price_fetched_at or "")[:19])
     Console().print(t)
 

@@ -156,6 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     _leave(code)
 
 
+def _s3_compat_environment(args: list[str]) -> None:
+    """The AWS SDK reads the settings an S3-compatible endpoint needs from the process environment only
+    (sailor_core/uris.py): add them here, the process's entry, when an argument, $SAILOR_STORE or
+    `sailor worker`'s $SAILOR_LOG_URI names one; `sailor train`'s workers inherit them."""
+    from sailor_core.uris import s3_compat_settings
+
+    values = [a.partition("=")[2] if a.startswith("--") else a for a in args]
+    values += [os.environ.get("SAILOR_STORE", ""), os.environ.get("SAILOR_LOG_URI", "")]
+    os.environ.update(s3_compat_settings(values, os.environ))
+
+
 def _leave(code: int) -> NoReturn:
     """End the process with `code` after the cleanup a normal interpreter exit runs, minus its last step.
 
@@ -192,10 +203,11 @@ def _leave(code: int) -> NoReturn:
 
 def _main(argv: list[str] | None) -> int:
     _register()
+    args = sys.argv[1:] if argv is None else argv
+    _s3_compat_environment(args)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
         signal.signal(signal.SIGINT, _on_sigint)
-        args = sys.argv[1:] if argv is None else argv
         if argv is None and args and args[0] in _GUARDED:  # the program only: a caller in Python owns its children
             from sailor_cli.lifeline import hold
 

@@ -68,8 +68,8 @@ MinIterationsPerS = Annotated[float | None, typer.Option(
 MaxGpus = Annotated[int | None, typer.Option("--max-gpus", help="use at most this many GPUs")]
 MaxStages = Annotated[int | None, typer.Option(
     "--max-stages", help="most pipeline stages per plan (default: as many as pay)")]
-CheckpointInterval = Annotated[int, typer.Option(
-    "--checkpoint-interval", help="steps between checkpoints (the work a preemption loses)")]
+CheckpointInterval = Annotated[int, typer.Option("--checkpoint-interval", min=0, help=(
+    "steps between checkpoints (the work a preemption loses); 0, the default: automatic (docs/cli.md)"))]
 ReconfigurationS = Annotated[float | None, typer.Option(
     "--reconfiguration-s", help="seconds from a preemption or a re-plan to training on the new plan "
                                 "(default: the store's measured mean, else 15)")]
@@ -123,7 +123,7 @@ def open_store(store: str | None) -> ProfileStore:
     """The store `--store` names (default: $SAILOR_STORE, else .sailor/store), over the shipped seed."""
     from profiles_store.store import open_store as _open
 
-    return _open(store)
+    return _open(store, env=os.environ)
 
 
 # Where the artifact's published data lies when no store has the model: $SAILOR_REFERENCE_DATA,

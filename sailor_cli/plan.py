@@ -60,7 +60,7 @@ from sailor_core.planner import (
 )
 from sailor_core.planner.pool import parse_preemption_rates, read_pool_document
 from sailor_core.planner.request import stage_range
-from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS, SpotRisk
+from sailor_core.planner.risk import AUTO_CHECKPOINT_INTERVAL, SpotRisk, planning_checkpoint_interval
 
 
 def plan(
@@ -88,7 +88,7 @@ def plan(
         "--frontier-png", help="plot the throughput/cost frontier to this PNG")] = None,
     wide_frontier: Annotated[bool, typer.Option("--wide-frontier", help=(
         "frontier from cheapest to fastest (about 2x search time; on with --frontier-png)"))] = False,
-    checkpoint_interval: CheckpointInterval = DEFAULT_CHECKPOINT_INTERVAL_STEPS,
+    checkpoint_interval: CheckpointInterval = AUTO_CHECKPOINT_INTERVAL,
     reconfiguration_s: ReconfigurationS = None,
     large_batch: Annotated[bool, typer.Option("--large-batch", help=(
         f"plan a global batch above {MAX_PLAIN_GLOBAL_BATCH} sequences (refused without it)"))] = False,
@@ -105,9 +105,6 @@ def plan(
         model = resolve_model(model, model_config, seq_len).name
     _check_batch(global_batch_size, large_batch)
     min_stages, max_stages = stage_range(stages) if stages else (1, SearchOptions.max_stages)
-    if checkpoint_interval < 1:
-        raise SailorError(f"--checkpoint-interval must be >= 1 step, got {checkpoint_interval}; "
-                          f"to fix: pass a positive number")
     doc = _read_pool(pool_file)  # before the store is read: a wrong path costs nothing
     book = load_model_book(model, store)
     pool = parse_pool(doc, book, source=pool_file)
@@ -127,7 +124,7 @@ def plan(
         ),
         options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None, min_stages=min_stages,
                               max_stages=max_stages),
-        spot_risk=_spot_risk(doc, store, checkpoint_interval, reconfiguration_s),
+        spot_risk=_spot_risk(doc, store, planning_checkpoint_interval(checkpoint_interval), reconfiguration_s),
     )
     result = run_planner(request, book)
     variations = [(change, run_planner(replace(request, pool=apply_what_if(pool, change, book)), book))

@@ -45,6 +45,7 @@ from sailor_cli.options import (
 from sailor_core.domain import Market
 from sailor_core.errors import SailorError, ValidationError
 from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
+from sailor_core.planner.risk import AUTO_CHECKPOINT_INTERVAL, planning_checkpoint_interval
 from sailor_core.profiles import ProfileBook
 from sailor_core.replay import (
     DEFAULT_GRACE_S,
@@ -88,7 +89,7 @@ def replay(
     max_stages: MaxStages = None,
     search: Annotated[str, typer.Option(
         "--search", help="fast (default) | full: the flow's own planner search")] = "fast",
-    checkpoint_interval: CheckpointInterval = 100,
+    checkpoint_interval: CheckpointInterval = AUTO_CHECKPOINT_INTERVAL,
     reconfiguration_s: ReconfigurationS = None,
     grace_s: Annotated[float, typer.Option(
         "--grace-s", help="seconds between a preemption notice and the VM's stop")] = DEFAULT_GRACE_S,
@@ -143,7 +144,8 @@ def replay(
         constraints=Constraints(max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
                                 min_iterations_per_s=min_iterations_per_s),
         restrictions=Restrictions(markets=tuple(Market.parse(m) for m in split_values(markets)), max_gpus=max_gpus),
-        search=_search_options(search, max_stages), checkpoint_interval=checkpoint_interval, reconfiguration_s=reconf,
+        search=_search_options(search, max_stages),
+        checkpoint_interval=planning_checkpoint_interval(checkpoint_interval), reconfiguration_s=reconf,
         grace_s=grace_s, checkpoint_on_notice=not no_checkpoint_on_notice, min_gain=min_gain, period_s=period_s,
     )
     results = _run_policies(tr, book, job, names)
@@ -220,7 +222,7 @@ def run_inputs(store_uri: str | None, run_id: str,
     provider = LocalProvider(workdir, scenario=load_scenario(p["scenario"]) if p.get("scenario") else None)
     offers = provider.offerings(regions=p.get("regions"), gpu_types=p.get("gpu_types"),
                                 markets=[Market.parse(m) for m in p["markets"]] if p.get("markets") else None)
-    gpu_set = sorted({o.gpu_type for o in offers if o.count > 0})
+    gpu_set = sorted({o.gpu_type for o in offers if o.gpus > 0})
     started = datetime.fromisoformat(r["started_at"])
     factors: dict[str, float] = {}  # the flow's starting calibration: the newest factor per type before the run
     for m in sorted(st.read_history("measurements", kind="calibration"), key=lambda m: m.time):

@@ -3,8 +3,11 @@
 Contract: loads PLAN_FILE (sailor or eth-easl format), checks that the runtime can run it before
 any process starts, starts one worker per rank locally (GPU type `cpu`, zone `local`), and prints
 one line per step. `--metrics-out FILE` gets one JSON line per step (step, loss, samples,
-iteration_time_s, ...). With `--checkpoint-dir` the run checkpoints every `--checkpoint-every`
-steps and at the end, and survives the loss of a worker by continuing under a smaller plan;
+iteration_time_s, ...). With `--checkpoint-dir` the run checkpoints every `--checkpoint-interval`
+steps (`--checkpoint-every`, its older name, still works) and at the end (0, the default, is the
+automatic interval: here only at the end, and just in time on a preemption notice, for one machine
+has no preemption rate and no timed step before it starts for Young/Daly to weigh), and survives
+the loss of a worker by continuing under a smaller plan;
 `--resume` continues from the newest valid checkpoint there and fails (exit 2, naming each skipped
 checkpoint and why) when there is none, unless `--resume-or-start`; invalid checkpoints are moved
 to `quarantine/` beside them, never written over. The plan file's model is the model (a different
@@ -34,6 +37,7 @@ from typing import Annotated, Any
 import typer
 
 from sailor_cli.options import (
+    CheckpointInterval,
     Model,
     ModelConfig,
     PlanFormat,
@@ -45,6 +49,7 @@ from sailor_cli.options import (
     check_output_file,
 )
 from sailor_core.errors import SailorError
+from sailor_core.planner.risk import AUTO_CHECKPOINT_INTERVAL
 
 
 def train(
@@ -57,8 +62,8 @@ def train(
         "--data", help="dataset path or URI (default: Python's stdlib sources)")] = None,
     checkpoint_uri: Annotated[str | None, typer.Option(
         "--checkpoint-dir", help="checkpoint directory or s3:// / gs:// URI")] = None,
-    checkpoint_interval: Annotated[int, typer.Option(
-        "--checkpoint-every", min=0, help="checkpoint every N steps (0: at the end)")] = 0,
+    checkpoint_interval: CheckpointInterval = AUTO_CHECKPOINT_INTERVAL,
+    checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", min=0, hidden=True)] = None,
     resume: Annotated[bool, typer.Option(
         "--resume", help="continue from the newest valid checkpoint (fail if none)")] = False,
     resume_or_start: Annotated[bool, typer.Option(
@@ -93,6 +98,7 @@ def train(
     --timeout: how long a silent peer is waited for before it counts as lost.
     """
     # inputs a worker would trip over 15-20 s after the start: refused before anything starts
+    checkpoint_interval = _interval(checkpoint_interval, checkpoint_every)
     if resume and resume_or_start:
         raise SailorError("--resume and --resume-or-start exclude each other (without a checkpoint the first fails, "
                           "the second starts at step 0); to fix: pass one of them")
@@ -126,6 +132,16 @@ def train(
     check_dataset(data, cfg.sequence_length, cfg.vocab_size)  # e.g. a tokenizer larger than the model
     settings = _start_from(settings, cfg, init_weights, resume_or_start)
     _run_and_export(plan, cfg, settings, log_dir, metrics_out, export, tensorboard)
+
+
+def _interval(given: int, older: int | None) -> int:
+    """--checkpoint-interval, or --checkpoint-every (its older name) where only that one is given."""
+    if older is None or older == given:
+        return given
+    if given != 0:
+        raise SailorError(f"--checkpoint-interval {given} and --checkpoint-every {older} disagree (the second is "
+                          f"the first's older name); to fix: pass only --checkpoint-interval")
+    return older
 
 
 def _need_checkpoint_dir(checkpoint_uri: str | None, *, through: bool, resume: bool) -> None:

@@ -294,28 +294,56 @@ class GpuPrice:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PoolEntry:
-    """GPUs that can be rented now: `count` GPUs of `gpu_type` in `zone` on `market` at a price."""
+class Capacity:
+    """Rentable capacity: `gpus` GPUs of `gpu_type` in `zone` on `market`, in VMs of `gpus_per_vm`.
+
+    The one type for what can be rented: a pool's entries, what a provider offers now (with its
+    `instance_type` and when its price was fetched), a scenario's offerings. `gpus` counts GPUs,
+    never VMs; `vms` is the whole VMs they make (a per-GPU quota may leave part of one VM, which a
+    TP group narrower than a VM can still use); from a VM count, `gpus=vms * gpus_per_vm`.
+    """
 
     zone: str
-    region: str
     gpu_type: str
-    count: int
+    gpus: int
+    gpus_per_vm: int = 1
     market: Market = Market.ON_DEMAND
-    gpus_per_node: int = 1
     usd_per_gpu_hour: float = 0.0
+    region: str = ""  # default: the zone's (`default_region`)
     cloud: str = "gcp"
+    instance_type: str = ""  # the provider's name for one VM of this shape, where it has one
+    price_fetched_at: datetime | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "market", Market.parse(self.market))
-        _check(self.count >= 0, f"pool {self.gpu_type}@{self.zone}: count must be >= 0, got {self.count}")
-        _check(self.gpus_per_node >= 1, f"pool {self.gpu_type}@{self.zone}: gpus_per_node must be >= 1")
-        _check(self.usd_per_gpu_hour >= 0, f"pool {self.gpu_type}@{self.zone}: usd_per_gpu_hour must be >= 0")
+        if not self.region:
+            object.__setattr__(self, "region", default_region(self.zone))
+        _check(self.gpus >= 0, f"capacity {self.gpu_type}@{self.zone}: gpus must be >= 0, got {self.gpus}")
+        _check(self.gpus_per_vm >= 1, f"capacity {self.gpu_type}@{self.zone}: gpus_per_vm must be >= 1, "
+               f"got {self.gpus_per_vm}")
+        _check(self.usd_per_gpu_hour >= 0, f"capacity {self.gpu_type}@{self.zone}: usd_per_gpu_hour must be >= 0, "
+               f"got {self.usd_per_gpu_hour}")
+
+    @property
+    def vms(self) -> int:
+        """Whole VMs of `gpus_per_vm` GPUs in `gpus`."""
+        return self.gpus // self.gpus_per_vm
+
+    @property
+    def key(self) -> str:
+        """The capacity's identity, `zone/gpu_type/market`: one (zone, GPU type, market) is one entry."""
+        return capacity_key(self.zone, self.gpu_type, self.market)
+
+
+def capacity_key(zone: str, gpu_type: str, market: Market | str) -> str:
+    return f"{zone}/{gpu_type}/{Market.parse(market).value}"
 
 
 @dataclass(frozen=True, kw_only=True)
 class ResourcePool:
-    entries: tuple[PoolEntry, ...]
+    """What may be rented now: one `Capacity` per (zone, GPU type, market)."""
+
+    entries: tuple[Capacity, ...]
 
     def __post_init__(self) -> None:
         keys = [(e.zone, e.gpu_type, e.market) for e in self.entries]

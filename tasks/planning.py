@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from infra.provider import Offering, Vm
-from sailor_core.domain import GpuPrice, Market, ParallelPlan, PoolEntry, ResourcePool
+from infra.provider import Vm
+from sailor_core.domain import Capacity, GpuPrice, Market, ParallelPlan, ResourcePool
 from sailor_core.errors import NoPlanError
 from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook, calibrated_book
@@ -36,28 +36,29 @@ __all__ = [
 ]
 
 
-def pool_from(offerings: Sequence[Offering], held: Sequence[Vm] = ()) -> ResourcePool:
-    entries: dict[tuple[str, str, Market], PoolEntry] = {}
+def pool_from(offerings: Sequence[Capacity], held: Sequence[Vm] = ()) -> ResourcePool:
+    entries: dict[tuple[str, str, Market], Capacity] = {}
     for o in offerings:
-        e = o.as_pool_entry()
+        # the pool keeps what the planner reads: not which VM shape, nor when its price was fetched
+        e = replace(o, instance_type="", price_fetched_at=None)
         k = (e.zone, e.gpu_type, e.market)
         if k in entries:
-            entries[k] = replace(entries[k], count=entries[k].count + e.count)
+            entries[k] = replace(entries[k], gpus=entries[k].gpus + e.gpus)
         else:
             entries[k] = e
     for vm in held:
         k = (vm.zone, vm.gpu_type, vm.market)
         if k in entries:
-            entries[k] = replace(entries[k], count=entries[k].count + vm.gpus)
+            entries[k] = replace(entries[k], gpus=entries[k].gpus + vm.gpus)
         else:
             region = next((o.region for o in offerings if o.zone == vm.zone), vm.zone)
             cloud = next((o.cloud for o in offerings if o.zone == vm.zone), "")
-            entries[k] = PoolEntry(zone=vm.zone, region=region, gpu_type=vm.gpu_type, count=vm.gpus, market=vm.market,
-                                   usd_per_gpu_hour=vm.usd_per_hour / max(vm.gpus, 1), cloud=cloud or "local")
-    return ResourcePool(entries=tuple(e for e in entries.values() if e.count > 0))
+            entries[k] = Capacity(zone=vm.zone, region=region, gpu_type=vm.gpu_type, gpus=vm.gpus, market=vm.market,
+                                  usd_per_gpu_hour=vm.usd_per_hour / max(vm.gpus, 1), cloud=cloud or "local")
+    return ResourcePool(entries=tuple(e for e in entries.values() if e.gpus > 0))
 
 
-def priced_book(book: ProfileBook, offerings: Sequence[Offering]) -> ProfileBook:
+def priced_book(book: ProfileBook, offerings: Sequence[Capacity]) -> ProfileBook:
     now = {(o.zone, o.gpu_type, o.market): o for o in offerings}
     prices = [p for p in book.prices if (p.zone, p.gpu_type, p.market) not in now]
     prices += [GpuPrice(cloud=o.cloud, zone=o.zone, gpu_type=o.gpu_type, market=o.market,
@@ -80,7 +81,7 @@ def run_planner(request: PlanRequest, book: ProfileBook) -> PlanResult:
         pool = request.pool
         raise NoPlanError(
             f"no plan fits the request with what can be rented now ({len(pool.entries)} pool entries, "
-            f"{sum(e.count for e in pool.entries)} GPUs): {result.nearest_miss or result.explanation}; "
+            f"{sum(e.gpus for e in pool.entries)} GPUs): {result.nearest_miss or result.explanation}; "
             f"to fix: relax the limits, allow more GPU types/markets, or wait for capacity"
         )
     return result

@@ -20,7 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from infra.provider import Offering, Provider, Vm, VmRequest, WorkerAssignment
+from infra.provider import Provider, Vm, VmRequest, WorkerAssignment
+from sailor_core.domain import Capacity
 from sailor_core.errors import Failure, SailorError
 from tasks.jobs import CodeRef
 from tasks.runstate import RunState, join
@@ -41,9 +42,9 @@ class VmCommands:
         """A profile store under the run's state, as the VMs (`vm`) or the flow (`flow`) reach it."""
         return join(self.state.vm_uri if side == "vm" else self.state.flow_uri, "profiles", name)
 
-    def rent(self, offer: Offering) -> Vm:
+    def rent(self, offer: Capacity) -> Vm:
         req = VmRequest(run_id=self.run_id, name=f"profile-{len(self.rented)}", zone=offer.zone,
-                        region=offer.region, gpu_type=offer.gpu_type, gpus=offer.gpus_per_node, market=offer.market,
+                        region=offer.region, gpu_type=offer.gpu_type, gpus=offer.gpus_per_vm, market=offer.market,
                         instance_type=offer.instance_type)
         vm = self.provider.provision([req])[0]
         self.rented.append(vm)

@@ -23,14 +23,13 @@ from prefect.logging import get_run_logger
 from infra.provider import (
     CapacityError,
     EventKind,
-    Offering,
     Provider,
     ProviderError,
     ProviderEvent,
     Vm,
     VmRequest,
 )
-from sailor_core.domain import Market
+from sailor_core.domain import Capacity, Market
 from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook
 from tasks import interrupt
@@ -64,7 +63,7 @@ def _no_retry_on_capacity(task, task_run, state) -> bool:
 
 @task(name="offerings", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE)
 def fetch_offerings(provider: Provider, *, regions: Sequence[str] | None, gpu_types: Sequence[str] | None,
-                    markets: Sequence[str] | None) -> list[Offering]:
+                    markets: Sequence[str] | None) -> list[Capacity]:
     wanted = None if markets is None else [Market.parse(m) for m in markets]
     return provider.offerings(regions=regions, gpu_types=gpu_types, markets=wanted)
 

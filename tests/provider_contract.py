@@ -26,7 +26,6 @@ import pytest
 from infra.provider import (
     CapacityError,
     EventKind,
-    Offering,
     Provider,
     ProviderError,
     ProviderEvent,
@@ -34,7 +33,7 @@ from infra.provider import (
     VmRequest,
     WorkerAssignment,
 )
-from sailor_core.domain import Market
+from sailor_core.domain import Capacity, Market
 
 
 class Clock:
@@ -51,16 +50,16 @@ class Clock:
 
 
 class ProviderContract:
-    # Can the test ask for more than `Offering.count` and expect CapacityError?
+    # Can the test ask for more than an offering's `gpus` and expect CapacityError?
     supports_capacity_error = True
 
     @pytest.fixture
     def provider(self, tmp_path):  # pragma: no cover - must be overridden
         raise NotImplementedError("subclass ProviderContract and define a `provider` fixture")
 
-    def vm_request(self, offering: Offering, run_id: str, name: str) -> VmRequest:
+    def vm_request(self, offering: Capacity, run_id: str, name: str) -> VmRequest:
         return VmRequest(run_id=run_id, name=name, zone=offering.zone, region=offering.region,
-                         gpu_type=offering.gpu_type, gpus=offering.gpus_per_node, market=offering.market,
+                         gpu_type=offering.gpu_type, gpus=offering.gpus_per_vm, market=offering.market,
                          instance_type=offering.instance_type)
 
     def assignment(self, run_id: str) -> WorkerAssignment:
@@ -71,8 +70,8 @@ class ProviderContract:
     def run_id() -> str:
         return f"contract-{uuid.uuid4().hex[:8]}"
 
-    def first_offering(self, provider: Provider) -> Offering:
-        offers = [o for o in provider.offerings() if o.count >= o.gpus_per_node]
+    def first_offering(self, provider: Provider) -> Capacity:
+        offers = [o for o in provider.offerings() if o.gpus >= o.gpus_per_vm]
         assert offers, "a provider under contract test must offer at least one VM's worth of GPUs"
         return offers[0]
 
@@ -85,12 +84,11 @@ class ProviderContract:
         offers = provider.offerings()
         assert offers
         for o in offers:
-            assert isinstance(o, Offering)
-            assert o.count >= 0 and o.gpus_per_node >= 1
+            assert isinstance(o, Capacity)
+            assert o.gpus >= 0 and o.gpus_per_vm >= 1
             assert o.usd_per_gpu_hour >= 0
             assert isinstance(o.market, Market)
-            entry = o.as_pool_entry()
-            assert entry.zone == o.zone and entry.gpu_type == o.gpu_type
+            assert o.gpus == o.vms * o.gpus_per_vm, f"{o.key}: {o.gpus} GPUs are not whole VMs of {o.gpus_per_vm}"
 
     def test_offerings_filters(self, provider):
         assert provider.offerings(gpu_types=["no-such-gpu"]) == []
@@ -146,7 +144,7 @@ class ProviderContract:
             pytest.skip("this provider cannot be driven out of capacity offline")
         run_id = self.run_id()
         o = self.first_offering(provider)
-        n = o.count // o.gpus_per_node + 1
+        n = o.gpus // o.gpus_per_vm + 1
         try:
             with pytest.raises(CapacityError):
                 provider.provision([self.vm_request(o, run_id, f"w{i}") for i in range(n)])
@@ -161,7 +159,7 @@ class ProviderContract:
         try:
             provider.provision([self.vm_request(o, run_id, "w0")])
             after = provider.offerings(gpu_types=[o.gpu_type], markets=[o.market], regions=[o.region])
-            assert sum(x.count for x in after if x.zone == o.zone) == o.count - o.gpus_per_node
+            assert sum(x.gpus for x in after if x.zone == o.zone) == o.gpus - o.gpus_per_vm
         finally:
             provider.cleanup(run_id)
 

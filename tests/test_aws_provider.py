@@ -103,7 +103,7 @@ def test_offerings_map_types_to_gpus_per_zone_with_prices_and_fetch_time(env) ->
     assert ("g5.xlarge", "us-east-1a", Market.SPOT) in keys and ("g5.xlarge", "us-west-2b", Market.ON_DEMAND) in keys
     assert ("p4d.24xlarge", "us-east-1a", Market.ON_DEMAND) not in keys  # no on-demand price quoted: not offered
     p4 = next(o for o in offers if o.instance_type == "p4d.24xlarge" and o.zone == "us-east-1a")
-    assert (p4.gpu_type, p4.gpus_per_node, p4.count, p4.usd_per_gpu_hour) == ("A100-40", 8, 24, 1.5)
+    assert (p4.gpu_type, p4.gpus_per_vm, p4.gpus, p4.usd_per_gpu_hour) == ("A100-40", 8, 24, 1.5)
     assert p4.price_fetched_at == clock.now and p4.cloud == "aws" and p4.region == "us-east-1"
     assert all(o.gpu_type in ("A10G-24", "A100-40") for o in offers)
     assert provider.offerings(regions=["eu-west-1"]) == []
@@ -213,12 +213,12 @@ def test_events_spot_interruption_rebalance_loss_and_price_change(env) -> None:
     assert [(e.kind, e.zone, e.detail["old_usd_per_gpu_hour"], e.detail["new_usd_per_gpu_hour"]) for e in moved] == [
         (EventKind.PRICE_CHANGE, "us-west-2a", 0.40, 0.9)]
     # The interrupted (zone, type) is not offered for spot until the cooldown has passed.
-    spot = {o.zone: o.count for o in provider.offerings(gpu_types=["A10G-24"], markets=[Market.SPOT])
+    spot = {o.zone: o.gpus for o in provider.offerings(gpu_types=["A10G-24"], markets=[Market.SPOT])
             if o.instance_type == "g5.xlarge"}
     assert spot["us-east-1a"] == 0 and spot["us-west-2a"] > 0  # sold out, price still reported
     assert any(o.zone == "us-east-1a" for o in provider.offerings(gpu_types=["A10G-24"], markets=[Market.ON_DEMAND]))
     clock.tick(provider.config.interruption_cooldown_s)
-    assert any(o.zone == "us-east-1a" and o.count > 0
+    assert any(o.zone == "us-east-1a" and o.gpus > 0
                for o in provider.offerings(gpu_types=["A10G-24"], markets=[Market.SPOT]))
     # VMs the provider itself terminated are not "lost".
     provider.terminate([vms[1].vm_id])
@@ -276,11 +276,11 @@ def test_spot_price_history_source_reads_ec2(env) -> None:
 def test_a_request_without_instance_type_gets_the_shape_offered_there(env) -> None:
     provider, prices, _, _, client_for, _ = env
     prices.set(instance_type="c7i.2xlarge", zone="us-east-1b", market=Market.SPOT, usd_per_hour=0.12)
-    assert [(o.instance_type, o.count) for o in provider.offerings(gpu_types=["cpu"])] == [("c7i.2xlarge", 3)]
+    assert [(o.instance_type, o.gpus) for o in provider.offerings(gpu_types=["cpu"])] == [("c7i.2xlarge", 3)]
     (vm,) = provider.provision([VmRequest(run_id="r5", name="w0", zone="us-east-1b", gpu_type="cpu", gpus=1,
                                           market=Market.SPOT)])
     assert running(client_for, "us-east-1")[0]["InstanceType"] == "c7i.2xlarge" and vm.usd_per_hour == 0.12
-    assert [(o.instance_type, o.count) for o in provider.offerings(gpu_types=["cpu"])] == [("c7i.2xlarge", 2)]
+    assert [(o.instance_type, o.gpus) for o in provider.offerings(gpu_types=["cpu"])] == [("c7i.2xlarge", 2)]
 
 
 class QuotaAnswers:
@@ -311,13 +311,13 @@ def test_counts_follow_the_vcpu_quotas_less_our_running_vms(moto) -> None:
     prices.set(instance_type="p4d.24xlarge", zone="us-east-1a", market=Market.SPOT, usd_per_hour=12.0)
     provider = AwsProvider(AwsConfig(regions=("us-east-1",), zones=("us-east-1a",), image_name=IMAGE),
                            client_for=client_for, prices=prices)
-    counts = {(o.instance_type, o.market): o.count for o in provider.offerings()}
+    counts = {(o.instance_type, o.market): o.gpus for o in provider.offerings()}
     # G on-demand: 10 vCPUs = two g5.xlarge (4 vCPUs) or no g5.12xlarge (48); G spot quota 0: sold out.
     assert counts[("g5.xlarge", Market.ON_DEMAND)] == 2 and counts[("g5.12xlarge", Market.ON_DEMAND)] == 0
     assert counts[("g5.xlarge", Market.SPOT)] == 0
     assert counts[("p4d.24xlarge", Market.SPOT)] == 2 * 8  # 192 vCPUs of P spot = two p4d.24xlarge (96 each)
     provider.provision([VmRequest(run_id="q", name="w0", zone="us-east-1a", gpu_type="A10G-24", gpus=1)])
-    counts = {(o.instance_type, o.market): o.count for o in provider.offerings()}
+    counts = {(o.instance_type, o.market): o.gpus for o in provider.offerings()}
     assert counts[("g5.xlarge", Market.ON_DEMAND)] == 1  # 10 - 4 vCPUs left
     with pytest.raises(CapacityError, match="SailorCapReached"):
         provider.provision([VmRequest(run_id="q", name=f"w{i}", zone="us-east-1a", gpu_type="A10G-24", gpus=1)

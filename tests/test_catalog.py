@@ -12,7 +12,7 @@ from infra.catalog import (
     ChainedPriceSource,
     ScriptedPriceSource,
     accelerator_price,
-    catalog_offers,
+    catalog_shapes,
     cheapest,
     load_skypilot_csv,
     load_skypilot_file,
@@ -67,12 +67,12 @@ def test_queries_are_pure_functions_of_the_table(aws) -> None:
     assert vm_price(aws, instance_type="p5.48xlarge", zone="us-east-1a", market=Market.SPOT) is None
     assert vm_price(aws, instance_type="g5.xlarge", zone="us-west-2a", market=Market.ON_DEMAND) is None  # conflicting
 
-    offers = catalog_offers(aws, regions=["us-east-1"], gpu_types=["V100-16"], markets=[Market.SPOT])
+    offers = catalog_shapes(aws, regions=["us-east-1"], gpu_types=["V100-16"], markets=[Market.SPOT])
     assert [(o.instance_type, o.zone, round(o.usd_per_gpu_hour, 3)) for o in offers] == [
         ("p3.2xlarge", "us-east-1a", 0.918), ("p3.8xlarge", "us-east-1b", 0.918)]
-    best = cheapest(catalog_offers(aws), gpu_type="A100-40", market=Market.ON_DEMAND)
+    best = cheapest(catalog_shapes(aws), gpu_type="A100-40", market=Market.ON_DEMAND)
     assert best is not None and best.instance_type == "p4d.24xlarge" and best.gpus_per_vm == 8
-    assert catalog_offers(aws) == catalog_offers(aws)  # no hidden state
+    assert catalog_shapes(aws) == catalog_shapes(aws)  # no hidden state
 
 
 def test_gcp_catalog_prices_attachable_gpus_separately() -> None:
@@ -83,7 +83,7 @@ def test_gcp_catalog_prices_attachable_gpus_separately() -> None:
         0.379998
     )
     assert {r.line for r in gcp.rejected} == {14, 15}
-    a2 = [o for o in catalog_offers(gcp, gpu_types=["A100-40"]) if o.zone == "us-central1-a"]
+    a2 = [o for o in catalog_shapes(gcp, gpu_types=["A100-40"]) if o.zone == "us-central1-a"]
     assert {o.instance_type for o in a2} == {"a2-highgpu-1g", "a2-highgpu-8g"}
 
 

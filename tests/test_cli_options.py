@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import typing
 from collections import defaultdict
 from pathlib import Path
@@ -148,6 +149,7 @@ def _one_line_exit_2(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     (["--log-dir", "{tmp}/a-file"], "--log-dir {tmp}/a-file is a file"),
     (["--export", "{tmp}/a-file", "--checkpoint-dir", "{tmp}/ck"], "--export {tmp}/a-file is a file"),
     (["--resume", "--resume-or-start", "--checkpoint-dir", "{tmp}/ck"], "exclude each other"),
+    (["--checkpoint-interval", "3", "--checkpoint-every", "5"], "disagree"),
 ])
 def test_train_refuses_bad_paths_before_any_worker_starts(tmp_path, capsys, no_start, flags, expect) -> None:  # noqa: ANN001
     (tmp_path / "plan.json").write_text(json.dumps(TINY_PLAN))
@@ -169,6 +171,26 @@ def test_train_leaves_remote_data_and_existing_folders_to_the_run(tmp_path, caps
             cli_main.main(["train", str(tmp_path / "plan.json"), "--steps", "2", "--data", data,
                            "--checkpoint-dir", str(tmp_path / "new" / "ck"), "--log-dir", str(tmp_path / "logs"),
                            "--metrics-out", str(tmp_path / "m.jsonl")])
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(("flags", "interval"), [
+    ([], 0), (["--checkpoint-interval", "4"], 4), (["--checkpoint-every", "6"], 6),
+    (["--checkpoint-interval", "6", "--checkpoint-every", "6"], 6),
+])
+def test_train_checkpoint_interval_and_its_older_name(tmp_path, capsys, no_start, monkeypatch, flags,  # noqa: ANN001
+                                                      interval) -> None:
+    from sailor_core.runtime import launcher
+    from sailor_core.runtime.engine import TrainSettings
+
+    def started(_plan: object, _cfg: object, settings: TrainSettings, **_: object) -> None:
+        raise AssertionError(f"started with checkpoint_interval={settings.checkpoint_interval}")
+
+    monkeypatch.setattr(launcher, "run_local", started)
+    (tmp_path / "plan.json").write_text(json.dumps(TINY_PLAN))
+    with pytest.raises(AssertionError, match=f"started with checkpoint_interval={interval}$"):
+        cli_main.main(["train", str(tmp_path / "plan.json"), "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+                       *flags])
     capsys.readouterr()
 
 
@@ -195,3 +217,14 @@ def test_demo_refuses_a_file_as_its_folders_before_anything_starts(tmp_path, cap
     line = _one_line_exit_2(capsys, "demo", "--steps", "5", flag, str(tmp_path / "a-file"))
     assert f"{flag} {tmp_path / 'a-file'} is a file, not a folder" in line
     assert not (tmp_path / ".prefect").exists()  # the Prefect home was not even chosen
+
+
+def test_the_cli_adds_the_sdk_settings_an_s3_endpoint_needs_to_its_own_environment(monkeypatch) -> None:  # noqa: ANN001
+    from sailor_core.uris import S3_COMPAT_ENV
+
+    for k in (*S3_COMPAT_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "SAILOR_STORE", "SAILOR_LOG_URI"):
+        monkeypatch.delenv(k, raising=False)
+    cli_main._s3_compat_environment(["plan", "--store", "s3://bkt/x"])  # AWS itself: nothing to add
+    assert not any(k in os.environ for k in S3_COMPAT_ENV)
+    cli_main._s3_compat_environment(["plan", "--store=s3://bkt/x?endpoint_override=127.0.0.1:9"])
+    assert {k: os.environ[k] for k in S3_COMPAT_ENV} == S3_COMPAT_ENV

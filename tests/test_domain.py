@@ -9,10 +9,10 @@ import pytest
 
 from sailor_core.domain import (
     BandwidthFit,
+    Capacity,
     Market,
     ParallelPlan,
     PipelineBatch,
-    PoolEntry,
     Replica,
     ResourcePool,
     Stage,
@@ -58,7 +58,7 @@ def test_market_parse_rejects_unknown_with_choices() -> None:
 
 
 def test_pool_rejects_duplicate_entries() -> None:
-    e = PoolEntry(zone="z-a", region="z", gpu_type="A100-40", count=4)
+    e = Capacity(zone="z-a", region="z", gpu_type="A100-40", gpus=4)
     with pytest.raises(ValidationError, match="twice"):
         ResourcePool(entries=(e, e))
 

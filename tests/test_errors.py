@@ -196,13 +196,13 @@ def test_a_missing_link_carries_the_link_key_and_survives_pickling() -> None:
 
 
 def test_the_planner_lists_missing_links_from_the_fields_not_the_message() -> None:
-    from sailor_core.domain import PoolEntry, ResourcePool
+    from sailor_core.domain import Capacity, ResourcePool
     from sailor_core.planner import PlanRequest, plan
 
     full = tiny_book(3)
     book = replace(full, links=tuple(lk for lk in full.links if lk.sender_zone == lk.receiver_zone))
     pool = ResourcePool(entries=tuple(
-        PoolEntry(zone=z, region="r1", gpu_type="fast", count=2, gpus_per_node=2, usd_per_gpu_hour=2.0)
+        Capacity(zone=z, region="r1", gpu_type="fast", gpus=2, gpus_per_vm=2, usd_per_gpu_hour=2.0)
         for z in ("r1-a", "r1-b")))
     r = plan(PlanRequest(model=MODEL, global_batch_size=16, pool=pool), book)
     m = re.search(r"plans needing these links were skipped: (.*?) \(to fix: sailor profile network between them\)",

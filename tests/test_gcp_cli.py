@@ -43,7 +43,7 @@ def test_offerings_provision_and_cleanup_through_the_cli(gcp_env, capsys) -> Non
     assert code == 0
     offers = {(o["zone"], o["instance_type"], o["market"]): o for o in json.loads(out)}
     v = offers[("us-central1-a", "n1-standard-8+nvidia-tesla-v100:1", "spot")]
-    assert v["usd_per_gpu_hour"] == pytest.approx(0.82) and v["count"] == 8
+    assert v["usd_per_gpu_hour"] == pytest.approx(0.82) and v["count"] == v["gpus"] == 8
 
     code, out, _ = run(capsys, "infra", "provision", "--provider", "gcp", "--run", "cli2", "--zone", "us-central1-a",
                        "--gpu-type", "V100-16", "--dry-run")

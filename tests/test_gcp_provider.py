@@ -64,12 +64,12 @@ def test_offerings_per_zone_with_gpus_quotas_and_prices(env) -> None:
     offers = provider.offerings(gpu_types=["V100-16", "A100-40", "L4-24"])
     keys = {(o.instance_type, o.zone, o.market): o for o in offers}
     v = keys[(V100_1, "us-central1-a", Market.SPOT)]
-    assert (v.gpu_type, v.gpus_per_node, v.usd_per_gpu_hour, v.price_fetched_at) == ("V100-16", 1, 0.82, clock.now)
-    assert v.count == 8  # PREEMPTIBLE_NVIDIA_V100_GPUS quota of us-central1
-    assert keys[(V100_1, "europe-west4-b", Market.ON_DEMAND)].count == 4
+    assert (v.gpu_type, v.gpus_per_vm, v.usd_per_gpu_hour, v.price_fetched_at) == ("V100-16", 1, 0.82, clock.now)
+    assert v.gpus == 8  # PREEMPTIBLE_NVIDIA_V100_GPUS quota of us-central1
+    assert keys[(V100_1, "europe-west4-b", Market.ON_DEMAND)].gpus == 4
     assert (V100_1, "us-central1-c", Market.SPOT) not in keys  # the zone has no V100
     assert ("a2-highgpu-1g", "europe-west4-b", Market.SPOT) not in keys  # no A100 there
-    assert keys[("a2-highgpu-1g", "us-central1-b", Market.SPOT)].count == 32
+    assert keys[("a2-highgpu-1g", "us-central1-b", Market.SPOT)].gpus == 32
     assert ("g2-standard-4", "us-central1-a", Market.ON_DEMAND) not in keys  # unpriced: not offered
     assert provider.offerings(regions=["asia-east1"]) == []
 
@@ -157,7 +157,7 @@ def test_preemption_operation_and_status_become_events(env) -> None:
     clock.tick()
     assert provider.events("R_1", since=clock.now - timedelta(seconds=1)) == []  # reported once
     # The preempted (zone, shape) leaves spot offerings for the cooldown; placement skips it too.
-    offered = {(o.zone, o.market): o.count for o in provider.offerings(gpu_types=["V100-16"])}
+    offered = {(o.zone, o.market): o.gpus for o in provider.offerings(gpu_types=["V100-16"])}
     assert offered[("us-central1-a", Market.SPOT)] == 0 and offered[("us-central1-a", Market.ON_DEMAND)] > 0
     (moved,) = provider.provision([req("w9", "us-central1-a")])
     assert moved.zone == "us-central1-b" and "preempted there recently" in provider.fallbacks[-1].reason

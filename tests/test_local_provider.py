@@ -111,7 +111,7 @@ def test_scripted_preemption_notices_then_kills_and_is_detected_as_lost(tmp_path
         lost = wait_for(lambda: [e for e in p.events(run) if e.kind == EventKind.LOST])
         assert lost[0].vm_id == vms[1].vm_id and "preempted" in lost[0].detail["reason"]
         # The slot is gone: capacity shrank, the survivor still runs.
-        assert sum(o.count for o in p.offerings()) == 0
+        assert sum(o.gpus for o in p.offerings()) == 0
         wait_for(lambda: p.events(run) is not None and p.list_vms(run)[1].state == "preempted")
         states = {v.vm_id: v.state for v in p.list_vms(run)}
         assert states == {vms[0].vm_id: "running", vms[1].vm_id: "preempted"}
@@ -176,7 +176,7 @@ def test_timed_price_and_capacity_changes_follow_the_clock(tmp_path):
     assert prices == {Market.SPOT: 0.5, Market.ON_DEMAND: 0.3}
     now[0] += 10
     assert [e.kind for e in p.events("r", since=evs[0].at)] == [EventKind.CAPACITY_CHANGE]
-    counts = {o.market: o.count for o in p.offerings()}
+    counts = {o.market: o.gpus for o in p.offerings()}
     assert counts == {Market.SPOT: 2, Market.ON_DEMAND: 5}
     p.cleanup("r")
 

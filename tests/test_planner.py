@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool, SailorError
+from sailor_core.domain import Capacity, Market, ResourcePool, SailorError
 from sailor_core.planner import (
     Constraints,
     Objective,
@@ -67,16 +67,30 @@ def test_pool_file_shape_of_the_issue_with_defaults_from_the_store(tmp_path: Pat
     pool = load_pool_file(f, book)
     by = {(e.zone, e.gpu_type, e.market): e for e in pool.entries}
     a = by[("us-central1-a", A, Market.ON_DEMAND)]
-    assert (a.count, a.gpus_per_node, a.usd_per_gpu_hour, a.region) == (128, 4, 3.673385, "us-central1")
+    assert (a.gpus, a.gpus_per_vm, a.usd_per_gpu_hour, a.region) == (128, 4, 3.673385, "us-central1")
     v = by[("us-central1-a", V, Market.SPOT)]
-    assert (v.count, v.usd_per_gpu_hour) == (384, 0.9)
+    assert (v.gpus, v.usd_per_gpu_hour) == (384, 0.9)
     w = by[("us-west1-b", A, Market.SPOT)]
-    assert (w.count, w.region, w.usd_per_gpu_hour) == (64, "us-west1", 1.4)
+    assert (w.gpus, w.region, w.usd_per_gpu_hour) == (64, "us-west1", 1.4)
     assert by[("us-west1-b", A, Market.ON_DEMAND)].usd_per_gpu_hour == 3.673385
     # JSON is read too
     j = tmp_path / "pool.json"
     j.write_text(json.dumps({"zones": {"us-central1-b": {"gpus": {A: {"count": 8}}}}}))
-    assert load_pool_file(j, book).entries[0].count == 8
+    assert load_pool_file(j, book).entries[0].gpus == 8
+
+
+def test_pool_file_reads_gpus_per_vm_and_its_older_name_and_writes_the_new_one(book) -> None:
+    from sailor_core.planner.pool import pool_to_dict
+
+    new = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 8, "gpus_per_vm": 2}}}}}, book)
+    old = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 8, "gpus_per_node": 2}}}}}, book)
+    assert new == old and (new.entries[0].gpus, new.entries[0].gpus_per_vm, new.entries[0].vms) == (8, 2, 4)
+    written = pool_to_dict(new)
+    assert written["zones"]["us-central1-a"]["gpus"][A][0]["gpus_per_vm"] == 2
+    assert parse_pool(written, book) == new
+    with pytest.raises(PoolFileError, match="give gpus_per_vm or gpus_per_node"):
+        parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 8, "gpus_per_vm": 2, "gpus_per_node": 2}}}}},
+                   book)
 
 
 def test_pool_file_lists_every_problem_with_a_fix(book) -> None:
@@ -101,9 +115,9 @@ def test_what_if_variations(book) -> None:
     pool = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 8}}}}}, book)
     more = apply_what_if(pool, "+16 V100-16 in us-west1-b", book)
     added = [e for e in more.entries if e.zone == "us-west1-b"]
-    assert added[0].count == 16 and added[0].gpu_type == V and added[0].usd_per_gpu_hour == 2.859998
-    assert apply_what_if(pool, "-4 A100-40 in us-central1-a", book).entries[0].count == 4
-    assert apply_what_if(pool, "+4 A100-40 in us-central1-a", book).entries[0].count == 12
+    assert added[0].gpus == 16 and added[0].gpu_type == V and added[0].usd_per_gpu_hour == 2.859998
+    assert apply_what_if(pool, "-4 A100-40 in us-central1-a", book).entries[0].gpus == 4
+    assert apply_what_if(pool, "+4 A100-40 in us-central1-a", book).entries[0].gpus == 12
     dearer = apply_what_if(pool, "A100-40 price +30%", book)
     assert dearer.entries[0].usd_per_gpu_hour == pytest.approx(3.673385 * 1.3)
     family = apply_what_if(pool, "A100 on-demand price -10% in us-central1-a", book)
@@ -213,7 +227,7 @@ def test_plan_is_verified_by_the_simulator_and_deterministic(book) -> None:
     _assert_estimate_adds_up_by_hand(r1.plan, r1.estimate, book, {A: 3.673385, V: 2.859998})
     used = r1.plan.gpus_by_place()
     for e in pool.entries:
-        assert used.get((e.zone, e.gpu_type, e.market), 0) <= e.count
+        assert used.get((e.zone, e.gpu_type, e.market), 0) <= e.gpus
     # the frontier is Pareto: faster points cost more
     f = r1.frontier
     assert f and all(f[i].iterations_per_s > f[i + 1].iterations_per_s for i in range(len(f) - 1))
@@ -260,7 +274,7 @@ def test_restrictions_and_unprofiled_gpus(book) -> None:
     assert r.plan is not None
     assert {g for (_, g, _) in r.plan.gpus_by_place()} == {V} and r.plan.num_gpus <= 6
     with_unknown = ResourcePool(entries=pool.entries + (
-        PoolEntry(zone="us-central1-a", region="us-central1", gpu_type="Titan-RTX", count=8, gpus_per_node=8,
+        Capacity(zone="us-central1-a", region="us-central1", gpu_type="Titan-RTX", gpus=8, gpus_per_vm=8,
                   usd_per_gpu_hour=1.0),
     ))
     lone = plan(PlanRequest(model="OPT-350", global_batch_size=64, pool=replace(with_unknown),
@@ -270,7 +284,7 @@ def test_restrictions_and_unprofiled_gpus(book) -> None:
 
 def test_model_that_fits_nowhere_gets_the_nearest_miss() -> None:
     b = tiny_book(7, memory_gib=(1.2, 1.1))  # framework overhead alone is 1 GiB
-    pool = ResourcePool(entries=(PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, gpus_per_node=2,
+    pool = ResourcePool(entries=(Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=4, gpus_per_vm=2,
                                            usd_per_gpu_hour=2.0),))
     r = plan(PlanRequest(model=MODEL, global_batch_size=16, pool=pool), b)
     assert r.plan is None
@@ -282,7 +296,7 @@ def test_min_cost_returns_multi_stage_plans_when_they_are_cheaper() -> None:
     # published planner only ever returned single-stage plans when minimising cost.
     b = tiny_book(11, memory_gib=(3.0, 2.0), tps=(1,))
     pool = ResourcePool(entries=tuple(
-        PoolEntry(zone="r1-a", region="r1", gpu_type=g, count=8, gpus_per_node=2, usd_per_gpu_hour=p)
+        Capacity(zone="r1-a", region="r1", gpu_type=g, gpus=8, gpus_per_vm=2, usd_per_gpu_hour=p)
         for g, p in (("fast", 3.0), ("slow", 1.0))
     ))
     for obj in (Objective.MIN_COST, Objective.MIN_COST_PER_TOKEN):
@@ -378,9 +392,9 @@ def test_equally_fast_plans_go_to_the_cheaper_market() -> None:
     # the cheapest puts as many TP groups on spot as fit (the search alone kept markets apart).
     b = tiny_book(3, gpus=("fast",), memory_gib=(6.0,), zones=("r1-a",))
     pool = ResourcePool(entries=(
-        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=3, market=Market.SPOT, gpus_per_node=2,
+        Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=3, market=Market.SPOT, gpus_per_vm=2,
                   usd_per_gpu_hour=0.1),
-        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, market=Market.ON_DEMAND, gpus_per_node=2,
+        Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=4, market=Market.ON_DEMAND, gpus_per_vm=2,
                   usd_per_gpu_hour=0.3),
     ))
     res = plan(PlanRequest(model=MODEL, global_batch_size=8, pool=pool, restrictions=Restrictions(max_gpus=4)), b)
@@ -422,7 +436,7 @@ def test_lexicographic_choice_takes_the_cheapest_within_the_tolerance() -> None:
 def _pipelines_in_zones(pl, pool):
     """The same plan with each pipeline's replicas moved into one zone of its region (whole
     pipelines per zone, the roomiest zone first), or None if the pool has no such room."""
-    free = {(e.zone, e.gpu_type, e.market): e.count for e in pool.entries}
+    free = {(e.zone, e.gpu_type, e.market): e.gpus for e in pool.entries}
     zones_of = {e.zone: e.region for e in pool.entries}
     new_reps: list[list] = [[] for _ in pl.stages]
     for j in range(pl.data_parallel):

@@ -7,10 +7,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool
+from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.planner import Objective, PlanRequest, PoolFileError, parse_pool, plan
 from sailor_core.planner.pool import parse_preemption_rates
 from sailor_core.planner.risk import (
+    DEFAULT_CHECKPOINT_INTERVAL_STEPS,
     SpotRisk,
     goodput,
     rates_from_history,
@@ -41,9 +42,9 @@ def test_useful_fraction_follows_the_renewal_model() -> None:
 
 def _pool(spot_count: int = 8, od_count: int = 8) -> ResourcePool:
     return ResourcePool(entries=(
-        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=od_count, market=Market.ON_DEMAND, gpus_per_node=2,
+        Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=od_count, market=Market.ON_DEMAND, gpus_per_vm=2,
                   usd_per_gpu_hour=3.0),
-        PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=spot_count, market=Market.SPOT, gpus_per_node=2,
+        Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=spot_count, market=Market.SPOT, gpus_per_vm=2,
                   usd_per_gpu_hour=1.0),
     ))
 
@@ -89,7 +90,7 @@ def test_moderate_rates_keep_some_spot_and_report_expected_below_nominal() -> No
 def test_near_zero_rates_pick_the_max_throughput_per_dollar_plan(seed: int) -> None:
     book = tiny_book(seed)
     pool = ResourcePool(entries=_pool().entries + (
-        PoolEntry(zone="r1-b", region="r1", gpu_type="slow", count=6, market=Market.SPOT, gpus_per_node=2,
+        Capacity(zone="r1-b", region="r1", gpu_type="slow", gpus=6, market=Market.SPOT, gpus_per_vm=2,
                   usd_per_gpu_hour=0.6),
     ))
     per_dollar = plan(PlanRequest(model=MODEL, global_batch_size=16, pool=pool, objective=Objective.MIN_COST), book)
@@ -170,8 +171,14 @@ def test_cli_max_goodput_reports_expected_and_nominal_throughput(tmp_path, capsy
     assert g["nominal_iterations_per_s"] == pytest.approx(got["estimate"]["throughput_iterations_per_s"])
     assert got["spot_risk"]["checkpoint_interval_steps"] == 20 and got["spot_risk"]["reconfiguration_s"] == 90
     assert got["spot_risk"]["default_preemptions_per_vm_hour"] == 2.0
+    # 0 (the default) is the automatic interval: before a plan exists, the flow's stand-in
+    rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "64", "--json",
+               "--objective", "max-goodput", "--checkpoint-interval", "0", "--store", str(store)])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["spot_risk"]["checkpoint_interval_steps"] == \
+        DEFAULT_CHECKPOINT_INTERVAL_STEPS
     rc = main(["plan", "--pool", str(pool), "--model", "OPT-350", "--global-batch-size", "64",
-               "--checkpoint-interval", "0", "--store", str(store)])
+               "--checkpoint-interval", "-1", "--store", str(store)])
     assert rc == 2 and "--checkpoint-interval" in capsys.readouterr().err
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from sailor_core.domain import Market, ParallelPlan, PipelineBatch, PoolEntry, Replica, ResourcePool, Stage
+from sailor_core.domain import Capacity, Market, ParallelPlan, PipelineBatch, Replica, ResourcePool, Stage
 from sailor_core.planner import PlanRequest, SearchOptions, build_slots, plan
 from sailor_core.planner.core import materialize, sim_options
 from sailor_core.planner.estimate import usd_per_hour
@@ -33,10 +33,10 @@ def book(tmp_path_factory):
 
 def _pool(spot: int, on_demand: int) -> ResourcePool:
     return ResourcePool(entries=(
-        PoolEntry(zone=ZONE, region=REGION, gpu_type=GH, count=spot, market=Market.SPOT, gpus_per_node=4,
+        Capacity(zone=ZONE, region=REGION, gpu_type=GH, gpus=spot, market=Market.SPOT, gpus_per_vm=4,
                   usd_per_gpu_hour=SPOT_USD),
-        PoolEntry(zone=ZONE, region=REGION, gpu_type=GH, count=on_demand, market=Market.ON_DEMAND,
-                  gpus_per_node=4, usd_per_gpu_hour=ON_DEMAND_USD),
+        Capacity(zone=ZONE, region=REGION, gpu_type=GH, gpus=on_demand, market=Market.ON_DEMAND,
+                  gpus_per_vm=4, usd_per_gpu_hour=ON_DEMAND_USD),
     ))
 
 
@@ -81,7 +81,7 @@ def test_markets_stay_apart_for_goodput_for_zone_prices_and_for_part_vms() -> No
     pool = _pool(8, 8)
     assert len(build_slots(pool, pool_markets=False)) == 2
     # zones of one market at different prices keep the old split (a slot has one price per market)
-    other = PoolEntry(zone="us-west1-a", region=REGION, gpu_type=GH, count=8, market=Market.SPOT, gpus_per_node=4,
+    other = Capacity(zone="us-west1-a", region=REGION, gpu_type=GH, gpus=8, market=Market.SPOT, gpus_per_vm=4,
                       usd_per_gpu_hour=SPOT_USD * 2)
     assert len(build_slots(ResourcePool(entries=pool.entries + (other,)))) == 3
     # a count that is not whole VMs (6 GPUs of 4-GPU VMs) keeps them apart: pooled, 6 spot + 6 on-demand

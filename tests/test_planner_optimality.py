@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool
+from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.planner import Objective, PlanRequest, SearchOptions, plan
 from sailor_core.planner.core import objective_value
 from sailor_core.planner.exhaustive import exhaustive_best
@@ -31,17 +31,17 @@ def random_pool(seed: int, book, counts=(2, 4)) -> ResourcePool:
             if rng.random() < 0.6:
                 base = book.price_usd_per_gpu_hour(zone, gpu, Market.ON_DEMAND)
                 entries.append(
-                    PoolEntry(
+                    Capacity(
                         zone=zone,
                         region="r1",
                         gpu_type=gpu,
-                        count=rng.choice(counts),
-                        gpus_per_node=2,
+                        gpus=rng.choice(counts),
+                        gpus_per_vm=2,
                         usd_per_gpu_hour=round(base * rng.uniform(0.8, 1.2), 3),
                     )
                 )
     if not entries:
-        entries.append(PoolEntry(zone="r1-a", region="r1", gpu_type="fast", count=4, gpus_per_node=2,
+        entries.append(Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=4, gpus_per_vm=2,
                                  usd_per_gpu_hour=3.0))
     return ResourcePool(entries=tuple(entries))
 
@@ -102,7 +102,7 @@ def group_world(seed: int, gbs: int = 8):
     book = tiny_book(seed, gpus=GROUP_GPUS, memory_gib=(6.0, 4.0, 3.0), zones=("r1-a",), tps=(1,))
     rng = random.Random(seed)
     pool = ResourcePool(entries=tuple(
-        PoolEntry(zone="r1-a", region="r1", gpu_type=g, count=rng.choice((1, 2, 3)), gpus_per_node=2,
+        Capacity(zone="r1-a", region="r1", gpu_type=g, gpus=rng.choice((1, 2, 3)), gpus_per_vm=2,
                   usd_per_gpu_hour=3.0 / (1 + k)) for k, g in enumerate(GROUP_GPUS)))
     return book, PlanRequest(model=MODEL, global_batch_size=gbs, pool=pool, options=SearchOptions(max_stages=2))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sailor_core.domain import PoolEntry, ResourcePool
+from sailor_core.domain import Capacity, ResourcePool
 from sailor_core.errors import ValidationError
 from sailor_core.planner import PlanRequest, SearchOptions, plan
 from sailor_core.planner.request import stage_range
@@ -27,7 +27,7 @@ def test_stage_range_reads_a_number_or_a_range() -> None:
 def test_every_plan_has_the_stage_count_asked_for() -> None:
     book = tiny_book(5, num_blocks=4)
     pool = ResourcePool(entries=tuple(
-        PoolEntry(zone="r1-a", region="r1", gpu_type=g, count=8, gpus_per_node=2, usd_per_gpu_hour=p)
+        Capacity(zone="r1-a", region="r1", gpu_type=g, gpus=8, gpus_per_vm=2, usd_per_gpu_hour=p)
         for g, p in (("fast", 3.0), ("slow", 1.0))))
     free = plan(PlanRequest(model=MODEL, global_batch_size=16, pool=pool), book)
     assert free.plan is not None

@@ -86,7 +86,7 @@ def test_artifact_csv_columns_are_gpu_type_and_zone():
     tr = parse_artifact_csv(text, market=OD, gpus_per_node=gpn, prices=BOOK.price_usd_per_gpu_hour)
     assert [(p.gpu_type, p.zone) for p in tr.places] == [("fast", "r1-a"), ("slow", "r1-b")]
     assert tr.points[1].at_s == pytest.approx(123.2) and tr.points[1].counts == (80, 240)
-    assert {(e.gpu_type, e.count) for e in tr.pool_at(1).entries} == {("fast", 80), ("slow", 240)}
+    assert {(e.gpu_type, e.gpus) for e in tr.pool_at(1).entries} == {("fast", 80), ("slow", 240)}
 
 
 def test_changes_csv_carries_values_forward_and_reads_a_store_price_history():
@@ -308,16 +308,16 @@ def test_cli_errors_are_one_line(tmp_path):
 # -- a run's history as a trace ------------------------------------------------------------------------
 
 def test_a_runs_events_become_step_points_that_take_the_jobs_vms():
-    from sailor_core.domain import PoolEntry, ResourcePool
+    from sailor_core.domain import Capacity, ResourcePool
     from sailor_core.replay.history import decisions_of, run_job, run_trace
 
     start = ResourcePool(
         entries=(
-            PoolEntry(
-                zone="r1-a", region="r1", gpu_type="fast", count=4, market=SPOT, gpus_per_node=2, usd_per_gpu_hour=1.0
+            Capacity(
+                zone="r1-a", region="r1", gpu_type="fast", gpus=4, market=SPOT, gpus_per_vm=2, usd_per_gpu_hour=1.0
             ),
-            PoolEntry(
-                zone="r1-a", region="r1", gpu_type="fast", count=4, market=OD, gpus_per_node=2, usd_per_gpu_hour=3.0
+            Capacity(
+                zone="r1-a", region="r1", gpu_type="fast", gpus=4, market=OD, gpus_per_vm=2, usd_per_gpu_hour=3.0
             ),
         )
     )

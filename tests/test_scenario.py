@@ -29,7 +29,7 @@ def test_the_geo_scenario_has_zones_regions_device_types_and_vm_sizes():
     assert any(e.kind == "preemption" and e.market == Market.SPOT for e in sc.events)
     quota = {d.name: d.cpu_per_device for d in sc.device_types}
     assert quota["cpu-slow"] < quota["cpu-fast"]
-    assert sum(o.count * o.gpus_per_vm * (quota[o.gpu_type] or 0) for o in sc.offerings) <= 2.0
+    assert sum(o.gpus * (quota[o.gpu_type] or 0) for o in sc.offerings) <= 2.0
     # Links: same zone > same region > cross region.
     assert sc.link_gbps("eu-west", "eu-west") > sc.link_gbps("eu-west", "eu-north") > sc.link_gbps("eu-west", "us-east")
 
@@ -99,7 +99,7 @@ def test_events_narrow_by_zone_and_device_type_and_capacity_can_return():
         "regions": {"r": {"z": [{"device_type": "g", "market": "spot", "count": 1, "usd_per_gpu_hour": 1}]}},
         "events": [{"at_s": 5, "kind": "capacity_change", "market": "spot", "count": 3}],
     }).events[0]
-    assert back.count == 3 and back.zone is None
+    assert back.vms == 3 and back.zone is None
 
 
 def test_device_types_carry_their_memory_and_vm_size_to_the_store(tmp_path):

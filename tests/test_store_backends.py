@@ -26,16 +26,34 @@ from tests.store_fixtures import BUCKET, gcs_server, s3_server  # noqa: F401 - f
 
 
 def test_uri_resolution():
-    loc = resolve("s3://bkt/some/prefix?endpoint_override=http://127.0.0.1:9&region=eu-west-1")
+    loc = resolve("s3://bkt/some/prefix?endpoint_override=http://127.0.0.1:9&region=eu-west-1", {})
     assert (loc.scheme, loc.bucket, loc.root, loc.endpoint) == ("s3", "bkt", "bkt/some/prefix", "http://127.0.0.1:9")
-    assert resolve("gs://b?endpoint_override=127.0.0.1:9&anonymous=true").root == "b"
-    local = resolve("file:///tmp/x/")
+    assert resolve("gs://b?endpoint_override=127.0.0.1:9&anonymous=true", {}).root == "b"
+    local = resolve("file:///tmp/x/", {})
     assert (local.scheme, local.root) == ("file", "/tmp/x")
-    assert resolve(None).root.endswith("store")  # $SAILOR_STORE (tests/conftest.py)
+    assert resolve(None, os.environ).root.endswith("store")  # $SAILOR_STORE (tests/conftest.py)
+    assert resolve(None, {"SAILOR_STORE": "/elsewhere/s"}).root == "/elsewhere/s"
     with pytest.raises(StoreError, match="names no bucket"):
-        resolve("s3:///x")
+        resolve("s3:///x", {})
     with pytest.raises(StoreError, match="unsupported store URI scheme 'hdfs'"):
-        resolve("hdfs://nn/x")
+        resolve("hdfs://nn/x", {})
+
+
+def test_uris_read_the_environment_they_are_handed_and_never_write_it():
+    from sailor_core.uris import S3_COMPAT_ENV, filesystem_for, s3_compat_settings
+
+    before = dict(os.environ)
+    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_REGION": "eu-west-1", "SAILOR_GCS_ENDPOINT": "127.0.0.1:8"}
+    assert resolve("s3://bkt/x", env).endpoint == "http://127.0.0.1:9"
+    assert resolve("s3://bkt/x", {}).endpoint == ""  # the process's environment is not consulted behind the caller
+    assert resolve("gs://b/x", env).endpoint == "127.0.0.1:8"
+    filesystem_for("s3://bkt/x?endpoint_override=127.0.0.1:9&access_key=a&secret_key=b&scheme=http")
+    assert dict(os.environ) == before
+    # The SDK's S3-compatible settings are returned for the entry point to apply, less what env has.
+    assert s3_compat_settings(["s3://bkt/x?endpoint_override=127.0.0.1:9"], {}) == S3_COMPAT_ENV
+    assert s3_compat_settings(["s3://bkt/x"], env) == S3_COMPAT_ENV  # the endpoint from env
+    assert s3_compat_settings(["s3://bkt/x", "/local", "gs://b/x?endpoint_override=h:1"], {}) == {}
+    assert s3_compat_settings(["s3://b/x?endpoint_override=h:1"], S3_COMPAT_ENV) == {}
 
 
 def test_aws_endpoint_url_environment_is_honoured(s3_server, monkeypatch):

@@ -28,13 +28,13 @@ from profiles_store.schemas import META_TABLE, META_VERSION, SCHEMA_VERSION, TAB
 from profiles_store.store import SEED_DIR
 from sailor_core.domain import (
     BandwidthFit,
+    Capacity,
     EgressPrice,
     GpuPrice,
     IntraNodeLink,
     Market,
     NetworkLink,
     NodeAllReduce,
-    PoolEntry,
     Provenance,
     SailorError,
 )
@@ -108,7 +108,7 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
     prices = [
         GpuPrice(cloud="gcp", zone="z-a", gpu_type="TestGPU", market=Market.SPOT, usd_per_gpu_hour=1.25, fetched_at=T0)
     ]
-    quotas = [PoolEntry(zone="z-a", region="z", gpu_type="TestGPU", count=8, market=Market.SPOT, cloud="gcp")]
+    quotas = [Capacity(zone="z-a", region="z", gpu_type="TestGPU", gpus=8, market=Market.SPOT, cloud="gcp")]
     store.write_network_links(links, provenance=PROV)
     store.write_intra_node_links(intra, provenance=PROV)
     store.write_node_allreduce(node_ar, provenance=PROV)
@@ -123,7 +123,7 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
     assert store.egress_prices() == tuple(egress)
     assert store.prices() == tuple(prices)
     [q] = store.quotas()
-    assert (q.zone, q.gpu_type, q.count, q.market, q.gpus_per_node, q.usd_per_gpu_hour) == (
+    assert (q.zone, q.gpu_type, q.gpus, q.market, q.gpus_per_vm, q.usd_per_gpu_hour) == (
         "z-a",
         "TestGPU",
         8,

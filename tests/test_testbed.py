@@ -375,7 +375,7 @@ def test_local_provider_runs_vms_in_zones_with_devices_and_addresses(tmp_path):
                       isolation="netns", stop_grace_s=1)
     run = "geo-test"
     try:
-        offers = {(o.zone, o.gpu_type, o.market): (o.count, o.gpus_per_node) for o in p.offerings()}
+        offers = {(o.zone, o.gpu_type, o.market): (o.gpus, o.gpus_per_vm) for o in p.offerings()}
         assert offers[("eu-west", "cpu-fast", Market.ON_DEMAND)] == (4, 2)
         assert offers[("eu-north", "cpu-slow", Market.SPOT)] == (2, 1)
         assert [o.zone for o in p.offerings(regions=["us"])] == ["us-east"]
@@ -407,7 +407,7 @@ def test_local_provider_runs_vms_in_zones_with_devices_and_addresses(tmp_path):
         # Capacity returns: the capacity_change says what is rentable again.
         back = wait_for(lambda: [e for e in p.events(run) if e.kind == EventKind.CAPACITY_CHANGE])
         assert back[0].detail["returned"] == 1 and back[0].detail["free_vms"] == 2
-        assert [o.count for o in p.offerings(gpu_types=["cpu-slow"], markets=[Market.SPOT])] == [2]
+        assert [o.gpus for o in p.offerings(gpu_types=["cpu-slow"], markets=[Market.SPOT])] == [2]
         pids = [json.loads(f.read_text())["pid"] for f in (tmp_path / "local" / "vms").glob("*.json")]
     finally:
         p.cleanup(run)

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from sailor_core.domain import (
+    Capacity,
     Market,
     ParallelPlan,
-    PoolEntry,
     ResourcePool,
     split_batch,
 )
@@ -55,26 +55,26 @@ def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot,
     first (`Slot.usd_per_hour`). Otherwise (or with zone prices that differ within a market, or a
     count that is not whole VMs) one slot per market and price, as before.
     """
-    groups: dict[tuple[str, str, str, int], list[PoolEntry]] = defaultdict(list)
+    groups: dict[tuple[str, str, str, int], list[Capacity]] = defaultdict(list)
     for e in pool.entries:
-        if e.count > 0:
-            groups[(e.gpu_type, e.cloud, e.region, e.gpus_per_node)].append(e)
+        if e.gpus > 0:
+            groups[(e.gpu_type, e.cloud, e.region, e.gpus_per_vm)].append(e)
     made: list[tuple[tuple[object, ...], Slot]] = []
     for (gpu, cloud, region, gpn), entries in groups.items():
         prices = {(e.market, e.usd_per_gpu_hour) for e in entries}
         # whole VMs only: a zone's pooled GPUs then form as many TP groups as its markets do apart
         split = not pool_markets or len(prices) == 1 or len(prices) > len({m for m, _ in prices}) \
-            or any(e.count % gpn for e in entries)
-        parts: dict[tuple[str, float], list[PoolEntry]] = defaultdict(list)
+            or any(e.gpus % gpn for e in entries)
+        parts: dict[tuple[str, float], list[Capacity]] = defaultdict(list)
         for e in entries:
             parts[(e.market.value, e.usd_per_gpu_hour) if split else ("", 0.0)].append(e)
         for part in parts.values():
             total: dict[str, int] = defaultdict(int)
             for e in part:
-                total[e.zone] += e.count
+                total[e.zone] += e.gpus
             zones = tuple(sorted(total.items(), key=lambda zc: (-zc[1], zc[0])))
             rank = {z: i for i, (z, _) in enumerate(zones)}
-            offers = tuple(sorted(((e.zone, e.market, e.count, e.usd_per_gpu_hour) for e in part),
+            offers = tuple(sorted(((e.zone, e.market, e.gpus, e.usd_per_gpu_hour) for e in part),
                                   key=lambda o: (rank[o[0]], o[3], o[1].value)))
             cheapest = min(part, key=lambda e: (e.usd_per_gpu_hour, e.market.value))
             key = (gpu, cheapest.market.value, cloud, region, gpn, cheapest.usd_per_gpu_hour)
@@ -140,7 +140,7 @@ def cheapest_markets(plan: ParallelPlan, pool: ResourcePool) -> ParallelPlan:
     """
     room: dict[tuple[str, str], list[tuple[float, Market, int]]] = defaultdict(list)
     for e in pool.entries:
-        room[(e.zone, e.gpu_type)].append((e.usd_per_gpu_hour, e.market, e.count))
+        room[(e.zone, e.gpu_type)].append((e.usd_per_gpu_hour, e.market, e.gpus))
     if all(len(v) == 1 for v in room.values()):
         return plan  # one market per GPU type and zone: nothing to move
     left = {k: sorted(v, key=lambda x: (x[0], x[1].value)) for k, v in room.items()}
@@ -452,7 +452,7 @@ def _problems(request: PlanRequest, pool: ResourcePool, pl: ParallelPlan, r: Sim
 
 def _over_pool(pl: ParallelPlan, pool: ResourcePool, max_gpus: int | None) -> list[str]:
     """A plan may use no more GPUs than the pool offers per (zone, type, market), nor than max_gpus."""
-    have = {(e.zone, e.gpu_type, e.market): e.count for e in pool.entries}
+    have = {(e.zone, e.gpu_type, e.market): e.gpus for e in pool.entries}
     out = [f"uses {n} {g} ({mk.value}) in {z} but the pool has {have.get((z, g, mk), 0)}"
            for (z, g, mk), n in pl.gpus_by_place().items() if n > have.get((z, g, mk), 0)]
     if max_gpus is not None and pl.num_gpus > max_gpus:

@@ -7,6 +7,9 @@ catalog). Every problem in the file is reported at once, with the path to the ba
 to fix it. `apply_what_if` applies one "what if" variation to a pool. Pure except for reading the
 one file named.
 
+An entry's `count` is GPUs (`Capacity.gpus`), never VMs; `gpus_per_vm` is the GPUs of one VM
+(`gpus_per_node`, its older name, is still read; `pool_to_dict` writes `gpus_per_vm`).
+
     zones:
       us-central1-a:
         gpus:
@@ -17,7 +20,7 @@ one file named.
         cloud: gcp                  # optional; default gcp
         gpus:
           A100-40:                  # a list: one entry per market
-            - {count: 32, gpus_per_node: 4, market: on-demand}
+            - {count: 32, gpus_per_vm: 4, market: on-demand}
             - {count: 64, market: spot, preemptions_per_vm_hour: 0.2}
     preemptions_per_vm_hour: 0.05   # optional: spot entries without their own rate (default 0)
 """
@@ -32,11 +35,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool, default_region
+from sailor_core.domain import Capacity, Market, ResourcePool, default_region
 from sailor_core.errors import PoolFileError, SailorError, ValidationError
 from sailor_core.profiles import ProfileBook
 
-_ENTRY_KEYS = {"count", "market", "usd_per_gpu_hour", "gpus_per_node", "preemptions_per_vm_hour"}
+_ENTRY_KEYS = {"count", "market", "usd_per_gpu_hour", "gpus_per_vm", "preemptions_per_vm_hour"}
+_OLD_KEYS = {"gpus_per_node": "gpus_per_vm"}  # older name -> the name it reads as
 
 
 def load_pool_file(path: str | os.PathLike[str], book: ProfileBook) -> ResourcePool:
@@ -77,7 +81,7 @@ def yaml_problem(e: Exception) -> str:
 
 def parse_pool(data: Any, book: ProfileBook, *, source: str = "pool") -> ResourcePool:
     errors: list[str] = []
-    entries: list[PoolEntry] = []
+    entries: list[Capacity] = []
     if not isinstance(data, Mapping) or not isinstance(data.get("zones"), Mapping) or not data["zones"]:
         raise PoolFileError(
             f"{source}: expected a mapping with a non-empty 'zones:' mapping of zone name -> {{gpus: ...}}; "
@@ -114,12 +118,13 @@ def parse_pool(data: Any, book: ProfileBook, *, source: str = "pool") -> Resourc
 
 def _entry(
     item: Any, *, zone: str, region: str, cloud: str, gpu: str, book: ProfileBook, where: str, errors: list[str]
-) -> PoolEntry | None:
+) -> Capacity | None:
     if isinstance(item, int) and not isinstance(item, bool):
         item = {"count": item}
     if not isinstance(item, Mapping):
         errors.append(f"{where}: expected {{count: N, ...}}, got {item!r}")
         return None
+    item = _renamed(item, where, errors)
     unknown = set(item) - _ENTRY_KEYS
     if unknown:
         errors.append(f"{where}: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(_ENTRY_KEYS))})")
@@ -132,18 +137,18 @@ def _entry(
     except ValidationError as e:
         errors.append(f"{where}.market: {e}")
         return None
-    gpn = item.get("gpus_per_node")
+    gpn = item.get("gpus_per_vm")
     if gpn is None:
         known = book.gpu_types.get(gpu)
         if known is None:
             errors.append(
                 f"{where}: GPU type {gpu!r} is not in the store (known: {sorted(book.gpu_types)}); "
-                f"to fix: use a known name or give gpus_per_node and profile it"
+                f"to fix: use a known name or give gpus_per_vm and profile it"
             )
             return None
         gpn = known.gpus_per_node
     if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
-        errors.append(f"{where}.gpus_per_node: must be a whole number >= 1, got {gpn!r}")
+        errors.append(f"{where}.gpus_per_vm: must be a whole number >= 1, got {gpn!r}")
         return None
     if "preemptions_per_vm_hour" in item:
         _rate(item["preemptions_per_vm_hour"], f"{where}.preemptions_per_vm_hour", errors)
@@ -161,13 +166,25 @@ def _entry(
             return None
     try:
         price = float(price)
-        return PoolEntry(
-            zone=zone, region=region, gpu_type=gpu, count=count, market=market, gpus_per_node=gpn,
+        return Capacity(
+            zone=zone, region=region, gpu_type=gpu, gpus=count, market=market, gpus_per_vm=gpn,
             usd_per_gpu_hour=price, cloud=cloud,
         )
     except (TypeError, ValueError, ValidationError) as e:
         errors.append(f"{where}: {e}")
         return None
+
+
+def _renamed(item: Mapping[str, Any], where: str, errors: list[str]) -> Mapping[str, Any]:
+    """The entry with older key names read as today's (a file written before the rename still loads)."""
+    out = dict(item)
+    for old, new in _OLD_KEYS.items():
+        if old in out:
+            if new in out:
+                errors.append(f"{where}: give {new} or {old} (its older name), not both")
+            out.setdefault(new, out[old])
+            del out[old]
+    return out
 
 
 def _rate(v: Any, where: str, errors: list[str]) -> float | None:
@@ -205,7 +222,7 @@ def pool_to_dict(pool: ResourcePool) -> dict[str, Any]:
     for e in pool.entries:
         z = zones.setdefault(e.zone, {"region": e.region, "cloud": e.cloud, "gpus": {}})
         z["gpus"].setdefault(e.gpu_type, []).append(
-            {"count": e.count, "market": e.market.value, "gpus_per_node": e.gpus_per_node,
+            {"count": e.gpus, "market": e.market.value, "gpus_per_vm": e.gpus_per_vm,
              "usd_per_gpu_hour": e.usd_per_gpu_hour}
         )
     return {"zones": zones}
@@ -236,7 +253,7 @@ def apply_what_if(pool: ResourcePool, change: str, book: ProfileBook) -> Resourc
         entries = list(pool.entries)
         for i, e in enumerate(entries):
             if (e.zone, e.gpu_type, e.market) == (zone, gpu, market):
-                entries[i] = replace(e, count=max(0, e.count + delta))
+                entries[i] = replace(e, gpus=max(0, e.gpus + delta))
                 return ResourcePool(entries=tuple(entries))
         if delta < 0:
             raise SailorError(f"what-if {change!r}: the pool has no {market.value} {gpu} in {zone} to remove")

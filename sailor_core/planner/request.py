@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool
+from sailor_core.domain import Capacity, Market, ParallelPlan, ResourcePool
 from sailor_core.errors import ValidationError
 from sailor_core.planner.risk import Goodput, SpotRisk
 from sailor_core.simulator.result import SimulationResult
@@ -98,7 +98,7 @@ class Restrictions:
         if self.max_gpus is not None and self.max_gpus < 1:
             raise ValidationError(f"max_gpus must be >= 1, got {self.max_gpus}")
 
-    def allows(self, e: PoolEntry) -> bool:
+    def allows(self, e: Capacity) -> bool:
         return (
             (not self.clouds or e.cloud in self.clouds)
             and (not self.regions or e.region in self.regions)
@@ -108,7 +108,7 @@ class Restrictions:
         )
 
     def apply(self, pool: ResourcePool) -> ResourcePool:
-        return ResourcePool(entries=tuple(e for e in pool.entries if self.allows(e) and e.count > 0))
+        return ResourcePool(entries=tuple(e for e in pool.entries if self.allows(e) and e.gpus > 0))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,18 @@ SECONDS_PER_HOUR = 3600.0
 # the store has measured no reconfiguration and the caller names no interval.
 DEFAULT_RECONFIGURATION_S = 15.0
 DEFAULT_CHECKPOINT_INTERVAL_STEPS = 10
+# A checkpoint interval of 0 asks for the automatic one, the default of every entry point (the flow's
+# `checkpoint_interval`, `--checkpoint-interval` of `sailor train`, `plan` and `replay`): the flow
+# chooses one per plan version by Young/Daly (`checkpoint_interval` below, tasks/checkpointing.py).
+# Where no plan exists yet to time (the planner weighing spot risk, `sailor plan`, `sailor replay`)
+# it stands for DEFAULT_CHECKPOINT_INTERVAL_STEPS (`planning_checkpoint_interval`).
+AUTO_CHECKPOINT_INTERVAL = 0
+
+
+def planning_checkpoint_interval(given: int) -> int:
+    """The interval a plan's spot risk is weighed with: `given`, or for automatic (0) the flow's
+    stand-in before it has a plan to time."""
+    return given if given >= 1 else DEFAULT_CHECKPOINT_INTERVAL_STEPS
 # History estimates a market's rate only from at least this much observed spot time; below it the
 # pool file's rate (or 0) stands. One VM-hour: a handful of minutes on a few VMs says nothing.
 MIN_EXPOSURE_VM_HOURS = 1.0

@@ -33,13 +33,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor_core.decisions import PlanCost, SwitchDecision
-from sailor_core.domain import Market, ParallelPlan, PoolEntry, ResourcePool
+from sailor_core.domain import Capacity, Market, ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, PlanRequest, Restrictions, SearchOptions, summarize
 from sailor_core.planner import plan as run_planner
 from sailor_core.planner.core import sim_options
 from sailor_core.planner.costs import SimCosts
-from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S  # the flow's estimate before it measured one
+from sailor_core.planner.risk import (  # the flow's stand-ins before it has measured or planned
+    DEFAULT_CHECKPOINT_INTERVAL_STEPS,
+    DEFAULT_RECONFIGURATION_S,
+)
 from sailor_core.profiles import ProfileBook, calibrated_book
 from sailor_core.replay.trace import Trace, TracePoint
 from sailor_core.simulator import simulate
@@ -76,7 +79,7 @@ class ReplayJob:
     constraints: Constraints = field(default_factory=Constraints)
     restrictions: Restrictions = field(default_factory=Restrictions)
     search: SearchOptions = field(default_factory=SearchOptions)
-    checkpoint_interval: int = 100
+    checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL_STEPS
     reconfiguration_s: float = DEFAULT_RECONFIGURATION_S
     grace_s: float = DEFAULT_GRACE_S
     checkpoint_on_notice: bool = True
@@ -107,11 +110,11 @@ class Candidate:
 
 
 def pool_key(pool: ResourcePool) -> tuple[tuple[str, str, str, int, float], ...]:
-    return tuple(sorted((e.zone, e.gpu_type, e.market.value, e.count, e.usd_per_gpu_hour) for e in pool.entries))
+    return tuple(sorted((e.zone, e.gpu_type, e.market.value, e.gpus, e.usd_per_gpu_hour) for e in pool.entries))
 
 
 def counts_of(pool: ResourcePool) -> dict[PlaceKey, int]:
-    return {(e.zone, e.gpu_type, e.market): e.count for e in pool.entries}
+    return {(e.zone, e.gpu_type, e.market): e.gpus for e in pool.entries}
 
 
 def missing_gpus(plan: ParallelPlan, pool: ResourcePool) -> dict[PlaceKey, int]:
@@ -492,9 +495,9 @@ def _held_pool(plan: ParallelPlan, gone: dict[PlaceKey, int], trace: Trace, i: i
         left = n - gone.get(k, 0)
         if left > 0 and k in info:
             pl, u = info[k]
-            entries.append(PoolEntry(zone=pl.zone, region=pl.region, gpu_type=pl.gpu_type, count=left,
-                                     market=pl.market, gpus_per_node=pl.gpus_per_node, usd_per_gpu_hour=u,
-                                     cloud=pl.cloud))
+            entries.append(Capacity(zone=pl.zone, region=pl.region, gpu_type=pl.gpu_type, gpus=left,
+                                    market=pl.market, gpus_per_vm=pl.gpus_per_node, usd_per_gpu_hour=u,
+                                    cloud=pl.cloud))
     return ResourcePool(entries=tuple(entries))
 
 

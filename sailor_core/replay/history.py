@@ -22,10 +22,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool
+from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
-from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S
+from sailor_core.planner.risk import DEFAULT_RECONFIGURATION_S, planning_checkpoint_interval
 from sailor_core.replay.engine import DEFAULT_GRACE_S, ReplayJob
 from sailor_core.replay.trace import Place, Trace, TracePoint
 
@@ -41,16 +41,16 @@ def _key(row: Mapping[str, Any]) -> Key | None:
 def run_trace(run: Mapping[str, Any], initial: ResourcePool,
               calibration: Mapping[str, float] | None = None) -> Trace:
     """`calibration`: the factors the run started with (the newest per GPU type from earlier runs)."""
-    entries: dict[Key, PoolEntry] = {(e.zone, e.gpu_type, e.market): e for e in initial.entries}
+    entries: dict[Key, Capacity] = {(e.zone, e.gpu_type, e.market): e for e in initial.entries}
     if not entries:
         raise SailorError(
             f"run {run.get('run_id')}: the starting pool is empty; to fix: pass the offerings it began with"
         )
     order = list(entries)
-    count = {k: e.count for k, e in entries.items()}
+    count = {k: e.gpus for k, e in entries.items()}
     price = {k: e.usd_per_gpu_hour for k, e in entries.items()}
     places = tuple(Place(zone=e.zone, gpu_type=e.gpu_type, market=e.market, region=e.region, cloud=e.cloud,
-                         gpus_per_node=e.gpus_per_node) for e in entries.values())
+                         gpus_per_node=e.gpus_per_vm) for e in entries.values())
 
     taken = {k: 0 for k in order}
     factors = dict(calibration or {})
@@ -76,17 +76,17 @@ def run_trace(run: Mapping[str, Any], initial: ResourcePool,
         kind = ev.get("kind")
         k = _key(ev)
         if kind == "preemption" and k in count:
-            count[k] = max(0, count[k] - entries[k].gpus_per_node)  # the VM and its capacity go
-            taken[k] += entries[k].gpus_per_node
+            count[k] = max(0, count[k] - entries[k].gpus_per_vm)  # the VM and its capacity go
+            taken[k] += entries[k].gpus_per_vm
         elif kind == "lost":
             # A worker that died: its VM is released, the capacity stays. A worker's own report
             # names no place: the plan lost a worker wherever it runs.
             for x in [k] if k in taken else order:
-                taken[x] += entries[x].gpus_per_node
+                taken[x] += entries[x].gpus_per_vm
         elif kind == "price_change" and k in price and ev.get("new_usd_per_gpu_hour") is not None:
             price[k] = float(ev["new_usd_per_gpu_hour"])
         elif kind == "capacity_change" and k in count and ev.get("new_count") is not None:
-            count[k] = int(ev["new_count"]) * entries[k].gpus_per_node
+            count[k] = int(ev["new_count"]) * entries[k].gpus_per_vm
         elif kind == "calibration" and ev.get("gpu_type") and ev.get("factor") is not None:
             factors[str(ev["gpu_type"])] = float(ev["factor"])  # the factor in force, not a further scaling
         elif kind == "reconfigured" and ev.get("reconfiguration_s") is not None:
@@ -118,7 +118,8 @@ def run_job(run: Mapping[str, Any], *, sequence_length: int,
         restrictions=Restrictions(clouds=tuple(p.get("clouds") or ()), regions=tuple(p.get("regions") or ()),
                                   gpu_types=tuple(p.get("gpu_types") or ()),
                                   markets=tuple(Market.parse(m) for m in p.get("markets") or ()), max_gpus=max_gpus),
-        search=search, checkpoint_interval=int(p.get("checkpoint_interval", 10)), reconfiguration_s=reconfiguration_s,
+        search=search, checkpoint_interval=planning_checkpoint_interval(int(p.get("checkpoint_interval") or 0)),
+        reconfiguration_s=reconfiguration_s,
         min_gain=float(p.get("min_gain", 0.0)), reuse_dominating_plans=False, weigh_replacements=False,
         grace_s=max(graces) if graces else DEFAULT_GRACE_S,
     )

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sailor_core.domain import Market, PoolEntry, ResourcePool, default_region
+from sailor_core.domain import Capacity, Market, ResourcePool, default_region
 from sailor_core.errors import TraceError, ValidationError
 
 TRACE_FORMAT = "sailor-trace"
@@ -150,8 +150,8 @@ class Trace:
         if pool is None:
             pt = self.points[i]
             pool = ResourcePool(entries=tuple(
-                PoolEntry(zone=pl.zone, region=pl.region, gpu_type=pl.gpu_type, count=c, market=pl.market,
-                          gpus_per_node=pl.gpus_per_node, usd_per_gpu_hour=u, cloud=pl.cloud)
+                Capacity(zone=pl.zone, region=pl.region, gpu_type=pl.gpu_type, gpus=c, market=pl.market,
+                         gpus_per_vm=pl.gpus_per_node, usd_per_gpu_hour=u, cloud=pl.cloud)
                 for pl, c, u in zip(self.places, pt.counts, pt.usd_per_gpu_hour, strict=True) if c > 0))
             self._pools[i] = pool
         return pool

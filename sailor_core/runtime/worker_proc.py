@@ -49,6 +49,7 @@ from sailor_core.runtime.notices import Notices
 from sailor_core.runtime.protocol import ControlClient
 from sailor_core.runtime.token_shards import ShardedTokenDataset, open_dataset
 from sailor_core.runtime.topology import layout
+from sailor_core.uris import s3_compat_settings
 
 ASSIGNMENT_WAIT_S = 600.0  # how long a worker waits for its next generation before giving up
 STOP_POLL_S = 0.5  # a worker waiting for its next generation notices SIGTERM within this
@@ -106,6 +107,9 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
     trainer is built) and `waiter`: the process's (fresh ones when not given)."""
     plan = plan_from_dict(assignment["plan"])
     settings = TrainSettings.from_dict(assignment["settings"])
+    # The worker process is an edge: before it opens storage, the AWS SDK's settings for an S3-compatible
+    # endpoint go into its environment, the only place the SDK reads them (sailor_core/uris.py).
+    os.environ.update(s3_compat_settings([settings.checkpoint_uri or "", settings.data or ""], os.environ))
     cfg = config_from_dict(settings.model_config) if settings.model_config else get_config(settings.model)
     rank, world = int(assignment["rank"]), int(assignment["world_size"])
     me = layout(plan)[rank]
