@@ -26,7 +26,8 @@ def wheel(tmp_path_factory):
 def _run(tmp_path, assignment: dict) -> subprocess.CompletedProcess[str]:
     (tmp_path / "a.json").write_text(json.dumps(assignment))
     (tmp_path / "agent.sh").write_text(AGENT_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SAILOR_")}
+    # a fresh VM has neither this run's settings nor a PYTHONPATH pointing at a checkout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAILOR_") and k != "PYTHONPATH"}
     env.update(SAILOR_ASSIGNMENT_FILE=str(tmp_path / "a.json"), SAILOR_HOME=str(tmp_path / "home"),
                SAILOR_PYTHON=sys.executable, SAILOR_DEPS_SITE=_deps_site(), PATH="/usr/bin:/bin")
     return subprocess.run(["bash", str(tmp_path / "agent.sh")], env=env, capture_output=True, text=True, timeout=300,
@@ -50,7 +51,8 @@ def test_the_bootstrap_installs_exactly_the_runs_wheel_and_runs_its_command(tmp_
         venv = tmp_path / "home" / "venv"
         assert (venv / ".sailor-wheel").read_text().strip() == sha
         site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sailor_core; print(sailor_core.__file__)"],
-                              capture_output=True, text=True, cwd=str(tmp_path)).stdout
+                              capture_output=True, text=True, cwd=str(tmp_path),
+                              env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout
         assert str(venv) in site  # the wheel's copy, not this checkout
         # a wheel that is not the one the run built is refused, and nothing is installed from it
         (tmp_path / "home" / "venv" / ".sailor-wheel").write_text("other")
