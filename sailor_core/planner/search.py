@@ -60,7 +60,7 @@ class Search:
         self._caps = tuple(s.capacity for s in problem.slots)
         self._total_gpus = min(sum(self._caps), problem.max_gpus or sum(self._caps))
         self._links = LinkFloors(problem, costs)  # memo of each boundary's cheapest sends
-        self._floors = SketchFloors(problem, costs, self.goal)  # memo of each sketch's D-free bound terms
+        self._floors = SketchFloors(problem, costs, self.goal, self._links)  # memo of each sketch's D-free terms
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
@@ -118,15 +118,19 @@ class Search:
         options = stage_options(self.problem, table, tau, self.goal.speed_first)
         if options is None:
             return
-        dp = usage_dp(options, self._caps)
+        dp = usage_dp(options, self._caps, lb.pairs)
         if dp is None:
             return
         layers, states = dp
         ends = end_states(states, self._caps, self.problem.max_gpus)
-        for d, front in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
-            for pick in dict.fromkeys(front):
+        for d, front, network in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
+            # The front's picks are bounded without their sends: one that cannot win on its own split
+            # may still seed the re-split (rebalance_pass) of its kinds. The picks the send floor adds
+            # are extra work, bounded with their sends: only those that can win are estimated.
+            picks = [(u, False) for u in dict.fromkeys(front)] + [(u, True) for u in dict.fromkeys(network)]
+            for pick, with_sends in picks:
                 kinds = reconstruct(layers, pick)
-                if self._floors.score(mbs, bounds, kinds, d, n, st.cutoff) >= st.cutoff:
+                if self._floors.score(mbs, bounds, kinds, d, n, st.cutoff, sends=with_sends) >= st.cutoff:
                     st.counters.pruned += 1
                     continue
                 self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
