@@ -19,7 +19,8 @@ The search is a pipeline of pure steps, each in its own module, driven here; per
    only if it pays": a larger TP appears only once tau needs it);
 3. assign: a dynamic program over stages whose state is the GPUs used per slot (per pipeline) and
    whose value is the cheapest assignment reaching it; the end states give, for every D, the
-   cheapest assignment that D copies fit in the pool (assign.py);
+   cheapest assignment that D copies fit in the pool, and the best once each boundary's send floor
+   counts (the keys see compute and price, not which choice keeps a pipeline in one region; assign.py);
 4. D runs over the smallest degree of each distinct microbatch count ceil(n/D) (a larger D with
    the same count only adds GPUs and ring length: paper heuristic; shapes.d_values);
 5. place, cost, score: each (assignment, D) is placed in zones (placement.py), estimated with the
@@ -28,10 +29,12 @@ The search is a pipeline of pure steps, each in its own module, driven here; per
    beats the bound.
 Lower bounds (bounds.py: time, the exact 1F1B schedule's bound with the best stage times, some
 stage at tau and the cheapest messages; cost, that time x the cheapest GPUs) prune whole
-configurations and stop the tau sweep. After the sweep, the best sketches are re-partitioned:
-the layers are re-balanced for the chosen GPUs (min-max stage time, memory-checked), which the
-published planner never does (it splits uniformly); then other zone fills and a network-aware
-local search (one stage on another GPU kind, two stages swapping kinds) polish them.
+configurations and stop the tau sweep; a sketch's own bound (its stage times, and for the picks
+the send floor adds, its kinds' send floors) prunes it before placement. After the sweep, the
+best sketches are re-partitioned: the layers are re-balanced for the chosen GPUs (min-max stage
+time, memory-checked), which the published planner never does (it splits uniformly); then other
+zone fills and a network-aware local search (one stage on another GPU kind, two stages swapping
+kinds) polish them.
 """
 
 from __future__ import annotations
