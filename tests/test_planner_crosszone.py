@@ -21,12 +21,12 @@ import pytest
 from sailor_core.domain import ParallelPlan, Replica, Stage, split_batch
 from sailor_core.planner import PlanRequest, parse_pool, plan
 from sailor_core.planner.assign import end_states, fronts, reconstruct, usage_dp
-from sailor_core.planner.bounds import Floor, LinkFloors, SketchFloors
+from sailor_core.planner.bounds import Floor, LinkFloors, SketchFloors, bound, floor_of
 from sailor_core.planner.core import _problem, build_slots, sim_options
 from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.estimate import estimate
 from sailor_core.planner.scoring import Goal
-from sailor_core.planner.shapes import bounds_from_cuts
+from sailor_core.planner.shapes import bounds_from_cuts, stage_table
 from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Problem, Sketch
 from sailor_core.simulator import simulate
 from tests.planner_fixtures import multi_region_world
@@ -101,14 +101,16 @@ def test_equal_gpus_in_two_regions_the_front_keeps_a_pipeline_in_one() -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int) -> None:
-    """`SketchFloors.score` with the kinds' send floors, on random sketches of a multi-region world
-    (every split, kinds, D, zone rotation and fill): never above the estimate's score."""
+    """`SketchFloors.score` with the kinds' send floors, and the split's `bound` at the sketch's own
+    bottleneck, on random sketches of a multi-region world (every split, kinds, D, zone rotation and
+    fill): never above the estimate's score."""
     book, req = multi_region_world(seed)
     slots = build_slots(req.pool)
     pb = _problem(req, book, slots)
     costs = SimCosts(book)
     goal = Goal.of_problem(pb)
-    floors = SketchFloors(pb, costs, goal, LinkFloors(pb, costs))
+    links = LinkFloors(pb, costs)
+    floors = SketchFloors(pb, costs, goal, links)
     kinds_all = [(s.index, tp) for s in slots for tp in pb.tp_values if tp <= s.gpus_per_node]
     rng = random.Random(seed)
     checked = 0
@@ -126,4 +128,12 @@ def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int) -> N
         checked += 1
         lb = floors.score(mbs, bounds, kinds, sk.dp, n, math.inf)
         assert lb <= goal.of(e) * (1 + 1e-9), f"seed {seed}: {sk} bound {lb:.6g} > {goal.of(e):.6g}"
+        # the split's bound at the sketch's own bottleneck (the sweep stops on it), where its kinds fit
+        table = stage_table(pb, costs, mbs, bounds)
+        times = [dict(table[i][si]).get(tp) for i, (si, tp) in enumerate(kinds)] if table else [None]
+        if table is None or None in times:
+            continue
+        tau = max(t for t in times if t is not None)
+        split = bound(goal, tau, floor_of(pb, costs, links, mbs, bounds, table), n, [sk.dp])
+        assert split <= goal.of(e) * (1 + 1e-9), f"seed {seed}: {sk} split bound {split:.6g} > {goal.of(e):.6g}"
     assert checked > 50
