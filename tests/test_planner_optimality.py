@@ -139,8 +139,9 @@ def test_multi_region_pools_with_pipelines_across_zones_within_the_tolerance(see
 
     _, best, n = exhaustive_best(req, book, max_stages=3, seen=count)
     assert n > 0 and crossing["zones"] > 0 and crossing["regions"] > 0
-    assert best is not None and ours.plan is not None and ours.estimate.fits_memory
-    got, opt = objective_value(req.objective, ours.estimate), objective_value(req.objective, best)
+    e = ours.estimate
+    assert best is not None and ours.plan is not None and e is not None and e.fits_memory
+    got, opt = objective_value(req.objective, e), objective_value(req.objective, best)
     tol = req.options.tolerance
     assert got <= opt * (1 + tol) * (1 + 1e-9), (
         f"seed {seed}: planner {got:.6g} vs brute force {opt:.6g} ({req.objective.value}), more than {tol:.1%}")
