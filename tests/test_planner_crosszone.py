@@ -128,6 +128,7 @@ def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int) -> N
         checked += 1
         lb = floors.score(mbs, bounds, kinds, sk.dp, n, math.inf)
         assert lb <= goal.of(e) * (1 + 1e-9), f"seed {seed}: {sk} bound {lb:.6g} > {goal.of(e):.6g}"
+        assert floors.score(mbs, bounds, kinds, sk.dp, n, math.inf, sends=False) <= lb * (1 + 1e-12)
         # the split's bound at the sketch's own bottleneck (the sweep stops on it), where its kinds fit
         table = stage_table(pb, costs, mbs, bounds)
         times = [dict(table[i][si]).get(tp) for i, (si, tp) in enumerate(kinds)] if table else [None]

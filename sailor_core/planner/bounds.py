@@ -172,13 +172,15 @@ class SketchFloors:
             ts = [c.compute(slots[si].gpu_type, mbs, tp, a, b).total_s
                   for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
             sends = [self._links.pairs(mbs, bounds[s][1])[(kinds[s], kinds[s + 1])] for s in range(len(kinds) - 1)]
+            anyk = [self._links(mbs, bounds[s][1]) for s in range(len(kinds) - 1)]
             (a0, b0), (s0, tp0) = bounds[0], kinds[0]
             fixed = SketchTerms(
                 half=tuple(x / 2 for x in ts), act=tuple(f for f, _ in sends), grad=tuple(g for _, g in sends),
                 bwd0=c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s,
                 opt_s=max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b)
                           for (a, b), (si, tp) in zip(bounds, kinds, strict=True)),
-                usd_per_hour=float(sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds)))
+                usd_per_hour=float(sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds)),
+                act_any=tuple(x.forward for x in anyk), grad_any=tuple(x.back for x in anyk))
             if len(self._terms) > 200_000:
                 self._terms.clear()
             self._terms[(mbs, bounds, kinds)] = fixed
@@ -187,13 +189,14 @@ class SketchFloors:
     def score(self, mbs: int, bounds: Bounds, kinds: tuple[Kind, ...], d: int, n: int, cutoff: float, *,
               sends: bool = True) -> float:
         """A score floor of the sketch at D; its gradient ring only when it can matter (below `cutoff`);
-        without `sends`, its sends count as free (a looser floor: see `Search._assign`)."""
+        without `sends`, each boundary's sends at the cheapest between any two kinds, not the sketch's
+        own (a looser floor: see `Search._assign`)."""
         f = self._fixed(mbs, bounds, kinds)
         m = -(-n // d)
         # simulator.schedule.lower_bound_1f1b with the kinds' cheapest sends: stage b starts after the
         # stages and sends before it have run microbatch 0 both ways, computes m microbatches and waits
         # for its neighbours' messages (the estimate's sends, on the zones placed, are never cheaper)
-        act, grad = (f.act, f.grad) if sends else ((0.0,) * len(f.act), (0.0,) * len(f.grad))
+        act, grad = (f.act, f.grad) if sends else (f.act_any, f.grad_any)
         t = f.opt_s + lower_bound_1f1b(f.half, f.half, act, grad, m)
         # The gradient ring only adds time: skip it when the sketch loses without it.
         score = self._goal.floor(t, d, f.usd_per_hour, budget=True)
@@ -221,7 +224,8 @@ class SketchFloors:
 class SketchTerms:
     """The D-free terms of one sketch's bound: half of each stage's compute (the bound sees only
     forward + backward), each boundary's cheapest activation and gradient between the sketch's kinds,
-    stage 0's backward, the slowest optimizer step and the USD/hour of one pipeline."""
+    stage 0's backward, the slowest optimizer step, the USD/hour of one pipeline, and each boundary's
+    cheapest activation and gradient between any two kinds (`LinkSends`)."""
 
     half: tuple[float, ...]
     act: tuple[float, ...]
@@ -229,3 +233,5 @@ class SketchTerms:
     bwd0: float
     opt_s: float
     usd_per_hour: float
+    act_any: tuple[float, ...]  # each boundary's cheapest activation between any two kinds
+    grad_any: tuple[float, ...]

@@ -127,9 +127,10 @@ class Search:
         layers, states = dp
         ends = end_states(states, self._caps, self.problem.max_gpus)
         for d, front, network in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
-            # The front's picks are bounded without their sends: one that cannot win on its own split
-            # may still seed the re-split (rebalance_pass) of its kinds. The picks the send floor adds
-            # are extra work, bounded with their sends: only those that can win are estimated.
+            # The front's picks are bounded with the cheapest sends between any kinds, not their own:
+            # one that cannot win on its own split may still seed the re-split (rebalance_pass) of its
+            # kinds (fig8b-80+240 lost its 0.3795 it/s plan when its own sends pruned the seed). The
+            # picks the send floor adds are bounded with their own sends: only those that can win.
             picks = [(u, False) for u in dict.fromkeys(front)] + [(u, True) for u in dict.fromkeys(network)]
             for pick, with_sends in picks:
                 kinds = reconstruct(layers, pick)
