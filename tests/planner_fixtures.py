@@ -94,18 +94,22 @@ def tiny_book(seed: int, *, num_blocks: int = 4, gpus: tuple[str, ...] = ("fast"
 ZONES_2R = ("r1-a", "r1-b", "r2-a", "r2-b")
 
 
-def multi_region_world(seed: int, *, num_blocks: int = 2, gbs: int = 8, max_stages: int = 3
-                       ) -> tuple[ProfileBook, PlanRequest]:
-    """A tiny model on one GPU type in four zones of two regions (links across regions at a quarter
-    of those across zones of one region), prices equal or 10 % apart, 2 or 4 GPUs per zone: a stage
-    may span the zones of its region, and a pipeline cross zones and regions."""
+def multi_region_world(seed: int, *, num_blocks: int = 2, gbs: int = 8, max_stages: int = 3,
+                       slow_share: float = 0.0) -> tuple[ProfileBook, PlanRequest]:
+    """A tiny model in four zones of two regions (links across regions at a quarter of those across
+    zones of one region): the fast GPU in every zone, 2 or 4 of them, prices equal or 10 % apart, and
+    the slow one too in a zone with probability `slow_share` (0: one GPU type). A stage may span the
+    zones of its region, and a pipeline cross zones and regions."""
     book = tiny_book(seed, num_blocks=num_blocks, zones=ZONES_2R)
     rng = random.Random(seed)
     entries = []
     for zone in ZONES_2R:
-        base = book.price_usd_per_gpu_hour(zone, "fast", Market.ON_DEMAND) or 3.0
-        entries.append(PoolEntry(zone=zone, region=zone[:2], gpu_type="fast", count=rng.choice((2, 4)),
-                                 gpus_per_node=2, usd_per_gpu_hour=round(base * rng.choice((1.0, 1.0, 1.1)), 3)))
+        for gpu in ("fast", "slow"):
+            if gpu == "slow" and rng.random() >= slow_share:
+                continue
+            base = book.price_usd_per_gpu_hour(zone, gpu, Market.ON_DEMAND) or 3.0
+            entries.append(PoolEntry(zone=zone, region=zone[:2], gpu_type=gpu, count=rng.choice((2, 4)),
+                                     gpus_per_node=2, usd_per_gpu_hour=round(base * rng.choice((1.0, 1.0, 1.1)), 3)))
     objective = (Objective.MAX_THROUGHPUT, Objective.MIN_COST, Objective.MIN_COST_PER_TOKEN)[seed % 3]
     return book, PlanRequest(model=MODEL, global_batch_size=gbs, pool=ResourcePool(entries=tuple(entries)),
                              objective=objective, options=SearchOptions(max_stages=max_stages))
