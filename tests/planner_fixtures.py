@@ -21,10 +21,17 @@ from sailor_core.domain import (
     Market,
     ModelSpec,
     NetworkLink,
+    PoolEntry,
+    ResourcePool,
+    default_region,
 )
+from sailor_core.planner import Objective, PlanRequest, SearchOptions
 from sailor_core.profiles import ProfileBook
 
 MODEL = "tiny"
+# Links between zones of two regions (zone "r1-a" is in region "r1") run at this share of a link
+# between zones of one region, and their egress costs twice as much: geo-distributed pools.
+CROSS_REGION_SPEED = 0.25
 
 
 def tiny_book(seed: int, *, num_blocks: int = 4, gpus: tuple[str, ...] = ("fast", "slow"),
@@ -64,13 +71,17 @@ def tiny_book(seed: int, *, num_blocks: int = 4, gpus: tuple[str, ...] = ("fast"
                 for gb in gpus:
                     for cnt in (1, 2):
                         gbps = (rng.uniform(8, 12) if za == zb else rng.uniform(2, 4)) * cnt
+                        if default_region(za) != default_region(zb):
+                            gbps *= CROSS_REGION_SPEED
                         links.append(NetworkLink(sender_zone=za, sender_gpu=ga, sender_count=cnt, receiver_zone=zb,
                                                  receiver_gpu=gb, receiver_count=cnt,
                                                  fit=BandwidthFit(coeffs=(0.0, 0.0, gbps), max_bytes_per_s=gbps * 1e9)))
     intra = [IntraNodeLink(gpu_type=g, num_gpus=2, fit=BandwidthFit(coeffs=(0.0, 0.0, 80.0), max_bytes_per_s=80e9))
              for g in gpus]
     egress = [
-        EgressPrice(sender_zone=a, receiver_zone=b, usd_per_gb=0.0 if a == b else 0.01) for a in zones for b in zones
+        EgressPrice(sender_zone=a, receiver_zone=b,
+                    usd_per_gb=0.0 if a == b else 0.01 if default_region(a) == default_region(b) else 0.02)
+        for a in zones for b in zones
     ]
     price = {g: 3.0 / (1 + k) for k, g in enumerate(gpus)}
     prices = [GpuPrice(cloud="gcp", zone=z, gpu_type=g, market=Market.ON_DEMAND, usd_per_gpu_hour=price[g])
@@ -78,3 +89,27 @@ def tiny_book(seed: int, *, num_blocks: int = 4, gpus: tuple[str, ...] = ("fast"
     return ProfileBook(model=model, gpu_types=gpu_types, layer_profiles=profiles,
                        framework_overhead_bytes={g: 1 * GIB for g in gpus}, links=tuple(links), intra_node=tuple(intra),
                        egress=tuple(egress), prices=tuple(prices))
+
+
+ZONES_2R = ("r1-a", "r1-b", "r2-a", "r2-b")
+
+
+def multi_region_world(seed: int, *, num_blocks: int = 2, gbs: int = 8, max_stages: int = 3,
+                       slow_share: float = 0.0) -> tuple[ProfileBook, PlanRequest]:
+    """A tiny model in four zones of two regions (links across regions at a quarter of those across
+    zones of one region): the fast GPU in every zone, 2 or 4 of them, prices equal or 10 % apart, and
+    the slow one too in a zone with probability `slow_share` (0: one GPU type). A stage may span the
+    zones of its region, and a pipeline cross zones and regions."""
+    book = tiny_book(seed, num_blocks=num_blocks, zones=ZONES_2R)
+    rng = random.Random(seed)
+    entries = []
+    for zone in ZONES_2R:
+        for gpu in ("fast", "slow"):
+            if gpu == "slow" and rng.random() >= slow_share:
+                continue
+            base = book.price_usd_per_gpu_hour(zone, gpu, Market.ON_DEMAND) or 3.0
+            entries.append(PoolEntry(zone=zone, region=zone[:2], gpu_type=gpu, count=rng.choice((2, 4)),
+                                     gpus_per_node=2, usd_per_gpu_hour=round(base * rng.choice((1.0, 1.0, 1.1)), 3)))
+    objective = (Objective.MAX_THROUGHPUT, Objective.MIN_COST, Objective.MIN_COST_PER_TOKEN)[seed % 3]
+    return book, PlanRequest(model=MODEL, global_batch_size=gbs, pool=ResourcePool(entries=tuple(entries)),
+                             objective=objective, options=SearchOptions(max_stages=max_stages))

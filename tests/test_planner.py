@@ -468,9 +468,13 @@ def test_max_throughput_keeps_pipelines_inside_zones_when_that_is_as_fast(tmp_pa
                               ("us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f", "us-west1-b")}
     zones["us-west1-b"]["region"] = "us-west1"
     pool = parse_pool({"zones": zones}, neo)
-    req = PlanRequest(model="GPT-Neo-2.7", global_batch_size=1024, pool=pool)
+    # Two stages: at any depth the search (issue 29) finds 4 stages x 8, one stage per zone (0.1304
+    # it/s), 0.9 % faster than its pipelines moved into zones (each stage's gradient ring then spans
+    # four zones instead of one): no premise there. Two-stage plans are the case this test is about.
+    req = PlanRequest(model="GPT-Neo-2.7", global_batch_size=1024, pool=pool,
+                      options=SearchOptions(min_stages=2, max_stages=2))
     res = plan(req, neo)
-    fastest = plan(replace(req, options=SearchOptions(tolerance=0.0)), neo)
+    fastest = plan(replace(req, options=replace(req.options, tolerance=0.0)), neo)
     assert res.plan is not None and fastest.plan is not None and res.plan.num_stages >= 2
     e, f = res.estimate, fastest.estimate
     assert e.throughput_iterations_per_s >= f.throughput_iterations_per_s * (1 - 0.005)

@@ -17,7 +17,7 @@ from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.planner import Objective, PlanRequest, SearchOptions, plan
 from sailor_core.planner.core import objective_value
 from sailor_core.planner.exhaustive import exhaustive_best
-from tests.planner_fixtures import MODEL, tiny_book
+from tests.planner_fixtures import MODEL, multi_region_world, tiny_book
 
 MAX_STAGES = 3
 OBJECTIVES = (Objective.MAX_THROUGHPUT, Objective.MIN_COST, Objective.MIN_COST_PER_TOKEN)
@@ -119,3 +119,39 @@ def test_any_shape_per_pipeline_microbatch_space_within_one_percent_of_brute_for
     assert n > 0 and best is not None and ours.plan is not None
     got, opt = objective_value(req.objective, ours.estimate), objective_value(req.objective, best)
     assert got <= opt * 1.01, f"seed {seed}: planner {got:.6g} vs brute force {opt:.6g}"
+
+
+KNOWN_CROSS_REGION_MISSES = {
+    21: "the DP keeps one path per usage: the order of kinds whose sends are cheaper is dropped "
+        "stages before the end (the last kind is not part of the state)",
+}
+
+
+@pytest.mark.parametrize("seed", [*range(3, 9), 12, *sorted(KNOWN_CROSS_REGION_MISSES)])
+def test_multi_region_pools_with_pipelines_across_zones_within_the_tolerance(seed: int, request) -> None:
+    """Four zones in two regions, one GPU type at equal or different prices (issue 29): brute force
+    enumerates pipelines across zones and across regions (every stage on any region's slot, every zone
+    fill); no enumerated plan beats the planner's by more than the tolerance. Before the assign step
+    ranked its end states with their sends, seed 6 came out 2.8 % slower than brute force and 12 2.3 %
+    (with only the best by the send floor estimated, 12 still did); 21 (1.7 %) still misses, for the
+    reason `KNOWN_CROSS_REGION_MISSES` gives."""
+    if seed in KNOWN_CROSS_REGION_MISSES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_CROSS_REGION_MISSES[seed]))
+    book, req = multi_region_world(seed)
+    ours = plan(req, book)
+    crossing = {"zones": 0, "regions": 0}
+
+    def count(pl, _r) -> None:
+        for j in range(pl.data_parallel):
+            zones = {st.replicas[j].zone for st in pl.stages}
+            crossing["zones"] += len(zones) > 1
+            crossing["regions"] += len({z[:2] for z in zones}) > 1
+
+    _, best, n = exhaustive_best(req, book, max_stages=3, seen=count)
+    assert n > 0 and crossing["zones"] > 0 and crossing["regions"] > 0
+    e = ours.estimate
+    assert best is not None and ours.plan is not None and e is not None and e.fits_memory
+    got, opt = objective_value(req.objective, e), objective_value(req.objective, best)
+    tol = req.options.tolerance
+    assert got <= opt * (1 + tol) * (1 + 1e-9), (
+        f"seed {seed}: planner {got:.6g} vs brute force {opt:.6g} ({req.objective.value}), more than {tol:.1%}")

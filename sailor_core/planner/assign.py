@@ -4,19 +4,22 @@ Contract: pure functions (no search state; the caller's moving cutoff is read th
 At tau each stage may take, in each slot, the smallest TPs whose time is <= tau (`stage_options`;
 paper heuristic: a larger TP only when it pays). `usage_dp` runs over stages with the GPUs used
 per slot (per pipeline) as the state and the objective's own key (summed stage time for
-throughput, price for the cost objectives) then the other as the value; `end_states` ranks its
-end states by how many copies (D) fit the pool, and `fronts` yields, per D, the usage vectors worth
-estimating (each key's optimum, or their Pareto set when a limit couples time and money, plus the
-best by an estimate of goodput under spot risk); `reconstruct` turns one into per-stage kinds.
+throughput, price for the cost objectives) then the other as the value, carrying each path's send
+floor (each boundary's least sends between the kinds taken, `bounds.LinkFloors.pairs`);
+`end_states` ranks its end states by how many copies (D) fit the pool, and `fronts` yields, per D,
+the usage vectors worth estimating (each key's optimum, or their Pareto set when a limit couples
+time and money; the best with the send floor counted in the time key, `with_sends`; plus the best
+by an estimate of goodput under spot risk); `reconstruct` turns one into per-stage kinds.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from sailor_core.planner.bounds import Floor, bound
+from sailor_core.planner.bounds import Floor, PairSends, bound
 from sailor_core.planner.request import Objective
 from sailor_core.planner.risk import useful_fraction_of
 from sailor_core.planner.scoring import SECONDS_PER_HOUR, Goal
@@ -24,12 +27,20 @@ from sailor_core.planner.shapes import StageTable
 from sailor_core.planner.space import Problem
 
 Usage = tuple[int, ...]  # GPUs per pipeline used in each slot
-# A DP state's value: (primary, secondary, the usage it came from, the (slot, tp) step taken)
-Value = tuple[float, float, Usage | None, tuple[int, int] | None]
+# End states estimated per D by the time-with-sends key under max throughput (`with_sends`): the send
+# floor is per slot (the least over its zones), so the best by it is not always the best once placed
+# (a world of tests/test_planner_optimality.py: 2.3 % short with the best alone). Only those their
+# sketch bound with sends lets through are estimated.
+WITH_SENDS = 4
+# A DP state's value: (primary, secondary, the usage it came from, the (slot, tp) step taken, the
+# send floor of its path: each boundary's least sends between the kinds taken, forward + back)
+Value = tuple[float, float, Usage | None, tuple[int, int] | None, float]
 # (slot, tp, primary, secondary) of one choice for one stage
 Option = tuple[int, int, float, float]
-# (D that fits, primary, secondary, usage) of one end state
-End = tuple[int, float, float, Usage]
+# (D that fits, primary, secondary, usage, send floor) of one end state
+End = tuple[int, float, float, Usage, float]
+# (primary, secondary, usage, send floor) of an end state eligible at some D
+Eligible = tuple[float, float, Usage, float]
 
 
 def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool) -> list[list[Option]] | None:
@@ -55,25 +66,33 @@ def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool)
     return options
 
 
-def usage_dp(options: list[list[Option]], caps: Sequence[int]
+def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends] = ()
              ) -> tuple[list[dict[Usage, Value]], dict[Usage, Value]] | None:
     """(every stage's layer of the DP, its last layer): per per-pipeline slot usage that fits the
-    slots' capacity, the best (primary, secondary) and the step that reached it; None if none fits."""
+    slots' capacity, the best (primary, secondary), the step that reached it and its path's send floor
+    (`sends[b]`: boundary b's least sends between two kinds, `bounds.LinkFloors.pairs`), which breaks
+    exact ties; None if none fits. The keys stay compute and price: the send floor is what `fronts`
+    adds to rank the end states, the DP's per-usage choice of path is unchanged by it."""
     zero = (0,) * len(caps)
     layers: list[dict[Usage, Value]] = []
-    states: dict[Usage, Value] = {zero: (0.0, 0.0, None, None)}
-    for opts in options:
+    states: dict[Usage, Value] = {zero: (0.0, 0.0, None, None, 0.0)}
+    for s, opts in enumerate(options):
+        link = sends[s - 1] if s and sends else None
+        rows: dict[tuple[int, int] | None, list[float]] = {}
         nxt: dict[Usage, Value] = {}
-        for u, (p1, p2, _, _) in states.items():
-            for g, tp, x1, x2 in opts:
+        for u, (p1, p2, _, last, w) in states.items():
+            row = rows.get(last)
+            if row is None:
+                row = rows[last] = _send_row(link, last, opts)
+            for (g, tp, x1, x2), dw in zip(opts, row, strict=True):
                 if u[g] + tp > caps[g]:
                     continue
                 v = u[:g] + (u[g] + tp,) + u[g + 1 :]
-                q1 = p1 + x1
-                q2 = p2 + x2
+                q1, q2, qw = p1 + x1, p2 + x2, w + dw
                 old = nxt.get(v)
-                if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and q2 < old[1] - 1e-12):
-                    nxt[v] = (q1, q2, u, (g, tp))
+                if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and (
+                        q2 < old[1] - 1e-12 or (q2 <= old[1] + 1e-12 and qw < old[4] - 1e-12))):
+                    nxt[v] = (q1, q2, u, (g, tp), qw)
         if not nxt:
             return None
         layers.append(nxt)
@@ -81,14 +100,21 @@ def usage_dp(options: list[list[Option]], caps: Sequence[int]
     return layers, states
 
 
+def _send_row(link: PairSends | None, last: tuple[int, int] | None, opts: list[Option]) -> list[float]:
+    """The send floor (forward + back) of each option after a stage of kind `last` (0 for the first stage)."""
+    if link is None or last is None:
+        return [0.0] * len(opts)
+    return [sum(link[(last, (g, tp))]) for g, tp, _, _ in opts]
+
+
 def end_states(states: dict[Usage, Value], caps: Sequence[int], max_gpus: int | None) -> list[End]:
-    """(D-capacity, primary, secondary, usage) of each end state, most copies first then best value."""
+    """(D-capacity, primary, secondary, usage, send floor) of each end state, most copies first then best value."""
     ends = []
-    for u, (p1, p2, _, _) in states.items():
+    for u, (p1, p2, _, _, w) in states.items():
         d_max = min((caps[g] // u[g] for g in range(len(caps)) if u[g]), default=0)
         if max_gpus is not None:
             d_max = min(d_max, max_gpus // max(1, sum(u)))
-        ends.append((d_max, p1, p2, u))
+        ends.append((d_max, p1, p2, u, w))
     ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
     return ends
 
@@ -100,7 +126,7 @@ def reconstruct(layers: list[dict[Usage, Value]], end: Usage) -> tuple[tuple[int
     for i, layer in enumerate(reversed(layers)):
         if u is None:
             raise RuntimeError(f"usage DP: the back-pointers end {len(layers) - i} stages early")
-        _, _, prev, kind = layer[u]
+        _, _, prev, kind, _ = layer[u]
         if kind is None:
             raise RuntimeError(f"usage DP: state {u} of stage {len(layers) - 1 - i} has no (slot, tp) kind")
         kinds.append(kind)
@@ -109,16 +135,17 @@ def reconstruct(layers: list[dict[Usage, Value]], end: Usage) -> tuple[tuple[int
 
 
 def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list: Sequence[int], lb: Floor,
-           cutoff: Callable[[], float]) -> Iterator[tuple[int, list[Usage]]]:
-    """Yields (D, the usage vectors worth estimating at D), largest D first, each D only while the
-    bound (against `cutoff()` read at that moment: estimates of earlier D move it) does not rule it out."""
+           cutoff: Callable[[], float]) -> Iterator[tuple[int, list[Usage], list[Usage]]]:
+    """Yields (D, the usage vectors worth estimating at D, those `with_sends` adds beyond them), largest
+    D first, each D only while the bound (against `cutoff()` read at that moment: estimates of earlier
+    D move it) does not rule it out."""
     risk = pb.risk
     risky = pb.objective is Objective.MAX_GOODPUT and risk is not None and not risk.riskless
-    eligible: list[tuple[float, float, Usage]] = []
+    eligible: list[Eligible] = []
     i = 0
     for d in reversed(d_list):
         while i < len(ends) and ends[i][0] >= d:
-            bisect.insort(eligible, (ends[i][1], ends[i][2], ends[i][3]))
+            bisect.insort(eligible, (ends[i][1], ends[i][2], ends[i][3], ends[i][4]))
             i += 1
         if not eligible:
             continue
@@ -130,16 +157,29 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
             # decides: add the states best by an estimate of the goodput score.
             m = -(-n // d)
             ranked = sorted(eligible, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2], d, m, tau), e))
-            front += [u for _, _, u in ranked[:2]]
-        yield d, front
+            front += [e[2] for e in ranked[:2]]
+        yield d, front, [u for u in with_sends(eligible, goal.speed_first) if u not in front]
 
 
-def pareto_front(eligible: Sequence[tuple[float, float, Usage]], coupled: bool) -> list[Usage]:
+def with_sends(eligible: Sequence[Eligible], speed_first: bool) -> list[Usage]:
+    """The usage vectors best once each boundary's send floor counts in the time key: the DP's keys see
+    compute and price only, so among usages equal on both (the same GPU at the same price in two
+    regions) the front's pick is arbitrary and may send every pipeline across regions where one
+    region holds it whole (issue 29: GPT-Neo-2.7 on 5 zones x 128 A100-40 missed a plan 9 % faster).
+    Time first: the `WITH_SENDS` least times with sends; money first: the cheapest then least time
+    with sends, and the least time with sends."""
+    if speed_first:
+        return [e[2] for e in heapq.nsmallest(WITH_SENDS, eligible, key=lambda e: (e[0] + e[3], e[1], e[2]))]
+    return [min(eligible, key=lambda e: (e[0], e[1] + e[3], e[2]))[2],
+            min(eligible, key=lambda e: (e[1] + e[3], e[0], e[2]))[2]]
+
+
+def pareto_front(eligible: Sequence[Eligible], coupled: bool) -> list[Usage]:
     """The usage vectors on the (primary, secondary) Pareto front of `eligible` (sorted by primary):
     up to 32 spread along it when a limit couples time and money, else its two ends."""
     front = []
     low2 = math.inf
-    for _p1, p2, u in eligible:
+    for _p1, p2, u, _w in eligible:
         if p2 < low2 - 1e-12:
             front.append(u)
             low2 = p2

@@ -6,8 +6,11 @@ the lower-bound terms of one (microbatch size, split); `floor_of` builds it from
 and the cheapest sends (`LinkFloors`, memoised per boundary); `bound` reads it for a bottleneck
 time tau (the exact schedule's bound, `simulator.schedule.lower_bound_1f1b`, with the best stage
 times, some stage at tau and the cheapest messages; cost: that time x the cheapest GPUs);
-`SketchFloors.score` bounds one sketch without its network terms. The memos are caches of pure
-answers: they change what is computed, never a result.
+`SketchFloors.score` bounds one sketch: its own stage times, each boundary's sends at the floor of
+its two kinds (`LinkFloors.pairs`: the least over the zones of their slots, so wherever the
+placement puts the stages) and stage 0's gradient ring on the fastest zone of its slot. The same
+pair floors give the assign step's DP its send term (assign.usage_dp). The memos are caches of
+pure answers: they change what is computed, never a result.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from sailor_core.planner.shapes import Bounds, StageTable
 from sailor_core.planner.space import Problem
 from sailor_core.simulator.schedule import lower_bound_1f1b
 
+Kind = tuple[int, int]  # a stage's (slot index, tp)
+# The least (activation forward, gradient back) seconds across one boundary from a stage of the first
+# kind to one of the second, over every zone of each kind's slot.
+PairSends = dict[tuple[Kind, Kind], tuple[float, float]]
+
 
 @dataclass(frozen=True)
 class Floor:
@@ -38,6 +46,7 @@ class Floor:
     grad: tuple[float, ...]  # the cheapest gradient into stage b (0 for the last)
     opt: float
     rate: float  # USD/hour of the cheapest GPUs per pipeline
+    pairs: tuple[PairSends, ...] = field(default=(), compare=False)  # per boundary: its sends floor per kind pair
     memo: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
 
     def at(self, m: int) -> tuple[float, float]:
@@ -75,20 +84,28 @@ class LinkSends:
 
 
 class LinkFloors:
-    """`LinkSends` per (microbatch size, last layer before the boundary), computed once each."""
+    """Per (microbatch size, last layer before the boundary), computed once each: the `LinkSends`
+    over every pair of kinds, and the `PairSends` of each pair of kinds (its sends' floor wherever
+    the placement puts the two stages: the least over the slots' zones)."""
 
     def __init__(self, pb: Problem, costs: Costs) -> None:
         self._pb = pb
         self._costs = costs
-        self._memo: dict[tuple[int, int], LinkSends] = {}
+        self._memo: dict[tuple[int, int], tuple[LinkSends, PairSends]] = {}
 
     def __call__(self, mbs: int, last: int) -> LinkSends:
+        return self._of(mbs, last)[0]
+
+    def pairs(self, mbs: int, last: int) -> PairSends:
+        return self._of(mbs, last)[1]
+
+    def _of(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
         v = self._memo.get((mbs, last))
         if v is None:
             v = self._memo[(mbs, last)] = self._cheapest(mbs, last)
         return v
 
-    def _cheapest(self, mbs: int, last: int) -> LinkSends:
+    def _cheapest(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
         c = self._costs
         # both ends range over every profiled (slot, tp) that fits a node, in each of the slot's zones;
         # the sender's message is the activation after `last` at its TP
@@ -96,11 +113,21 @@ class LinkFloors:
                  if ta <= a.gpus_per_node and c.profiled(a.gpu_type, mbs, ta)]
         ends = [(a, ta, za, msg) for a, ta in kinds for msg in (c.boundary_bytes(ta, last, mbs),) for za, _ in a.zones]
         one = both = lo_f = lo_b = math.inf
+        pairs: PairSends = {}
         for (a, ta, za, msg), (b, tb, zb, _) in product(ends, repeat=2):
-            f, bk = fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg))
+            # the estimate times a send with the pipelines that share a node's link (`costs.nic_share`:
+            # up to a node's TP groups); a link's fit may give each flow more speed with more of them
+            f, bk = math.inf, math.inf
+            for share in range(1, max(a.gpus_per_node // ta, b.gpus_per_node // tb, 1) + 1):
+                sf, sb = fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg, share))
+                f, bk = min(f, sf), min(bk, sb)
             one, both = min(one, max(f, bk)), min(both, f + bk)
             lo_f, lo_b = min(lo_f, f), min(lo_b, bk)
-        return LinkSends(*(x if math.isfinite(x) else 0.0 for x in (one, both, lo_f, lo_b)))
+            key = ((a.index, ta), (b.index, tb))
+            least_f, least_b = pairs.get(key, (math.inf, math.inf))
+            pairs[key] = (min(least_f, f), min(least_b, bk))
+        sends = LinkSends(*(x if math.isfinite(x) else 0.0 for x in (one, both, lo_f, lo_b)))
+        return sends, pairs
 
 
 def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bounds, table: StageTable) -> Floor:
@@ -121,56 +148,90 @@ def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bou
         for s in range(p)
     )
     return Floor(reach=tuple(reach), best=tuple(best_t), act=tuple([0.0] + [x.forward for x in sends]),
-                 grad=tuple([x.back for x in sends] + [0.0]), opt=opt_lb, rate=sum(min_rate))
+                 grad=tuple([x.back for x in sends] + [0.0]), opt=opt_lb, rate=sum(min_rate),
+                 pairs=tuple(links.pairs(mbs, bounds[b][1]) for b in range(p - 1)))
 
 
 class SketchFloors:
-    """Score lower bounds of whole sketches without their network terms (they only add time and
-    egress); the terms that do not depend on D are kept per (mbs, bounds, kinds)."""
+    """Score lower bounds of whole sketches with their sends at the floor of their kinds (`LinkFloors.pairs`:
+    the least over the slots' zones, wherever the placement puts them) and their gradient ring at its
+    fastest; the terms that do not depend on D are kept per (mbs, bounds, kinds)."""
 
-    def __init__(self, pb: Problem, costs: Costs, goal: Goal) -> None:
+    def __init__(self, pb: Problem, costs: Costs, goal: Goal, links: LinkFloors) -> None:
         self._pb = pb
         self._costs = costs
         self._goal = goal
-        self._terms: dict[tuple[object, ...], tuple[tuple[float, ...], float, float, float]] = {}
+        self._links = links
+        self._terms: dict[tuple[object, ...], SketchTerms] = {}
 
-    def _fixed(self, mbs: int, bounds: Bounds, kinds: tuple[tuple[int, int], ...]
-               ) -> tuple[tuple[float, ...], float, float, float]:
-        """(stage times, stage 0's backward, the slowest optimizer step, USD/hour per pipeline)."""
+    def _fixed(self, mbs: int, bounds: Bounds, kinds: tuple[Kind, ...]) -> SketchTerms:
+        """The D-free terms of a sketch's bound (`SketchTerms`)."""
         fixed = self._terms.get((mbs, bounds, kinds))
         if fixed is None:
             slots, c = self._pb.slots, self._costs
             ts = [c.compute(slots[si].gpu_type, mbs, tp, a, b).total_s
                   for (a, b), (si, tp) in zip(bounds, kinds, strict=True)]
+            sends = [self._links.pairs(mbs, bounds[s][1])[(kinds[s], kinds[s + 1])] for s in range(len(kinds) - 1)]
+            anyk = [self._links(mbs, bounds[s][1]) for s in range(len(kinds) - 1)]
             (a0, b0), (s0, tp0) = bounds[0], kinds[0]
-            fixed = (tuple(ts), c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s,
-                     max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b)
-                         for (a, b), (si, tp) in zip(bounds, kinds, strict=True)),
-                     float(sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds)))
+            fixed = SketchTerms(
+                half=tuple(x / 2 for x in ts), act=tuple(f for f, _ in sends), grad=tuple(g for _, g in sends),
+                bwd0=c.compute(slots[s0].gpu_type, mbs, tp0, a0, b0).backward_s,
+                opt_s=max(c.optimizer_s(slots[si].gpu_type, mbs, tp, a, b)
+                          for (a, b), (si, tp) in zip(bounds, kinds, strict=True)),
+                usd_per_hour=float(sum(tp * slots[si].usd_per_gpu_hour for si, tp in kinds)),
+                act_any=tuple(x.forward for x in anyk), grad_any=tuple(x.back for x in anyk))
             if len(self._terms) > 200_000:
                 self._terms.clear()
             self._terms[(mbs, bounds, kinds)] = fixed
         return fixed
 
-    def score(self, mbs: int, bounds: Bounds, kinds: tuple[tuple[int, int], ...], d: int, n: int,
-              cutoff: float) -> float:
-        """A score floor of the sketch at D; its gradient ring only when it can matter (below `cutoff`)."""
-        times, bwd0, opt_s, usd_per_hour = self._fixed(mbs, bounds, kinds)
+    def score(self, mbs: int, bounds: Bounds, kinds: tuple[Kind, ...], d: int, n: int, cutoff: float, *,
+              sends: bool = True) -> float:
+        """A score floor of the sketch at D; its gradient ring only when it can matter (below `cutoff`);
+        without `sends`, each boundary's sends at the cheapest between any two kinds, not the sketch's
+        own (a looser floor: see `Search._assign`)."""
+        f = self._fixed(mbs, bounds, kinds)
         m = -(-n // d)
-        # simulator.schedule.lower_bound_1f1b without the sends: stage b starts after the stages
-        # before it have run microbatch 0 both ways and computes m microbatches
-        half = [x / 2 for x in times]
-        t = opt_s + lower_bound_1f1b(half, half, [0.0] * (len(times) - 1), [0.0] * (len(times) - 1), m)
+        # simulator.schedule.lower_bound_1f1b with the kinds' cheapest sends: stage b starts after the
+        # stages and sends before it have run microbatch 0 both ways, computes m microbatches and waits
+        # for its neighbours' messages (the estimate's sends, on the zones placed, are never cheaper)
+        act, grad = (f.act, f.grad) if sends else (f.act_any, f.grad_any)
+        t = f.opt_s + lower_bound_1f1b(f.half, f.half, act, grad, m)
         # The gradient ring only adds time: skip it when the sketch loses without it.
-        score = self._goal.floor(t, d, usd_per_hour, budget=True)
+        score = self._goal.floor(t, d, f.usd_per_hour, budget=True)
         if d > 1 and score < cutoff:
             # Stage 0's gradient ring starts no earlier than its last backward (the buckets overlap
             # that backward at most) and the optimizer step follows: both bound the iteration from
             # below. Its ring on one zone is the fastest it can be (a cross-zone ring is slower).
-            slots = self._pb.slots
-            (a0, b0), (s0, tp0) = bounds[0], kinds[0]
-            ar, ar_last, first_bwd = self._costs.dp_sync_terms(slots[s0], tp0, ((slots[s0].zones[0][0], d),), mbs,
-                                                               a0, b0)
-            # dp_sync_end_s - finish >= both of these
-            score = self._goal.floor(t + max(ar_last, ar - bwd0 + first_bwd), d, usd_per_hour, budget=True)
+            score = self._goal.floor(t + self._ring_floor(mbs, bounds[0], kinds[0], d, f.bwd0), d, f.usd_per_hour,
+                                     budget=True)
         return score
+
+
+    def _ring_floor(self, mbs: int, bounds0: tuple[int, int], kind0: Kind, d: int, bwd0: float) -> float:
+        """The least time stage 0's gradient ring adds after its last backward (`dp_sync_end_s` - finish):
+        the ring on one zone of its slot, the fastest of them (zones differ in their measured links)."""
+        slot = self._pb.slots[kind0[0]]
+        least = math.inf
+        for zone, _ in slot.zones:
+            ar, ar_last, first_bwd = self._costs.dp_sync_terms(slot, kind0[1], ((zone, d),), mbs, *bounds0)
+            least = min(least, max(ar_last, ar - bwd0 + first_bwd))
+        return least
+
+
+@dataclass(frozen=True)
+class SketchTerms:
+    """The D-free terms of one sketch's bound: half of each stage's compute (the bound sees only
+    forward + backward), each boundary's cheapest activation and gradient between the sketch's kinds,
+    stage 0's backward, the slowest optimizer step, the USD/hour of one pipeline, and each boundary's
+    cheapest activation and gradient between any two kinds (`LinkSends`)."""
+
+    half: tuple[float, ...]
+    act: tuple[float, ...]
+    grad: tuple[float, ...]
+    bwd0: float
+    opt_s: float
+    usd_per_hour: float
+    act_any: tuple[float, ...]  # each boundary's cheapest activation between any two kinds
+    grad_any: tuple[float, ...]

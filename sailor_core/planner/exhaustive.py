@@ -5,12 +5,16 @@ holds for small pools (every microbatch size, stage count up to `max_stages`, ev
 partition, every (slot, TP) per stage, every data-parallel degree that fits, every zone fill
 start, stage-major or whole pipelines per zone first), materialises each, runs `simulate()` and
 returns the best plan that fits in memory and meets the constraints, with its result and the
-number of plans simulated. No pruning, no bounds:
-slow by design, for tests and benchmarks on pools of a few GPUs.
+number of plans simulated. On pools of several zones and regions that includes every pipeline
+that crosses zones or regions the planner's placement (`placement.place`, the public step both
+use) can make: each stage on any slot of any region, each slot's zones filled from any of them,
+stage by stage (a pipeline's stages in different zones) or whole pipelines per zone first.
+No pruning, no bounds: slow by design, for tests and benchmarks on pools of a few GPUs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import combinations, product
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
@@ -25,8 +29,10 @@ from sailor_core.simulator import SimulationResult, simulate
 
 
 def exhaustive_best(
-    request: PlanRequest, book: ProfileBook, *, max_stages: int
+    request: PlanRequest, book: ProfileBook, *, max_stages: int,
+    seen: Callable[[ParallelPlan, SimulationResult], None] | None = None,
 ) -> tuple[ParallelPlan | None, SimulationResult | None, int]:
+    """(the best plan, its result, how many plans were simulated); `seen` is called with every one."""
     pool = request.restrictions.apply(request.pool)
     slots = build_slots(pool)
     L = book.model.num_layers
@@ -68,7 +74,10 @@ def exhaustive_best(
                             plan = materialize(sk, lay, slots, model=request.model, global_batch_size=gbs,
                                                precision=request.options.precision, schedule=request.options.schedule)
                             simulated += 1
-                            best = _keep_best(best, request, plan, simulate(plan, book, options=so))
+                            r = simulate(plan, book, options=so)
+                            if seen is not None:
+                                seen(plan, r)
+                            best = _keep_best(best, request, plan, r)
     if best is None:
         return None, None, simulated
     return best[1], best[2], simulated

@@ -19,7 +19,8 @@ The search is a pipeline of pure steps, each in its own module, driven here; per
    only if it pays": a larger TP appears only once tau needs it);
 3. assign: a dynamic program over stages whose state is the GPUs used per slot (per pipeline) and
    whose value is the cheapest assignment reaching it; the end states give, for every D, the
-   cheapest assignment that D copies fit in the pool (assign.py);
+   cheapest assignment that D copies fit in the pool, and the best once each boundary's send floor
+   counts (the keys see compute and price, not which choice keeps a pipeline in one region; assign.py);
 4. D runs over the smallest degree of each distinct microbatch count ceil(n/D) (a larger D with
    the same count only adds GPUs and ring length: paper heuristic; shapes.d_values);
 5. place, cost, score: each (assignment, D) is placed in zones (placement.py), estimated with the
@@ -28,10 +29,12 @@ The search is a pipeline of pure steps, each in its own module, driven here; per
    beats the bound.
 Lower bounds (bounds.py: time, the exact 1F1B schedule's bound with the best stage times, some
 stage at tau and the cheapest messages; cost, that time x the cheapest GPUs) prune whole
-configurations and stop the tau sweep. After the sweep, the best sketches are re-partitioned:
-the layers are re-balanced for the chosen GPUs (min-max stage time, memory-checked), which the
-published planner never does (it splits uniformly); then other zone fills and a network-aware
-local search (one stage on another GPU kind, two stages swapping kinds) polish them.
+configurations and stop the tau sweep; a sketch's own bound (its stage times, and for the picks
+the send floor adds, its kinds' send floors) prunes it before placement. After the sweep, the
+best sketches are re-partitioned: the layers are re-balanced for the chosen GPUs (min-max stage
+time, memory-checked), which the published planner never does (it splits uniformly); then other
+zone fills and a network-aware local search (one stage on another GPU kind, two stages swapping
+kinds) polish them.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class Search:
         self._caps = tuple(s.capacity for s in problem.slots)
         self._total_gpus = min(sum(self._caps), problem.max_gpus or sum(self._caps))
         self._links = LinkFloors(problem, costs)  # memo of each boundary's cheapest sends
-        self._floors = SketchFloors(problem, costs, self.goal)  # memo of each sketch's D-free bound terms
+        self._floors = SketchFloors(problem, costs, self.goal, self._links)  # memo of each sketch's D-free terms
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
@@ -118,15 +121,20 @@ class Search:
         options = stage_options(self.problem, table, tau, self.goal.speed_first)
         if options is None:
             return
-        dp = usage_dp(options, self._caps)
+        dp = usage_dp(options, self._caps, lb.pairs)
         if dp is None:
             return
         layers, states = dp
         ends = end_states(states, self._caps, self.problem.max_gpus)
-        for d, front in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
-            for pick in dict.fromkeys(front):
+        for d, front, network in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
+            # The front's picks are bounded with the cheapest sends between any kinds, not their own:
+            # one that cannot win on its own split may still seed the re-split (rebalance_pass) of its
+            # kinds (fig8b-80+240 lost its 0.3795 it/s plan when its own sends pruned the seed). The
+            # picks the send floor adds are bounded with their own sends: only those that can win.
+            picks = [(u, False) for u in dict.fromkeys(front)] + [(u, True) for u in dict.fromkeys(network)]
+            for pick, with_sends in picks:
                 kinds = reconstruct(layers, pick)
-                if self._floors.score(mbs, bounds, kinds, d, n, st.cutoff) >= st.cutoff:
+                if self._floors.score(mbs, bounds, kinds, d, n, st.cutoff, sends=with_sends) >= st.cutoff:
                     st.counters.pruned += 1
                     continue
                 self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
