@@ -12,6 +12,7 @@ import random
 from sailor_core.domain import (
     GIB,
     BandwidthFit,
+    Capacity,
     EgressPrice,
     GpuPrice,
     GpuType,
@@ -21,7 +22,6 @@ from sailor_core.domain import (
     Market,
     ModelSpec,
     NetworkLink,
-    PoolEntry,
     ResourcePool,
     default_region,
 )
@@ -108,8 +108,8 @@ def multi_region_world(seed: int, *, num_blocks: int = 2, gbs: int = 8, max_stag
             if gpu == "slow" and rng.random() >= slow_share:
                 continue
             base = book.price_usd_per_gpu_hour(zone, gpu, Market.ON_DEMAND) or 3.0
-            entries.append(PoolEntry(zone=zone, region=zone[:2], gpu_type=gpu, count=rng.choice((2, 4)),
-                                     gpus_per_node=2, usd_per_gpu_hour=round(base * rng.choice((1.0, 1.0, 1.1)), 3)))
+            entries.append(Capacity(zone=zone, region=zone[:2], gpu_type=gpu, gpus=rng.choice((2, 4)),
+                                     gpus_per_vm=2, usd_per_gpu_hour=round(base * rng.choice((1.0, 1.0, 1.1)), 3)))
     objective = (Objective.MAX_THROUGHPUT, Objective.MIN_COST, Objective.MIN_COST_PER_TOKEN)[seed % 3]
     return book, PlanRequest(model=MODEL, global_batch_size=gbs, pool=ResourcePool(entries=tuple(entries)),
                              objective=objective, options=SearchOptions(max_stages=max_stages))
