@@ -4,11 +4,13 @@ Contract: no I/O, no clock (callers pass `now`), no Prefect. `tasks.steps.monito
 (progress, provider events, worker statuses, agent exit codes) and asks these functions what they
 mean; the replan subflow and `sailor replay` (sailor_core.replay) share `decide_switch`, re-exported
 here from sailor_core:
-- `decide_switch(...)`: is a new plan worth the switch (`PlanCost`, `SwitchDecision`);
+- `decide_switch(...)`: is a new plan worth the switch (`PlanCost`, `SwitchDecision`; recorded as a
+  `DecisionKind`);
 - `needs_decision(kind, vm_id, plan_vms)`: does a provider event call for re-planning;
 - `failed_vms(statuses)`: VMs whose workers reported a failed generation (a lost worker to the flow);
 - `check_calibration(...)`: measured against estimated iteration time, once enough steps ran;
-- `first_step_kind(extra)`: what a plan version's first step measures (reconfiguration or cold start);
+- `first_step_kind(started_by)`: what a plan version's first step measures (`FirstStep`: the switch that
+  started it, or its cold start);
 - `all_exited_cleanly(codes)`, `exit_verdict(codes, step, total_steps)`: what agents that all exited
   cleanly mean;
 - `stop_reason(...)`: a stall or a deadline that ends the run.
@@ -16,18 +18,22 @@ here from sailor_core:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from infra.provider import EventKind
 from sailor_core.decisions import PlanCost, SwitchDecision, decide_switch
+from tasks.jobs import ColdStart, Switch
 
-__all__ = ["CalibrationCheck", "PlanCost", "SwitchDecision", "all_exited_cleanly", "check_calibration", "decide_switch",
-           "exit_verdict", "failed_vms", "first_step_kind", "needs_decision", "stop_reason"]
+__all__ = ["CalibrationCheck", "Decision", "DecisionKind", "FirstStep", "PlanCost", "SwitchDecision",
+           "all_exited_cleanly",
+           "check_calibration", "decide_switch", "exit_verdict", "failed_vms", "first_step_kind", "needs_decision",
+           "stop_reason"]
 
-# Provider events a running plan must answer (the value names of infra.provider.EventKind).
-ACTIONABLE_KINDS = frozenset({"preemption", "lost", "price_change", "capacity_change"})
-VM_KINDS = frozenset({"preemption", "lost"})  # about one VM: only the plan's own VMs matter
+# Provider events a running plan must answer (every kind there is, today).
+ACTIONABLE_KINDS = frozenset({EventKind.PREEMPTION, EventKind.LOST, EventKind.PRICE_CHANGE, EventKind.CAPACITY_CHANGE})
+VM_KINDS = frozenset({EventKind.PREEMPTION, EventKind.LOST})  # about one VM: only the plan's own VMs matter
 
 
 def needs_decision(kind: str, vm_id: str | None, plan_vms: Collection[str]) -> bool:
@@ -62,13 +68,34 @@ def check_calibration(measured_s: float | None, estimated_s: float, samples: int
     return CalibrationCheck(ratio=ratio, departs=abs(ratio - 1.0) > tolerance)
 
 
-def first_step_kind(extra: Mapping[str, Any]) -> str | None:
-    """What a plan version's first trained step measures: the time a switch took ("reconfigured",
-    counted from the event that triggered it) or a fresh start ("cold_start", from provisioning)."""
-    if "reconfig_trigger_at" in extra:
-        return "reconfigured"
-    if "provisioned_at" in extra:
-        return "cold_start"
+class DecisionKind(enum.StrEnum):
+    """What a replan decided (the decision's kind in the run history)."""
+
+    SWITCH = "switch"  # adopt the new plan
+    STAY = "stay"  # keep the current one
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """A replan's decision and its reason, as the run's summary lists it."""
+
+    kind: DecisionKind
+    reason: str
+
+
+class FirstStep(enum.StrEnum):
+    """What a plan version's first trained step measures (the measurement's kind in the run history)."""
+
+    RECONFIGURED = "reconfigured"  # the time a switch took, from the event that triggered it
+    COLD_START = "cold_start"  # a fresh start, from provisioning
+
+
+def first_step_kind(started_by: ColdStart | Switch | None) -> FirstStep | None:
+    """What a plan version's first trained step measures, by how the version started."""
+    if isinstance(started_by, Switch):
+        return FirstStep.RECONFIGURED
+    if isinstance(started_by, ColdStart):
+        return FirstStep.COLD_START
     return None
 
 

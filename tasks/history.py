@@ -24,11 +24,16 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sailor_core.errors import UnknownRunError as UnknownRunError  # re-exported: tests import it from here
+from tasks.records import JSONObject, LeaseOwner, ReplanRequest, RunRow
+
+if TYPE_CHECKING:
+    from profiles_store.store import HistoryRecord
+    from sailor_core.domain import Provenance
 
 TABLES = ("runs", "events", "decisions", "plans", "measurements")
 # Event kinds a person reads in `sailor runs show` (the issue's minimum plus what monitoring adds).
@@ -42,9 +47,11 @@ REQUEST_POLL_S = 2.0  # how often a live run looks for re-plan requests
 
 
 class HistoryStore(Protocol):
-    def append_history(self, table: str, records: Any, *, provenance: Any = None) -> int: ...
+    def append_history(self, table: str, records: Iterable[HistoryRecord], *,
+                       provenance: Provenance | None = None) -> int: ...
 
-    def read_history(self, table: str, *, run_id: str | None = None, kind: str | None = None) -> list[Any]: ...
+    def read_history(self, table: str, *, run_id: str | None = None,
+                     kind: str | None = None) -> list[HistoryRecord]: ...
 
 
 def new_run_id(name: str, suffix: str | None = None) -> str:
@@ -62,12 +69,12 @@ def _start_ticks(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
-def this_process() -> dict[str, Any]:
+def this_process() -> LeaseOwner:
     """Who renews a lease: this host, pid and start time (so a reused pid is not mistaken for it)."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_ticks(os.getpid())}
 
 
-def owner_alive(owner: Mapping[str, Any]) -> bool | None:
+def owner_alive(owner: LeaseOwner) -> bool | None:
     """Whether a lease's owning process still lives: None when that cannot be seen from here (another
     host, no /proc, an owner recorded without a start time)."""
     if owner.get("host") != socket.gethostname() or owner.get("start") is None or not os.path.isdir("/proc/self"):
@@ -81,15 +88,15 @@ def _iso(t: datetime) -> str:
 
 class RunHistory:
     def __init__(self, store: HistoryStore, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-                 alive: Callable[[Mapping[str, Any]], bool | None] = owner_alive,
-                 owner: Callable[[], dict[str, Any]] = this_process) -> None:
+                 alive: Callable[[LeaseOwner], bool | None] = owner_alive,
+                 owner: Callable[[], LeaseOwner] = this_process) -> None:
         self.store = store
         self.clock = clock
         self.alive, self.owner = alive, owner
         self._last: datetime | None = None
 
     # -- writes ----------------------------------------------------------------------------------
-    def _append(self, table: str, run_id: str, kind: str, reason: str = "", payload: Mapping[str, Any] | None = None,
+    def _append(self, table: str, run_id: str, kind: str, reason: str = "", payload: JSONObject | None = None,
                 at: datetime | None = None) -> None:
         from profiles_store.store import HistoryRecord
 
@@ -102,7 +109,7 @@ class RunHistory:
         rec = HistoryRecord(run_id=run_id, kind=kind, time=t, reason=reason, payload=dict(payload or {}))
         self.store.append_history(table, [rec])
 
-    def run_status(self, run_id: str, status: str, reason: str = "", payload: Mapping[str, Any] | None = None) -> None:
+    def run_status(self, run_id: str, status: str, reason: str = "", payload: JSONObject | None = None) -> None:
         self._append("runs", run_id, status, reason, payload)
 
     def renew_lease(self, run_id: str, ttl_s: float = DEFAULT_LEASE_S) -> datetime:
@@ -115,7 +122,7 @@ class RunHistory:
     def mark_crashed(self, run_id: str, reason: str) -> None:
         self._append("runs", run_id, "crashed", reason, {})
 
-    def live_run(self, name: str, *, exclude: str | None = None) -> dict[str, Any] | None:
+    def live_run(self, name: str, *, exclude: str | None = None) -> RunRow | None:
         """The newest run of this name whose lease is current (None: none alive)."""
         live = [r for r in self.list_runs() if r.get("name") == name and r["run_id"] != exclude
                 and r.get("status") == "running" and r.get("lease_expires_at")]
@@ -124,22 +131,20 @@ class RunHistory:
     def request_replan(self, run_id: str, requested_by: str, reason: str) -> None:
         self.event(run_id, "replan_request", reason, {"requested_by": requested_by})
 
-    def replan_requests(self, run_id: str) -> list[Any]:
+    def replan_requests(self, run_id: str) -> list[HistoryRecord]:
         return list(self.store.read_history("events", run_id=run_id, kind="replan_request"))
 
-    def event(self, run_id: str, kind: str, reason: str = "", payload: Mapping[str, Any] | None = None,
+    def event(self, run_id: str, kind: str, reason: str = "", payload: JSONObject | None = None,
               at: datetime | None = None) -> None:
         self._append("events", run_id, kind, reason, payload, at)
 
-    def decision(self, run_id: str, kind: str, reason: str, payload: Mapping[str, Any] | None = None) -> None:
+    def decision(self, run_id: str, kind: str, reason: str, payload: JSONObject | None = None) -> None:
         self._append("decisions", run_id, kind, reason, payload)
 
-    def plan(
-        self, run_id: str, version: int, plan: Mapping[str, Any], estimate: Mapping[str, Any], reason: str
-    ) -> None:
+    def plan(self, run_id: str, version: int, plan: JSONObject, estimate: JSONObject, reason: str) -> None:
         self._append("plans", run_id, "plan", reason, {"version": version, "plan": plan, "estimate": estimate})
 
-    def measurement(self, run_id: str, kind: str, payload: Mapping[str, Any], reason: str = "") -> None:
+    def measurement(self, run_id: str, kind: str, payload: JSONObject, reason: str = "") -> None:
         self._append("measurements", run_id, kind, reason, payload)
 
     # -- reads -----------------------------------------------------------------------------------
@@ -154,9 +159,9 @@ class RunHistory:
                 out[g] = (r.time, float(r.payload["factor"]))
         return {g: f for g, (_, f) in out.items()}
 
-    def list_runs(self) -> list[dict[str, Any]]:
+    def list_runs(self) -> list[RunRow]:
         rows = self.store.read_history("runs")
-        runs: dict[str, dict[str, Any]] = {}
+        runs: dict[str, RunRow] = {}
         for r in sorted(rows, key=lambda r: r.time):
             cur = runs.setdefault(r.run_id, {"run_id": r.run_id, "name": "", "started_at": _iso(r.time)})
             if r.payload.get("renewal"):  # a lease renewal changes nothing but the lease (and who holds it)
@@ -208,7 +213,7 @@ class RunHistory:
             raise UnknownRunError(
                 f"no run {run_id!r} in the store; to fix: pick an id from `sailor runs list` (latest: {known})"
             )
-        out = dict(runs[0])
+        out: dict[str, Any] = dict(runs[0])  # a run as `sailor runs show --json` prints it
         status_rows = [r for r in self.store.read_history("runs", run_id=run_id) if not r.payload.get("renewal")]
         out["status_reason"] = out.get("status_reason") or (status_rows[-1].reason if status_rows else "")
         out["params"] = next((r.payload.get("params", {}) for r in status_rows if r.kind == "running"), {})
@@ -249,7 +254,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._seen: set[str] = set()
-        self._pending: dict[str, Any] | None = None
+        self._pending: ReplanRequest | None = None
         self._thread = threading.Thread(target=self._loop, name=f"lease-{run_id}", daemon=True)
         self.errors = 0
 
@@ -276,7 +281,7 @@ class LeaseKeeper:
             except Exception:  # noqa: BLE001 - a store hiccup: the next renewal retries; the lease has slack
                 self.errors += 1
 
-    def take_request(self) -> dict[str, Any] | None:
+    def take_request(self) -> ReplanRequest | None:
         with self._lock:
             req, self._pending = self._pending, None
         return req

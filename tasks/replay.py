@@ -14,7 +14,6 @@ rented.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
@@ -63,7 +62,8 @@ def job_of(request: PlanRequest, *, total_steps: int, sequence_length: int, chec
 
 
 @task(name="what-if replay", cache_policy=NO_CACHE)
-def what_if(run_id: str, trace_path: str, book: ProfileBook, job: ReplayJob, history: RunHistory) -> dict[str, Any]:
+def what_if(run_id: str, trace_path: str, book: ProfileBook, job: ReplayJob,
+            history: RunHistory) -> dict[str, object]:
     tr = load_trace(trace_path, book)
     check_profiled(tr, book)
     results = compare(tr, book, job)

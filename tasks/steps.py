@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from infra.provider import (
+    AgentExitCodes,
     CapacityError,
     EventKind,
     Offering,
     Provider,
     ProviderError,
     ProviderEvent,
+    Reporter,
     Vm,
     VmRequest,
 )
@@ -37,6 +38,7 @@ from tasks import interrupt
 from tasks.control import HeartbeatBoard, checkpoint_steps
 from tasks.decisions import (
     CalibrationCheck,
+    FirstStep,
     all_exited_cleanly,
     check_calibration,
     exit_verdict,
@@ -46,7 +48,7 @@ from tasks.decisions import (
     stop_reason,
 )
 from tasks.history import RunHistory
-from tasks.jobs import Job, Progress, assignments, read_progress
+from tasks.jobs import ColdStart, Job, Progress, Switch, assignments, read_progress
 from tasks.planning import run_planner
 from tasks.reporting import ProgressBar, emit, publish_curves
 from tasks.runstate import flush_metrics, read_metrics
@@ -94,6 +96,7 @@ def hand_out(job: Job) -> float:
     job.start_step = resume_step or 0
     # After a replan the workers may hold a newer state in memory than any checkpoint (a lost replica's
     # layers live on in the others): they resume, from memory where they can, even with no checkpoint yet.
+    assert job.controller is not None, "a job is handed out through its run's controller"
     job.controller.assign(job, resume=resume_step is not None or job.version > 1)
     return time.time()
 
@@ -137,7 +140,7 @@ def teardown(provider: Provider, run_id: str) -> list[str]:
 
 
 @task(name="record", retries=3, retry_delay_seconds=[0.5, 1, 2], cache_policy=NO_CACHE)
-def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+def record(fn: Callable[..., None], *args: object, **kwargs: object) -> None:
     """One write to the run history (store) with retries."""
     fn(*args, **kwargs)
 
@@ -148,18 +151,18 @@ def make_plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     return run_planner(request, book)
 
 
-def record_reconfigured(job: Job, history: RunHistory, step: int) -> None:
+def record_reconfigured(job: Job, switch: Switch, history: RunHistory, step: int) -> None:
     """The `reconfigured` event of a plan version's first step: how long the switch took, how many
     worker processes went on running (same PIDs as before it), and how the ranks got their state."""
-    secs = float(job.extra["first_step_at"]) - float(job.extra["reconfig_trigger_at"])
-    job.extra["reconfiguration_s"] = secs
+    assert job.first_step_at is not None
+    secs = job.first_step_at - switch.trigger_at
+    job.reconfiguration_s = secs
     ctl = job.controller
-    before: dict[str, dict[str, Any]] = job.extra.get("pids_before", {})
     now = ctl.worker_pids([v.vm_id for v in job.vms]) if ctl is not None else {}
-    kept = sum(1 for vm, pids in before.items() for w, pid in pids.items()
+    kept = sum(1 for vm, pids in switch.pids_before.items() for w, pid in pids.items()
                if pid is not None and now.get(vm, {}).get(w) == pid)
     loaded = ctl.loaded_from(job.version) if ctl is not None else {}
-    trig = ", ".join(job.extra.get("trigger", []))
+    trig = ", ".join(switch.trigger)
     reason = (f"plan v{job.version} trained its first step {secs:.1f}s after the {trig} event; {kept} worker "
               f"process(es) kept running; state from {loaded or 'nowhere (fresh start)'}")
     payload = {"plan_version": job.version, "reconfiguration_s": secs, "step": step, "workers": len(job.vms),
@@ -170,19 +173,35 @@ def record_reconfigured(job: Job, history: RunHistory, step: int) -> None:
     get_run_logger().info("reconfigured: %s", reason)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """A plan version's measured against estimated iteration time (the `iteration_time` measurement)."""
+
+    plan_version: int
+    measured_s: float
+    estimated_s: float
+    ratio: float  # measured / estimated
+    steps: int  # steps timed
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MonitorOutcome:
+    """Why monitoring returned: the job completed, or events (and/or a calibration) need a decision."""
+
     completed: bool
     events: list[ProviderEvent] = field(default_factory=list)
     progress: Progress | None = None
-    calibration: dict[str, Any] | None = None
+    calibration: Calibration | None = None
     reason: str = ""
 
 
 METRICS_FLUSH_S = 10.0  # how often the per-step records reach the run's state while it trains
 
 
-def event_row(e: ProviderEvent) -> dict[str, Any]:
+def event_row(e: ProviderEvent) -> dict[str, object]:
     return {"vm_id": e.vm_id, "zone": e.zone, "gpu_type": e.gpu_type,
             "market": e.market.value if e.market else None, **{k: v for k, v in e.detail.items()}}
 
@@ -245,20 +264,20 @@ class _Watch:
                 get_run_logger().info("step %d/%d (plan v%d) %s %s", prog.step, job.total_steps, job.version, loss, it)
                 self.last_log = time.time()
             self.seen_step = prog.step
-        if prog.steps_this_version and "first_step_at" not in job.extra:
+        if prog.steps_this_version and job.first_step_at is None:
             self.first_step(prog)
         return prog
 
     def first_step(self, prog: Progress) -> None:
         """The plan version trained its first step: measure the switch or the cold start it ends."""
         job = self.job
-        job.extra["first_step_at"] = time.time()
-        kind = first_step_kind(job.extra)
-        if kind == "reconfigured":
-            record_reconfigured(job, self.history, prog.step)
-        elif kind == "cold_start":
-            secs = job.extra["first_step_at"] - float(job.extra["provisioned_at"])
-            job.extra["cold_start_s"] = secs
+        job.first_step_at = time.time()
+        kind = first_step_kind(job.started_by)
+        if kind is FirstStep.RECONFIGURED and isinstance(job.started_by, Switch):
+            record_reconfigured(job, job.started_by, self.history, prog.step)
+        elif kind is FirstStep.COLD_START and isinstance(job.started_by, ColdStart):
+            secs = job.first_step_at - job.started_by.provisioned_at
+            job.cold_start_s = secs
             reason = f"plan v{job.version} trained its first step {secs:.1f}s after its VMs were provisioned"
             self.history.measurement(job.run_id, "cold_start", {"plan_version": job.version, "cold_start_s": secs},
                                      reason)
@@ -289,7 +308,7 @@ class _Watch:
                 key = ("lost", f"v{job.version}", vm_id)
                 if key not in self.seen:
                     self.seen.add(key)
-                    e = ProviderEvent(kind=EventKind.LOST, at=utcnow(), vm_id=vm_id,
+                    e = ProviderEvent(kind=EventKind.LOST, at=utcnow(), vm_id=vm_id, reported_by=Reporter.WORKERS,
                                       detail={"reason": f"worker reported {statuses[vm_id][:300]}"})
                     self.report(e)
                     out.append(e)
@@ -299,25 +318,25 @@ class _Watch:
         """Record the measured against estimated iteration time; an outcome when it departs."""
         job = self.job
         assert prog.recent_iteration_s is not None
-        payload = {"plan_version": job.version, "measured_s": prog.recent_iteration_s,
-                   "estimated_s": job.estimate_s, "ratio": check.ratio, "steps": len(prog.iteration_times)}
+        reading = Calibration(plan_version=job.version, measured_s=prog.recent_iteration_s,
+                              estimated_s=job.estimate_s, ratio=check.ratio, steps=len(prog.iteration_times))
+        payload = reading.to_json()
         self.history.measurement(job.run_id, "iteration_time", payload)
         if not check.departs:
-            job.extra["calibrated"] = True
+            job.calibrated = True
             return None
         reason = check.reason(prog.recent_iteration_s, job.estimate_s)
         self.history.event(job.run_id, "iteration_time", reason, payload)
         emit("iteration_time", job.run_id, {"reason": reason, **payload})
         get_run_logger().info("calibration: %s", reason)
-        return MonitorOutcome(completed=False, progress=prog, calibration=payload, reason=reason)
+        return MonitorOutcome(completed=False, progress=prog, calibration=reading, reason=reason)
 
     def agents_done(self, provider: Provider) -> MonitorOutcome | None:
         """Agents that all exited cleanly: completed, or an error when steps are missing."""
         job = self.job
-        exit_code = getattr(provider, "agent_exit_code", None)
-        if exit_code is None or not job.vms:
+        if not isinstance(provider, AgentExitCodes) or not job.vms:
             return None
-        codes = [exit_code(v.vm_id) for v in job.vms]
+        codes = [provider.agent_exit_code(v.vm_id) for v in job.vms]
         if not all_exited_cleanly(codes):  # running or failed: heartbeats and statuses speak for those
             return None
         prog = read_progress(job)
