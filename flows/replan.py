@@ -44,8 +44,8 @@ from sailor_core.runtime.protocol import vm_of
 from sailor_core.simulator.result import SimulationResult
 from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
 from tasks.control import Controller
-from tasks.decisions import Decision, DecisionKind, PlanCost, decide_switch
-from tasks.history import RunHistory
+from tasks.decisions import PlanCost, decide_switch
+from tasks.history import Decision, DecisionKind, Measurement, RunEvent, RunHistory, RunStatus
 from tasks.jobs import Job, Progress, Switch, node_request, nodes, place
 from tasks.planning import (
     NoPlanError,
@@ -133,7 +133,7 @@ class RunContext:
                               total_steps=max(1, self.total_steps), risk=self._spot_rates(1),
                               notice=notice_s(p.provider, p.spot_notice_s, graces), measured=measured)
         get_run_logger().info("plan v%s: checkpoint %s", self.version, choice.reason)
-        record(self.history.measurement, self.run_id, "checkpoint_interval",
+        record(self.history.measurement, self.run_id, Measurement.CHECKPOINT_INTERVAL,
                {"plan_version": self.version, "steps": choice.steps, "seconds": choice.seconds,
                 "measured": measured}, choice.reason)
         return choice.steps
@@ -185,10 +185,11 @@ class RunContext:
                 "usd_per_hour_now": round(sum(e["usd_per_hour"] for e in self.ledger.values() if not e["end"]), 6),
                 "plan_version": self.version, "steps_done": self.steps_done, "total_steps": self.total_steps}
 
-    def summary(self, status: str, t0: float) -> RunSummary:
+    def summary(self, status: RunStatus, t0: float) -> RunSummary:
         wall = time.time() - t0
-        return {"run_id": self.run_id, "status": status, "steps_done": self.steps_done, "total_steps": self.total_steps,
-                "plan_versions": self.version, "usd_total": round(self.usd_so_far(), 6), "wall_s": round(wall, 2),
+        return {"run_id": self.run_id, "status": status.value, "steps_done": self.steps_done,
+                "total_steps": self.total_steps, "plan_versions": self.version,
+                "usd_total": round(self.usd_so_far(), 6), "wall_s": round(wall, 2),
                 "training_s": round(self.training_s(), 2),
                 "orchestration_overhead_s": round(wall - self.training_s(), 2),
                 "reconfigurations_s": [round(x, 2) for x in self.reconfigurations_s],
@@ -237,7 +238,7 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
         for g in sorted({r.gpu_type for st in job.plan.stages for r in st.replicas}):
             factor = ctx.calibration.get(g, 1.0) * ratio
             ctx.calibration[g] = factor
-            record(ctx.history.measurement, ctx.run_id, "calibration",
+            record(ctx.history.measurement, ctx.run_id, Measurement.CALIBRATION,
                    {"gpu_type": g, "factor": factor, "ratio": ratio, "plan_version": job.version},
                    f"iteration time x{ratio:.2f} of the estimate; layer times of {g} now scaled x{factor:.2f}")
         job.calibrated = True
@@ -302,8 +303,8 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
 def _decide(ctx: RunContext, kind: DecisionKind, reason: str, detail: dict[str, object]) -> None:
     get_run_logger().info("replan: %s (%s)", kind, reason)
     ctx.decisions.append(Decision(kind=kind, reason=reason))
-    record(ctx.history.decision, ctx.run_id, kind.value, reason, detail)
-    record(ctx.history.event, ctx.run_id, "replan", reason, {"decision": kind.value, **detail})
+    record(ctx.history.decision, ctx.run_id, kind, reason, detail)
+    record(ctx.history.event, ctx.run_id, RunEvent.REPLAN, reason, {"decision": kind.value, **detail})
     emit("replan", ctx.run_id, {"decision": kind.value, "reason": reason})
     if kind is not DecisionKind.SWITCH:  # a switch publishes once its new plan is handed out
         _publish_progress(ctx)
@@ -349,7 +350,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: Simula
     ctx.ledger_add(new_vms)
     it = iter(new_vms)
     vms = [placed[k] if k in placed else next(it) for k in range(len(nodes(cand)))]
-    record(ctx.history.event, ctx.run_id, "provisioned",
+    record(ctx.history.event, ctx.run_id, RunEvent.PROVISIONED,
            f"plan v{ctx.version}: kept {len(keep)} VMs, rented {len(new_vms)}, released {len(drop)}",
            {"kept": sorted(keep), "rented": [v.vm_id for v in new_vms], "released": drop, "plan_version": ctx.version})
     measured = measured_checkpoint(ctl.metrics(job.version))

@@ -47,7 +47,7 @@ from sailor_core.errors import SailorError, StorageUnavailable
 from sailor_core.planner.risk import DEFAULT_CHECKPOINT_INTERVAL_STEPS
 from tasks import interrupt
 from tasks.control import Controller, HeartbeatBoard
-from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
+from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunEvent, RunHistory, RunStatus, new_run_id
 from tasks.jobs import CodeRef, ColdStart, Job, node_requests
 from tasks.planning import calibrated_book, chosen_plan, pool_from, priced_book
 from tasks.records import RunSummary
@@ -198,7 +198,7 @@ def _reap_crashed(history: RunHistory, deps: Deps, params: SailorParams, run_id:
             if r.get("provider", params.provider) == params.provider:
                 left = deps.provider.cleanup(r["run_id"]) if params.provider != "local" else \
                     make_provider(params, deps.workdir / "runs" / r["run_id"]).cleanup(r["run_id"])
-                history.event(r["run_id"], "teardown", f"run {run_id} found this run crashed and removed "
+                history.event(r["run_id"], RunEvent.TEARDOWN, f"run {run_id} found this run crashed and removed "
                               f"{len(left)} VM(s) it left", {"removed": list(left), "by": run_id})
         except Exception as e:  # noqa: BLE001 - `sailor infra cleanup` is the fallback; this run goes on
             log.warning("could not clean up after crashed run %s: %s", r["run_id"], e)
@@ -212,7 +212,7 @@ def _check_resume(history: RunHistory, run_id: str, state: RunState, num_layers:
     uri = state.checkpoints("flow")
     step, skipped = ckpt.resume_point(ckpt.open_storage(uri), num_layers)
     for s in skipped:
-        record(history.event, run_id, "checkpoint_skipped", s.line(), {"step": s.step, "moved_to": s.moved_to})
+        record(history.event, run_id, RunEvent.CHECKPOINT_SKIPPED, s.line(), {"step": s.step, "moved_to": s.moved_to})
         log.warning("%s", s.line())
     if step is None and not or_start:
         raise ckpt.no_resume_error(uri, skipped)
@@ -343,11 +343,11 @@ class _Run:
 def run_job(params: SailorParams, deps: Deps, run_id: str) -> RunSummary:
     """Plan, rent, train and re-plan until the run completes; tear everything down in any case."""
     run = _open(params, deps, run_id)
-    status, reason = "failed", ""
+    status, reason = RunStatus.FAILED, ""
     try:
         deferred = _defer_to_live_run(run)
         if deferred is not None:
-            status, reason = "completed", f"deferred to the live run {deferred['deferred_to']}; rented nothing"
+            status, reason = RunStatus.COMPLETED, f"deferred to the live run {deferred['deferred_to']}; rented nothing"
             return deferred
         plan = _first_plan(run)
         if params.what_if_trace:  # before anything is rented: the job over that trace, per policy
@@ -355,7 +355,7 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> RunSummary:
         if params.dry_run:
             run.ctx.dry_run = dry_run_report(run.deps.provider, node_requests(run_id, run.ctx.version, plan))
             get_run_logger().info("%s", run.ctx.dry_run)
-            status, reason = "completed", "dry run: planned, rented nothing"
+            status, reason = RunStatus.COMPLETED, "dry run: planned, rented nothing"
             summary = run.ctx.summary(status, run.t0)
             summary["dry_run"] = run.ctx.dry_run
             return summary
@@ -364,11 +364,12 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> RunSummary:
         vms = _provision_first(run)
         run.job = _start_training(run, vms)
         _train(run)
-        status, reason = "completed", f"{run.ctx.total_steps} steps done"
-        record(run.ctx.history.event, run_id, "completed", reason, {"steps": run.ctx.total_steps})
+        status, reason = RunStatus.COMPLETED, f"{run.ctx.total_steps} steps done"
+        record(run.ctx.history.event, run_id, RunEvent.COMPLETED, reason, {"steps": run.ctx.total_steps})
         return run.ctx.summary(status, run.t0)
     except BaseException as e:
-        status = "cancelled" if interrupt.requested() is not None or interrupt.is_stop(e) else "failed"
+        stopped = interrupt.requested() is not None or interrupt.is_stop(e)
+        status = RunStatus.CANCELLED if stopped else RunStatus.FAILED
         reason = f"{type(e).__name__}: {e}"[:500]
         raise
     finally:
@@ -384,7 +385,7 @@ def _open(params: SailorParams, deps: Deps, run_id: str) -> _Run:
     ctx = RunContext(run_id=run_id, params=params, provider=deps.provider, history=history, run_dir=run_dir,
                      reconfiguration_estimate_s=deps.reconfiguration_estimate_s)
     deps.state = deps.state or state_for(params.store_uri, run_id, run_dir)
-    record(history.run_status, run_id, "running", f"started on provider {params.provider}",
+    record(history.run_status, run_id, RunStatus.RUNNING, f"started on provider {params.provider}",
            {"name": params.run_name, "provider": params.provider, "model": params.model,
             "flow_run_id": str(runtime_flow_run.id or ""), "params": params.model_dump(mode="json")})
     keeper = LeaseKeeper(history, run_id, ttl_s=deps.lease_s).start()  # the run is owned by this process
@@ -404,7 +405,7 @@ def _defer_to_live_run(run: _Run) -> RunSummary | None:
     why = (f"run {run_id} (resume) found run {live['run_id']} of the same name alive (lease until "
            f"{live['lease_expires_at'][11:19]} UTC) and asked it to re-plan against current prices and capacity")
     history.request_replan(live["run_id"], run_id, why)
-    record(history.event, run_id, "deferred", why + "; rented nothing", {"live_run": live["run_id"]})
+    record(history.event, run_id, RunEvent.DEFERRED, why + "; rented nothing", {"live_run": live["run_id"]})
     get_run_logger().info("%s; rented nothing", why)
     return {"run_id": run_id, "status": "completed", "deferred_to": live["run_id"]}
 
@@ -475,9 +476,9 @@ def _record_cluster(run: _Run, what: str, *, at_teardown: bool = False) -> None:
     payload = {"cluster": {**cluster, "wheel_sha256": run.code.sha256, "state_uri": run.state.uri,
                            "checkpoint_uri": run.state.checkpoints("public"), **live}}
     if at_teardown:
-        run.ctx.history.event(run.run_id, "cluster", what, payload)
+        run.ctx.history.event(run.run_id, RunEvent.CLUSTER, what, payload)
     else:
-        record(run.ctx.history.event, run.run_id, "cluster", what, payload)
+        record(run.ctx.history.event, run.run_id, RunEvent.CLUSTER, what, payload)
 
 
 def _provision_first(run: _Run) -> list[Vm]:
@@ -494,7 +495,7 @@ def _provision_first(run: _Run) -> list[Vm]:
             plan, est = chosen_plan(result)
             ctx.adopt_plan(plan, est, f"the first provisioning found less than planned ({e}); "
                                       f"planned again on what is offered now", result.frontier)
-            record(ctx.history.event, run.run_id, "capacity_change", f"stockout at first provisioning: {e}",
+            record(ctx.history.event, run.run_id, RunEvent.CAPACITY_CHANGE, f"stockout at first provisioning: {e}",
                    {"plan_version": ctx.version})
     return _provision_plan(run)  # the last try: a stockout now fails the run
 
@@ -510,7 +511,7 @@ def _start_training(run: _Run, vms: list[Vm]) -> Job:
     ctx, params, run_id = run.ctx, run.params, run.run_id
     assert ctx.plan is not None
     ctx.ledger_add(vms)
-    record(ctx.history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
+    record(ctx.history.event, run_id, RunEvent.PROVISIONED, f"{len(vms)} VMs for plan v{ctx.version}",
            {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
     emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
     assert ctx.estimate is not None
@@ -521,7 +522,7 @@ def _start_training(run: _Run, vms: list[Vm]) -> Job:
               controller=run.controller, started_by=ColdStart(provisioned_at=time.time()))
     job.launched_at = launch(run.deps.provider, job)
     resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
-    record(ctx.history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers{resumed}",
+    record(ctx.history.event, run_id, RunEvent.TRAINING_STARTED, f"plan v{ctx.version} on {len(vms)} workers{resumed}",
            {"plan_version": ctx.version, "total_steps": ctx.total_steps, "resume_step": job.start_step})
     return job
 
@@ -552,7 +553,7 @@ def _train(run: _Run) -> None:
         job = run.job = replan(ctx, job, out.events, out.calibration, out.progress)
 
 
-def _finish(run: _Run, status: str, reason: str) -> None:
+def _finish(run: _Run, status: RunStatus, reason: str) -> None:
     """Lease ended, metrics saved, controller closed, every VM removed, the final status written."""
     ctx, deps, run_id = run.ctx, run.deps, run.run_id
     run.keeper.stop()  # the final status below ends the lease
@@ -568,7 +569,7 @@ def _finish(run: _Run, status: str, reason: str) -> None:
         removed = teardown(deps.provider, run_id)
     except BaseException as e:  # the status must still be written; teardown is retried by the hooks
         reason = (reason + f"; teardown failed: {e}")[:800]
-        status = "failed"
+        status = RunStatus.FAILED
     ctx.ledger_close_all()
     if isinstance(deps.provider, ClusterInfo) and run.job is not None:
         with contextlib.suppress(Exception):  # the VMs the run had, as they ended
@@ -579,12 +580,12 @@ def _finish(run: _Run, status: str, reason: str) -> None:
     _write_outcome(run, status, reason, removed)
 
 
-def _write_outcome(run: _Run, status: str, reason: str, removed: list[str]) -> None:
+def _write_outcome(run: _Run, status: RunStatus, reason: str, removed: list[str]) -> None:
     """The teardown event, final status, Prefect event and artifacts (never hiding the run's outcome)."""
     ctx, history, run_id = run.ctx, run.ctx.history, run.run_id
     log = get_run_logger()
     try:
-        history.event(run_id, "teardown", f"removed {len(removed)} VMs still running" if removed
+        history.event(run_id, RunEvent.TEARDOWN, f"removed {len(removed)} VMs still running" if removed
                       else "no VM left to remove", {"removed": removed})
         summary = ctx.summary(status, run.t0)
         history.run_status(run_id, status, reason, summary)

@@ -4,8 +4,7 @@ Contract: no I/O, no clock (callers pass `now`), no Prefect. `tasks.steps.monito
 (progress, provider events, worker statuses, agent exit codes) and asks these functions what they
 mean; the replan subflow and `sailor replay` (sailor_core.replay) share `decide_switch`, re-exported
 here from sailor_core:
-- `decide_switch(...)`: is a new plan worth the switch (`PlanCost`, `SwitchDecision`; recorded as a
-  `DecisionKind`);
+- `decide_switch(...)`: is a new plan worth the switch (`PlanCost`, `SwitchDecision`);
 - `needs_decision(kind, vm_id, plan_vms)`: does a provider event call for re-planning;
 - `failed_vms(statuses)`: VMs whose workers reported a failed generation (a lost worker to the flow);
 - `check_calibration(...)`: measured against estimated iteration time, once enough steps ran;
@@ -26,7 +25,7 @@ from infra.provider import EventKind
 from sailor_core.decisions import PlanCost, SwitchDecision, decide_switch
 from tasks.jobs import ColdStart, Switch
 
-__all__ = ["CalibrationCheck", "Decision", "DecisionKind", "FirstStep", "PlanCost", "SwitchDecision",
+__all__ = ["CalibrationCheck", "FirstStep", "PlanCost", "SwitchDecision",
            "all_exited_cleanly",
            "check_calibration", "decide_switch", "exit_verdict", "failed_vms", "first_step_kind", "needs_decision",
            "stop_reason"]
@@ -66,21 +65,6 @@ def check_calibration(measured_s: float | None, estimated_s: float, samples: int
         return None
     ratio = measured_s / estimated_s
     return CalibrationCheck(ratio=ratio, departs=abs(ratio - 1.0) > tolerance)
-
-
-class DecisionKind(enum.StrEnum):
-    """What a replan decided (the decision's kind in the run history)."""
-
-    SWITCH = "switch"  # adopt the new plan
-    STAY = "stay"  # keep the current one
-
-
-@dataclass(frozen=True, kw_only=True)
-class Decision:
-    """A replan's decision and its reason, as the run's summary lists it."""
-
-    kind: DecisionKind
-    reason: str
 
 
 class FirstStep(enum.StrEnum):

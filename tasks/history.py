@@ -20,14 +20,17 @@ to a minute). On another host the lease alone decides.
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from infra.provider import EventKind
 from sailor_core.errors import UnknownRunError as UnknownRunError  # re-exported: tests import it from here
 from tasks.records import JSONObject, LeaseOwner, ReplanRequest, RunRow
 
@@ -36,12 +39,65 @@ if TYPE_CHECKING:
     from sailor_core.domain import Provenance
 
 TABLES = ("runs", "events", "decisions", "plans", "measurements")
-# Event kinds a person reads in `sailor runs show` (the issue's minimum plus what monitoring adds).
-EVENT_KINDS = (
-    "provisioned", "training_started", "preemption", "lost", "price_change", "capacity_change",
-    "iteration_time", "replan", "reconfigured", "teardown", "completed", "failed",
-)
-FINAL_STATUSES = ("completed", "failed", "cancelled", "crashed")
+
+
+class RunStatus(enum.StrEnum):
+    """The kind of a `runs` row: a run's status is its newest row's."""
+
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    CRASHED = "crashed"
+
+
+FINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.CRASHED})
+
+
+class RunEvent(enum.StrEnum):
+    """Kinds of the `events` rows the orchestration writes; a provider's events are written under their
+    own kind (infra.provider.EventKind: preemption, lost, price_change, capacity_change)."""
+
+    PROVISIONED = "provisioned"
+    TRAINING_STARTED = "training_started"
+    ITERATION_TIME = "iteration_time"  # measured iteration time departs from the estimate
+    REPLAN = "replan"  # a replan's decision, with its trigger
+    RECONFIGURED = "reconfigured"  # a switch's first step
+    CAPACITY_CHANGE = "capacity_change"  # the first provisioning met a stockout
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an invalid checkpoint quarantined at resume
+    CLUSTER = "cluster"  # where the run's VMs and state live
+    WHAT_IF = "what_if"  # the job replayed over a trace before renting
+    DEFERRED = "deferred"  # a scheduled rerun asked the live run to re-plan instead
+    REPLAN_REQUEST = "replan_request"  # another run asks this one to re-plan
+    COMPLETED = "completed"
+    TEARDOWN = "teardown"
+
+
+class DecisionKind(enum.StrEnum):
+    """Kinds of the `decisions` rows: what a replan decided."""
+
+    SWITCH = "switch"  # adopt the new plan
+    STAY = "stay"  # keep the current one
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """A replan's decision and its reason, as the run's summary lists it."""
+
+    kind: DecisionKind
+    reason: str
+
+
+class Measurement(enum.StrEnum):
+    """Kinds of the `measurements` rows."""
+
+    ITERATION_TIME = "iteration_time"  # measured against estimated, once per plan version
+    CALIBRATION = "calibration"  # a device type's correction factor
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # the interval chosen for a plan version, and why
+    RECONFIGURATION = "reconfiguration"  # how long a switch took
+    COLD_START = "cold_start"  # provisioning to the first step
+
+
 DEFAULT_LEASE_S = 60.0  # a flow renews its lease every third of this ($SAILOR_LEASE_S overrides)
 REQUEST_POLL_S = 2.0  # how often a live run looks for re-plan requests
 
@@ -106,52 +162,52 @@ class RunHistory:
             if self._last is not None and t <= self._last:
                 t = self._last + timedelta(microseconds=1)
             self._last = t
-        rec = HistoryRecord(run_id=run_id, kind=kind, time=t, reason=reason, payload=dict(payload or {}))
+        rec = HistoryRecord(run_id=run_id, kind=str(kind), time=t, reason=reason, payload=dict(payload or {}))
         self.store.append_history(table, [rec])
 
-    def run_status(self, run_id: str, status: str, reason: str = "", payload: JSONObject | None = None) -> None:
+    def run_status(self, run_id: str, status: RunStatus, reason: str = "", payload: JSONObject | None = None) -> None:
         self._append("runs", run_id, status, reason, payload)
 
     def renew_lease(self, run_id: str, ttl_s: float = DEFAULT_LEASE_S) -> datetime:
         """The run's process is alive: extend its lease by `ttl_s`; returns the new expiry."""
         until = self.clock() + timedelta(seconds=ttl_s)
-        self._append("runs", run_id, "running", "lease renewed",
+        self._append("runs", run_id, RunStatus.RUNNING, "lease renewed",
                      {"lease_expires_at": _iso(until), "renewal": True, "owner": self.owner()})
         return until
 
     def mark_crashed(self, run_id: str, reason: str) -> None:
-        self._append("runs", run_id, "crashed", reason, {})
+        self._append("runs", run_id, RunStatus.CRASHED, reason, {})
 
     def live_run(self, name: str, *, exclude: str | None = None) -> RunRow | None:
         """The newest run of this name whose lease is current (None: none alive)."""
         live = [r for r in self.list_runs() if r.get("name") == name and r["run_id"] != exclude
-                and r.get("status") == "running" and r.get("lease_expires_at")]
+                and r.get("status") == RunStatus.RUNNING and r.get("lease_expires_at")]
         return live[-1] if live else None
 
     def request_replan(self, run_id: str, requested_by: str, reason: str) -> None:
-        self.event(run_id, "replan_request", reason, {"requested_by": requested_by})
+        self.event(run_id, RunEvent.REPLAN_REQUEST, reason, {"requested_by": requested_by})
 
     def replan_requests(self, run_id: str) -> list[HistoryRecord]:
-        return list(self.store.read_history("events", run_id=run_id, kind="replan_request"))
+        return list(self.store.read_history("events", run_id=run_id, kind=RunEvent.REPLAN_REQUEST))
 
-    def event(self, run_id: str, kind: str, reason: str = "", payload: JSONObject | None = None,
+    def event(self, run_id: str, kind: RunEvent | EventKind, reason: str = "", payload: JSONObject | None = None,
               at: datetime | None = None) -> None:
         self._append("events", run_id, kind, reason, payload, at)
 
-    def decision(self, run_id: str, kind: str, reason: str, payload: JSONObject | None = None) -> None:
+    def decision(self, run_id: str, kind: DecisionKind, reason: str, payload: JSONObject | None = None) -> None:
         self._append("decisions", run_id, kind, reason, payload)
 
     def plan(self, run_id: str, version: int, plan: JSONObject, estimate: JSONObject, reason: str) -> None:
         self._append("plans", run_id, "plan", reason, {"version": version, "plan": plan, "estimate": estimate})
 
-    def measurement(self, run_id: str, kind: str, payload: JSONObject, reason: str = "") -> None:
+    def measurement(self, run_id: str, kind: Measurement, payload: JSONObject, reason: str = "") -> None:
         self._append("measurements", run_id, kind, reason, payload)
 
     # -- reads -----------------------------------------------------------------------------------
     def calibration(self, gpu_types: list[str] | None = None) -> dict[str, float]:
         """Newest correction factor (measured / estimated iteration time) per GPU type, over all runs."""
         out: dict[str, tuple[datetime, float]] = {}
-        for r in self.store.read_history("measurements", kind="calibration"):
+        for r in self.store.read_history("measurements", kind=Measurement.CALIBRATION):
             g = str(r.payload.get("gpu_type", ""))
             if gpu_types is not None and g not in gpu_types:
                 continue
@@ -169,7 +225,7 @@ class RunHistory:
                 if r.payload.get("owner"):
                     cur["owner"] = r.payload["owner"]
                 continue
-            if r.kind == "running":
+            if r.kind == RunStatus.RUNNING:
                 cur["name"] = r.payload.get("name", "")
                 cur["provider"] = r.payload.get("provider", "")
                 cur["model"] = r.payload.get("model", "")
@@ -193,15 +249,15 @@ class RunHistory:
         now = self.clock()
         for cur in runs.values():
             lease = cur.get("lease_expires_at")
-            if cur.get("status") != "running" or not lease:
+            if cur.get("status") != RunStatus.RUNNING or not lease:
                 continue
             if datetime.fromisoformat(lease) < now:
-                cur["status"] = "crashed"
+                cur["status"] = RunStatus.CRASHED.value
                 cur["status_reason"] = f"its flow stopped renewing its lease (expired {lease[:19]} UTC)"
                 cur["crash_detected"] = True  # derived here, not yet written (mark_crashed does)
             elif cur.get("owner") and self.alive(cur["owner"]) is False:
                 o = cur["owner"]
-                cur["status"] = "crashed"
+                cur["status"] = RunStatus.CRASHED.value
                 cur["status_reason"] = f"its flow process (pid {o.get('pid')} on {o.get('host')}) is gone"
                 cur["crash_detected"] = True
         return sorted(runs.values(), key=lambda r: r["started_at"])
@@ -216,7 +272,7 @@ class RunHistory:
         out: dict[str, Any] = dict(runs[0])  # a run as `sailor runs show --json` prints it
         status_rows = [r for r in self.store.read_history("runs", run_id=run_id) if not r.payload.get("renewal")]
         out["status_reason"] = out.get("status_reason") or (status_rows[-1].reason if status_rows else "")
-        out["params"] = next((r.payload.get("params", {}) for r in status_rows if r.kind == "running"), {})
+        out["params"] = next((r.payload.get("params", {}) for r in status_rows if r.kind == RunStatus.RUNNING), {})
         out["events"] = [
             {"kind": r.kind, "time": _iso(r.time), "reason": r.reason, **{k: v for k, v in r.payload.items()
                                                                            if k not in ("kind", "time", "reason")}}
@@ -236,7 +292,7 @@ class RunHistory:
             for r in self.store.read_history("measurements", run_id=run_id)
         ]
         # where the run's VMs and state lived (isolation, zones, device types, VMs, wheel, checkpoints)
-        out["cluster"] = next((e["cluster"] for e in reversed(out["events"]) if e["kind"] == "cluster"), None)
+        out["cluster"] = next((e["cluster"] for e in reversed(out["events"]) if e["kind"] == RunEvent.CLUSTER), None)
         return out
 
 

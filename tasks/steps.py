@@ -47,7 +47,7 @@ from tasks.decisions import (
     needs_decision,
     stop_reason,
 )
-from tasks.history import RunHistory
+from tasks.history import Measurement, RunEvent, RunHistory
 from tasks.jobs import ColdStart, Job, Progress, Switch, assignments, read_progress
 from tasks.planning import run_planner
 from tasks.reporting import ProgressBar, emit, publish_curves
@@ -167,8 +167,8 @@ def record_reconfigured(job: Job, switch: Switch, history: RunHistory, step: int
               f"process(es) kept running; state from {loaded or 'nowhere (fresh start)'}")
     payload = {"plan_version": job.version, "reconfiguration_s": secs, "step": step, "workers": len(job.vms),
                "kept_processes": kept, "loaded_from": loaded}
-    history.event(job.run_id, "reconfigured", reason, payload)
-    history.measurement(job.run_id, "reconfiguration", payload, reason)
+    history.event(job.run_id, RunEvent.RECONFIGURED, reason, payload)
+    history.measurement(job.run_id, Measurement.RECONFIGURATION, payload, reason)
     emit("reconfigured", job.run_id, {"reason": reason, **payload})
     get_run_logger().info("reconfigured: %s", reason)
 
@@ -279,13 +279,13 @@ class _Watch:
             secs = job.first_step_at - job.started_by.provisioned_at
             job.cold_start_s = secs
             reason = f"plan v{job.version} trained its first step {secs:.1f}s after its VMs were provisioned"
-            self.history.measurement(job.run_id, "cold_start", {"plan_version": job.version, "cold_start_s": secs},
-                                     reason)
+            self.history.measurement(job.run_id, Measurement.COLD_START,
+                                     {"plan_version": job.version, "cold_start_s": secs}, reason)
             get_run_logger().info("cold start: %s", reason)
 
     def report(self, e: ProviderEvent) -> None:
         """An event into the history, the Prefect event stream and the log."""
-        self.history.event(self.job.run_id, e.kind.value, event_reason(e), event_row(e), at=e.at)
+        self.history.event(self.job.run_id, e.kind, event_reason(e), event_row(e), at=e.at)
         emit(e.kind.value, self.job.run_id, {"reason": event_reason(e), **event_row(e)})
         get_run_logger().info("event %s: %s", e.kind.value, event_reason(e))
 
@@ -321,12 +321,12 @@ class _Watch:
         reading = Calibration(plan_version=job.version, measured_s=prog.recent_iteration_s,
                               estimated_s=job.estimate_s, ratio=check.ratio, steps=len(prog.iteration_times))
         payload = reading.to_json()
-        self.history.measurement(job.run_id, "iteration_time", payload)
+        self.history.measurement(job.run_id, Measurement.ITERATION_TIME, payload)
         if not check.departs:
             job.calibrated = True
             return None
         reason = check.reason(prog.recent_iteration_s, job.estimate_s)
-        self.history.event(job.run_id, "iteration_time", reason, payload)
+        self.history.event(job.run_id, RunEvent.ITERATION_TIME, reason, payload)
         emit("iteration_time", job.run_id, {"reason": reason, **payload})
         get_run_logger().info("calibration: %s", reason)
         return MonitorOutcome(completed=False, progress=prog, calibration=reading, reason=reason)
