@@ -19,11 +19,14 @@ import contextlib
 import json
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from infra.provider import Vm
 from sailor_core.plan_format import plan_to_dict
-from tasks.jobs import Job, vm_ranks
 from tasks.records import MetricRow
+
+if TYPE_CHECKING:  # tasks.jobs imports this module: a Job holds its run's Controller
+    from tasks.jobs import Job
 
 # Each VM's worker processes as its agent reported them: {vm id: {worker id: pid, or None once exited}}.
 WorkerPids = dict[str, dict[str, int | None]]
@@ -81,6 +84,7 @@ class Controller:
         """Generation `job.version` for every worker of the job's VMs; returns the members in rank order."""
         from sailor_core.runtime.engine import TrainSettings
         from sailor_core.runtime.protocol import assign_generation
+        from tasks.jobs import vm_ranks
 
         settings = TrainSettings(
             model=job.plan.model, steps=job.total_steps, seed=job.seed, data=job.data_uri or None,

@@ -25,16 +25,14 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from infra.provider import Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import ParallelPlan, Replica
 from sailor_core.plan_format import plan_to_dict
+from tasks.control import Controller
 from tasks.records import MetricRow
 from tasks.runstate import RunState
-
-if TYPE_CHECKING:
-    from tasks.control import Controller
 
 
 @dataclass(frozen=True, kw_only=True)
