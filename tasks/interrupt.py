@@ -14,6 +14,7 @@ cancelling the run) from a failure, by the exception's class.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import signal
 import threading
 
@@ -42,7 +43,8 @@ def is_stop(e: BaseException) -> bool:
     (KeyboardInterrupt, `Terminated`, `Interrupted`), or Prefect cancelling or terminating the run."""
     from prefect.exceptions import TerminationSignal
 
-    return isinstance(e, KeyboardInterrupt | Terminated | Interrupted | TerminationSignal | asyncio.CancelledError)
+    return isinstance(e, KeyboardInterrupt | Terminated | Interrupted | TerminationSignal | asyncio.CancelledError
+                      | concurrent.futures.CancelledError)
 
 
 def request(signum: int) -> None:
