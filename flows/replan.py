@@ -25,7 +25,7 @@ from prefect import flow
 from prefect.logging import get_run_logger
 
 from flows.params import SailorParams
-from infra.provider import AgentExitCodes, CapacityError, EventKind, Provider, ProviderEvent, Reporter, Vm
+from infra.provider import AgentExitCodes, CapacityError, Provider, ProviderEvent, Vm
 from infra.scenario import load_scenario
 from profiles_store.spot_risk import spot_risk_from_store
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
@@ -44,7 +44,7 @@ from sailor_core.runtime.protocol import vm_of
 from sailor_core.simulator.result import SimulationResult
 from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
 from tasks.control import Controller
-from tasks.decisions import PlanCost, decide_switch
+from tasks.decisions import PlanCost, decide_switch, lost_vms
 from tasks.history import Decision, DecisionKind, Measurement, RunEvent, RunHistory, RunStatus
 from tasks.jobs import Job, Progress, Switch, node_request, nodes, place
 from tasks.planning import (
@@ -226,11 +226,7 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
     provider = ctx.provider
     assert ctx.base_book is not None and ctx.plan is not None
     step = progress.step if progress else job.start_step
-    # A worker whose generation failed because a peer died is collateral, not lost: replace only the
-    # VMs the provider saw go (or, when it saw none, those whose workers failed on their own).
-    gone = [e for e in events if e.kind in (EventKind.PREEMPTION, EventKind.LOST)]
-    hard = {e.vm_id for e in gone if e.reported_by is not Reporter.WORKERS}
-    lost = (hard or {e.vm_id for e in gone}) & {v.vm_id for v in job.vms}
+    lost = lost_vms(events, [v.vm_id for v in job.vms])
     kinds = sorted({e.kind.value for e in events}) + (["iteration_time"] if calibration else [])
     trigger_at = min((e.at for e in events), default=datetime.now(UTC)).timestamp()
     if calibration:

@@ -7,6 +7,7 @@ here from sailor_core:
 - `decide_switch(...)`: is a new plan worth the switch (`PlanCost`, `SwitchDecision`);
 - `needs_decision(kind, vm_id, plan_vms)`: does a provider event call for re-planning;
 - `failed_vms(statuses)`: VMs whose workers reported a failed generation (a lost worker to the flow);
+- `lost_vms(events, plan_vms)`: the VMs a replan replaces (the provider's word before the workers');
 - `check_calibration(...)`: measured against estimated iteration time, once enough steps ran;
 - `first_step_kind(started_by)`: what a plan version's first step measures (`FirstStep`: the switch that
   started it, or its cold start);
@@ -21,13 +22,12 @@ import enum
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from infra.provider import EventKind
+from infra.provider import EventKind, ProviderEvent, Reporter
 from sailor_core.decisions import PlanCost, SwitchDecision, decide_switch
 from tasks.jobs import ColdStart, Switch
 
-__all__ = ["CalibrationCheck", "FirstStep", "PlanCost", "SwitchDecision",
-           "all_exited_cleanly",
-           "check_calibration", "decide_switch", "exit_verdict", "failed_vms", "first_step_kind", "needs_decision",
+__all__ = ["CalibrationCheck", "FirstStep", "PlanCost", "SwitchDecision", "all_exited_cleanly", "check_calibration",
+           "decide_switch", "exit_verdict", "failed_vms", "first_step_kind", "lost_vms", "needs_decision",
            "stop_reason"]
 
 # Provider events a running plan must answer (every kind there is, today).
@@ -40,6 +40,15 @@ def needs_decision(kind: str, vm_id: str | None, plan_vms: Collection[str]) -> b
     if kind not in ACTIONABLE_KINDS:
         return False
     return kind not in VM_KINDS or vm_id in plan_vms
+
+
+def lost_vms(events: Sequence[ProviderEvent], plan_vms: Collection[str]) -> set[str]:
+    """The plan's VMs a replan replaces: those the provider saw go (preempted or lost); only when it saw
+    none, those whose workers reported a failed generation (a worker failing because a peer died is
+    collateral, not lost)."""
+    gone = [e for e in events if e.kind in VM_KINDS]
+    hard = {e.vm_id for e in gone if e.reported_by is not Reporter.WORKERS}
+    return (hard or {e.vm_id for e in gone}) & set(plan_vms)
 
 
 def failed_vms(statuses: Mapping[str, str]) -> list[str]:

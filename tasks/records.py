@@ -6,8 +6,8 @@ before, with its keys named. Values the orchestration computes and keeps in memo
 beside their owners (tasks/jobs.py, tasks/steps.py, flows/replan.py), not here.
 - `JSONObject`: a payload of arbitrary JSON (an event's or a measurement's `payload`); read it only
   where its producer is known, through one of the records below.
-- `MetricRow`: one per-step record a worker reports (tasks/control.Controller.metrics), saved under
-  the run's state (tasks/runstate.flush_metrics) and read back with its `plan_version`.
+- `MetricRow`: one per-step record a worker reports (`Controller.metrics`, tasks/control.py), saved
+  under the run's state (`flush_metrics`, tasks/runstate.py) and read back with its `plan_version`.
 - `RunRow`: one run as `RunHistory.list_runs` derives it from the `runs` table.
 - `LeaseOwner`, `ReplanRequest`: the lease's owning process; another run's request to re-plan.
 - `RunSummary`, `CostTable`: what a `sailor` run returns and its cost artifact.
