@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,6 +47,7 @@ from tasks.control import Controller
 from tasks.decisions import PlanCost, decide_switch, lost_vms
 from tasks.history import Decision, DecisionKind, Measurement, RunEvent, RunHistory, RunStatus
 from tasks.jobs import Job, Progress, Switch, node_request, nodes, place
+from tasks.ledger import Ledger
 from tasks.planning import (
     NoPlanError,
     calibrated_book,
@@ -70,14 +71,26 @@ from tasks.steps import (
 )
 
 
-@dataclass(kw_only=True)
-class RunContext:
+@dataclass(frozen=True, kw_only=True)
+class RunSetup:
+    """What a run is and what it talks to: fixed from its start to its end."""
+
     run_id: str
     params: SailorParams
     provider: Provider
     history: RunHistory
     run_dir: Path
-    reconfiguration_estimate_s: float
+    reconfiguration_estimate_s: float  # until the run has measured a switch of its own
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    """What a run has learned and holds as it goes: its profiles and their calibration, the adopted
+    plan (`adopt_plan`), what it rents (`ledger`), its progress and its decisions. The `sailor` flow
+    and its `replan` subflow both change it; everything fixed is in `setup`."""
+
+    setup: RunSetup
+    ledger: Ledger = field(default_factory=Ledger)
     base_book: ProfileBook | None = None
     calibration: dict[str, float] = field(default_factory=dict)
     version: int = 0
@@ -85,11 +98,30 @@ class RunContext:
     estimate: SimulationResult | None = None  # the current plan's, as the simulator estimated it
     total_steps: int = 0
     steps_done: int = 0
-    ledger: dict[str, dict[str, float]] = field(default_factory=dict)
     reconfigurations_s: list[float] = field(default_factory=list)
     iteration_times: dict[int, tuple[float, ...]] = field(default_factory=dict)
     decisions: list[Decision] = field(default_factory=list)
     dry_run: str = ""
+
+    @property
+    def run_id(self) -> str:
+        return self.setup.run_id
+
+    @property
+    def params(self) -> SailorParams:
+        return self.setup.params
+
+    @property
+    def provider(self) -> Provider:
+        return self.setup.provider
+
+    @property
+    def history(self) -> RunHistory:
+        return self.setup.history
+
+    @property
+    def run_dir(self) -> Path:
+        return self.setup.run_dir
 
     def plan_request(self, pool: ResourcePool) -> PlanRequest:
         """What the run asks the planner for on this pool: the parameters' objective, limits and
@@ -147,27 +179,9 @@ class RunContext:
         publish_frontier(self.run_id, self.version, frontier, est)
         get_run_logger().info("plan v%d: %s", self.version, _describe(plan, est))
 
-    # -- money and time ----------------------------------------------------------------------------
-    def ledger_add(self, vms: list[Vm]) -> None:
-        now = time.time()
-        for v in vms:
-            self.ledger[v.vm_id] = {"usd_per_hour": v.usd_per_hour, "start": now, "end": 0.0}
-
-    def ledger_close(self, vm_ids: Iterable[str]) -> None:
-        now = time.time()
-        for v in vm_ids:
-            if v in self.ledger and not self.ledger[v]["end"]:
-                self.ledger[v]["end"] = now
-
-    def ledger_close_all(self) -> None:
-        self.ledger_close(list(self.ledger))
-
-    def usd_so_far(self) -> float:
-        now = time.time()
-        return sum(e["usd_per_hour"] * ((e["end"] or now) - e["start"]) / 3600.0 for e in self.ledger.values())
-
+    # -- time ------------------------------------------------------------------------------------------
     def reconfiguration_s(self) -> float:
-        return max(self.reconfigurations_s) if self.reconfigurations_s else self.reconfiguration_estimate_s
+        return max(self.reconfigurations_s) if self.reconfigurations_s else self.setup.reconfiguration_estimate_s
 
     def observe(self, job: Job, progress: Progress | None) -> None:
         if progress is not None:
@@ -181,15 +195,15 @@ class RunContext:
         return sum(sum(t) for t in self.iteration_times.values())
 
     def cost_table(self) -> CostTable:
-        return {"usd_so_far": round(self.usd_so_far(), 6), "vms_rented": len(self.ledger),
-                "usd_per_hour_now": round(sum(e["usd_per_hour"] for e in self.ledger.values() if not e["end"]), 6),
+        return {"usd_so_far": round(self.ledger.usd_so_far(), 6), "vms_rented": len(self.ledger),
+                "usd_per_hour_now": round(self.ledger.usd_per_hour_now(), 6),
                 "plan_version": self.version, "steps_done": self.steps_done, "total_steps": self.total_steps}
 
     def summary(self, status: RunStatus, t0: float) -> RunSummary:
         wall = time.time() - t0
         return {"run_id": self.run_id, "status": status.value, "steps_done": self.steps_done,
                 "total_steps": self.total_steps, "plan_versions": self.version,
-                "usd_total": round(self.usd_so_far(), 6), "wall_s": round(wall, 2),
+                "usd_total": round(self.ledger.usd_so_far(), 6), "wall_s": round(wall, 2),
                 "training_s": round(self.training_s(), 2),
                 "orchestration_overhead_s": round(wall - self.training_s(), 2),
                 "reconfigurations_s": [round(x, 2) for x in self.reconfigurations_s],
@@ -238,7 +252,7 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
                    {"gpu_type": g, "factor": factor, "ratio": ratio, "plan_version": job.version},
                    f"iteration time x{ratio:.2f} of the estimate; layer times of {g} now scaled x{factor:.2f}")
         job.calibrated = True
-    ctx.ledger_close(lost)
+    ctx.ledger.release(lost)
     held = [v for v in job.vms if v.vm_id not in lost]
     offers = fetch_offerings(provider, regions=p.regions, gpu_types=p.gpu_types, markets=p.markets)
     book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
@@ -341,9 +355,9 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: Simula
         ctl.end_generation(job.version, members, broken=bool(lost))
         ended = True
         terminate(provider, drop)
-        ctx.ledger_close(drop)
+        ctx.ledger.release(drop)
         new_vms = provision(provider, requests)
-    ctx.ledger_add(new_vms)
+    ctx.ledger.rent(new_vms)
     it = iter(new_vms)
     vms = [placed[k] if k in placed else next(it) for k in range(len(nodes(cand)))]
     record(ctx.history.event, ctx.run_id, RunEvent.PROVISIONED,
@@ -371,7 +385,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: Simula
         # Released after the hand-out: stopping a VM's agent takes its grace period, which the new
         # plan need not wait for (their workers sit idle outside the new generation meanwhile).
         terminate(provider, drop)
-        ctx.ledger_close(drop)
+        ctx.ledger.release(drop)
     _publish_progress(ctx)  # after the hand-out: the UI's artifacts are not on the switch's critical path
     return new
 

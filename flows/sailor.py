@@ -30,7 +30,7 @@ from prefect.runtime import flow_run as runtime_flow_run
 
 from flows.params import SailorParams, takes_params, validate_params
 from flows.profiling import profile
-from flows.replan import RunContext, replan
+from flows.replan import RunContext, RunSetup, replan
 from infra.provider import (
     CapacityError,
     ClusterInfo,
@@ -382,8 +382,8 @@ def _open(params: SailorParams, deps: Deps, run_id: str) -> _Run:
     history = RunHistory(deps.store)
     run_dir = deps.workdir / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    ctx = RunContext(run_id=run_id, params=params, provider=deps.provider, history=history, run_dir=run_dir,
-                     reconfiguration_estimate_s=deps.reconfiguration_estimate_s)
+    ctx = RunContext(setup=RunSetup(run_id=run_id, params=params, provider=deps.provider, history=history,
+                                    run_dir=run_dir, reconfiguration_estimate_s=deps.reconfiguration_estimate_s))
     deps.state = deps.state or state_for(params.store_uri, run_id, run_dir)
     record(history.run_status, run_id, RunStatus.RUNNING, f"started on provider {params.provider}",
            {"name": params.run_name, "provider": params.provider, "model": params.model,
@@ -510,7 +510,7 @@ def _start_training(run: _Run, vms: list[Vm]) -> Job:
     """The job of the first plan on its VMs, its agents started and the plan handed out."""
     ctx, params, run_id = run.ctx, run.params, run.run_id
     assert ctx.plan is not None
-    ctx.ledger_add(vms)
+    ctx.ledger.rent(vms)
     record(ctx.history.event, run_id, RunEvent.PROVISIONED, f"{len(vms)} VMs for plan v{ctx.version}",
            {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
     emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
@@ -570,7 +570,7 @@ def _finish(run: _Run, status: RunStatus, reason: str) -> None:
     except BaseException as e:  # the status must still be written; teardown is retried by the hooks
         reason = (reason + f"; teardown failed: {e}")[:800]
         status = RunStatus.FAILED
-    ctx.ledger_close_all()
+    ctx.ledger.release_all()
     if isinstance(deps.provider, ClusterInfo) and run.job is not None:
         with contextlib.suppress(Exception):  # the VMs the run had, as they ended
             _record_cluster(run, "the run's VMs at teardown", at_teardown=True)

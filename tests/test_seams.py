@@ -1,6 +1,6 @@
 """The typed seams between flows/ and tasks/: the flow's parameters declared once, optional provider
-capabilities asked by isinstance, a lost worker told from a lost VM by who reported it, and a stop
-told from a failure by the exception's class."""
+capabilities asked by isinstance, a lost worker told from a lost VM by who reported it, a stop told
+from a failure by the exception's class, and what the run's VMs cost (tasks/ledger.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,12 @@ from infra.provider import (
     HostedVms,
     ProviderEvent,
     Reporter,
+    Vm,
 )
+from sailor_core.domain import Market
 from tasks import interrupt
 from tasks.decisions import lost_vms
+from tasks.ledger import Ledger
 
 
 def test_the_flow_takes_one_keyword_per_parameter_field_with_its_default() -> None:
@@ -102,3 +105,23 @@ def test_prefect_terminating_the_run_is_a_stop() -> None:
     from prefect.exceptions import TerminationSignal
 
     assert interrupt.is_stop(TerminationSignal(15))
+
+
+def _vm(vm_id: str, usd_per_hour: float) -> Vm:
+    return Vm(vm_id=vm_id, run_id="r", name=vm_id, zone="z", gpu_type="cpu", gpus=1, market=Market.ON_DEMAND,
+              usd_per_hour=usd_per_hour)
+
+
+def test_the_ledger_charges_each_vm_from_its_rent_to_its_release() -> None:
+    now = [0.0]
+    ledger = Ledger(clock=lambda: now[0])
+    ledger.rent([_vm("a", 3.6), _vm("b", 7.2)])
+    now[0] = 1800.0
+    ledger.release(["a", "not-rented"])
+    now[0] = 3600.0
+    ledger.release(["a"])  # released twice: the first end counts
+    assert ledger.usd_so_far() == pytest.approx(3.6 * 0.5 + 7.2 * 1.0)
+    assert ledger.usd_per_hour_now() == pytest.approx(7.2) and len(ledger) == 2
+    ledger.release_all()
+    now[0] = 7200.0
+    assert ledger.usd_so_far() == pytest.approx(3.6 * 0.5 + 7.2 * 1.0) and ledger.usd_per_hour_now() == 0.0
