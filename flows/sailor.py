@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -218,40 +218,24 @@ def _check_resume(history: RunHistory, run_id: str, state: RunState, num_layers:
         raise ckpt.no_resume_error(uri, skipped)
 
 
-class _RequestsAsEvents:
-    """The provider as monitoring sees it, plus re-plan requests from other runs as a price event,
-    so the replan subflow re-plans against current prices and capacity and records its decision."""
+def _replan_requests(keeper: LeaseKeeper) -> Callable[[], list[ProviderEvent]]:
+    """Re-plan requests from other runs as monitoring sees them: a price event beside the provider's, so
+    the replan subflow re-plans against current prices and capacity and records its decision."""
 
-    def __init__(self, provider: Provider, keeper: LeaseKeeper, history: RunHistory, run_id: str) -> None:
-        self._p, self._keeper, self._history, self._run_id = provider, keeper, history, run_id
-
-    def __getattr__(self, name: str) -> object:
-        if name.startswith("_"):  # copy/pickle probe before __init__ ran: no recursion into self._p
-            raise AttributeError(name)
-        return getattr(self._p, name)
-
-    def events(self, run_id: str) -> list[ProviderEvent]:
+    def requested() -> list[ProviderEvent]:
         from datetime import UTC, datetime
 
         from infra.provider import EventKind
 
-        out = list(self._p.events(run_id))
-        req = self._keeper.take_request()
-        if req is not None:
-            out.append(
-                ProviderEvent(
-                    kind=EventKind.PRICE_CHANGE,
-                    at=datetime.now(UTC),
-                    zone="*",
-                    gpu_type="*",
-                    detail={
-                        "old_usd_per_gpu_hour": "as planned",
-                        "new_usd_per_gpu_hour": f"current (re-plan requested by {req['requested_by']})",
-                        "requested_by": req["requested_by"],
-                    },
-                )
-            )
-        return out
+        req = keeper.take_request()
+        if req is None:
+            return []
+        return [ProviderEvent(kind=EventKind.PRICE_CHANGE, at=datetime.now(UTC), zone="*", gpu_type="*",
+                              detail={"old_usd_per_gpu_hour": "as planned",
+                                      "new_usd_per_gpu_hour": f"current (re-plan requested by {req['requested_by']})",
+                                      "requested_by": req["requested_by"]})]
+
+    return requested
 
 
 def _previous_checkpoint(history: RunHistory, deps: Deps, run_name: str, run_id: str) -> RunState | None:
@@ -534,12 +518,13 @@ def _train(run: _Run) -> None:
     assert job is not None
     bar = ProgressBar(run.run_id, ctx.total_steps)
     deadline_at = run.t0 + params.deadline_s if params.deadline_s else None
-    provider = cast(Provider, _RequestsAsEvents(deps.provider, run.keeper, ctx.history, run.run_id))
+    requested = _replan_requests(run.keeper)
     seen: set[tuple[str, str, str]] = set()
     replans = 0
     while True:
         interrupt.check()  # a stop that library code swallowed on the way still ends the run here
-        out = monitor(provider, job, ctx.history, bar, deps.board, seen=seen, poll_s=deps.poll_s,
+        out = monitor(deps.provider, job, ctx.history, bar, deps.board, seen=seen, requested=requested,
+                      poll_s=deps.poll_s,
                       deadline_at=deadline_at, tolerance=params.calibration_tolerance, calibrate_after=5,
                       calibrated=job.calibrated, stall_timeout_s=deps.stall_timeout_s)
         ctx.observe(job, out.progress)

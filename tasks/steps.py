@@ -289,13 +289,14 @@ class _Watch:
         emit(e.kind.value, self.job.run_id, {"reason": event_reason(e), **event_row(e)})
         get_run_logger().info("event %s: %s", e.kind.value, event_reason(e))
 
-    def events_to_answer(self, provider: Provider) -> list[ProviderEvent]:
-        """Every new provider event reported; those the plan must answer, and the workers whose
-        generation failed (lost workers to the orchestration), returned."""
+    def events_to_answer(self, provider: Provider,
+                         requested: Callable[[], list[ProviderEvent]] | None = None) -> list[ProviderEvent]:
+        """Every new provider event (and event `requested` from outside) reported; those the plan must
+        answer, and the workers whose generation failed (lost workers to the orchestration), returned."""
         job = self.job
         plan_vms = {v.vm_id for v in job.vms}
         out = []
-        for e in provider.events(job.run_id):
+        for e in [*provider.events(job.run_id), *(requested() if requested is not None else [])]:
             key = (e.kind.value, e.at.isoformat(), e.vm_id)
             if key not in self.seen:
                 self.seen.add(key)
@@ -351,17 +352,18 @@ class _Watch:
 @task(name="monitor", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=2,
       retry_condition_fn=_retry_on_outside_errors)
 def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar, board: HeartbeatBoard, *,
-            seen: set[tuple[str, str, str]],
+            seen: set[tuple[str, str, str]], requested: Callable[[], list[ProviderEvent]] | None = None,
             poll_s: float, deadline_at: float | None, tolerance: float, calibrate_after: int,
             calibrated: bool, stall_timeout_s: float) -> MonitorOutcome:
-    """Watch the job until it completes or something needs a decision; report everything seen."""
+    """Watch the job until it completes or something needs a decision; report everything seen (the
+    provider's events, and those `requested` from outside it: another run's request to re-plan)."""
     watch = _Watch(job=job, history=history, bar=bar, board=board, seen=seen)
     shape = f"plan v{job.version}: {job.plan.num_stages} stage(s) x {job.plan.data_parallel} replica(s)"
     while True:
         prog = watch.progress()
         if prog.step >= job.total_steps:
             return MonitorOutcome(completed=True, progress=prog)
-        actionable = watch.events_to_answer(provider)
+        actionable = watch.events_to_answer(provider, requested)
         if actionable:
             return MonitorOutcome(completed=False, events=actionable, progress=prog)
         # Online calibration: measured against estimated iteration time, once per plan version.
