@@ -1,15 +1,22 @@
 """Parameters of a `sailor` flow run, validated before anything is provisioned.
 
-Contract: `SailorParams` is a pydantic model built from the flow's (flat, UI-friendly) parameters.
-Construction checks every field and raises `InvalidParameters`, whose message lists each bad
-field with its value and the reason, and how to fix it. Nothing here touches the outside world.
+Contract: `SailorParams` is the one declaration of the `sailor` flow's parameters: names, defaults,
+limits and descriptions. `validate_params(raw)` builds it and raises `InvalidParameters`, whose
+message lists each bad field with its value and the reason, and how to fix it.
+`takes_params(Model)` gives a flow function written as `fn(deps=None, **parameters)` the flat
+signature Prefect reads (one keyword parameter per field, with its default): the deployment's
+parameters, its schedules' overrides, `prefect deployment run --param` and the UI's form stay flat,
+and stay the model's. Nothing here touches the outside world.
 """
 
 from __future__ import annotations
 
+import enum
+import inspect
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -44,13 +51,6 @@ class SailorParams(BaseModel):
     store_uri: str | None = Field(default=None, description="profile store URI; None: $SAILOR_STORE or .sailor/store")
     workdir: str = Field(default=".sailor", min_length=1,
                          description="local folder for checkpoints, worker metrics and local worker slots")
-    resume: bool = Field(default=False, description="continue the newest run of this name from its checkpoint "
-                                                   "(the scheduled cost-aware rerun sets this); fails when no valid "
-                                                   "checkpoint is left unless resume_or_start")
-    large_batch: bool = Field(default=False, description=f"allow a global batch above {MAX_PLAIN_GLOBAL_BATCH} "
-                                                          f"sequences (refused without it)")
-    resume_or_start: bool = Field(default=False, description="with resume: start at step 0 when no earlier run left "
-                                                             "a valid checkpoint (the schedule's first run)")
     dataset: str | None = Field(default=None, description="data URI; None uses the runtime's built-in corpus")
     steps: int | None = Field(default=None, ge=1)
     token_budget: int | None = Field(default=None, ge=1)
@@ -72,6 +72,13 @@ class SailorParams(BaseModel):
     calibration_tolerance: float = Field(default=0.25, gt=0, lt=10,
                                          description="relative departure of measured from estimated "
                                                      "iteration time that triggers a correction")
+    resume: bool = Field(default=False, description="continue the newest run of this name from its checkpoint "
+                                                   "(the scheduled cost-aware rerun sets this); fails when no valid "
+                                                   "checkpoint is left unless resume_or_start")
+    resume_or_start: bool = Field(default=False, description="with resume: start at step 0 when no earlier run left "
+                                                             "a valid checkpoint (the schedule's first run)")
+    large_batch: bool = Field(default=False, description=f"allow a global batch above {MAX_PLAIN_GLOBAL_BATCH} "
+                                                          f"sequences (refused without it)")
     dry_run: bool = False
     what_if_trace: str | None = Field(default=None, description="before renting anything, replay the job over this "
                                                                 "availability and price trace (a file sailor replay "
@@ -151,3 +158,37 @@ def validate_params(raw: dict[str, object]) -> SailorParams:
         raise InvalidParameters(
             "invalid parameters: " + "; ".join(problems) + "; to fix: correct these fields and run again"
         ) from None
+
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def _as_sent(annotation: object) -> object:
+    """The type a flow parameter is declared with: choices (enums, Literals) as the text the UI, the CLI
+    and a deployment's YAML send, so the model checks them with every other field in one message."""
+    if get_origin(annotation) is Literal or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
+        return str
+    return annotation
+
+
+def flat_signature(model: type[BaseModel], fn: Callable[..., object]) -> inspect.Signature:
+    """`fn`'s signature with its `**parameters` replaced by one keyword parameter per field of `model`."""
+    own = inspect.signature(fn)
+    fields = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=_as_sent(f.annotation),
+                                default=f.default.value if isinstance(f.default, enum.Enum) else f.default)
+              for name, f in model.model_fields.items()]
+    # The rest of fn's parameters (test hooks such as `deps`) go after, typed `object`: Prefect
+    # validates parameters against this signature, and must not rebuild a live object it is handed.
+    rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=object) for p in own.parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return own.replace(parameters=fields + rest, return_annotation=inspect.Signature.empty)
+
+
+def takes_params(model: type[BaseModel]) -> Callable[[F], F]:
+    """Declare `fn(**parameters)`'s parameters to be `model`'s fields (see the module's contract)."""
+
+    def declare(fn: F) -> F:
+        fn.__signature__ = flat_signature(model, fn)  # type: ignore[attr-defined]
+        return fn
+
+    return declare

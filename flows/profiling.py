@@ -8,32 +8,65 @@ the node's own link on a multi-device VM, and the link of every zone pair (`sail
 VM at each end), imported with provenance; the VMs are released. Without them, the GPU type `cpu` is
 measured on this machine (the local provider's slots) with the same profiler; a missing profile of
 another type fails with the command that makes it. `measure_zone_link` is `sailor profile network
---from/--to`: one zone pair by hand, on VMs rented the same way.
+--from/--to`: one zone pair by hand, on VMs rented the same way (a `ZoneLink`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
+from infra.provider import Vm
+from profiles_store.store import ProfileStore
+from sailor_core.domain import Capacity, NetworkLink, Provenance
 from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.profiles import ProfileBook
+from tasks.jobs import CodeRef
+from tasks.remote import VmCommands
+
+if TYPE_CHECKING:
+    from prefect.states import State
+
+    from flows.params import SailorParams
+    from flows.sailor import Deps
 
 LOCAL_GPU = "cpu"
 LOCAL_ZONE = "local"
 
+End = tuple[str, str]  # (zone, device type) at one end of a link
+ZonePair = tuple[tuple[str, str], list[tuple[End, End]]]  # (zone a, zone b), the device-type pairs between them
+ProfileJob = tuple[Vm, list[str], tuple[str, str, str]]  # (vm, `sailor` argv, (kind, device type, zone))
+
+
+class Log(Protocol):
+    """Where progress goes: the run's logger, or the CLI's stderr (`sailor profile network`)."""
+
+    def info(self, msg: str, *args: object) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZoneLink:
+    """What `measure_zone_link` measured and wrote."""
+
+    run_id: str
+    link: NetworkLink  # src -> dst, as measured
+    vms: list[str]  # the VM at each end (released)
+    store: str  # the store's URI
+    rows: list[str]  # "zone:type <-> zone:type" for every device-type pair written (both ways)
+
 
 @task(name="load-profiles", retries=3, retry_delay_seconds=[1, 2, 5], cache_policy=NO_CACHE,
       retry_condition_fn=lambda t, r, s: not isinstance(_exc(s), SailorError))
-def load_book(store: Any, model: str, gpu_types: Sequence[str]) -> ProfileBook:
+def load_book(store: ProfileStore, model: str, gpu_types: Sequence[str]) -> ProfileBook:
     return store.profile_book(model, sorted(set(gpu_types)))
 
 
-def _exc(state: Any) -> BaseException | None:
+def _exc(state: State) -> BaseException | None:
     try:
         state.result()
     except BaseException as e:  # noqa: BLE001 - returned, not swallowed: the caller reports each failed profile
@@ -42,7 +75,7 @@ def _exc(state: Any) -> BaseException | None:
 
 
 @task(name="ensure-model-spec", retries=2, cache_policy=NO_CACHE)
-def ensure_model(store: Any, model: str) -> None:
+def ensure_model(store: ProfileStore, model: str) -> None:
     """Models the store lacks but the model family defines (gpt-tiny, gpt-small) are written to it."""
     if model in store.model_names():
         return
@@ -52,7 +85,7 @@ def ensure_model(store: Any, model: str) -> None:
 
 
 @task(name="profile-layers", cache_policy=NO_CACHE)
-def profile_layers(store: Any, model: str, mbs: Sequence[int]) -> int:
+def profile_layers(store: ProfileStore, model: str, mbs: Sequence[int]) -> int:
     """sailor_core.profiler.layers on this machine's CPU; the whole profile is written in one commit."""
     from sailor_core.profiler.layers import ModelProfileSettings, profile_model
 
@@ -63,7 +96,7 @@ def profile_layers(store: Any, model: str, mbs: Sequence[int]) -> int:
 
 
 @task(name="profile-network", cache_policy=NO_CACHE)
-def profile_network(store: Any) -> int:
+def profile_network(store: ProfileStore) -> int:
     """sailor_core.profiler.network between two local workers: the cpu link and its all-reduce fit."""
     from sailor_core.profiler.network import NetworkSettings
     from sailor_core.profiler.network import profile_network as measure
@@ -79,19 +112,22 @@ def _has_local_link(book: ProfileBook) -> bool:
         book.intra_node_link(LOCAL_GPU, 2) is not None
 
 
-def _cheapest(offers: Sequence[Any], **match: Any) -> Any | None:
-    fits = [o for o in offers if o.gpus > 0 and all(getattr(o, k) == v for k, v in match.items())]
+def _cheapest(offers: Sequence[Capacity], *, zone: str | None = None, gpu_type: str | None = None,
+              gpus_per_vm: int | None = None) -> Capacity | None:
+    """The cheapest VM offered now that matches what is given."""
+    fits = [o for o in offers if o.gpus > 0 and zone in (None, o.zone) and gpu_type in (None, o.gpu_type)
+            and gpus_per_vm in (None, o.gpus_per_vm)]
     return min(fits, key=lambda o: (o.usd_per_gpu_hour * o.gpus_per_vm, o.zone)) if fits else None
 
 
-def _known_types(store: Any, gpu_types: Sequence[str]) -> list[str]:
+def _known_types(store: ProfileStore, gpu_types: Sequence[str]) -> list[str]:
     known = set(store.gpu_types())
     return [g for g in gpu_types if g in known]
 
 
 def _missing(
-    store: Any, model: str, gpu_types: Sequence[str], offers: Sequence[Any]
-) -> tuple[list[str], list[Any], list[Any]]:
+    store: ProfileStore, model: str, gpu_types: Sequence[str], offers: Sequence[Capacity]
+) -> tuple[list[str], list[ZonePair], list[Capacity]]:
     """What planning over `offers` lacks: layer profiles (types), links (zone pairs), intra-node links (offers)."""
     present = _known_types(store, gpu_types)
     book = store.profile_book(model, present) if present else None
@@ -105,13 +141,13 @@ def _missing(
     ends = sorted({(o.zone, o.gpu_type) for o in offers if o.gpus > 0})
     links = store.network_links()
     have = {(lk.sender_zone, lk.sender_gpu, lk.receiver_zone, lk.receiver_gpu) for lk in links}
-    pairs: dict[tuple[str, str], list[tuple[tuple[str, str], tuple[str, str]]]] = {}
+    pairs: dict[tuple[str, str], list[tuple[End, End]]] = {}
     for i, a in enumerate(ends):
         for b in ends[i:]:
             if a == b and sum(o.vms for o in offers if (o.zone, o.gpu_type) == a) < 2:
                 continue  # one VM of it at most: no two VMs of it ever talk
             if (a[0], a[1], b[0], b[1]) not in have and (b[0], b[1], a[0], a[1]) not in have:
-                pairs.setdefault(tuple(sorted((a[0], b[0]))), []).append((a, b))  # type: ignore[arg-type]
+                pairs.setdefault((min(a[0], b[0]), max(a[0], b[0])), []).append((a, b))
     intra = {(lk.gpu_type, lk.num_gpus) for lk in store.intra_node_links()}
     multi = [o for o in offers if o.gpus > 0 and o.gpus_per_vm >= 2 and (o.gpu_type, 2) not in intra]
     multi = list({o.gpu_type: o for o in multi}.values())
@@ -121,11 +157,12 @@ def _missing(
 class _VmPool:
     """The VMs rented for profiling so far, by (zone, device type); rents the cheapest when none fits."""
 
-    def __init__(self, remote: Any, offers: Sequence[Any], log: Any) -> None:
+    def __init__(self, remote: VmCommands, offers: Sequence[Capacity], log: Log) -> None:
         self.remote, self.offers, self.log = remote, offers, log
-        self.vms: dict[tuple[str, str], list[Any]] = {}
+        self.vms: dict[tuple[str, str], list[Vm]] = {}
 
-    def get(self, zone: str, gpu: str | None = None, avoid: Sequence[Any] = (), *, devices: int | None = None) -> Any:
+    def get(self, zone: str, gpu: str | None = None, avoid: Sequence[Vm | None] = (), *,
+            devices: int | None = None) -> Vm | None:
         for (z, g), have in self.vms.items():
             for v in have:
                 if (
@@ -136,7 +173,7 @@ class _VmPool:
                 ):
                     return v
         fits = [o for o in self.offers if o.gpus_per_vm >= (devices or 1)]
-        o = _cheapest(fits, zone=zone, **({"gpu_type": gpu} if gpu else {}))
+        o = _cheapest(fits, zone=zone, gpu_type=gpu or None)
         if o is None:
             return None
         try:
@@ -148,9 +185,10 @@ class _VmPool:
         return v
 
 
-def _layer_jobs(model: str, types: list[str], offers: Sequence[Any], pool: _VmPool, remote: Any) -> list[Any]:
+def _layer_jobs(model: str, types: list[str], offers: Sequence[Capacity], pool: _VmPool,
+                remote: VmCommands) -> list[ProfileJob]:
     """(vm, command, (kind, type, zone)) per device type: its layers on its largest VM, TP up to its size."""
-    jobs = []
+    jobs: list[ProfileJob] = []
     for g in types:
         most = max((o.gpus_per_vm for o in offers if o.gpu_type == g and o.gpus > 0), default=1)
         o = _cheapest(offers, gpu_type=g, gpus_per_vm=most)
@@ -164,9 +202,9 @@ def _layer_jobs(model: str, types: list[str], offers: Sequence[Any], pool: _VmPo
     return jobs
 
 
-def _node_jobs(multi: list[Any], pool: _VmPool, remote: Any, busy: set[str]) -> list[Any]:
+def _node_jobs(multi: list[Capacity], pool: _VmPool, remote: VmCommands, busy: set[str]) -> list[ProfileJob]:
     """(vm, command, ...) measuring the node's own link and all-reduce on a multi-device VM of each type."""
-    jobs = []
+    jobs: list[ProfileJob] = []
     for o in multi:
         v = pool.get(o.zone, o.gpu_type, devices=2)
         if v is None or v.vm_id in busy:
@@ -178,7 +216,8 @@ def _node_jobs(multi: list[Any], pool: _VmPool, remote: Any, busy: set[str]) -> 
     return jobs
 
 
-def _measure_links(pairs: list[Any], pool: _VmPool, remote: Any, store: Any, log: Any) -> list[str]:
+def _measure_links(pairs: list[ZonePair], pool: _VmPool, remote: VmCommands, store: ProfileStore,
+                   log: Log) -> list[str]:
     """One zone pair at a time (links measured alone): `sailor profile link` on a VM at each end."""
     done = []
     for (za, zb), combos in pairs:
@@ -191,8 +230,8 @@ def _measure_links(pairs: list[Any], pool: _VmPool, remote: Any, store: Any, log
     return done
 
 
-def _measure_pair(pool: _VmPool, remote: Any, src: tuple[str, str | None],
-                  dst: tuple[str, str | None]) -> tuple[Any, Any, Any] | None:
+def _measure_pair(pool: _VmPool, remote: VmCommands, src: tuple[str, str | None],
+                  dst: tuple[str, str | None]) -> tuple[NetworkLink, Vm, Vm] | None:
     """(the link src -> dst as measured, its VM at src, its VM at dst), or None when no two such VMs can be
     rented: `sailor profile link` on a VM at each end (of that device type where given), meeting through
     the run's controller. Its ping-pong crosses the link both ways; the fit stands for both directions."""
@@ -216,12 +255,12 @@ def _measure_pair(pool: _VmPool, remote: Any, src: tuple[str, str | None],
 
 
 @task(name="profile-on-vms", cache_policy=NO_CACHE)
-def profile_on_vms(store: Any, model: str, types: list[str], pairs: list[Any], multi: list[Any],
-                   offers: Sequence[Any], remote: Any) -> dict[str, Any]:
+def profile_on_vms(store: ProfileStore, model: str, types: list[str], pairs: list[ZonePair], multi: list[Capacity],
+                   offers: Sequence[Capacity], remote: VmCommands) -> dict[str, list[str]]:
     """Rent VMs, run the profilers there (layers per device type, the node's own link on multi-device
     VMs, links per zone pair), import the results into the store, release the VMs."""
     log = get_run_logger()
-    measured: dict[str, Any] = {"layers": [], "links": [], "intra_node": []}
+    measured: dict[str, list[str]] = {"layers": [], "links": [], "intra_node": []}
     pool = _VmPool(remote, offers, log)
     try:
         first = _layer_jobs(model, types, offers, pool, remote)
@@ -236,11 +275,12 @@ def profile_on_vms(store: Any, model: str, types: list[str], pairs: list[Any], m
     return measured
 
 
-def _device(offer: Any) -> str:
+def _device(offer: Capacity) -> str:
     return "cpu" if offer.cloud == "local" else "cuda"
 
 
-def _run_and_import(remote: Any, jobs: list[Any], store: Any, model: str, measured: dict[str, Any], log: Any) -> None:
+def _run_and_import(remote: VmCommands, jobs: list[ProfileJob], store: ProfileStore, model: str,
+                    measured: dict[str, list[str]], log: Log) -> None:
     from profiles_store import open_store
 
     if not jobs:
@@ -264,7 +304,7 @@ def _run_and_import(remote: Any, jobs: list[Any], store: Any, model: str, measur
             measured["intra_node"].append(g)
 
 
-def _import_links(measured: Any, store: Any, combos: list[Any], a: Any, b: Any) -> None:
+def _import_links(measured: NetworkLink, store: ProfileStore, combos: list[tuple[End, End]], a: Vm, b: Vm) -> None:
     """The measured link of a zone pair, for every device-type pair of those zones the plans may use:
     on one network the link is the zones', measured once between two of their VMs."""
     from dataclasses import replace
@@ -276,11 +316,9 @@ def _import_links(measured: Any, store: Any, combos: list[Any], a: Any, b: Any) 
     store.write_network_links(rows, provenance=_provenance(a, a.zone, "", peer=b))
 
 
-def _provenance(vm: Any, zone: str, run_id: str, peer: Any = None) -> Any:
+def _provenance(vm: Vm, zone: str, run_id: str, peer: Vm | None = None) -> Provenance:
     import json
     from datetime import UTC, datetime
-
-    from sailor_core.domain import Provenance
 
     info = {"vm": vm.vm_id, "zone": zone, "gpu_type": vm.gpu_type, "run": run_id or vm.run_id}
     if peer is not None:
@@ -289,8 +327,8 @@ def _provenance(vm: Any, zone: str, run_id: str, peer: Any = None) -> Any:
                       settings=json.dumps(info, sort_keys=True))
 
 
-def measure_zone_link(params: Any, src: tuple[str, str | None], dst: tuple[str, str | None],
-                      log: Any) -> dict[str, Any]:
+def measure_zone_link(params: SailorParams, src: tuple[str, str | None], dst: tuple[str, str | None],
+                      log: Log) -> ZoneLink:
     """`sailor profile network --from ZONE[:TYPE] --to ZONE[:TYPE]`: the link between two zones, measured by
     hand on VMs of `params.provider` (on `params.scenario` for the local testbed) as the profile subflow does.
 
@@ -322,8 +360,8 @@ def measure_zone_link(params: Any, src: tuple[str, str | None], dst: tuple[str, 
         measured, a, b = got
         combos = [((src[0], ga), (dst[0], gb)) for ga in types[0] for gb in types[1]]
         _import_links(measured, deps.store, combos, a, b)
-        return {"run_id": run_id, "link": measured, "vms": [a.vm_id, b.vm_id], "store": deps.store.uri,
-                "rows": [f"{za}:{ga} <-> {zb}:{gb}" for (za, ga), (zb, gb) in combos]}
+        return ZoneLink(run_id=run_id, link=measured, vms=[a.vm_id, b.vm_id], store=deps.store.uri,
+                        rows=[f"{za}:{ga} <-> {zb}:{gb}" for (za, ga), (zb, gb) in combos])
     finally:
         if controller is not None:
             controller.close()
@@ -332,7 +370,7 @@ def measure_zone_link(params: Any, src: tuple[str, str | None], dst: tuple[str, 
             close()
 
 
-def _offered_types(offers: Sequence[Any], zone: str, gpu: str | None, end: str) -> list[str]:
+def _offered_types(offers: Sequence[Capacity], zone: str, gpu: str | None, end: str) -> list[str]:
     """The device types an end of a link stands for: the one named, else every type offered in its zone."""
     here = sorted({o.gpu_type for o in offers if o.zone == zone})
     if not here:
@@ -344,9 +382,8 @@ def _offered_types(offers: Sequence[Any], zone: str, gpu: str | None, end: str) 
     return [gpu] if gpu is not None else here
 
 
-def _wheel_for_vms(deps: Any) -> Any:
+def _wheel_for_vms(deps: Deps) -> CodeRef:
     """This checkout as a wheel beside the run's state, for the rented VMs to install (as the train flow ships it)."""
-    from tasks.jobs import CodeRef
     from tasks.runstate import build_wheel, project_root, publish_wheel
 
     if not deps.ship_wheel or deps.state is None:
@@ -356,8 +393,8 @@ def _wheel_for_vms(deps: Any) -> Any:
 
 
 @flow(name="profile", log_prints=True)
-def profile(store: Any, model: str, gpu_types: list[str], mbs: list[int] | None = None, *,
-            offers: Sequence[Any] = (), remote: Any = None) -> ProfileBook:
+def profile(store: ProfileStore, model: str, gpu_types: list[str], mbs: list[int] | None = None, *,
+            offers: Sequence[Capacity] = (), remote: VmCommands | None = None) -> ProfileBook:
     """See the module contract; with `remote` (tasks/remote.VmCommands) missing profiles of rentable
     device types and links between offered zones are measured on rented VMs."""
     log = get_run_logger()
@@ -368,7 +405,6 @@ def profile(store: Any, model: str, gpu_types: list[str], mbs: list[int] | None 
         if types or pairs or multi:
             measured = profile_on_vms(store, model, types, pairs, multi, offers, remote)
             log.info("measured on rented VMs: %s", measured)
-            remote.measured = measured
             on_vms = True
     book = load_book(store, model, gpu_types)
     missing = [g for g in gpu_types if not book.profiled_points(g)]

@@ -16,28 +16,38 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from prefect import flow
 from prefect.logging import get_run_logger
 
 from flows.params import SailorParams
-from infra.provider import CapacityError, EventKind, Provider, ProviderEvent, Vm
+from infra.provider import AgentExitCodes, CapacityError, Provider, ProviderEvent, Vm
 from infra.scenario import load_scenario
 from profiles_store.spot_risk import spot_risk_from_store
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.plan_format import plan_to_dict
-from sailor_core.planner.request import Constraints, Objective, PlanRequest, Restrictions, SearchOptions
+from sailor_core.planner.request import (
+    Constraints,
+    FrontierPoint,
+    Objective,
+    PlanRequest,
+    Restrictions,
+    SearchOptions,
+)
 from sailor_core.planner.risk import SpotRisk, planning_checkpoint_interval
 from sailor_core.profiles import ProfileBook
 from sailor_core.runtime.protocol import vm_of
+from sailor_core.simulator.result import SimulationResult
 from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
-from tasks.decisions import PlanCost, decide_switch
-from tasks.history import RunHistory
-from tasks.jobs import Job, Progress, node_request, nodes, place
+from tasks.control import Controller
+from tasks.decisions import PlanCost, decide_switch, lost_vms
+from tasks.history import Decision, DecisionKind, Measurement, RunEvent, RunHistory, RunStatus
+from tasks.jobs import Job, Progress, Switch, node_request, nodes, place
+from tasks.ledger import Ledger
 from tasks.planning import (
     NoPlanError,
     calibrated_book,
@@ -47,8 +57,10 @@ from tasks.planning import (
     pool_from,
     priced_book,
 )
+from tasks.records import CostTable, RunSummary
 from tasks.reporting import emit, publish_cost, publish_frontier, publish_plan, publish_timeline
 from tasks.steps import (
+    Calibration,
     fetch_offerings,
     hand_out,
     make_plan,
@@ -59,26 +71,57 @@ from tasks.steps import (
 )
 
 
-@dataclass(kw_only=True)
-class RunContext:
+@dataclass(frozen=True, kw_only=True)
+class RunSetup:
+    """What a run is and what it talks to: fixed from its start to its end."""
+
     run_id: str
     params: SailorParams
     provider: Provider
     history: RunHistory
     run_dir: Path
-    reconfiguration_estimate_s: float
+    reconfiguration_estimate_s: float  # until the run has measured a switch of its own
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    """What a run has learned and holds as it goes: its profiles and their calibration, the adopted
+    plan (`adopt_plan`), what it rents (`ledger`), its progress and its decisions. The `sailor` flow
+    and its `replan` subflow both change it; everything fixed is in `setup`."""
+
+    setup: RunSetup
+    ledger: Ledger = field(default_factory=Ledger)
     base_book: ProfileBook | None = None
     calibration: dict[str, float] = field(default_factory=dict)
     version: int = 0
     plan: ParallelPlan | None = None
-    estimate: dict[str, Any] = field(default_factory=dict)
+    estimate: SimulationResult | None = None  # the current plan's, as the simulator estimated it
     total_steps: int = 0
     steps_done: int = 0
-    ledger: dict[str, dict[str, float]] = field(default_factory=dict)
     reconfigurations_s: list[float] = field(default_factory=list)
     iteration_times: dict[int, tuple[float, ...]] = field(default_factory=dict)
-    decisions: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
     dry_run: str = ""
+
+    @property
+    def run_id(self) -> str:
+        return self.setup.run_id
+
+    @property
+    def params(self) -> SailorParams:
+        return self.setup.params
+
+    @property
+    def provider(self) -> Provider:
+        return self.setup.provider
+
+    @property
+    def history(self) -> RunHistory:
+        return self.setup.history
+
+    @property
+    def run_dir(self) -> Path:
+        return self.setup.run_dir
 
     def plan_request(self, pool: ResourcePool) -> PlanRequest:
         """What the run asks the planner for on this pool: the parameters' objective, limits and
@@ -111,94 +154,72 @@ class RunContext:
         return spot_risk_from_store(self.history.store, default_rate=p.spot_preemptions_per_vm_hour,
                                     checkpoint_interval=every, given_as="spot_preemptions_per_vm_hour")
 
-    def checkpoint_interval(self, plan: ParallelPlan, est: dict[str, Any],
+    def checkpoint_interval(self, plan: ParallelPlan, est: SimulationResult,
                             measured: dict[str, float] | None = None) -> int:
         """Steps between checkpoints for this plan version (tasks/checkpointing.py); the choice and its
         reason are a decision of the run."""
         p = self.params
         graces = [e.grace_s for e in load_scenario(p.scenario).events if e.kind == "preemption"] \
             if p.provider == "local" and p.scenario else []
-        choice = interval_for(p.checkpoint_interval, plan, float(est["iteration_time_s"]),
+        choice = interval_for(p.checkpoint_interval, plan, est.iteration_time_s,
                               total_steps=max(1, self.total_steps), risk=self._spot_rates(1),
                               notice=notice_s(p.provider, p.spot_notice_s, graces), measured=measured)
         get_run_logger().info("plan v%s: checkpoint %s", self.version, choice.reason)
-        record(self.history.measurement, self.run_id, "checkpoint_interval",
+        record(self.history.measurement, self.run_id, Measurement.CHECKPOINT_INTERVAL,
                {"plan_version": self.version, "steps": choice.steps, "seconds": choice.seconds,
                 "measured": measured}, choice.reason)
         return choice.steps
 
-    def adopt_plan(self, plan: ParallelPlan, est: dict[str, Any], reason: str, frontier: Any = ()) -> None:
+    def adopt_plan(self, plan: ParallelPlan, est: SimulationResult, reason: str,
+                   frontier: Sequence[FrontierPoint] = ()) -> None:
         self.version += 1
         self.plan, self.estimate = plan, est
-        record(self.history.plan, self.run_id, self.version, plan_to_dict(plan), est, reason)
+        record(self.history.plan, self.run_id, self.version, plan_to_dict(plan), est.to_json(), reason)
         publish_plan(self.run_id, self.version, plan, est, reason)
-        points = [f.to_json() for f in frontier or ()]
-        publish_frontier(
-            self.run_id,
-            self.version,
-            points,
-            {"usd_per_iteration": est["usd_per_iteration"], "iterations_per_s": est["throughput_iterations_per_s"]},
-        )
+        publish_frontier(self.run_id, self.version, frontier, est)
         get_run_logger().info("plan v%d: %s", self.version, _describe(plan, est))
 
-    # -- money and time ----------------------------------------------------------------------------
-    def ledger_add(self, vms: list[Vm]) -> None:
-        now = time.time()
-        for v in vms:
-            self.ledger[v.vm_id] = {"usd_per_hour": v.usd_per_hour, "start": now, "end": 0.0}
-
-    def ledger_close(self, vm_ids: Any) -> None:
-        now = time.time()
-        for v in vm_ids:
-            if v in self.ledger and not self.ledger[v]["end"]:
-                self.ledger[v]["end"] = now
-
-    def ledger_close_all(self) -> None:
-        self.ledger_close(list(self.ledger))
-
-    def usd_so_far(self) -> float:
-        now = time.time()
-        return sum(e["usd_per_hour"] * ((e["end"] or now) - e["start"]) / 3600.0 for e in self.ledger.values())
-
+    # -- time ------------------------------------------------------------------------------------------
     def reconfiguration_s(self) -> float:
-        return max(self.reconfigurations_s) if self.reconfigurations_s else self.reconfiguration_estimate_s
+        return max(self.reconfigurations_s) if self.reconfigurations_s else self.setup.reconfiguration_estimate_s
 
     def observe(self, job: Job, progress: Progress | None) -> None:
         if progress is not None:
             self.steps_done = max(self.steps_done, progress.step)
             self.iteration_times[job.version] = progress.iteration_times
-        r = job.extra.get("reconfiguration_s")
-        if r is not None and job.extra.get("reconfiguration_counted") is None:
-            self.reconfigurations_s.append(float(r))
-            job.extra["reconfiguration_counted"] = True
+        if job.reconfiguration_s is not None and not job.reconfiguration_counted:
+            self.reconfigurations_s.append(job.reconfiguration_s)
+            job.reconfiguration_counted = True
 
     def training_s(self) -> float:
         return sum(sum(t) for t in self.iteration_times.values())
 
-    def cost_table(self) -> dict[str, Any]:
-        return {"usd_so_far": round(self.usd_so_far(), 6), "vms_rented": len(self.ledger),
-                "usd_per_hour_now": round(sum(e["usd_per_hour"] for e in self.ledger.values() if not e["end"]), 6),
+    def cost_table(self) -> CostTable:
+        return {"usd_so_far": round(self.ledger.usd_so_far(), 6), "vms_rented": len(self.ledger),
+                "usd_per_hour_now": round(self.ledger.usd_per_hour_now(), 6),
                 "plan_version": self.version, "steps_done": self.steps_done, "total_steps": self.total_steps}
 
-    def summary(self, status: str, t0: float) -> dict[str, Any]:
+    def summary(self, status: RunStatus, t0: float) -> RunSummary:
         wall = time.time() - t0
-        return {"run_id": self.run_id, "status": status, "steps_done": self.steps_done, "total_steps": self.total_steps,
-                "plan_versions": self.version, "usd_total": round(self.usd_so_far(), 6), "wall_s": round(wall, 2),
+        return {"run_id": self.run_id, "status": status.value, "steps_done": self.steps_done,
+                "total_steps": self.total_steps, "plan_versions": self.version,
+                "usd_total": round(self.ledger.usd_so_far(), 6), "wall_s": round(wall, 2),
                 "training_s": round(self.training_s(), 2),
                 "orchestration_overhead_s": round(wall - self.training_s(), 2),
                 "reconfigurations_s": [round(x, 2) for x in self.reconfigurations_s],
-                "decisions": [{"kind": d["kind"], "reason": d["reason"]} for d in self.decisions],
+                "decisions": [{"kind": d.kind.value, "reason": d.reason} for d in self.decisions],
                 "plan": _describe(self.plan, self.estimate) if self.plan else ""}
 
 
-def _describe(plan: ParallelPlan | None, est: dict[str, Any]) -> str:
+def _describe(plan: ParallelPlan | None, est: SimulationResult | None) -> str:
     if plan is None:
         return ""
+    iteration_time_s, usd_per_hour = (est.iteration_time_s, est.usd_per_hour) if est is not None else (0.0, 0.0)
     places: dict[str, int] = {}
     for (zone, gpu, market), n in plan.gpus_by_place().items():
         places[f"{n}x {gpu} {market.value} @{zone}"] = n
     return (f"{plan.num_stages} stage(s) x {plan.data_parallel} replica(s) on {', '.join(places)}; "
-            f"{est.get('iteration_time_s', 0):.4f} s/it, {est.get('usd_per_hour', 0):.4f} USD/h")
+            f"{iteration_time_s:.4f} s/it, {usd_per_hour:.4f} USD/h")
 
 
 def _checkpoint_step(step: int, interval: int) -> int:
@@ -213,34 +234,30 @@ def _steps_at_risk(step: int, interval: int, *, lost: bool) -> int:
 
 
 @flow(name="replan", log_prints=True)
-def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: dict[str, Any] | None,
+def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: Calibration | None,
            progress: Progress | None) -> Job:
     p = ctx.params
     provider = ctx.provider
     assert ctx.base_book is not None and ctx.plan is not None
     step = progress.step if progress else job.start_step
-    # A worker whose generation failed because a peer died is collateral, not lost: replace only the
-    # VMs the provider saw go (or, when it saw none, those whose workers failed on their own).
-    gone = [e for e in events if e.kind in (EventKind.PREEMPTION, EventKind.LOST)]
-    hard = {e.vm_id for e in gone if not str(e.detail.get("reason", "")).startswith("worker reported")}
-    lost = (hard or {e.vm_id for e in gone}) & {v.vm_id for v in job.vms}
+    lost = lost_vms(events, [v.vm_id for v in job.vms])
     kinds = sorted({e.kind.value for e in events}) + (["iteration_time"] if calibration else [])
     trigger_at = min((e.at for e in events), default=datetime.now(UTC)).timestamp()
     if calibration:
-        ratio = float(calibration["ratio"])
+        ratio = calibration.ratio
         for g in sorted({r.gpu_type for st in job.plan.stages for r in st.replicas}):
             factor = ctx.calibration.get(g, 1.0) * ratio
             ctx.calibration[g] = factor
-            record(ctx.history.measurement, ctx.run_id, "calibration",
+            record(ctx.history.measurement, ctx.run_id, Measurement.CALIBRATION,
                    {"gpu_type": g, "factor": factor, "ratio": ratio, "plan_version": job.version},
                    f"iteration time x{ratio:.2f} of the estimate; layer times of {g} now scaled x{factor:.2f}")
-        job.extra["calibrated"] = True
-    ctx.ledger_close(lost)
+        job.calibrated = True
+    ctx.ledger.release(lost)
     held = [v for v in job.vms if v.vm_id not in lost]
     offers = fetch_offerings(provider, regions=p.regions, gpu_types=p.gpu_types, markets=p.markets)
     book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
     current_est = estimate(job.plan, book)
-    job.estimate_s = float(current_est["iteration_time_s"])
+    job.estimate_s = current_est.iteration_time_s
     broken = ""
     if lost:
         broken = f"{len(lost)} worker(s) of plan v{job.version} lost ({', '.join(kinds)})"
@@ -268,7 +285,7 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
         reason = (
             f"after {', '.join(kinds)}: no feasible plan with current offerings ({e}); staying on plan v{job.version}"
         )
-        _decide(ctx, "stay", reason, {"trigger": kinds, "step": step})
+        _decide(ctx, DecisionKind.STAY, reason, {"trigger": kinds, "step": step})
         return job
     cand, cand_est = chosen_plan(result)
     same = plan_to_dict(cand) == plan_to_dict(job.plan) and not lost
@@ -276,31 +293,30 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
     lost_steps = _steps_at_risk(step, job.checkpoint_interval, lost=bool(lost))
     decision = decide_switch(
         objective=p.objective,
-        current=None if lost else PlanCost(iteration_time_s=float(current_est["iteration_time_s"]),
-                                           usd_per_iteration=float(current_est["usd_per_iteration"]),
-                                           usd_per_hour=float(current_est["usd_per_hour"])),
-        candidate=PlanCost(iteration_time_s=float(cand_est["iteration_time_s"]),
-                           usd_per_iteration=float(cand_est["usd_per_iteration"]),
-                           usd_per_hour=float(cand_est["usd_per_hour"])),
+        current=None if lost else PlanCost(iteration_time_s=current_est.iteration_time_s,
+                                           usd_per_iteration=current_est.usd_per_iteration,
+                                           usd_per_hour=current_est.usd_per_hour),
+        candidate=PlanCost(iteration_time_s=cand_est.iteration_time_s, usd_per_iteration=cand_est.usd_per_iteration,
+                           usd_per_hour=cand_est.usd_per_hour),
         remaining_steps=remaining, lost_steps=lost_steps, reconfiguration_s=ctx.reconfiguration_s(),
         min_gain=p.min_gain, current_broken=broken, same_plan=same,
     )
     reason = f"after {', '.join(kinds)} at step {step}: {decision.reason}"
     detail = {"trigger": kinds, "step": step, "decision": decision.to_json(), "candidate": _describe(cand, cand_est),
               "current": _describe(job.plan, current_est)}
-    _decide(ctx, "switch" if decision.switch else "stay", reason, detail)
+    _decide(ctx, DecisionKind.SWITCH if decision.switch else DecisionKind.STAY, reason, detail)
     if not decision.switch:
         return job
     return _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, result.frontier, step, reason)
 
 
-def _decide(ctx: RunContext, kind: str, reason: str, detail: dict[str, Any]) -> None:
+def _decide(ctx: RunContext, kind: DecisionKind, reason: str, detail: dict[str, object]) -> None:
     get_run_logger().info("replan: %s (%s)", kind, reason)
-    ctx.decisions.append({"kind": kind, "reason": reason})
+    ctx.decisions.append(Decision(kind=kind, reason=reason))
     record(ctx.history.decision, ctx.run_id, kind, reason, detail)
-    record(ctx.history.event, ctx.run_id, "replan", reason, {"decision": kind, **detail})
-    emit("replan", ctx.run_id, {"decision": kind, "reason": reason})
-    if kind != "switch":  # a switch publishes once its new plan is handed out
+    record(ctx.history.event, ctx.run_id, RunEvent.REPLAN, reason, {"decision": kind.value, **detail})
+    emit("replan", ctx.run_id, {"decision": kind.value, "reason": reason})
+    if kind is not DecisionKind.SWITCH:  # a switch publishes once its new plan is handed out
         _publish_progress(ctx)
 
 
@@ -311,8 +327,9 @@ def _publish_progress(ctx: RunContext) -> None:
     publish_timeline(ctx.run_id, shown["events"], shown["decisions"])
 
 
-def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[str, Any], held: list[Vm],
-                 lost: set[str], trigger_at: float, kinds: list[str], frontier: Any, step: int, reason: str) -> Job:
+def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: SimulationResult, held: list[Vm],
+                 lost: set[str], trigger_at: float, kinds: list[str], frontier: Sequence[FrontierPoint], step: int,
+                 reason: str) -> Job:
     """Switch to `cand` without restarting what stays: VMs the new plan keeps keep their worker
     processes (and, where a rank keeps its shard, its state in memory); new VMs boot while the old plan
     still trains if it is whole; then the old generation ends at a step with a checkpoint (without
@@ -320,13 +337,14 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
     new plan drops are released."""
     provider = ctx.provider
     ctl = job.controller
+    assert ctl is not None, "a running job has its run's controller"
     placed, missing = place(cand, held)
     keep = {v.vm_id for v in placed.values()}
     drop = [v.vm_id for v in held if v.vm_id not in keep] + sorted(lost)
     ctx.adopt_plan(cand, cand_est, reason, frontier)
     requests = [node_request(ctx.run_id, ctx.version, n) for n in missing]
     # Workers on lost VMs never report the end of their generation: wait only for the others.
-    members = [w for w in job.extra.get("members", []) if vm_of(w) not in lost]
+    members = [w for w in job.members if vm_of(w) not in lost]
     pids_before = ctl.worker_pids(sorted(keep))
     ended = False
     try:
@@ -337,20 +355,20 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
         ctl.end_generation(job.version, members, broken=bool(lost))
         ended = True
         terminate(provider, drop)
-        ctx.ledger_close(drop)
+        ctx.ledger.release(drop)
         new_vms = provision(provider, requests)
-    ctx.ledger_add(new_vms)
+    ctx.ledger.rent(new_vms)
     it = iter(new_vms)
     vms = [placed[k] if k in placed else next(it) for k in range(len(nodes(cand)))]
-    record(ctx.history.event, ctx.run_id, "provisioned",
+    record(ctx.history.event, ctx.run_id, RunEvent.PROVISIONED,
            f"plan v{ctx.version}: kept {len(keep)} VMs, rented {len(new_vms)}, released {len(drop)}",
            {"kept": sorted(keep), "rented": [v.vm_id for v in new_vms], "released": drop, "plan_version": ctx.version})
-    measured = measured_checkpoint(ctl.metrics(job.version)) if ctl is not None else None
+    measured = measured_checkpoint(ctl.metrics(job.version))
     every = ctx.checkpoint_interval(cand, cand_est, measured)
     new = Job(run_id=ctx.run_id, version=ctx.version, plan=cand, vms=vms, run_dir=job.run_dir, state=job.state,
               code=job.code, total_steps=job.total_steps, checkpoint_interval=every, seed=job.seed,
-              data_uri=job.data_uri, estimate_s=float(cand_est["iteration_time_s"]), controller=ctl)
-    new.extra.update(reconfig_trigger_at=trigger_at, trigger=kinds, pids_before=pids_before)
+              data_uri=job.data_uri, estimate_s=cand_est.iteration_time_s, controller=ctl,
+              started_by=Switch(trigger_at=trigger_at, trigger=tuple(kinds), pids_before=pids_before))
     if new_vms:
         start_agents(provider, new, [v.vm_id for v in new_vms])
         ctl.watch(new_vms)
@@ -359,8 +377,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
     if not ended:
         ctl.end_generation(job.version, members, broken=bool(lost))
     # A kept VM whose agent is gone (it failed, or was stopped) gets a fresh one; the rest go on in place.
-    exit_code = getattr(provider, "agent_exit_code", None)
-    dead = [v for v in sorted(keep) if exit_code is not None and exit_code(v) is not None]
+    dead = [v for v in sorted(keep) if isinstance(provider, AgentExitCodes) and provider.agent_exit_code(v) is not None]
     if dead:
         start_agents(provider, new, dead)
     new.launched_at = hand_out(new)
@@ -368,7 +385,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
         # Released after the hand-out: stopping a VM's agent takes its grace period, which the new
         # plan need not wait for (their workers sit idle outside the new generation meanwhile).
         terminate(provider, drop)
-        ctx.ledger_close(drop)
+        ctx.ledger.release(drop)
     _publish_progress(ctx)  # after the hand-out: the UI's artifacts are not on the switch's critical path
     return new
 
@@ -376,7 +393,7 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: dict[s
 BOOT_TIMEOUT_S = 180.0  # how long the old plan may go on training while the new VMs start
 
 
-def _wait_ready(ctl: Any, vm_ids: list[str], *, timeout_s: float) -> None:
+def _wait_ready(ctl: Controller, vm_ids: list[str], *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ctl.ready(vm_ids) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING
 
 import pydantic
 from prefect import flow, task
@@ -28,22 +28,31 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
 
-from flows.params import SailorParams, validate_params
+from flows.params import SailorParams, takes_params, validate_params
 from flows.profiling import profile
-from flows.replan import RunContext, replan
-from infra.provider import CapacityError, Provider
-from sailor_core.domain import ParallelPlan, ResourcePool
+from flows.replan import RunContext, RunSetup, replan
+from infra.provider import (
+    CapacityError,
+    ClusterInfo,
+    DryRunReporting,
+    HostedVms,
+    Provider,
+    ProviderEvent,
+    Vm,
+    VmRequest,
+)
+from sailor_core.domain import Capacity, ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError, StorageUnavailable
-from sailor_core.planner.request import Objective
 from sailor_core.planner.risk import planning_checkpoint_interval
 from tasks import interrupt
 from tasks.control import Controller, HeartbeatBoard
-from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunHistory, new_run_id
-from tasks.jobs import CodeRef, Job, node_requests
+from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunEvent, RunHistory, RunStatus, new_run_id
+from tasks.jobs import CodeRef, ColdStart, Job, node_requests
 from tasks.planning import calibrated_book, chosen_plan, pool_from, priced_book
+from tasks.records import RunSummary
 from tasks.remote import VmCommands
 from tasks.replay import job_of, what_if
-from tasks.reporting import ProgressBar, emit, publish_cost, publish_timeline
+from tasks.reporting import Logger, ProgressBar, emit, publish_cost, publish_timeline
 from tasks.runstate import RunState, TestbedObjectStore, build_wheel, project_root, publish_wheel, state_for
 from tasks.steps import (
     fetch_offerings,
@@ -56,13 +65,19 @@ from tasks.steps import (
     teardown,
 )
 
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import State
+
+    from profiles_store.store import ProfileStore
+
 FIRST_PROVISION_TRIES = 3  # plans tried when the first provisioning meets a stockout
 
 
 @dataclass(kw_only=True)
 class Deps:
     provider: Provider
-    store: Any
+    store: ProfileStore
     workdir: Path
     poll_s: float = 0.5
     reconfiguration_estimate_s: float = 15.0
@@ -78,7 +93,6 @@ class Deps:
     closers: list[Callable[[], None]] = field(default_factory=list)  # run after teardown (object store, ...)
     # the run's lease in the history (renewed every third of it)
     lease_s: float = field(default_factory=lambda: float(os.environ.get("SAILOR_LEASE_S", DEFAULT_LEASE_S)))
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def make_provider(params: SailorParams, run_dir: Path, board: HeartbeatBoard | None = None) -> Provider:
@@ -115,16 +129,14 @@ def default_deps(params: SailorParams, run_id: str) -> Deps:
     deps = Deps(provider=provider, store=open_store(params.store_uri, env=os.environ), workdir=workdir, board=board,
                 state=state_for(params.store_uri, run_id, run_dir))
     host = "127.0.0.1"
-    host_address = getattr(provider, "host_address", None)
-    if host_address is not None:  # the local provider: where its VMs reach this machine
-        host = host_address(run_id)
-        if getattr(provider, "isolation", "process") == "netns" and deps.state is not None \
-                and not deps.state.is_object_storage:
+    if isinstance(provider, HostedVms):  # the local provider: where its VMs reach this machine
+        host = provider.host_address(run_id)
+        if provider.isolation == "netns" and deps.state is not None and not deps.state.is_object_storage:
             # Isolated VMs share no disk with the flow: the run's state goes to an object store they reach.
             objects = TestbedObjectStore(workdir / "objects", host)
             deps.closers.append(objects.close)
             deps.state = objects.state(run_id)
-            provider.env.update(deps.state.vm_env)  # type: ignore[attr-defined]
+            provider.env.update(deps.state.vm_env)
     deps.controller_host = os.environ.get("SAILOR_CONTROLLER_HOST", host)
     return deps
 
@@ -133,7 +145,7 @@ def run_id_for(run_name: str, flow_run_id: str | None) -> str:
     return new_run_id(run_name, (flow_run_id or "").replace("-", "")[:8] or None)
 
 
-def _cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
+def _cleanup_hook(flow: object, flow_run: FlowRun, state: State) -> None:
     """On cancellation or crash the flow's finally may not run; remove what the run left from here."""
     params = dict(flow_run.parameters or {})
     name = params.get("run_name") or "sailor"
@@ -149,10 +161,10 @@ def _cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
 
 
 @task(name="dry-run", cache_policy=NO_CACHE)
-def dry_run_report(provider: Provider, requests: list[Any]) -> str:
+def dry_run_report(provider: Provider, requests: list[VmRequest]) -> str:
     """What provisioning the plan would do: the provider's exact API requests and the hourly cost."""
     vms = provider.provision(requests, dry_run=True)
-    report = getattr(provider, "last_dry_run", None)
+    report = provider.last_dry_run if isinstance(provider, DryRunReporting) else None
     if report is not None:
         from infra.cloud import format_dry_run
 
@@ -166,7 +178,7 @@ def dry_run_report(provider: Provider, requests: list[Any]) -> str:
 
 
 @task(name="check-runnable", cache_policy=NO_CACHE)
-def check_runnable(plan: Any, slots: int | None) -> None:
+def check_runnable(plan: ParallelPlan, slots: int | None) -> None:
     """The runtime's own check, before any VM is rented."""
     from sailor_core.models.config import get_config
     from sailor_core.runtime.topology import check_runnable as runtime_check
@@ -180,7 +192,7 @@ def check_runnable(plan: Any, slots: int | None) -> None:
     runtime_check(plan, cfg, slots=slots)
 
 
-def _reap_crashed(history: RunHistory, deps: Deps, params: SailorParams, run_id: str, log: Any) -> None:
+def _reap_crashed(history: RunHistory, deps: Deps, params: SailorParams, run_id: str, log: Logger) -> None:
     """Runs whose flow died (lease expired): write them down as crashed and remove what they left."""
     for r in history.list_runs():
         if not r.get("crash_detected") or r["run_id"] == run_id:
@@ -190,59 +202,44 @@ def _reap_crashed(history: RunHistory, deps: Deps, params: SailorParams, run_id:
             if r.get("provider", params.provider) == params.provider:
                 left = deps.provider.cleanup(r["run_id"]) if params.provider != "local" else \
                     make_provider(params, deps.workdir / "runs" / r["run_id"]).cleanup(r["run_id"])
-                history.event(r["run_id"], "teardown", f"run {run_id} found this run crashed and removed "
+                history.event(r["run_id"], RunEvent.TEARDOWN, f"run {run_id} found this run crashed and removed "
                               f"{len(left)} VM(s) it left", {"removed": list(left), "by": run_id})
         except Exception as e:  # noqa: BLE001 - `sailor infra cleanup` is the fallback; this run goes on
             log.warning("could not clean up after crashed run %s: %s", r["run_id"], e)
 
 
-def _check_resume(history: RunHistory, run_id: str, state: Any, num_layers: int, or_start: bool, log: Any) -> None:
+def _check_resume(history: RunHistory, run_id: str, state: RunState, num_layers: int, or_start: bool,
+                  log: Logger) -> None:
     """Resume never starts over by accident: invalid checkpoints are quarantined and reported."""
     from sailor_core.runtime import checkpoint as ckpt
 
     uri = state.checkpoints("flow")
     step, skipped = ckpt.resume_point(ckpt.open_storage(uri), num_layers)
     for s in skipped:
-        record(history.event, run_id, "checkpoint_skipped", s.line(), {"step": s.step, "moved_to": s.moved_to})
+        record(history.event, run_id, RunEvent.CHECKPOINT_SKIPPED, s.line(), {"step": s.step, "moved_to": s.moved_to})
         log.warning("%s", s.line())
     if step is None and not or_start:
         raise ckpt.no_resume_error(uri, skipped)
 
 
-class _RequestsAsEvents:
-    """The provider as monitoring sees it, plus re-plan requests from other runs as a price event,
-    so the replan subflow re-plans against current prices and capacity and records its decision."""
+def _replan_requests(keeper: LeaseKeeper) -> Callable[[], list[ProviderEvent]]:
+    """Re-plan requests from other runs as monitoring sees them: a price event beside the provider's, so
+    the replan subflow re-plans against current prices and capacity and records its decision."""
 
-    def __init__(self, provider: Provider, keeper: LeaseKeeper, history: RunHistory, run_id: str) -> None:
-        self._p, self._keeper, self._history, self._run_id = provider, keeper, history, run_id
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # copy/pickle probe before __init__ ran: no recursion into self._p
-            raise AttributeError(name)
-        return getattr(self._p, name)
-
-    def events(self, run_id: str) -> list[Any]:
+    def requested() -> list[ProviderEvent]:
         from datetime import UTC, datetime
 
-        from infra.provider import EventKind, ProviderEvent
+        from infra.provider import EventKind
 
-        out = list(self._p.events(run_id))
-        req = self._keeper.take_request()
-        if req is not None:
-            out.append(
-                ProviderEvent(
-                    kind=EventKind.PRICE_CHANGE,
-                    at=datetime.now(UTC),
-                    zone="*",
-                    gpu_type="*",
-                    detail={
-                        "old_usd_per_gpu_hour": "as planned",
-                        "new_usd_per_gpu_hour": f"current (re-plan requested by {req['requested_by']})",
-                        "requested_by": req["requested_by"],
-                    },
-                )
-            )
-        return out
+        req = keeper.take_request()
+        if req is None:
+            return []
+        return [ProviderEvent(kind=EventKind.PRICE_CHANGE, at=datetime.now(UTC), zone="*", gpu_type="*",
+                              detail={"old_usd_per_gpu_hour": "as planned",
+                                      "new_usd_per_gpu_hour": f"current (re-plan requested by {req['requested_by']})",
+                                      "requested_by": req["requested_by"]})]
+
+    return requested
 
 
 def _previous_checkpoint(history: RunHistory, deps: Deps, run_name: str, run_id: str) -> RunState | None:
@@ -299,46 +296,11 @@ def _ship_code(deps: Deps) -> CodeRef:
 
 
 @flow(name="sailor", log_prints=True, on_cancellation=[_cleanup_hook], on_crashed=[_cleanup_hook])
-def sailor(
-    run_name: str = "sailor",
-    model: str = "gpt-tiny",
-    global_batch_size: int = 8,
-    objective: str = Objective.MIN_COST.value,  # checked with every other field by validate_params
-    max_usd_per_iteration: float | None = None,
-    max_usd_per_hour: float | None = None,
-    min_iterations_per_s: float | None = None,
-    deadline_s: float | None = None,
-    clouds: list[str] | None = None,
-    regions: list[str] | None = None,
-    gpu_types: list[str] | None = None,
-    markets: list[str] | None = None,
-    max_gpus: int | None = None,
-    max_stages: int | None = None,
-    spot_preemptions_per_vm_hour: float = 0.0,
-    provider: str = "local",
-    store_uri: str | None = None,
-    workdir: str = ".sailor",
-    dataset: str | None = None,
-    steps: int | None = None,
-    token_budget: int | None = None,
-    checkpoint_interval: int = 0,
-    spot_notice_s: float | None = None,
-    scenario: str | None = None,
-    workers: int = 4,
-    isolation: str = "auto",
-    seed: int = 0,
-    min_gain: float = 0.0,
-    heartbeat_timeout_s: float = 20.0,
-    calibration_tolerance: float = 0.25,
-    resume: bool = False,
-    resume_or_start: bool = False,
-    large_batch: bool = False,
-    dry_run: bool = False,
-    what_if_trace: str | None = None,
-    deps: Any = None,
-) -> dict[str, Any]:
-    raw = {k: v for k, v in locals().items() if k != "deps" and v is not None}
-    params = validate_params(raw)  # before anything is provisioned
+@takes_params(SailorParams)
+def sailor(deps: Deps | None = None, **parameters: object) -> RunSummary:
+    """The run (see the module's contract). Its parameters are `SailorParams`' fields, one keyword each
+    (flows/params.py declares them once); `deps` replaces the side effects built from them (tests)."""
+    params = validate_params({k: v for k, v in parameters.items() if v is not None})  # before anything is rented
     run_id = run_id_for(params.run_name, str(runtime_flow_run.id or ""))
     deps = deps or default_deps(params, run_id)
     return run_job(params, deps, run_id)
@@ -366,14 +328,14 @@ class _Run:
         return self.ctx.run_id
 
 
-def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
+def run_job(params: SailorParams, deps: Deps, run_id: str) -> RunSummary:
     """Plan, rent, train and re-plan until the run completes; tear everything down in any case."""
     run = _open(params, deps, run_id)
-    status, reason = "failed", ""
+    status, reason = RunStatus.FAILED, ""
     try:
         deferred = _defer_to_live_run(run)
         if deferred is not None:
-            status, reason = "completed", f"deferred to the live run {deferred['deferred_to']}; rented nothing"
+            status, reason = RunStatus.COMPLETED, f"deferred to the live run {deferred['deferred_to']}; rented nothing"
             return deferred
         plan = _first_plan(run)
         if params.what_if_trace:  # before anything is rented: the job over that trace, per policy
@@ -381,20 +343,21 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> dict[str, Any]:
         if params.dry_run:
             run.ctx.dry_run = dry_run_report(run.deps.provider, node_requests(run_id, run.ctx.version, plan))
             get_run_logger().info("%s", run.ctx.dry_run)
-            status, reason = "completed", "dry run: planned, rented nothing"
-            return {**run.ctx.summary(status, run.t0), "dry_run": run.ctx.dry_run}
+            status, reason = RunStatus.COMPLETED, "dry run: planned, rented nothing"
+            summary = run.ctx.summary(status, run.t0)
+            summary["dry_run"] = run.ctx.dry_run
+            return summary
         _resume_from_earlier_run(run)
         _record_cluster(run, "where the run's VMs and state live")
         vms = _provision_first(run)
         run.job = _start_training(run, vms)
         _train(run)
-        status, reason = "completed", f"{run.ctx.total_steps} steps done"
-        record(run.ctx.history.event, run_id, "completed", reason, {"steps": run.ctx.total_steps})
+        status, reason = RunStatus.COMPLETED, f"{run.ctx.total_steps} steps done"
+        record(run.ctx.history.event, run_id, RunEvent.COMPLETED, reason, {"steps": run.ctx.total_steps})
         return run.ctx.summary(status, run.t0)
     except BaseException as e:
-        stopped = interrupt.requested() is not None or isinstance(e, KeyboardInterrupt | interrupt.Interrupted) \
-            or type(e).__name__ in ("TerminationSignal", "Terminated", "CancelledError")
-        status = "cancelled" if stopped else "failed"
+        stopped = interrupt.requested() is not None or interrupt.is_stop(e)
+        status = RunStatus.CANCELLED if stopped else RunStatus.FAILED
         reason = f"{type(e).__name__}: {e}"[:500]
         raise
     finally:
@@ -407,10 +370,10 @@ def _open(params: SailorParams, deps: Deps, run_id: str) -> _Run:
     history = RunHistory(deps.store)
     run_dir = deps.workdir / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    ctx = RunContext(run_id=run_id, params=params, provider=deps.provider, history=history, run_dir=run_dir,
-                     reconfiguration_estimate_s=deps.reconfiguration_estimate_s)
+    ctx = RunContext(setup=RunSetup(run_id=run_id, params=params, provider=deps.provider, history=history,
+                                    run_dir=run_dir, reconfiguration_estimate_s=deps.reconfiguration_estimate_s))
     deps.state = deps.state or state_for(params.store_uri, run_id, run_dir)
-    record(history.run_status, run_id, "running", f"started on provider {params.provider}",
+    record(history.run_status, run_id, RunStatus.RUNNING, f"started on provider {params.provider}",
            {"name": params.run_name, "provider": params.provider, "model": params.model,
             "flow_run_id": str(runtime_flow_run.id or ""), "params": params.model_dump(mode="json")})
     keeper = LeaseKeeper(history, run_id, ttl_s=deps.lease_s).start()  # the run is owned by this process
@@ -421,7 +384,7 @@ def _open(params: SailorParams, deps: Deps, run_id: str) -> _Run:
     return run
 
 
-def _defer_to_live_run(run: _Run) -> dict[str, Any] | None:
+def _defer_to_live_run(run: _Run) -> RunSummary | None:
     """The scheduled rerun while its run still trains: ask that run to re-plan, rent nothing."""
     history, run_id = run.ctx.history, run.run_id
     live = history.live_run(run.params.run_name, exclude=run_id) if run.params.resume else None
@@ -430,12 +393,12 @@ def _defer_to_live_run(run: _Run) -> dict[str, Any] | None:
     why = (f"run {run_id} (resume) found run {live['run_id']} of the same name alive (lease until "
            f"{live['lease_expires_at'][11:19]} UTC) and asked it to re-plan against current prices and capacity")
     history.request_replan(live["run_id"], run_id, why)
-    record(history.event, run_id, "deferred", why + "; rented nothing", {"live_run": live["run_id"]})
+    record(history.event, run_id, RunEvent.DEFERRED, why + "; rented nothing", {"live_run": live["run_id"]})
     get_run_logger().info("%s; rented nothing", why)
     return {"run_id": run_id, "status": "completed", "deferred_to": live["run_id"]}
 
 
-def _offers(run: _Run) -> list[Any]:
+def _offers(run: _Run) -> list[Capacity]:
     p = run.params
     return fetch_offerings(run.deps.provider, regions=p.regions, gpu_types=p.gpu_types, markets=p.markets)
 
@@ -494,18 +457,19 @@ def _resume_from_earlier_run(run: _Run) -> None:
 def _record_cluster(run: _Run, what: str, *, at_teardown: bool = False) -> None:
     """Where the run's VMs, code and state are (`sailor runs show` "cluster"); at teardown written directly,
     outside any task (the flow may be cancelled), and without the controller, which is closed by then."""
-    info = getattr(run.deps.provider, "cluster_info", None)
-    cluster = info(run.run_id) if info else {"isolation": "cloud", "provider": run.deps.provider.name}
+    provider = run.deps.provider
+    cluster = provider.cluster_info(run.run_id) if isinstance(provider, ClusterInfo) else \
+        {"isolation": "cloud", "provider": provider.name}
     live = {"controller": run.controller.endpoint} if run.controller is not None and not at_teardown else {}
     payload = {"cluster": {**cluster, "wheel_sha256": run.code.sha256, "state_uri": run.state.uri,
                            "checkpoint_uri": run.state.checkpoints("public"), **live}}
     if at_teardown:
-        run.ctx.history.event(run.run_id, "cluster", what, payload)
+        run.ctx.history.event(run.run_id, RunEvent.CLUSTER, what, payload)
     else:
-        record(run.ctx.history.event, run.run_id, "cluster", what, payload)
+        record(run.ctx.history.event, run.run_id, RunEvent.CLUSTER, what, payload)
 
 
-def _provision_first(run: _Run) -> list[Any]:
+def _provision_first(run: _Run) -> list[Vm]:
     """The first plan's VMs; a stockout between planning and renting plans again on what is offered."""
     ctx = run.ctx
     for _ in range(FIRST_PROVISION_TRIES - 1):
@@ -519,34 +483,34 @@ def _provision_first(run: _Run) -> list[Any]:
             plan, est = chosen_plan(result)
             ctx.adopt_plan(plan, est, f"the first provisioning found less than planned ({e}); "
                                       f"planned again on what is offered now", result.frontier)
-            record(ctx.history.event, run.run_id, "capacity_change", f"stockout at first provisioning: {e}",
+            record(ctx.history.event, run.run_id, RunEvent.CAPACITY_CHANGE, f"stockout at first provisioning: {e}",
                    {"plan_version": ctx.version})
     return _provision_plan(run)  # the last try: a stockout now fails the run
 
 
-def _provision_plan(run: _Run) -> list[Any]:
+def _provision_plan(run: _Run) -> list[Vm]:
     """The VMs of the run's current plan."""
     assert run.ctx.plan is not None
     return provision(run.deps.provider, node_requests(run.run_id, run.ctx.version, run.ctx.plan))
 
 
-def _start_training(run: _Run, vms: list[Any]) -> Job:
+def _start_training(run: _Run, vms: list[Vm]) -> Job:
     """The job of the first plan on its VMs, its agents started and the plan handed out."""
     ctx, params, run_id = run.ctx, run.params, run.run_id
     assert ctx.plan is not None
-    ctx.ledger_add(vms)
-    record(ctx.history.event, run_id, "provisioned", f"{len(vms)} VMs for plan v{ctx.version}",
+    ctx.ledger.rent(vms)
+    record(ctx.history.event, run_id, RunEvent.PROVISIONED, f"{len(vms)} VMs for plan v{ctx.version}",
            {"vms": [v.vm_id for v in vms], "plan_version": ctx.version})
     emit("provisioned", run_id, {"vms": [v.vm_id for v in vms]})
+    assert ctx.estimate is not None
     every = ctx.checkpoint_interval(ctx.plan, ctx.estimate)
     job = Job(run_id=run_id, version=ctx.version, plan=ctx.plan, vms=vms, run_dir=ctx.run_dir, state=run.state,
               code=run.code, total_steps=ctx.total_steps, checkpoint_interval=every,
-              seed=params.seed, data_uri=params.dataset or "", estimate_s=float(ctx.estimate["iteration_time_s"]),
-              controller=run.controller)
-    job.extra["provisioned_at"] = time.time()
+              seed=params.seed, data_uri=params.dataset or "", estimate_s=ctx.estimate.iteration_time_s,
+              controller=run.controller, started_by=ColdStart(provisioned_at=time.time()))
     job.launched_at = launch(run.deps.provider, job)
     resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
-    record(ctx.history.event, run_id, "training_started", f"plan v{ctx.version} on {len(vms)} workers{resumed}",
+    record(ctx.history.event, run_id, RunEvent.TRAINING_STARTED, f"plan v{ctx.version} on {len(vms)} workers{resumed}",
            {"plan_version": ctx.version, "total_steps": ctx.total_steps, "resume_step": job.start_step})
     return job
 
@@ -558,14 +522,15 @@ def _train(run: _Run) -> None:
     assert job is not None
     bar = ProgressBar(run.run_id, ctx.total_steps)
     deadline_at = run.t0 + params.deadline_s if params.deadline_s else None
-    provider = cast(Provider, _RequestsAsEvents(deps.provider, run.keeper, ctx.history, run.run_id))
+    requested = _replan_requests(run.keeper)
     seen: set[tuple[str, str, str]] = set()
     replans = 0
     while True:
         interrupt.check()  # a stop that library code swallowed on the way still ends the run here
-        out = monitor(provider, job, ctx.history, bar, deps.board, seen=seen, poll_s=deps.poll_s,
+        out = monitor(deps.provider, job, ctx.history, bar, deps.board, seen=seen, requested=requested,
+                      poll_s=deps.poll_s,
                       deadline_at=deadline_at, tolerance=params.calibration_tolerance, calibrate_after=5,
-                      calibrated=bool(job.extra.get("calibrated")), stall_timeout_s=deps.stall_timeout_s)
+                      calibrated=job.calibrated, stall_timeout_s=deps.stall_timeout_s)
         ctx.observe(job, out.progress)
         save_metrics(job)  # this version's steps so far, into the run's state
         if out.completed:
@@ -577,7 +542,7 @@ def _train(run: _Run) -> None:
         job = run.job = replan(ctx, job, out.events, out.calibration, out.progress)
 
 
-def _finish(run: _Run, status: str, reason: str) -> None:
+def _finish(run: _Run, status: RunStatus, reason: str) -> None:
     """Lease ended, metrics saved, controller closed, every VM removed, the final status written."""
     ctx, deps, run_id = run.ctx, run.deps, run.run_id
     run.keeper.stop()  # the final status below ends the lease
@@ -593,10 +558,10 @@ def _finish(run: _Run, status: str, reason: str) -> None:
         removed = teardown(deps.provider, run_id)
     except BaseException as e:  # the status must still be written; teardown is retried by the hooks
         reason = (reason + f"; teardown failed: {e}")[:800]
-        status = "failed"
-    ctx.ledger_close_all()
+        status = RunStatus.FAILED
+    ctx.ledger.release_all()
     # Teardown goes on past each of these, logging it: the run's outcome must still be written.
-    if getattr(deps.provider, "cluster_info", None) is not None and run.job is not None:
+    if isinstance(deps.provider, ClusterInfo) and run.job is not None:
         try:  # the VMs the run had, as they ended
             _record_cluster(run, "the run's VMs at teardown", at_teardown=True)
         except Exception as e:  # noqa: BLE001 - a record for people; the outcome below is what counts
@@ -609,12 +574,12 @@ def _finish(run: _Run, status: str, reason: str) -> None:
     _write_outcome(run, status, reason, removed)
 
 
-def _write_outcome(run: _Run, status: str, reason: str, removed: list[str]) -> None:
+def _write_outcome(run: _Run, status: RunStatus, reason: str, removed: list[str]) -> None:
     """The teardown event, final status, Prefect event and artifacts (never hiding the run's outcome)."""
     ctx, history, run_id = run.ctx, run.ctx.history, run.run_id
     log = get_run_logger()
     try:
-        history.event(run_id, "teardown", f"removed {len(removed)} VMs still running" if removed
+        history.event(run_id, RunEvent.TEARDOWN, f"removed {len(removed)} VMs still running" if removed
                       else "no VM left to remove", {"removed": removed})
         summary = ctx.summary(status, run.t0)
         history.run_status(run_id, status, reason, summary)

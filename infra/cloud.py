@@ -30,7 +30,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from infra.catalog import PriceQuote, PriceSource, lookup
-from infra.provider import EventKind, ProviderEvent, Vm, VmRequest
+from infra.provider import DryRunReporting, EventKind, Provider, ProviderEvent, Vm, VmRequest
 from sailor_core.domain import Capacity, Market, default_region
 from sailor_core.errors import CapacityError, ProviderError
 
@@ -115,15 +115,15 @@ class DryRunReport:
         return sum(v.usd_per_hour for v in self.vms)
 
 
-def dry_run_text(provider: Any, requests: Sequence[Any]) -> str:
+def dry_run_text(provider: Provider, requests: Sequence[VmRequest]) -> str:
     """What renting `requests` would send and cost, for any provider: a flow's `dry_run` prints this.
 
     Cloud providers list their exact API requests (`last_dry_run`); others list the VMs and cost.
     """
     vms = provider.provision(list(requests), dry_run=True)
-    report = getattr(provider, "last_dry_run", None)
+    report = provider.last_dry_run if isinstance(provider, DryRunReporting) else None
     if report is None:
-        report = DryRunReport(provider=str(getattr(provider, "name", "?")), calls=(), vms=tuple(vms))
+        report = DryRunReport(provider=provider.name, calls=(), vms=tuple(vms))
     return format_dry_run(report)
 
 

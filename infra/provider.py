@@ -15,13 +15,16 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sailor_core.domain import Capacity, Market
 
 # re-exported: flows, tasks and tests import the provider's errors from here
 from sailor_core.errors import CapacityError as CapacityError
 from sailor_core.errors import ProviderError as ProviderError
+
+if TYPE_CHECKING:
+    from infra.cloud import DryRunReport
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +64,14 @@ class EventKind(enum.StrEnum):
     PRICE_CHANGE = "price_change"
 
 
+class Reporter(enum.StrEnum):
+    """Who saw an event: the provider (the VM itself went, or stopped beating) or the VM's workers
+    (their generation failed, which may be only because a peer elsewhere went: collateral)."""
+
+    PROVIDER = "provider"
+    WORKERS = "workers"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProviderEvent:
     kind: EventKind
@@ -70,6 +81,7 @@ class ProviderEvent:
     gpu_type: str = ""
     market: Market | None = None
     detail: dict[str, object] = field(default_factory=dict)
+    reported_by: Reporter = Reporter.PROVIDER
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,3 +143,38 @@ class Provider(Protocol):
     def cleanup(self, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
         """Remove every resource tagged with the run (all runs if None); return what was removed."""
         ...
+
+
+# -- optional capabilities -------------------------------------------------------------------------
+
+
+@runtime_checkable
+class AgentExitCodes(Protocol):
+    """The provider sees its VMs' agent processes: their exit status (None while one runs)."""
+
+    def agent_exit_code(self, vm_id: str) -> int | None: ...
+
+
+@runtime_checkable
+class ClusterInfo(Protocol):
+    """The provider can say where a run's VMs live (isolation, zones, addresses), for the run history."""
+
+    def cluster_info(self, run_id: str) -> dict[str, object]: ...
+
+
+@runtime_checkable
+class DryRunReporting(Protocol):
+    """A cloud provider: after `provision(..., dry_run=True)`, the exact API requests it would send."""
+
+    last_dry_run: DryRunReport | None
+
+
+@runtime_checkable
+class HostedVms(Protocol):
+    """VMs hosted on this machine (the local provider): where they reach the flow, how they are isolated,
+    and the environment every VM's agent gets."""
+
+    isolation: str
+    env: dict[str, str]
+
+    def host_address(self, run_id: str) -> str: ...

@@ -239,7 +239,7 @@ def cleanup(
 def _cleanup_crashed_local(workdir: Path, store: str | None, dry_run: bool) -> None:
     """Runs whose lease expired: mark them crashed and stop the worker processes they left."""
     from infra.local import LocalProvider
-    from tasks.history import RunHistory
+    from tasks.history import RunEvent, RunHistory
 
     history = RunHistory(open_store(store))
     for r in history.list_runs():
@@ -252,7 +252,7 @@ def _cleanup_crashed_local(workdir: Path, store: str | None, dry_run: bool) -> N
             continue
         history.mark_crashed(r["run_id"], str(r.get("status_reason", "lease expired")))
         removed = LocalProvider(root).cleanup(r["run_id"]) if root.is_dir() else []
-        history.event(r["run_id"], "teardown", f"sailor infra cleanup found this run crashed and removed "
+        history.event(r["run_id"], RunEvent.TEARDOWN, f"sailor infra cleanup found this run crashed and removed "
                       f"{len(removed)} VM(s) it left", {"removed": list(removed)})
         typer.echo(f"local: run {r['run_id']} crashed ({r.get('status_reason', '')}); removed {len(removed)} VM(s)")
 

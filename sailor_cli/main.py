@@ -84,12 +84,7 @@ def _register() -> None:
             app.command(name=module)(obj)
 
 
-class Terminated(BaseException):
-    """SIGTERM turned into an exception, so `finally` blocks clean up before the process exits 143."""
-
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
-        super().__init__(f"terminated by signal {signum}")
-        self.signum = signum
+Terminated = interrupt.Terminated  # SIGTERM as an exception; the flow tells a stop by its class (tasks/interrupt.py)
 
 
 def _on_sigterm(signum: int, _frame: object) -> None:

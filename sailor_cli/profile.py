@@ -275,21 +275,21 @@ def _zone_link(src: str | None, dst: str | None, *, provider: str, scenario: Pat
                               "scenario": None if scenario is None else str(scenario),
                               "store_uri": st.uri, "workdir": str(workdir), "isolation": isolation})
     out = measure_zone_link(params, ends[0], ends[1], _Say())
-    fit = out["link"].fit
+    fit = out.link.fit
     if as_json:
-        typer.echo(json.dumps({"run_id": out["run_id"], "vms": out["vms"], "store": out["store"], "rows": out["rows"],
+        typer.echo(json.dumps({"run_id": out.run_id, "vms": out.vms, "store": out.store, "rows": out.rows,
                                "fit_coeffs": list(fit.coeffs), "max_bytes_per_s": fit.max_bytes_per_s,
                                "bytes_per_s": {str(n): fit.bandwidth_bytes_per_s(n) for n in _SIZES}}, indent=1))
         return
     at = ", ".join(f"{_fmt_bytes(n)} {fit.bandwidth_bytes_per_s(n) / 1e6:.1f} MB/s" for n in _SIZES)
-    typer.echo(f"link {src} <-> {dst} measured between {out['vms'][0]} and {out['vms'][1]} (released): {at}")
-    typer.echo(f"wrote {len(out['rows']) * 2} link rows ({'; '.join(out['rows'])}, both ways) into {out['store']}")
+    typer.echo(f"link {src} <-> {dst} measured between {out.vms[0]} and {out.vms[1]} (released): {at}")
+    typer.echo(f"wrote {len(out.rows) * 2} link rows ({'; '.join(out.rows)}, both ways) into {out.store}")
 
 
 class _Say:
     """The log `measure_zone_link` writes to: its lines on stderr, as they come."""
 
-    def info(self, msg: str, *args: Any) -> None:
+    def info(self, msg: str, *args: object) -> None:
         typer.echo(msg % args if args else msg, err=True)
 
 

@@ -16,7 +16,6 @@ The flow records the interval and its reason with every plan version.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from sailor_core.domain import ParallelPlan
 from sailor_core.planner.risk import (
@@ -26,6 +25,7 @@ from sailor_core.planner.risk import (
     plan_nodes,
     plan_preemptions_per_hour,
 )
+from tasks.records import MetricRow
 
 # Before a run has measured its own checkpoint: one writer's rate to object storage (a single stream of
 # PUTs, well below a VM's NIC) and a host memory copy for the snapshot. Assumptions, replaced by the
@@ -60,7 +60,7 @@ def writer_state_bytes(plan: ParallelPlan) -> int:
     return most
 
 
-def measured_checkpoint(rows: Iterable[Mapping[str, Any]]) -> dict[str, float] | None:
+def measured_checkpoint(rows: Iterable[MetricRow]) -> dict[str, float] | None:
     """The newest step record's checkpoint times (`checkpoint_write_s`, `checkpoint_stall_s`), if any."""
     found = None
     for r in rows:

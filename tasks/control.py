@@ -19,10 +19,17 @@ import contextlib
 import json
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
+from infra.provider import Vm
 from sailor_core.plan_format import plan_to_dict
-from tasks.jobs import Job, vm_ranks
+from tasks.records import MetricRow
+
+if TYPE_CHECKING:  # tasks.jobs imports this module: a Job holds its run's Controller
+    from tasks.jobs import Job
+
+# Each VM's worker processes as its agent reported them: {vm id: {worker id: pid, or None once exited}}.
+WorkerPids = dict[str, dict[str, int | None]]
 
 
 class HeartbeatBoard:
@@ -43,7 +50,7 @@ class HeartbeatBoard:
         with self._lock:
             self._beats.pop(vm_id, None)
 
-    def get(self, vm_id: str) -> dict[str, Any] | None:
+    def get(self, vm_id: str) -> dict[str, float] | None:
         with self._lock:
             b = self._beats.get(vm_id)
             return dict(b) if b else None
@@ -71,12 +78,13 @@ class Controller:
         self.server = ControlServer(host=host)
         self.endpoint, self.secret = self.server.endpoint, self.server.secret
         self._devices: dict[str, int] = {}
-        self._metrics: dict[int, list[dict[str, Any]]] = {}
+        self._metrics: dict[int, list[MetricRow]] = {}
 
     def assign(self, job: Job, *, resume: bool, collective_timeout_s: float = 30.0) -> list[str]:
         """Generation `job.version` for every worker of the job's VMs; returns the members in rank order."""
         from sailor_core.runtime.engine import TrainSettings
         from sailor_core.runtime.protocol import assign_generation
+        from tasks.jobs import vm_ranks
 
         settings = TrainSettings(
             model=job.plan.model, steps=job.total_steps, seed=job.seed, data=job.data_uri or None,
@@ -87,10 +95,10 @@ class Controller:
         self._devices.update({v: n for v, n, _ in vms})
         members = assign_generation(self.server, job.version, plan=plan_to_dict(job.plan), settings=settings.to_dict(),
                                     resume=resume, vms=vms)
-        job.extra["members"] = members  # the generation a plan change ends (end_generation)
+        job.members = members  # the generation a plan change ends (end_generation)
         return members
 
-    def watch(self, vms: list[Any]) -> None:
+    def watch(self, vms: list[Vm]) -> None:
         """Know these VMs' device counts before they are handed a generation (for `ready`)."""
         self._devices.update({v.vm_id: max(v.gpus, 1) for v in vms})
 
@@ -121,7 +129,7 @@ class Controller:
                 out[v] = "stopped" if "stopped" in got else got[0]
         return out
 
-    def worker_pids(self, vm_ids: list[str]) -> dict[str, dict[str, Any]]:
+    def worker_pids(self, vm_ids: list[str]) -> WorkerPids:
         """Each VM's worker processes as its agent last reported them: {worker id: pid, or None if exited}."""
         from sailor_core.runtime.protocol import vm_heartbeat_key
 
@@ -168,13 +176,13 @@ class Controller:
         return all(self.server.get(heartbeat_key(worker_id(v, i))) is not None
                    for v in vm_ids for i in range(self._devices.get(v, 1)))
 
-    def metrics(self, version: int) -> list[dict[str, Any]]:
+    def metrics(self, version: int) -> list[MetricRow]:
         from sailor_core.runtime.protocol import metrics_key
 
         rows = self._metrics.setdefault(version, [])
         for line in self.server.read_list(metrics_key(version), start=len(rows)):
             try:
-                rows.append(json.loads(line))
+                rows.append(json.loads(line))  # a worker's step record (sailor_core/runtime/engine.py)
             except ValueError:
                 rows.append({})
         return rows

@@ -7,8 +7,10 @@ here from sailor_core:
 - `decide_switch(...)`: is a new plan worth the switch (`PlanCost`, `SwitchDecision`);
 - `needs_decision(kind, vm_id, plan_vms)`: does a provider event call for re-planning;
 - `failed_vms(statuses)`: VMs whose workers reported a failed generation (a lost worker to the flow);
+- `lost_vms(events, plan_vms)`: the VMs a replan replaces (the provider's word before the workers');
 - `check_calibration(...)`: measured against estimated iteration time, once enough steps ran;
-- `first_step_kind(extra)`: what a plan version's first step measures (reconfiguration or cold start);
+- `first_step_kind(started_by)`: what a plan version's first step measures (`FirstStep`: the switch that
+  started it, or its cold start);
 - `all_exited_cleanly(codes)`, `exit_verdict(codes, step, total_steps)`: what agents that all exited
   cleanly mean;
 - `stop_reason(...)`: a stall or a deadline that ends the run.
@@ -16,18 +18,21 @@ here from sailor_core:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from infra.provider import EventKind, ProviderEvent, Reporter
 from sailor_core.decisions import PlanCost, SwitchDecision, decide_switch
+from tasks.jobs import ColdStart, Switch
 
-__all__ = ["CalibrationCheck", "PlanCost", "SwitchDecision", "all_exited_cleanly", "check_calibration", "decide_switch",
-           "exit_verdict", "failed_vms", "first_step_kind", "needs_decision", "stop_reason"]
+__all__ = ["CalibrationCheck", "FirstStep", "PlanCost", "SwitchDecision", "all_exited_cleanly", "check_calibration",
+           "decide_switch", "exit_verdict", "failed_vms", "first_step_kind", "lost_vms", "needs_decision",
+           "stop_reason"]
 
-# Provider events a running plan must answer (the value names of infra.provider.EventKind).
-ACTIONABLE_KINDS = frozenset({"preemption", "lost", "price_change", "capacity_change"})
-VM_KINDS = frozenset({"preemption", "lost"})  # about one VM: only the plan's own VMs matter
+# Provider events a running plan must answer (every kind there is, today).
+ACTIONABLE_KINDS = frozenset({EventKind.PREEMPTION, EventKind.LOST, EventKind.PRICE_CHANGE, EventKind.CAPACITY_CHANGE})
+VM_KINDS = frozenset({EventKind.PREEMPTION, EventKind.LOST})  # about one VM: only the plan's own VMs matter
 
 
 def needs_decision(kind: str, vm_id: str | None, plan_vms: Collection[str]) -> bool:
@@ -35,6 +40,15 @@ def needs_decision(kind: str, vm_id: str | None, plan_vms: Collection[str]) -> b
     if kind not in ACTIONABLE_KINDS:
         return False
     return kind not in VM_KINDS or vm_id in plan_vms
+
+
+def lost_vms(events: Sequence[ProviderEvent], plan_vms: Collection[str]) -> set[str]:
+    """The plan's VMs a replan replaces: those the provider saw go (preempted or lost); only when it saw
+    none, those whose workers reported a failed generation (a worker failing because a peer died is
+    collateral, not lost)."""
+    gone = [e for e in events if e.kind in VM_KINDS]
+    hard = {e.vm_id for e in gone if e.reported_by is not Reporter.WORKERS}
+    return (hard or {e.vm_id for e in gone}) & set(plan_vms)
 
 
 def failed_vms(statuses: Mapping[str, str]) -> list[str]:
@@ -62,13 +76,19 @@ def check_calibration(measured_s: float | None, estimated_s: float, samples: int
     return CalibrationCheck(ratio=ratio, departs=abs(ratio - 1.0) > tolerance)
 
 
-def first_step_kind(extra: Mapping[str, Any]) -> str | None:
-    """What a plan version's first trained step measures: the time a switch took ("reconfigured",
-    counted from the event that triggered it) or a fresh start ("cold_start", from provisioning)."""
-    if "reconfig_trigger_at" in extra:
-        return "reconfigured"
-    if "provisioned_at" in extra:
-        return "cold_start"
+class FirstStep(enum.StrEnum):
+    """What a plan version's first trained step measures (the measurement's kind in the run history)."""
+
+    RECONFIGURED = "reconfigured"  # the time a switch took, from the event that triggered it
+    COLD_START = "cold_start"  # a fresh start, from provisioning
+
+
+def first_step_kind(started_by: ColdStart | Switch | None) -> FirstStep | None:
+    """What a plan version's first trained step measures, by how the version started."""
+    if isinstance(started_by, Switch):
+        return FirstStep.RECONFIGURED
+    if isinstance(started_by, ColdStart):
+        return FirstStep.COLD_START
     return None
 
 

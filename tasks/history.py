@@ -20,31 +20,94 @@ to a minute). On another host the lease alone decides.
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from infra.provider import EventKind
 from sailor_core.errors import UnknownRunError as UnknownRunError  # re-exported: tests import it from here
+from tasks.records import JSONObject, LeaseOwner, ReplanRequest, RunRow
+
+if TYPE_CHECKING:
+    from profiles_store.store import HistoryRecord
+    from sailor_core.domain import Provenance
 
 TABLES = ("runs", "events", "decisions", "plans", "measurements")
-# Event kinds a person reads in `sailor runs show` (the issue's minimum plus what monitoring adds).
-EVENT_KINDS = (
-    "provisioned", "training_started", "preemption", "lost", "price_change", "capacity_change",
-    "iteration_time", "replan", "reconfigured", "teardown", "completed", "failed",
-)
-FINAL_STATUSES = ("completed", "failed", "cancelled", "crashed")
+
+
+class RunStatus(enum.StrEnum):
+    """The kind of a `runs` row: a run's status is its newest row's."""
+
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    CRASHED = "crashed"
+
+
+FINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.CRASHED})
+
+
+class RunEvent(enum.StrEnum):
+    """Kinds of the `events` rows the orchestration writes; a provider's events are written under their
+    own kind (infra.provider.EventKind: preemption, lost, price_change, capacity_change)."""
+
+    PROVISIONED = "provisioned"
+    TRAINING_STARTED = "training_started"
+    ITERATION_TIME = "iteration_time"  # measured iteration time departs from the estimate
+    REPLAN = "replan"  # a replan's decision, with its trigger
+    RECONFIGURED = "reconfigured"  # a switch's first step
+    CAPACITY_CHANGE = "capacity_change"  # the first provisioning met a stockout
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an invalid checkpoint quarantined at resume
+    CLUSTER = "cluster"  # where the run's VMs and state live
+    WHAT_IF = "what_if"  # the job replayed over a trace before renting
+    DEFERRED = "deferred"  # a scheduled rerun asked the live run to re-plan instead
+    REPLAN_REQUEST = "replan_request"  # another run asks this one to re-plan
+    COMPLETED = "completed"
+    TEARDOWN = "teardown"
+
+
+class DecisionKind(enum.StrEnum):
+    """Kinds of the `decisions` rows: what a replan decided."""
+
+    SWITCH = "switch"  # adopt the new plan
+    STAY = "stay"  # keep the current one
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """A replan's decision and its reason, as the run's summary lists it."""
+
+    kind: DecisionKind
+    reason: str
+
+
+class Measurement(enum.StrEnum):
+    """Kinds of the `measurements` rows."""
+
+    ITERATION_TIME = "iteration_time"  # measured against estimated, once per plan version
+    CALIBRATION = "calibration"  # a device type's correction factor
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # the interval chosen for a plan version, and why
+    RECONFIGURATION = "reconfiguration"  # how long a switch took
+    COLD_START = "cold_start"  # provisioning to the first step
+
+
 DEFAULT_LEASE_S = 60.0  # a flow renews its lease every third of this ($SAILOR_LEASE_S overrides)
 REQUEST_POLL_S = 2.0  # how often a live run looks for re-plan requests
 
 
 class HistoryStore(Protocol):
-    def append_history(self, table: str, records: Any, *, provenance: Any = None) -> int: ...
+    def append_history(self, table: str, records: Iterable[HistoryRecord], *,
+                       provenance: Provenance | None = None) -> int: ...
 
-    def read_history(self, table: str, *, run_id: str | None = None, kind: str | None = None) -> list[Any]: ...
+    def read_history(self, table: str, *, run_id: str | None = None,
+                     kind: str | None = None) -> list[HistoryRecord]: ...
 
 
 def new_run_id(name: str, suffix: str | None = None) -> str:
@@ -62,12 +125,12 @@ def _start_ticks(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
-def this_process() -> dict[str, Any]:
+def this_process() -> LeaseOwner:
     """Who renews a lease: this host, pid and start time (so a reused pid is not mistaken for it)."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_ticks(os.getpid())}
 
 
-def owner_alive(owner: Mapping[str, Any]) -> bool | None:
+def owner_alive(owner: LeaseOwner) -> bool | None:
     """Whether a lease's owning process still lives: None when that cannot be seen from here (another
     host, no /proc, an owner recorded without a start time)."""
     if owner.get("host") != socket.gethostname() or owner.get("start") is None or not os.path.isdir("/proc/self"):
@@ -81,15 +144,15 @@ def _iso(t: datetime) -> str:
 
 class RunHistory:
     def __init__(self, store: HistoryStore, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-                 alive: Callable[[Mapping[str, Any]], bool | None] = owner_alive,
-                 owner: Callable[[], dict[str, Any]] = this_process) -> None:
+                 alive: Callable[[LeaseOwner], bool | None] = owner_alive,
+                 owner: Callable[[], LeaseOwner] = this_process) -> None:
         self.store = store
         self.clock = clock
         self.alive, self.owner = alive, owner
         self._last: datetime | None = None
 
     # -- writes ----------------------------------------------------------------------------------
-    def _append(self, table: str, run_id: str, kind: str, reason: str = "", payload: Mapping[str, Any] | None = None,
+    def _append(self, table: str, run_id: str, kind: str, reason: str = "", payload: JSONObject | None = None,
                 at: datetime | None = None) -> None:
         from profiles_store.store import HistoryRecord
 
@@ -99,54 +162,52 @@ class RunHistory:
             if self._last is not None and t <= self._last:
                 t = self._last + timedelta(microseconds=1)
             self._last = t
-        rec = HistoryRecord(run_id=run_id, kind=kind, time=t, reason=reason, payload=dict(payload or {}))
+        rec = HistoryRecord(run_id=run_id, kind=str(kind), time=t, reason=reason, payload=dict(payload or {}))
         self.store.append_history(table, [rec])
 
-    def run_status(self, run_id: str, status: str, reason: str = "", payload: Mapping[str, Any] | None = None) -> None:
+    def run_status(self, run_id: str, status: RunStatus, reason: str = "", payload: JSONObject | None = None) -> None:
         self._append("runs", run_id, status, reason, payload)
 
     def renew_lease(self, run_id: str, ttl_s: float = DEFAULT_LEASE_S) -> datetime:
         """The run's process is alive: extend its lease by `ttl_s`; returns the new expiry."""
         until = self.clock() + timedelta(seconds=ttl_s)
-        self._append("runs", run_id, "running", "lease renewed",
+        self._append("runs", run_id, RunStatus.RUNNING, "lease renewed",
                      {"lease_expires_at": _iso(until), "renewal": True, "owner": self.owner()})
         return until
 
     def mark_crashed(self, run_id: str, reason: str) -> None:
-        self._append("runs", run_id, "crashed", reason, {})
+        self._append("runs", run_id, RunStatus.CRASHED, reason, {})
 
-    def live_run(self, name: str, *, exclude: str | None = None) -> dict[str, Any] | None:
+    def live_run(self, name: str, *, exclude: str | None = None) -> RunRow | None:
         """The newest run of this name whose lease is current (None: none alive)."""
         live = [r for r in self.list_runs() if r.get("name") == name and r["run_id"] != exclude
-                and r.get("status") == "running" and r.get("lease_expires_at")]
+                and r.get("status") == RunStatus.RUNNING and r.get("lease_expires_at")]
         return live[-1] if live else None
 
     def request_replan(self, run_id: str, requested_by: str, reason: str) -> None:
-        self.event(run_id, "replan_request", reason, {"requested_by": requested_by})
+        self.event(run_id, RunEvent.REPLAN_REQUEST, reason, {"requested_by": requested_by})
 
-    def replan_requests(self, run_id: str) -> list[Any]:
-        return list(self.store.read_history("events", run_id=run_id, kind="replan_request"))
+    def replan_requests(self, run_id: str) -> list[HistoryRecord]:
+        return list(self.store.read_history("events", run_id=run_id, kind=RunEvent.REPLAN_REQUEST))
 
-    def event(self, run_id: str, kind: str, reason: str = "", payload: Mapping[str, Any] | None = None,
+    def event(self, run_id: str, kind: RunEvent | EventKind, reason: str = "", payload: JSONObject | None = None,
               at: datetime | None = None) -> None:
         self._append("events", run_id, kind, reason, payload, at)
 
-    def decision(self, run_id: str, kind: str, reason: str, payload: Mapping[str, Any] | None = None) -> None:
+    def decision(self, run_id: str, kind: DecisionKind, reason: str, payload: JSONObject | None = None) -> None:
         self._append("decisions", run_id, kind, reason, payload)
 
-    def plan(
-        self, run_id: str, version: int, plan: Mapping[str, Any], estimate: Mapping[str, Any], reason: str
-    ) -> None:
+    def plan(self, run_id: str, version: int, plan: JSONObject, estimate: JSONObject, reason: str) -> None:
         self._append("plans", run_id, "plan", reason, {"version": version, "plan": plan, "estimate": estimate})
 
-    def measurement(self, run_id: str, kind: str, payload: Mapping[str, Any], reason: str = "") -> None:
+    def measurement(self, run_id: str, kind: Measurement, payload: JSONObject, reason: str = "") -> None:
         self._append("measurements", run_id, kind, reason, payload)
 
     # -- reads -----------------------------------------------------------------------------------
     def calibration(self, gpu_types: list[str] | None = None) -> dict[str, float]:
         """Newest correction factor (measured / estimated iteration time) per GPU type, over all runs."""
         out: dict[str, tuple[datetime, float]] = {}
-        for r in self.store.read_history("measurements", kind="calibration"):
+        for r in self.store.read_history("measurements", kind=Measurement.CALIBRATION):
             g = str(r.payload.get("gpu_type", ""))
             if gpu_types is not None and g not in gpu_types:
                 continue
@@ -154,9 +215,9 @@ class RunHistory:
                 out[g] = (r.time, float(r.payload["factor"]))
         return {g: f for g, (_, f) in out.items()}
 
-    def list_runs(self) -> list[dict[str, Any]]:
+    def list_runs(self) -> list[RunRow]:
         rows = self.store.read_history("runs")
-        runs: dict[str, dict[str, Any]] = {}
+        runs: dict[str, RunRow] = {}
         for r in sorted(rows, key=lambda r: r.time):
             cur = runs.setdefault(r.run_id, {"run_id": r.run_id, "name": "", "started_at": _iso(r.time)})
             if r.payload.get("renewal"):  # a lease renewal changes nothing but the lease (and who holds it)
@@ -164,7 +225,7 @@ class RunHistory:
                 if r.payload.get("owner"):
                     cur["owner"] = r.payload["owner"]
                 continue
-            if r.kind == "running":
+            if r.kind == RunStatus.RUNNING:
                 cur["name"] = r.payload.get("name", "")
                 cur["provider"] = r.payload.get("provider", "")
                 cur["model"] = r.payload.get("model", "")
@@ -188,15 +249,15 @@ class RunHistory:
         now = self.clock()
         for cur in runs.values():
             lease = cur.get("lease_expires_at")
-            if cur.get("status") != "running" or not lease:
+            if cur.get("status") != RunStatus.RUNNING or not lease:
                 continue
             if datetime.fromisoformat(lease) < now:
-                cur["status"] = "crashed"
+                cur["status"] = RunStatus.CRASHED.value
                 cur["status_reason"] = f"its flow stopped renewing its lease (expired {lease[:19]} UTC)"
                 cur["crash_detected"] = True  # derived here, not yet written (mark_crashed does)
             elif cur.get("owner") and self.alive(cur["owner"]) is False:
                 o = cur["owner"]
-                cur["status"] = "crashed"
+                cur["status"] = RunStatus.CRASHED.value
                 cur["status_reason"] = f"its flow process (pid {o.get('pid')} on {o.get('host')}) is gone"
                 cur["crash_detected"] = True
         return sorted(runs.values(), key=lambda r: r["started_at"])
@@ -208,10 +269,10 @@ class RunHistory:
             raise UnknownRunError(
                 f"no run {run_id!r} in the store; to fix: pick an id from `sailor runs list` (latest: {known})"
             )
-        out = dict(runs[0])
+        out: dict[str, Any] = dict(runs[0])  # a run as `sailor runs show --json` prints it
         status_rows = [r for r in self.store.read_history("runs", run_id=run_id) if not r.payload.get("renewal")]
         out["status_reason"] = out.get("status_reason") or (status_rows[-1].reason if status_rows else "")
-        out["params"] = next((r.payload.get("params", {}) for r in status_rows if r.kind == "running"), {})
+        out["params"] = next((r.payload.get("params", {}) for r in status_rows if r.kind == RunStatus.RUNNING), {})
         out["events"] = [
             {"kind": r.kind, "time": _iso(r.time), "reason": r.reason, **{k: v for k, v in r.payload.items()
                                                                            if k not in ("kind", "time", "reason")}}
@@ -231,7 +292,7 @@ class RunHistory:
             for r in self.store.read_history("measurements", run_id=run_id)
         ]
         # where the run's VMs and state lived (isolation, zones, device types, VMs, wheel, checkpoints)
-        out["cluster"] = next((e["cluster"] for e in reversed(out["events"]) if e["kind"] == "cluster"), None)
+        out["cluster"] = next((e["cluster"] for e in reversed(out["events"]) if e["kind"] == RunEvent.CLUSTER), None)
         return out
 
 
@@ -249,7 +310,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._seen: set[str] = set()
-        self._pending: dict[str, Any] | None = None
+        self._pending: ReplanRequest | None = None
         self._thread = threading.Thread(target=self._loop, name=f"lease-{run_id}", daemon=True)
         self.errors = 0
 
@@ -276,7 +337,7 @@ class LeaseKeeper:
             except Exception:  # noqa: BLE001 - a store hiccup: the next renewal retries; the lease has slack
                 self.errors += 1
 
-    def take_request(self) -> dict[str, Any] | None:
+    def take_request(self) -> ReplanRequest | None:
         with self._lock:
             req, self._pending = self._pending, None
         return req

@@ -7,10 +7,14 @@ so the flow also calls `check()` at its safe points (each monitoring poll, befor
 once a stop was requested it raises `Interrupted` again there. `requested()` tells the CLI which signal
 to report (exit 128 + signum) whatever the flow returned or raised. One process, one user: the state
 is process-wide like the signal disposition it mirrors; `clear()` is for tests and the end of a command.
+`Terminated` is the CLI's SIGTERM as an exception; `is_stop(e)` tells a stop (the user's, or Prefect
+cancelling the run) from a failure, by the exception's class.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import signal
 import threading
 
@@ -24,6 +28,23 @@ class Interrupted(BaseException):  # noqa: N818 - a stop, like KeyboardInterrupt
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
+
+
+class Terminated(BaseException):
+    """SIGTERM turned into an exception, so `finally` blocks clean up before the process exits 143."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+def is_stop(e: BaseException) -> bool:
+    """Whether an exception ends the run as stopped (cancelled) rather than failed: the user's signal
+    (KeyboardInterrupt, `Terminated`, `Interrupted`), or Prefect cancelling or terminating the run."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(e, KeyboardInterrupt | Terminated | Interrupted | TerminationSignal | asyncio.CancelledError
+                      | concurrent.futures.CancelledError)
 
 
 def request(signum: int) -> None:

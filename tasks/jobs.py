@@ -10,6 +10,8 @@ Contract (no Prefect here, so it is testable alone):
 - `assignments(job, ...)`: the `WorkerAssignment` of each VM: the plan as JSON, its ranks and devices,
   the world size, the run's controller and secret, the run's wheel, and where checkpoints and logs
   live (the run's state in object storage, tasks/runstate.py: nothing on the flow's disk).
+- `Job`: a plan version as it runs; how it started (`ColdStart` on VMs rented for it, or a `Switch`
+  from an earlier version) and what monitoring measured of it are typed fields, set as it goes.
 - `read_progress(job)`: what the workers reported to the controller (one record per step, at least
   `step`, `loss`, `iteration_time_s`): the highest step finished, recent iteration times, the latest
   loss. Steps count from 1 and are global over plan versions (a resumed worker goes on from the
@@ -20,13 +22,16 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from infra.provider import Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import ParallelPlan, Replica
 from sailor_core.plan_format import plan_to_dict
+from tasks.control import Controller
+from tasks.records import MetricRow
 from tasks.runstate import RunState
 
 
@@ -121,6 +126,22 @@ class CodeRef:
     extras: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ColdStart:
+    """A plan version started on VMs rented for it: its first step measures the cold start."""
+
+    provisioned_at: float  # wall time the VMs were provisioned
+
+
+@dataclass(frozen=True, kw_only=True)
+class Switch:
+    """A plan version a reconfiguration started: its first step measures how long the switch took."""
+
+    trigger_at: float  # wall time of the earliest event that triggered the switch
+    trigger: tuple[str, ...]  # the kinds of those events (and "iteration_time" for a calibration)
+    pids_before: Mapping[str, Mapping[str, int | None]]  # each kept VM's worker pids before the switch
+
+
 @dataclass(kw_only=True)
 class Job:
     run_id: str
@@ -137,8 +158,15 @@ class Job:
     launched_at: float = 0.0
     start_step: int = 0  # steps done when this version launched (the checkpoint it resumes from)
     estimate_s: float = 0.0  # simulator's iteration time for this plan (calibrated)
-    controller: Any = None  # tasks.control.Controller: one per run, shared by its plan versions
-    extra: dict[str, Any] = field(default_factory=dict)
+    controller: Controller | None = None  # one per run, shared by its plan versions
+    started_by: ColdStart | Switch | None = None
+    members: list[str] = field(default_factory=list)  # the generation's workers in rank order (hand-out)
+    # What monitoring measured of this version (tasks/steps.py), set as it trains:
+    first_step_at: float | None = None  # wall time of its first trained step
+    reconfiguration_s: float | None = None  # a switch: trigger to first step
+    reconfiguration_counted: bool = False  # the run's context added reconfiguration_s to its list
+    cold_start_s: float | None = None  # a cold start: provisioning to first step
+    calibrated: bool = False  # measured iteration time compared with the estimate (once a version)
 
     @property
     def num_layers(self) -> int:
@@ -190,11 +218,11 @@ class Progress:
 
 def read_progress(job: Job, *, warmup_steps: int = 2, window: int = 10) -> Progress:
     rows = job.controller.metrics(job.version) if job.controller is not None else []
-    rows_by_step: dict[int, dict[str, Any]] = {}
+    rows_by_step: dict[int, MetricRow] = {}
     for r in rows:
         if "step" in r:
-            rows_by_step[int(r["step"])] = {**rows_by_step.get(int(r["step"]), {}),
-                                            **{k: v for k, v in r.items() if v is not None}}
+            rows_by_step[int(r["step"])] = cast(MetricRow, {**rows_by_step.get(int(r["step"]), {}),
+                                                            **{k: v for k, v in r.items() if v is not None}})
     if not rows_by_step:
         return Progress(
             step=job.start_step, steps_this_version=0, loss=None, recent_iteration_s=None, first_step_at=None

@@ -8,21 +8,23 @@ Contract (no Prefect): pure helpers around sailor_core's planner and simulator.
   correction (measured / estimated iteration time), so the next plan uses what this machine really does.
 - `run_planner(request, book)`: the planner's answer (a `PlanResult` with a plan), or `NoPlanError` with its
   nearest miss.
-- `chosen_plan(result)`: its plan and the estimate as JSON.
-- `estimate(plan, book)`: the simulator's estimate as a JSON dict.
+- `chosen_plan(result)`: its plan and the simulator's estimate of it (a `SimulationResult`; the run
+  history keeps its `to_json()`).
+- `estimate(plan, book)`: the simulator's estimate of a plan on the (priced, calibrated) book.
+- `plan_violations(estimate, ...)`: the limits an estimated plan breaks, each said in words.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from infra.provider import Vm
 from sailor_core.domain import Capacity, GpuPrice, Market, ParallelPlan, ResourcePool
 from sailor_core.errors import NoPlanError
 from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook, calibrated_book
+from sailor_core.simulator.result import SimulationResult
 
 __all__ = [
     "NoPlanError",
@@ -66,10 +68,10 @@ def priced_book(book: ProfileBook, offerings: Sequence[Capacity]) -> ProfileBook
     return replace(book, prices=tuple(prices))
 
 
-def estimate(plan: ParallelPlan, book: ProfileBook) -> dict[str, Any]:
+def estimate(plan: ParallelPlan, book: ProfileBook) -> SimulationResult:
     from sailor_core.simulator import simulate
 
-    return dict(simulate(plan, book).to_json())
+    return simulate(plan, book)
 
 
 def run_planner(request: PlanRequest, book: ProfileBook) -> PlanResult:
@@ -87,19 +89,18 @@ def run_planner(request: PlanRequest, book: ProfileBook) -> PlanResult:
     return result
 
 
-def chosen_plan(result: PlanResult) -> tuple[ParallelPlan, dict[str, Any]]:
-    """The plan of an answer `run_planner` returned, and its estimate as the run records it (JSON)."""
+def chosen_plan(result: PlanResult) -> tuple[ParallelPlan, SimulationResult]:
+    """The plan of an answer `run_planner` returned, and the simulator's estimate of it."""
     if result.plan is None or result.estimate is None:
         raise NoPlanError(f"the planner found no plan: {result.nearest_miss or result.explanation}")
-    return result.plan, dict(result.estimate.to_json())
+    return result.plan, result.estimate
 
 
-def plan_violations(estimate_json: Mapping[str, Any], *, max_usd_per_iteration: float | None,
+def plan_violations(est: SimulationResult, *, max_usd_per_iteration: float | None,
                     max_usd_per_hour: float | None, min_iterations_per_s: float | None) -> list[str]:
     from sailor_core.planner.request import Constraints
 
     c = Constraints(max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
                     min_iterations_per_s=min_iterations_per_s)
-    return c.violations(usd_per_iteration=float(estimate_json["usd_per_iteration"]),
-                        usd_per_hour=float(estimate_json["usd_per_hour"]),
-                        iterations_per_s=float(estimate_json["throughput_iterations_per_s"]))
+    return c.violations(usd_per_iteration=est.usd_per_iteration, usd_per_hour=est.usd_per_hour,
+                        iterations_per_s=est.throughput_iterations_per_s)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
-from infra.provider import Provider, Vm, VmRequest, WorkerAssignment
+from infra.provider import AgentExitCodes, Provider, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Capacity
 from sailor_core.errors import Failure, SailorError
+from tasks.control import Controller
 from tasks.jobs import CodeRef
 from tasks.runstate import RunState, join
 
@@ -30,7 +30,7 @@ UNFINISHED = -1  # the exit status `run` gives a VM whose command was still runn
 
 
 class VmCommands:
-    def __init__(self, provider: Provider, controller: Any, state: RunState, code: CodeRef, run_id: str,
+    def __init__(self, provider: Provider, controller: Controller, state: RunState, code: CodeRef, run_id: str,
                  *, poll_s: float = 0.5) -> None:
         self.provider, self.controller, self.state, self.code, self.run_id = provider, controller, state, code, run_id
         self.poll_s = poll_s
@@ -65,7 +65,7 @@ class VmCommands:
                 log_uri=self.state.logs("vm"), advertise_address=vm.address, command=tuple(argv)))
         deadline = time.monotonic() + timeout_s
         codes: dict[str, int] = {}
-        exit_code = getattr(self.provider, "agent_exit_code", None)
+        exit_code = self.provider.agent_exit_code if isinstance(self.provider, AgentExitCodes) else None
         gone: dict[str, float] = {}
         failed_at: float | None = None
         while len(codes) < len(jobs):

@@ -14,7 +14,6 @@ rented.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
@@ -36,7 +35,7 @@ from sailor_core.replay import (
     trace_reading,
     what_if_markdown,
 )
-from tasks.history import RunHistory
+from tasks.history import RunEvent, RunHistory
 from tasks.reporting import artifact_key
 
 
@@ -63,7 +62,8 @@ def job_of(request: PlanRequest, *, total_steps: int, sequence_length: int, chec
 
 
 @task(name="what-if replay", cache_policy=NO_CACHE)
-def what_if(run_id: str, trace_path: str, book: ProfileBook, job: ReplayJob, history: RunHistory) -> dict[str, Any]:
+def what_if(run_id: str, trace_path: str, book: ProfileBook, job: ReplayJob,
+            history: RunHistory) -> dict[str, object]:
     tr = load_trace(trace_path, book)
     check_profiled(tr, book)
     results = compare(tr, book, job)
@@ -74,6 +74,6 @@ def what_if(run_id: str, trace_path: str, book: ProfileBook, job: ReplayJob, his
     doc = {"trace": tr.name, "model": job.model, "total_steps": job.total_steps,
            "results": [r.to_json() for r in results], "sailor_vs_relaunch_same": rt}
     best = min(results, key=lambda r: (not r.finished, r.time_to_train_s))
-    history.event(run_id, "what_if", f"what-if over {tr.name}: {best.policy} finishes first "
+    history.event(run_id, RunEvent.WHAT_IF, f"what-if over {tr.name}: {best.policy} finishes first "
                                      f"({best.time_to_train_s / 3600:.2f} h, {best.usd:.2f} USD)", doc)
     return doc

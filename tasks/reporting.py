@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -27,7 +28,13 @@ from prefect.artifacts import (
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
+from infra.provider import Vm
 from sailor_core.domain import ParallelPlan
+from tasks.records import CostTable, JSONObject, MetricRow
+
+if TYPE_CHECKING:
+    from sailor_core.planner.request import FrontierPoint
+    from sailor_core.simulator.result import SimulationResult
 
 
 def artifact_key(prefix: str, run_id: str) -> str:
@@ -35,16 +42,18 @@ def artifact_key(prefix: str, run_id: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{run_id}".lower()).strip("-")[:100]
 
 
-def _logger():
+# What get_run_logger returns (a run's logger adapter, or a plain logger outside a run).
+Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
+
+
+def _logger() -> Logger:
     try:
         return get_run_logger()
     except Exception:  # outside a run (tests calling .fn)
-        import logging
-
         return logging.getLogger("sailor")
 
 
-def emit(kind: str, run_id: str, payload: Mapping[str, Any] | None = None) -> None:
+def emit(kind: str, run_id: str, payload: JSONObject | None = None) -> None:
     try:
         emit_event(
             event=f"sailor.{kind}",
@@ -56,8 +65,8 @@ def emit(kind: str, run_id: str, payload: Mapping[str, Any] | None = None) -> No
         _logger().warning("could not emit event sailor.%s: %s", kind, e)
 
 
-def plan_rows(plan: ParallelPlan, vms: Sequence[Any] | None = None) -> list[dict[str, Any]]:
-    rows = []
+def plan_rows(plan: ParallelPlan, vms: Sequence[Vm] | None = None) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
     k = 0
     for i, st in enumerate(plan.stages):
         for j, r in enumerate(st.replicas):
@@ -72,30 +81,30 @@ def plan_rows(plan: ParallelPlan, vms: Sequence[Any] | None = None) -> list[dict
     return rows
 
 
-def publish_plan(run_id: str, version: int, plan: ParallelPlan, estimate: Mapping[str, Any], reason: str) -> None:
+def publish_plan(run_id: str, version: int, plan: ParallelPlan, estimate: SimulationResult, reason: str) -> None:
     try:
         create_table_artifact(
             key=artifact_key("plan", run_id), table=plan_rows(plan),
             description=(f"Plan v{version} for {plan.model}, global batch {plan.global_batch_size}: "
-                         f"{estimate.get('iteration_time_s', float('nan')):.3f} s/iteration, "
-                         f"{estimate.get('usd_per_hour', float('nan')):.4f} USD/hour. {reason}"),
+                         f"{estimate.iteration_time_s:.3f} s/iteration, "
+                         f"{estimate.usd_per_hour:.4f} USD/hour. {reason}"),
         )
     except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the plan artifact: %s", e)
 
 
-def frontier_png(points: Sequence[Mapping[str, Any]], chosen: Mapping[str, Any] | None) -> bytes:
+def frontier_png(points: Sequence[FrontierPoint], chosen: SimulationResult | None) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.4), dpi=90)
-    xs = [p["usd_per_iteration"] for p in points]
-    ys = [p["iterations_per_s"] for p in points]
+    xs = [p.usd_per_iteration for p in points]
+    ys = [p.iterations_per_s for p in points]
     ax.plot(xs, ys, "o-", color="#2563eb", label="frontier")
     if chosen:
-        ax.plot([chosen["usd_per_iteration"]], [chosen["iterations_per_s"]], "*", color="#dc2626", ms=14,
+        ax.plot([chosen.usd_per_iteration], [chosen.throughput_iterations_per_s], "*", color="#dc2626", ms=14,
                 label="chosen")
     ax.set_xlabel("USD per iteration")
     ax.set_ylabel("iterations per second")
@@ -108,8 +117,8 @@ def frontier_png(points: Sequence[Mapping[str, Any]], chosen: Mapping[str, Any] 
     return buf.getvalue()
 
 
-def publish_frontier(run_id: str, version: int, points: Sequence[Mapping[str, Any]],
-                     chosen: Mapping[str, Any] | None) -> None:
+def publish_frontier(run_id: str, version: int, points: Sequence[FrontierPoint],
+                     chosen: SimulationResult | None) -> None:
     try:
         lines = [f"# Throughput-cost frontier (plan v{version})", ""]
         if points:
@@ -117,18 +126,18 @@ def publish_frontier(run_id: str, version: int, points: Sequence[Mapping[str, An
             lines += [f"![frontier](data:image/png;base64,{png})", ""]
         lines += ["| iterations/s | USD/iteration | USD/hour | GPUs | plan |", "|---|---|---|---|---|"]
         for p in points:
-            lines.append(f"| {p['iterations_per_s']:.4f} | {p['usd_per_iteration']:.6f} | {p['usd_per_hour']:.4f} "
-                         f"| {p['num_gpus']} | {'**chosen**: ' if p.get('chosen') else ''}{p.get('summary', '')} |")
+            lines.append(f"| {p.iterations_per_s:.4f} | {p.usd_per_iteration:.6f} | {p.usd_per_hour:.4f} "
+                         f"| {p.num_gpus} | {'**chosen**: ' if p.chosen else ''}{p.summary} |")
         create_markdown_artifact(key=artifact_key("frontier", run_id), markdown="\n".join(lines),
                                  description="Pareto frontier of throughput against cost, as the simulator scores it")
     except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the frontier artifact: %s", e)
 
 
-def publish_timeline(run_id: str, events: Iterable[Mapping[str, Any]], decisions: Iterable[Mapping[str, Any]]) -> None:
+def publish_timeline(run_id: str, events: Iterable[JSONObject], decisions: Iterable[JSONObject]) -> None:
     try:
-        rows = [("event", e["kind"], e["time"], e.get("reason", "")) for e in events]
-        rows += [("decision", d["kind"], d["time"], d.get("reason", "")) for d in decisions]
+        rows = [("event", str(e["kind"]), str(e["time"]), e.get("reason", "")) for e in events]
+        rows += [("decision", str(d["kind"]), str(d["time"]), d.get("reason", "")) for d in decisions]
         rows.sort(key=lambda r: r[2])
         lines = ["# Events and decisions", "", "| time (UTC) | what | kind | reason |", "|---|---|---|---|"]
         for what, kind, t, reason in rows:
@@ -139,7 +148,7 @@ def publish_timeline(run_id: str, events: Iterable[Mapping[str, Any]], decisions
         _logger().warning("could not publish the timeline artifact: %s", e)
 
 
-def publish_cost(run_id: str, cost: Mapping[str, Any]) -> None:
+def publish_cost(run_id: str, cost: CostTable) -> None:
     try:
         rows = [{"item": k, "value": v} for k, v in cost.items()]
         create_table_artifact(key=artifact_key("cost", run_id), table=rows, description="Cost so far")
@@ -147,7 +156,7 @@ def publish_cost(run_id: str, cost: Mapping[str, Any]) -> None:
         _logger().warning("could not publish the cost artifact: %s", e)
 
 
-def reconfiguration_steps(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
+def reconfiguration_steps(rows: Sequence[MetricRow]) -> list[tuple[int, int]]:
     """(step, plan version) where each plan version after the first trained its first step."""
     out: list[tuple[int, int]] = []
     seen: set[int] = set()
@@ -160,7 +169,7 @@ def reconfiguration_steps(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, 
     return out
 
 
-def curves_png(rows: Sequence[Mapping[str, Any]], title: str = "") -> bytes:
+def curves_png(rows: Sequence[MetricRow], title: str = "") -> bytes:
     """Loss and throughput (tokens/s) against the step, each reconfiguration a dashed line named by its plan."""
     import matplotlib
 
@@ -195,7 +204,7 @@ def curves_png(rows: Sequence[Mapping[str, Any]], title: str = "") -> bytes:
     return buf.getvalue()
 
 
-def publish_curves(run_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
+def publish_curves(run_id: str, rows: Sequence[MetricRow]) -> None:
     """The loss and throughput curves so far (PNG, inlined) with one row per plan version; a new version
     of the artifact each call, so the UI shows the latest while the run trains."""
     try:

@@ -24,12 +24,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast
 from urllib.parse import quote
 
 from sailor_core.errors import SailorError
+from tasks.records import MetricRow
 
 STATE_BUCKET = "sailor-runs"
 PACKAGES = ("sailor_cli", "sailor_core", "profiles_store", "infra", "tasks", "flows")  # what the wheel holds
@@ -171,14 +173,14 @@ def publish_wheel(state: RunState, wheel: Path) -> tuple[str, str]:
     return url, hashlib.sha256(data).hexdigest()
 
 
-def flush_metrics(state: RunState, version: int, rows: list[dict[str, Any]]) -> None:
+def flush_metrics(state: RunState, version: int, rows: Sequence[MetricRow]) -> None:
     """The per-step records of one plan version, as JSON lines under the run's state."""
     import json
 
     state.write(f"metrics/v{version}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
-def read_metrics(state: RunState) -> list[dict[str, Any]]:
+def read_metrics(state: RunState) -> list[MetricRow]:
     """Every per-step record saved under the run's state (`flush_metrics`), plan version by version; records of
     a version whose file is missing or torn are skipped, not fatal (a picture of the run, not its accounting)."""
     import json
@@ -191,7 +193,7 @@ def read_metrics(state: RunState) -> list[dict[str, Any]]:
     except (OSError, FileNotFoundError):
         return []
     versions = sorted(int(n[1:-6]) for n in names if n.startswith("v") and n.endswith(".jsonl") and n[1:-6].isdigit())
-    rows: list[dict[str, Any]] = []
+    rows: list[MetricRow] = []
     for v in versions:
         try:
             text = storage.read(f"metrics/v{v}.jsonl").decode()
@@ -203,5 +205,5 @@ def read_metrics(state: RunState) -> list[dict[str, Any]]:
             except ValueError:
                 continue
             if isinstance(rec, dict) and "step" in rec:
-                rows.append({"plan_version": v, **rec})
+                rows.append(cast(MetricRow, {"plan_version": v, **rec}))
     return rows

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from infra.provider import (
+    AgentExitCodes,
     CapacityError,
     EventKind,
     Provider,
     ProviderError,
     ProviderEvent,
+    Reporter,
     Vm,
     VmRequest,
 )
@@ -36,6 +37,7 @@ from tasks import interrupt
 from tasks.control import HeartbeatBoard, checkpoint_steps
 from tasks.decisions import (
     CalibrationCheck,
+    FirstStep,
     all_exited_cleanly,
     check_calibration,
     exit_verdict,
@@ -44,8 +46,8 @@ from tasks.decisions import (
     needs_decision,
     stop_reason,
 )
-from tasks.history import RunHistory
-from tasks.jobs import Job, Progress, assignments, read_progress
+from tasks.history import Measurement, RunEvent, RunHistory
+from tasks.jobs import ColdStart, Job, Progress, Switch, assignments, read_progress
 from tasks.planning import run_planner
 from tasks.reporting import ProgressBar, emit, publish_curves
 from tasks.runstate import flush_metrics, read_metrics
@@ -93,6 +95,7 @@ def hand_out(job: Job) -> float:
     job.start_step = resume_step or 0
     # After a replan the workers may hold a newer state in memory than any checkpoint (a lost replica's
     # layers live on in the others): they resume, from memory where they can, even with no checkpoint yet.
+    assert job.controller is not None, "a job is handed out through its run's controller"
     job.controller.assign(job, resume=resume_step is not None or job.version > 1)
     return time.time()
 
@@ -136,7 +139,7 @@ def teardown(provider: Provider, run_id: str) -> list[str]:
 
 
 @task(name="record", retries=3, retry_delay_seconds=[0.5, 1, 2], cache_policy=NO_CACHE)
-def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+def record(fn: Callable[..., None], *args: object, **kwargs: object) -> None:
     """One write to the run history (store) with retries."""
     fn(*args, **kwargs)
 
@@ -147,41 +150,57 @@ def make_plan(request: PlanRequest, book: ProfileBook) -> PlanResult:
     return run_planner(request, book)
 
 
-def record_reconfigured(job: Job, history: RunHistory, step: int) -> None:
+def record_reconfigured(job: Job, switch: Switch, history: RunHistory, step: int) -> None:
     """The `reconfigured` event of a plan version's first step: how long the switch took, how many
     worker processes went on running (same PIDs as before it), and how the ranks got their state."""
-    secs = float(job.extra["first_step_at"]) - float(job.extra["reconfig_trigger_at"])
-    job.extra["reconfiguration_s"] = secs
+    assert job.first_step_at is not None
+    secs = job.first_step_at - switch.trigger_at
+    job.reconfiguration_s = secs
     ctl = job.controller
-    before: dict[str, dict[str, Any]] = job.extra.get("pids_before", {})
     now = ctl.worker_pids([v.vm_id for v in job.vms]) if ctl is not None else {}
-    kept = sum(1 for vm, pids in before.items() for w, pid in pids.items()
+    kept = sum(1 for vm, pids in switch.pids_before.items() for w, pid in pids.items()
                if pid is not None and now.get(vm, {}).get(w) == pid)
     loaded = ctl.loaded_from(job.version) if ctl is not None else {}
-    trig = ", ".join(job.extra.get("trigger", []))
+    trig = ", ".join(switch.trigger)
     reason = (f"plan v{job.version} trained its first step {secs:.1f}s after the {trig} event; {kept} worker "
               f"process(es) kept running; state from {loaded or 'nowhere (fresh start)'}")
     payload = {"plan_version": job.version, "reconfiguration_s": secs, "step": step, "workers": len(job.vms),
                "kept_processes": kept, "loaded_from": loaded}
-    history.event(job.run_id, "reconfigured", reason, payload)
-    history.measurement(job.run_id, "reconfiguration", payload, reason)
+    history.event(job.run_id, RunEvent.RECONFIGURED, reason, payload)
+    history.measurement(job.run_id, Measurement.RECONFIGURATION, payload, reason)
     emit("reconfigured", job.run_id, {"reason": reason, **payload})
     get_run_logger().info("reconfigured: %s", reason)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """A plan version's measured against estimated iteration time (the `iteration_time` measurement)."""
+
+    plan_version: int
+    measured_s: float
+    estimated_s: float
+    ratio: float  # measured / estimated
+    steps: int  # steps timed
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MonitorOutcome:
+    """Why monitoring returned: the job completed, or events (and/or a calibration) need a decision."""
+
     completed: bool
     events: list[ProviderEvent] = field(default_factory=list)
     progress: Progress | None = None
-    calibration: dict[str, Any] | None = None
+    calibration: Calibration | None = None
     reason: str = ""
 
 
 METRICS_FLUSH_S = 10.0  # how often the per-step records reach the run's state while it trains
 
 
-def event_row(e: ProviderEvent) -> dict[str, Any]:
+def event_row(e: ProviderEvent) -> dict[str, object]:
     return {"vm_id": e.vm_id, "zone": e.zone, "gpu_type": e.gpu_type,
             "market": e.market.value if e.market else None, **{k: v for k, v in e.detail.items()}}
 
@@ -244,38 +263,39 @@ class _Watch:
                 get_run_logger().info("step %d/%d (plan v%d) %s %s", prog.step, job.total_steps, job.version, loss, it)
                 self.last_log = time.time()
             self.seen_step = prog.step
-        if prog.steps_this_version and "first_step_at" not in job.extra:
+        if prog.steps_this_version and job.first_step_at is None:
             self.first_step(prog)
         return prog
 
     def first_step(self, prog: Progress) -> None:
         """The plan version trained its first step: measure the switch or the cold start it ends."""
         job = self.job
-        job.extra["first_step_at"] = time.time()
-        kind = first_step_kind(job.extra)
-        if kind == "reconfigured":
-            record_reconfigured(job, self.history, prog.step)
-        elif kind == "cold_start":
-            secs = job.extra["first_step_at"] - float(job.extra["provisioned_at"])
-            job.extra["cold_start_s"] = secs
+        job.first_step_at = time.time()
+        kind = first_step_kind(job.started_by)
+        if kind is FirstStep.RECONFIGURED and isinstance(job.started_by, Switch):
+            record_reconfigured(job, job.started_by, self.history, prog.step)
+        elif kind is FirstStep.COLD_START and isinstance(job.started_by, ColdStart):
+            secs = job.first_step_at - job.started_by.provisioned_at
+            job.cold_start_s = secs
             reason = f"plan v{job.version} trained its first step {secs:.1f}s after its VMs were provisioned"
-            self.history.measurement(job.run_id, "cold_start", {"plan_version": job.version, "cold_start_s": secs},
-                                     reason)
+            self.history.measurement(job.run_id, Measurement.COLD_START,
+                                     {"plan_version": job.version, "cold_start_s": secs}, reason)
             get_run_logger().info("cold start: %s", reason)
 
     def report(self, e: ProviderEvent) -> None:
         """An event into the history, the Prefect event stream and the log."""
-        self.history.event(self.job.run_id, e.kind.value, event_reason(e), event_row(e), at=e.at)
+        self.history.event(self.job.run_id, e.kind, event_reason(e), event_row(e), at=e.at)
         emit(e.kind.value, self.job.run_id, {"reason": event_reason(e), **event_row(e)})
         get_run_logger().info("event %s: %s", e.kind.value, event_reason(e))
 
-    def events_to_answer(self, provider: Provider) -> list[ProviderEvent]:
-        """Every new provider event reported; those the plan must answer, and the workers whose
-        generation failed (lost workers to the orchestration), returned."""
+    def events_to_answer(self, provider: Provider,
+                         requested: Callable[[], list[ProviderEvent]] | None = None) -> list[ProviderEvent]:
+        """Every new provider event (and event `requested` from outside) reported; those the plan must
+        answer, and the workers whose generation failed (lost workers to the orchestration), returned."""
         job = self.job
         plan_vms = {v.vm_id for v in job.vms}
         out = []
-        for e in provider.events(job.run_id):
+        for e in [*provider.events(job.run_id), *(requested() if requested is not None else [])]:
             key = (e.kind.value, e.at.isoformat(), e.vm_id)
             if key not in self.seen:
                 self.seen.add(key)
@@ -288,7 +308,7 @@ class _Watch:
                 key = ("lost", f"v{job.version}", vm_id)
                 if key not in self.seen:
                     self.seen.add(key)
-                    e = ProviderEvent(kind=EventKind.LOST, at=utcnow(), vm_id=vm_id,
+                    e = ProviderEvent(kind=EventKind.LOST, at=utcnow(), vm_id=vm_id, reported_by=Reporter.WORKERS,
                                       detail={"reason": f"worker reported {statuses[vm_id][:300]}"})
                     self.report(e)
                     out.append(e)
@@ -298,25 +318,25 @@ class _Watch:
         """Record the measured against estimated iteration time; an outcome when it departs."""
         job = self.job
         assert prog.recent_iteration_s is not None
-        payload = {"plan_version": job.version, "measured_s": prog.recent_iteration_s,
-                   "estimated_s": job.estimate_s, "ratio": check.ratio, "steps": len(prog.iteration_times)}
-        self.history.measurement(job.run_id, "iteration_time", payload)
+        reading = Calibration(plan_version=job.version, measured_s=prog.recent_iteration_s,
+                              estimated_s=job.estimate_s, ratio=check.ratio, steps=len(prog.iteration_times))
+        payload = reading.to_json()
+        self.history.measurement(job.run_id, Measurement.ITERATION_TIME, payload)
         if not check.departs:
-            job.extra["calibrated"] = True
+            job.calibrated = True
             return None
         reason = check.reason(prog.recent_iteration_s, job.estimate_s)
-        self.history.event(job.run_id, "iteration_time", reason, payload)
+        self.history.event(job.run_id, RunEvent.ITERATION_TIME, reason, payload)
         emit("iteration_time", job.run_id, {"reason": reason, **payload})
         get_run_logger().info("calibration: %s", reason)
-        return MonitorOutcome(completed=False, progress=prog, calibration=payload, reason=reason)
+        return MonitorOutcome(completed=False, progress=prog, calibration=reading, reason=reason)
 
     def agents_done(self, provider: Provider) -> MonitorOutcome | None:
         """Agents that all exited cleanly: completed, or an error when steps are missing."""
         job = self.job
-        exit_code = getattr(provider, "agent_exit_code", None)
-        if exit_code is None or not job.vms:
+        if not isinstance(provider, AgentExitCodes) or not job.vms:
             return None
-        codes = [exit_code(v.vm_id) for v in job.vms]
+        codes = [provider.agent_exit_code(v.vm_id) for v in job.vms]
         if not all_exited_cleanly(codes):  # running or failed: heartbeats and statuses speak for those
             return None
         prog = read_progress(job)
@@ -331,17 +351,18 @@ class _Watch:
 @task(name="monitor", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=2,
       retry_condition_fn=_retry_on_outside_errors)
 def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar, board: HeartbeatBoard, *,
-            seen: set[tuple[str, str, str]],
+            seen: set[tuple[str, str, str]], requested: Callable[[], list[ProviderEvent]] | None = None,
             poll_s: float, deadline_at: float | None, tolerance: float, calibrate_after: int,
             calibrated: bool, stall_timeout_s: float) -> MonitorOutcome:
-    """Watch the job until it completes or something needs a decision; report everything seen."""
+    """Watch the job until it completes or something needs a decision; report everything seen (the
+    provider's events, and those `requested` from outside it: another run's request to re-plan)."""
     watch = _Watch(job=job, history=history, bar=bar, board=board, seen=seen)
     shape = f"plan v{job.version}: {job.plan.num_stages} stage(s) x {job.plan.data_parallel} replica(s)"
     while True:
         prog = watch.progress()
         if prog.step >= job.total_steps:
             return MonitorOutcome(completed=True, progress=prog)
-        actionable = watch.events_to_answer(provider)
+        actionable = watch.events_to_answer(provider, requested)
         if actionable:
             return MonitorOutcome(completed=False, events=actionable, progress=prog)
         # Online calibration: measured against estimated iteration time, once per plan version.

@@ -13,6 +13,7 @@ from tasks.decisions import (
     needs_decision,
     stop_reason,
 )
+from tasks.jobs import ColdStart, Switch
 
 
 @pytest.mark.parametrize("kind, vm, answer", [
@@ -40,10 +41,11 @@ def test_calibration_waits_for_enough_steps_then_compares_with_the_tolerance() -
     assert far is not None and far.departs and "x0.50" in far.reason(0.05, 0.1)
 
 
-def test_the_first_step_measures_a_switch_before_a_cold_start() -> None:
-    assert first_step_kind({"reconfig_trigger_at": 1.0, "provisioned_at": 0.5}) == "reconfigured"
-    assert first_step_kind({"provisioned_at": 0.5}) == "cold_start"
-    assert first_step_kind({}) is None
+def test_the_first_step_measures_the_switch_or_the_cold_start_that_began_the_version() -> None:
+    switch = Switch(trigger_at=1.0, trigger=("preemption",), pids_before={"vm-1": {"vm-1/0": 41}})
+    assert first_step_kind(switch) == "reconfigured"
+    assert first_step_kind(ColdStart(provisioned_at=0.5)) == "cold_start"
+    assert first_step_kind(None) is None
 
 
 def test_agents_that_exit_cleanly_complete_only_when_the_steps_are_done() -> None:
