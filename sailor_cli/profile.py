@@ -45,6 +45,7 @@ from sailor_cli.options import (
     open_store,
 )
 from sailor_core.errors import SailorError
+from tasks import interrupt
 
 app = typer.Typer(help="Measure a model's layers or the network on this machine and store the profile.",
                   no_args_is_help=True)
@@ -125,6 +126,9 @@ def model_cmd(
                 console.print(f"[yellow]infeasible: mbs={msg['mbs']} tp={msg['tp']}: {msg['reason']}")
 
         profile = profile_model(settings, progress)
+    # A Ctrl-C that came while the measurement ended (its workers gone, the bar closing) is still a stop:
+    # nothing is written. The store's commit is the only step after this point.
+    interrupt.check()
     rows = save_model_profile(st, profile)
 
     if as_json:
