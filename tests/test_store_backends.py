@@ -181,7 +181,9 @@ def test_a_killed_test_run_leaves_no_object_store_server(server, tmp_path):
 
     code = (f"from profiles_store.local_servers import {server}; import sys, time; s = {server}(); s.start(); "
             f"print(s.proc.pid, flush=True); time.sleep(120)")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # A killed process removes nothing: its server's log goes to this test's folder, not the shared /tmp.
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         assert p.stdout is not None
         pid = int(p.stdout.readline())
