@@ -69,7 +69,7 @@ def load_book(store: ProfileStore, model: str, gpu_types: Sequence[str]) -> Prof
 def _exc(state: State) -> BaseException | None:
     try:
         state.result()
-    except BaseException as e:  # noqa: BLE001 - returned, not swallowed: the caller reports each failed profile
+    except BaseException as e:  # noqa: BLE001 - a retry condition only classifies; Prefect raises the error after the last try
         return e
     return None
 
