@@ -26,7 +26,8 @@ run whose window saw the host drift is run again between fresh rounds (at most `
 in all): drift is the simulations from the round before and from the round after alone disagreeing
 by more than `--max-drift-pct`, or a host clock beside the testbed (`HostClock`: a fixed unit of CPU
 work timed every 0.1 s, outside the VMs) reading more than that apart during the run's kept steps
-and during its two rounds. The clock decides repeats and is printed; it never enters an estimate.
+and during its two rounds; no run is repeated once the bench has run `--budget-min` minutes. The
+clock decides repeats and is printed; it never enters an estimate.
 A plan's simulated time is the mean of its runs' (each run keeps as many steps); links are shaped by
 `tc` and measured once, before the runs. Everything is torn down at the end, also on an error or
 Ctrl-C. The last line:
@@ -34,7 +35,8 @@ Ctrl-C. The last line:
     mean_abs_error_pct=X worst_abs_error_pct=Y plans=N
 
     sudo .venv/bin/python bench/validate_testbed.py [--scenario bench/validate_testbed.yaml] [--model gpt-tiny]
-        [--steps 9] [--warmup 3] [--sweeps 2] [--max-drift-pct 10] [--repeats 4] [--store DIR (reuse the
+        [--steps 9] [--warmup 3] [--sweeps 2] [--max-drift-pct 10] [--repeats 4] [--budget-min 25]
+        [--store DIR (reuse the
         links and device types measured before)] [--only NAME,...] [--dry (build the testbed, print its
         VMs and quotas, tear it down)]
 
@@ -635,9 +637,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                          "the host clock during its steps reads this many %% off its rounds' (default 10)")
     ap.add_argument("--repeats", type=int, default=4,
                     help="runs repeated for drift, in all (default 4; 0: keep every run, flagged)")
+    ap.add_argument("--budget-min", type=float, default=25.0,
+                    help="no run is repeated for drift once the bench has run this long (default 25: the whole "
+                         "bench ends within about half an hour on a 2-core machine whatever the host does)")
     ap.add_argument("--dry", action="store_true", help="build the testbed, print its VMs, quotas and the plans "
                                                        "that fit, and tear it down")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.started_at = time.time()
+    return args
 
 
 def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path) -> tuple[Any, list[str]]:
@@ -765,13 +772,16 @@ def drift(run: Run, samples: Sequence[tuple[float, float]], bound_pct: float) ->
 
 def measure_runs(queue: Sequence[str], *, train_run: Callable[[str], list[tuple[float, float]]],
                  take_round: Callable[[Sequence[str]], Any], estimate_run: Callable[[str, Any, Any], Estimate],
-                 drifted: Callable[[Run], str], repeats: int, now: Callable[[], float] = time.time) -> list[Run]:
+                 drifted: Callable[[Run], str], repeats: int, now: Callable[[], float] = time.time,
+                 repeat_until: float = float("inf")) -> list[Run]:
     """Runs the plans of `queue` in order, each between two rounds of layer profiles: `take_round(names)`
     profiles what the named plans read, once before the first run and once after each run (for it and
     the next in line: the round after one run is the round before the next). Each run is estimated from
     its two rounds (`estimate_run(name, before, after)`), never from what was measured during it. A run
-    `drifted` says drifted is thrown away and run again between fresh rounds, `repeats` times in all;
-    after that, runs are kept with their drift noted. Returns the kept runs, in order."""
+    `drifted` says drifted is thrown away and run again between fresh rounds, `repeats` times in all and
+    only while `now()` is before `repeat_until` (the bench's time budget: a host that drifts all along
+    must not keep it running); after that, runs are kept with their drift noted. Returns the kept runs,
+    in order."""
     runs: list[Run] = []
     if not queue:
         return runs
@@ -786,7 +796,7 @@ def measure_runs(queue: Sequence[str], *, train_run: Callable[[str], list[tuple[
         after = take_round([name, *queue[k + 1:k + 2]])
         run = Run(name, steps, t0, t1, before, after, estimate_run(name, before, after), discarded=thrown)
         why = drifted(run)
-        if why and left > 0:
+        if why and left > 0 and now() < repeat_until:
             left, thrown = left - 1, thrown + 1
             log(f"{name}: {why}; run again between fresh rounds ({left} repeats left)")
         else:
@@ -818,7 +828,7 @@ def _measure(bed: _Bed, chosen: dict[str, ParallelPlan], book: ProfileBook, args
 
     return measure_runs(sweep_order(list(chosen), args.sweeps), train_run=train_run, take_round=take_round,
                         estimate_run=estimate_run, drifted=lambda r: drift(r, clock.samples(), args.max_drift_pct),
-                        repeats=args.repeats)
+                        repeats=args.repeats, repeat_until=args.started_at + 60.0 * args.budget_min)
 
 
 def compare(chosen: dict[str, ParallelPlan], runs: Sequence[Run], samples: Sequence[tuple[float, float]],

@@ -148,6 +148,12 @@ def test_a_run_whose_rounds_disagree_is_run_again_between_fresh_rounds_while_rep
     assert fake.trained == ["a", "b"] and [r.drift for r in runs] == ["rounds apart", ""]
     assert bench.measure_runs([], train_run=fake.train_run, take_round=fake.take_round,
                               estimate_run=_estimate(bench), drifted=_drifted(bench), repeats=0) == []
+    # past the time budget no run is repeated, whatever repeats are left: the bench ends
+    fake = _Bench(speeds=slow)
+    runs = bench.measure_runs(["a", "b"], train_run=fake.train_run, take_round=fake.take_round,
+                              estimate_run=_estimate(bench), drifted=_drifted(bench), repeats=4, now=fake.now,
+                              repeat_until=fake.t + 5.0)
+    assert fake.trained == ["a", "b"] and [r.drift for r in runs] == ["rounds apart", ""]
 
 
 def _plan() -> ParallelPlan:
