@@ -27,7 +27,7 @@ Keys (one generation g per plan version the workers are handed; a worker id is
     g<g>/rdv               host:port of the generation's process-group store (hosted by its rank 0)
     hb/<worker>            the worker's latest heartbeat {"time", "step"} (JSON)
     hb/vm/<vm id>          the agent's heartbeat {"time", "workers": {id: pid}} (JSON)
-    metrics/v<version>     list: one JSON record per training step, from the last stage's first rank
+    metrics/v<version>     list: one JSON record per training step, from rank 0
 
 An assignment's `rank` is the worker's global rank; `IDLE` (-2) keeps the process waiting for the next
 generation (a VM with more devices than its replica needs) and `EXIT` (-1) ends it.
