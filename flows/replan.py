@@ -10,6 +10,13 @@ plan trains on, if it is still whole), ends the old generation at a step with a 
 new plan to every worker in place and then releases the VMs the new plan drops: processes on kept VMs
 go on running, and a rank that keeps its shard keeps its state in memory (others load the checkpoint).
 It returns the job to monitor next (the same one when staying). Workers lost with no feasible plan left fail the run.
+
+After a loss it weighs three replacements with `sailor_core.decisions.best_replacement`, as the replay's
+Sailor policy does: the best plan on the VMs still held, the best plan on everything offered, and the
+lost plan's own shape moved to where it fits now. Each is charged its own start (`RunContext.startup_times`):
+the reconfiguration alone on VMs held; for new VMs also their start, the median the store measured for
+this provider (`vm_start` measurements, one per run's cold start; an assumption per provider before
+any), and loading the largest shard at the rate the run measured its checkpoint writes.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from flows.params import SailorParams
 from infra.provider import AgentExitCodes, CapacityError, Provider, ProviderEvent, Vm
 from infra.scenario import load_scenario
 from profiles_store.spot_risk import spot_risk_from_store
-from sailor_core.domain import Market, ParallelPlan, ResourcePool
+from sailor_core.decisions import Replacement, StartupTimes, best_replacement, startup_s, switch_outcome
+from sailor_core.domain import Capacity, Market, ModelSpec, ParallelPlan, ResourcePool
+from sailor_core.errors import SailorError
 from sailor_core.plan_format import plan_to_dict
 from sailor_core.planner.request import (
     Constraints,
@@ -38,11 +47,19 @@ from sailor_core.planner.request import (
     Restrictions,
     SearchOptions,
 )
-from sailor_core.planner.risk import SpotRisk, planning_checkpoint_interval
+from sailor_core.planner.risk import (
+    ASSUMED_LOAD_BYTES_PER_S,
+    SpotRisk,
+    assumed_vm_start_s,
+    largest_shard_bytes,
+    planning_checkpoint_interval,
+    vm_start_from_history,
+)
 from sailor_core.profiles import ProfileBook
+from sailor_core.replay.policies import relocate
 from sailor_core.runtime.protocol import vm_of
 from sailor_core.simulator.result import SimulationResult
-from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
+from tasks.checkpointing import interval_for, measured_checkpoint, notice_s, writer_state_bytes
 from tasks.control import Controller
 from tasks.decisions import PlanCost, decide_switch, lost_vms
 from tasks.history import Decision, DecisionKind, Measurement, RunEvent, RunHistory, RunStatus
@@ -99,6 +116,7 @@ class RunContext:
     total_steps: int = 0
     steps_done: int = 0
     reconfigurations_s: list[float] = field(default_factory=list)
+    in_place_s: list[float] = field(default_factory=list)  # those of switches that rented no VM
     iteration_times: dict[int, tuple[float, ...]] = field(default_factory=dict)
     decisions: list[Decision] = field(default_factory=list)
     dry_run: str = ""
@@ -181,7 +199,30 @@ class RunContext:
 
     # -- time ------------------------------------------------------------------------------------------
     def reconfiguration_s(self) -> float:
-        return max(self.reconfigurations_s) if self.reconfigurations_s else self.setup.reconfiguration_estimate_s
+        """A switch on VMs already held: the longest the run measured, else the estimate."""
+        return max(self.in_place_s) if self.in_place_s else self.setup.reconfiguration_estimate_s
+
+    def startup_times(self, job: Job) -> StartupTimes:
+        """What starting a replacement takes, as the run knows it now (see the module's contract)."""
+        measured = measured_checkpoint(job.controller.metrics(job.version)) if job.controller is not None else None
+        rate = ASSUMED_LOAD_BYTES_PER_S
+        if measured is not None and measured["write_s"] > 0:
+            rate = writer_state_bytes(job.plan) / measured["write_s"]
+        return StartupTimes(reconfiguration_s=self.reconfiguration_s(), vm_start_s=self.vm_start_s(),
+                            load_bytes_per_s=max(rate, 1.0))
+
+    def vm_start_s(self) -> float:
+        """This provider's new VMs, from the request to the first step: the store's median, else assumed."""
+        name = self.provider.name
+        try:
+            rows = self.history.store.read_history("measurements", kind=Measurement.VM_START.value)
+        except Exception as e:  # noqa: BLE001 - an unreadable history only costs the measured figure: log, assume
+            get_run_logger().warning("VM start times unreadable (%s); assuming %ss for %s", e,
+                                     assumed_vm_start_s(name), name)
+            rows = []
+        got = vm_start_from_history(float(r.payload["vm_start_s"]) for r in rows
+                                    if r.payload.get("provider") == name and "vm_start_s" in r.payload)
+        return got if got is not None else assumed_vm_start_s(name)
 
     def observe(self, job: Job, progress: Progress | None) -> None:
         if progress is not None:
@@ -189,6 +230,8 @@ class RunContext:
             self.iteration_times[job.version] = progress.iteration_times
         if job.reconfiguration_s is not None and not job.reconfiguration_counted:
             self.reconfigurations_s.append(job.reconfiguration_s)
+            if isinstance(job.started_by, Switch) and job.started_by.new_vms == 0:
+                self.in_place_s.append(job.reconfiguration_s)
             job.reconfiguration_counted = True
 
     def training_s(self) -> float:
@@ -266,19 +309,12 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
                             max_usd_per_hour=p.max_usd_per_hour, min_iterations_per_s=p.min_iterations_per_s)
         if v:
             broken = "the current plan now breaks a limit: " + "; ".join(v)
+    times = ctx.startup_times(job)
     try:
-        result = None
-        if lost and held:
-            # Shrink first: the best plan on the VMs still held starts in seconds (their processes go on
-            # in place); one that needs new VMs would wait for them to boot. Capacity that comes back
-            # later (a capacity_change) is weighed then, like any other change.
-            try:
-                none_free = [dataclasses.replace(o, gpus=0) for o in offers]  # their zones' regions, no capacity
-                result = make_plan(ctx.plan_request(pool_from(none_free, held)), book)
-            except NoPlanError:
-                result = None
-        if result is None:
+        options = _replacements(ctx, job, offers, held, book) if lost else []
+        if not options:
             result = make_plan(ctx.plan_request(pool_from(offers, held)), book)
+            options = [_option(*chosen_plan(result), held, book.model, frontier=result.frontier)]
     except NoPlanError as e:
         if lost:
             raise
@@ -287,10 +323,15 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
         )
         _decide(ctx, DecisionKind.STAY, reason, {"trigger": kinds, "step": step})
         return job
-    cand, cand_est = chosen_plan(result)
-    same = plan_to_dict(cand) == plan_to_dict(job.plan) and not lost
     remaining = ctx.total_steps - step
     lost_steps = _steps_at_risk(step, job.checkpoint_interval, lost=bool(lost))
+    pick = best_replacement(objective=p.objective, candidates=[o.replacement for o in options],
+                            remaining_steps=remaining, lost_steps=lost_steps, times=times)
+    chosen = options[pick]
+    cand, cand_est = chosen.plan, chosen.est
+    same = plan_to_dict(cand) == plan_to_dict(job.plan) and not lost
+    # A plan that cannot go on waits for its replacement's new VMs; a whole one trains on while they start.
+    took = startup_s(chosen.replacement, times) if lost else ctx.reconfiguration_s()
     decision = decide_switch(
         objective=p.objective,
         current=None if lost else PlanCost(iteration_time_s=current_est.iteration_time_s,
@@ -298,16 +339,93 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
                                            usd_per_hour=current_est.usd_per_hour),
         candidate=PlanCost(iteration_time_s=cand_est.iteration_time_s, usd_per_iteration=cand_est.usd_per_iteration,
                            usd_per_hour=cand_est.usd_per_hour),
-        remaining_steps=remaining, lost_steps=lost_steps, reconfiguration_s=ctx.reconfiguration_s(),
+        remaining_steps=remaining, lost_steps=lost_steps, reconfiguration_s=took,
         min_gain=p.min_gain, current_broken=broken, same_plan=same,
     )
-    reason = f"after {', '.join(kinds)} at step {step}: {decision.reason}"
+    weighed = _weighed(options, pick, times, remaining, lost_steps, p.objective) if len(options) > 1 else ""
+    reason = f"after {', '.join(kinds)} at step {step}: {decision.reason}{weighed}"
     detail = {"trigger": kinds, "step": step, "decision": decision.to_json(), "candidate": _describe(cand, cand_est),
-              "current": _describe(job.plan, current_est)}
+              "current": _describe(job.plan, current_est),
+              "startup": {"reconfiguration_s": times.reconfiguration_s, "vm_start_s": times.vm_start_s,
+                          "load_bytes_per_s": times.load_bytes_per_s},
+              "replacements": [{"kind": o.kind, "plan": _describe(o.plan, o.est), "new_vms": o.replacement.new_vms,
+                                "startup_s": startup_s(o.replacement, times)} for o in options]}
     _decide(ctx, DecisionKind.SWITCH if decision.switch else DecisionKind.STAY, reason, detail)
     if not decision.switch:
         return job
-    return _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, result.frontier, step, reason)
+    return _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, chosen.frontier, step, reason)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Option:
+    """A plan that could replace the current one, and what starting it takes."""
+
+    plan: ParallelPlan
+    est: SimulationResult
+    replacement: Replacement
+    frontier: tuple[FrontierPoint, ...] = ()
+    kind: str = "best"  # "held" (on the VMs still held) | "best" (on everything offered) | "moved"
+
+
+def _option(plan: ParallelPlan, est: SimulationResult, held: Sequence[Vm], model: ModelSpec, *,
+            kind: str = "best", frontier: Sequence[FrontierPoint] = ()) -> _Option:
+    """`plan` as a replacement: the VMs it must rent beside those `held`, and then the largest shard to load."""
+    new = place(plan, list(held))[1]
+    cost = PlanCost(iteration_time_s=est.iteration_time_s, usd_per_iteration=est.usd_per_iteration,
+                    usd_per_hour=est.usd_per_hour)
+    rep = Replacement(cost=cost, new_vms=len(new), load_bytes=float(largest_shard_bytes(plan, model)) if new else 0.0)
+    return _Option(plan=plan, est=est, replacement=rep, frontier=tuple(frontier), kind=kind)
+
+
+def _replacements(ctx: RunContext, job: Job, offers: Sequence[Capacity], held: list[Vm],
+                  book: ProfileBook) -> list[_Option]:
+    """After a loss, the plans that could replace the lost one, the one on the VMs still held first (it
+    wins ties: it rents nothing): the best on those VMs, the best on everything offered, and the lost
+    plan's own shape moved to where it fits now (as the replay's Sailor policy weighs them)."""
+    out: list[_Option] = []
+    none_free = [dataclasses.replace(o, gpus=0) for o in offers]  # their zones' regions, no capacity
+    try:
+        if held:
+            r = make_plan(ctx.plan_request(pool_from(none_free, held)), book)
+            out.append(_option(*chosen_plan(r), held, book.model, kind="held", frontier=r.frontier))
+    except NoPlanError:
+        pass  # no plan fits the VMs still held: only plans with new VMs remain
+    everything = pool_from(offers, held)
+    r = make_plan(ctx.plan_request(everything), book)  # NoPlanError: nothing can replace the lost plan
+    out.append(_option(*chosen_plan(r), held, book.model, frontier=r.frontier))
+    req = ctx.plan_request(everything)
+    moved = relocate(job.plan, req.restrictions.apply(everything), req.restrictions.markets,
+                     lambda pl: _priceable(pl, book))
+    if moved is not None and all(moved != o.plan for o in out):
+        est = estimate(moved, book)
+        if not plan_violations(est, max_usd_per_iteration=ctx.params.max_usd_per_iteration,
+                               max_usd_per_hour=ctx.params.max_usd_per_hour,
+                               min_iterations_per_s=ctx.params.min_iterations_per_s):
+            out.append(_option(moved, est, held, book.model, kind="moved"))
+    return out
+
+
+def _priceable(plan: ParallelPlan, book: ProfileBook) -> bool:
+    try:
+        estimate(plan, book)
+    except SailorError:
+        return False
+    return True
+
+
+def _weighed(options: Sequence[_Option], pick: int, times: StartupTimes, remaining: int, lost_steps: int,
+             objective: str) -> str:
+    """The replacements weighed, for the decision's reason: each one's start and time (or cost) to finish."""
+    at, unit = (0, "s") if objective == "max-throughput" else (1, "USD")
+    parts = []
+    for k, o in enumerate(options):
+        took = startup_s(o.replacement, times)
+        total = switch_outcome(o.replacement.cost, remaining_steps=remaining, lost_steps=lost_steps,
+                               reconfiguration_s=took)[at]
+        mark = "*" if k == pick else ""
+        vms = f", {o.replacement.new_vms} new VM(s)" if o.replacement.new_vms else ""
+        parts.append(f"{mark}{o.kind} ({took:.0f}s start{vms}): {total:.6g} {unit}")
+    return "; weighed " + ", ".join(parts)
 
 
 def _decide(ctx: RunContext, kind: DecisionKind, reason: str, detail: dict[str, object]) -> None:
@@ -368,7 +486,8 @@ def _reconfigure(ctx: RunContext, job: Job, cand: ParallelPlan, cand_est: Simula
     new = Job(run_id=ctx.run_id, version=ctx.version, plan=cand, vms=vms, run_dir=job.run_dir, state=job.state,
               code=job.code, total_steps=job.total_steps, checkpoint_interval=every, seed=job.seed,
               data_uri=job.data_uri, estimate_s=cand_est.iteration_time_s, controller=ctl,
-              started_by=Switch(trigger_at=trigger_at, trigger=tuple(kinds), pids_before=pids_before))
+              started_by=Switch(trigger_at=trigger_at, trigger=tuple(kinds), pids_before=pids_before,
+                                 new_vms=len(new_vms)))
     if new_vms:
         start_agents(provider, new, [v.vm_id for v in new_vms])
         ctl.watch(new_vms)

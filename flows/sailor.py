@@ -349,8 +349,9 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> RunSummary:
             return summary
         _resume_from_earlier_run(run)
         _record_cluster(run, "where the run's VMs and state live")
+        requested_at = time.time()
         vms = _provision_first(run)
-        run.job = _start_training(run, vms)
+        run.job = _start_training(run, vms, requested_at)
         _train(run)
         status, reason = RunStatus.COMPLETED, f"{run.ctx.total_steps} steps done"
         record(run.ctx.history.event, run_id, RunEvent.COMPLETED, reason, {"steps": run.ctx.total_steps})
@@ -494,8 +495,9 @@ def _provision_plan(run: _Run) -> list[Vm]:
     return provision(run.deps.provider, node_requests(run.run_id, run.ctx.version, run.ctx.plan))
 
 
-def _start_training(run: _Run, vms: list[Vm]) -> Job:
-    """The job of the first plan on its VMs, its agents started and the plan handed out."""
+def _start_training(run: _Run, vms: list[Vm], requested_at: float) -> Job:
+    """The job of the first plan on its VMs (asked for at `requested_at`), its agents started and the plan
+    handed out."""
     ctx, params, run_id = run.ctx, run.params, run.run_id
     assert ctx.plan is not None
     ctx.ledger.rent(vms)
@@ -507,7 +509,9 @@ def _start_training(run: _Run, vms: list[Vm]) -> Job:
     job = Job(run_id=run_id, version=ctx.version, plan=ctx.plan, vms=vms, run_dir=ctx.run_dir, state=run.state,
               code=run.code, total_steps=ctx.total_steps, checkpoint_interval=every,
               seed=params.seed, data_uri=params.dataset or "", estimate_s=ctx.estimate.iteration_time_s,
-              controller=run.controller, started_by=ColdStart(provisioned_at=time.time()))
+              controller=run.controller,
+              started_by=ColdStart(provisioned_at=time.time(), requested_at=requested_at,
+                                   provider=run.deps.provider.name))
     job.launched_at = launch(run.deps.provider, job)
     resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
     record(ctx.history.event, run_id, RunEvent.TRAINING_STARTED, f"plan v{ctx.version} on {len(vms)} workers{resumed}",

@@ -91,6 +91,9 @@ def replay(
         "--search", help="fast (default) | full: the flow's own planner search")] = "fast",
     checkpoint_interval: CheckpointInterval = AUTO_CHECKPOINT_INTERVAL,
     reconfiguration_s: ReconfigurationS = None,
+    vm_start_s: Annotated[float, typer.Option("--vm-start-s", help=(
+        "seconds new VMs take from the request to training: a replacement after a loss on GPUs the job does "
+        "not hold waits for them (0: not charged)"))] = 0.0,
     grace_s: Annotated[float, typer.Option(
         "--grace-s", help="seconds between a preemption notice and the VM's stop")] = DEFAULT_GRACE_S,
     no_checkpoint_on_notice: Annotated[bool, typer.Option("--no-checkpoint-on-notice", help=(
@@ -146,7 +149,8 @@ def replay(
         restrictions=Restrictions(markets=tuple(Market.parse(m) for m in split_values(markets)), max_gpus=max_gpus),
         search=_search_options(search, max_stages),
         checkpoint_interval=planning_checkpoint_interval(checkpoint_interval), reconfiguration_s=reconf,
-        grace_s=grace_s, checkpoint_on_notice=not no_checkpoint_on_notice, min_gain=min_gain, period_s=period_s,
+        vm_start_s=vm_start_s, grace_s=grace_s, checkpoint_on_notice=not no_checkpoint_on_notice, min_gain=min_gain,
+        period_s=period_s,
     )
     results = _run_policies(tr, book, job, names)
     _answer(tr, results, _to_json(tr, job, results, reconf_src, search), timeline_png, as_json)
@@ -300,6 +304,7 @@ def _to_json(tr: Trace, job: ReplayJob, results: list[ReplayResult], reconf_src:
         "job": {"model": job.model, "global_batch_size": job.global_batch_size, "total_steps": job.total_steps,
                 "tokens": job.total_steps * job.tokens_per_step, "objective": job.objective,
                 "checkpoint_interval": job.checkpoint_interval, "reconfiguration_s": job.reconfiguration_s,
+                "vm_start_s": job.vm_start_s,
                 "reconfiguration_source": reconf_src, "grace_s": job.grace_s,
                 "checkpoint_on_notice": job.checkpoint_on_notice, "period_s": job.period_s, "search": search},
         "results": [r.to_json(detail=True) for r in results],
@@ -318,7 +323,8 @@ def _print(doc: dict[str, Any], png: str | None) -> None:
     con.print(f"job: {j['model']}, batch {j['global_batch_size']}, {j['total_steps']} steps "
               f"({j['tokens']:.3g} tokens), "
               f"{j['objective']}; checkpoint every {j['checkpoint_interval']} steps, reconfiguration "
-              f"{j['reconfiguration_s']:.1f} s ({j['reconfiguration_source']}), grace {j['grace_s']:g} s")
+              f"{j['reconfiguration_s']:.1f} s ({j['reconfiguration_source']}), new VMs start in "
+              f"{j['vm_start_s']:g} s, grace {j['grace_s']:g} s")
     tab = Table(title="replay per policy (simulated): hours and USD to train, goodput in useful steps/s, GPU-hours "
                       "wasted on redone steps and reconfiguration")
     for h in ("policy", "done", "hours", "USD", "steps/s", "wasted GPU-h", "redone", "reconf s", "wait h",

@@ -21,13 +21,19 @@ candidate can run.
 `best_replacement(...)` picks, among plans that could replace one that cannot go on (the best on
 the GPUs still held, the best on everything that can be rented, the same shape moved elsewhere),
 the one whose switch finishes the remaining work soonest (max-throughput) or cheapest (the cost
-objectives), by the same arithmetic; the first of equals wins, so a caller lists the plan that
-needs no new VMs first. Without it a shrink onto the GPUs still held would run until the next
-change however much slower it is, and over a long remainder that costs far more than it saves.
+objectives), by the same arithmetic, each charged its own start (`startup_s`): a plan on the VMs
+still held waits for the reconfiguration alone; one that needs new VMs also waits for them to start
+(provisioning to the first step, as measured per provider) and for its ranks to load their state
+(the largest shard at the checkpoint's read rate), and pays for them meanwhile. The first of equals
+wins, so a caller lists the plan that needs no new VMs first. Without it a shrink onto the GPUs
+still held would run until the next change however much slower it is, and over a long remainder
+that costs far more than it saves; a move to new VMs that cannot win back their start is not made.
+The flow's replan subflow and the replay's Sailor policy both decide with it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -64,15 +70,47 @@ def switch_outcome(candidate: PlanCost, *, remaining_steps: int, lost_steps: int
             reconfiguration_s * candidate.usd_per_hour / 3600.0 + n * candidate.usd_per_iteration)
 
 
-def best_replacement(*, objective: str, candidates: Sequence[PlanCost], remaining_steps: int, lost_steps: int,
-                     reconfiguration_s: float) -> int:
+@dataclass(frozen=True, kw_only=True)
+class Replacement:
+    """A plan that could replace one that cannot go on, and what it must wait for before its first step."""
+
+    cost: PlanCost
+    new_vms: int = 0  # VMs it must rent (0: it runs on the VMs the job still holds)
+    load_bytes: float = 0.0  # the training state the largest rank on a new VM loads before its first step
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartupTimes:
+    """What starting a replacement takes, as the run knows it when it decides."""
+
+    reconfiguration_s: float  # a switch on VMs already held (measured by the run, else its estimate)
+    vm_start_s: float = 0.0  # new VMs, from the provisioning request to training (measured per provider)
+    load_bytes_per_s: float = math.inf  # a rank reading its state from the checkpoint
+
+    def __post_init__(self) -> None:
+        if not (self.reconfiguration_s >= 0 and self.vm_start_s >= 0 and self.load_bytes_per_s > 0):
+            raise ValueError(f"startup times must be >= 0 (and a positive read rate), got {self}")
+
+
+def startup_s(r: Replacement, times: StartupTimes) -> float:
+    """Seconds from the decision to the replacement's first step: the reconfiguration, and for a plan on
+    new VMs their start and the load of the largest shard onto them (the new VMs start and load in
+    parallel, so one of each counts)."""
+    if r.new_vms <= 0:
+        return times.reconfiguration_s
+    return times.reconfiguration_s + times.vm_start_s + r.load_bytes / times.load_bytes_per_s
+
+
+def best_replacement(*, objective: str, candidates: Sequence[Replacement], remaining_steps: int, lost_steps: int,
+                     times: StartupTimes) -> int:
     """The index of the candidate whose switch finishes the remaining work soonest (max-throughput) or
-    cheapest (other objectives); the first of equals (list the one that needs no new VMs first)."""
+    cheapest (other objectives), each with its own start; the first of equals (list the one that needs
+    no new VMs first)."""
     if not candidates:
         raise ValueError("best_replacement needs at least one candidate")
     at = 0 if objective == "max-throughput" else 1
-    scores = [switch_outcome(c, remaining_steps=remaining_steps, lost_steps=lost_steps,
-                             reconfiguration_s=reconfiguration_s)[at] for c in candidates]
+    scores = [switch_outcome(c.cost, remaining_steps=remaining_steps, lost_steps=lost_steps,
+                             reconfiguration_s=startup_s(c, times))[at] for c in candidates]
     return min(range(len(scores)), key=lambda k: (scores[k], k))
 
 

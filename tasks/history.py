@@ -96,6 +96,7 @@ class Measurement(enum.StrEnum):
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # the interval chosen for a plan version, and why
     RECONFIGURATION = "reconfiguration"  # how long a switch took
     COLD_START = "cold_start"  # provisioning to the first step
+    VM_START = "vm_start"  # a provider's new VMs: the provisioning request to the first step
 
 
 DEFAULT_LEASE_S = 60.0  # a flow renews its lease every third of this ($SAILOR_LEASE_S overrides)

@@ -131,6 +131,8 @@ class ColdStart:
     """A plan version started on VMs rented for it: its first step measures the cold start."""
 
     provisioned_at: float  # wall time the VMs were provisioned
+    requested_at: float | None = None  # wall time they were asked for (the VM start is measured from it)
+    provider: str = ""  # whose VMs they are (the store keeps VM starts per provider)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +142,7 @@ class Switch:
     trigger_at: float  # wall time of the earliest event that triggered the switch
     trigger: tuple[str, ...]  # the kinds of those events (and "iteration_time" for a calibration)
     pids_before: Mapping[str, Mapping[str, int | None]]  # each kept VM's worker pids before the switch
+    new_vms: int = 0  # VMs rented for it (0: a switch in place, on VMs already held)
 
 
 @dataclass(kw_only=True)

@@ -165,7 +165,7 @@ def record_reconfigured(job: Job, switch: Switch, history: RunHistory, step: int
     reason = (f"plan v{job.version} trained its first step {secs:.1f}s after the {trig} event; {kept} worker "
               f"process(es) kept running; state from {loaded or 'nowhere (fresh start)'}")
     payload = {"plan_version": job.version, "reconfiguration_s": secs, "step": step, "workers": len(job.vms),
-               "kept_processes": kept, "loaded_from": loaded}
+               "kept_processes": kept, "loaded_from": loaded, "new_vms": switch.new_vms}
     history.event(job.run_id, RunEvent.RECONFIGURED, reason, payload)
     history.measurement(job.run_id, Measurement.RECONFIGURATION, payload, reason)
     emit("reconfigured", job.run_id, {"reason": reason, **payload})
@@ -281,6 +281,13 @@ class _Watch:
             self.history.measurement(job.run_id, Measurement.COLD_START,
                                      {"plan_version": job.version, "cold_start_s": secs}, reason)
             get_run_logger().info("cold start: %s", reason)
+            start = job.started_by
+            if start.requested_at is not None and start.provider:
+                took = job.first_step_at - start.requested_at
+                self.history.measurement(
+                    job.run_id, Measurement.VM_START,
+                    {"provider": start.provider, "vm_start_s": took, "vms": len(job.vms), "plan_version": job.version},
+                    f"{len(job.vms)} new {start.provider} VM(s): {took:.1f}s from the request to the first step")
 
     def report(self, e: ProviderEvent) -> None:
         """An event into the history, the Prefect event stream and the log."""

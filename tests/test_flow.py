@@ -223,6 +223,51 @@ events:
     assert_nothing_left(tmp_path, r["run_id"])
 
 
+@pytest.mark.parametrize("vm_start_s,moves", [(0.0, True), (1e6, False)])
+def test_after_a_preemption_new_vms_are_rented_only_when_they_win_back_their_start(profiled_once, tmp_path,
+                                                                                 vm_start_s, moves):
+    """One of two VMs is preempted with 115 steps left. The plan on the VM still held is about half as fast
+    as one with a new VM beside it. The store says how long this provider's VMs take to start: a move pays
+    when they start at once, and not when they take days (the run's own cold start, added to three such
+    measurements, does not move their median). The store is a fresh copy of the profile: other runs' VM starts
+    (earlier tests in this process) must not weigh in."""
+    import shutil
+
+    from profiles_store.store import open_store
+    from tasks.history import Measurement, RunHistory
+
+    store = str(tmp_path / "store")
+    shutil.copytree(profiled_once, store)  # the seeded VM starts must not reach other tests
+    seeded = RunHistory(open_store(store))
+    for k in range(3):
+        seeded.measurement(f"earlier-{k}", Measurement.VM_START, {"provider": "local", "vm_start_s": vm_start_s})
+    sc = scenario(tmp_path, """
+offerings:
+  - {market: spot, count: 2, usd_per_gpu_hour: 0.10}
+  - {market: on-demand, count: 2, usd_per_gpu_hour: 0.30}
+events:
+  - {at_step: 5, kind: preemption, market: spot, grace_s: 1}
+""")
+    state = run(store, tmp_path, "weigh", scenario=sc, steps=120, objective="max-throughput",
+                calibration_tolerance=9.0)
+    assert state.is_completed(), state.message
+    r = history(store, "weigh")
+    after = [d for d in r["decisions"] if "preemption" in d["reason"]]
+    assert after and after[0]["kind"] == "switch", r["decisions"]
+    weighed = after[0]["detail"]["replacements"]
+    kinds = {o["kind"]: o for o in weighed}
+    assert {"held", "best"} <= set(kinds), weighed
+    assert kinds["held"]["new_vms"] == 0 and kinds["best"]["new_vms"] >= 1, weighed
+    assert after[0]["detail"]["startup"]["vm_start_s"] == pytest.approx(vm_start_s)
+    last = r["plans"][-1]["plan"]
+    workers = sum(len(st["replicas"]) for st in last["stages"])
+    assert workers == (2 if moves else 1), (last, after[0]["reason"])
+    assert ("*held" in after[0]["reason"]) != moves, after[0]["reason"]  # the replacement weighed best
+    switch = [e for e in r["events"] if e["kind"] == "provisioned"][-1]
+    assert (len(switch["rented"]) >= 1) == moves, switch
+    assert_nothing_left(tmp_path, r["run_id"])
+
+
 def test_invalid_parameters_fail_before_anything_is_provisioned(profiled_store, tmp_path):
     state = run(profiled_store, tmp_path, "invalid", global_batch_size=0, objective="fastest", steps=None)
     assert state.is_failed()

@@ -195,21 +195,42 @@ def test_after_a_loss_sailor_weighs_the_shrink_against_the_rest_over_the_remaini
     held = Planner(BOOK, weigh).best(tr.pool_at(0))
     assert held is not None and held.plan.num_gpus == 4
     w, f = run(tr, "sailor", weigh), run(tr, "sailor", shrink)
-    # the flow's rule today: the best plan on the 2 GPUs still held, until the next change (none comes)
+    # shrinking first (the flow's rule before it weighed replacements): the best plan on the 2 GPUs still held
     assert f.segments[-1].gpus == 2
-    # weighed over the 200,000 steps left, a plan with r1-b's GPUs finishes sooner (same reconfiguration)
+    # weighed over the 200,000 steps left, a plan with r1-b's GPUs finishes sooner, its VM start included
     assert w.segments[-1].gpus > 2 and w.time_to_train_s < f.time_to_train_s
     assert w.switches == f.switches == 1
-    # best_replacement: soonest under max-throughput, cheapest otherwise, the first of equals
+    # new VMs that take longer to start than the bigger plan saves over the remaining work: it shrinks
+    saved = f.time_to_train_s - w.time_to_train_s
+    slow_vms = job(total_steps=200_000, vm_start_s=2 * saved)
+    s_ = run(tr, "sailor", slow_vms)
+    assert s_.segments[-1].gpus == 2 and s_.time_to_train_s == pytest.approx(f.time_to_train_s, rel=1e-9)
+    # and a move to new VMs waits for them: the reconfiguration it is charged grows by their start
+    quick = run(tr, "sailor", job(total_steps=200_000, vm_start_s=0.25 * saved))
+    assert quick.segments[-1].gpus > 2
+    assert quick.reconfiguration_s == pytest.approx(w.reconfiguration_s + 0.25 * saved, rel=1e-6)
+    # best_replacement: soonest under max-throughput, cheapest otherwise, the first of equals, each with its start
     slow = sailor_core.decisions.PlanCost(iteration_time_s=2.0, usd_per_iteration=0.001, usd_per_hour=1.8)
     fast = sailor_core.decisions.PlanCost(iteration_time_s=1.0, usd_per_iteration=0.002, usd_per_hour=7.2)
+    held_, new_ = (sailor_core.decisions.Replacement(cost=slow),
+                   sailor_core.decisions.Replacement(cost=fast, new_vms=2, load_bytes=1e9))
     pick = sailor_core.decisions.best_replacement
-    assert pick(objective="max-throughput", candidates=[slow, fast], remaining_steps=1000, lost_steps=0,
-                reconfiguration_s=60) == 1
-    assert pick(objective="min-cost", candidates=[slow, fast], remaining_steps=1000, lost_steps=0,
-                reconfiguration_s=60) == 0
-    assert pick(objective="max-throughput", candidates=[fast, fast], remaining_steps=1000, lost_steps=0,
-                reconfiguration_s=60) == 0
+    at = sailor_core.decisions.StartupTimes
+
+    def best(objective, cands, **t):
+        return pick(objective=objective, candidates=cands, remaining_steps=1000, lost_steps=0,
+                    times=at(reconfiguration_s=60, **t))
+
+    assert best("max-throughput", [held_, new_]) == 1
+    assert best("min-cost", [held_, new_]) == 0
+    assert best("max-throughput", [new_, new_]) == 0
+    # 1000 steps: the held plan takes 60 + 2000 s, the new one 60 + 1000 s + its VM start + 1 s to load 1e9 B
+    assert best("max-throughput", [held_, new_], vm_start_s=998, load_bytes_per_s=1e9) == 1  # 2059 < 2060 s
+    assert best("max-throughput", [held_, new_], vm_start_s=999, load_bytes_per_s=1e9) == 0  # a tie: the first
+    assert best("max-throughput", [held_, new_], vm_start_s=1000, load_bytes_per_s=1e9) == 0
+    assert best("max-throughput", [held_, new_], vm_start_s=0, load_bytes_per_s=1e9 / 1001) == 0  # 1001 s to load
+    assert sailor_core.decisions.startup_s(new_, at(reconfiguration_s=60, vm_start_s=30, load_bytes_per_s=1e8)) == 100
+    assert sailor_core.decisions.startup_s(held_, at(reconfiguration_s=60, vm_start_s=30)) == 60
 
 
 def test_a_spot_price_rise_moves_sailor_not_relaunch_same():

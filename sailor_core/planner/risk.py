@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sailor_core.domain import Market, ParallelPlan
+from sailor_core.domain import Market, ModelSpec, ParallelPlan
 from sailor_core.errors import ValidationError
 
 SECONDS_PER_HOUR = 3600.0
@@ -123,6 +123,44 @@ def plan_nodes(plan: ParallelPlan) -> dict[tuple[str, str, Market], int]:
         for r in st.replicas:
             gpn[(r.zone, r.gpu_type, r.market)] = r.gpus_per_node
     return {k: -(-n // gpn[k]) for k, n in plan.gpus_by_place().items()}
+
+
+# What a rank's checkpoint shard holds per parameter: fp32 weights and AdamW's two fp32 moments.
+STATE_BYTES_PER_PARAM = 12
+# New VMs, from the provisioning request to the first trained step, before the store has measured a
+# provider's (`vm_start` measurements, written at every run's cold start): stated assumptions. A cloud VM
+# boots in one to two minutes and its agent then installs the run's wheel and starts torch workers; the
+# local provider starts plain processes.
+ASSUMED_VM_START_S = {"aws": 180.0, "gcp": 180.0, "local": 10.0}
+ASSUMED_VM_START_OTHER_S = 180.0  # a provider not listed
+# A rank reading its shard of the checkpoint, before the run has measured a checkpoint of its own: one
+# stream from object storage (as tasks/checkpointing.py assumes for writing).
+ASSUMED_LOAD_BYTES_PER_S = 100e6
+
+
+def largest_shard_bytes(plan: ParallelPlan, model: ModelSpec) -> int:
+    """The training state the largest rank holds: one TP rank's shard of its stage's layers (what it writes
+    to a checkpoint, and what a rank on a new VM loads before its first step)."""
+    most = 0
+    for st in plan.stages:
+        tp = st.replicas[0].tp
+        params = sum(model.layer(li, tp).params for li in range(st.first_layer, st.last_layer + 1))
+        most = max(most, params * STATE_BYTES_PER_PARAM)
+    return most
+
+
+def vm_start_from_history(measured_s: Iterable[float]) -> float | None:
+    """The median of a provider's measured VM starts (None when none was measured): one slow start (an image
+    pulled for the first time) does not set every later decision."""
+    xs = sorted(float(x) for x in measured_s if x is not None and math.isfinite(float(x)) and float(x) >= 0)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def assumed_vm_start_s(provider: str) -> float:
+    return ASSUMED_VM_START_S.get(provider, ASSUMED_VM_START_OTHER_S)
 
 
 # A VM that fails with no notice at all (a host fault, a kernel panic, a lost network path): about once a

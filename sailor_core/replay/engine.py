@@ -18,6 +18,10 @@ do (docs/replay.md):
   without it the old plan trains until its VMs go and every step since the last periodic
   checkpoint (each `checkpoint_interval` steps) is redone. The old plan is billed for that window.
 - waiting: nothing is rented and nothing trains; a restart is a reconfiguration.
+- new VMs: a plan that replaces one that lost GPUs (or restarts from waiting) on GPUs the job does
+  not hold also waits `vm_start_s` for its new VMs and loads its largest shard at `load_bytes_per_s`
+  (`sailor_core.decisions.startup_s`, as the flow charges it). A voluntary switch of a whole plan
+  rents its new VMs while the old plan trains on, so it waits for the reconfiguration alone.
 
 The planner is memoised per pool (availability and price vector); with `reuse_dominating_plans`
 a pool with no more GPUs anywhere than a pool already planned, at the same prices, reuses that
@@ -32,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sailor_core.decisions import PlanCost, SwitchDecision
-from sailor_core.domain import Capacity, Market, ParallelPlan, ResourcePool
+from sailor_core.decisions import PlanCost, Replacement, StartupTimes, SwitchDecision, startup_s
+from sailor_core.domain import Capacity, Market, ModelSpec, ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, PlanRequest, Restrictions, SearchOptions, summarize
 from sailor_core.planner import plan as run_planner
@@ -42,6 +46,7 @@ from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.risk import (  # the flow's stand-ins before it has measured or planned
     DEFAULT_CHECKPOINT_INTERVAL_STEPS,
     DEFAULT_RECONFIGURATION_S,
+    largest_shard_bytes,
 )
 from sailor_core.profiles import ProfileBook, calibrated_book
 from sailor_core.replay.trace import Trace, TracePoint
@@ -81,12 +86,17 @@ class ReplayJob:
     search: SearchOptions = field(default_factory=SearchOptions)
     checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL_STEPS
     reconfiguration_s: float = DEFAULT_RECONFIGURATION_S
+    # A replacement on GPUs the job does not hold: its new VMs' start (provisioning request to the first
+    # step) and the rate its ranks load their state at (0 and inf: not charged).
+    vm_start_s: float = 0.0
+    load_bytes_per_s: float = math.inf
     grace_s: float = DEFAULT_GRACE_S
     checkpoint_on_notice: bool = True
     min_gain: float = 0.0
     period_s: float = DEFAULT_PERIOD_S
     reuse_dominating_plans: bool = True
-    # After a loss, the sailor policy weighs its replacements (policies.py); False: shrink first.
+    # After a loss, the sailor policy weighs its replacements as the flow does (policies.py); False: shrink
+    # first, the flow's former rule.
     weigh_replacements: bool = True
 
     def __post_init__(self) -> None:
@@ -95,7 +105,9 @@ class ReplayJob:
                 raise SailorError(
                     f"replay: {name} must be >= 1, got {getattr(self, name)}; to fix: pass a positive value"
                 )
-        for name in ("reconfiguration_s", "grace_s", "min_gain"):
+        if not self.load_bytes_per_s > 0:
+            raise SailorError(f"replay: load_bytes_per_s must be > 0, got {self.load_bytes_per_s}")
+        for name in ("reconfiguration_s", "vm_start_s", "grace_s", "min_gain"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise SailorError(f"replay: {name} must be >= 0, got {v}; to fix: pass a non-negative number")
@@ -107,6 +119,16 @@ class ReplayJob:
 class Candidate:
     plan: ParallelPlan
     cost: PlanCost
+
+
+def as_replacement(plan: ParallelPlan, cost: PlanCost, held: ResourcePool | None,
+                   current: ParallelPlan | None, model: ModelSpec) -> Replacement:
+    """`plan` replacing `current`, of which `held` is left after a loss (None: all of it is held): new VMs
+    when it needs GPUs the job does not hold, and then the largest shard its ranks load."""
+    have = counts_of(held) if held is not None else (current.gpus_by_place() if current is not None else {})
+    per_vm = {(r.zone, r.gpu_type, r.market): max(1, r.gpus_per_node) for st in plan.stages for r in st.replicas}
+    new = sum(-(-max(0, n - have.get(k, 0)) // per_vm[k]) for k, n in plan.gpus_by_place().items())
+    return Replacement(cost=cost, new_vms=new, load_bytes=float(largest_shard_bytes(plan, model)) if new else 0.0)
 
 
 def pool_key(pool: ResourcePool) -> tuple[tuple[str, str, str, int, float], ...]:
@@ -225,6 +247,16 @@ class View:
     lost_steps: int  # after a loss, steps since the last periodic checkpoint (what decide_switch charges); else 0
     reconfiguration_s: float  # the reconfiguration time in force (the job's, or one measured since)
     held: ResourcePool | None = None  # when GPUs were lost: those of the current plan still there
+
+    @property
+    def startup(self) -> StartupTimes:
+        """What starting a replacement takes now (`replacement` charges a plan its own)."""
+        return StartupTimes(reconfiguration_s=self.reconfiguration_s, vm_start_s=self.job.vm_start_s,
+                            load_bytes_per_s=self.job.load_bytes_per_s)
+
+    def replacement(self, plan: ParallelPlan, cost: PlanCost) -> Replacement:
+        """`plan` as a replacement of the current plan: new VMs when it uses GPUs the job does not hold."""
+        return as_replacement(plan, cost, self.held if self.lost else None, self.current, self.planner.book.model)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -547,17 +579,24 @@ def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: R
         return
     assert action.plan is not None
     restart = s.initial is not None  # not the job's first launch
+    previous = s.plan
     s.plan = action.plan
     s.cost = planner.cost(action.plan, pool)
     s.gpus = action.plan.num_gpus
     if s.initial is None:
         s.initial = action.plan
     # The first launch and every relaunch take a reconfiguration's time (VMs start, workers load the
-    # checkpoint); only relaunches count as waste: every policy pays the first start.
-    s.ready_at = s.t + s.reconf_now
+    # checkpoint); only relaunches count as waste: every policy pays the first start. A replacement of a
+    # plan that cannot go on (or a restart after waiting) on GPUs the job does not hold also waits for its
+    # new VMs and their state; a whole plan's switch rents them while it trains on.
+    took = s.reconf_now
+    if restart and (lost or previous is None):
+        took = startup_s(as_replacement(action.plan, s.cost, view.held if lost else None, previous,
+                                        planner.book.model), view.startup)
+    s.ready_at = s.t + took
     if restart:
-        s.reconf_s += s.reconf_now
-        s.wasted_gpu_hours += s.reconf_now * s.gpus / 3600.0
+        s.reconf_s += took
+        s.wasted_gpu_hours += took * s.gpus / 3600.0
         s.switches += 1
 
 

@@ -9,10 +9,12 @@ capacity, a lost worker takes its VM from the job (the capacity stays), a price 
 place's price, a capacity change sets its number of VMs. Each point also carries what the flow
 had measured by then: its calibration factors (online corrections of each GPU type's layer times,
 from the run's start and from its `iteration_time` replans) and its reconfiguration time (the
-longest measured so far; before the first, the job's estimate). `run_job(run, ...)` is the
-`ReplayJob` of the run's parameters, deciding as the flow does (its reconfiguration estimate,
-its search, no plan reuse across pools). Replayed under the `sailor` policy, the replay meets
-the same events at the same steps and decides with the same planner and `decide_switch`;
+longest switch in place measured so far, one that rented no VM; before the first, the job's
+estimate). `run_job(run, ...)` is the `ReplayJob` of the run's parameters, deciding as the flow
+does (its reconfiguration estimate, its search, no plan reuse across pools, replacements weighed
+with the VM start and state-loading rate its first replan after a loss recorded). Replayed under
+the `sailor` policy, the replay meets the same events at the same steps and decides with the
+same planner, `best_replacement` and `decide_switch`;
 `decisions_of(run)` lists what the flow decided, to compare.
 """
 
@@ -89,8 +91,8 @@ def run_trace(run: Mapping[str, Any], initial: ResourcePool,
             count[k] = int(ev["new_count"]) * entries[k].gpus_per_vm
         elif kind == "calibration" and ev.get("gpu_type") and ev.get("factor") is not None:
             factors[str(ev["gpu_type"])] = float(ev["factor"])  # the factor in force, not a further scaling
-        elif kind == "reconfigured" and ev.get("reconfiguration_s") is not None:
-            measured.append(float(ev["reconfiguration_s"]))
+        elif kind == "reconfigured" and ev.get("reconfiguration_s") is not None and not ev.get("new_vms"):
+            measured.append(float(ev["reconfiguration_s"]))  # a switch in place (the flow's rule)
         elif kind == "replan":
             points.append(point(int(ev.get("step", 0))))
     return Trace(name=f"run {run.get('run_id', '')}", places=places, points=tuple(points))
@@ -109,6 +111,9 @@ def run_job(run: Mapping[str, Any], *, sequence_length: int,
         max_gpus = min(max_gpus or workers, workers)
     search = SearchOptions(max_stages=int(p["max_stages"])) if p.get("max_stages") else SearchOptions()
     graces = [float(e["grace_s"]) for e in run.get("events", []) if e.get("kind") == "preemption" and "grace_s" in e]
+    startup = next((d["detail"]["startup"] for d in run.get("decisions", [])
+                    if isinstance(d.get("detail"), Mapping) and d["detail"].get("startup")
+                    and len(d["detail"].get("replacements") or ()) > 1), None)
     return ReplayJob(
         model=str(p["model"]), global_batch_size=gbs, total_steps=int(steps), tokens_per_step=gbs * sequence_length,
         objective=Objective.parse(p.get("objective", "min-cost")).value,
@@ -120,7 +125,9 @@ def run_job(run: Mapping[str, Any], *, sequence_length: int,
                                   markets=tuple(Market.parse(m) for m in p.get("markets") or ()), max_gpus=max_gpus),
         search=search, checkpoint_interval=planning_checkpoint_interval(int(p.get("checkpoint_interval") or 0)),
         reconfiguration_s=reconfiguration_s,
-        min_gain=float(p.get("min_gain", 0.0)), reuse_dominating_plans=False, weigh_replacements=False,
+        min_gain=float(p.get("min_gain", 0.0)), reuse_dominating_plans=False,
+        vm_start_s=float(startup["vm_start_s"]) if startup else 0.0,
+        load_bytes_per_s=float(startup["load_bytes_per_s"]) if startup else math.inf,
         grace_s=max(graces) if graces else DEFAULT_GRACE_S,
     )
 

@@ -6,9 +6,10 @@ function of the `View` the engine shows it, returning an `Action` (stay, switch 
   the gain over the remaining work pays for the reconfiguration and the steps redone; a plan that
   lost GPUs is always left, for whichever of the best plan on the GPUs it still holds, the best
   on everything available and its own shape moved to where it fits now finishes the remaining
-  work soonest (or cheapest: `best_replacement`, ties to the plan on the GPUs still held). With
-  `weigh_replacements` off it shrinks first as the replan subflow does today (the best on the GPUs
-  still held if there is one, else the best on everything).
+  work soonest (or cheapest: `best_replacement`, ties to the plan on the GPUs still held), each
+  charged its own start: one that needs new VMs also waits for them and for its state. With
+  `weigh_replacements` off it shrinks first, as the replan subflow did before it weighed them (the
+  best on the GPUs still held if there is one, else the best on everything).
 - `relaunch_same`: what SkyPilot managed jobs do. Keep the first plan's shape (the same GPU types
   and counts, the same stages); when it loses GPUs, relaunch that shape wherever it fits now, each
   group of GPUs on the cheapest (zone, market) with room for it; if it fits nowhere, wait. Prices
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from sailor_core.decisions import best_replacement, decide_switch
+from sailor_core.decisions import best_replacement, decide_switch, startup_s
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.replay.engine import Action, Candidate, Policy, View, counts_of, missing_gpus
@@ -45,8 +46,8 @@ def sailor(v: View) -> Action:
     else:
         cand = None
         if v.lost and v.held is not None and v.held.entries:
-            # The flow shrinks first: the best plan on the GPUs still held starts in seconds (their
-            # processes go on in place); capacity elsewhere is weighed at the next change.
+            # Shrink first (the flow's former rule): the best plan on the GPUs still held starts in
+            # seconds (their processes go on in place); capacity elsewhere is weighed at the next change.
             cand = v.planner.best(v.held)
         if cand is None:
             cand = v.planner.best(v.pool)
@@ -57,9 +58,11 @@ def sailor(v: View) -> Action:
     if v.initial is None:
         return Action(kind="switch", plan=cand.plan, reason="best plan for the request")
     unusable = v.current is None or v.lost
+    # A plan that cannot go on waits for its replacement's new VMs; a whole one trains on while they start.
+    took = startup_s(v.replacement(cand.plan, cand.cost), v.startup) if unusable else v.reconfiguration_s
     d = decide_switch(
         objective=v.job.objective, current=None if unusable else v.current_cost, candidate=cand.cost,
-        remaining_steps=v.remaining_steps, lost_steps=v.lost_steps, reconfiguration_s=v.reconfiguration_s,
+        remaining_steps=v.remaining_steps, lost_steps=v.lost_steps, reconfiguration_s=took,
         min_gain=v.job.min_gain, current_broken=v.broken if v.current is not None else "nothing rented",
         same_plan=(cand.plan == v.current) and not unusable,
     )
@@ -70,7 +73,7 @@ def sailor(v: View) -> Action:
 def _replacement(v: View) -> Candidate | None:
     """After a loss: the best on the GPUs still held (no new VMs), the best on everything, or the
     plan's own shape moved to where it fits now, whichever finishes the remaining work soonest
-    (or cheapest) with a reconfiguration (`best_replacement`, the first of equals)."""
+    (or cheapest) with its own start (`best_replacement`, the first of equals)."""
     options: list[Candidate | None] = []
     if v.held is not None and v.held.entries:
         options.append(v.planner.best(v.held))
@@ -86,9 +89,8 @@ def _replacement(v: View) -> Candidate | None:
     found = [c for c in options if c is not None]
     if not found:
         return None
-    k = best_replacement(objective=v.job.objective, candidates=[c.cost for c in found],
-                         remaining_steps=v.remaining_steps, lost_steps=v.lost_steps,
-                         reconfiguration_s=v.reconfiguration_s)
+    k = best_replacement(objective=v.job.objective, candidates=[v.replacement(c.plan, c.cost) for c in found],
+                         remaining_steps=v.remaining_steps, lost_steps=v.lost_steps, times=v.startup)
     return found[k]
 
 
