@@ -70,6 +70,11 @@ from sailor_core.replay import (
     replay as run_replay,
 )
 
+# A replacement after a loss on GPUs the job does not hold waits for its new VMs (sailor_core.decisions.startup_s).
+VmStartS = Annotated[float, typer.Option("--vm-start-s", help=(
+    "seconds new VMs take from the request to training: a replacement after a loss on GPUs the job does "
+    "not hold waits for them (0: not charged)"))]
+
 
 def replay(
     trace: Annotated[str | None, typer.Option("--trace", help="trace file (docs/replay.md), or 'synthetic'")] = None,
@@ -91,9 +96,7 @@ def replay(
         "--search", help="fast (default) | full: the flow's own planner search")] = "fast",
     checkpoint_interval: CheckpointInterval = AUTO_CHECKPOINT_INTERVAL,
     reconfiguration_s: ReconfigurationS = None,
-    vm_start_s: Annotated[float, typer.Option("--vm-start-s", help=(
-        "seconds new VMs take from the request to training: a replacement after a loss on GPUs the job does "
-        "not hold waits for them (0: not charged)"))] = 0.0,
+    vm_start_s: VmStartS = 0.0,
     grace_s: Annotated[float, typer.Option(
         "--grace-s", help="seconds between a preemption notice and the VM's stop")] = DEFAULT_GRACE_S,
     no_checkpoint_on_notice: Annotated[bool, typer.Option("--no-checkpoint-on-notice", help=(
@@ -127,8 +130,7 @@ def replay(
         _replay_run(run, store, as_json)
         return
     if trace is None or model is None or global_batch_size is None:
-        raise SailorError("give --trace, --model and --global-batch-size (or --run RUN_ID); "
-                          "to fix: add the missing ones")
+        raise SailorError("give --trace, --model and --global-batch-size (or --run RUN_ID); to fix: add those missing")
     names = _policies(policy, steps, token_budget, search)
     _check_trace_path(trace)  # before the store is read: a typo costs nothing and starts no reader threads
     book = load_model_book(model, store)
