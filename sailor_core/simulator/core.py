@@ -27,7 +27,7 @@ from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import SimModel, StageCompute, allreduce_buckets, model_for
 from sailor_core.simulator.result import Breakdown, ReplicaRow, SimOptions, SimulationResult
-from sailor_core.simulator.schedule import run_1f1b, run_gpipe
+from sailor_core.simulator.schedule import run_1f1b, run_deepspeed_1f1b, run_gpipe
 
 
 def place_nodes(plan: ParallelPlan) -> list[list[int]]:
@@ -69,11 +69,21 @@ def pipeline_time_s(
     batches, drain; GPipe's forwards then backwards; a message moves once its send and its receive
     are both posted). Unequal stages get the overlap of their fill and drain exactly. The p2p part
     is the time over the same schedule with free links (skipped with `with_p2p_part=False`).
-    DeepSpeed (`deepspeed`): the closed form of its blocking sends (`_blocking_pipeline_time_s`).
+    DeepSpeed (`deepspeed`): its TrainSchedule run instruction by instruction, with blocking sends
+    (`simulator.schedule.run_deepspeed_1f1b`); the p2p part again against free links. DeepSpeed has no
+    GPipe schedule: `gpipe` under it keeps the closed form of blocking sends (`_blocking_pipeline_time_s`).
     """
     if runtime == "deepspeed":
-        return _blocking_pipeline_time_s(compute, [x if isinstance(x, (int, float)) else max(x) for x in p2p_s],
-                                         num_microbatches, schedule)
+        msg = [x if isinstance(x, (int, float)) else max(x) for x in p2p_s]
+        if schedule == "gpipe":
+            return _blocking_pipeline_time_s(compute, msg, num_microbatches, schedule)
+        f_ds = [c.forward_s for c in compute]
+        b_ds = [c.backward_s for c in compute]
+        total, finish = run_deepspeed_1f1b(f_ds, b_ds, msg, num_microbatches)
+        if not with_p2p_part:
+            return total, 0.0, finish
+        free = run_deepspeed_1f1b(f_ds, b_ds, [0.0] * len(msg), num_microbatches)[0]
+        return total, max(0.0, total - free), finish
     fwd = [float(x) if isinstance(x, (int, float)) else x[0] for x in p2p_s]
     bwd = [float(x) if isinstance(x, (int, float)) else x[1] for x in p2p_s]
     f_s = [c.forward_s for c in compute]

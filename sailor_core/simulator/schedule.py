@@ -246,3 +246,88 @@ def lower_bound_1f1b(
             prefix += fwd_s[b] + bwd_s[b] + act_s[b] + grad_s[b]
         best = max(best, t)
     return best
+
+
+# -- DeepSpeed's pipeline engine (the published runs' framework) ---------------------------------------
+_DS_F, _DS_B, _DS_SEND, _DS_RECV = 0, 1, 2, 3
+
+
+@lru_cache(maxsize=1024)
+def programs_deepspeed(p: int, n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each stage's instruction stream under DeepSpeed's TrainSchedule (1F1B), as (op, peer) pairs: op
+    _DS_F / _DS_B (peer -1), or a blocking _DS_SEND / _DS_RECV with the neighbouring stage `peer`.
+
+    The schedule runs 2 (n + p - 1) steps; at each a stage either forwards or backwards, by the parity
+    of the step and of its stage id, and first exchanges with one neighbour: before a forward it sends
+    the previous step's input gradient back and receives this microbatch's activation; before a backward
+    it receives this microbatch's gradient and sends the previous step's output on. A send of the
+    previous step's output therefore waits for the gradient the stage receives first."""
+    def valid(mb: int) -> bool:
+        return 0 <= mb < n
+
+    def micro_batch(stage: int, step: int) -> tuple[int, bool]:
+        if step % 2 == stage % 2:  # a forward step
+            return (step - stage % 2) // 2 - stage // 2, True
+        if step % 2 == 0:  # an even step of an odd stage: backward
+            return step // 2 - p + (stage + 1) // 2, False
+        return (step - 1) // 2 - p + 1 + stage // 2, False
+
+    out = []
+    for st in range(p):
+        ops: list[tuple[int, int]] = []
+        prev = -1
+        for step in range(2 * (n + p - 1)):
+            mb, fwd = micro_batch(st, step)
+            if fwd and st > 0:
+                if valid(prev):
+                    ops.append((_DS_SEND, st - 1))
+                if valid(mb):
+                    ops.append((_DS_RECV, st - 1))
+            elif not fwd and st < p - 1:
+                if valid(mb):
+                    ops.append((_DS_RECV, st + 1))
+                if valid(prev):
+                    ops.append((_DS_SEND, st + 1))
+            if valid(mb):
+                ops.append((_DS_F if fwd else _DS_B, -1))
+            prev = mb
+        out.append(tuple(ops))
+    return tuple(out)
+
+
+def run_deepspeed_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], msg_s: Sequence[float], n: int,
+                       ) -> tuple[float, list[float]]:
+    """(pipeline seconds, when each stage ends its last backward) of DeepSpeed's TrainSchedule run
+    instruction by instruction (`programs_deepspeed`). Its point-to-point calls block both sides: a
+    send and the receive it meets start when both stages have reached them and end `msg_s[b]` later
+    for boundary b (between stages b and b + 1); the two streams of a boundary meet in order, which the
+    schedule's parity keeps free of deadlock. Unequal stages get exactly the overlap their fill and drain
+    allow, which a closed form over the slowest stage's cycle does not."""
+    p = len(fwd_s)
+    progs = programs_deepspeed(p, n)
+    pc, now, last_b = [0] * p, [0.0] * p, [0.0] * p
+    left = sum(len(x) for x in progs)
+    while left:
+        moved = left
+        for st in range(p):
+            prog = progs[st]
+            while pc[st] < len(prog):
+                op, peer = prog[pc[st]]
+                if op == _DS_F:
+                    now[st] += fwd_s[st]
+                elif op == _DS_B:
+                    now[st] += bwd_s[st]
+                    last_b[st] = now[st]
+                else:
+                    other = progs[peer]
+                    if pc[peer] >= len(other) or other[pc[peer]] != (_DS_SEND + _DS_RECV - op, st):
+                        break  # the peer has not reached the matching call yet
+                    end = max(now[st], now[peer]) + msg_s[min(st, peer)]
+                    now[st] = now[peer] = end
+                    pc[peer] += 1
+                    left -= 1
+                pc[st] += 1
+                left -= 1
+        if left == moved:
+            raise RuntimeError(f"DeepSpeed schedule stalled (p={p}, n={n}): a bug in programs_deepspeed")
+    return max(now), last_b
