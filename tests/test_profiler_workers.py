@@ -81,11 +81,10 @@ def test_out_of_memory_is_recorded_as_infeasible_and_the_grid_goes_on(tmp_path):
     assert {p.mbs for p in prof.profiles} == {1}
 
 
-def test_network_link_predicts_its_measured_transfer_times_within_15_percent(tmp_path):
-    # The bandwidth-bound part of the curve (2-32 MiB), with more repetitions than the default: it
-    # holds even with other jobs on the 2-core box (worst 12 % in four runs at load 4). The whole
-    # default range (64 KiB..64 MiB) fits within 6-11 % on a quiet machine but reached 25 % with a
-    # second test suite running beside it; bench/bench_network_fit.py reports that range.
+def test_network_profile_of_two_workers_stores_its_link_node_link_and_allreduce_fits(tmp_path):
+    # How well the fit predicts the measured transfer times is a timing, which the machine's load moves
+    # (a 15 % bound held at load 4 and broke at load 9 with a bench beside the suite):
+    # bench/bench_network_fit.py reports it; tests/test_profiler.py checks the fit itself on exact curves.
     policy = RepeatPolicy(warmup=1, min_reps=30, max_reps=200, rel_err=0.005, time_cap_s=3.0)
     settings = NetworkSettings(workers=2, min_bytes=2 << 20, max_bytes=32 << 20, policy=policy)
     prof = profile_network(settings)
@@ -95,9 +94,10 @@ def test_network_link_predicts_its_measured_transfer_times_within_15_percent(tmp
     links = open_store(str(tmp_path / "store")).network_links()
     link = next(lk for lk in links if lk.sender_gpu == "cpu" and lk.sender_zone == "local")
     assert (link.sender_count, link.receiver_zone, link.receiver_gpu, link.receiver_count) == (1, "local", "cpu", 1)
-    errors = [(link.fit.transfer_time_s(p.message_bytes) - p.p2p_s) / p.p2p_s for p in prof.points]
-    assert len(errors) == 5
-    assert max(abs(e) for e in errors) < 0.15, errors
+    sizes = [p.message_bytes for p in prof.points]
+    assert len(sizes) == 5 and all(p.p2p_s > 0 for p in prof.points)
+    fitted = [link.fit.transfer_time_s(b) for b in sorted(sizes)]
+    assert all(t > 0 for t in fitted) and fitted == sorted(fitted), fitted  # more bytes never take less time
     intra = [x for x in store.intra_node_links() if x.gpu_type == "cpu"]
     assert intra and intra[0].num_gpus == 2 and intra[0].fit.coeffs == pytest.approx(link.fit.coeffs)
     [node_ar] = [x for x in store.node_allreduce() if x.gpu_type == "cpu"]
