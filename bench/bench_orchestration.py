@@ -13,7 +13,9 @@ Usage: python bench/bench_orchestration.py [--steps N] [--workers N] [--store UR
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from datetime import datetime
@@ -43,6 +45,7 @@ def main() -> int:
     ap.add_argument("--store", default=None, help="store URI (default: $SAILOR_STORE or .sailor/store)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sailor-bench-orch-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # the runs' folders go with the bench
     os.environ.setdefault("PREFECT_HOME", str(REPO / ".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")

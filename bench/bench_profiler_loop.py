@@ -17,9 +17,11 @@ load average before and after.
 from __future__ import annotations
 
 import argparse
+import atexit
 import io
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -133,6 +135,7 @@ def main() -> int:
         sys.stdout.reconfigure(line_buffering=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tmp = Path(tempfile.mkdtemp(prefix="sailor-loop-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # the runs' folders go with the bench
     store_uri = a.store or str(tmp / "store")
     chosen = {k: v for k, v in plans(a.mbs, a.gbs).items() if k in a.plans.split(",")}
     tps = sorted({r.tp for p in chosen.values() for st in p.stages for r in st.replicas})

@@ -52,6 +52,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -563,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"skipped: needs root: {why}", flush=True)
         return 0
+    # `timeout` and the checks stop the bench with SIGTERM: leave through `finally`, which tears the testbed
+    # down and removes the work folder (a killed pass left its folder in /tmp)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sc = load_scenario(args.scenario)
     work = Path(tempfile.mkdtemp(prefix="sailor-validate-testbed-"))
     (work / "logs").mkdir()
