@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import random
+import shutil
 import tempfile
 import time
 
@@ -32,6 +34,7 @@ def main() -> None:
     words = [f"w{i}" for i in range(3000)]
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(100, 400))) for _ in range(8000)]
     tmp = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # the tokenizer goes with the bench
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", "</s>", *words])}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(f"{tmp}/tokenizer.json")

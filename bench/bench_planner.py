@@ -24,7 +24,9 @@ Usage: .venv/bin/python bench/bench_planner.py [--pools N] [--constrained N] [--
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
+import shutil
 import sys
 import tempfile
 import time
@@ -229,7 +231,7 @@ def large_pool(book) -> bool:
               f"{e.usd_per_iteration:.4f} USD/it  {summarize(res.plan)[:90]}")
     from profiles_store.store import open_store
 
-    store = open_store(tempfile.mkdtemp())  # the shipped seed: every model a fresh install has
+    store = open_store(_scratch())  # the shipped seed: every model a fresh install has
     zones: dict[str, Any] = {z: {"gpus": {"A100-40": {"count": 128}}} for z in FIVE_ZONES}
     zones["us-west1-b"]["region"] = "us-west1"
     for model in store.model_names():
@@ -261,7 +263,7 @@ def _cheapest_within_tolerance() -> bool:
 
     ok = True
 
-    neo = open_store(tempfile.mkdtemp()).profile_book("GPT-Neo-2.7")
+    neo = open_store(_scratch()).profile_book("GPT-Neo-2.7")
     for per_zone, gbs in ((32, 1024), (128, 1024), (128, 4096)):
         zones: dict[str, Any] = {z: {"gpus": {"A100-40": {"count": per_zone}}} for z in FIVE_ZONES}
         zones["us-west1-b"]["region"] = "us-west1"
@@ -363,6 +365,13 @@ def determinism(book) -> bool:
     same = a.plan == b.plan and (a.estimate and a.estimate.to_json()) == (b.estimate and b.estimate.to_json())
     print(f"-> {'OK' if same else 'SHORT'}: same request twice, same plan: {same}")
     return same
+
+
+def _scratch() -> str:
+    """A temporary folder removed when the bench exits."""
+    d = tempfile.mkdtemp(prefix="sailor-bench-planner-")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return d
 
 
 def main() -> int:

@@ -128,8 +128,11 @@ def run_baseline(kind: str, model: str, steps: int, mbs: int, n_micro: int, worl
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    with open(out) as f:
-        return _median_after_warmup(json.load(f)["times"])
+    try:
+        with open(out) as f:
+            return _median_after_warmup(json.load(f)["times"])
+    finally:
+        os.unlink(out)  # the baseline's times: read once, then gone from /tmp
 
 
 def _free_port() -> int:
