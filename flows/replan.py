@@ -59,7 +59,7 @@ from sailor_core.profiles import ProfileBook
 from sailor_core.replay.policies import relocate
 from sailor_core.runtime.protocol import vm_of
 from sailor_core.simulator.result import SimulationResult
-from tasks.checkpointing import interval_for, measured_checkpoint, notice_s, writer_state_bytes
+from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
 from tasks.control import Controller
 from tasks.decisions import PlanCost, decide_switch, lost_vms
 from tasks.history import Decision, DecisionKind, Measurement, RunEvent, RunHistory, RunStatus
@@ -202,12 +202,12 @@ class RunContext:
         """A switch on VMs already held: the longest the run measured, else the estimate."""
         return max(self.in_place_s) if self.in_place_s else self.setup.reconfiguration_estimate_s
 
-    def startup_times(self, job: Job) -> StartupTimes:
+    def startup_times(self, job: Job, model: ModelSpec) -> StartupTimes:
         """What starting a replacement takes, as the run knows it now (see the module's contract)."""
         measured = measured_checkpoint(job.controller.metrics(job.version)) if job.controller is not None else None
         rate = ASSUMED_LOAD_BYTES_PER_S
         if measured is not None and measured["write_s"] > 0:
-            rate = writer_state_bytes(job.plan) / measured["write_s"]
+            rate = largest_shard_bytes(job.plan, model) / measured["write_s"]
         return StartupTimes(reconfiguration_s=self.reconfiguration_s(), vm_start_s=self.vm_start_s(),
                             load_bytes_per_s=max(rate, 1.0))
 
@@ -309,7 +309,8 @@ def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: 
                             max_usd_per_hour=p.max_usd_per_hour, min_iterations_per_s=p.min_iterations_per_s)
         if v:
             broken = "the current plan now breaks a limit: " + "; ".join(v)
-    times = ctx.startup_times(job)
+    # Only a loss weighs new VMs: other replans wait for a switch in place, and read no store for start times.
+    times = ctx.startup_times(job, book.model) if lost else StartupTimes(reconfiguration_s=ctx.reconfiguration_s())
     try:
         options = _replacements(ctx, job, offers, held, book) if lost else []
         if not options:

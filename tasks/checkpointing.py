@@ -22,6 +22,7 @@ from sailor_core.planner.risk import (
     CheckpointInterval,
     SpotRisk,
     checkpoint_interval,
+    largest_shard_bytes,
     plan_nodes,
     plan_preemptions_per_hour,
 )
@@ -32,7 +33,6 @@ from tasks.records import MetricRow
 # run's measurement at its next plan version.
 ASSUMED_WRITE_BYTES_PER_S = 100e6
 ASSUMED_SNAPSHOT_BYTES_PER_S = 2e9
-STATE_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two fp32 moments
 # The notice a spot VM gets before it is taken back, as each cloud documents it.
 PROVIDER_NOTICE_S = {"aws": 120.0, "gcp": 30.0}
 
@@ -49,15 +49,10 @@ def notice_s(provider: str, given: float | None, scenario_graces: Iterable[float
 
 def writer_state_bytes(plan: ParallelPlan) -> int:
     """What the largest checkpoint writer holds: one TP rank's shard of its stage's layers."""
-    from sailor_core.models.config import get_config, layer_params
+    from sailor_core.models.config import get_config, model_spec
 
-    cfg = get_config(plan.model)
-    most = 0
-    for st in plan.stages:
-        tp = st.replicas[0].tp
-        params = sum(layer_params(cfg, li, tp) for li in range(st.first_layer, st.last_layer + 1))
-        most = max(most, params * STATE_BYTES_PER_PARAM)
-    return most
+    tps = sorted({r.tp for st in plan.stages for r in st.replicas})
+    return largest_shard_bytes(plan, model_spec(get_config(plan.model), tps))
 
 
 def measured_checkpoint(rows: Iterable[MetricRow]) -> dict[str, float] | None:
