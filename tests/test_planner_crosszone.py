@@ -95,8 +95,34 @@ def test_equal_gpus_in_two_regions_the_front_keeps_a_pipeline_in_one() -> None:
     front, extra = got[2]
     # at D = 2 both (3, 0) (every stage in region A) and (2, 1) fit; they tie on compute and price,
     # and (2, 1), one stage in region B, sorts first: the front alone never estimates (3, 0)
-    assert set(front) == {(2, 1)}
-    assert extra == [(3, 0)] and reconstruct(layers, (3, 0)) == ((0, 1), (0, 1), (0, 1))
+    assert {u for u, _ in front} == {(2, 1)}
+    assert [u for u, _ in extra][0] == (3, 0) and reconstruct(layers, extra[0]) == ((0, 1), (0, 1), (0, 1))
+
+
+def test_a_path_that_sends_more_cheaply_to_what_follows_is_kept_though_slower_so_far() -> None:
+    """Hand case: slot 0 (region A, 1 GPU) and slot 1 (region B, 2 GPUs); within a region a stage's
+    sends cost 0.01 s each way, across 0.5 s. Stage 0 takes 1.1 s on A or 1.0 s on B, stage 1 1.0 s
+    on A or 1.1 s on B, stage 2 runs on B only. The only end usage is (1, 2), by two paths:
+    B, A, B: 3.0 s of stages + 2 x 1.0 s of sends = 5.0 s, and A, B, B: 3.2 s + 1.0 + 0.02 = 4.22 s.
+    After two stages both sit at usage (1, 1) and B, A is faster so far (2.0 s against 2.2 s); the
+    time with sends must still reach A, B, B."""
+    two = [(0, 1, 1.1, 0.0), (1, 1, 1.0, 0.0)], [(0, 1, 1.0, 0.0), (1, 1, 1.1, 0.0)]
+    options = [*two, [(1, 1, 1.0, 0.0)]]
+    inside, across = (0.01, 0.01), (0.5, 0.5)
+    pairs = {((a, 1), (b, 1)): inside if a == b else across for a in (0, 1) for b in (0, 1)}
+    caps = (1, 2)
+    dp = usage_dp(options, caps, [pairs, pairs])
+    assert dp is not None
+    layers, states = dp
+    ends = {reconstruct(layers, key): (p1, w) for key, (p1, _, _, _, w) in states.items()}
+    assert set(ends) == {((1, 1), (0, 1), (1, 1)), ((0, 1), (1, 1), (1, 1))}
+    assert ends[((1, 1), (0, 1), (1, 1))] == pytest.approx((3.0, 2.0))  # the keys' best: fastest compute
+    assert ends[((0, 1), (1, 1), (1, 1))] == pytest.approx((3.2, 1.02))  # the best with sends
+    lb = Floor(reach=(0.0,) * 3, best=(1.0,) * 3, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0)
+    pb = Problem(num_layers=3, global_batch_size=8, tokens_per_sample=1, slots=(), mbs_values=(1,), tp_values=(1,))
+    (_, front, extra), = fronts(pb, Goal.of_problem(pb), end_states(states, caps, None), 1.1, 8, [1], lb,
+                                lambda: math.inf)
+    assert [reconstruct(layers, k) for k in extra] == [((0, 1), (1, 1), (1, 1))]
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -121,22 +121,15 @@ def test_any_shape_per_pipeline_microbatch_space_within_one_percent_of_brute_for
     assert got <= opt * 1.01, f"seed {seed}: planner {got:.6g} vs brute force {opt:.6g}"
 
 
-KNOWN_CROSS_REGION_MISSES = {
-    21: "the DP keeps one path per usage: the order of kinds whose sends are cheaper is dropped "
-        "stages before the end (the last kind is not part of the state)",
-}
-
-
-@pytest.mark.parametrize("seed", [*range(3, 9), 12, *sorted(KNOWN_CROSS_REGION_MISSES)])
-def test_multi_region_pools_with_pipelines_across_zones_within_the_tolerance(seed: int, request) -> None:
+@pytest.mark.parametrize("seed", [*range(3, 9), 12, 21])
+def test_multi_region_pools_with_pipelines_across_zones_within_the_tolerance(seed: int) -> None:
     """Four zones in two regions, one GPU type at equal or different prices (issue 29): brute force
     enumerates pipelines across zones and across regions (every stage on any region's slot, every zone
     fill); no enumerated plan beats the planner's by more than the tolerance. Before the assign step
     ranked its end states with their sends, seed 6 came out 2.8 % slower than brute force and 12 2.3 %
-    (with only the best by the send floor estimated, 12 still did); 21 (1.7 %) still misses, for the
-    reason `KNOWN_CROSS_REGION_MISSES` gives."""
-    if seed in KNOWN_CROSS_REGION_MISSES:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_CROSS_REGION_MISSES[seed]))
+    (with only the best by the send floor estimated, 12 still did); 21 came out 1.7 % slower while the
+    DP kept one path per usage (the order of kinds that sends more cheaply to the next stage was
+    merged away before the end)."""
     book, req = multi_region_world(seed)
     ours = plan(req, book)
     crossing = {"zones": 0, "regions": 0}

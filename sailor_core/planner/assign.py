@@ -3,11 +3,11 @@
 Contract: pure functions (no search state; the caller's moving cutoff is read through a callable).
 At tau each stage may take, in each slot, the smallest TPs whose time is <= tau (`stage_options`;
 paper heuristic: a larger TP only when it pays). `usage_dp` runs over stages with the GPUs used
-per slot (per pipeline) as the state and the objective's own key (summed stage time for
+per slot (per pipeline) and the class of the next sends as the state and the objective's own key (summed stage time for
 throughput, price for the cost objectives) then the other as the value, carrying each path's send
 floor (each boundary's least sends between the kinds taken, `bounds.LinkFloors.pairs`);
 `end_states` ranks its end states by how many copies (D) fit the pool, and `fronts` yields, per D,
-the usage vectors worth estimating (each key's optimum, or their Pareto set when a limit couples
+the end states worth estimating (each key's optimum, or their Pareto set when a limit couples
 time and money; the best with the send floor counted in the time key, `with_sends`; plus the best
 by an estimate of goodput under spot risk); `reconstruct` turns one into per-stage kinds.
 """
@@ -15,7 +15,6 @@ by an estimate of goodput under spot risk); `reconstruct` turns one into per-sta
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -27,6 +26,10 @@ from sailor_core.planner.shapes import StageTable
 from sailor_core.planner.space import Problem
 
 Usage = tuple[int, ...]  # GPUs per pipeline used in each slot
+# A DP state: the usage and its track: BY_KEYS, or (with sends) the class of the next boundary's
+# sends from the last kind (`usage_dp`)
+State = tuple[Usage, int]
+BY_KEYS = -1
 # End states estimated per D by the time-with-sends key under max throughput (`with_sends`): the send
 # floor is per slot (the least over its zones), so the best by it is not always the best once placed
 # (a world of tests/test_planner_optimality.py: 2.3 % short with the best alone). Only those their
@@ -34,13 +37,13 @@ Usage = tuple[int, ...]  # GPUs per pipeline used in each slot
 WITH_SENDS = 4
 # A DP state's value: (primary, secondary, the usage it came from, the (slot, tp) step taken, the
 # send floor of its path: each boundary's least sends between the kinds taken, forward + back)
-Value = tuple[float, float, Usage | None, tuple[int, int] | None, float]
+Value = tuple[float, float, State | None, tuple[int, int] | None, float]
 # (slot, tp, primary, secondary) of one choice for one stage
 Option = tuple[int, int, float, float]
 # (D that fits, primary, secondary, usage, send floor) of one end state
-End = tuple[int, float, float, Usage, float]
+End = tuple[int, float, float, State, float]
 # (primary, secondary, usage, send floor) of an end state eligible at some D
-Eligible = tuple[float, float, Usage, float]
+Eligible = tuple[float, float, State, float]
 
 
 def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool) -> list[list[Option]] | None:
@@ -66,38 +69,72 @@ def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool)
     return options
 
 
-def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends] = ()
-             ) -> tuple[list[dict[Usage, Value]], dict[Usage, Value]] | None:
-    """(every stage's layer of the DP, its last layer): per per-pipeline slot usage that fits the
-    slots' capacity, the best (primary, secondary), the step that reached it and its path's send floor
-    (`sends[b]`: boundary b's least sends between two kinds, `bounds.LinkFloors.pairs`), which breaks
-    exact ties; None if none fits. The keys stay compute and price: the send floor is what `fronts`
-    adds to rank the end states, the DP's per-usage choice of path is unchanged by it."""
+def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends] = (),
+             speed_first: bool = True) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
+    """(every stage's layer of the DP, its last layer): per state, the best value, the state and step
+    that reached it and its path's send floor (`sends[b]`: boundary b's least sends between two
+    kinds, `bounds.LinkFloors.pairs`); None if none fits.
+
+    Two tracks run side by side. A `BY_KEYS` state is the per-pipeline slot usage (within the slots'
+    capacity); its best path is the least (primary, secondary), the send floor breaking exact ties:
+    the objective's keys, which `fronts` takes its Pareto picks from. With sends, a second track
+    keeps, per usage and class of the next boundary's sends from the kind just taken
+    (`_row_classes`), the least time with sends (the summed time plus the send floor; for cost
+    objectives price breaks ties, `with_sends` ranks the same way): two paths are merged only when
+    their futures cost the same, so a path whose kinds send more cheaply to what comes next is not
+    dropped for one faster so far (one path per usage lost a cross-region plan 1.7 % better)."""
     zero = (0,) * len(caps)
-    layers: list[dict[Usage, Value]] = []
-    states: dict[Usage, Value] = {zero: (0.0, 0.0, None, None, 0.0)}
+    layers: list[dict[State, Value]] = []
+    start: Value = (0.0, 0.0, None, None, 0.0)
+    states: dict[State, Value] = {(zero, BY_KEYS): start, **({(zero, 0): start} if sends else {})}
     for s, opts in enumerate(options):
         link = sends[s - 1] if s and sends else None
+        ahead = sends[s] if s + 1 < len(options) and len(sends) > s else None
+        classes = _row_classes(ahead, opts, options[s + 1]) if ahead is not None else [0] * len(opts)
         rows: dict[tuple[int, int] | None, list[float]] = {}
-        nxt: dict[Usage, Value] = {}
-        for u, (p1, p2, _, last, w) in states.items():
+        nxt: dict[State, Value] = {}
+        for key, (p1, p2, _, last, w) in states.items():
+            u, track = key
             row = rows.get(last)
             if row is None:
                 row = rows[last] = _send_row(link, last, opts)
-            for (g, tp, x1, x2), dw in zip(opts, row, strict=True):
+            for (g, tp, x1, x2), dw, c in zip(opts, row, classes, strict=True):
                 if u[g] + tp > caps[g]:
                     continue
-                v = u[:g] + (u[g] + tp,) + u[g + 1 :]
                 q1, q2, qw = p1 + x1, p2 + x2, w + dw
+                if track == BY_KEYS:
+                    v = (u[:g] + (u[g] + tp,) + u[g + 1 :], BY_KEYS)
+                    old = nxt.get(v)
+                    if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and (
+                            q2 < old[1] - 1e-12 or (q2 <= old[1] + 1e-12 and qw < old[4] - 1e-12))):
+                        nxt[v] = (q1, q2, key, (g, tp), qw)
+                    continue
+                v = (u[:g] + (u[g] + tp,) + u[g + 1 :], c)
                 old = nxt.get(v)
-                if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and (
-                        q2 < old[1] - 1e-12 or (q2 <= old[1] + 1e-12 and qw < old[4] - 1e-12))):
-                    nxt[v] = (q1, q2, u, (g, tp), qw)
+                if old is None or _sends_first(q1, q2, qw, old, speed_first):
+                    nxt[v] = (q1, q2, key, (g, tp), qw)
         if not nxt:
             return None
         layers.append(nxt)
         states = nxt
     return layers, states
+
+
+def _sends_first(q1: float, q2: float, w: float, old: Value, speed_first: bool) -> bool:
+    """Whether (q1, q2, w) beats `old` by time with sends, then the other key."""
+    if speed_first:
+        a, b, c, d = q1 + w, q2, old[0] + old[4], old[1]
+    else:
+        a, b, c, d = q2 + w, q1, old[1] + old[4], old[0]
+    return a < c - 1e-12 or (a <= c + 1e-12 and b < d - 1e-12)
+
+
+def _row_classes(link: PairSends, opts: list[Option], ahead: list[Option]) -> list[int]:
+    """For each option of a stage, the class of its sends to the next stage's options over `link`:
+    options with equal rows share a class (one class when the next sends do not depend on the kind)."""
+    seen: dict[tuple[float, ...], int] = {}
+    return [seen.setdefault(tuple(sum(link[((g, tp), (h, th))]) for h, th, _, _ in ahead), len(seen))
+            for g, tp, _, _ in opts]
 
 
 def _send_row(link: PairSends | None, last: tuple[int, int] | None, opts: list[Option]) -> list[float]:
@@ -107,22 +144,23 @@ def _send_row(link: PairSends | None, last: tuple[int, int] | None, opts: list[O
     return [sum(link[(last, (g, tp))]) for g, tp, _, _ in opts]
 
 
-def end_states(states: dict[Usage, Value], caps: Sequence[int], max_gpus: int | None) -> list[End]:
-    """(D-capacity, primary, secondary, usage, send floor) of each end state, most copies first then best value."""
+def end_states(states: dict[State, Value], caps: Sequence[int], max_gpus: int | None) -> list[End]:
+    """(D-capacity, primary, secondary, state, send floor) of each end state, most copies first then best value."""
     ends = []
-    for u, (p1, p2, _, _, w) in states.items():
+    for key, (p1, p2, _, _, w) in states.items():
+        u = key[0]
         d_max = min((caps[g] // u[g] for g in range(len(caps)) if u[g]), default=0)
         if max_gpus is not None:
             d_max = min(d_max, max_gpus // max(1, sum(u)))
-        ends.append((d_max, p1, p2, u, w))
+        ends.append((d_max, p1, p2, key, w))
     ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
     return ends
 
 
-def reconstruct(layers: list[dict[Usage, Value]], end: Usage) -> tuple[tuple[int, int], ...]:
-    """The per-stage (slot, tp) kinds that reached `end`, from the DP's back-pointers."""
+def reconstruct(layers: list[dict[State, Value]], end: State) -> tuple[tuple[int, int], ...]:
+    """The per-stage (slot, tp) kinds that reached the end state `end`, from the DP's back-pointers."""
     kinds: list[tuple[int, int]] = []
-    u: Usage | None = end
+    u: State | None = end
     for i, layer in enumerate(reversed(layers)):
         if u is None:
             raise RuntimeError(f"usage DP: the back-pointers end {len(layers) - i} stages early")
@@ -135,8 +173,8 @@ def reconstruct(layers: list[dict[Usage, Value]], end: Usage) -> tuple[tuple[int
 
 
 def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list: Sequence[int], lb: Floor,
-           cutoff: Callable[[], float]) -> Iterator[tuple[int, list[Usage], list[Usage]]]:
-    """Yields (D, the usage vectors worth estimating at D, those `with_sends` adds beyond them), largest
+           cutoff: Callable[[], float]) -> Iterator[tuple[int, list[State], list[State]]]:
+    """Yields (D, the end states worth estimating at D, those `with_sends` adds beyond them), largest
     D first, each D only while the bound (against `cutoff()` read at that moment: estimates of earlier
     D move it) does not rule it out."""
     risk = pb.risk
@@ -156,26 +194,40 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
             # Price and time alone always prefer spot; at this D the risk of each state's spot VMs
             # decides: add the states best by an estimate of the goodput score.
             m = -(-n // d)
-            ranked = sorted(eligible, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2], d, m, tau), e))
+            ranked = sorted(eligible, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2][0], d, m, tau), e))
             front += [e[2] for e in ranked[:2]]
         yield d, front, [u for u in with_sends(eligible, goal.speed_first) if u not in front]
 
 
-def with_sends(eligible: Sequence[Eligible], speed_first: bool) -> list[Usage]:
-    """The usage vectors best once each boundary's send floor counts in the time key: the DP's keys see
+def with_sends(eligible: Sequence[Eligible], speed_first: bool) -> list[State]:
+    """The end states best once each boundary's send floor counts in the time key: the DP's keys see
     compute and price only, so among usages equal on both (the same GPU at the same price in two
     regions) the front's pick is arbitrary and may send every pipeline across regions where one
     region holds it whole (issue 29: GPT-Neo-2.7 on 5 zones x 128 A100-40 missed a plan 9 % faster).
     Time first: the `WITH_SENDS` least times with sends; money first: the cheapest then least time
-    with sends, and the least time with sends."""
+    with sends, and the least time with sends. The DP's two tracks often end in the same path: an end
+    state equal to a better one in its usage and every key counts once."""
     if speed_first:
-        return [e[2] for e in heapq.nsmallest(WITH_SENDS, eligible, key=lambda e: (e[0] + e[3], e[1], e[2]))]
+        ranked = sorted(eligible, key=lambda e: (e[0] + e[3], e[1], e[2]))
+        return [e[2] for e in _distinct(ranked)[:WITH_SENDS]]
     return [min(eligible, key=lambda e: (e[0], e[1] + e[3], e[2]))[2],
             min(eligible, key=lambda e: (e[1] + e[3], e[0], e[2]))[2]]
 
 
-def pareto_front(eligible: Sequence[Eligible], coupled: bool) -> list[Usage]:
-    """The usage vectors on the (primary, secondary) Pareto front of `eligible` (sorted by primary):
+def _distinct(ranked: Sequence[Eligible]) -> list[Eligible]:
+    """`ranked` without the end states whose usage and values repeat an earlier one's."""
+    seen: set[tuple[float, float, Usage, float]] = set()
+    out = []
+    for e in ranked:
+        k = (e[0], e[1], e[2][0], e[3])
+        if k not in seen:
+            seen.add(k)
+            out.append(e)
+    return out
+
+
+def pareto_front(eligible: Sequence[Eligible], coupled: bool) -> list[State]:
+    """The end states on the (primary, secondary) Pareto front of `eligible` (sorted by primary):
     up to 32 spread along it when a limit couples time and money, else its two ends."""
     front = []
     low2 = math.inf

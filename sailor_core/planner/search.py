@@ -121,7 +121,7 @@ class Search:
         options = stage_options(self.problem, table, tau, self.goal.speed_first)
         if options is None:
             return
-        dp = usage_dp(options, self._caps, lb.pairs)
+        dp = usage_dp(options, self._caps, lb.pairs, self.goal.speed_first)
         if dp is None:
             return
         layers, states = dp
