@@ -195,7 +195,7 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
             # decides: add the states best by an estimate of the goodput score.
             m = -(-n // d)
             ranked = sorted(eligible, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2][0], d, m, tau), e))
-            front += [e[2] for e in ranked[:2]]
+            front += [e[2] for e in _distinct(ranked)[:2]]
         yield d, front, [u for u in with_sends(eligible, goal.speed_first) if u not in front]
 
 
