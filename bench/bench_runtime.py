@@ -220,7 +220,7 @@ def bench_reconfiguration(cfg, workdir: str, steps: int) -> dict[str, float]:
             "lost_steps": max(r["step"] for r in rows if r["plan_version"] == 0) - resumed_from}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-tiny")
     ap.add_argument("--steps", type=int, default=12)
@@ -234,7 +234,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.baseline:
         _baseline_main(a.baseline, a.model, a.steps, a.mbs, a.n_micro, a.out)
-        return
+        return 0
     from sailor_core.models.config import get_config
 
     cfg = get_config(a.model)
@@ -293,7 +293,20 @@ def main() -> None:
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(res, f, indent=2)
+    missed = targets_missed(res)
+    print(f"{'SHORT' if missed else 'OK'}: {'; '.join(missed) or 'every target holds'}")
+    return 1 if missed else 0
+
+
+def targets_missed(res: dict[str, dict[str, Any]]) -> list[str]:
+    """The targets of the module docstring that `res` misses, one phrase each."""
+    missed = [f"{key} throughput ratio {res[key]['ratio']:.2f} < 0.9"
+              for key in ("dp_vs_ddp", "pp_vs_schedule1f1b") if key in res and res[key]["ratio"] < 0.9]
+    r = res.get("reconfiguration")
+    if r is not None and r["ratio"] > 0.5:
+        missed.append(f"reconfiguration ratio {r['ratio']:.2f} > 0.5")
+    return missed
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
