@@ -427,9 +427,15 @@ def test_a_dry_run_plans_and_rents_nothing(profiled_store, tmp_path):
 
 
 @pytest.mark.parametrize("rate, market", [(0.0, "spot"), (2000.0, "on-demand")])
-def test_max_goodput_weighs_spot_preemptions_against_the_on_demand_price(profiled_store, tmp_path, rate, market):
+def test_max_goodput_weighs_spot_preemptions_against_the_on_demand_price(profiled_once, tmp_path, rate, market):
     """The flow plans for goodput with the rate it is given: none expected, spot's lower price wins (as
-    under min-cost); preempted every couple of seconds, the on-demand VM trains more per dollar."""
+    under min-cost); preempted every couple of seconds, the on-demand VM trains more per dollar. The store
+    is a fresh copy of the profile: the preemptions other runs recorded in a shared store are history the
+    rate is read from, and can outweigh the rate given (spot won twice in full suites this way)."""
+    import shutil
+
+    profiled_store = str(tmp_path / "store")
+    shutil.copytree(profiled_once, profiled_store)
     sc = scenario(tmp_path, """
 offerings:
   - {market: spot, count: 1, usd_per_gpu_hour: 0.10}
