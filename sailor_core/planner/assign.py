@@ -3,8 +3,9 @@
 Contract: pure functions (no search state; the caller's moving cutoff is read through a callable).
 At tau each stage may take, in each slot, the smallest TPs whose time is <= tau (`stage_options`;
 paper heuristic: a larger TP only when it pays). `usage_dp` runs over stages with the GPUs used
-per slot (per pipeline) and the class of the next sends as the state and the objective's own key (summed stage time for
-throughput, price for the cost objectives) then the other as the value, carrying each path's send
+per slot (per pipeline) as the state and the objective's own key (summed stage time for
+throughput, price for the cost objectives) then the other as the value, beside a track that keeps
+the least time with sends per usage and class of the next sends; both carry each path's send
 floor (each boundary's least sends between the kinds taken, `bounds.LinkFloors.pairs`);
 `end_states` ranks its end states by how many copies (D) fit the pool, and `fronts` yields, per D,
 the end states worth estimating (each key's optimum, or their Pareto set when a limit couples
@@ -35,14 +36,14 @@ BY_KEYS = -1
 # (a world of tests/test_planner_optimality.py: 2.3 % short with the best alone). Only those their
 # sketch bound with sends lets through are estimated.
 WITH_SENDS = 4
-# A DP state's value: (primary, secondary, the usage it came from, the (slot, tp) step taken, the
+# A DP state's value: (primary, secondary, the state it came from, the (slot, tp) step taken, the
 # send floor of its path: each boundary's least sends between the kinds taken, forward + back)
 Value = tuple[float, float, State | None, tuple[int, int] | None, float]
 # (slot, tp, primary, secondary) of one choice for one stage
 Option = tuple[int, int, float, float]
-# (D that fits, primary, secondary, usage, send floor) of one end state
+# (D that fits, primary, secondary, state, send floor) of one end state
 End = tuple[int, float, float, State, float]
-# (primary, secondary, usage, send floor) of an end state eligible at some D
+# (primary, secondary, state, send floor) of an end state eligible at some D
 Eligible = tuple[float, float, State, float]
 
 
@@ -102,14 +103,15 @@ def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[P
                 if u[g] + tp > caps[g]:
                     continue
                 q1, q2, qw = p1 + x1, p2 + x2, w + dw
+                used = u[:g] + (u[g] + tp,) + u[g + 1 :]
                 if track == BY_KEYS:
-                    v = (u[:g] + (u[g] + tp,) + u[g + 1 :], BY_KEYS)
+                    v = (used, BY_KEYS)
                     old = nxt.get(v)
                     if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and (
                             q2 < old[1] - 1e-12 or (q2 <= old[1] + 1e-12 and qw < old[4] - 1e-12))):
                         nxt[v] = (q1, q2, key, (g, tp), qw)
                     continue
-                v = (u[:g] + (u[g] + tp,) + u[g + 1 :], c)
+                v = (used, c)
                 old = nxt.get(v)
                 if old is None or _sends_first(q1, q2, qw, old, speed_first):
                     nxt[v] = (q1, q2, key, (g, tp), qw)
