@@ -164,3 +164,49 @@ def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int) -> N
         split = bound(goal, tau, floor_of(pb, costs, links, mbs, bounds, table), n, [sk.dp])
         assert split <= goal.of(e) * (1 + 1e-9), f"seed {seed}: {sk} split bound {split:.6g} > {goal.of(e):.6g}"
     assert checked > 50
+
+
+@pytest.mark.parametrize("speed_first", [True, False])
+@pytest.mark.parametrize("seed", range(40))
+def test_pruning_the_dp_keeps_every_state_the_search_can_pick(seed: int, speed_first: bool) -> None:
+    """Random DPs (2-3 slots, TP 1-2, 3-5 stages, random times, prices and sends per pair of kinds, a GPU
+    limit on some, some copies D no longer worth estimating), for max throughput and for a cost
+    objective: `usage_dp` keeps the first track's end states at every usage that fits a D still
+    estimated, and at each such D `with_sends`'s picks have the same values as from both tracks run
+    whole."""
+    from sailor_core.planner.assign import BY_KEYS, _copies, _keys_track, _sends_track, with_sends
+
+    rng = random.Random(seed)
+    slots = rng.randint(2, 3)
+    caps = tuple(rng.randint(2, 8) for _ in range(slots))
+    kinds = [(g, tp) for g in range(slots) for tp in (1, 2)]
+    stages = rng.randint(3, 5)
+    timed = [[(g, tp, rng.uniform(0.5, 2.0) / tp ** 0.7, tp * rng.uniform(1, 3)) for g, tp in
+              rng.sample(kinds, rng.randint(2, len(kinds)))] for _ in range(stages)]
+    # options are (slot, tp, primary, secondary): time first for throughput, price first for cost
+    options = timed if speed_first else [[(g, tp, y, x) for g, tp, x, y in row] for row in timed]
+    sends = [{(a, b): (rng.uniform(0, 0.6), rng.uniform(0, 0.6)) for a in kinds for b in kinds}
+             for _ in range(stages - 1)]
+    max_gpus = rng.choice([None, sum(caps) // 2])
+    live = sorted(rng.sample(range(1, max(caps) + 1), rng.randint(1, max(caps)))) if seed % 2 else None
+    pruned = usage_dp(options, caps, sends, speed_first, max_gpus, live)
+    keyed = _keys_track(options, caps, sends)
+    least = min(live) if live else 1
+    fits = {k: v for k, v in keyed[0][-1].items() if _copies(k[0], caps, max_gpus) >= least} if keyed else {}
+    assert (pruned is None) == (not fits)
+    if pruned is None:
+        return
+    assert keyed is not None
+    whole = keyed[0][-1] | _sends_track(options, caps, sends, speed_first, None)[-1]
+    assert {k: v for k, v in pruned[1].items() if k[1] == BY_KEYS} == fits
+    assert len(pruned[1]) <= len(whole)
+
+    def picks(states: dict, d: int) -> list[tuple[float, ...]]:
+        eligible = sorted((p1, p2, key, w) for dd, p1, p2, key, w in end_states(states, caps, max_gpus) if dd >= d)
+        by_state = {key: (p1, p2, w) for p1, p2, key, w in eligible}
+        if not eligible:
+            return []
+        return [tuple(round(x, 9) for x in by_state[u]) for u in with_sends(eligible, speed_first)]
+
+    for d in live or range(1, max(caps) + 1):
+        assert picks(pruned[1], d) == picks(whole, d)

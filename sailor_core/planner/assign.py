@@ -5,19 +5,20 @@ At tau each stage may take, in each slot, the smallest TPs whose time is <= tau 
 paper heuristic: a larger TP only when it pays). `usage_dp` runs over stages with the GPUs used
 per slot (per pipeline) as the state and the objective's own key (summed stage time for
 throughput, price for the cost objectives) then the other as the value, beside a track that keeps
-the least time with sends per usage and class of the next sends; both carry each path's send
-floor (each boundary's least sends between the kinds taken, `bounds.LinkFloors.pairs`);
-`end_states` ranks its end states by how many copies (D) fit the pool, and `fronts` yields, per D,
-the end states worth estimating (each key's optimum, or their Pareto set when a limit couples
-time and money; the best with the send floor counted in the time key, `with_sends`; plus the best
-by an estimate of goodput under spot risk); `reconstruct` turns one into per-stage kinds.
+the least time with sends per usage and class of the next sends (pruned, under max throughput, by
+what the first track's ends already offer); both carry each path's send floor (each boundary's
+least sends between the kinds taken, `bounds.LinkFloors.pairs`); `end_states` ranks its end
+states by how many copies (D) fit the pool, and `fronts` yields, per D, the end states worth
+estimating (of the first track: each key's optimum, or their Pareto set when a limit couples time
+and money, plus the best by an estimate of goodput under spot risk; of both: the best with the
+send floor counted in the time key, `with_sends`); `reconstruct` turns one into per-stage kinds.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from sailor_core.planner.bounds import Floor, PairSends, bound
 from sailor_core.planner.request import Objective
@@ -71,31 +72,96 @@ def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool)
 
 
 def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends] = (),
-             speed_first: bool = True) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
+             speed_first: bool = True, max_gpus: int | None = None, live: Sequence[int] | None = None
+             ) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
     """(every stage's layer of the DP, its last layer): per state, the best value, the state and step
     that reached it and its path's send floor (`sends[b]`: boundary b's least sends between two
     kinds, `bounds.LinkFloors.pairs`); None if none fits.
 
-    Two tracks run side by side. A `BY_KEYS` state is the per-pipeline slot usage (within the slots'
-    capacity); its best path is the least (primary, secondary), the send floor breaking exact ties:
-    the objective's keys, which `fronts` takes its Pareto picks from. With sends, a second track
-    keeps, per usage and class of the next boundary's sends from the kind just taken
-    (`_row_classes`), the least time with sends (the summed time plus the send floor; for cost
-    objectives price breaks ties, `with_sends` ranks the same way): two paths are merged only when
-    their futures cost the same, so a path whose kinds send more cheaply to what comes next is not
-    dropped for one faster so far (one path per usage lost a cross-region plan 1.7 % better)."""
+    Two tracks. A `BY_KEYS` state is the per-pipeline slot usage (within the slots' capacity); its
+    best path is the least (primary, secondary), the send floor breaking exact ties: the objective's
+    keys, which `fronts` takes its Pareto picks from. With sends, a second track keeps, per usage
+    and class of the next boundary's sends from the kind just taken (`_row_classes`), the least time
+    with sends (the summed time plus the send floor; for cost objectives price breaks ties,
+    `with_sends` ranks the same way): two paths are merged only when their futures cost the same, so
+    a path whose kinds send more cheaply to what comes next is not dropped for one faster so far (one
+    path per usage lost a cross-region plan 1.7 % better). Its states serve `with_sends` alone, so it
+    runs after the first track and drops a state once even its best finish (`_finish_floor`) cannot
+    enter `with_sends`'s picks at any D its usage leaves open: the first track's end states already
+    hold enough better ones there (`_send_limits`).
+    `live`: the copies (D) the caller may still estimate (its bound below its cutoff); a path whose
+    usage fits fewer copies than the least of them ends in no state it yields, and both tracks drop it."""
+    least = min(live) if live else 1
+    keyed = _keys_track(options, caps, sends, lambda u: _copies(u, caps, max_gpus) >= least)
+    if keyed is None or not sends:
+        return keyed
+    extra = _sends_track(options, caps, sends, speed_first, _send_limits(keyed[1], caps, max_gpus, live, speed_first))
+    layers = [{**a, **b} for a, b in zip(keyed[0], extra + [{}] * (len(keyed[0]) - len(extra)), strict=True)]
+    return layers, layers[-1]
+
+
+def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends],
+                alive: Callable[[Usage], bool] = lambda u: True
+                ) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
+    """The `BY_KEYS` track of `usage_dp`: per usage the least (primary, secondary, send floor); paths
+    to a usage `alive` rejects are dropped."""
     zero = (0,) * len(caps)
     layers: list[dict[State, Value]] = []
-    start: Value = (0.0, 0.0, None, None, 0.0)
-    states: dict[State, Value] = {(zero, BY_KEYS): start, **({(zero, 0): start} if sends else {})}
+    states: dict[State, Value] = {(zero, BY_KEYS): (0.0, 0.0, None, None, 0.0)}
+    seen: dict[Usage, bool] = {}
     for s, opts in enumerate(options):
         link = sends[s - 1] if s and sends else None
+        rows: dict[tuple[int, int] | None, list[float]] = {}
+        nxt: dict[State, Value] = {}
+        for key, (p1, p2, _, last, w) in states.items():
+            u = key[0]
+            row = rows.get(last)
+            if row is None:
+                row = rows[last] = _send_row(link, last, opts)
+            for (g, tp, x1, x2), dw in zip(opts, row, strict=True):
+                if u[g] + tp > caps[g]:
+                    continue
+                q1, q2, qw = p1 + x1, p2 + x2, w + dw
+                used = u[:g] + (u[g] + tp,) + u[g + 1 :]
+                ok = seen.get(used)
+                if ok is None:
+                    ok = seen[used] = alive(used)
+                if not ok:
+                    continue
+                v = (used, BY_KEYS)
+                old = nxt.get(v)
+                if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and (
+                        q2 < old[1] - 1e-12 or (q2 <= old[1] + 1e-12 and qw < old[4] - 1e-12))):
+                    nxt[v] = (q1, q2, key, (g, tp), qw)
+        if not nxt:
+            return None
+        layers.append(nxt)
+        states = nxt
+    return layers, states
+
+
+def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends], speed_first: bool,
+                 limit: Callable[[Usage], tuple[float, float]] | None) -> list[dict[State, Value]]:
+    """The with-sends track of `usage_dp`, one layer per stage (fewer when `limit` drops every state):
+    per (usage, class of the next sends) the least time with sends. `limit(usage)` = (top_a, top_b): a
+    state is dropped when, with the least the stages after it can add (`_finish_floor`), both its
+    time with sends is above top_a and its price above top_b (max throughput: time with sends above
+    top_a, top_b being minus infinity); cost objectives: price above top_a and time with sends above
+    top_b."""
+    zero = (0,) * len(caps)
+    layers: list[dict[State, Value]] = []
+    states: dict[State, Value] = {(zero, 0): (0.0, 0.0, None, None, 0.0)}
+    rest1 = _finish_floor(options, sends if speed_first else (), 2)  # of the primary (with sends for time)
+    rest2 = _finish_floor(options, () if speed_first else sends, 3)  # of the secondary (with sends for time)
+    cap_of: dict[Usage, tuple[float, float]] = {}
+    for s, opts in enumerate(options):
+        link = sends[s - 1] if s else None
         ahead = sends[s] if s + 1 < len(options) and len(sends) > s else None
         classes = _row_classes(ahead, opts, options[s + 1]) if ahead is not None else [0] * len(opts)
         rows: dict[tuple[int, int] | None, list[float]] = {}
         nxt: dict[State, Value] = {}
         for key, (p1, p2, _, last, w) in states.items():
-            u, track = key
+            u = key[0]
             row = rows.get(last)
             if row is None:
                 row = rows[last] = _send_row(link, last, opts)
@@ -104,22 +170,85 @@ def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[P
                     continue
                 q1, q2, qw = p1 + x1, p2 + x2, w + dw
                 used = u[:g] + (u[g] + tp,) + u[g + 1 :]
-                if track == BY_KEYS:
-                    v = (used, BY_KEYS)
-                    old = nxt.get(v)
-                    if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and (
-                            q2 < old[1] - 1e-12 or (q2 <= old[1] + 1e-12 and qw < old[4] - 1e-12))):
-                        nxt[v] = (q1, q2, key, (g, tp), qw)
-                    continue
+                if limit is not None:
+                    top = cap_of.get(used)
+                    if top is None:
+                        top = cap_of[used] = limit(used)
+                    if speed_first:
+                        if q1 + qw + rest1[s] > top[0]:
+                            continue
+                    elif q1 + rest1[s] > top[0] and q2 + qw + rest2[s] > top[1]:
+                        continue
                 v = (used, c)
                 old = nxt.get(v)
                 if old is None or _sends_first(q1, q2, qw, old, speed_first):
                     nxt[v] = (q1, q2, key, (g, tp), qw)
         if not nxt:
-            return None
+            break
         layers.append(nxt)
         states = nxt
-    return layers, states
+    return layers
+
+
+def _finish_floor(options: list[list[Option]], sends: Sequence[PairSends], col: int) -> list[float]:
+    """rest[s]: the least the stages after s can add to an option's column `col` (2: primary, 3:
+    secondary), plus the least sends across their boundaries when `sends` is given."""
+    rest = [0.0] * len(options)
+    for s in range(len(options) - 2, -1, -1):
+        link = sends[s] if len(sends) > s else None
+        cross = 0.0 if link is None else min(sum(link[((g, tp), (h, th))]) for g, tp, _, _ in options[s]
+                                              for h, th, _, _ in options[s + 1])
+        rest[s] = rest[s + 1] + min(o[col] for o in options[s + 1]) + cross
+    return rest
+
+
+def _send_limits(keyed: dict[State, Value], caps: Sequence[int], max_gpus: int | None,
+                 live: Sequence[int] | None, speed_first: bool) -> Callable[[Usage], tuple[float, float]]:
+    """limit(usage) for `_sends_track`: what a path must stay within to enter `with_sends`'s picks at
+    some D it may be estimated at: D in `live` (all D when None) and at most the copies its usage
+    fits (which only shrink as a path goes on). Max throughput: the `WITH_SENDS`-th least time with
+    sends among the first track's end states that fit D. Cost objectives (two picks): the least
+    price, for the cheapest; the least time with sends, for the fastest with sends. The first track
+    keeps each usage's cheapest path, so no path beats its least price. The largest such D is the
+    hardest (infinity where too few end states fit it, minus infinity where no D is left)."""
+    k = WITH_SENDS if speed_first else 1
+    keys = [(lambda e: e[0] + e[2])] if speed_first else [(lambda e: e[0]), (lambda e: e[1] + e[2])]
+    ends = sorted(((_copies(key[0], caps, max_gpus), (p1, p2, w)) for key, (p1, p2, _, _, w) in keyed.items()),
+                  key=lambda x: -x[0])
+    marks: list[int] = []  # ascending copies; tops[i]: the k-th best of each key among ends fitting >= marks[i]
+    tops: list[tuple[float, float]] = []
+    best: list[list[float]] = [[] for _ in keys]
+    for d, e in ends:
+        for b, f in zip(best, keys, strict=True):
+            bisect.insort(b, f(e))
+            del b[k:]
+        if len(best[0]) == k:
+            top = (best[0][-1] + 1e-9, best[-1][-1] + 1e-9 if not speed_first else -math.inf)
+            if marks and marks[0] == d:
+                tops[0] = top
+            else:
+                marks.insert(0, d)
+                tops.insert(0, top)
+    ds = sorted(live) if live else None
+    none, every = (-math.inf, -math.inf), (math.inf, math.inf)
+
+    def limit(u: Usage) -> tuple[float, float]:
+        d = _copies(u, caps, max_gpus)
+        if ds is not None:
+            j = bisect.bisect_right(ds, d)
+            if j == 0:
+                return none
+            d = ds[j - 1]
+        i = bisect.bisect_left(marks, d)
+        return tops[i] if i < len(marks) else every
+
+    return limit
+
+
+def _copies(u: Usage, caps: Sequence[int], max_gpus: int | None) -> int:
+    """How many copies (D) of a pipeline with slot usage `u` fit the pool (and `max_gpus`)."""
+    d = min((caps[g] // u[g] for g in range(len(caps)) if u[g]), default=0)
+    return min(d, max_gpus // max(1, sum(u))) if max_gpus is not None else d
 
 
 def _sends_first(q1: float, q2: float, w: float, old: Value, speed_first: bool) -> bool:
@@ -150,11 +279,7 @@ def end_states(states: dict[State, Value], caps: Sequence[int], max_gpus: int | 
     """(D-capacity, primary, secondary, state, send floor) of each end state, most copies first then best value."""
     ends = []
     for key, (p1, p2, _, _, w) in states.items():
-        u = key[0]
-        d_max = min((caps[g] // u[g] for g in range(len(caps)) if u[g]), default=0)
-        if max_gpus is not None:
-            d_max = min(d_max, max_gpus // max(1, sum(u)))
-        ends.append((d_max, p1, p2, key, w))
+        ends.append((_copies(key[0], caps, max_gpus), p1, p2, key, w))
     ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
     return ends
 
@@ -181,24 +306,51 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
     D move it) does not rule it out."""
     risk = pb.risk
     risky = pb.objective is Objective.MAX_GOODPUT and risk is not None and not risk.riskless
-    eligible: list[Eligible] = []
+    keyed: list[Eligible] = []  # the first track's; the sends track serves `with_sends` alone
+    picks = _SendPicks(goal.speed_first)
     i = 0
     for d in reversed(d_list):
         while i < len(ends) and ends[i][0] >= d:
-            bisect.insort(eligible, (ends[i][1], ends[i][2], ends[i][3], ends[i][4]))
+            e = (ends[i][1], ends[i][2], ends[i][3], ends[i][4])
+            picks.add(e)
+            if e[2][1] == BY_KEYS:
+                bisect.insort(keyed, e)
             i += 1
-        if not eligible:
+        if not keyed:
             continue
         if bound(goal, tau, lb, n, [d]) >= cutoff():
             continue
-        front = pareto_front(eligible, goal.coupled)
+        front = pareto_front(keyed, goal.coupled)
         if risky:
             # Price and time alone always prefer spot; at this D the risk of each state's spot VMs
             # decides: add the states best by an estimate of the goodput score.
             m = -(-n // d)
-            ranked = sorted(eligible, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2][0], d, m, tau), e))
+            ranked = sorted(keyed, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2][0], d, m, tau), e))
             front += [e[2] for e in _distinct(ranked)[:2]]
-        yield d, front, [u for u in with_sends(eligible, goal.speed_first) if u not in front]
+        yield d, front, [u for u in picks.states() if u not in front]
+
+
+class _SendPicks:
+    """`with_sends` of the end states added so far, kept up to date as `fronts` adds them (D by D)."""
+
+    def __init__(self, speed_first: bool) -> None:
+        self.speed_first = speed_first
+        self.ranked: list[tuple[float, float, State, Eligible]] = []  # time first: by time with sends
+        self.cheap: tuple[float, float, State] | None = None  # money first: the two picks' keys
+        self.fast: tuple[float, float, State] | None = None
+
+    def add(self, e: Eligible) -> None:
+        if self.speed_first:
+            bisect.insort(self.ranked, (e[0] + e[3], e[1], e[2], e))
+            return
+        cheap, fast = (e[0], e[1] + e[3], e[2]), (e[1] + e[3], e[0], e[2])
+        self.cheap = cheap if self.cheap is None or cheap < self.cheap else self.cheap
+        self.fast = fast if self.fast is None or fast < self.fast else self.fast
+
+    def states(self) -> list[State]:
+        if self.speed_first:
+            return [e[2] for e in _distinct((r[3] for r in self.ranked), WITH_SENDS)]
+        return [] if self.cheap is None or self.fast is None else [self.cheap[2], self.fast[2]]
 
 
 def with_sends(eligible: Sequence[Eligible], speed_first: bool) -> list[State]:
@@ -211,16 +363,19 @@ def with_sends(eligible: Sequence[Eligible], speed_first: bool) -> list[State]:
     state equal to a better one in its usage and every key counts once."""
     if speed_first:
         ranked = sorted(eligible, key=lambda e: (e[0] + e[3], e[1], e[2]))
-        return [e[2] for e in _distinct(ranked)[:WITH_SENDS]]
+        return [e[2] for e in _distinct(ranked, WITH_SENDS)]
     return [min(eligible, key=lambda e: (e[0], e[1] + e[3], e[2]))[2],
             min(eligible, key=lambda e: (e[1] + e[3], e[0], e[2]))[2]]
 
 
-def _distinct(ranked: Sequence[Eligible]) -> list[Eligible]:
-    """`ranked` without the end states whose usage and values repeat an earlier one's."""
+def _distinct(ranked: Iterable[Eligible], limit: int | None = None) -> list[Eligible]:
+    """`ranked` without the end states whose usage and values repeat an earlier one's (the first
+    `limit` of them)."""
     seen: set[tuple[float, float, Usage, float]] = set()
     out = []
     for e in ranked:
+        if limit is not None and len(out) >= limit:
+            break
         k = (e[0], e[1], e[2][0], e[3])
         if k not in seen:
             seen.add(k)

@@ -62,15 +62,20 @@ class Floor:
 
 def bound(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int]) -> float:
     """A lower bound on the score of anything with compute bottleneck >= tau, at any D of d_list."""
-    best = math.inf
+    return min(bounds_at(goal, tau, lb, n, d_list), default=math.inf)
+
+
+def bounds_at(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int]) -> list[float]:
+    """`bound` at each D of d_list on its own."""
+    out = []
     for d in d_list:
         m = -(-n // d)
         # some stage computes at least tau per microbatch (which one is not known: the least of
         # them), and every stage at least its cheapest time
         least_wait, floor = lb.at(m)
         t = lb.opt + max(m * tau + least_wait, floor)
-        best = min(best, goal.floor(t, d, lb.rate, budget=False))
-    return best
+        out.append(goal.floor(t, d, lb.rate, budget=False))
+    return out
 
 
 @dataclass(frozen=True)

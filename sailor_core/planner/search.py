@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 
 from sailor_core.planner.assign import end_states, fronts, reconstruct, stage_options, usage_dp
-from sailor_core.planner.bounds import Floor, LinkFloors, SketchFloors, bound, floor_of
+from sailor_core.planner.bounds import Floor, LinkFloors, SketchFloors, bounds_at, floor_of
 from sailor_core.planner.costs import Costs
 from sailor_core.planner.estimate import estimate
 from sailor_core.planner.placement import fill_variants, place
@@ -104,24 +104,26 @@ class Search:
         # Merging thresholds only pays (and only risks) when there are many of them.
         step = pb.tau_step if len(taus) > 48 else 0.0
         for k, tau in enumerate(taus):
-            if bound(self.goal, tau, lb, n, d_list) >= st.cutoff:
+            at = bounds_at(self.goal, tau, lb, n, d_list)
+            if min(at) >= st.cutoff:
                 st.counters.pruned += 1
                 break
             # Thresholds within tau_step of the next one are covered by it (its options include
             # theirs but for a TP the next one no longer needs): at most that much on the bottleneck.
             if step and k + 1 < len(taus) and taus[k + 1] <= tau * (1 + step):
                 continue
-            self._assign(mbs, bounds, table, tau, n, d_list, lb)
+            self._assign(mbs, bounds, table, tau, n, [d for d, b in zip(d_list, at, strict=True) if b < st.cutoff], lb)
 
     def _assign(self, mbs: int, bounds: Bounds, table: StageTable, tau: float, n: int, d_list: list[int],
                 lb: Floor) -> None:
-        """The DP over stages at bottleneck tau, and each of its fronts' sketches that the bound lets through."""
+        """The DP over stages at bottleneck tau, and each of its fronts' sketches that the bound lets through;
+        `d_list`: the copies (D) whose bound at tau is below the cutoff (the DP drops paths that fit fewer)."""
         st = self.state
         st.counters.assignments += 1
         options = stage_options(self.problem, table, tau, self.goal.speed_first)
         if options is None:
             return
-        dp = usage_dp(options, self._caps, lb.pairs, self.goal.speed_first)
+        dp = usage_dp(options, self._caps, lb.pairs, self.goal.speed_first, self.problem.max_gpus, d_list)
         if dp is None:
             return
         layers, states = dp
