@@ -212,7 +212,8 @@ def _send_limits(keyed: dict[State, Value], caps: Sequence[int], max_gpus: int |
     keeps each usage's cheapest path, so no path beats its least price. The largest such D is the
     hardest (infinity where too few end states fit it, minus infinity where no D is left)."""
     k = WITH_SENDS if speed_first else 1
-    keys = [(lambda e: e[0] + e[2])] if speed_first else [(lambda e: e[0]), (lambda e: e[1] + e[2])]
+    Key = Callable[[tuple[float, float, float]], float]  # of (primary, secondary, send floor)
+    keys: list[Key] = [lambda e: e[0] + e[2]] if speed_first else [lambda e: e[0], lambda e: e[1] + e[2]]
     ends = sorted(((_copies(key[0], caps, max_gpus), (p1, p2, w)) for key, (p1, p2, _, _, w) in keyed.items()),
                   key=lambda x: -x[0])
     marks: list[int] = []  # ascending copies; tops[i]: the k-th best of each key among ends fitting >= marks[i]
@@ -372,7 +373,7 @@ def _distinct(ranked: Iterable[Eligible], limit: int | None = None) -> list[Elig
     """`ranked` without the end states whose usage and values repeat an earlier one's (the first
     `limit` of them)."""
     seen: set[tuple[float, float, Usage, float]] = set()
-    out = []
+    out: list[Eligible] = []
     for e in ranked:
         if limit is not None and len(out) >= limit:
             break
