@@ -111,13 +111,9 @@ def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequenc
     seen: dict[Usage, bool] = {}
     for s, opts in enumerate(options):
         link = sends[s - 1] if s and sends else None
-        rows: dict[tuple[int, int] | None, list[float]] = {}
         nxt: dict[State, Value] = {}
-        for key, (p1, p2, _, last, w) in states.items():
+        for key, (p1, p2, _, _, w), row in _with_rows(states, link, opts):
             u = key[0]
-            row = rows.get(last)
-            if row is None:
-                row = rows[last] = _send_row(link, last, opts)
             for (g, tp, x1, x2), dw in zip(opts, row, strict=True):
                 if u[g] + tp > caps[g]:
                     continue
@@ -158,13 +154,9 @@ def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequen
         link = sends[s - 1] if s else None
         ahead = sends[s] if s + 1 < len(options) and len(sends) > s else None
         classes = _row_classes(ahead, opts, options[s + 1]) if ahead is not None else [0] * len(opts)
-        rows: dict[tuple[int, int] | None, list[float]] = {}
         nxt: dict[State, Value] = {}
-        for key, (p1, p2, _, last, w) in states.items():
+        for key, (p1, p2, _, _, w), row in _with_rows(states, link, opts):
             u = key[0]
-            row = rows.get(last)
-            if row is None:
-                row = rows[last] = _send_row(link, last, opts)
             for (g, tp, x1, x2), dw, c in zip(opts, row, classes, strict=True):
                 if u[g] + tp > caps[g]:
                     continue
@@ -269,6 +261,18 @@ def _row_classes(link: PairSends, opts: list[Option], ahead: list[Option]) -> li
             for g, tp, _, _ in opts]
 
 
+def _with_rows(states: dict[State, Value], link: PairSends | None, opts: list[Option]
+               ) -> Iterator[tuple[State, Value, list[float]]]:
+    """Each state with its value and the send floor of each option after it (`_send_row`, once per last kind)."""
+    rows: dict[tuple[int, int] | None, list[float]] = {}
+    for key, value in states.items():
+        last = value[3]
+        row = rows.get(last)
+        if row is None:
+            row = rows[last] = _send_row(link, last, opts)
+        yield key, value, row
+
+
 def _send_row(link: PairSends | None, last: tuple[int, int] | None, opts: list[Option]) -> list[float]:
     """The send floor (forward + back) of each option after a stage of kind `last` (0 for the first stage)."""
     if link is None or last is None:
@@ -332,7 +336,9 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
 
 
 class _SendPicks:
-    """`with_sends` of the end states added so far, kept up to date as `fronts` adds them (D by D)."""
+    """`with_sends` of the end states added so far, kept up to date as they are added (`fronts` adds
+    them D by D): time first, ranked by time with sends, then the other key; money first, the least
+    of each pick's keys."""
 
     def __init__(self, speed_first: bool) -> None:
         self.speed_first = speed_first
@@ -362,11 +368,10 @@ def with_sends(eligible: Sequence[Eligible], speed_first: bool) -> list[State]:
     Time first: the `WITH_SENDS` least times with sends; money first: the cheapest then least time
     with sends, and the least time with sends. The DP's two tracks often end in the same path: an end
     state equal to a better one in its usage and every key counts once."""
-    if speed_first:
-        ranked = sorted(eligible, key=lambda e: (e[0] + e[3], e[1], e[2]))
-        return [e[2] for e in _distinct(ranked, WITH_SENDS)]
-    return [min(eligible, key=lambda e: (e[0], e[1] + e[3], e[2]))[2],
-            min(eligible, key=lambda e: (e[1] + e[3], e[0], e[2]))[2]]
+    picks = _SendPicks(speed_first)
+    for e in eligible:
+        picks.add(e)
+    return picks.states()
 
 
 def _distinct(ranked: Iterable[Eligible], limit: int | None = None) -> list[Eligible]:
