@@ -249,10 +249,8 @@ def _print_network(profile: Any, workers: int, uri: str) -> None:
                   f"{r['allreduce_err']:+.1%}", f"{r['allreduce_ring_s'] * 1e3:.3f}")
     out = Console()
     out.print(t)
-    a, b, c = profile.link.fit.coeffs
     worst = max(abs(e) for e in profile.p2p_errors())
-    out.print(f"p2p fit: bw_GBps = {a:.4g}*u^2 + {b:.4g}*u + {c:.4g}, u = log2(bytes/1e6); max "
-              f"{profile.link.fit.max_bytes_per_s / 1e9:.2f} GB/s; worst error {worst:.1%}")
+    out.print(f"p2p fit: {profile.link.fit.describe()}; worst error {worst:.1%}")
     for what, ab in (("p2p", profile.p2p_alpha_beta), ("all-reduce", profile.allreduce_alpha_beta)):
         out.print(f"{what} alpha-beta: latency {ab.latency_s * 1e6:.1f} us, "
                   f"bandwidth {ab.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
@@ -350,6 +348,4 @@ def link_cmd(
     back = replace(prof.link, sender_zone=prof.link.receiver_zone, sender_gpu=prof.link.receiver_gpu,
                    receiver_zone=prof.link.sender_zone, receiver_gpu=prof.link.sender_gpu)
     st.write_network_links([prof.link, back], provenance=prof.provenance)
-    a, b, c = prof.link.fit.coeffs
-    typer.echo(f"link {src} <-> {dst}: max {prof.link.fit.max_bytes_per_s / 1e6:.1f} MB/s "
-               f"(fit {a:.4g}, {b:.4g}, {c:.4g})")
+    typer.echo(f"link {src} <-> {dst}: {prof.link.fit.describe()}")

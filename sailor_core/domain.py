@@ -197,9 +197,14 @@ FIT_MAX_LOG2_MB = math.log2(2**30 / 1e6)
 
 @dataclass(frozen=True, kw_only=True)
 class BandwidthFit:
-    """Bandwidth against message size: bw_gbps(x) = a*u^2 + b*u + c with u = log2(x / 1e6), x in bytes.
+    """Time of one transfer of x bytes: t(x) = latency_s + x / q(x), where q is the quadratic
+    q_GBps(x) = a*u^2 + b*u + c with u = log2(x / 1e6) (the Sailor artifact's form, `latency_s` 0).
 
-    `max_bytes_per_s` is the largest measured bandwidth. `latency_s` is an optional alpha term.
+    `max_bytes_per_s` is the largest measured bandwidth: no transfer is predicted faster. The
+    profiler may store a line instead (a = b = 0, so t = latency_s + x / c): the alpha-beta model of a
+    link with a fixed cost per message. A negative `latency_s` is a link that lets a burst through at
+    line rate before it holds to its rate (a token bucket: t = (x - burst) / rate), which a quadratic
+    in log-size fits badly.
     """
 
     coeffs: tuple[float, float, float]
@@ -209,23 +214,37 @@ class BandwidthFit:
     def __post_init__(self) -> None:
         _check(len(self.coeffs) == 3, f"bandwidth fit needs 3 coefficients, got {self.coeffs}")
         _check(self.max_bytes_per_s > 0, f"bandwidth fit max_bytes_per_s must be > 0, got {self.max_bytes_per_s}")
+        _check(math.isfinite(self.latency_s), f"bandwidth fit latency_s must be finite, got {self.latency_s}")
 
     def bandwidth_bytes_per_s(self, message_bytes: float) -> float:
-        """Fitted bandwidth at this message size, clamped to (0, max measured].
+        """x / t(x), clamped to (0, max measured].
 
-        The quadratic is only trusted over the sizes it was fitted on; outside them the bandwidth
-        at the nearest measured size is used (a quadratic extrapolated to 4 KiB can go negative).
+        The quadratic is only trusted over the sizes it was fitted on; outside them it is read at the
+        nearest measured size (a quadratic extrapolated to 4 KiB can go negative).
         """
-        u = min(max(math.log2(max(message_bytes, 1.0) / 1e6), FIT_MIN_LOG2_MB), FIT_MAX_LOG2_MB)
+        x = max(message_bytes, 1.0)
+        u = min(max(math.log2(x / 1e6), FIT_MIN_LOG2_MB), FIT_MAX_LOG2_MB)
         a, b, c = self.coeffs
-        bw = (a * u * u + b * u + c) * 1e9
         floor = self.max_bytes_per_s * 1e-3  # a fit extrapolated below zero must not divide by zero
+        bw = max((a * u * u + b * u + c) * 1e9, floor)
+        if self.latency_s:
+            t = self.latency_s + x / bw
+            bw = x / t if t > 0 else self.max_bytes_per_s  # inside a burst: the fastest measured
         return min(max(bw, floor), self.max_bytes_per_s)
 
     def transfer_time_s(self, message_bytes: float) -> float:
         if message_bytes <= 0:
             return 0.0
-        return self.latency_s + message_bytes / self.bandwidth_bytes_per_s(message_bytes)
+        return message_bytes / self.bandwidth_bytes_per_s(message_bytes)
+
+    def describe(self) -> str:
+        """The fit as a person reads it: the quadratic, or the line and its peak."""
+        a, b, c = self.coeffs
+        peak = f"peak {self.max_bytes_per_s / 1e6:.1f} MB/s"
+        if a == 0 and b == 0 and self.latency_s:
+            return f"t = {self.latency_s * 1e3:+.3f} ms + x / {c * 1e3:.1f} MB/s, {peak}"
+        lat = f", + {self.latency_s * 1e6:.1f} us per message" if self.latency_s else ""
+        return f"bw_GBps = {a:.4g}*u^2 + {b:.4g}*u + {c:.4g}, u = log2(bytes/1e6){lat}, {peak}"
 
 
 @dataclass(frozen=True, kw_only=True)

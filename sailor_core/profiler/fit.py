@@ -7,8 +7,13 @@ Contract:
   and `latency_s` 0 (the quadratic carries the latency as low bandwidth at small sizes; the
   simulator reads the bandwidth alone). Fitted for the smallest worst-case relative time error,
   so a prediction off by 10% at 64 KiB counts as much as one off by 10% at 1 GiB.
+- `fit_line(sizes, times)` returns the store's form of a token bucket, t = max(x / peak,
+  alpha + x / beta) (`BandwidthFit` with a = b = 0, `latency_s` alpha, `max_bytes_per_s` peak), again
+  for the smallest worst relative error. Alpha is negative for a shaped link that lets a burst
+  through at line rate and then holds its rate, (x - burst) / rate, which no quadratic in log-size
+  follows within 10 %; positive for a fixed cost per message (alpha-beta).
 - `fit_alpha_beta(sizes, times)` returns the alpha-beta (Hockney) model t = alpha + x / beta,
-  again by relative least squares, alpha >= 0.
+  by relative least squares, alpha >= 0.
 - `relative_errors(fit, sizes, times)` compares a fit's predicted times with the measured ones.
 """
 
@@ -67,6 +72,53 @@ def fit_bandwidth(sizes: Sequence[float], times: Sequence[float], lawson_iters: 
     bw_gbps = x / t / BYTES_PER_GB
     coeffs = _minimax_quadratic(u, bw_gbps, lawson_iters)
     return BandwidthFit(coeffs=coeffs, max_bytes_per_s=float(np.max(x / t)), latency_s=0.0)
+
+
+def fit_line(sizes: Sequence[float], times: Sequence[float], lawson_iters: int = 60) -> BandwidthFit:
+    """A shaped link as a token bucket, for the smallest worst relative time error over the measured sizes:
+    t(x) = max(x / peak, alpha + x / beta), where peak is the largest measured bandwidth (a message
+    inside the burst leaves at it) and the line alpha + x / beta (alpha < 0 for a burst) holds beyond the
+    burst. The line is the minimax line of the sizes from some k on (Lawson's reweighted least squares on
+    (alpha + x / beta) / t - 1, linear in alpha and 1 / beta); every k is tried and the model that
+    predicts all sizes best is kept. As a `BandwidthFit`: the constant quadratic beta, `latency_s`
+    alpha and `max_bytes_per_s` peak, which `BandwidthFit.bandwidth_bytes_per_s` reads as this max."""
+    x, t = _check_points(sizes, times, need=2)
+    order = np.argsort(x)
+    x, t = x[order], t[order]
+    peak = float(np.max(x / t))
+    best: tuple[float, float, float] | None = None  # (worst error over all sizes, alpha, 1 / beta)
+    for k in range(len(x) - 1):
+        line = _minimax_line(x[k:], t[k:], lawson_iters)
+        if line is None:
+            continue
+        alpha, g = line
+        pred = np.maximum(x / peak, alpha + g * x)
+        worst = float(np.max(np.abs(pred / t - 1.0)))
+        if best is None or worst < best[0]:
+            best = (worst, alpha, g)
+    if best is None:
+        raise SailorError("a line fit gave a non-positive bandwidth; the measurements are too noisy to fit")
+    _, alpha, g = best
+    return BandwidthFit(coeffs=(0.0, 0.0, 1.0 / g / BYTES_PER_GB), max_bytes_per_s=peak, latency_s=alpha)
+
+
+def _minimax_line(x: np.ndarray, t: np.ndarray, iters: int) -> tuple[float, float] | None:
+    """(alpha, g) minimising max |(alpha + g x) / t - 1| with g > 0, or None when no round gives g > 0."""
+    design = np.stack([1.0 / t, x / t], axis=1)
+    weights = np.full(len(x), 1.0 / len(x))
+    best: tuple[float, float, float] | None = None
+    for _ in range(max(1, iters)):
+        sw = np.sqrt(np.maximum(weights, 1e-12))
+        sol, *_ = np.linalg.lstsq(design * sw[:, None], sw, rcond=None)
+        rel = np.abs(design @ sol - 1.0)
+        worst = float(np.max(rel))
+        if sol[1] > 0 and (best is None or worst < best[0]):
+            best = (worst, float(sol[0]), float(sol[1]))
+        total = float(np.sum(weights * rel))
+        if worst == 0 or total <= 0 or not np.isfinite(total):
+            break
+        weights = weights * rel / total
+    return None if best is None else (best[1], best[2])
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
