@@ -616,8 +616,14 @@ class LocalProvider:
         fired = set(st["fired"].get(run_id, []))
         step = self._run_step(run_id)
         changed = False
-        for ev in self.scenario.events:
-            if ev.index in fired or not ev.due(step=step, elapsed_s=now - started):
+        due = [ev for ev in self.scenario.events
+               if ev.index not in fired and ev.due(step=step, elapsed_s=now - started)]
+        # Events at different steps are different changes, each to be seen on its own: a run that trains
+        # faster than the flow polls gets the earliest step's events now and the next step's at the next
+        # poll, instead of all of them folded into one change.
+        first_step = min((ev.at_step for ev in due if ev.at_step is not None), default=None)
+        for ev in due:
+            if ev.at_step is not None and ev.at_step != first_step:
                 continue
             fired.add(ev.index)
             changed = True

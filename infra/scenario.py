@@ -48,7 +48,9 @@ not part of the format: this machine's kernel has no netem, so only bandwidth is
 except for a preemption by `vm`. A `capacity_change` sets the offering's VM count: lower takes
 capacity away, higher makes it return (e.g. spot VMs back after a preemption). `at_step` counts
 training steps of the run (the highest step any worker reported); `at_s` counts seconds since the
-run's first VM was provisioned. A preemption sends the VM's worker a notice (SIGUSR1), waits
+run's first VM was provisioned. When a run trains past several `at_step` triggers between two
+looks of the flow, the provider hands out one step's events per look, in step order, so each is a
+change of its own. A preemption sends the VM's worker a notice (SIGUSR1), waits
 `grace_s` (default 2), then kills it; the VM's capacity is gone with it.
 """
 

@@ -181,6 +181,28 @@ def test_timed_price_and_capacity_changes_follow_the_clock(tmp_path):
     p.cleanup("r")
 
 
+def test_a_run_past_several_step_triggers_gets_them_one_step_at_a_time(tmp_path):
+    # A run that trains faster than the flow looks must not see the changes of steps 5 and 12 as one.
+    sc = parse_scenario({
+        "offerings": [{"market": "spot", "count": 2, "usd_per_gpu_hour": 0.1},
+                      {"market": "on-demand", "count": 2, "usd_per_gpu_hour": 0.3}],
+        "events": [{"kind": "price_change", "at_step": 5, "market": "spot", "usd_per_gpu_hour": 0.2},
+                   {"kind": "price_change", "at_step": 5, "market": "on-demand", "usd_per_gpu_hour": 0.4},
+                   {"kind": "price_change", "at_step": 12, "market": "spot", "usd_per_gpu_hour": 40.0},
+                   {"kind": "price_change", "at_step": 99, "market": "spot", "usd_per_gpu_hour": 1.0}],
+    })
+    p = LocalProvider(tmp_path, scenario=sc)
+    [vm] = p.provision([req("r", market=Market.SPOT)])
+    (p.slot_dir(vm.vm_id) / "heartbeat.json").write_text('{"step": 30}')  # already past steps 5 and 12
+    first = p.events("r")
+    assert [(e.detail["at_step"], e.detail["new_usd_per_gpu_hour"]) for e in first] == [(5, 0.2), (5, 0.4)]
+    second = p.events("r", since=first[-1].at)
+    assert [(e.detail["at_step"], e.detail["new_usd_per_gpu_hour"], e.detail["run_step"]) for e in second] == [
+        (12, 40.0, 30)]
+    assert p.events("r", since=second[-1].at) == []  # step 99 is not reached
+    p.cleanup("r")
+
+
 def test_cleanup_from_another_process_view_stops_the_agents(tmp_path):
     p = LocalProvider(tmp_path, agent_command=agent("stubborn"), stop_grace_s=0.5)
     vm = p.provision([req("r")])[0]
