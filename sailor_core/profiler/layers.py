@@ -8,8 +8,10 @@ real process group):
 - every TP degree runs in `tp` spawned worker processes on this node (one GPU each on CUDA; gloo on
   CPU, one thread each, as the runtime's workers run); rank 0's times are reported;
 - per layer of the store's indexing (0 embedding, 1..L blocks, L+1 final norm + head, the head's
-  forward including the loss): forward and backward seconds of one microbatch, warm-up excluded,
-  repeated until stable (timing.RepeatPolicy), the mean reported (DEFAULT_STATISTIC).
+  forward including the loss): forward and backward seconds of one microbatch, timed where a step
+  runs them (the measured layers' forwards in order, then their backwards in reverse, in runs of
+  CHAIN_LAYERS), warm-up excluded, repeated until stable (timing.RepeatPolicy), the mean reported
+  (DEFAULT_STATISTIC).
   CUDA: CUDA events, synchronised before reading; CPU: the thread's CPU time, read at the speed of
   the device the rank is bound to (a testbed device is a CPU share: sailor_core/runtime/devices.py);
   a TP layer's adds the median wall time a repetition spent waiting in its collectives (their own
@@ -37,7 +39,7 @@ import functools
 import math
 import resource
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from types import ModuleType
@@ -70,6 +72,10 @@ DEFAULT_POLICY = RepeatPolicy(warmup=2, min_reps=5, max_reps=50, rel_err=0.02, t
 # jobs on the host do not inflate layers without collectives: those are timed in thread CPU time.
 DEFAULT_STATISTIC = "mean"
 DEFAULT_BLOCKS = 2  # blocks measured when identical blocks are collapsed
+# Layers timed together, one after the other as a step runs them (`_measure_chain`): the default
+# profile's four measured layers (embedding, two blocks, head) in one run; with every block measured,
+# runs of four, so a large model's profile holds one microbatch's activations of four layers, not all.
+CHAIN_LAYERS = 4
 # The runtime's AdamW (sailor_core.runtime.engine; the artifact's ds_config.json): the step's cost
 # does not depend on the values, only on the parameter count, but use the real ones anyway.
 ADAMW = dict(lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=4e-5)
@@ -290,7 +296,7 @@ def _timers(torch: ModuleType, cuda: bool, tp: int) -> tuple[_Timed, _Timed]:
     # else the host runs; wall time would add the other jobs' time slices. Read at the bound device's
     # speed: on the testbed a device is a share of a core, and a layer must cost what it costs that
     # device. A TP layer's rank waits off-CPU inside its all-reduces (gloo's threads move the data):
-    # its CPU clock is the layer's compute, and _measure_layer adds the collectives' own time
+    # its CPU clock is the layer's compute, and _measure_chain adds the collectives' own time
     # (_CollectiveWaits). Wall time over a TP layer would count every wake-up and time slice lost to
     # the other jobs on the host twice per collective, at both ranks. See docs/profiler.md.
     cpu_timed = functools.partial(timed, clock=device_cpu_clock())
@@ -388,22 +394,22 @@ class _LayerRig:
 
     def measure_point(self, mbs: int, emit: Callable[[Any], None], layer_timed: _Timed, agree: _Agree
                       ) -> list[LayerPoint]:
-        """Every measured layer at microbatch size mbs (rank 0 reports progress per layer)."""
+        """Every measured layer at microbatch size mbs, timed in runs of up to CHAIN_LAYERS consecutive
+        layers as a step runs them (`_measure_chain`); rank 0 reports progress per layer."""
         out = []
-        for i, layer in self.layers.items():
-            x, tgt = self.inputs(i, mbs)
-            run_forward = functools.partial(self.forward, i, x, tgt)
-            saved, allocated = _saved_for_backward(self.torch, layer, run_forward, self.cuda)
-            fwd, bwd = _measure_layer(self.torch, run_forward, x, self.settings.policy, layer_timed, agree,
-                                      self.waits)
-            out.append(
-                LayerPoint(
-                    mbs=mbs, tp=self.tp, layer=i, forward=fwd, backward=bwd, saved_bytes=saved,
-                    allocated_bytes=allocated, statistic=self.settings.statistic,
-                )
-            )
-            if self.rank == 0:  # progress only; the point's results are sent once all its layers ran
-                emit({"kind": "layer", "mbs": mbs, "tp": self.tp, "layer": i})
+        ids = list(self.layers)
+        for run in [ids[k:k + CHAIN_LAYERS] for k in range(0, len(ids), CHAIN_LAYERS)]:
+            inputs = {i: self.inputs(i, mbs) for i in run}
+            forwards = [functools.partial(self.forward, i, *inputs[i]) for i in run]
+            saved = [_saved_for_backward(self.torch, self.layers[i], f, self.cuda) for i, f in zip(run, forwards,
+                                                                                                 strict=True)]
+            timed = _measure_chain(self.torch, forwards, [inputs[i][0] for i in run], self.settings.policy,
+                                   layer_timed, agree, self.waits)
+            for i, (fwd, bwd), (kept, allocated) in zip(run, timed, saved, strict=True):
+                out.append(LayerPoint(mbs=mbs, tp=self.tp, layer=i, forward=fwd, backward=bwd, saved_bytes=kept,
+                                      allocated_bytes=allocated, statistic=self.settings.statistic))
+                if self.rank == 0:  # progress only; the point's results are sent once all its layers ran
+                    emit({"kind": "layer", "mbs": mbs, "tp": self.tp, "layer": i})
         return out
 
 
@@ -436,36 +442,49 @@ def _measure_mbs(torch: ModuleType, dist: ModuleType, rig: _LayerRig, mbs: int, 
                 emit({"kind": "point", "point": p})
 
 
-def _measure_layer(torch: ModuleType, run_forward: Callable[[], Tensor], x: Tensor, policy: RepeatPolicy,
-                   timed: _Timed, agree: _Agree, waits: _CollectiveWaits | None = None
-                   ) -> tuple[Measurement, Measurement]:
-    """Forward and backward of one microbatch, each timed on its own, repeated until both are stable.
+def _measure_chain(torch: ModuleType, forwards: Sequence[Callable[[], Tensor]], inputs: Sequence[Tensor],
+                   policy: RepeatPolicy, timed: _Timed, agree: _Agree, waits: _CollectiveWaits | None = None
+                   ) -> list[tuple[Measurement, Measurement]]:
+    """(forward, backward) of one microbatch for each of a run of consecutive layers, timed where a step
+    runs them: every repetition runs the forwards in layer order, then the backwards in reverse, each
+    layer timed on its own, until every time is stable.
 
+    A layer repeated alone finds its weights and activations where its last repetition left them; in
+    a step the layer before it has just used the caches, and on a CPU share the quota's off-periods
+    let other tenants in between. On the testbed's CPU devices (gpt-tiny, microbatch 4, three rounds
+    each) the forwards of the layers run alone summed to 22-23 ms (0.4-core device) and 48-50 ms
+    (0.2-core device), run one after the other 24-29 and 62-64 ms (backwards: 42-43 against 43-46,
+    89-92 against 99-101 ms); on a core without a quota the two agree within 4 %.
     `agree(stop)` returns rank 0's decision on every rank: TP layers run collectives, so every rank
     of the group must run the same number of repetitions. With `waits` (a CPU TP rank, timed by its
     CPU clock) each repetition's compute gets the median time a repetition spent in its collectives.
     """
-    grad_out = None
-    f_rule, b_rule = StopRule(policy), StopRule(policy)
-    f_waits: list[float] = []
-    b_waits: list[float] = []
+    n = len(forwards)
+    f_rules, b_rules = [StopRule(policy) for _ in range(n)], [StopRule(policy) for _ in range(n)]
+    f_waits: list[list[float]] = [[] for _ in range(n)]
+    b_waits: list[list[float]] = [[] for _ in range(n)]
+    grad_outs: list[Tensor | None] = [None] * n
     while True:
-        if x.requires_grad:
-            x.grad = None  # the input's gradient would otherwise accumulate across repetitions
-        if waits is not None:
-            waits.take()
-        t_f, out = timed(run_forward)
-        f_waits.append(waits.take() if waits is not None else 0.0)
-        if grad_out is None and out.dim() > 0:
-            grad_out = torch.ones_like(out)
-        t_b, _ = timed(functools.partial(out.backward, grad_out))
-        b_waits.append(waits.take() if waits is not None else 0.0)
-        del out  # parameter gradients do accumulate, as over a pipeline's microbatches
-        f_rule.add(t_f)
-        b_rule.add(t_b)
-        if agree(not f_rule.warming() and f_rule.done() and b_rule.done()):
-            return (_plus(f_rule.result(), statistics.median(f_waits), policy),
-                    _plus(b_rule.result(), statistics.median(b_waits), policy))
+        outs = []
+        for k in range(n):
+            if inputs[k].requires_grad:
+                inputs[k].grad = None  # the input's gradient would otherwise accumulate across repetitions
+            if waits is not None:
+                waits.take()
+            t_f, out = timed(forwards[k])
+            f_waits[k].append(waits.take() if waits is not None else 0.0)
+            f_rules[k].add(t_f)
+            if grad_outs[k] is None and out.dim() > 0:
+                grad_outs[k] = torch.ones_like(out)
+            outs.append(out)
+        for k in reversed(range(n)):
+            t_b, _ = timed(functools.partial(outs[k].backward, grad_outs[k]))
+            b_waits[k].append(waits.take() if waits is not None else 0.0)
+            b_rules[k].add(t_b)
+            outs[k] = None  # parameter gradients do accumulate, as over a pipeline's microbatches
+        if agree(all(not f.warming() and f.done() and b.done() for f, b in zip(f_rules, b_rules, strict=True))):
+            return [(_plus(f.result(), statistics.median(fw), policy), _plus(b.result(), statistics.median(bw), policy))
+                    for f, b, fw, bw in zip(f_rules, b_rules, f_waits, b_waits, strict=True)]
 
 
 def _plus(m: Measurement, seconds: float, policy: RepeatPolicy) -> Measurement:
