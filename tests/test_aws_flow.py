@@ -38,6 +38,12 @@ def moto():
     server.stop()
 
 
+# Long enough that the workers still have steps left once the flow has seen the notice: a loaded
+# machine showed the notice given at step 4 seen at step 48, and a 60-step run ended before the switch
+# trained a step (no `reconfigured`).
+STEPS = 150
+
+
 def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, request, tmp_path, monkeypatch):
     from flows.sailor import Deps, sailor
     from profiles_store.store import open_store
@@ -74,8 +80,9 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
     watcher = when_step(deps.board, 4, interrupt)
     # The budget affords the two spot VMs (0.37/h) but no pair with the on-demand one (>= 0.53/h).
     state = sailor(run_name="aws-spot", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
-                   max_usd_per_hour=0.5, provider="aws", regions=["us-east-1", "us-west-2"], gpu_types=[GPU], steps=60,
-                   checkpoint_interval=4, store_uri=store_uri, workdir=str(work), deps=deps, return_state=True)
+                   max_usd_per_hour=0.5, provider="aws", regions=["us-east-1", "us-west-2"], gpu_types=[GPU],
+                   steps=STEPS, checkpoint_interval=4, store_uri=store_uri, workdir=str(work), deps=deps,
+                   return_state=True)
     watcher.join(timeout=30)
     assert state.is_completed(), state.message
     assert interrupted, "the interruption never fired"

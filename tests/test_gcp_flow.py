@@ -38,6 +38,12 @@ def fake():
     f.stop()
 
 
+# Long enough that the workers still have steps left once the flow has seen the notice: a loaded
+# machine showed the notice given at step 4 seen at step 48, and a 60-step run ended before the switch
+# trained a step (no `reconfigured`).
+STEPS = 150
+
+
 def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp_path, monkeypatch):
     from flows.sailor import Deps, sailor
     from profiles_store.store import open_store
@@ -76,7 +82,7 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
         provider="gcp",
         regions=["us-central1", "europe-west4"],
         gpu_types=["cpu"],
-        steps=60,
+        steps=STEPS,
         checkpoint_interval=4,
         store_uri=store_uri,
         workdir=str(work),
