@@ -4,6 +4,7 @@
   measured local cpu link between the given cloud zones: the runs use CPU VMs (GPU type `cpu`)
   whose workers run on this machine (tests/fakes/agents_here.py), so that link is what they use.
 - `when_step(board, step, action)` runs `action` in a thread once the flow saw any worker at `step`.
+- `INTERRUPTED_RUN_STEPS`: how long the interrupted runs train (see its comment).
 - `leaks(secrets, ...)` greps every Prefect log line and artifact, every store row and every file
   under the run's folder for the given secrets and returns where they were found.
 """
@@ -19,6 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from sailor_core.domain import NetworkLink, Provenance
+
+# Steps of the interrupted cloud runs: the workers must still have steps left once the flow has seen the
+# notice. A loaded machine saw a notice given at step 4 only at step 48 (a calibration replan held the
+# monitor), and a 60-step run ended before the switch trained a step (no `reconfigured`). Still a race
+# with the run's speed, with about 3x the lag seen as margin.
+INTERRUPTED_RUN_STEPS = 150
 
 
 def cloud_store(profiled_store: str, dest: Path, zones: Iterable[str]) -> str:

@@ -19,7 +19,14 @@ from infra.aws import AwsConfig, AwsProvider
 from infra.catalog import ScriptedPriceSource
 from infra.cloud import RUN_TAG, ScriptedEventSource
 from sailor_core.domain import Market
-from tests.cloud_flow_fixtures import assert_two_ranks_on_one_vm, cloud_store, leaks, when_step, zones_per_plan
+from tests.cloud_flow_fixtures import (
+    INTERRUPTED_RUN_STEPS,
+    assert_two_ranks_on_one_vm,
+    cloud_store,
+    leaks,
+    when_step,
+    zones_per_plan,
+)
 from tests.fakes.agents_here import AgentsHere
 from tests.fakes.moto_server import DUMMY_KEY_ID, DUMMY_SECRET, MotoServer, client_factory
 
@@ -36,12 +43,6 @@ def moto():
     server = MotoServer()
     yield server
     server.stop()
-
-
-# Long enough that the workers still have steps left once the flow has seen the notice: a loaded
-# machine showed the notice given at step 4 seen at step 48, and a 60-step run ended before the switch
-# trained a step (no `reconfigured`).
-STEPS = 150
 
 
 def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, request, tmp_path, monkeypatch):
@@ -81,8 +82,8 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
     # The budget affords the two spot VMs (0.37/h) but no pair with the on-demand one (>= 0.53/h).
     state = sailor(run_name="aws-spot", model="gpt-tiny", global_batch_size=8, objective="max-throughput",
                    max_usd_per_hour=0.5, provider="aws", regions=["us-east-1", "us-west-2"], gpu_types=[GPU],
-                   steps=STEPS, checkpoint_interval=4, store_uri=store_uri, workdir=str(work), deps=deps,
-                   return_state=True)
+                   steps=INTERRUPTED_RUN_STEPS, checkpoint_interval=4, store_uri=store_uri, workdir=str(work),
+                   deps=deps, return_state=True)
     watcher.join(timeout=30)
     assert state.is_completed(), state.message
     assert interrupted, "the interruption never fired"

@@ -19,7 +19,14 @@ from infra.catalog import ScriptedPriceSource
 from infra.cloud import ScriptedEventSource
 from infra.gcp import GceClients, GcpConfig, GcpProvider
 from sailor_core.domain import Market
-from tests.cloud_flow_fixtures import assert_two_ranks_on_one_vm, cloud_store, leaks, when_step, zones_per_plan
+from tests.cloud_flow_fixtures import (
+    INTERRUPTED_RUN_STEPS,
+    assert_two_ranks_on_one_vm,
+    cloud_store,
+    leaks,
+    when_step,
+    zones_per_plan,
+)
 from tests.fakes.agents_here import AgentsHere
 from tests.fakes.gce_fake import GceFake
 
@@ -36,12 +43,6 @@ def fake():
     f = GceFake(project="flow-project").start()
     yield f
     f.stop()
-
-
-# Long enough that the workers still have steps left once the flow has seen the notice: a loaded
-# machine showed the notice given at step 4 seen at step 48, and a 60-step run ended before the switch
-# trained a step (no `reconfigured`).
-STEPS = 150
 
 
 def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp_path, monkeypatch):
@@ -82,7 +83,7 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
         provider="gcp",
         regions=["us-central1", "europe-west4"],
         gpu_types=["cpu"],
-        steps=STEPS,
+        steps=INTERRUPTED_RUN_STEPS,
         checkpoint_interval=4,
         store_uri=store_uri,
         workdir=str(work),

@@ -441,7 +441,7 @@ def best_fit(sizes: list[int], times: list[float]) -> BandwidthFit:
     (`fit_line`). A line holds its last bandwidth beyond the measured sizes by construction. On the
     testbed's htb links (a burst at line rate, then the shaped rate) the line follows every size within
     a few %, where the quadratic missed by 9-13 %; on a link whose curve bends in log-size the quadratic
-    stays."""
+    stays, as it does when no line with a positive bandwidth fits at all (`fit_line` raises)."""
     quad = _fit_pinned(sizes, times)
     try:
         line = fit_line(sizes, times)
