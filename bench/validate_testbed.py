@@ -514,8 +514,9 @@ def train(tb: Testbed, server: ControlServer, gen: int, plan: ParallelPlan, vms:
         if not all(s == "done" for s in status):
             raise RuntimeError(f"generation {gen} did not finish: {dict(zip(members, status, strict=True))}; "
                                f"see {work / 'logs'}")
-        rows = [json.loads(x) for x in server.read_list(metrics_key(gen))]
-        return [(float(r["iteration_time_s"]), float(r["time"])) for r in sorted(rows, key=lambda r: r["step"])]
+        rows = sorted((json.loads(x) for x in server.read_list(metrics_key(gen))), key=lambda r: r["step"])
+        log(f"generation {gen}: rank 0's step, median after the first: {step_parts(rows[1:])}")
+        return [(float(r["iteration_time_s"]), float(r["time"])) for r in rows]
     finally:
         for pr in procs:
             if pr.poll() is None:
@@ -760,6 +761,15 @@ def clock_apart_pct(samples: Sequence[tuple[float, float]], run: Run) -> float |
     during = speed_over(samples, [run.steps_window])
     rounds = speed_over(samples, [(run.before.start, run.before.end), (run.after.start, run.after.end)])
     return None if during is None or rounds is None else abs(during / rounds - 1) * 100
+
+
+def step_parts(rows: Sequence[dict[str, Any]]) -> str:
+    """Where rank 0's steps went (the runtime's per-step parts, median over `rows`): printed beside a run,
+    never read by an estimate."""
+    parts = ("pipeline_s", "grad_sync_s", "agree_s", "optimizer_s")
+    if not rows or any(p not in rows[0] for p in parts):
+        return "-"
+    return " ".join(f"{p[:-2]} {statistics.median(float(r[p]) for r in rows):.3f}" for p in parts)
 
 
 def drift(run: Run, samples: Sequence[tuple[float, float]], bound_pct: float) -> str:

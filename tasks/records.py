@@ -39,6 +39,10 @@ class MetricRow(TypedDict, total=False):
     time: float
     lr: float
     model_flops_per_s: float
+    pipeline_s: float  # the step's parts on this rank: forwards, backwards and sends,
+    grad_sync_s: float  # waiting for the gradient all-reduce (and the tied weights'),
+    agree_s: float  # the step's one world all-reduce (loss, grad norm, notices),
+    optimizer_s: float  # clipping and the optimizer step
     checkpoint_write_s: float
     checkpoint_stall_s: float
 

@@ -228,6 +228,18 @@ def test_bf16_trains(tmp_path, baseline):
     assert got[-1] < got[0] and rel(got, baseline[:4]) < 0.05  # same model, lower precision
 
 
+def test_each_step_record_splits_its_time_into_the_steps_parts(tmp_path):
+    out = tmp_path / "parts.jsonl"
+    run_local(PLANS["2pipelines-mixed-mbs"], CFG, TrainSettings(model="gpt-tiny", steps=3, metrics_out=str(out),
+                                                                timeout_s=30), run_dir=str(tmp_path / "run"))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        parts = [r["pipeline_s"], r["grad_sync_s"], r["agree_s"], r["optimizer_s"]]
+        assert min(parts) >= 0 and r["pipeline_s"] > 0
+        assert sum(parts) <= r["iteration_time_s"] * (1 + 1e-9)  # the parts are consecutive, within the step
+
+
 def test_checkpoint_reshards_across_plans(tmp_path, baseline):
     ck = str(tmp_path / "ck")
     a = PLANS["2stages-mixed-tp"]

@@ -239,9 +239,12 @@ class Trainer:
         run_schedule(self.plan.schedule, self.compute.num_microbatches, self.me.stage, self.plan.num_stages,
                      self.peers, self.p2p, self.compute.forward, self.compute.backward)
         self.p2p.drain()
+        t_pipe = time.perf_counter()
         self.grads.sync()
         self.tied.sync(self.model, self.tp, self.device, self.waiter.wait)
+        t_sync = time.perf_counter()
         loss, norm, jit, stop = self._agree()
+        t_agree = time.perf_counter()
         if self.settings.max_grad_norm > 0 and norm > self.settings.max_grad_norm:
             coef = self.settings.max_grad_norm / (norm + 1e-6)
             for p in self.grads.params:
@@ -261,7 +264,10 @@ class Trainer:
         self.step += 1
         self.consistent = True
         self.samples_seen += self.plan.global_batch_size
-        return self._record(loss, norm, jit, stop, time.perf_counter() - t0)
+        t_end = time.perf_counter()
+        phases = {"pipeline_s": t_pipe - t0, "grad_sync_s": t_sync - t_pipe, "agree_s": t_agree - t_sync,
+                  "optimizer_s": t_end - t_agree}
+        return self._record(loss, norm, jit, stop, t_end - t0, phases)
 
     def _agree(self) -> tuple[float, float, bool, bool]:
         """The step's one world all-reduce: (loss, global grad norm, checkpoint now, stop) for every rank."""
@@ -280,13 +286,14 @@ class Trainer:
             self.notice_poll.answered()
         return loss, math.sqrt(max(sq, 0.0)), jit_any > 0, stop_any > 0
 
-    def _record(self, loss: float, norm: float, jit: bool, stop: bool, dt: float) -> dict[str, Any]:
+    def _record(self, loss: float, norm: float, jit: bool, stop: bool, dt: float,
+                phases: dict[str, float]) -> dict[str, Any]:
         tokens = self.plan.global_batch_size * self.cfg.sequence_length
         rec = {"step": self.step, "loss": loss, "samples": self.plan.global_batch_size,
                "samples_seen": self.samples_seen, "iteration_time_s": dt, "grad_norm": norm,
                "tokens_per_s": tokens / dt, "memory_bytes": peak_memory_bytes(self.device),
                "plan_version": self.settings.plan_version, "world_size": self.world, "time": time.time(),
-               "lr": self.lr_now, "model_flops_per_s": tokens * self.flops_per_token / dt}
+               "lr": self.lr_now, "model_flops_per_s": tokens * self.flops_per_token / dt, **phases}
         rec["_jit"], rec["_stop"] = jit, stop
         rec.update(self.checkpoints.take_measured())
         return rec
