@@ -390,6 +390,10 @@ def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, 
                 fwd = replace(measured, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)
                 rows += [fwd, replace(fwd, sender_zone=zb, sender_gpu=gb, receiver_zone=za, receiver_gpu=ga)]
         store.write_network_links(rows, provenance=_prov(a, "validate-testbed", peer=b))
+        ar = next(x for x in src.link_allreduce() if (x.zone_a, x.zone_b) == (za, zb))
+        ars = [replace(ar, zone_a=r.sender_zone, gpu_a=r.sender_gpu, zone_b=r.receiver_zone, gpu_b=r.receiver_gpu)
+               for r in rows]
+        store.write_link_allreduce(ars, provenance=_prov(a, "validate-testbed", peer=b))
         shaped = tb.rate_gbps(za, zb) * 1e9 / 8
         fit = measured.fit
         log(f"link {za} <-> {zb}: fit at 256 KiB {fit.bandwidth_bytes_per_s(256 << 10) / 1e6:.1f} MB/s, "

@@ -23,7 +23,7 @@ from prefect.logging import get_run_logger
 
 from infra.provider import Vm
 from profiles_store.store import ProfileStore
-from sailor_core.domain import Capacity, NetworkLink, Provenance
+from sailor_core.domain import Capacity, LinkAllReduce, NetworkLink, Provenance
 from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.profiles import ProfileBook
 from tasks.jobs import CodeRef
@@ -225,16 +225,17 @@ def _measure_links(pairs: list[ZonePair], pool: _VmPool, remote: VmCommands, sto
         if got is None:
             log.info("cannot measure %s <-> %s: no two VMs there", za, zb)
             continue
-        _import_links(got[0], store, combos, got[1], got[2])
+        _import_links(got[0], got[1], store, combos, got[2], got[3])
         done.append(f"{za}<->{zb}")
     return done
 
 
 def _measure_pair(pool: _VmPool, remote: VmCommands, src: tuple[str, str | None],
-                  dst: tuple[str, str | None]) -> tuple[NetworkLink, Vm, Vm] | None:
-    """(the link src -> dst as measured, its VM at src, its VM at dst), or None when no two such VMs can be
-    rented: `sailor profile link` on a VM at each end (of that device type where given), meeting through
-    the run's controller. Its ping-pong crosses the link both ways; the fit stands for both directions."""
+                  dst: tuple[str, str | None]) -> tuple[NetworkLink, LinkAllReduce | None, Vm, Vm] | None:
+    """(the link src -> dst as measured, the two VMs' all-reduce over it (None from a VM whose `sailor`
+    does not measure it), its VM at src, its VM at dst), or None when no two such VMs can be rented:
+    `sailor profile link` on a VM at each end (of that device type where given), meeting through the run's
+    controller. Its ping-pong crosses the link both ways; the fit stands for both directions."""
     from profiles_store import open_store
 
     (za, ga), (zb, gb) = src, dst
@@ -251,7 +252,8 @@ def _measure_pair(pool: _VmPool, remote: VmCommands, src: tuple[str, str | None]
         raise remote.failure(f"measuring {za} <-> {zb}", codes)
     src_store = open_store(remote.store_uri("flow", name))
     measured = next(lk for lk in src_store.network_links() if (lk.sender_zone, lk.receiver_zone) == (za, zb))
-    return measured, a, b
+    ar = next((x for x in src_store.link_allreduce() if (x.zone_a, x.zone_b) == (za, zb)), None)
+    return measured, ar, a, b
 
 
 @task(name="profile-on-vms", cache_policy=NO_CACHE)
@@ -304,16 +306,22 @@ def _run_and_import(remote: VmCommands, jobs: list[ProfileJob], store: ProfileSt
             measured["intra_node"].append(g)
 
 
-def _import_links(measured: NetworkLink, store: ProfileStore, combos: list[tuple[End, End]], a: Vm, b: Vm) -> None:
-    """The measured link of a zone pair, for every device-type pair of those zones the plans may use:
-    on one network the link is the zones', measured once between two of their VMs."""
+def _import_links(measured: NetworkLink, allreduce: LinkAllReduce | None, store: ProfileStore,
+                  combos: list[tuple[End, End]], a: Vm, b: Vm) -> None:
+    """The measured link of a zone pair (and the all-reduce over it), for every device-type pair of those
+    zones the plans may use: on one network the link is the zones', measured once between two of their VMs."""
     from dataclasses import replace
 
-    rows = []
+    rows, ars = [], []
     for (za, ga), (zb, gb) in combos:
         fwd = replace(measured, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)
         rows += [fwd, replace(fwd, sender_zone=zb, sender_gpu=gb, receiver_zone=za, receiver_gpu=ga)]
+        if allreduce is not None:
+            ars += [LinkAllReduce(zone_a=za, gpu_a=ga, zone_b=zb, gpu_b=gb, fit=allreduce.fit),
+                    LinkAllReduce(zone_a=zb, gpu_a=gb, zone_b=za, gpu_b=ga, fit=allreduce.fit)]
     store.write_network_links(rows, provenance=_provenance(a, a.zone, "", peer=b))
+    if ars:
+        store.write_link_allreduce(ars, provenance=_provenance(a, a.zone, "", peer=b))
 
 
 def _provenance(vm: Vm, zone: str, run_id: str, peer: Vm | None = None) -> Provenance:
@@ -357,9 +365,9 @@ def measure_zone_link(params: SailorParams, src: tuple[str, str | None], dst: tu
         if got is None:
             raise SailorError(f"no two VMs could be rented in {src[0]} and {dst[0]} (a zone needs two VMs to measure "
                               f"a link inside it); to fix: try again when capacity is back, or name other zones")
-        measured, a, b = got
+        measured, allreduce, a, b = got
         combos = [((src[0], ga), (dst[0], gb)) for ga in types[0] for gb in types[1]]
-        _import_links(measured, deps.store, combos, a, b)
+        _import_links(measured, allreduce, deps.store, combos, a, b)
         return ZoneLink(run_id=run_id, link=measured, vms=[a.vm_id, b.vm_id], store=deps.store.uri,
                         rows=[f"{za}:{ga} <-> {zb}:{gb}" for (za, ga), (zb, gb) in combos])
     finally:

@@ -185,6 +185,17 @@ _SPECS = [
         key=("gpu_type", "workers"),
     ),
     TableSpec(
+        name="link_allreduce",
+        doc=(
+            "A measured all-reduce between one GPU in `zone_a` and one in `zone_b`, a worker on each of two "
+            "machines (`sailor profile link`): its algorithm bandwidth x / t(x) for x bytes per worker, same fit "
+            "as network_links. The simulator times a data-parallel ring step over such a link from it "
+            "(t(2 c) / 2 for a chunk of c bytes) instead of from the ping-pong link fit."
+        ),
+        fields=(_f("zone_a", _S), _f("gpu_a", _S), _f("zone_b", _S), _f("gpu_b", _S), *_FIT),
+        key=("zone_a", "gpu_a", "zone_b", "gpu_b"),
+    ),
+    TableSpec(
         name="egress_prices",
         doc="USD per GB sent from one zone to another (0 within a zone).",
         fields=(_f("sender_zone", _S), _f("receiver_zone", _S), _f("usd_per_gb", _F)),

@@ -62,6 +62,7 @@ from sailor_core.domain import (
     IntraNodeLink,
     LayerProfile,
     LayerSpec,
+    LinkAllReduce,
     Market,
     ModelSpec,
     NetworkLink,
@@ -652,6 +653,20 @@ class ProfileStore:
         rows = [dict(gpu_type=x.gpu_type, num_gpus=x.num_gpus, **_fit_cols(x.fit)) for x in links]
         self.write_table("intra_node_links", rows, mode="replace" if replace_all else "upsert", provenance=provenance)
 
+    def link_allreduce(self) -> tuple[LinkAllReduce, ...]:
+        return tuple(
+            LinkAllReduce(zone_a=r["zone_a"], gpu_a=r["gpu_a"], zone_b=r["zone_b"], gpu_b=r["gpu_b"], fit=_fit(r))
+            for r in self.read_table("link_allreduce").to_pylist()
+        )
+
+    def write_link_allreduce(
+        self, fits: Iterable[LinkAllReduce], *, replace_all: bool = False, provenance: Provenance | None = None
+    ) -> None:
+        """Upsert by (zone_a, gpu_a, zone_b, gpu_b); a caller stores both orders of a pair (the readers look
+        one up as a ring hop meets it)."""
+        rows = [dict(zone_a=x.zone_a, gpu_a=x.gpu_a, zone_b=x.zone_b, gpu_b=x.gpu_b, **_fit_cols(x.fit)) for x in fits]
+        self.write_table("link_allreduce", rows, mode="replace" if replace_all else "upsert", provenance=provenance)
+
     def node_allreduce(self) -> tuple[NodeAllReduce, ...]:
         return tuple(
             NodeAllReduce(gpu_type=r["gpu_type"], workers=r["workers"], fit=_fit(r))
@@ -745,6 +760,7 @@ class ProfileStore:
             links=tuple(lk for lk in self.network_links() if lk.sender_gpu in wanted and lk.receiver_gpu in wanted),
             intra_node=tuple(x for x in self.intra_node_links() if x.gpu_type in wanted),
             node_allreduce=tuple(x for x in self.node_allreduce() if x.gpu_type in wanted),
+            link_allreduce=tuple(x for x in self.link_allreduce() if x.gpu_a in wanted and x.gpu_b in wanted),
             egress=self.egress_prices(),
             prices=tuple(p for p in self.prices() if p.gpu_type in wanted),
         )

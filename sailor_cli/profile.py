@@ -322,7 +322,8 @@ def link_cmd(
     max_bytes: MaxBytes = 4 * 1024 * 1024,
     timeout_s: TimeoutS = 600.0,
 ) -> None:
-    """Measure the link between this VM and one other (run on both); rank 0 stores it both ways.
+    """Measure the link between this VM and one other (run on both); rank 0 stores it both ways, and the
+    all-reduce of the two over it (what a data-parallel ring step across the link costs).
 
     --timeout: how long to wait for the other end.
     Run by the flow's profile subflow on rented VMs (the run's controller from $SAILOR_CONTROL and
@@ -331,13 +332,14 @@ def link_cmd(
     import os
     from dataclasses import replace
 
+    from sailor_core.domain import LinkAllReduce
     from sailor_core.profiler.network import LINK_POLICY, NetworkSettings, measure_link
     from sailor_core.runtime.protocol import client_from_env
 
     if rank not in (0, 1):
         raise SailorError(f"--rank must be 0 or 1, got {rank}")
     ends = (_zone_type(src or "", "--from"), _zone_type(dst or "", "--to"))
-    settings = NetworkSettings(workers=2, device="cpu", max_bytes=max_bytes, timeout_s=timeout_s, allreduce=False,
+    settings = NetworkSettings(workers=2, device="cpu", max_bytes=max_bytes, timeout_s=timeout_s, allreduce=True,
                                policy=LINK_POLICY)
     settings.validate()
     st = open_store(store) if rank == 0 else None
@@ -345,7 +347,13 @@ def link_cmd(
                         advertise_addr=os.environ.get("SAILOR_ADVERTISE_ADDR", "127.0.0.1"), ends=ends)
     if prof is None or st is None:
         return
-    back = replace(prof.link, sender_zone=prof.link.receiver_zone, sender_gpu=prof.link.receiver_gpu,
-                   receiver_zone=prof.link.sender_zone, receiver_gpu=prof.link.sender_gpu)
-    st.write_network_links([prof.link, back], provenance=prof.provenance)
-    typer.echo(f"link {src} <-> {dst}: {prof.link.fit.describe()}")
+    lk = prof.link
+    back = replace(lk, sender_zone=lk.receiver_zone, sender_gpu=lk.receiver_gpu,
+                   receiver_zone=lk.sender_zone, receiver_gpu=lk.sender_gpu)
+    st.write_network_links([lk, back], provenance=prof.provenance)
+    ar = LinkAllReduce(zone_a=lk.sender_zone, gpu_a=lk.sender_gpu, zone_b=lk.receiver_zone, gpu_b=lk.receiver_gpu,
+                       fit=prof.allreduce_fit)
+    st.write_link_allreduce([ar, replace(ar, zone_a=ar.zone_b, gpu_a=ar.gpu_b, zone_b=ar.zone_a, gpu_b=ar.gpu_a)],
+                            provenance=prof.provenance)
+    typer.echo(f"link {src} <-> {dst}: {lk.fit.describe()}")
+    typer.echo(f"all-reduce over it (2 workers): {ar.fit.describe()}")

@@ -286,6 +286,20 @@ class NodeAllReduce:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinkAllReduce:
+    """A measured all-reduce between one GPU in `zone_a` and one in `zone_b` (a worker on each of two
+    machines, over the link between them): `fit` is its algorithm bandwidth, x / t(x) for x bytes per
+    worker, in the same form as a link's fit. It holds what a ring step over that link costs beyond the
+    bytes a ping-pong moves: both directions at once, the collective's own chunking and the reduction."""
+
+    zone_a: str
+    gpu_a: str
+    zone_b: str
+    gpu_b: str
+    fit: BandwidthFit
+
+
+@dataclass(frozen=True, kw_only=True)
 class EgressPrice:
     sender_zone: str
     receiver_zone: str

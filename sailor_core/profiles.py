@@ -17,6 +17,7 @@ from sailor_core.domain import (
     GpuType,
     IntraNodeLink,
     LayerProfile,
+    LinkAllReduce,
     Market,
     ModelSpec,
     NetworkLink,
@@ -43,6 +44,9 @@ class ProfileBook:
     intra_node: tuple[IntraNodeLink, ...] = ()
     # measured all-reduces within one node; where absent, all-reduces are composed from link hops
     node_allreduce: tuple[NodeAllReduce, ...] = ()
+    # measured all-reduces between two machines, over their link; a ring step over a link without one is
+    # timed from the link's point-to-point fit
+    link_allreduce: tuple[LinkAllReduce, ...] = ()
     egress: tuple[EgressPrice, ...] = ()
     prices: tuple[GpuPrice, ...] = ()
 
@@ -50,6 +54,7 @@ class ProfileBook:
     _links: dict[tuple[str, str, int, str, str, int], NetworkLink] = field(init=False, repr=False, compare=False)
     _intra: dict[tuple[str, int], IntraNodeLink] = field(init=False, repr=False, compare=False)
     _node_ar: dict[tuple[str, int], NodeAllReduce] = field(init=False, repr=False, compare=False)
+    _link_ar: dict[tuple[str, str, str, str], LinkAllReduce] = field(init=False, repr=False, compare=False)
     _egress: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
     _prices: dict[tuple[str, str, Market], float] = field(init=False, repr=False, compare=False)
 
@@ -61,6 +66,7 @@ class ProfileBook:
         object.__setattr__(self, "_links", links)
         object.__setattr__(self, "_intra", {(x.gpu_type, x.num_gpus): x for x in self.intra_node})
         object.__setattr__(self, "_node_ar", {(x.gpu_type, x.workers): x for x in self.node_allreduce})
+        object.__setattr__(self, "_link_ar", {(x.zone_a, x.gpu_a, x.zone_b, x.gpu_b): x for x in self.link_allreduce})
         object.__setattr__(self, "_egress", {(e.sender_zone, e.receiver_zone): e.usd_per_gb for e in self.egress})
         prices = {(p.zone, p.gpu_type, p.market): p.usd_per_gpu_hour for p in self.prices}
         object.__setattr__(self, "_prices", prices)
@@ -115,6 +121,9 @@ class ProfileBook:
 
     def node_allreduce_fit(self, gpu_type: str, workers: int) -> NodeAllReduce | None:
         return self._node_ar.get((gpu_type, workers))
+
+    def link_allreduce_fit(self, zone_a: str, gpu_a: str, zone_b: str, gpu_b: str) -> LinkAllReduce | None:
+        return self._link_ar.get((zone_a, gpu_a, zone_b, gpu_b))
 
     def egress_usd_per_gb(self, sender_zone: str, receiver_zone: str) -> float:
         if sender_zone == receiver_zone:

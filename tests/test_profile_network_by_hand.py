@@ -82,12 +82,18 @@ def test_a_link_measured_by_hand_is_stored_both_ways_and_plans_use_it(tmp_path: 
     after = plan_json(tmp_path, store)
     assert "za -> A100-40 x1 in zb" not in json.dumps(after)
     assert zones_of(after["plan"]) == {"za", "zb"}, after["explanation"]  # a pipeline over both zones now
-    # the plan reads the measured figure: the same link 100x slower costs the plan its second zone
+    # the plan reads the measured figures: the same link 100x slower (its sends and its all-reduce) costs the
+    # plan its second zone
     st = open_store(str(store))
     slow = [replace(lk, fit=replace(lk.fit, coeffs=tuple(c / 100 for c in lk.fit.coeffs),
                                     max_bytes_per_s=lk.fit.max_bytes_per_s / 100))
             for key, lk in links.items() if key in (("za", "zb"), ("zb", "za"))]
     st.write_network_links(slow)
+    ars = {(x.zone_a, x.zone_b): x for x in st.link_allreduce()}
+    assert set(ars) == {("za", "zb"), ("zb", "za")}  # the two VMs' all-reduce over the link, both ways
+    st.write_link_allreduce([replace(x, fit=replace(x.fit, coeffs=tuple(c / 100 for c in x.fit.coeffs),
+                                                    max_bytes_per_s=x.fit.max_bytes_per_s / 100))
+                             for x in ars.values()])
     slowed = plan_json(tmp_path, store)
     assert slowed["estimate"]["iteration_time_s"] > after["estimate"]["iteration_time_s"]
 

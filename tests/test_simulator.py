@@ -264,6 +264,33 @@ def test_a_data_parallel_group_inside_one_node_uses_the_measured_all_reduce() ->
     assert sm.node_allreduce_s("G1", 2, 2, 1e8) is None and sm.node_allreduce_s("G2", 2, 1, 1e8) is None
 
 
+
+def test_a_ring_step_over_a_link_whose_all_reduce_was_measured_is_timed_from_that_measurement() -> None:
+    from dataclasses import replace
+
+    from sailor_core.domain import LinkAllReduce
+    from sailor_core.planner.costs import SimCosts, Slot
+
+    # the link's ping-pong says 5 GB/s across zones; the two machines' all-reduce over it, 1 GB/s (algorithm bw)
+    measured = [LinkAllReduce(zone_a=a, gpu_a="G1", zone_b=b, gpu_b="G1", fit=const_fit(1.0))
+                for a, b in (("za", "zb"), ("zb", "za"))]
+    book = replace(make_book(inter_gbps=10.0), link_allreduce=tuple(measured))
+    sm = SimModel(book)
+    across = [rep(), rep(zone="zb")]
+    # two workers: the measured all-reduce of the whole bucket, t(1e8) = 0.1 s (two steps of t(2 x 5e7) / 2)
+    assert sm.allreduce_time_s(across, [0, 1], 1e8) == pytest.approx(1e8 / 1e9)
+    # four workers over two zones: every step waits for the measured hop, 2(D-1) x t(2 x 2.5e7) / 2
+    four = [rep(), rep(), rep(zone="zb"), rep(zone="zb")]
+    assert sm.allreduce_time_s(four, [0, 1, 2, 3], 1e8) == pytest.approx(6 * (2 * 2.5e7 / 1e9) / 2)
+    # where nothing was measured (inside a zone, other GPU types, TP rings sharing the link): the link fit
+    assert sm.allreduce_time_s([rep(), rep()], [0, 1], 1e8) == pytest.approx(2 * (1e8 / 2) / 10e9)
+    assert sm.allreduce_time_s([rep("G2"), rep("G2", zone="zb")], [0, 1], 1e8) == pytest.approx(2 * 5e7 / 5e9)
+    assert sm.allreduce_time_s([rep(tp=2), rep(zone="zb", tp=2)], [0, 1], 1e8) == pytest.approx(2 * 5e7 / 5e9)
+    # the planner's ring costs the same step
+    slot = Slot(index=0, gpu_type="G1", market=Market.ON_DEMAND, region="", cloud="x", gpus_per_node=2,
+                usd_per_gpu_hour=1.0, zones=(("za", 1), ("zb", 1)))
+    costs = SimCosts(book, precision="fp32")
+    assert costs.allreduce_s(slot, 1, (("za", 1), ("zb", 1)), 1e8) == pytest.approx(1e8 / 1e9)
 def test_memory_terms_by_hand() -> None:
     sm = SimModel(make_book(overhead=1000))
     m = sm.stage_memory("G1", 1, 1, 2, mbs=2, in_flight=3, receives_activations=True, receives_gradients=True)

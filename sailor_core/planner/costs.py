@@ -315,7 +315,7 @@ class SimCosts:
         total = 0.0
         for bucket, count in bucket_counts(grad_bytes):
             chunk = bucket / d
-            step = max(chunk / self.sm.flow_bandwidth_bytes_per_s(a, b, flows, chunk, same_node=same)
+            step = max(self.sm.ring_step_s(a, b, flows, chunk, same_node=same)
                        for a, b, same in hops)
             total += count * 2 * (d - 1) * step
         return total

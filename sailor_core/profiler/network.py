@@ -20,12 +20,13 @@ repetitions (`statistic`, see DEFAULT_STATISTIC: the 20th), and fitted:
 - `node_allreduce` (its fit also as `allreduce_fit`): the measured all-reduce of x bytes over all workers in the
   same form (algorithm bandwidth x / time), stored as the node's all-reduce for that many workers:
   the simulator uses it for a data-parallel group inside one node of this GPU type (elsewhere it
-  composes rings from pair hops, 2(D-1) t(x/D), which on gloo is 1.5-2x optimistic);
+  composes rings from pair hops, 2(D-1) t(x/D), which on gloo is 1.5-2x optimistic, except over a link
+  whose own all-reduce `sailor profile link` measured: `measure_link` with `allreduce` on);
 - alpha-beta (latency, bandwidth) for both, kept with the profile and in its provenance.
 Nothing is written anywhere: the caller stores the result (see sailor_core.profiler.save).
 Labels: two local workers are one zone and one GPU type. `network_worker` takes its rendezvous
-(`init_method`) as an argument, so a link between two machines can be measured by running it on
-each; nothing starts that across machines yet.
+(`init_method`) as an argument, so a link between two machines is measured by running it on each
+(`measure_link`, which `sailor profile link` calls).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class NetworkSettings:
     policy: RepeatPolicy = field(default_factory=lambda: DEFAULT_POLICY)
     statistic: str = DEFAULT_STATISTIC  # of each size's repetitions: mean, median or pNN
     timeout_s: float = 1800.0
-    allreduce: bool = True  # False: point-to-point only (a link between two machines)
+    allreduce: bool = True  # False: point-to-point only
 
     def resolved_max_bytes(self) -> int:
         if self.max_bytes is not None:

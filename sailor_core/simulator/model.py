@@ -527,6 +527,21 @@ class SimModel:
             self._ar_memo[key] = hit
         return hit
 
+    def ring_step_s(self, a: Replica, b: Replica, flows: int, chunk: float, *, same_node: bool) -> float:
+        """Seconds of one ring step that moves `chunk` bytes from a to b, `flows` rings at once.
+
+        Between two machines whose all-reduce over their link was measured (`sailor profile link`, one
+        worker each: `flows` = 1), from that: a 2-worker all-reduce of 2c bytes is two ring steps of c, so
+        a step is t(2c) / 2. It holds what the ping-pong fit leaves out: both directions at once, the
+        collective's chunking, the reduction on the device. Elsewhere a transfer of `chunk` at the link's
+        bandwidth (`flow_bandwidth_bytes_per_s`).
+        """
+        if not same_node and flows == 1:
+            m = self.book.link_allreduce_fit(a.zone, a.gpu_type, b.zone, b.gpu_type)
+            if m is not None:
+                return m.fit.transfer_time_s(2 * chunk) / 2
+        return chunk / self.flow_bandwidth_bytes_per_s(a, b, flows, chunk, same_node=same_node)
+
     def tied_weight_bytes(self) -> float:
         """Bytes of the fp32 gradient of a tied embedding/head weight (vocab x hidden); 0 when untied."""
         spec = self.book.model
@@ -576,8 +591,7 @@ class SimModel:
                 b = replicas[order[(k + 1) % d]]
                 same = nodes[order[k]] == nodes[order[(k + 1) % d]]
                 flows = max(1, min(a.tp, a.gpus_per_node, b.tp, b.gpus_per_node))
-                bw = self.flow_bandwidth_bytes_per_s(a, b, flows, chunk, same_node=same)
-                step = max(step, chunk / bw)
+                step = max(step, self.ring_step_s(a, b, flows, chunk, same_node=same))
             total += count * 2 * (d - 1) * step
         return total
 
