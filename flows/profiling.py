@@ -231,9 +231,9 @@ def _measure_links(pairs: list[ZonePair], pool: _VmPool, remote: VmCommands, sto
 
 
 def _measure_pair(pool: _VmPool, remote: VmCommands, src: tuple[str, str | None],
-                  dst: tuple[str, str | None]) -> tuple[NetworkLink, LinkAllReduce | None, Vm, Vm] | None:
-    """(the link src -> dst as measured, the two VMs' all-reduce over it (None from a VM whose `sailor`
-    does not measure it), its VM at src, its VM at dst), or None when no two such VMs can be rented:
+                  dst: tuple[str, str | None]) -> tuple[NetworkLink, LinkAllReduce, Vm, Vm] | None:
+    """(the link src -> dst as measured, the two VMs' all-reduce over it, its VM at src, its VM at dst), or
+    None when no two such VMs can be rented:
     `sailor profile link` on a VM at each end (of that device type where given), meeting through the run's
     controller. Its ping-pong crosses the link both ways; the fit stands for both directions."""
     from profiles_store import open_store
@@ -252,7 +252,7 @@ def _measure_pair(pool: _VmPool, remote: VmCommands, src: tuple[str, str | None]
         raise remote.failure(f"measuring {za} <-> {zb}", codes)
     src_store = open_store(remote.store_uri("flow", name))
     measured = next(lk for lk in src_store.network_links() if (lk.sender_zone, lk.receiver_zone) == (za, zb))
-    ar = next((x for x in src_store.link_allreduce() if (x.zone_a, x.zone_b) == (za, zb)), None)
+    ar = next(x for x in src_store.link_allreduce() if (x.zone_a, x.zone_b) == (za, zb))
     return measured, ar, a, b
 
 
@@ -306,7 +306,7 @@ def _run_and_import(remote: VmCommands, jobs: list[ProfileJob], store: ProfileSt
             measured["intra_node"].append(g)
 
 
-def _import_links(measured: NetworkLink, allreduce: LinkAllReduce | None, store: ProfileStore,
+def _import_links(measured: NetworkLink, allreduce: LinkAllReduce, store: ProfileStore,
                   combos: list[tuple[End, End]], a: Vm, b: Vm) -> None:
     """The measured link of a zone pair (and the all-reduce over it), for every device-type pair of those
     zones the plans may use: on one network the link is the zones', measured once between two of their VMs."""
@@ -316,12 +316,10 @@ def _import_links(measured: NetworkLink, allreduce: LinkAllReduce | None, store:
     for (za, ga), (zb, gb) in combos:
         fwd = replace(measured, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)
         rows += [fwd, replace(fwd, sender_zone=zb, sender_gpu=gb, receiver_zone=za, receiver_gpu=ga)]
-        if allreduce is not None:
-            ars += [LinkAllReduce(zone_a=za, gpu_a=ga, zone_b=zb, gpu_b=gb, fit=allreduce.fit),
-                    LinkAllReduce(zone_a=zb, gpu_a=gb, zone_b=za, gpu_b=ga, fit=allreduce.fit)]
+        ars += [LinkAllReduce(zone_a=za, gpu_a=ga, zone_b=zb, gpu_b=gb, fit=allreduce.fit),
+                LinkAllReduce(zone_a=zb, gpu_a=gb, zone_b=za, gpu_b=ga, fit=allreduce.fit)]
     store.write_network_links(rows, provenance=_provenance(a, a.zone, "", peer=b))
-    if ars:
-        store.write_link_allreduce(ars, provenance=_provenance(a, a.zone, "", peer=b))
+    store.write_link_allreduce(ars, provenance=_provenance(a, a.zone, "", peer=b))
 
 
 def _provenance(vm: Vm, zone: str, run_id: str, peer: Vm | None = None) -> Provenance:
