@@ -88,3 +88,23 @@ def test_markets_stay_apart_for_goodput_for_zone_prices_and_for_part_vms() -> No
     # would look like 3 tp=4 groups where the markets hold 2
     assert len(build_slots(_pool(6, 6))) == 2
 
+
+
+def test_regions_pooled_one_slot_per_gpu_type_with_each_zone_in_its_region_and_priced_by_its_offers() -> None:
+    a = Capacity(zone="us-central1-a", region="us-central1", gpu_type=GH, gpus=8, gpus_per_vm=4,
+                 usd_per_gpu_hour=ON_DEMAND_USD)
+    b = Capacity(zone="us-west1-b", region="us-west1", gpu_type=GH, gpus=4, gpus_per_vm=4,
+                 usd_per_gpu_hour=ON_DEMAND_USD * 1.5)
+    pool = ResourcePool(entries=(a, b))
+    assert len(build_slots(pool)) == 2  # per region
+    (slot,) = build_slots(pool, pool_regions=True)
+    assert slot.capacity == 12 and slot.zones == (("us-central1-a", 8), ("us-west1-b", 4))
+    assert slot.region_of("us-west1-b") == "us-west1" and slot.region_of("us-central1-a") == "us-central1"
+    assert slot.usd_per_hour({"us-central1-a": 8, "us-west1-b": 4}) == pytest.approx(
+        8 * ON_DEMAND_USD + 4 * ON_DEMAND_USD * 1.5)
+    # a stage of 3 tp=4 replicas fills both regions, and each replica names its own region
+    sk = Sketch(mbs=2, bounds=((0, 25),), kinds=((0, 4),), dp=3)
+    lay = place((slot,), sk)
+    assert lay == ((("us-central1-a", 2), ("us-west1-b", 1)),)
+    pl = materialize(sk, lay, (slot,), model="OPT-350", global_batch_size=12)
+    assert [r.region for r in pl.stages[0].replicas] == ["us-central1", "us-central1", "us-west1"]

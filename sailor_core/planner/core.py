@@ -44,7 +44,7 @@ from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
 
 
-def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot, ...]:
+def build_slots(pool: ResourcePool, *, pool_markets: bool = True, pool_regions: bool = False) -> tuple[Slot, ...]:
     """Group pool entries into slots: one GPU type in one region at one node shape, zones pooled.
 
     Zones of one market at one price are pooled (paper heuristic). With `pool_markets`, the markets
@@ -54,17 +54,25 @@ def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot,
     one 128-replica stage); the slot then lists each (zone, market) offer and prices the cheapest
     first (`Slot.usd_per_hour`). Otherwise (or with zone prices that differ within a market, or a
     count that is not whole VMs) one slot per market and price, as before.
+
+    With `pool_regions`, one slot holds the type's GPUs of every region of a cloud (zones keep their
+    region: `Slot.zone_regions`), so one stage's data-parallel replicas may span regions, which
+    per-region slots never allow (a stage's replicas come from one slot). Its zones are priced by
+    their own offers (zones of different regions may differ in price within a market).
     """
     groups: dict[tuple[str, str, str, int], list[Capacity]] = defaultdict(list)
     for e in pool.entries:
         if e.gpus > 0:
-            groups[(e.gpu_type, e.cloud, e.region, e.gpus_per_vm)].append(e)
+            groups[(e.gpu_type, e.cloud, "" if pool_regions else e.region, e.gpus_per_vm)].append(e)
     made: list[tuple[tuple[object, ...], Slot]] = []
     for (gpu, cloud, region, gpn), entries in groups.items():
         prices = {(e.market, e.usd_per_gpu_hour) for e in entries}
         # whole VMs only: a zone's pooled GPUs then form as many TP groups as its markets do apart
-        split = not pool_markets or len(prices) == 1 or len(prices) > len({m for m, _ in prices}) \
-            or any(e.gpus % gpn for e in entries)
+        vms = any(e.gpus % gpn for e in entries)
+        if pool_regions:  # offers price each zone exactly: apart only when markets must stay apart or VMs are not whole
+            split = len(prices) == 1 or vms or (not pool_markets and len({m for m, _ in prices}) > 1)
+        else:
+            split = not pool_markets or len(prices) == 1 or len(prices) > len({m for m, _ in prices}) or vms
         parts: dict[tuple[str, float], list[Capacity]] = defaultdict(list)
         for e in entries:
             parts[(e.market.value, e.usd_per_gpu_hour) if split else ("", 0.0)].append(e)
@@ -76,13 +84,25 @@ def build_slots(pool: ResourcePool, *, pool_markets: bool = True) -> tuple[Slot,
             rank = {z: i for i, (z, _) in enumerate(zones)}
             offers = tuple(sorted(((e.zone, e.market, e.gpus, e.usd_per_gpu_hour) for e in part),
                                   key=lambda o: (rank[o[0]], o[3], o[1].value)))
+            regions = {e.zone: e.region for e in part}
             cheapest = min(part, key=lambda e: (e.usd_per_gpu_hour, e.market.value))
             key = (gpu, cheapest.market.value, cloud, region, gpn, cheapest.usd_per_gpu_hour)
-            made.append((key, Slot(index=0, gpu_type=gpu, market=cheapest.market, region=region, cloud=cloud,
-                                   gpus_per_node=gpn, usd_per_gpu_hour=cheapest.usd_per_gpu_hour, zones=zones,
-                                   offers=() if split else offers)))
+            made.append((key, Slot(index=0, gpu_type=gpu, market=cheapest.market, region=regions[zones[0][0]],
+                                   cloud=cloud, gpus_per_node=gpn, usd_per_gpu_hour=cheapest.usd_per_gpu_hour,
+                                   zones=zones, offers=() if split else offers,
+                                   zone_regions=tuple((z, regions[z]) for z, _ in zones)
+                                   if len(set(regions.values())) > 1 else ())))
     made.sort(key=lambda ks: ks[0])
     return tuple(replace(slot, index=i) for i, (_, slot) in enumerate(made))
+
+
+def spans_regions(pool: ResourcePool) -> bool:
+    """Whether some GPU type (of one cloud and node shape) is offered in more than one region."""
+    regions: dict[tuple[str, str, int], set[str]] = defaultdict(set)
+    for e in pool.entries:
+        if e.gpus > 0:
+            regions[(e.gpu_type, e.cloud, e.gpus_per_vm)].add(e.region)
+    return any(len(r) > 1 for r in regions.values())
 
 
 def materialize(sk: Sketch, layouts: Sequence[Sequence[tuple[str, int]]], slots: Sequence[Slot], *, model: str,
@@ -208,8 +228,10 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     cands = search.run() if slots else []
     so = sim_options(pool, opts.precision, opts.schedule)
     value = _value_of(request)
-    simulated, feasible, closest = _verify(request, book, pool, _to_verify(request, search, cands, slots), so,
-                                           costs, value)
+    to_verify = _to_verify(request, search, cands, slots)
+    if opts.replicas_across_regions and _crosses_regions(cands[:BASES_ACROSS_REGIONS], slots) and spans_regions(pool):
+        to_verify += _across_regions(request, pool, problem, costs, search.state.incumbent)
+    simulated, feasible, closest = _verify(request, book, pool, to_verify, so, costs, value)
     if opts.wide_frontier and slots:
         _widen_frontier(request, problem, search, costs)
     front_sims = _frontier_sims(search, slots, request, book, so)
@@ -329,6 +351,33 @@ def _to_verify(request: PlanRequest, search: Search, cands: Sequence[Candidate],
                                  schedule=opts.schedule, max_groups=opts.max_shapes,
                                  own_microbatch=opts.per_pipeline_microbatches)
     return to_verify
+
+
+# The best plans checked for pipelines that cross regions (as many as get a second group: mixed_pipelines' default).
+BASES_ACROSS_REGIONS = 4
+
+
+def _crosses_regions(cands: Sequence[Candidate], slots: Sequence[Slot]) -> bool:
+    """Whether one of these plans has its pipelines' stages in different regions (each slot is one region)."""
+    return any(len({slots[si].region for si, _ in c.sketch.kinds}) > 1 for c in cands)
+
+
+def _across_regions(request: PlanRequest, pool: ResourcePool, problem: Problem, costs: SimCosts,
+                    incumbent: float) -> list[ParallelPlan]:
+    """The search again with each GPU type's regions pooled in one slot (`build_slots(pool_regions=True)`):
+    plans whose stages hold data-parallel replicas in several regions. A pipeline that fills every GPU
+    of two one-GPU regions leaves the per-region search no room for the other shape, data parallelism
+    across them, which wins when the ring over the link costs less than the pipeline's sends and bubble.
+    Run when one of the best plans crosses regions: a plan inside one region leaves the other regions
+    idle, and the second pipeline group (mixed.py) already puts replicas there.
+    It starts from the per-region search's best score (`incumbent`): its bounds prune every sketch
+    that cannot come within the tolerance of it, so it costs little where spanning regions cannot pay."""
+    opts = request.options
+    wide = build_slots(pool, pool_markets=not _goodput_wanted(request), pool_regions=True)
+    search = Search(replace(problem, slots=wide), costs, incumbent=incumbent)
+    return [materialize(c.sketch, c.estimate.layouts, wide, model=request.model,
+                        global_batch_size=request.global_batch_size, precision=opts.precision, schedule=opts.schedule)
+            for c in search.run()]
 
 
 def _goodput_wanted(request: PlanRequest) -> bool:

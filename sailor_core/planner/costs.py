@@ -30,6 +30,10 @@ Offer = tuple[str, Market, int, float]
 class Slot:
     """GPUs of one type in one region, zones in fill order.
 
+    With `zone_regions` the slot spans regions (`core.build_slots(pool_regions=True)`): the same GPU
+    type and node shape in every region of a cloud, so a stage's data-parallel replicas may sit in
+    several regions; each zone keeps its own region (`region_of`), and `region` is the first zone's.
+
     Without `offers`: one market at one price (`market`, `usd_per_gpu_hour`). With `offers` (see
     `core.build_slots`), the markets of the type in each zone pooled: spot and on-demand GPUs of one
     type in one zone are the same hardware on the same links, so a stage's replicas may use both;
@@ -46,10 +50,18 @@ class Slot:
     usd_per_gpu_hour: float
     zones: tuple[tuple[str, int], ...]  # (zone, GPUs), fill order: most GPUs first, then by name
     offers: tuple[Offer, ...] = ()  # pooled markets, cheapest first within each zone
+    zone_regions: tuple[tuple[str, str], ...] = ()  # (zone, region) where the slot spans regions
 
     @property
     def capacity(self) -> int:
         return sum(n for _, n in self.zones)
+
+    def region_of(self, zone: str) -> str:
+        """The region of one of the slot's zones."""
+        for z, r in self.zone_regions:
+            if z == zone:
+                return r
+        return self.region
 
     def usd_per_hour(self, used: dict[str, int]) -> float:
         """USD per hour of `used` GPUs per zone: each zone's cheapest market first."""
@@ -85,7 +97,7 @@ class Slot:
         """k tp-wide replicas in `zone`, each on its market (`markets_of`; one market without offers)."""
         markets = self.markets_of(zone, tp, k, free) if self.offers else [self.market] * k
         return [Replica(gpu_type=self.gpu_type, zone=zone, tp=tp, gpus_per_node=self.gpus_per_node, market=mk,
-                        region=self.region) for mk in markets]
+                        region=self.region_of(zone)) for mk in markets]
 
     def minus(self, used: dict[str, int]) -> Slot:
         """The slot less `used` GPUs per zone (taken from each zone's cheapest market first)."""
@@ -105,7 +117,8 @@ class Slot:
     def label(self) -> str:
         zs = ",".join(z for z, _ in self.zones)
         markets = "+".join(dict.fromkeys(mk.value for _, mk, _, _ in self.offers)) or self.market.value
-        return f"{self.gpu_type} {markets} @ {self.region} [{zs}]"
+        regions = "+".join(dict.fromkeys(self.region_of(z) for z, _ in self.zones)) or self.region
+        return f"{self.gpu_type} {markets} @ {regions} [{zs}]"
 
 
 # A stage's replicas of one slot, zone by zone: ((zone, replicas), ...) in pipeline order.
@@ -203,8 +216,10 @@ class SimCosts:
                share)
         v = self._p2p.get(key)
         if v is None:
-            ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node, region=a.region)
-            rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node, region=b.region)
+            ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node,
+                         region=a.region_of(zone_a))
+            rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node,
+                         region=b.region_of(zone_b))
             # Consecutive stages sit on different nodes (ranks are laid out stage by stage).
             try:
                 v = self.sm.boundary_p2p_s(ra, rb, message_bytes, same_node=False, share=share)
@@ -228,8 +243,10 @@ class SimCosts:
         key = (a.gpu_type, a.gpus_per_node, tp_a, zone_a, b.gpu_type, b.gpus_per_node, tp_b, zone_b)
         v = self._tied.get(key)
         if v is None:
-            ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node, region=a.region)
-            rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node, region=b.region)
+            ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=tp_a, gpus_per_node=a.gpus_per_node,
+                         region=a.region_of(zone_a))
+            rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=tp_b, gpus_per_node=b.gpus_per_node,
+                         region=b.region_of(zone_b))
             try:
                 t = self.sm.tied_sync_s(ra, rb, same_node=False)
             except MissingProfileError as e:
@@ -282,7 +299,7 @@ class SimCosts:
         if d <= 1 or not bucket_counts(grad_bytes):
             return 0.0
         per_node = max(1, slot.gpus_per_node // tp)
-        zones = sorted({z for z, n in layout if n > 0}, key=lambda z: (slot.region, z))
+        zones = sorted({z for z, n in layout if n > 0}, key=lambda z: (slot.region_of(z), z))
         counts: dict[str, int] = {}
         for z, n in layout:
             counts[z] = counts.get(z, 0) + n
@@ -292,11 +309,11 @@ class SimCosts:
                 return measured
 
         def rep(zone: str) -> Replica:
-            key = (slot.gpu_type, zone, tp, slot.gpus_per_node, slot.region, slot.market)
+            key = (slot.gpu_type, zone, tp, slot.gpus_per_node, slot.region_of(zone), slot.market)
             r = self._replicas.get(key)
             if r is None:  # built (and validated) once per kind: rings are timed thousands of times
                 r = self._replicas[key] = Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp,
-                                                  gpus_per_node=slot.gpus_per_node, region=slot.region,
+                                                  gpus_per_node=slot.gpus_per_node, region=slot.region_of(zone),
                                                   market=slot.market)
             return r
 
@@ -328,7 +345,7 @@ class SimCosts:
         node = 0
         for zone, n in layout:
             r = Replica(gpu_type=slot.gpu_type, zone=zone, tp=tp, gpus_per_node=slot.gpus_per_node,
-                        region=slot.region, market=slot.market)
+                        region=slot.region_of(zone), market=slot.market)
             for i in range(n):
                 replicas.append(r)
                 nodes.append(node + i // per_node)

@@ -8,7 +8,9 @@ returns the best plan that fits in memory and meets the constraints, with its re
 number of plans simulated. On pools of several zones and regions that includes every pipeline
 that crosses zones or regions the planner's placement (`placement.place`, the public step both
 use) can make: each stage on any slot of any region, each slot's zones filled from any of them,
-stage by stage (a pipeline's stages in different zones) or whole pipelines per zone first.
+stage by stage (a pipeline's stages in different zones) or whole pipelines per zone first; and,
+where a GPU type is offered in several regions, the same over slots that pool its regions
+(`build_slots(pool_regions=True)`), whose stages hold data-parallel replicas in several regions.
 No pruning, no bounds: slow by design, for tests and benchmarks on pools of a few GPUs.
 """
 
@@ -18,14 +20,16 @@ from collections.abc import Callable
 from itertools import combinations, product
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
-from sailor_core.planner.core import build_slots, materialize, objective_value, sim_options
+from sailor_core.planner.core import build_slots, materialize, objective_value, sim_options, spans_regions
 from sailor_core.planner.costs import Slot
 from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import PlanRequest
 from sailor_core.planner.shapes import bounds_from_cuts
 from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Sketch
 from sailor_core.profiles import ProfileBook
-from sailor_core.simulator import SimulationResult, simulate
+from sailor_core.simulator import SimOptions, SimulationResult, simulate
+
+Best = tuple[float, ParallelPlan, SimulationResult] | None
 
 
 def exhaustive_best(
@@ -34,11 +38,25 @@ def exhaustive_best(
 ) -> tuple[ParallelPlan | None, SimulationResult | None, int]:
     """(the best plan, its result, how many plans were simulated); `seen` is called with every one."""
     pool = request.restrictions.apply(request.pool)
-    slots = build_slots(pool)
+    so = sim_options(pool, request.options.precision, request.options.schedule)
+    best: Best = None
+    simulated = 0
+    # per-region slots, and (where a GPU type is in several regions) its regions pooled: the stages
+    # whose data-parallel replicas span regions
+    views = [build_slots(pool)] + ([build_slots(pool, pool_regions=True)] if spans_regions(pool) else [])
+    for slots in views:
+        best, n = _enumerate(request, book, slots, so, best, max_stages=max_stages, seen=seen)
+        simulated += n
+    if best is None:
+        return None, None, simulated
+    return best[1], best[2], simulated
+
+
+def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...], so: SimOptions, best: Best, *,
+               max_stages: int, seen: Callable[[ParallelPlan, SimulationResult], None] | None) -> tuple[Best, int]:
+    """Every sketch over these slots simulated: (the better of `best` and theirs, how many were simulated)."""
     L = book.model.num_layers
     gbs = request.global_batch_size
-    so = sim_options(pool, request.options.precision, request.options.schedule)
-    best: tuple[float, ParallelPlan, SimulationResult] | None = None
     simulated = 0
     caps = [s.capacity for s in slots]
     rotations = list(product(*[range(len(s.zones)) for s in slots]))
@@ -78,12 +96,7 @@ def exhaustive_best(
                             if seen is not None:
                                 seen(plan, r)
                             best = _keep_best(best, request, plan, r)
-    if best is None:
-        return None, None, simulated
-    return best[1], best[2], simulated
-
-
-Best = tuple[float, ParallelPlan, SimulationResult] | None
+    return best, simulated
 
 
 def _keep_best(best: Best, request: PlanRequest, plan: ParallelPlan, r: SimulationResult) -> Best:

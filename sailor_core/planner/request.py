@@ -133,6 +133,9 @@ class SearchOptions:
     # Pipeline kinds per plan chosen jointly on the whole pool (groups.py): up to this many replica
     # shapes per stage (1: off; 2: the two-shape space).
     max_shapes: int = 4
+    # Where one GPU type is offered in several regions, also search with its regions pooled, so a
+    # stage's data-parallel replicas may span regions (per-region slots keep each stage in one region).
+    replicas_across_regions: bool = True
     # Also search the other objective (unconstrained) so the frontier spans cheapest to fastest;
     # about doubles the search time. The CLI turns it on for --frontier-png and --wide-frontier.
     wide_frontier: bool = False

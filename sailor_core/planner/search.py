@@ -55,11 +55,14 @@ from sailor_core.planner.state import SearchState
 class Search:
     """One search over a problem's plan space: the steps composed, the state kept in `state`."""
 
-    def __init__(self, problem: Problem, costs: Costs) -> None:
+    def __init__(self, problem: Problem, costs: Costs, *, incumbent: float = math.inf) -> None:
+        """`incumbent`: the best score another search of the same request found; the bounds prune
+        against it from the start, so this search spends its time only where it can do better."""
         self.problem = problem
         self.costs = costs
         self.goal = Goal.of_problem(problem)
         self.state = SearchState(self.goal, problem.keep)
+        self.state.incumbent = incumbent
         self._caps = tuple(s.capacity for s in problem.slots)
         self._total_gpus = min(sum(self._caps), problem.max_gpus or sum(self._caps))
         self._links = LinkFloors(problem, costs)  # memo of each boundary's cheapest sends
