@@ -183,30 +183,22 @@ def test_p2p_time_uses_the_link_fit_and_tp_ranks_share_it() -> None:
     assert sm.p2p_time_s(rep(), rep(zone="zb"), msg, same_node=False) == pytest.approx(msg / 5e9)
 
 
-def test_a_tp_groups_message_crosses_in_slices_our_way_and_once_per_receiving_rank_the_artifacts_way() -> None:
-    """Ours cuts a message between stages into one slice per rank of the receiving TP group (tp_send back):
-    the slices share the nodes' link, then the receivers all-gather them over their node's pairs
-    (pipeline_schedule.P2P). The Sailor artifact's engine (its DeepSpeed fork) has each of the sending
-    group's k ranks send its 1/k slice to every rank of the receiving group in turn, and each receiver
-    rebuilds the tensor from its slices: k_recv rounds of k concurrent slices, no all-gather, the
-    message crossing the link once per receiving rank."""
+def test_a_tp_groups_message_crosses_once_in_slices_and_is_all_gathered() -> None:
+    """Both runtimes cut a message between stages into one slice per rank of the receiving TP group:
+    the slices share the nodes' link, then the receivers all-gather them over their node's pairs.
+    DeepSpeed (pipe_partitioned / grad_partitioned, on by default) cuts into min(tp) slices; ours into
+    tp_recv slices forward and tp_send back (pipeline_schedule.P2P)."""
     sm = SimModel(make_book(inter_gbps=10.0, intra_gbps=100.0))
     msg = 1e6
     sliced = (msg / 2) / 10e9 + (msg / 2) / 100e9  # two halves share 20 GB/s, one half over the pair
+    assert sm.partitioned_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False) == pytest.approx(sliced)
     assert sm.boundary_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False) == pytest.approx((sliced, sliced))
     # tp 2 -> tp 1: one whole message forward, two slices back to the TP group
     assert sm.boundary_p2p_s(rep(tp=2), rep(), msg, same_node=False) == pytest.approx((msg / 10e9, sliced))
-    # the artifact, tp 2 -> tp 2: two rounds of two halves at 10 GB/s each = the whole message per rank
-    assert sm.partitioned_p2p_s(rep(tp=2), rep(tp=2), msg, same_node=False) == pytest.approx(
-        (2 * (msg / 2) / 10e9, 2 * (msg / 2) / 10e9))
-    # tp 2 -> tp 1: one round of two halves forward; back, the one rank sends the whole gradient to each
-    # of the two ranks in turn, alone on the link (10 GB/s)
-    assert sm.partitioned_p2p_s(rep(tp=2), rep(), msg, same_node=False) == pytest.approx(
-        ((msg / 2) / 10e9, 2 * msg / 10e9))
-    # without TP one whole message each way
-    assert sm.partitioned_p2p_s(rep(), rep(), msg, same_node=False) == pytest.approx((msg / 10e9, msg / 10e9))
-    assert SimModel.link_copies("deepspeed", rep(tp=4), rep(tp=2)) == (2, 4)
-    assert SimModel.link_copies("sailor", rep(tp=4), rep(tp=2)) == (1, 1)
+    # without TP both send one whole message
+    assert sm.partitioned_p2p_s(rep(), rep(), msg, same_node=False) == pytest.approx(msg / 10e9)
+    # whole copies, one per receiving rank, would take twice as long on the link
+    assert sm.p2p_time_s(rep(tp=2), rep(tp=2), msg, same_node=False, copies=2) == pytest.approx(msg / 10e9)
 
 
 def test_pipelines_crossing_through_one_node_share_its_link() -> None:

@@ -278,11 +278,9 @@ def _pipeline_timeline(
             p2p.append(sm.boundary_p2p_s(a, b, msg, same_node=shared[s], share=share[s]))
         else:
             p2p.append(sm.partitioned_p2p_s(a, b, msg, same_node=shared[s], share=share[s]))
-        if a.zone != b.zone:  # the message crosses the link once each way (ours), or once per receiving rank
-            fwd, back = sm.link_copies(runtime, a, b)
+        if a.zone != b.zone:  # both runtimes send one message each way, in slices
             gb = msg * num_microbatches / C.BYTES_PER_GB
-            egress += gb * (fwd * book.egress_usd_per_gb(a.zone, b.zone)
-                            + back * book.egress_usd_per_gb(b.zone, a.zone))
+            egress += gb * (book.egress_usd_per_gb(a.zone, b.zone) + book.egress_usd_per_gb(b.zone, a.zone))
     total, comm, finish = pipeline_time_s(comp, p2p, num_microbatches, schedule, runtime)
     return comp, total, comm, finish, egress
 

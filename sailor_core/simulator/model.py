@@ -465,31 +465,16 @@ class SimModel:
                                   share=share))
 
     def partitioned_p2p_s(self, sender: Replica, receiver: Replica, message_bytes: float, *,
-                          same_node: bool, share: int = 1) -> tuple[float, float]:
-        """(activation forward, gradient back) seconds of one pipeline message as the Sailor artifact's
-        pipeline engine sends it (its fork of DeepSpeed's, which ran the published runs).
+                          same_node: bool, share: int = 1) -> float:
+        """Seconds of one pipeline message as DeepSpeed's pipeline engine sends it (the artifact's runs).
 
-        Each of the sending TP group's k ranks keeps a 1/k slice of the tensor and sends it to every rank
-        of the receiving group, one peer after the other (a process group per peer), and each receiving
-        rank rebuilds the whole tensor from the slices it got, with no all-gather: the receiving group's
-        k' ranks take k' rounds in which the k senders' slices cross at once, and the link carries the
-        message k' times (`link_copies`). The gradient comes back the same way, from the receiving
-        group's ranks. Without TP it is one whole message each way.
+        With tensor parallelism it partitions the activation, and the gradient coming back, over the
+        TP group (its `pipe_partitioned` and `grad_partitioned` settings, both on by default): each of
+        the k = min(tp) ranks sends its 1/k slice to its peer and the receiving group all-gathers
+        them (`sliced_p2p_s` with k slices). Without TP it is one whole message.
         """
-        def one_way(a: Replica, b: Replica) -> float:
-            k_a, k_b = max(1, a.tp), max(1, b.tp)
-            return k_b * self.p2p_time_s(a, b, message_bytes / k_a, same_node=same_node, copies=k_a, share=share)
-
-        return one_way(sender, receiver), one_way(receiver, sender)
-
-    @staticmethod
-    def link_copies(runtime: str, sender: Replica, receiver: Replica) -> tuple[int, int]:
-        """(forward, back): how many times one pipeline message crosses the link between two stages. Our
-        runtime sends it once each way in slices; the artifact's engine to every rank of the receiving
-        group (`partitioned_p2p_s`)."""
-        if runtime == "sailor":
-            return 1, 1
-        return max(1, receiver.tp), max(1, sender.tp)
+        k = max(1, min(sender.tp, receiver.tp))
+        return self.sliced_p2p_s(sender, receiver, message_bytes, k, same_node=same_node, share=share)
 
     def grad_buckets(self, tp: int, first: int, last: int, bytes_per_elem: int) -> tuple[tuple[int, int], ...]:
         """The runtime's gradient buckets of a stage, in launch order: (bytes, first layer of the bucket).
