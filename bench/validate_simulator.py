@@ -3,8 +3,8 @@
 Runs every `plan_config_*.json` under the validation folder (default: the 15 OPT-350 GH200 runs
 on Clariden), each with its measured iteration time `real` (s) and peak memory `max_mem` (B), and
 prints per plan and overall the signed and absolute % error of time and memory, plus the share of
-each term of our estimate. Exit status 0 when the targets hold (mean |time err| <= 6 %, mean
-|mem err| <= 5 %, no plan off by more than 12 %).
+each term of our estimate. Exit status 0 when the targets hold (the pipelines issue's: mean |time err|
+<= 5 %, mean |mem err| <= 5 %, no plan off by more than 10 %, memory never more than 2 % under).
 
     .venv/bin/python bench/validate_simulator.py [--data /work/shared/reference_data] [--model OPT-350]
 """
@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=DEFAULT_DATA, help="folder holding eth-easl-sailor/")
     ap.add_argument("--plans", default=None, help="folder of plan_config_*.json (default: the OPT-350 set)")
     ap.add_argument("--model", default="OPT-350")
-    ap.add_argument("--time-target", type=float, default=6.0)
+    ap.add_argument("--time-target", type=float, default=5.0)
     ap.add_argument("--mem-target", type=float, default=5.0)
-    ap.add_argument("--max-target", type=float, default=12.0)
+    ap.add_argument("--max-target", type=float, default=10.0)
+    ap.add_argument("--mem-under-target", type=float, default=2.0, help="largest memory under-estimate, %%")
     ap.add_argument("--no-smooth", action="store_true", help="ablation: use every profiled point as measured")
     a = ap.parse_args(argv)
     plans_dir = a.plans or os.path.join(a.data, VALIDATION)
@@ -74,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     st = sum(e[0] for e in rows) / n
     sm = sum(e[1] for e in rows) / n
     mx = max(max(abs(e[0]), abs(e[1])) for e in rows)
-    ok = mt <= a.time_target and mm <= a.mem_target and mx <= a.max_target
+    under = max(0.0, -min(e[1] for e in rows))
+    ok = mt <= a.time_target and mm <= a.mem_target and mx <= a.max_target and under <= a.mem_under_target
     print(
         f"{'OK' if ok else 'SHORT'}: n={n} time mean |err| {mt:.1f}% (signed {st:+.1f}%), "
-        f"memory mean |err| {mm:.1f}% (signed {sm:+.1f}%), max |err| {mx:.1f}%  "
-        f"(targets {a.time_target}% / {a.mem_target}% / {a.max_target}%)"
+        f"memory mean |err| {mm:.1f}% (signed {sm:+.1f}%), max |err| {mx:.1f}%, memory under by {under:.1f}% "
+        f"at most  (targets {a.time_target}% / {a.mem_target}% / {a.max_target}% / {a.mem_under_target}%)"
     )
     return 0 if ok else 1
 
