@@ -312,9 +312,12 @@ class SimModel:
         opt_bytes = params * opt
         if zero1 and dp > 1:
             opt_bytes = math.ceil(opt_bytes / dp)
-        # The flat bucket gradients are copied into for the data-parallel all-reduce. It is allocated
-        # after the last backward, when the activations are freed and the caching allocator hands
-        # their blocks back out: it adds to the peak only where it is larger than what was freed.
+        # The flat bucket gradients are copied into for the data-parallel all-reduce. Ours: a 25 MiB
+        # copy per bucket, made while the last backward frees activations, whose freed blocks the
+        # caching allocator hands back out: they add to the peak only beyond what was freed.
+        # DeepSpeed: one contiguous copy of up to 5e8 elements after the last backward; the freed
+        # activations are separate cached blocks (reserved memory, what nvidia-smi shows, never
+        # shrinks), and no such block holds it, so the allocator reserves a new segment: it adds in full.
         kept = s.act[last + 1] - s.act[first]
         recomputing = 0
         if recompute:
@@ -333,7 +336,7 @@ class SimModel:
             p2p += s.in_elems[first] * mbs * msg * in_flight
         if receives_gradients:  # the gradient of the stage output, one microbatch at a time
             p2p += s.out_elems[last] * mbs * msg
-        comm = max(0, bucket - (act + workspace + p2p))
+        comm = max(0, bucket - (act + workspace + p2p)) if runtime == "sailor" else bucket
         stepped = math.ceil(params / dp) if zero1 and dp > 1 else params  # what this rank's optimizer steps
         step_tmp = stepped * C.ADAM_STEP_TEMPORARY_BYTES_PER_PARAM if runtime == "sailor" else 0
         step_extra = max(0, step_tmp - (act + workspace + p2p + comm))  # after the backward's memory is freed
