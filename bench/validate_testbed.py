@@ -444,6 +444,9 @@ def plans(vms: list[VmInfo], model: str) -> dict[str, ParallelPlan]:
         "dp2 north+east": p([((0, 5), [n1, f1])], [(4, 2), (4, 2)]),
         # two stages per pipeline, each stage's ring inside a zone, the pipeline across regions
         "2 stages x dp2, north|east": p([((0, 2), [n1, n2]), ((3, 5), [e1, e2])], [(4, 2), (4, 2)]),
+        # two stages over two 1-device VMs of one zone (the shape a held-out testbed scenario ran at x1.32
+        # of the flow's estimate)
+        "2 stages north|north": p([((0, 2), [n1]), ((3, 5), [n2])], [(4, 4)]),
         # four stages over two regions, uneven
         "4 stages north,north|east,east": p([((0, 1), [n1]), ((2, 2), [n2]), ((3, 3), [e1]), ((4, 5), [e2])],
                                             [(4, 4)]),
