@@ -58,7 +58,9 @@ def build_slots(pool: ResourcePool, *, pool_markets: bool = True, pool_regions: 
     With `pool_regions`, one slot holds the type's GPUs of every region of a cloud (zones keep their
     region: `Slot.zone_regions`), so one stage's data-parallel replicas may span regions, which
     per-region slots never allow (a stage's replicas come from one slot). Its zones are priced by
-    their own offers (zones of different regions may differ in price within a market).
+    their own offers (zones of different regions may differ in price within a market). Where markets
+    stay apart (`pool_markets=False`) and several are offered, or counts are not whole VMs, the parts
+    split by market and price as above, so regions at different prices stay in different slots.
     """
     groups: dict[tuple[str, str, str, int], list[Capacity]] = defaultdict(list)
     for e in pool.entries:

@@ -57,7 +57,7 @@ class Search:
 
     def __init__(self, problem: Problem, costs: Costs, *, incumbent: float = math.inf) -> None:
         """`incumbent`: the best score another search of the same request found; the bounds prune
-        against it from the start, so this search spends its time only where it can do better."""
+        against it from the first sketch on (candidates must come within the tolerance of it)."""
         self.problem = problem
         self.costs = costs
         self.goal = Goal.of_problem(problem)
