@@ -94,6 +94,8 @@ def plan(
         f"plan a global batch above {MAX_PLAIN_GLOBAL_BATCH} sequences (refused without it)"))] = False,
     stages: Annotated[str | None, typer.Option("--stages", help=(
         "pipeline stages: N (exactly N) or a range A-B (default: as many as pay)"))] = None,
+    recompute: Annotated[str, typer.Option("--recompute", help=(
+        "activation recomputation on every stage: auto (only when nothing fits without it), never, always"))] = "auto",
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them.
 
@@ -123,7 +125,7 @@ def plan(
             max_gpus=max_gpus,
         ),
         options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None, min_stages=min_stages,
-                              max_stages=max_stages),
+                              max_stages=max_stages, recompute=recompute),
         spot_risk=_spot_risk(doc, store, planning_checkpoint_interval(checkpoint_interval), reconfiguration_s),
     )
     result = run_planner(request, book)

@@ -380,10 +380,42 @@ def test_an_empty_pool_after_restrictions_names_the_flags(book) -> None:
 def test_a_model_too_big_for_any_split_names_the_closest_gpu(tmp_path: Path) -> None:
     llama = seed_book("LLAMA-3-8", tmp_path)
     pool = parse_pool({"zones": {"us-central1-a": {"gpus": {"GH-96": {"count": 16}}}}}, llama)
-    r = plan(PlanRequest(model="LLAMA-3-8", global_batch_size=64, pool=pool), llama)
+    r = plan(PlanRequest(model="LLAMA-3-8", global_batch_size=64, pool=pool,
+                         options=SearchOptions(recompute="never")), llama)
     # fp32 1F1B: the activations of the in-flight microbatches alone exceed 96 GiB for every split
     assert r.plan is None
     assert "closest: GH-96" in r.nearest_miss and "in flight" in r.nearest_miss and "to fix" in r.nearest_miss
+    assert "--recompute auto" in r.nearest_miss
+
+
+def test_activation_recomputation_is_planned_when_nothing_fits_without_it(tmp_path: Path) -> None:
+    # Llama-3-8B at 8192 tokens on 40 GB GPUs: 1F1B's first stage holds a whole model's layers of
+    # activations at any stage count, so only recomputation (each block keeps its input) fits.
+    llama = seed_book("LLAMA-3-8", tmp_path)
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 32}}}}}, llama)
+    req = PlanRequest(model="LLAMA-3-8", global_batch_size=64, pool=pool)
+    r = plan(req, llama)
+    assert r.plan is not None and r.estimate is not None
+    assert all(st.recompute for st in r.plan.stages)
+    assert r.estimate.fits_memory and "activation recomputation on every stage" in r.explanation
+    so = sim_options(pool, "fp32", "1f1b")
+    assert simulate(r.plan, llama, options=so).to_json() == r.estimate.to_json()
+    kept = replace(r.plan, stages=tuple(replace(st, recompute=False) for st in r.plan.stages))
+    assert not simulate(kept, llama, options=so).fits_memory  # the same plan without it does not fit
+    assert plan(replace(req, options=SearchOptions(recompute="always")), llama).plan == r.plan
+
+
+def test_recomputation_is_not_planned_where_plans_fit_without_it_unless_asked(book) -> None:
+    pool = _pool(book, {"us-central1-a": {A: 16}})
+    req = PlanRequest(model="OPT-350", global_batch_size=256, pool=pool)
+    auto = plan(req, book)
+    always = plan(replace(req, options=SearchOptions(recompute="always")), book)
+    assert auto.plan is not None and not any(st.recompute for st in auto.plan.stages)
+    assert always.plan is not None and all(st.recompute for st in always.plan.stages)
+    # the extra forward in every backward: the plan that must recompute is slower
+    assert always.estimate.iteration_time_s > auto.estimate.iteration_time_s
+    with pytest.raises(SailorError, match="--recompute auto, never or always"):
+        SearchOptions(recompute="sometimes")
 
 
 

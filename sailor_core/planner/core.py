@@ -213,9 +213,36 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
 
     `costs`: a `SimCosts` of this book and precision kept across calls (the trace replay plans many
     pools of one book): its memoised link, ring and memory answers are reused; the plans are the same.
+    Activation recomputation (`SearchOptions.recompute`): under "auto" the plan space is searched again
+    with every stage recomputing when nothing fits in memory without it (a long-sequence model on small
+    GPUs: 1F1B's first stage holds the activations of a whole model's layers, whatever the stage count).
     """
     t0 = time.perf_counter()
     _check_model(request, book)
+    mode = request.options.recompute
+    res, nothing_fits = _plan_pass(request, book, costs, t0, recompute=mode == "always")
+    if mode == "auto" and nothing_fits:
+        again, _ = _plan_pass(request, book, None, t0, recompute=True)
+        if again.plan is not None:
+            return replace(again, explanation=again.explanation + "\n" + RECOMPUTE_NOTE)
+        return replace(res, nearest_miss=res.nearest_miss + "; with activation recomputation on every stage "
+                                                            "nothing fits either")
+    return res
+
+
+RECOMPUTE_NOTE = ("activation recomputation on every stage: no plan fits in memory without it "
+                  "(`--recompute never` to forbid it)")
+
+
+def recomputed(pl: ParallelPlan) -> ParallelPlan:
+    """The plan with every stage recomputing its blocks' activations in backward."""
+    return replace(pl, stages=tuple(replace(st, recompute=True) for st in pl.stages))
+
+
+def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, t0: float, *, recompute: bool
+               ) -> tuple[PlanResult, bool]:
+    """(the plan of one search, with or without activation recomputation on every stage; whether
+    nothing at all fitted in memory)."""
     opts = request.options
     pool, misses = _usable_pool(request, book)
     if opts.min_stages > book.model.num_layers:
@@ -224,8 +251,8 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     # Under max-goodput a spot GPU is not an on-demand one (it carries the preemption risk): markets stay apart.
     slots = build_slots(pool, pool_markets=not _goodput_wanted(request))
     problem = _problem(request, book, slots)
-    if costs is None or costs.book is not book or costs.precision != opts.precision:
-        costs = SimCosts(book, precision=opts.precision)
+    if costs is None or costs.book is not book or costs.precision != opts.precision or costs.recompute != recompute:
+        costs = SimCosts(book, precision=opts.precision, recompute=recompute)
     search = Search(problem, costs)
     cands = search.run() if slots else []
     so = sim_options(pool, opts.precision, opts.schedule)
@@ -233,10 +260,12 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     to_verify = _to_verify(request, search, cands, slots)
     if opts.replicas_across_regions and _crosses_regions(cands[:BASES_ACROSS_REGIONS], slots) and spans_regions(pool):
         to_verify += _across_regions(request, pool, problem, costs, search.state.incumbent)
+    if recompute:
+        to_verify = [recomputed(p) for p in to_verify]
     simulated, feasible, closest = _verify(request, book, pool, to_verify, so, costs, value)
     if opts.wide_frontier and slots:
         _widen_frontier(request, problem, search, costs)
-    front_sims = _frontier_sims(search, slots, request, book, so)
+    front_sims = _frontier_sims(search, slots, request, book, so, recompute)
     simulated += len(front_sims)
     # Frontier plans are simulated plans too: one that meets every limit competes for the choice,
     # so the chosen plan is never dominated by a point the frontier shows.
@@ -259,14 +288,15 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
             + " (to fix: sailor profile network between them)"
         )
     if best is None:
-        return _no_plan(request, book, slots, search, closest, misses, frontier, stats)
+        nothing_fits = bool(slots) and closest is None and search.state.nearest is None
+        return _no_plan(request, book, slots, search, closest, misses, frontier, stats), nothing_fits
     _, pl, r = best
     gp = goodput(pl, r.iteration_time_s, r.usd_per_iteration, request.spot_risk)
     return PlanResult(
         plan=pl, estimate=r, frontier=frontier, stats=stats,
         explanation=explain(request, pl, r, slots, frontier, gp),
         nearest_miss="; ".join(misses), goodput=gp,
-    )
+    ), False
 
 
 def _check_model(request: PlanRequest, book: ProfileBook) -> None:
@@ -573,13 +603,15 @@ def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest)
                     best = (ratio, f"{s.gpu_type} tp={tp} mbs={mbs} in {p} stage(s) still needs "
                                    f"{worst.total_bytes / 2**30:.1f} GiB on its fullest GPU of {cap / 2**30:.0f} GiB "
                                    f"({act:.0%} activations of the microbatches in flight)")
+    allow = ", allow activation recomputation (--recompute auto)" if request.options.recompute == "never" else ""
     return (f"nothing fits in memory; closest: {best[1] if best else 'no profiled GPU'}; to fix: add GPUs with "
-            f"more memory or larger TP groups (profile a larger --tp), or use a smaller model")
+            f"more memory or larger TP groups (profile a larger --tp){allow}, or use a smaller model")
 
 
-def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions
-                   ) -> list[tuple[ParallelPlan, SimulationResult]]:
-    """The estimated points' Pareto set (more iterations/s, fewer USD/iteration), simulated; those that fit."""
+def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions,
+                   recompute: bool = False) -> list[tuple[ParallelPlan, SimulationResult]]:
+    """The estimated points' Pareto set (more iterations/s, fewer USD/iteration), simulated (every stage
+    recomputing with `recompute`); those that fit."""
     pts = sorted(search.state.points, key=lambda p: (-p[0], p[1], p[2]))
     front: list[tuple[float, float, Sketch]] = []
     cheapest = float("inf")
@@ -598,6 +630,8 @@ def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, 
             continue
         pl = materialize(sk, lay, slots, model=request.model, global_batch_size=request.global_batch_size,
                          precision=request.options.precision, schedule=request.options.schedule)
+        if recompute:
+            pl = recomputed(pl)
         try:
             r = simulate(pl, book, options=so)
         except MissingProfileError:

@@ -158,10 +158,13 @@ class Costs(Protocol):
 class SimCosts:
     """`Costs` answered by the simulator's memoised `SimModel` of `book`."""
 
-    def __init__(self, book: ProfileBook, *, precision: str = "fp32") -> None:
+    def __init__(self, book: ProfileBook, *, precision: str = "fp32", recompute: bool = False) -> None:
+        """`recompute`: every stage recomputes its blocks' activations in backward (`Stage.recompute`):
+        their extra forward in the times, only each block's input kept per microbatch in memory."""
         self.book = book
         self.sm = model_for(book)
         self.precision = precision
+        self.recompute = recompute
         self._msg_bytes = C.P2P_BYTES_PER_ELEMENT[precision]
         self._grad_elem_bytes = C.FP32_GRAD_BYTES if precision == "fp32" else C.BF16_GRAD_BYTES
         self._fits: dict[tuple[object, ...], bool] = {}
@@ -177,7 +180,7 @@ class SimCosts:
         return self.book.has_layers(gpu, mbs, tp)
 
     def compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute:
-        return self.sm.stage_compute(gpu, mbs, tp, first, last)
+        return self.sm.stage_compute(gpu, mbs, tp, first, last, self.recompute)
 
     def optimizer_s(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> float:
         key = (gpu, mbs, tp, first, last)
@@ -195,7 +198,7 @@ class SimCosts:
             # dp=2: the gradient bucket of a data-parallel ring is counted (the safe side for dp=1).
             mem = self.sm.stage_memory(
                 gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision, dp=2,
-                receives_activations=not first_stage, receives_gradients=not last_stage,
+                receives_activations=not first_stage, receives_gradients=not last_stage, recompute=self.recompute,
             )
             v = mem.total_bytes <= self.book.gpu(gpu).memory_bytes
             self._fits[key] = v
@@ -203,7 +206,7 @@ class SimCosts:
 
     def memory_bytes(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int) -> int:
         return self.sm.stage_memory(gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision,
-                                    dp=2).total_bytes
+                                    dp=2, recompute=self.recompute).total_bytes
 
     def boundary_bytes(self, tp: int, last: int, mbs: int) -> float:
         return float(self.sm.boundary_elems(tp, last) * mbs * self._msg_bytes)
@@ -289,7 +292,7 @@ class SimCosts:
         else:
             ar = self.allreduce_s(slot, tp, layout, tuple(float(b) for b, _ in buckets))  # type: ignore[arg-type]
             ar_last = self.allreduce_s(slot, tp, layout, (float(buckets[-1][0]),))  # type: ignore[arg-type]
-            first_bwd = self.sm.stage_compute(slot.gpu_type, mbs, tp, buckets[0][1], last).backward_s
+            first_bwd = self.sm.stage_compute(slot.gpu_type, mbs, tp, buckets[0][1], last, self.recompute).backward_s
             hit = (ar, ar_last, first_bwd)
         self._sync[key] = hit
         return hit

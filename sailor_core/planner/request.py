@@ -146,11 +146,21 @@ class SearchOptions:
     tolerance: float = 0.005
     precision: str = "fp32"
     schedule: str = "1f1b"
+    # Activation recomputation (every stage's blocks keep only their input and run their forward again
+    # in backward): "auto" plans with it only when no plan fits in memory without it, "never" and
+    # "always" as they say.
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_stages <= self.max_stages:
             raise ValidationError(f"pipeline stages must satisfy 1 <= min_stages <= max_stages, got "
                                   f"min_stages {self.min_stages}, max_stages {self.max_stages}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValidationError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}; "
+                                  f"to fix: pass --recompute auto, never or always")
+
+
+RECOMPUTE_MODES = ("auto", "never", "always")
 
 
 def stage_range(spec: str) -> tuple[int, int]:
