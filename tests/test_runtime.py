@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -221,6 +222,13 @@ def test_heterogeneous_plan_matches_single_process(name, baseline, tmp_path):
     got = train(PLANS[name], tmp_path, name)
     assert baseline[-1] < baseline[0]
     assert rel(got, baseline) <= 1e-3
+
+
+def test_a_plan_whose_stages_recompute_trains_as_one_that_keeps_its_activations(tmp_path, baseline):
+    # the planner's answer when nothing fits without recomputation (every stage's Stage.recompute)
+    two = plan([((0, 2), [rep()]), ((3, 5), [rep(2)])])
+    again = replace(two, stages=tuple(replace(st, recompute=True) for st in two.stages))
+    assert rel(train(again, tmp_path, "recompute"), baseline) <= 1e-3
 
 
 def test_bf16_trains(tmp_path, baseline):
