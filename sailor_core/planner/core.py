@@ -213,9 +213,10 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
 
     `costs`: a `SimCosts` of this book and precision kept across calls (the trace replay plans many
     pools of one book): its memoised link, ring and memory answers are reused; the plans are the same.
-    Activation recomputation (`SearchOptions.recompute`): under "auto" the plan space is searched again
-    with every stage recomputing when nothing fits in memory without it (a long-sequence model on small
-    GPUs: 1F1B's first stage holds the activations of a whole model's layers, whatever the stage count).
+    Activation recomputation (`SearchOptions.recompute`): under "auto", when nothing fits in memory
+    without it, the plan space is searched again as if every stage recomputed, and each plan found
+    recomputes on the stages that need it (a long-sequence model on small GPUs: 1F1B's first stage
+    holds the activations of a whole model's layers, whatever the stage count).
     """
     t0 = time.perf_counter()
     _check_model(request, book)
@@ -230,13 +231,25 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     return res
 
 
-RECOMPUTE_NOTE = ("activation recomputation on every stage: no plan fits in memory without it "
-                  "(`--recompute never` to forbid it)")
+RECOMPUTE_NOTE = ("activation recomputation where a stage fits in memory only with it: no plan fits without "
+                  "it (`--recompute never` to forbid it)")
 
 
-def recomputed(pl: ParallelPlan) -> ParallelPlan:
-    """The plan with every stage recomputing its blocks' activations in backward."""
-    return replace(pl, stages=tuple(replace(st, recompute=True) for st in pl.stages))
+def recomputed(pl: ParallelPlan, only: Callable[[int], bool] = lambda s: True) -> ParallelPlan:
+    """The plan with the stages `only` names (all by default) recomputing their blocks' activations in backward."""
+    return replace(pl, stages=tuple(replace(st, recompute=only(i)) for i, st in enumerate(pl.stages)))
+
+
+def recomputed_where_needed(pl: ParallelPlan, book: ProfileBook, so: SimOptions) -> ParallelPlan:
+    """The plan with recomputation on the stages that do not fit in memory without it, and on no other:
+    a stage's memory does not depend on whether its neighbours recompute, and later stages of a 1F1B
+    pipeline keep fewer microbatches in flight, so they often fit without paying the extra forward."""
+    try:
+        bare = simulate(recomputed(pl, lambda s: False), book, options=so)
+    except MissingProfileError:
+        return recomputed(pl)
+    over = {x.stage for x in bare.per_stage if not x.fits}
+    return recomputed(pl, lambda s: s in over)
 
 
 def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, t0: float, *, recompute: bool
@@ -260,12 +273,12 @@ def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, 
     to_verify = _to_verify(request, search, cands, slots)
     if opts.replicas_across_regions and _crosses_regions(cands[:BASES_ACROSS_REGIONS], slots) and spans_regions(pool):
         to_verify += _across_regions(request, pool, problem, costs, search.state.incumbent)
-    if recompute:
-        to_verify = [recomputed(p) for p in to_verify]
+    finish = _recompute_finish(request, book, so, recompute)
+    to_verify = [finish(p) for p in to_verify]
     simulated, feasible, closest = _verify(request, book, pool, to_verify, so, costs, value)
     if opts.wide_frontier and slots:
         _widen_frontier(request, problem, search, costs)
-    front_sims = _frontier_sims(search, slots, request, book, so, recompute)
+    front_sims = _frontier_sims(search, slots, request, book, so, finish)
     simulated += len(front_sims)
     # Frontier plans are simulated plans too: one that meets every limit competes for the choice,
     # so the chosen plan is never dominated by a point the frontier shows.
@@ -608,10 +621,22 @@ def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest)
             f"more memory or larger TP groups (profile a larger --tp){allow}, or use a smaller model")
 
 
+def _recompute_finish(request: PlanRequest, book: ProfileBook, so: SimOptions, recompute: bool
+                      ) -> Callable[[ParallelPlan], ParallelPlan]:
+    """What a searched plan becomes before it is simulated: as searched without recomputation; with it,
+    every stage recomputing under "always", only the stages that need it otherwise."""
+    if not recompute:
+        return lambda pl: pl
+    if request.options.recompute == "always":
+        return recomputed
+    return lambda pl: recomputed_where_needed(pl, book, so)
+
+
 def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions,
-                   recompute: bool = False) -> list[tuple[ParallelPlan, SimulationResult]]:
-    """The estimated points' Pareto set (more iterations/s, fewer USD/iteration), simulated (every stage
-    recomputing with `recompute`); those that fit."""
+                   finish: Callable[[ParallelPlan], ParallelPlan] = lambda pl: pl
+                   ) -> list[tuple[ParallelPlan, SimulationResult]]:
+    """The estimated points' Pareto set (more iterations/s, fewer USD/iteration), made `finish`ed plans
+    (`_recompute_finish`) and simulated; those that fit."""
     pts = sorted(search.state.points, key=lambda p: (-p[0], p[1], p[2]))
     front: list[tuple[float, float, Sketch]] = []
     cheapest = float("inf")
@@ -630,8 +655,7 @@ def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, 
             continue
         pl = materialize(sk, lay, slots, model=request.model, global_batch_size=request.global_batch_size,
                          precision=request.options.precision, schedule=request.options.schedule)
-        if recompute:
-            pl = recomputed(pl)
+        pl = finish(pl)
         try:
             r = simulate(pl, book, options=so)
         except MissingProfileError:
