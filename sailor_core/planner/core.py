@@ -38,7 +38,7 @@ from sailor_core.planner.request import (
 from sailor_core.planner.risk import Goodput, goodput
 from sailor_core.planner.scoring import score, secondary
 from sailor_core.planner.search import Search
-from sailor_core.planner.shapes import uniform_partition
+from sailor_core.planner.shapes import packed_partition, uniform_partition
 from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
@@ -593,29 +593,42 @@ def _constraint_hint(request: PlanRequest) -> str:
 
 
 def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest) -> str:
-    """No split fits: report the GPU, TP, microbatch and stage count that come closest, and why."""
-    costs = SimCosts(book, precision=request.options.precision)
+    """No split fits: the smallest pipeline that would fit in memory if the pool had the GPUs, or else
+    the GPU, TP, microbatch and stage count within the pool that come closest, and why."""
+    judges = {rc: SimCosts(book, precision=request.options.precision, recompute=rc) for rc in (False, True)}
     L = book.model.num_layers
-    best: tuple[float, str] | None = None
+    gpus = sum(s.capacity for s in slots)
+    gpus = min(gpus, request.restrictions.max_gpus or gpus)
+    modes = (False,) if request.options.recompute == "never" else (False, True)
+    best: tuple[float, str] | None = None  # closest within the pool's GPUs
+    fewest: tuple[int, str] | None = None  # the fewest GPUs of a pipeline that fits, beyond the pool's
     for s in slots:
         cap = book.gpu(s.gpu_type).memory_bytes
         for mbs, tp in book.profiled_points(s.gpu_type):
             if tp > s.gpus_per_node or tp not in book.model.tp_degrees:
                 continue
-            for p in range(1, L + 1):
+            for p, rc in ((p, rc) for p in range(1, L + 1) for rc in modes):
                 # 1F1B: stage i keeps p - i microbatches in flight; the worst stage sets the peak.
                 worst = max(
-                    (costs.sm.stage_memory(s.gpu_type, tp, a, b, mbs=mbs, in_flight=p - i,
-                                           precision=request.options.precision, dp=1)
+                    (judges[rc].stage_memory(s.gpu_type, tp, a, b, mbs=mbs, in_flight=p - i, first_stage=i == 0,
+                                             last_stage=i == p - 1)
                      for i, (a, b) in enumerate(uniform_partition(L, p))),
                     key=lambda m: m.total_bytes,
                 )
+                shape = f"{s.gpu_type} tp={tp} mbs={mbs} in {p} stage(s){' recomputing activations' if rc else ''}"
+                if p * tp > gpus:
+                    if (fewest is None or p * tp < fewest[0]) and packed_partition(judges[rc], s.gpu_type, tp, mbs,
+                                                                                      p, L) is not None:
+                        fewest = (p * tp, shape)
+                    continue
                 ratio = worst.total_bytes / cap
                 if best is None or ratio < best[0]:
                     act = worst.activations_bytes / worst.total_bytes
-                    best = (ratio, f"{s.gpu_type} tp={tp} mbs={mbs} in {p} stage(s) still needs "
-                                   f"{worst.total_bytes / 2**30:.1f} GiB on its fullest GPU of {cap / 2**30:.0f} GiB "
-                                   f"({act:.0%} activations of the microbatches in flight)")
+                    best = (ratio, f"{shape} still needs {worst.total_bytes / 2**30:.1f} GiB on its fullest GPU of "
+                                   f"{cap / 2**30:.0f} GiB ({act:.0%} activations of the microbatches in flight)")
+    if fewest is not None:
+        return (f"nothing fits in memory on the pool's {gpus} GPUs; the smallest pipeline that fits is {fewest[1]} "
+                f"({fewest[0]} GPUs); to fix: add GPUs (at least {fewest[0]}) or GPUs with more memory")
     allow = ", allow activation recomputation (--recompute auto)" if request.options.recompute == "never" else ""
     return (f"nothing fits in memory; closest: {best[1] if best else 'no profiled GPU'}; to fix: add GPUs with "
             f"more memory or larger TP groups (profile a larger --tp){allow}, or use a smaller model")

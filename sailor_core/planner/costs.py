@@ -18,7 +18,7 @@ from typing import Protocol
 from sailor_core.domain import Market, Replica
 from sailor_core.errors import MissingProfileError
 from sailor_core.profiles import ProfileBook
-from sailor_core.simulator import StageCompute, model_for
+from sailor_core.simulator import StageCompute, StageMemory, model_for
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import bucket_counts
 
@@ -195,14 +195,20 @@ class SimCosts:
         key = (gpu, tp, first, last, mbs, in_flight, first_stage, last_stage)
         v = self._fits.get(key)
         if v is None:
-            # dp=2: the gradient bucket of a data-parallel ring is counted (the safe side for dp=1).
-            mem = self.sm.stage_memory(
-                gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision, dp=2,
-                receives_activations=not first_stage, receives_gradients=not last_stage, recompute=self.recompute,
-            )
+            mem = self.stage_memory(gpu, tp, first, last, mbs=mbs, in_flight=in_flight, first_stage=first_stage,
+                                    last_stage=last_stage)
             v = mem.total_bytes <= self.book.gpu(gpu).memory_bytes
             self._fits[key] = v
         return v
+
+    def stage_memory(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int,
+                     first_stage: bool, last_stage: bool) -> StageMemory:
+        """The peak memory `fits` judges: dp=2, so the gradient bucket of a data-parallel ring is counted
+        (the safe side for dp=1), with the receive buffers of a stage that has neighbours."""
+        return self.sm.stage_memory(
+            gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision, dp=2,
+            receives_activations=not first_stage, receives_gradients=not last_stage, recompute=self.recompute,
+        )
 
     def memory_bytes(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int) -> int:
         return self.sm.stage_memory(gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision,

@@ -99,6 +99,36 @@ def partitions(pb: Problem, costs: Costs, p: int, mbs: int) -> Iterator[Bounds]:
                 seen.add(bal)
                 yield bal
             break  # the smallest profiled TP of each GPU type is enough to shape the split
+    # Where the even splits do not fit in memory (1F1B: the first stages keep the most microbatches in
+    # flight), the split that packs each stage as full as it fits at the slot's largest TP; the re-split
+    # pass (`rebalanced`) then evens it out for time within memory.
+    for slot in pb.slots:
+        tps = [tp for tp in pb.tp_values if tp <= slot.gpus_per_node and costs.profiled(slot.gpu_type, mbs, tp)]
+        if not tps or all(_fits(costs, slot.gpu_type, tps[-1], a, b, s, p, mbs) for s, (a, b) in enumerate(uni)):
+            continue
+        packed = packed_partition(costs, slot.gpu_type, tps[-1], mbs, p, L)
+        if packed is not None and packed not in seen:
+            seen.add(packed)
+            yield packed
+
+
+def packed_partition(costs: Costs, gpu: str, tp: int, mbs: int, p: int, num_layers: int) -> Bounds | None:
+    """The split into p stages whose every stage but the last takes as many layers as fit in memory with
+    its p - s microbatches in flight; None when even that leaves too many for the last stage. Taking the
+    most each time leaves the last stage the fewest layers any split can, so None means no split fits."""
+    out = []
+    first = 0
+    for s in range(p - 1):
+        last = first - 1
+        while last + 1 < num_layers - (p - s - 1) and _fits(costs, gpu, tp, first, last + 1, s, p, mbs):
+            last += 1
+        if last < first:
+            return None
+        out.append((first, last))
+        first = last + 1
+    if not _fits(costs, gpu, tp, first, num_layers - 1, p - 1, p, mbs):
+        return None
+    return (*out, (first, num_layers - 1))
 
 
 def d_values(n: int, d_max: int) -> list[int]:
