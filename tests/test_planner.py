@@ -379,13 +379,38 @@ def test_an_empty_pool_after_restrictions_names_the_flags(book) -> None:
 
 def test_a_model_too_big_for_any_split_names_the_closest_gpu(tmp_path: Path) -> None:
     llama = seed_book("LLAMA-3-8", tmp_path)
-    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {"GH-96": {"count": 16}}}}}, llama)
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {V: {"count": 64}}}}}, llama)
     r = plan(PlanRequest(model="LLAMA-3-8", global_batch_size=64, pool=pool,
                          options=SearchOptions(recompute="never")), llama)
-    # fp32 1F1B: the activations of the in-flight microbatches alone exceed 96 GiB for every split
+    # fp32 1F1B at 8,192 tokens: the in-flight activations exceed 16 GiB for every split
     assert r.plan is None
-    assert "closest: GH-96" in r.nearest_miss and "in flight" in r.nearest_miss and "to fix" in r.nearest_miss
+    assert "closest: V100-16" in r.nearest_miss and "in flight" in r.nearest_miss and "to fix" in r.nearest_miss
     assert "--recompute auto" in r.nearest_miss
+
+
+def test_a_pool_too_small_for_the_model_names_the_gpus_that_would_fit_it(tmp_path: Path) -> None:
+    opt30 = seed_book("OPT-30", tmp_path)
+
+    def on(n: int):
+        pool = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": n}}}}}, opt30)
+        return plan(PlanRequest(model="OPT-30", global_batch_size=256, pool=pool), opt30)
+
+    short = on(16)
+    assert short.plan is None
+    assert "on the pool's 16 GPUs; the smallest pipeline that fits is" in short.nearest_miss
+    need = int(short.nearest_miss.split("add GPUs (at least ")[1].split(")")[0])
+    assert need > 16 and on(need).plan is not None  # the message is judged as the search judges memory
+
+
+def test_a_split_packed_to_memory_is_searched_where_the_even_ones_do_not_fit(tmp_path: Path) -> None:
+    # OPT-30 on 64 V100-16: the uniform and time-balanced 16-stage splits put too many layers on the
+    # first stages, which keep the most microbatches in flight
+    opt30 = seed_book("OPT-30", tmp_path)
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {V: {"count": 64}}}}}, opt30)
+    r = plan(PlanRequest(model="OPT-30", global_batch_size=256, pool=pool), opt30)
+    assert r.plan is not None and r.estimate is not None and r.estimate.fits_memory
+    sizes = [st.last_layer - st.first_layer + 1 for st in r.plan.stages]
+    assert sizes[0] < max(sizes)  # the first stage holds fewer layers than the fullest
 
 
 def test_activation_recomputation_is_planned_when_nothing_fits_without_it(tmp_path: Path) -> None:

@@ -215,8 +215,8 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     pools of one book): its memoised link, ring and memory answers are reused; the plans are the same.
     Activation recomputation (`SearchOptions.recompute`): under "auto", when nothing fits in memory
     without it, the plan space is searched again as if every stage recomputed, and each plan found
-    recomputes on the stages that need it (a long-sequence model on small GPUs: 1F1B's first stage
-    holds the activations of a whole model's layers, whatever the stage count).
+    recomputes on the stages that need it (a long-sequence model on small GPUs, where 1F1B's first
+    stages keep too many microbatches of activations in flight for any split).
     """
     t0 = time.perf_counter()
     _check_model(request, book)
