@@ -422,7 +422,7 @@ def test_activation_recomputation_is_planned_when_nothing_fits_without_it(tmp_pa
     r = plan(req, llama)
     assert r.plan is not None and r.estimate is not None
     assert all(st.recompute for st in r.plan.stages)
-    assert r.estimate.fits_memory and "activation recomputation where a stage fits" in r.explanation
+    assert r.estimate.fits_memory and "Activation recomputation on stage(s) 0, 1 of 2: no plan fits" in r.explanation
     so = sim_options(pool, "fp32", "1f1b")
     assert simulate(r.plan, llama, options=so).to_json() == r.estimate.to_json()
     kept = replace(r.plan, stages=tuple(replace(st, recompute=False) for st in r.plan.stages))

@@ -38,6 +38,14 @@ class SyntheticCosts:
         t = sum(self.base[first : last + 1]) * self.speed[gpu] * mbs**0.9 / tp**0.8
         return StageCompute(forward_s=t / 3, backward_s=2 * t / 3)
 
+    def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int, *, in_flight: int,
+                      first_stage: bool, last_stage: bool) -> StageCompute:
+        return self.compute(gpu, mbs, tp, first, last)
+
+    def recomputes(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int, first_stage: bool,
+                   last_stage: bool) -> bool:
+        return False
+
     def optimizer_s(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> float:
         return 0.002 * (last - first + 1) / tp
 

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from sailor_core.domain import (
     Capacity,
@@ -214,48 +215,26 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     `costs`: a `SimCosts` of this book and precision kept across calls (the trace replay plans many
     pools of one book): its memoised link, ring and memory answers are reused; the plans are the same.
     Activation recomputation (`SearchOptions.recompute`): under "auto", when nothing fits in memory
-    without it, the plan space is searched again as if every stage recomputed, and each plan found
-    recomputes on the stages that need it (a long-sequence model on small GPUs, where 1F1B's first
-    stages keep too many microbatches of activations in flight for any split).
+    without it, the plan space is searched again with each stage recomputing exactly where it does not
+    fit without it (`SimCosts.recomputes`): a long-sequence model whose first 1F1B stages keep too many
+    microbatches in flight for any split.
     """
     t0 = time.perf_counter()
     _check_model(request, book)
     mode = request.options.recompute
-    res, nothing_fits = _plan_pass(request, book, costs, t0, recompute=mode == "always")
+    res, nothing_fits = _plan_pass(request, book, costs, t0, "never" if mode == "auto" else mode)
     if mode == "auto" and nothing_fits:
-        again, _ = _plan_pass(request, book, None, t0, recompute=True)
+        again, _ = _plan_pass(request, book, None, t0, "auto")
         if again.plan is not None:
-            return replace(again, explanation=again.explanation + "\n" + RECOMPUTE_NOTE)
-        return replace(res, nearest_miss=res.nearest_miss + "; with activation recomputation on every stage "
-                                                            "nothing fits either")
+            return again
+        return replace(res, nearest_miss=res.nearest_miss + "; recomputing activations, nothing fits either")
     return res
 
 
-RECOMPUTE_NOTE = ("activation recomputation where a stage fits in memory only with it: no plan fits without "
-                  "it (`--recompute never` to forbid it)")
-
-
-def recomputed(pl: ParallelPlan, only: Callable[[int], bool] = lambda s: True) -> ParallelPlan:
-    """The plan with the stages `only` names (all by default) recomputing their blocks' activations in backward."""
-    return replace(pl, stages=tuple(replace(st, recompute=only(i)) for i, st in enumerate(pl.stages)))
-
-
-def recomputed_where_needed(pl: ParallelPlan, book: ProfileBook, so: SimOptions) -> ParallelPlan:
-    """The plan with recomputation on the stages that do not fit in memory without it, and on no other:
-    a stage's memory does not depend on whether its neighbours recompute, and later stages of a 1F1B
-    pipeline keep fewer microbatches in flight, so they often fit without paying the extra forward."""
-    try:
-        bare = simulate(recomputed(pl, lambda s: False), book, options=so)
-    except MissingProfileError:
-        return recomputed(pl)
-    over = {x.stage for x in bare.per_stage if not x.fits}
-    return recomputed(pl, lambda s: s in over)
-
-
-def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, t0: float, *, recompute: bool
+def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, t0: float, recompute: str
                ) -> tuple[PlanResult, bool]:
-    """(the plan of one search, with or without activation recomputation on every stage; whether
-    nothing at all fitted in memory)."""
+    """(the plan of one search whose stages recompute activations as `recompute` says (`SimCosts`),
+    whether nothing at all fitted in memory)."""
     opts = request.options
     pool, misses = _usable_pool(request, book)
     if opts.min_stages > book.model.num_layers:
@@ -273,7 +252,7 @@ def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, 
     to_verify = _to_verify(request, search, cands, slots)
     if opts.replicas_across_regions and _crosses_regions(cands[:BASES_ACROSS_REGIONS], slots) and spans_regions(pool):
         to_verify += _across_regions(request, pool, problem, costs, search.state.incumbent)
-    finish = _recompute_finish(request, book, so, recompute)
+    finish = partial(recomputed_as, costs=costs)
     to_verify = [finish(p) for p in to_verify]
     simulated, feasible, closest = _verify(request, book, pool, to_verify, so, costs, value)
     if opts.wide_frontier and slots:
@@ -307,9 +286,35 @@ def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, 
     gp = goodput(pl, r.iteration_time_s, r.usd_per_iteration, request.spot_risk)
     return PlanResult(
         plan=pl, estimate=r, frontier=frontier, stats=stats,
-        explanation=explain(request, pl, r, slots, frontier, gp),
+        explanation=explain(request, pl, r, slots, frontier, gp) + _recompute_note(pl, recompute),
         nearest_miss="; ".join(misses), goodput=gp,
     ), False
+
+
+def recomputed_as(pl: ParallelPlan, costs: SimCosts) -> ParallelPlan:
+    """The plan with `Stage.recompute` set as `costs` has its stages recompute (`SimCosts.recomputes`):
+    under "auto" a stage recomputes where one of its replicas does not fit in memory without it; a
+    stage's memory does not depend on its neighbours', and later 1F1B stages keep fewer microbatches in
+    flight, so they often fit without paying the extra forward."""
+    p = pl.num_stages
+    return replace(pl, stages=tuple(
+        replace(st, recompute=any(
+            costs.recomputes(r.gpu_type, r.tp, st.first_layer, st.last_layer,
+                             mbs=pl.pipelines[j].microbatch_size, in_flight=p - s, first_stage=s == 0,
+                             last_stage=s == p - 1)
+            for j, r in enumerate(st.replicas)))
+        for s, st in enumerate(pl.stages)))
+
+
+def _recompute_note(pl: ParallelPlan, mode: str) -> str:
+    """The explanation's line on activation recomputation, when the plan recomputes."""
+    stages = [s for s, st in enumerate(pl.stages) if st.recompute]
+    if not stages:
+        return ""
+    if mode == "always":
+        return "\nActivation recomputation on every stage (--recompute always)."
+    return (f"\nActivation recomputation on stage(s) {', '.join(map(str, stages))} of {pl.num_stages}: no plan fits "
+            f"in memory without it, and these stages fit only with it (--recompute never forbids it).")
 
 
 def _check_model(request: PlanRequest, book: ProfileBook) -> None:
@@ -595,7 +600,8 @@ def _constraint_hint(request: PlanRequest) -> str:
 def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest) -> str:
     """No split fits: the smallest pipeline that would fit in memory if the pool had the GPUs, or else
     the GPU, TP, microbatch and stage count within the pool that come closest, and why."""
-    judges = {rc: SimCosts(book, precision=request.options.precision, recompute=rc) for rc in (False, True)}
+    judges = {rc: SimCosts(book, precision=request.options.precision, recompute="always" if rc else "never")
+              for rc in (False, True)}
     L = book.model.num_layers
     gpus = sum(s.capacity for s in slots)
     gpus = min(gpus, request.restrictions.max_gpus or gpus)
@@ -634,22 +640,11 @@ def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest)
             f"more memory or larger TP groups (profile a larger --tp){allow}, or use a smaller model")
 
 
-def _recompute_finish(request: PlanRequest, book: ProfileBook, so: SimOptions, recompute: bool
-                      ) -> Callable[[ParallelPlan], ParallelPlan]:
-    """What a searched plan becomes before it is simulated: as searched without recomputation; with it,
-    every stage recomputing under "always", only the stages that need it otherwise."""
-    if not recompute:
-        return lambda pl: pl
-    if request.options.recompute == "always":
-        return recomputed
-    return lambda pl: recomputed_where_needed(pl, book, so)
-
-
 def _frontier_sims(search: Search, slots: Sequence[Slot], request: PlanRequest, book: ProfileBook, so: SimOptions,
                    finish: Callable[[ParallelPlan], ParallelPlan] = lambda pl: pl
                    ) -> list[tuple[ParallelPlan, SimulationResult]]:
     """The estimated points' Pareto set (more iterations/s, fewer USD/iteration), made `finish`ed plans
-    (`_recompute_finish`) and simulated; those that fit."""
+    (`recomputed_as`) and simulated; those that fit."""
     pts = sorted(search.state.points, key=lambda p: (-p[0], p[1], p[2]))
     front: list[tuple[float, float, Sketch]] = []
     cheapest = float("inf")

@@ -132,6 +132,12 @@ class Costs(Protocol):
 
     def compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute: ...
 
+    def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int, *, in_flight: int,
+                      first_stage: bool, last_stage: bool) -> StageCompute: ...
+
+    def recomputes(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int, first_stage: bool,
+                   last_stage: bool) -> bool: ...
+
     def optimizer_s(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> float: ...
 
     def fits(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int, first_stage: bool,
@@ -158,9 +164,10 @@ class Costs(Protocol):
 class SimCosts:
     """`Costs` answered by the simulator's memoised `SimModel` of `book`."""
 
-    def __init__(self, book: ProfileBook, *, precision: str = "fp32", recompute: bool = False) -> None:
-        """`recompute`: every stage recomputes its blocks' activations in backward (`Stage.recompute`):
-        their extra forward in the times, only each block's input kept per microbatch in memory."""
+    def __init__(self, book: ProfileBook, *, precision: str = "fp32", recompute: str = "never") -> None:
+        """`recompute`: when a stage recomputes its blocks' activations in backward (`Stage.recompute`: the
+        extra forward in its time, only each block's input kept per microbatch): "auto" where it does not
+        fit in memory without it, "never", "always" (`SearchOptions.recompute`)."""
         self.book = book
         self.sm = model_for(book)
         self.precision = precision
@@ -180,7 +187,22 @@ class SimCosts:
         return self.book.has_layers(gpu, mbs, tp)
 
     def compute(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> StageCompute:
-        return self.sm.stage_compute(gpu, mbs, tp, first, last, self.recompute)
+        """Without recomputation: the least a stage of these layers takes (what the bounds may use)."""
+        return self.sm.stage_compute(gpu, mbs, tp, first, last)
+
+    def stage_compute(self, gpu: str, mbs: int, tp: int, first: int, last: int, *, in_flight: int,
+                      first_stage: bool, last_stage: bool) -> StageCompute:
+        """The stage's time in its place of the pipeline: with the extra forward where it recomputes."""
+        rc = self.recomputes(gpu, tp, first, last, mbs=mbs, in_flight=in_flight, first_stage=first_stage,
+                             last_stage=last_stage)
+        return self.sm.stage_compute(gpu, mbs, tp, first, last, rc)
+
+    def recomputes(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int, first_stage: bool,
+                   last_stage: bool) -> bool:
+        """Whether this stage recomputes under the mode: under "auto" only where it does not fit without."""
+        if self.recompute != "auto":
+            return self.recompute == "always"
+        return not self._fits_as(False, gpu, tp, first, last, mbs, in_flight, first_stage, last_stage)
 
     def optimizer_s(self, gpu: str, mbs: int, tp: int, first: int, last: int) -> float:
         key = (gpu, mbs, tp, first, last)
@@ -192,27 +214,30 @@ class SimCosts:
 
     def fits(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int, first_stage: bool,
              last_stage: bool) -> bool:
-        key = (gpu, tp, first, last, mbs, in_flight, first_stage, last_stage)
+        """Whether the stage fits in memory, recomputing where the mode has it recompute."""
+        rc = self.recomputes(gpu, tp, first, last, mbs=mbs, in_flight=in_flight, first_stage=first_stage,
+                             last_stage=last_stage)
+        return self._fits_as(rc, gpu, tp, first, last, mbs, in_flight, first_stage, last_stage)
+
+    def _fits_as(self, rc: bool, gpu: str, tp: int, first: int, last: int, mbs: int, in_flight: int,
+                 first_stage: bool, last_stage: bool) -> bool:
+        key = (rc, gpu, tp, first, last, mbs, in_flight, first_stage, last_stage)
         v = self._fits.get(key)
         if v is None:
             mem = self.stage_memory(gpu, tp, first, last, mbs=mbs, in_flight=in_flight, first_stage=first_stage,
-                                    last_stage=last_stage)
+                                    last_stage=last_stage, recompute=rc)
             v = mem.total_bytes <= self.book.gpu(gpu).memory_bytes
             self._fits[key] = v
         return v
 
     def stage_memory(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int,
-                     first_stage: bool, last_stage: bool) -> StageMemory:
+                     first_stage: bool, last_stage: bool, recompute: bool = False) -> StageMemory:
         """The peak memory `fits` judges: dp=2, so the gradient bucket of a data-parallel ring is counted
         (the safe side for dp=1), with the receive buffers of a stage that has neighbours."""
         return self.sm.stage_memory(
             gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision, dp=2,
-            receives_activations=not first_stage, receives_gradients=not last_stage, recompute=self.recompute,
+            receives_activations=not first_stage, receives_gradients=not last_stage, recompute=recompute,
         )
-
-    def memory_bytes(self, gpu: str, tp: int, first: int, last: int, *, mbs: int, in_flight: int) -> int:
-        return self.sm.stage_memory(gpu, tp, first, last, mbs=mbs, in_flight=in_flight, precision=self.precision,
-                                    dp=2, recompute=self.recompute).total_bytes
 
     def boundary_bytes(self, tp: int, last: int, mbs: int) -> float:
         return float(self.sm.boundary_elems(tp, last) * mbs * self._msg_bytes)
@@ -298,7 +323,7 @@ class SimCosts:
         else:
             ar = self.allreduce_s(slot, tp, layout, tuple(float(b) for b, _ in buckets))  # type: ignore[arg-type]
             ar_last = self.allreduce_s(slot, tp, layout, (float(buckets[-1][0]),))  # type: ignore[arg-type]
-            first_bwd = self.sm.stage_compute(slot.gpu_type, mbs, tp, buckets[0][1], last, self.recompute).backward_s
+            first_bwd = self.sm.stage_compute(slot.gpu_type, mbs, tp, buckets[0][1], last).backward_s
             hit = (ar, ar_last, first_bwd)
         self._sync[key] = hit
         return hit

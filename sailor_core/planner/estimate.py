@@ -33,8 +33,7 @@ def estimate(pb: Problem, costs: Costs, sk: Sketch, layouts: tuple[Layout, ...] 
     slots = pb.slots
     n = pb.global_batch_size // sk.mbs
     m = -(-n // sk.dp)
-    comp: list[StageCompute] = [costs.compute(slots[si].gpu_type, sk.mbs, tp, first, last)
-                                for (first, last), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)]
+    comp = stage_times(costs, slots, sk)
     p2p, egress = _sends(slots, costs, sk, layouts, n)
     total, _, finish = pipeline_time_s(comp, p2p, m, with_p2p_part=False)
     end, opt, egress = _rings(slots, costs, sk, layouts, comp, finish, egress)
@@ -49,6 +48,14 @@ def estimate(pb: Problem, costs: Costs, sk: Sketch, layouts: tuple[Layout, ...] 
         layouts=layouts,
         useful_fraction=useful_fraction(pb, sk, layouts, iteration),
     )
+
+
+def stage_times(c: Costs, slots: Sequence[Slot], sk: Sketch) -> list[StageCompute]:
+    """Each stage's per-microbatch compute in its place of the pipeline (recomputing where it must)."""
+    p = sk.num_stages
+    return [c.stage_compute(slots[si].gpu_type, sk.mbs, tp, first, last, in_flight=p - s, first_stage=s == 0,
+                            last_stage=s == p - 1)
+            for s, ((first, last), (si, tp)) in enumerate(zip(sk.bounds, sk.kinds, strict=True))]
 
 
 def _sends(slots: Sequence[Slot], c: Costs, sk: Sketch, layouts: Sequence[Layout], n: int
@@ -112,10 +119,7 @@ def _rings(slots: Sequence[Slot], c: Costs, sk: Sketch, layouts: Sequence[Layout
 def linear_time(c: Costs, slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
     """(a, b) with one pipeline's seconds = a + b x microbatches, from the simulator's 1F1B composition
     (each boundary timed between the stages' first zones): what the group planners balance pipelines by."""
-    comp = [
-        c.compute(slots[si].gpu_type, sk.mbs, tp, lo, hi)
-        for (lo, hi), (si, tp) in zip(sk.bounds, sk.kinds, strict=True)
-    ]
+    comp = stage_times(c, slots, sk)
     p2p = []
     for s in range(sk.num_stages - 1):
         (sa, ta), (sb, tb) = sk.kinds[s], sk.kinds[s + 1]

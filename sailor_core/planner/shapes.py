@@ -104,29 +104,33 @@ def partitions(pb: Problem, costs: Costs, p: int, mbs: int) -> Iterator[Bounds]:
     # pass (`rebalanced`) then evens it out for time within memory.
     for slot in pb.slots:
         tps = [tp for tp in pb.tp_values if tp <= slot.gpus_per_node and costs.profiled(slot.gpu_type, mbs, tp)]
-        if not tps or all(_fits(costs, slot.gpu_type, tps[-1], a, b, s, p, mbs) for s, (a, b) in enumerate(uni)):
+        if not tps or all(_fits_plain(costs, slot.gpu_type, tps[-1], a, b, s, p, mbs) for s, (a, b) in enumerate(uni)):
             continue
-        packed = packed_partition(costs, slot.gpu_type, tps[-1], mbs, p, L)
+        packed = (packed_partition(costs, slot.gpu_type, tps[-1], mbs, p, L, plain=True)
+                  or packed_partition(costs, slot.gpu_type, tps[-1], mbs, p, L))
         if packed is not None and packed not in seen:
             seen.add(packed)
             yield packed
 
 
-def packed_partition(costs: Costs, gpu: str, tp: int, mbs: int, p: int, num_layers: int) -> Bounds | None:
+def packed_partition(costs: Costs, gpu: str, tp: int, mbs: int, p: int, num_layers: int, *, plain: bool = False
+                     ) -> Bounds | None:
     """The split into p stages whose every stage but the last takes as many layers as fit in memory with
-    its p - s microbatches in flight; None when even that leaves too many for the last stage. Taking the
-    most each time leaves the last stage the fewest layers any split can, so None means no split fits."""
+    its p - s microbatches in flight (`plain`: without recomputing activations); None when even that
+    leaves too many for the last stage. Taking the most each time leaves the last stage the fewest
+    layers any split can, so None means no split fits."""
+    fits = _fits_plain if plain else _fits
     out = []
     first = 0
     for s in range(p - 1):
         last = first - 1
-        while last + 1 < num_layers - (p - s - 1) and _fits(costs, gpu, tp, first, last + 1, s, p, mbs):
+        while last + 1 < num_layers - (p - s - 1) and fits(costs, gpu, tp, first, last + 1, s, p, mbs):
             last += 1
         if last < first:
             return None
         out.append((first, last))
         first = last + 1
-    if not _fits(costs, gpu, tp, first, num_layers - 1, p - 1, p, mbs):
+    if not fits(costs, gpu, tp, first, num_layers - 1, p - 1, p, mbs):
         return None
     return (*out, (first, num_layers - 1))
 
@@ -144,6 +148,12 @@ def d_values(n: int, d_max: int) -> list[int]:
     return out
 
 
+def _fits_plain(costs: Costs, gpu_type: str, tp: int, first: int, last: int, s: int, p: int, mbs: int) -> bool:
+    """`_fits` without recomputing activations (under "always" nothing does)."""
+    return _fits(costs, gpu_type, tp, first, last, s, p, mbs) and not costs.recomputes(
+        gpu_type, tp, first, last, mbs=mbs, in_flight=p - s, first_stage=s == 0, last_stage=s == p - 1)
+
+
 def _fits(costs: Costs, gpu_type: str, tp: int, first: int, last: int, s: int, p: int, mbs: int) -> bool:
     """Whether layers first..last as stage s of p fit in memory on this GPU at this TP (1F1B: p - s in flight)."""
     return costs.fits(gpu_type, tp, first, last, mbs=mbs, in_flight=p - s,
@@ -159,14 +169,19 @@ def stage_table(pb: Problem, costs: Costs, mbs: int, bounds: Bounds) -> StageTab
         row = []
         any_ok = False
         for slot in pb.slots:
-            opts = []
+            opts, plain = [], []
             for tp in pb.tp_values:
                 if tp > slot.gpus_per_node or not costs.profiled(slot.gpu_type, mbs, tp):
                     continue
-                if not costs.fits(slot.gpu_type, tp, first, last, mbs=mbs, in_flight=p - s, first_stage=s == 0,
-                                  last_stage=s == p - 1):
+                if not _fits(costs, slot.gpu_type, tp, first, last, s, p, mbs):
                     continue
-                opts.append((tp, costs.compute(slot.gpu_type, mbs, tp, first, last).total_s))
+                opts.append((tp, costs.stage_compute(slot.gpu_type, mbs, tp, first, last, in_flight=p - s,
+                                                     first_stage=s == 0, last_stage=s == p - 1).total_s))
+                if _fits_plain(costs, slot.gpu_type, tp, first, last, s, p, mbs):
+                    plain.append(opts[-1])
+            # Recomputation only where no TP of the slot fits the stage without it: its variants of smaller
+            # TPs would otherwise take the places of the TPs that fit (`Problem.tp_options`).
+            opts = plain or opts
             any_ok |= bool(opts)
             row.append(opts)
         if not any_ok:
@@ -200,19 +215,25 @@ def kind_changes(pb: Problem, costs: Costs, sk: Sketch) -> Iterator[Sketch]:
 
 def rebalanced(pb: Problem, costs: Costs, sk: Sketch) -> Bounds | None:
     """The sketch's layers re-split for the GPU kinds it chose: the least bottleneck stage time whose
-    greedy split fits memory stage by stage (None when no split fits)."""
+    greedy split fits memory stage by stage without recomputing activations, else with (None when no
+    split fits). Recomputing stages are not mixed into the first: their extra forward makes a stage's
+    time jump where recomputation starts, and the bisection needs it to grow with the layers."""
+    return _rebalanced(pb, costs, sk, plain=True) or _rebalanced(pb, costs, sk, plain=False)
+
+
+def _rebalanced(pb: Problem, costs: Costs, sk: Sketch, *, plain: bool) -> Bounds | None:
     L = pb.num_layers
     p = sk.num_stages
     slots = pb.slots
 
     def stage_t(s: int, first: int, last: int) -> float:
         si, tp = sk.kinds[s]
-        return costs.compute(slots[si].gpu_type, sk.mbs, tp, first, last).total_s
+        return costs.stage_compute(slots[si].gpu_type, sk.mbs, tp, first, last, in_flight=p - s, first_stage=s == 0,
+                                   last_stage=s == p - 1).total_s
 
     def fits(s: int, first: int, last: int) -> bool:
         si, tp = sk.kinds[s]
-        return costs.fits(slots[si].gpu_type, tp, first, last, mbs=sk.mbs, in_flight=p - s,
-                          first_stage=s == 0, last_stage=s == p - 1)
+        return (_fits_plain if plain else _fits)(costs, slots[si].gpu_type, tp, first, last, s, p, sk.mbs)
 
     def greedy(tau: float) -> Bounds | None:
         out = []
