@@ -448,6 +448,19 @@ def test_recomputation_stays_off_the_stages_that_fit_without_it(tmp_path: Path) 
     assert every.iteration_time_s > r.estimate.iteration_time_s
 
 
+def test_patience_does_not_stop_at_stage_counts_whose_even_splits_fit_nowhere(tmp_path: Path) -> None:
+    # OPT-30 on 128 A100-40: at microbatch 2 a split packed to memory sets an incumbent; at microbatch 1
+    # the shallow stage counts fit nowhere evenly, and the best plan needs 16 stages. Patience must not
+    # count those stage counts as misses: the default search finds what searching every count finds.
+    opt30 = seed_book("OPT-30", tmp_path)
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {A: {"count": 128}}}}}, opt30)
+    req = PlanRequest(model="OPT-30", global_batch_size=1024, pool=pool)
+    patient = plan(req, opt30)
+    every = plan(replace(req, options=SearchOptions(patience=0)), opt30)
+    assert patient.plan is not None and every.plan is not None
+    assert patient.estimate.iteration_time_s == pytest.approx(every.estimate.iteration_time_s, rel=1e-9)
+
+
 def test_recomputation_is_not_planned_where_plans_fit_without_it_unless_asked(book) -> None:
     pool = _pool(book, {"us-central1-a": {A: 16}})
     req = PlanRequest(model="OPT-350", global_batch_size=256, pool=pool)

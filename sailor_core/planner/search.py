@@ -78,11 +78,12 @@ class Search:
                 continue
             st.start_stage_counts()
             for p in range(pb.min_stages, max_p + 1):
-                for bounds in partitions(pb, self.costs, p, mbs):
+                for bounds, even in partitions(pb, self.costs, p, mbs):
                     st.counters.configurations += 1
-                    self.sweep(mbs, bounds)
+                    st.round_fits |= self.sweep(mbs, bounds) and even
                 # Patience: deeper pipelines only add bubbles and sends once memory and GPU types
-                # are served; stop after `patience` stage counts in a row that come nowhere near.
+                # are served (an even split fits: one packed to memory does not serve them, its first
+                # stages are crowded); stop after `patience` stage counts in a row that come nowhere near.
                 misses = st.end_round(pb.patience_slack)
                 if pb.patience and misses >= pb.patience:
                     break
@@ -90,18 +91,19 @@ class Search:
         self.local_pass()
         return st.best()
 
-    def sweep(self, mbs: int, bounds: Bounds) -> None:
-        """The bottleneck sweep of one (microbatch size, split): ascending tau until the bound stops it."""
+    def sweep(self, mbs: int, bounds: Bounds) -> bool:
+        """The bottleneck sweep of one (microbatch size, split): ascending tau until the bound stops it.
+        False when some stage of the split fits in memory nowhere."""
         pb, st = self.problem, self.state
         table = stage_table(pb, self.costs, mbs, bounds)
         if table is None:
-            return
+            return False
         n = pb.global_batch_size // mbs
         lb = floor_of(pb, self.costs, self._links, mbs, bounds, table)
         min_gpus = sum(min(tp for row in stage for tp, _ in row) for stage in table)
         d_list = d_values(n, max(1, self._total_gpus // max(1, min_gpus)))
         if not d_list:
-            return
+            return True
         slowest_best = max(lb.best)
         taus = sorted({t for stage in table for row in stage for _, t in row if t >= slowest_best})
         # Merging thresholds only pays (and only risks) when there are many of them.
@@ -116,6 +118,7 @@ class Search:
             if step and k + 1 < len(taus) and taus[k + 1] <= tau * (1 + step):
                 continue
             self._assign(mbs, bounds, table, tau, n, [d for d, b in zip(d_list, at, strict=True) if b < st.cutoff], lb)
+        return True
 
     def _assign(self, mbs: int, bounds: Bounds, table: StageTable, tau: float, n: int, d_list: list[int],
                 lb: Floor) -> None:

@@ -74,8 +74,9 @@ def balanced_partition(times: Sequence[float], p: int) -> Bounds | None:
     return bounds_from_cuts(sorted(cuts)[1:], L)
 
 
-def partitions(pb: Problem, costs: Costs, p: int, mbs: int) -> Iterator[Bounds]:
-    """The layer splits into p stages worth searching at microbatch size mbs, each once."""
+def partitions(pb: Problem, costs: Costs, p: int, mbs: int) -> Iterator[tuple[Bounds, bool]]:
+    """The layer splits into p stages worth searching at microbatch size mbs, each once, with whether
+    it is an even one (every split, uniform or time-balanced) rather than packed to memory."""
     L = pb.num_layers
     seen: set[Bounds] = set()
     # Every split when there are few (small models, 2 stages); deep pipelines of a large model
@@ -84,11 +85,11 @@ def partitions(pb: Problem, costs: Costs, p: int, mbs: int) -> Iterator[Bounds]:
         for cuts in combinations(range(1, L), p - 1):
             b = bounds_from_cuts(cuts, L)
             seen.add(b)
-            yield b
+            yield b, True
         return
     uni = uniform_partition(L, p)
     seen.add(uni)
-    yield uni
+    yield uni, True
     for slot in pb.slots:
         for tp in pb.tp_values:
             if tp > slot.gpus_per_node or not costs.profiled(slot.gpu_type, mbs, tp):
@@ -97,7 +98,7 @@ def partitions(pb: Problem, costs: Costs, p: int, mbs: int) -> Iterator[Bounds]:
             bal = balanced_partition(times, p)
             if bal is not None and bal not in seen:
                 seen.add(bal)
-                yield bal
+                yield bal, True
             break  # the smallest profiled TP of each GPU type is enough to shape the split
     # Where the even splits do not fit in memory (1F1B: the first stages keep the most microbatches in
     # flight), the split that packs each stage as full as it fits at the slot's largest TP; the re-split
@@ -110,7 +111,7 @@ def partitions(pb: Problem, costs: Costs, p: int, mbs: int) -> Iterator[Bounds]:
                   or packed_partition(costs, slot.gpu_type, tps[-1], mbs, p, L))
         if packed is not None and packed not in seen:
             seen.add(packed)
-            yield packed
+            yield packed, False
 
 
 def packed_partition(costs: Costs, gpu: str, tp: int, mbs: int, p: int, num_layers: int, *, plain: bool = False
