@@ -100,15 +100,18 @@ def partitions(pb: Problem, costs: Costs, p: int, mbs: int) -> Iterator[tuple[Bo
                 seen.add(bal)
                 yield bal, True
             break  # the smallest profiled TP of each GPU type is enough to shape the split
-    # Where the even splits do not fit in memory (1F1B: the first stages keep the most microbatches in
-    # flight), the split that packs each stage as full as it fits at the slot's largest TP; the re-split
+    # Where no GPU type holds the uniform split at its largest TP (1F1B: the first stages keep the most
+    # microbatches in flight), the split that packs each stage as full as it fits there; the re-split
     # pass (`rebalanced`) then evens it out for time within memory.
-    for slot in pb.slots:
-        tps = [tp for tp in pb.tp_values if tp <= slot.gpus_per_node and costs.profiled(slot.gpu_type, mbs, tp)]
-        if not tps or all(_fits_plain(costs, slot.gpu_type, tps[-1], a, b, s, p, mbs) for s, (a, b) in enumerate(uni)):
-            continue
-        packed = (packed_partition(costs, slot.gpu_type, tps[-1], mbs, p, L, plain=True)
-                  or packed_partition(costs, slot.gpu_type, tps[-1], mbs, p, L))
+    largest = [(slot, max(tps)) for slot in pb.slots
+               if (tps := [tp for tp in pb.tp_values
+                           if tp <= slot.gpus_per_node and costs.profiled(slot.gpu_type, mbs, tp)])]
+    if any(all(_fits_plain(costs, slot.gpu_type, tp, a, b, s, p, mbs) for s, (a, b) in enumerate(uni))
+           for slot, tp in largest):
+        return  # some GPU type holds the even split: memory does not shape this stage count
+    for slot, tp in largest:
+        packed = (packed_partition(costs, slot.gpu_type, tp, mbs, p, L, plain=True)
+                  or packed_partition(costs, slot.gpu_type, tp, mbs, p, L))
         if packed is not None and packed not in seen:
             seen.add(packed)
             yield packed, False
