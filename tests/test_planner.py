@@ -24,6 +24,7 @@ from sailor_core.planner import (
     parse_pool,
     plan,
 )
+from sailor_core.planner.core import _problem as core_problem
 from sailor_core.planner.core import sim_options
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.shapes import balanced_partition, uniform_partition
@@ -446,6 +447,24 @@ def test_recomputation_stays_off_the_stages_that_fit_without_it(tmp_path: Path) 
     every = simulate(replace(r.plan, stages=tuple(replace(st, recompute=True) for st in r.plan.stages)), opt30,
                      options=so)
     assert every.iteration_time_s > r.estimate.iteration_time_s
+
+
+def test_the_search_estimates_recomputing_plans_as_the_simulator_runs_them(tmp_path: Path) -> None:
+    from sailor_core.planner.core import build_slots, materialize, recomputed_as
+    from sailor_core.planner.search import Search
+
+    opt30 = seed_book("OPT-30", tmp_path)
+    pool = parse_pool({"zones": {"us-central1-a": {"gpus": {V: {"count": 128}}}}}, opt30)
+    req = PlanRequest(model="OPT-30", global_batch_size=256, pool=pool)
+    slots = build_slots(pool)
+    costs = SimCosts(opt30, recompute="auto")
+    cands = Search(core_problem(req, opt30, slots), costs).run()
+    plans = [recomputed_as(materialize(c.sketch, c.estimate.layouts, slots, model="OPT-30", global_batch_size=256),
+                           costs) for c in cands]
+    assert any(p.data_parallel > 1 and any(st.recompute for st in p.stages) for p in plans)
+    so = sim_options(pool, "fp32", "1f1b")
+    for c, p in zip(cands, plans, strict=True):  # one model: the bucket overlap counts the recomputed forward
+        assert c.estimate.iteration_s == pytest.approx(simulate(p, opt30, options=so).iteration_time_s, rel=1e-9)
 
 
 def test_patience_does_not_stop_at_stage_counts_whose_even_splits_fit_nowhere(tmp_path: Path) -> None:

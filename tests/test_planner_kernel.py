@@ -70,7 +70,7 @@ class SyntheticCosts:
         return 2 * (d - 1) / d * grad_bytes / bw
 
     def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
-                      last: int) -> tuple[float, float, float]:
+                      last: int, recompute: bool = False) -> tuple[float, float, float]:
         # one bucket, final when the backward ends: the ring follows the pipeline
         ar = self.allreduce_s(slot, tp, layout, self.grad_bytes(tp, first, last))
         return ar, ar, self.compute(slot.gpu_type, mbs, tp, first, last).backward_s

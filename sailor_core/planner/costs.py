@@ -153,7 +153,7 @@ class Costs(Protocol):
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float: ...
 
     def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
-                      last: int) -> tuple[float, float, float]: ...
+                      last: int, recompute: bool = False) -> tuple[float, float, float]: ...
 
     def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float: ...
 
@@ -310,10 +310,11 @@ class SimCosts:
         return v
 
     def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
-                      last: int) -> tuple[float, float, float]:
+                      last: int, recompute: bool = False) -> tuple[float, float, float]:
         """(ring of every gradient bucket, ring of the last bucket, backward seconds until the first
-        bucket is final) for `sailor_core.simulator.dp_sync_end_s`, over the runtime's buckets."""
-        key = (slot.gpu_type, slot.gpus_per_node, slot.region, slot.market, tp, layout, mbs, first, last)
+        bucket is final) for `sailor_core.simulator.dp_sync_end_s`, over the runtime's buckets; a
+        `recompute` stage's backward runs its blocks' forward again first."""
+        key = (slot.gpu_type, slot.gpus_per_node, slot.region, slot.market, tp, layout, mbs, first, last, recompute)
         hit = self._sync.get(key)
         if hit is not None:
             return hit
@@ -323,7 +324,7 @@ class SimCosts:
         else:
             ar = self.allreduce_s(slot, tp, layout, tuple(float(b) for b, _ in buckets))  # type: ignore[arg-type]
             ar_last = self.allreduce_s(slot, tp, layout, (float(buckets[-1][0]),))  # type: ignore[arg-type]
-            first_bwd = self.sm.stage_compute(slot.gpu_type, mbs, tp, buckets[0][1], last).backward_s
+            first_bwd = self.sm.stage_compute(slot.gpu_type, mbs, tp, buckets[0][1], last, recompute).backward_s
             hit = (ar, ar_last, first_bwd)
         self._sync[key] = hit
         return hit

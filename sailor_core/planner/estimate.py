@@ -90,7 +90,10 @@ def _rings(slots: Sequence[Slot], c: Costs, sk: Sketch, layouts: Sequence[Layout
     for s, ((first, last), (si, tp)) in enumerate(zip(sk.bounds, sk.kinds, strict=True)):
         slot = slots[si]
         if sk.dp > 1:  # the simulator's bucket overlap with the last backward (dp_sync_end_s)
-            ar, ar_last, first_bwd = c.dp_sync_terms(slot, tp, layouts[s], sk.mbs, first, last)
+            p = sk.num_stages
+            rc = c.recomputes(slot.gpu_type, tp, first, last, mbs=sk.mbs, in_flight=p - s, first_stage=s == 0,
+                              last_stage=s == p - 1)
+            ar, ar_last, first_bwd = c.dp_sync_terms(slot, tp, layouts[s], sk.mbs, first, last, rc)
             ends.append(dp_sync_end_s(finish[s], finish[s] - comp[s].backward_s + first_bwd, ar, ar_last))
         else:
             ends.append(finish[s])
