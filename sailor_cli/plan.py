@@ -95,7 +95,8 @@ def plan(
     stages: Annotated[str | None, typer.Option("--stages", help=(
         "pipeline stages: N (exactly N) or a range A-B (default: as many as pay)"))] = None,
     recompute: Annotated[str, typer.Option("--recompute", help=(
-        "activation recomputation on every stage: auto (only when nothing fits without it), never, always"))] = "auto",
+        "activation recomputation: auto (when nothing fits without it, on the stages that need it), never, "
+        "always (every stage)"))] = "auto",
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them.
 

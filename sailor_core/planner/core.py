@@ -222,19 +222,21 @@ def plan(request: PlanRequest, book: ProfileBook, *, costs: SimCosts | None = No
     t0 = time.perf_counter()
     _check_model(request, book)
     mode = request.options.recompute
-    res, nothing_fits = _plan_pass(request, book, costs, t0, "never" if mode == "auto" else mode)
-    if mode == "auto" and nothing_fits:
-        again, _ = _plan_pass(request, book, None, t0, "auto")
-        if again.plan is not None:
-            return again
-        return replace(res, nearest_miss=res.nearest_miss + "; recomputing activations, nothing fits either")
-    return res
+    res = _plan_pass(request, book, costs, t0, "never" if mode == "auto" else mode, retry=mode == "auto")
+    if res is not None:
+        return res
+    again = _plan_pass(request, book, None, t0, "auto", retry=False)
+    assert again is not None
+    if again.plan is None:
+        return replace(again, nearest_miss=again.nearest_miss + "; recomputing activations, nothing fits either")
+    return again
 
 
-def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, t0: float, recompute: str
-               ) -> tuple[PlanResult, bool]:
-    """(the plan of one search whose stages recompute activations as `recompute` says (`SimCosts`),
-    whether nothing at all fitted in memory)."""
+def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, t0: float, recompute: str, *,
+               retry: bool) -> PlanResult | None:
+    """The plan of one search whose stages recompute activations as `recompute` says (`SimCosts`);
+    None, with `retry`, when nothing at all fits in memory (the caller searches again, so the
+    no-plan explanation is not worked out here)."""
     opts = request.options
     pool, misses = _usable_pool(request, book)
     if opts.min_stages > book.model.num_layers:
@@ -280,15 +282,16 @@ def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, 
             + " (to fix: sailor profile network between them)"
         )
     if best is None:
-        nothing_fits = bool(slots) and closest is None and search.state.nearest is None
-        return _no_plan(request, book, slots, search, closest, misses, frontier, stats), nothing_fits
+        if retry and slots and closest is None and search.state.nearest is None:
+            return None
+        return _no_plan(request, book, slots, search, closest, misses, frontier, stats)
     _, pl, r = best
     gp = goodput(pl, r.iteration_time_s, r.usd_per_iteration, request.spot_risk)
     return PlanResult(
         plan=pl, estimate=r, frontier=frontier, stats=stats,
         explanation=explain(request, pl, r, slots, frontier, gp) + _recompute_note(pl, recompute),
         nearest_miss="; ".join(misses), goodput=gp,
-    ), False
+    )
 
 
 def recomputed_as(pl: ParallelPlan, costs: SimCosts) -> ParallelPlan:
@@ -614,6 +617,12 @@ def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest)
             if tp > s.gpus_per_node or tp not in book.model.tp_degrees:
                 continue
             for p, rc in ((p, rc) for p in range(1, L + 1) for rc in modes):
+                shape = f"{s.gpu_type} tp={tp} mbs={mbs} in {p} stage(s){' recomputing activations' if rc else ''}"
+                if p * tp > gpus:
+                    if (fewest is None or p * tp < fewest[0]) and packed_partition(judges[rc], s.gpu_type, tp, mbs,
+                                                                                      p, L) is not None:
+                        fewest = (p * tp, shape)
+                    continue
                 # 1F1B: stage i keeps p - i microbatches in flight; the worst stage sets the peak.
                 worst = max(
                     (judges[rc].stage_memory(s.gpu_type, tp, a, b, mbs=mbs, in_flight=p - i, first_stage=i == 0,
@@ -621,12 +630,6 @@ def _memory_miss(book: ProfileBook, slots: Sequence[Slot], request: PlanRequest)
                      for i, (a, b) in enumerate(uniform_partition(L, p))),
                     key=lambda m: m.total_bytes,
                 )
-                shape = f"{s.gpu_type} tp={tp} mbs={mbs} in {p} stage(s){' recomputing activations' if rc else ''}"
-                if p * tp > gpus:
-                    if (fewest is None or p * tp < fewest[0]) and packed_partition(judges[rc], s.gpu_type, tp, mbs,
-                                                                                      p, L) is not None:
-                        fewest = (p * tp, shape)
-                    continue
                 ratio = worst.total_bytes / cap
                 if best is None or ratio < best[0]:
                     act = worst.activations_bytes / worst.total_bytes

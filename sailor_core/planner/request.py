@@ -146,9 +146,9 @@ class SearchOptions:
     tolerance: float = 0.005
     precision: str = "fp32"
     schedule: str = "1f1b"
-    # Activation recomputation (every stage's blocks keep only their input and run their forward again
-    # in backward): "auto" plans with it only when no plan fits in memory without it, "never" and
-    # "always" as they say.
+    # Activation recomputation (a stage's blocks keep only their input and run their forward again in
+    # backward): "auto" only when no plan fits in memory without it, and then on the stages that do not
+    # fit without it; "never"; "always" (every stage).
     recompute: str = "auto"
 
     def __post_init__(self) -> None:
