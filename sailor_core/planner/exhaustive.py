@@ -11,17 +11,29 @@ use) can make: each stage on any slot of any region, each slot's zones filled fr
 stage by stage (a pipeline's stages in different zones) or whole pipelines per zone first; and,
 where a GPU type is offered in several regions, the same over slots that pool its regions
 (`build_slots(pool_regions=True)`), whose stages hold data-parallel replicas in several regions.
+Activation recomputation is the planner's space too (`SearchOptions.recompute`): "never", plans as
+they are; "always", every stage recomputing; "auto", the plans as they are when any of them fits in
+memory, and otherwise each plan with its stages recomputing exactly where they do not fit without
+(`core.recomputed_as`), as the planner's second pass searches.
 No pruning, no bounds: slow by design, for tests and benchmarks on pools of a few GPUs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from itertools import combinations, product
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
-from sailor_core.planner.core import build_slots, materialize, objective_value, sim_options, spans_regions
-from sailor_core.planner.costs import Slot
+from sailor_core.planner.core import (
+    build_slots,
+    materialize,
+    objective_value,
+    recomputed_as,
+    sim_options,
+    spans_regions,
+)
+from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import PlanRequest
 from sailor_core.planner.shapes import bounds_from_cuts
@@ -32,6 +44,16 @@ from sailor_core.simulator import SimOptions, SimulationResult, simulate
 Best = tuple[float, ParallelPlan, SimulationResult] | None
 
 
+@dataclass
+class _Found:
+    """What the enumeration has found so far: the best plan as it is, whether any plan as it is fits in
+    memory, and (under recompute "auto") the best plan recomputing where it must."""
+
+    plain: Best = None
+    plain_fits: bool = False
+    recomputing: Best = None
+
+
 def exhaustive_best(
     request: PlanRequest, book: ProfileBook, *, max_stages: int,
     seen: Callable[[ParallelPlan, SimulationResult], None] | None = None,
@@ -39,27 +61,51 @@ def exhaustive_best(
     """(the best plan, its result, how many plans were simulated); `seen` is called with every one."""
     pool = request.restrictions.apply(request.pool)
     so = sim_options(pool, request.options.precision, request.options.schedule)
-    best: Best = None
+    found = _Found()
     simulated = 0
     # per-region slots, and (where a GPU type is in several regions) its regions pooled: the stages
     # whose data-parallel replicas span regions
     views = [build_slots(pool)] + ([build_slots(pool, pool_regions=True)] if spans_regions(pool) else [])
     for slots in views:
-        best, n = _enumerate(request, book, slots, so, best, max_stages=max_stages, seen=seen)
-        simulated += n
+        simulated += _enumerate(request, book, slots, so, found, max_stages=max_stages, seen=seen)
+    best = found.plain if found.plain_fits or request.options.recompute != "auto" else found.recomputing
     if best is None:
         return None, None, simulated
     return best[1], best[2], simulated
 
 
-def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...], so: SimOptions, best: Best, *,
-               max_stages: int, seen: Callable[[ParallelPlan, SimulationResult], None] | None) -> tuple[Best, int]:
-    """Every sketch over these slots simulated: (the better of `best` and theirs, how many were simulated)."""
+def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...], so: SimOptions, found: _Found, *,
+               max_stages: int, seen: Callable[[ParallelPlan, SimulationResult], None] | None) -> int:
+    """Every sketch over these slots simulated into `found`; returns how many plans were simulated."""
     L = book.model.num_layers
     gbs = request.global_batch_size
+    mode = request.options.recompute
+    auto = SimCosts(book, precision=request.options.precision, recompute="auto") if mode == "auto" else None
     simulated = 0
     caps = [s.capacity for s in slots]
     rotations = list(product(*[range(len(s.zones)) for s in slots]))
+
+    def judge(plan: ParallelPlan) -> None:
+        nonlocal simulated
+        if mode == "always":
+            plan = replace(plan, stages=tuple(replace(st, recompute=True) for st in plan.stages))
+        r = simulate(plan, book, options=so)
+        simulated += 1
+        if seen is not None:
+            seen(plan, r)
+        found.plain = _keep_best(found.plain, request, plan, r)
+        found.plain_fits |= r.fits_memory
+        if auto is None or r.fits_memory or found.plain_fits:
+            return
+        again = recomputed_as(plan, auto)
+        if again == plan:
+            return
+        r = simulate(again, book, options=so)
+        simulated += 1
+        if seen is not None:
+            seen(again, r)
+        found.recomputing = _keep_best(found.recomputing, request, again, r)
+
     for mbs in sorted({m for s in slots for m, _ in book.profiled_points(s.gpu_type)}):
         if gbs % mbs:
             continue
@@ -89,14 +135,12 @@ def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...],
                             if lay is None or lay in placed:
                                 continue
                             placed.add(lay)
-                            plan = materialize(sk, lay, slots, model=request.model, global_batch_size=gbs,
-                                               precision=request.options.precision, schedule=request.options.schedule)
-                            simulated += 1
-                            r = simulate(plan, book, options=so)
-                            if seen is not None:
-                                seen(plan, r)
-                            best = _keep_best(best, request, plan, r)
-    return best, simulated
+                            judge(materialize(sk, lay, slots, model=request.model, global_batch_size=gbs,
+                                              precision=request.options.precision,
+                                              schedule=request.options.schedule))
+    return simulated
+
+
 
 
 def _keep_best(best: Best, request: PlanRequest, plan: ParallelPlan, r: SimulationResult) -> Best:
