@@ -7,7 +7,8 @@ Prints, measured side by side in one run on this machine:
    /work/shared/checks/planner_check.py), both scored by our simulator, and our search time;
 2. optimality on small random pools: our best plan against brute force over the whole plan
    space, both under the simulator; 2c. the same on pools of four zones in two regions, where
-   pipelines may cross zones and regions (within the 0.5% tolerance);
+   pipelines may cross zones and regions (within the 0.5% tolerance); 2d. the same on pools whose
+   GPUs have little memory, recomputing plans enumerated as the planner's second pass searches them;
 3. a pool of 3 GPU types x 256 GPUs in one zone (A100-40, V100-16, GH-96) and 5 zones x 128
    A100-40 for every model in the seed: search time (wall and CPU: other jobs share the cores);
 4. determinism: the same request twice gives the same plan;
@@ -18,7 +19,7 @@ Prints, measured side by side in one run on this machine:
    any-shape, per-pipeline-microbatch space on small worlds with three GPU types (within 1%);
 and, for information, optimality under binding limits on random worlds (2b).
 
-Usage: .venv/bin/python bench/bench_planner.py [--pools N] [--constrained N] [--checks DIR]
+Usage: .venv/bin/python bench/bench_planner.py [--pools N] [--constrained N] [--tight-worlds N] [--checks DIR]
 """
 
 from __future__ import annotations
@@ -169,6 +170,42 @@ def optimality_across_zones(worlds: int) -> bool:
     ok = worst <= tol + 1e-9
     print(f"-> {'OK' if ok else 'SHORT'}: worst gap {worst * 100:.3f}% (limit: the {tol:.1%} tolerance); "
           f"{n_sim} plans simulated, {crossing} pipelines across regions among them")
+    return ok
+
+
+def optimality_where_memory_binds(worlds: int) -> bool:
+    """Brute force on small pools of GPUs with little memory (2.5/2.0, 2.2/1.8 and 2.0/1.6 GiB), recomputing
+    plans enumerated as the planner's second pass searches them: no enumerated plan beats the planner's
+    by more than the tolerance."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from tests.test_planner_optimality import case
+
+    memories = ((2.5, 2.0), (2.2, 1.8), (2.0, 1.6))
+    sizes = ", ".join(f"{a}/{b}" for a, b in memories)
+    print(f"\n== 2d. optimality where memory binds on {worlds} random pools (GPUs of {sizes} GiB; recomputing "
+          f"plans enumerated)")
+    worst, n_sim, recomputing, none = 0.0, 0, 0, 0
+    for k in range(worlds):
+        seed, memory = 100 + k // len(memories), memories[k % len(memories)]
+        req, ours, best, n = case(seed, memory_gib=memory)
+        n_sim += n
+        if best is None or ours.estimate is None:
+            none += 1
+            worst = max(worst, 0.0 if (best is None) == (ours.estimate is None) else float("inf"))
+            if (best is None) != (ours.estimate is None):
+                print(f"seed {seed} {memory}: brute force {'none' if best is None else 'a plan'}, planner "
+                      f"{'none' if ours.estimate is None else 'a plan'}")
+            continue
+        recomputing += any(r.recompute for r in ours.plan.stages) if ours.plan is not None else 0
+        gap = objective_value(req.objective, ours.estimate) / objective_value(req.objective, best) - 1
+        worst = max(worst, gap)
+        if gap > 1e-9:
+            print(f"seed {seed} {memory} {req.objective.value:19} planner/optimum {1 + gap:.5f}  ({n} plans)")
+    tol = SearchOptions().tolerance
+    ok = worst <= tol + 1e-9
+    print(f"-> {'OK' if ok else 'SHORT'}: worst gap {worst * 100:.3f}% (limit: the {tol:.1%} tolerance) over "
+          f"{worlds - none} pools with a plan ({recomputing} of them recompute; {none} fit nothing either way); "
+          f"{n_sim} plans simulated")
     return ok
 
 
@@ -380,9 +417,11 @@ def main() -> int:
     ap.add_argument("--checks", default=str(REPO.parent / "shared" / "checks"))
     ap.add_argument("--constrained", type=int, default=40, help="random worlds with binding limits (0: skip)")
     ap.add_argument("--zone-worlds", type=int, default=24, help="random pools across zones and regions (2c)")
+    ap.add_argument("--tight-worlds", type=int, default=60, help="random pools where memory binds (2d)")
     a = ap.parse_args()
     book = read_eth_easl(REFERENCE).profile_book("OPT-350")
-    results = [published_setups(book, Path(a.checks)), optimality(a.pools), optimality_across_zones(a.zone_worlds)]
+    results = [published_setups(book, Path(a.checks)), optimality(a.pools), optimality_across_zones(a.zone_worlds),
+               optimality_where_memory_binds(a.tight_worlds)]
     if a.constrained:
         constrained(a.constrained)
     results += [large_pool(book), determinism(book), new_spaces(book)]

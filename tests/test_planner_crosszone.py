@@ -125,6 +125,25 @@ def test_a_path_that_sends_more_cheaply_to_what_follows_is_kept_though_slower_so
     assert [reconstruct(layers, k) for k in extra] == [((0, 1), (1, 1), (1, 1))]
 
 
+def test_under_a_cost_objective_the_price_key_counts_the_egress_of_the_sends() -> None:
+    """Hand case, min cost: slot 0 (zone a, 1 GPU at 1.0 USD/h) and slot 1 (zone b, 2 GPUs at 1.2 USD/h),
+    two stages. Split over the zones (1.0 + 1.2 = 2.2 USD/h) is cheaper than both stages in zone b
+    (2.4 USD/h) on GPUs alone, but each microbatch's sends across pay 0.00025 USD of egress; at one
+    microbatch every 2 s (tau) that is 0.45 USD/h more, so zone b alone is the cheaper path."""
+    options = [[(0, 1, 1.0, 2.0), (1, 1, 1.2, 2.0)] for _ in range(2)]
+    caps = (1, 2)
+    tolls = [{((a, 1), (b, 1)): 0.0 if a == b else 0.00025 for a in (0, 1) for b in (0, 1)}]
+
+    def cheapest(**kw: object) -> tuple[tuple[int, int], ...]:
+        dp = usage_dp(options, caps, speed_first=False, **kw)  # type: ignore[arg-type]
+        assert dp is not None
+        layers, states = dp
+        return reconstruct(layers, min(states, key=lambda k: states[k][0]))
+
+    assert sorted(cheapest()) == [(0, 1), (1, 1)]  # GPUs alone: split over the zones
+    assert cheapest(tolls=tolls, toll_rate=3600 / 2.0) == ((1, 1), (1, 1))
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int) -> None:
     """`SketchFloors.score` with the kinds' send floors, and the split's `bound` at the sketch's own

@@ -4,7 +4,8 @@ Contract: pure functions (no search state; the caller's moving cutoff is read th
 At tau each stage may take, in each slot, the smallest TPs whose time is <= tau (`stage_options`;
 paper heuristic: a larger TP only when it pays). `usage_dp` runs over stages with the GPUs used
 per slot (per pipeline) as the state and the objective's own key (summed stage time for
-throughput, price for the cost objectives) then the other as the value, beside a track that keeps
+throughput; for the cost objectives price, with the egress each boundary's sends pay at least per
+microbatch counted per hour at one microbatch per tau) then the other as the value, beside a track that keeps
 the least time with sends per usage and class of the next sends (pruned, under max throughput, by
 what the first track's ends already offer); both carry each path's send floor (each boundary's
 least sends between the kinds taken, `bounds.LinkFloors.pairs`); `end_states` ranks its end
@@ -20,7 +21,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from sailor_core.planner.bounds import Floor, PairSends, bound
+from sailor_core.planner.bounds import Floor, PairSends, PairTolls, bound
 from sailor_core.planner.request import Objective
 from sailor_core.planner.risk import useful_fraction_of
 from sailor_core.planner.scoring import SECONDS_PER_HOUR, Goal
@@ -72,7 +73,8 @@ def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool)
 
 
 def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends] = (),
-             speed_first: bool = True, max_gpus: int | None = None, live: Sequence[int] | None = None
+             speed_first: bool = True, max_gpus: int | None = None, live: Sequence[int] | None = None,
+             tolls: Sequence[PairTolls] = (), toll_rate: float = 0.0
              ) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
     """(every stage's layer of the DP, its last layer): per state, the best value, the state and step
     that reached it and its path's send floor (`sends[b]`: boundary b's least sends between two
@@ -90,18 +92,25 @@ def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[P
     enter `with_sends`'s picks at any D its usage leaves open: the first track's end states already
     hold enough better ones there (`_send_limits`).
     `live`: the copies (D) the caller may still estimate (its bound below its cutoff); a path whose
-    usage fits fewer copies than the least of them ends in no state it yields, and both tracks drop it."""
+    usage fits fewer copies than the least of them ends in no state it yields, and both tracks drop it.
+    `tolls` (cost objectives): each boundary's least egress USD per microbatch between two kinds
+    (`bounds.LinkFloors.tolls`), added to the price key at `toll_rate` (USD per hour per USD per
+    microbatch: 3600 / tau, a microbatch crossing every tau at the bottleneck), so a path whose
+    cheaper GPUs sit in other zones than its neighbours' pays the egress its sends cost every
+    microbatch; without it the price key prefers them and the in-zone path is never estimated."""
     least = min(live) if live else 1
-    keyed = _keys_track(options, caps, sends, lambda u: _copies(u, caps, max_gpus) >= least)
+    toll = _Tolls(tolls, toll_rate)
+    keyed = _keys_track(options, caps, sends, lambda u: _copies(u, caps, max_gpus) >= least, toll)
     if keyed is None or not sends:
         return keyed
-    extra = _sends_track(options, caps, sends, speed_first, _send_limits(keyed[1], caps, max_gpus, live, speed_first))
+    extra = _sends_track(options, caps, sends, speed_first, _send_limits(keyed[1], caps, max_gpus, live, speed_first),
+                         toll)
     layers = [{**a, **b} for a, b in zip(keyed[0], extra + [{}] * (len(keyed[0]) - len(extra)), strict=True)]
     return layers, layers[-1]
 
 
 def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends],
-                alive: Callable[[Usage], bool] = lambda u: True
+                alive: Callable[[Usage], bool] = lambda u: True, toll: _Tolls | None = None
                 ) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
     """The `BY_KEYS` track of `usage_dp`: per usage the least (primary, secondary, send floor); paths
     to a usage `alive` rejects are dropped."""
@@ -112,9 +121,9 @@ def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequenc
     for s, opts in enumerate(options):
         link = sends[s - 1] if s and sends else None
         nxt: dict[State, Value] = {}
-        for key, (p1, p2, _, _, w), row in _with_rows(states, link, opts):
+        for key, (p1, p2, _, _, w), row, priced in _with_rows(states, link, opts, s, toll):
             u = key[0]
-            for (g, tp, x1, x2), dw in zip(opts, row, strict=True):
+            for (g, tp, x1, x2), dw in zip(priced, row, strict=True):
                 if u[g] + tp > caps[g]:
                     continue
                 q1, q2, qw = p1 + x1, p2 + x2, w + dw
@@ -137,7 +146,8 @@ def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequenc
 
 
 def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends], speed_first: bool,
-                 limit: Callable[[Usage], tuple[float, float]] | None) -> list[dict[State, Value]]:
+                 limit: Callable[[Usage], tuple[float, float]] | None, toll: _Tolls | None = None
+                 ) -> list[dict[State, Value]]:
     """The with-sends track of `usage_dp`, one layer per stage (fewer when `limit` drops every state):
     per (usage, class of the next sends) the least time with sends. `limit(usage)` = (top_a, top_b): a
     state is dropped when, with the least the stages after it can add (`_finish_floor`), both its
@@ -155,9 +165,9 @@ def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequen
         ahead = sends[s] if s + 1 < len(options) and len(sends) > s else None
         classes = _row_classes(ahead, opts, options[s + 1]) if ahead is not None else [0] * len(opts)
         nxt: dict[State, Value] = {}
-        for key, (p1, p2, _, _, w), row in _with_rows(states, link, opts):
+        for key, (p1, p2, _, _, w), row, priced in _with_rows(states, link, opts, s, toll):
             u = key[0]
-            for (g, tp, x1, x2), dw, c in zip(opts, row, classes, strict=True):
+            for (g, tp, x1, x2), dw, c in zip(priced, row, classes, strict=True):
                 if u[g] + tp > caps[g]:
                     continue
                 q1, q2, qw = p1 + x1, p2 + x2, w + dw
@@ -261,16 +271,35 @@ def _row_classes(link: PairSends, opts: list[Option], ahead: list[Option]) -> li
             for g, tp, _, _ in opts]
 
 
-def _with_rows(states: dict[State, Value], link: PairSends | None, opts: list[Option]
-               ) -> Iterator[tuple[State, Value, list[float]]]:
-    """Each state with its value and the send floor of each option after it (`_send_row`, once per last kind)."""
-    rows: dict[tuple[int, int] | None, list[float]] = {}
+class _Tolls:
+    """The egress term of the DP's price key (`priced`): what each option of stage s pays per hour for
+    its boundary with a stage of kind `last`."""
+
+    def __init__(self, tolls: Sequence[PairTolls], rate: float) -> None:
+        self.tolls = tolls if rate > 0 else ()
+        self.rate = rate
+
+    def priced(self, s: int, last: tuple[int, int] | None, opts: list[Option]) -> list[Option]:
+        """The options of stage s after a stage of kind `last`, each with its boundary's egress per hour
+        added to its price key (`opts` itself where the boundary pays none)."""
+        if last is None or not self.tolls or not s or not self.tolls[s - 1]:
+            return opts
+        t = self.tolls[s - 1]
+        return [(g, tp, x1 + t[(last, (g, tp))] * self.rate, x2) for g, tp, x1, x2 in opts]
+
+
+def _with_rows(states: dict[State, Value], link: PairSends | None, opts: list[Option], s: int = 0,
+               toll: _Tolls | None = None) -> Iterator[tuple[State, Value, list[float], list[Option]]]:
+    """Each state with its value, the send floor of each option after it (`_send_row`) and the options
+    with the egress their sends pay per hour added to the price key (`_Tolls.priced`: `opts` itself
+    without tolls), both worked out once per last kind."""
+    rows: dict[tuple[int, int] | None, tuple[list[float], list[Option]]] = {}
     for key, value in states.items():
         last = value[3]
-        row = rows.get(last)
-        if row is None:
-            row = rows[last] = _send_row(link, last, opts)
-        yield key, value, row
+        pair = rows.get(last)
+        if pair is None:
+            pair = rows[last] = (_send_row(link, last, opts), toll.priced(s, last, opts) if toll is not None else opts)
+        yield key, value, pair[0], pair[1]
 
 
 def _send_row(link: PairSends | None, last: tuple[int, int] | None, opts: list[Option]) -> list[float]:

@@ -9,8 +9,9 @@ times, some stage at tau and the cheapest messages; cost: that time x the cheape
 `SketchFloors.score` bounds one sketch: its own stage times, each boundary's sends at the floor of
 its two kinds (`LinkFloors.pairs`: the least over the zones of their slots, so wherever the
 placement puts the stages) and stage 0's gradient ring on the fastest zone of its slot. The same
-pair floors give the assign step's DP its send term (assign.usage_dp). The memos are caches of
-pure answers: they change what is computed, never a result.
+pair floors give the assign step's DP its send term, and the pairs' least egress per microbatch
+(`LinkFloors.tolls`) its egress term under the cost objectives (assign.usage_dp). The memos are
+caches of pure answers: they change what is computed, never a result.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from sailor_core.planner.costs import Costs
-from sailor_core.planner.estimate import fwd_bwd
+from sailor_core.planner.estimate import BYTES_PER_GB, fwd_bwd
 from sailor_core.planner.scoring import Goal
 from sailor_core.planner.shapes import Bounds, StageTable
 from sailor_core.planner.space import Problem
@@ -31,6 +32,10 @@ Kind = tuple[int, int]  # a stage's (slot index, tp)
 # The least (activation forward, gradient back) seconds across one boundary from a stage of the first
 # kind to one of the second, over every zone of each kind's slot.
 PairSends = dict[tuple[Kind, Kind], tuple[float, float]]
+# The least egress USD one microbatch pays across one boundary (its activation forward and its gradient
+# back) from a stage of the first kind to one of the second, over every zone of each kind's slot: 0 where
+# the two slots share a zone.
+PairTolls = dict[tuple[Kind, Kind], float]  # empty: no egress across the boundary wherever its stages go
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class Floor:
     opt: float
     rate: float  # USD/hour of the cheapest GPUs per pipeline
     pairs: tuple[PairSends, ...] = field(default=(), compare=False)  # per boundary: its sends floor per kind pair
+    tolls: tuple[PairTolls, ...] = field(default=(), compare=False)  # per boundary: its egress floor per kind pair
+    # (empty where no boundary pays egress)
     memo: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
 
     def at(self, m: int) -> tuple[float, float]:
@@ -90,13 +97,13 @@ class LinkSends:
 
 class LinkFloors:
     """Per (microbatch size, last layer before the boundary), computed once each: the `LinkSends`
-    over every pair of kinds, and the `PairSends` of each pair of kinds (its sends' floor wherever
-    the placement puts the two stages: the least over the slots' zones)."""
+    over every pair of kinds, and the `PairSends` and `PairTolls` of each pair of kinds (its sends'
+    and its egress's floor wherever the placement puts the two stages: the least over the slots' zones)."""
 
     def __init__(self, pb: Problem, costs: Costs) -> None:
         self._pb = pb
         self._costs = costs
-        self._memo: dict[tuple[int, int], tuple[LinkSends, PairSends]] = {}
+        self._memo: dict[tuple[int, int], tuple[LinkSends, PairSends, PairTolls]] = {}
 
     def __call__(self, mbs: int, last: int) -> LinkSends:
         return self._of(mbs, last)[0]
@@ -104,13 +111,16 @@ class LinkFloors:
     def pairs(self, mbs: int, last: int) -> PairSends:
         return self._of(mbs, last)[1]
 
-    def _of(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
+    def tolls(self, mbs: int, last: int) -> PairTolls:
+        return self._of(mbs, last)[2]
+
+    def _of(self, mbs: int, last: int) -> tuple[LinkSends, PairSends, PairTolls]:
         v = self._memo.get((mbs, last))
         if v is None:
             v = self._memo[(mbs, last)] = self._cheapest(mbs, last)
         return v
 
-    def _cheapest(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
+    def _cheapest(self, mbs: int, last: int) -> tuple[LinkSends, PairSends, PairTolls]:
         c = self._costs
         # both ends range over every profiled (slot, tp) that fits a node, in each of the slot's zones;
         # the sender's message is the activation after `last` at its TP
@@ -119,6 +129,7 @@ class LinkFloors:
         ends = [(a, ta, za, msg) for a, ta in kinds for msg in (c.boundary_bytes(ta, last, mbs),) for za, _ in a.zones]
         one = both = lo_f = lo_b = math.inf
         pairs: PairSends = {}
+        tolls: PairTolls = {}
         for (a, ta, za, msg), (b, tb, zb, _) in product(ends, repeat=2):
             # the estimate times a send with the pipelines that share a node's link (`costs.nic_share`:
             # up to a node's TP groups); a link's fit may give each flow more speed with more of them
@@ -131,8 +142,11 @@ class LinkFloors:
             key = ((a.index, ta), (b.index, tb))
             least_f, least_b = pairs.get(key, (math.inf, math.inf))
             pairs[key] = (min(least_f, f), min(least_b, bk))
+            # as the estimate bills it (estimate._sends): the message each way, at each direction's price
+            toll = 0.0 if za == zb else msg / BYTES_PER_GB * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
+            tolls[key] = min(tolls.get(key, math.inf), toll)
         sends = LinkSends(*(x if math.isfinite(x) else 0.0 for x in (one, both, lo_f, lo_b)))
-        return sends, pairs
+        return sends, pairs, tolls if any(tolls.values()) else {}
 
 
 def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bounds, table: StageTable) -> Floor:
@@ -144,6 +158,7 @@ def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bou
     min_rate = [min(tp * slots[g].usd_per_gpu_hour for g, row in enumerate(table[s]) for tp, _ in row)
                 for s in range(p)]
     sends = [links(mbs, bounds[b][1]) for b in range(p - 1)]
+    tolls = tuple(links.tolls(mbs, bounds[b][1]) for b in range(p - 1))
     reach = [0.0]
     for b in range(p - 1):
         reach.append(reach[-1] + best_t[b] + sends[b].fill)
@@ -154,7 +169,8 @@ def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bou
     )
     return Floor(reach=tuple(reach), best=tuple(best_t), act=tuple([0.0] + [x.forward for x in sends]),
                  grad=tuple([x.back for x in sends] + [0.0]), opt=opt_lb, rate=sum(min_rate),
-                 pairs=tuple(links.pairs(mbs, bounds[b][1]) for b in range(p - 1)))
+                 pairs=tuple(links.pairs(mbs, bounds[b][1]) for b in range(p - 1)),
+                 tolls=tolls if any(tolls) else ())
 
 
 class SketchFloors:

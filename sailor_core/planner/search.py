@@ -46,7 +46,7 @@ from sailor_core.planner.bounds import Floor, LinkFloors, SketchFloors, bounds_a
 from sailor_core.planner.costs import Costs
 from sailor_core.planner.estimate import estimate
 from sailor_core.planner.placement import fill_variants, place
-from sailor_core.planner.scoring import Goal
+from sailor_core.planner.scoring import SECONDS_PER_HOUR, Goal
 from sailor_core.planner.shapes import Bounds, StageTable, d_values, kind_changes, partitions, rebalanced, stage_table
 from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.planner.state import SearchState
@@ -129,7 +129,10 @@ class Search:
         options = stage_options(self.problem, table, tau, self.goal.speed_first)
         if options is None:
             return
-        dp = usage_dp(options, self._caps, lb.pairs, self.goal.speed_first, self.problem.max_gpus, d_list)
+        # cost objectives: a boundary's egress counts in the price key, at one microbatch per tau
+        tolls = () if self.goal.speed_first else lb.tolls
+        dp = usage_dp(options, self._caps, lb.pairs, self.goal.speed_first, self.problem.max_gpus, d_list,
+                      tolls, SECONDS_PER_HOUR / tau if tau > 0 else 0.0)
         if dp is None:
             return
         layers, states = dp

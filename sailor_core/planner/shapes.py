@@ -21,7 +21,8 @@ from sailor_core.planner.costs import Costs
 from sailor_core.planner.space import Problem, Sketch
 
 Bounds = tuple[tuple[int, int], ...]
-# table[stage][slot] = [(tp, seconds per microbatch)], TP ascending
+# table[stage][slot] = [(tp, seconds per microbatch)]: the TPs that fit without recomputing, ascending, then
+# the smaller ones that fit only recomputing (`stage_table`)
 StageTable = list[list[list[tuple[int, float]]]]
 
 
@@ -165,7 +166,7 @@ def _fits(costs: Costs, gpu_type: str, tp: int, first: int, last: int, s: int, p
 
 
 def stage_table(pb: Problem, costs: Costs, mbs: int, bounds: Bounds) -> StageTable | None:
-    """table[s][slot] = [(tp, seconds per microbatch)] for TPs that are profiled and fit, TP ascending;
+    """table[s][slot] = [(tp, seconds per microbatch)] for TPs that are profiled and fit (see `StageTable`);
     None when some stage fits nowhere."""
     p = len(bounds)
     table = []
@@ -183,9 +184,10 @@ def stage_table(pb: Problem, costs: Costs, mbs: int, bounds: Bounds) -> StageTab
                                                      first_stage=s == 0, last_stage=s == p - 1).total_s))
                 if _fits_plain(costs, slot.gpu_type, tp, first, last, s, p, mbs):
                     plain.append(opts[-1])
-            # Recomputation only where no TP of the slot fits the stage without it: its variants of smaller
-            # TPs would otherwise take the places of the TPs that fit (`Problem.tp_options`).
-            opts = plain or opts
+            # The TPs that fit without recomputation first, then the smaller ones that fit only with it:
+            # a TP that fits plain keeps its place among `Problem.tp_options` (the options are taken in
+            # this order), and a pool too short of this GPU for the plain TP still has the smaller group.
+            opts = plain + [o for o in opts if o not in plain and (not plain or o[0] < plain[0][0])]
             any_ok |= bool(opts)
             row.append(opts)
         if not any_ok:
