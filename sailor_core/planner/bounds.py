@@ -52,8 +52,6 @@ class Floor:
     opt: float
     rate: float  # USD/hour of the cheapest GPUs per pipeline
     pairs: tuple[PairSends, ...] = field(default=(), compare=False)  # per boundary: its sends floor per kind pair
-    tolls: tuple[PairTolls, ...] = field(default=(), compare=False)  # per boundary: its egress floor per kind pair
-    # (empty where no boundary pays egress)
     memo: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
 
     def at(self, m: int) -> tuple[float, float]:
@@ -103,7 +101,8 @@ class LinkFloors:
     def __init__(self, pb: Problem, costs: Costs) -> None:
         self._pb = pb
         self._costs = costs
-        self._memo: dict[tuple[int, int], tuple[LinkSends, PairSends, PairTolls]] = {}
+        self._memo: dict[tuple[int, int], tuple[LinkSends, PairSends]] = {}
+        self._tolls: dict[tuple[int, int], PairTolls] = {}
 
     def __call__(self, mbs: int, last: int) -> LinkSends:
         return self._of(mbs, last)[0]
@@ -112,15 +111,32 @@ class LinkFloors:
         return self._of(mbs, last)[1]
 
     def tolls(self, mbs: int, last: int) -> PairTolls:
-        return self._of(mbs, last)[2]
+        """The `PairTolls` of the boundary after layer `last` (empty where no pair of kinds pays egress)."""
+        v = self._tolls.get((mbs, last))
+        if v is None:
+            v = self._tolls[(mbs, last)] = self._least_egress(mbs, last)
+        return v
 
-    def _of(self, mbs: int, last: int) -> tuple[LinkSends, PairSends, PairTolls]:
+    def _least_egress(self, mbs: int, last: int) -> PairTolls:
+        c = self._costs
+        ends = [(a.index, ta, za, c.boundary_bytes(ta, last, mbs))
+                for a in self._pb.slots for ta in self._pb.tp_values
+                if ta <= a.gpus_per_node and c.profiled(a.gpu_type, mbs, ta) for za, _ in a.zones]
+        tolls: PairTolls = {}
+        for (a, ta, za, msg), (b, tb, zb, _) in product(ends, repeat=2):
+            # as the estimate bills it (estimate._sends): the message each way, at each direction's price
+            usd_per_gb = 0.0 if za == zb else c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za)
+            key = ((a, ta), (b, tb))
+            tolls[key] = min(tolls.get(key, math.inf), msg / BYTES_PER_GB * usd_per_gb)
+        return tolls if any(tolls.values()) else {}
+
+    def _of(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
         v = self._memo.get((mbs, last))
         if v is None:
             v = self._memo[(mbs, last)] = self._cheapest(mbs, last)
         return v
 
-    def _cheapest(self, mbs: int, last: int) -> tuple[LinkSends, PairSends, PairTolls]:
+    def _cheapest(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
         c = self._costs
         # both ends range over every profiled (slot, tp) that fits a node, in each of the slot's zones;
         # the sender's message is the activation after `last` at its TP
@@ -129,7 +145,6 @@ class LinkFloors:
         ends = [(a, ta, za, msg) for a, ta in kinds for msg in (c.boundary_bytes(ta, last, mbs),) for za, _ in a.zones]
         one = both = lo_f = lo_b = math.inf
         pairs: PairSends = {}
-        tolls: PairTolls = {}
         for (a, ta, za, msg), (b, tb, zb, _) in product(ends, repeat=2):
             # the estimate times a send with the pipelines that share a node's link (`costs.nic_share`:
             # up to a node's TP groups); a link's fit may give each flow more speed with more of them
@@ -142,11 +157,8 @@ class LinkFloors:
             key = ((a.index, ta), (b.index, tb))
             least_f, least_b = pairs.get(key, (math.inf, math.inf))
             pairs[key] = (min(least_f, f), min(least_b, bk))
-            # as the estimate bills it (estimate._sends): the message each way, at each direction's price
-            toll = 0.0 if za == zb else msg / BYTES_PER_GB * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
-            tolls[key] = min(tolls.get(key, math.inf), toll)
         sends = LinkSends(*(x if math.isfinite(x) else 0.0 for x in (one, both, lo_f, lo_b)))
-        return sends, pairs, tolls if any(tolls.values()) else {}
+        return sends, pairs
 
 
 def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bounds, table: StageTable) -> Floor:
@@ -158,7 +170,6 @@ def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bou
     min_rate = [min(tp * slots[g].usd_per_gpu_hour for g, row in enumerate(table[s]) for tp, _ in row)
                 for s in range(p)]
     sends = [links(mbs, bounds[b][1]) for b in range(p - 1)]
-    tolls = tuple(links.tolls(mbs, bounds[b][1]) for b in range(p - 1))
     reach = [0.0]
     for b in range(p - 1):
         reach.append(reach[-1] + best_t[b] + sends[b].fill)
@@ -169,8 +180,7 @@ def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bou
     )
     return Floor(reach=tuple(reach), best=tuple(best_t), act=tuple([0.0] + [x.forward for x in sends]),
                  grad=tuple([x.back for x in sends] + [0.0]), opt=opt_lb, rate=sum(min_rate),
-                 pairs=tuple(links.pairs(mbs, bounds[b][1]) for b in range(p - 1)),
-                 tolls=tolls if any(tolls) else ())
+                 pairs=tuple(links.pairs(mbs, bounds[b][1]) for b in range(p - 1)))
 
 
 class SketchFloors:

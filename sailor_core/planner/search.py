@@ -130,7 +130,7 @@ class Search:
         if options is None:
             return
         # cost objectives: a boundary's egress counts in the price key, at one microbatch per tau
-        tolls = () if self.goal.speed_first else lb.tolls
+        tolls = () if self.goal.speed_first else [self._links.tolls(mbs, last) for _, last in bounds[:-1]]
         dp = usage_dp(options, self._caps, lb.pairs, self.goal.speed_first, self.problem.max_gpus, d_list,
                       tolls, SECONDS_PER_HOUR / tau if tau > 0 else 0.0)
         if dp is None:
