@@ -18,9 +18,12 @@ real process group):
   cost and the ranks' typical skew, without the rare peer held up by other jobs on the host);
 - blocks are identical, so only `settings.blocks` of them are measured and their mean is copied to
   the others (`all_blocks=True` measures every one);
-- optimizer: one AdamW step (the runtime's settings) over the measured layers' parameters, scaled
-  to the whole model's parameters on one GPU of the TP group; the same value on every layer, as
-  the store's profiles hold it (README section 2a) and the simulator reads it;
+- optimizer: the parameter work that ends the runtime's step over the measured layers' parameters
+  (engine.Trainer.train_step: the gradient norm's pass, `data_parallel.grad_sq_norm`, the clipping
+  pass that scales every gradient, and one AdamW step with the runtime's settings), scaled to the
+  whole model's parameters on one GPU of the TP group; the same value on every layer, as the store's
+  profiles hold it (README section 2a) and the simulator reads it. The clip is timed on every step:
+  the runtime scales whenever the norm passes `max_grad_norm`, which early training does nearly always;
 - activation memory kept for backward per layer and sequence: the unique storages torch saves for
   backward (torch.autograd.graph.saved_tensors_hooks), parameters excluded; on CUDA also the
   allocator delta across the forward;
@@ -532,6 +535,9 @@ def _saved_for_backward(torch: ModuleType, layer: nn.Module, run_forward: Callab
 
 def _optimizer_step_s(torch: ModuleType, params: list[nn.Parameter], policy: RepeatPolicy, timed: _Timed
                       ) -> Measurement:
+    """The runtime's step end over `params` (see the module): gradient norm, clip, AdamW step."""
+    from sailor_core.runtime.data_parallel import grad_sq_norm
+
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -541,9 +547,18 @@ def _optimizer_step_s(torch: ModuleType, params: list[nn.Parameter], policy: Rep
         [{"params": decay, "weight_decay": ADAMW["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
         lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"],
     )
+    device = params[0].device if params else torch.device("cpu")
+
+    def step_end() -> None:
+        norm = float(grad_sq_norm(params, pipeline=0, tp_rank=0, device=device)) ** 0.5
+        coef = 1.0 / (norm + 1e-6) if norm > 1.0 else 1.0  # zero gradients: the scale the clip would apply
+        for p in params:
+            p.grad.mul_(coef)  # type: ignore[union-attr]
+        opt.step()
+
     rule = StopRule(policy)
     while True:
-        t, _ = timed(opt.step)
+        t, _ = timed(step_end)
         rule.add(t)
         if not rule.warming() and rule.done():
             return rule.result()
@@ -645,7 +660,8 @@ def _complete(
     opt_full: dict[int, float] = {}
     for tp, (seconds, measured_params) in optimizer.items():
         full = sum(spec.layer(i, tp).params for i in range(cfg.num_layers))
-        # AdamW is a pass over parameters, gradients and two moments: linear in the parameter count.
+        # The norm, the clip and AdamW are passes over gradients, parameters and two moments: linear in
+        # the parameter count.
         opt_full[tp] = seconds * full / measured_params if measured_params else seconds
     out: list[LayerProfile] = []
     head = cfg.num_layers - 1
