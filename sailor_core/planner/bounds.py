@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from sailor_core.planner.costs import Costs
-from sailor_core.planner.estimate import BYTES_PER_GB, fwd_bwd
+from sailor_core.planner.estimate import BYTES_PER_GB, fwd_bwd, round_trip_usd_per_gb
 from sailor_core.planner.scoring import Goal
 from sailor_core.planner.shapes import Bounds, StageTable
 from sailor_core.planner.space import Problem
@@ -124,10 +124,8 @@ class LinkFloors:
                 if ta <= a.gpus_per_node and c.profiled(a.gpu_type, mbs, ta) for za, _ in a.zones]
         tolls: PairTolls = {}
         for (a, ta, za, msg), (b, tb, zb, _) in product(ends, repeat=2):
-            # as the estimate bills it (estimate._sends): the message each way, at each direction's price
-            usd_per_gb = 0.0 if za == zb else c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za)
             key = ((a, ta), (b, tb))
-            tolls[key] = min(tolls.get(key, math.inf), msg / BYTES_PER_GB * usd_per_gb)
+            tolls[key] = min(tolls.get(key, math.inf), msg / BYTES_PER_GB * round_trip_usd_per_gb(c, za, zb))
         return tolls if any(tolls.values()) else {}
 
     def _of(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:

@@ -58,6 +58,12 @@ def stage_times(c: Costs, slots: Sequence[Slot], sk: Sketch) -> list[StageComput
             for s, ((first, last), (si, tp)) in enumerate(zip(sk.bounds, sk.kinds, strict=True))]
 
 
+def round_trip_usd_per_gb(c: Costs, za: str, zb: str) -> float:
+    """USD per GB a boundary message pays between two zones, sent one way and its gradient back the other
+    (0 inside a zone): how the estimate bills pipeline sends, and what the search's egress floor reads."""
+    return 0.0 if za == zb else c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za)
+
+
 def _sends(slots: Sequence[Slot], c: Costs, sk: Sketch, layouts: Sequence[Layout], n: int
            ) -> tuple[list[tuple[float, float]], float]:
     """(per boundary the slowest zone pair's (forward, back) send seconds, the egress USD of the sends)."""
@@ -75,8 +81,7 @@ def _sends(slots: Sequence[Slot], c: Costs, sk: Sketch, layouts: Sequence[Layout
             if za != zb:
                 # each of these cnt pipelines sends about n/D microbatches each way, one message
                 # per microbatch in slices (SimModel.boundary_p2p_s)
-                gb = msg * (n / sk.dp) * cnt / BYTES_PER_GB
-                egress += gb * (c.egress_usd_per_gb(za, zb) + c.egress_usd_per_gb(zb, za))
+                egress += msg * (n / sk.dp) * cnt / BYTES_PER_GB * round_trip_usd_per_gb(c, za, zb)
         p2p.append((worst_f, worst_b))
     return p2p, egress
 

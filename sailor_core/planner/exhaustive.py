@@ -85,26 +85,25 @@ def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...],
     caps = [s.capacity for s in slots]
     rotations = list(product(*[range(len(s.zones)) for s in slots]))
 
-    def judge(plan: ParallelPlan) -> None:
+    def run(plan: ParallelPlan) -> SimulationResult:
         nonlocal simulated
-        if mode == "always":
-            plan = replace(plan, stages=tuple(replace(st, recompute=True) for st in plan.stages))
         r = simulate(plan, book, options=so)
         simulated += 1
         if seen is not None:
             seen(plan, r)
+        return r
+
+    def judge(plan: ParallelPlan) -> None:
+        if mode == "always":
+            plan = replace(plan, stages=tuple(replace(st, recompute=True) for st in plan.stages))
+        r = run(plan)
         found.plain = _keep_best(found.plain, request, plan, r)
         found.plain_fits |= r.fits_memory
-        if auto is None or r.fits_memory or found.plain_fits:
+        if auto is None or found.plain_fits:
             return
         again = recomputed_as(plan, auto)
-        if again == plan:
-            return
-        r = simulate(again, book, options=so)
-        simulated += 1
-        if seen is not None:
-            seen(again, r)
-        found.recomputing = _keep_best(found.recomputing, request, again, r)
+        if again != plan:
+            found.recomputing = _keep_best(found.recomputing, request, again, run(again))
 
     for mbs in sorted({m for s in slots for m, _ in book.profiled_points(s.gpu_type)}):
         if gbs % mbs:
@@ -139,8 +138,6 @@ def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...],
                                               precision=request.options.precision,
                                               schedule=request.options.schedule))
     return simulated
-
-
 
 
 def _keep_best(best: Best, request: PlanRequest, plan: ParallelPlan, r: SimulationResult) -> Best:

@@ -550,10 +550,9 @@ def _optimizer_step_s(torch: ModuleType, params: list[nn.Parameter], policy: Rep
     device = params[0].device if params else torch.device("cpu")
 
     def step_end() -> None:
-        norm = float(grad_sq_norm(params, pipeline=0, tp_rank=0, device=device)) ** 0.5
-        coef = 1.0 / (norm + 1e-6) if norm > 1.0 else 1.0  # zero gradients: the scale the clip would apply
-        for p in params:
-            p.grad.mul_(coef)  # type: ignore[union-attr]
+        float(grad_sq_norm(params, pipeline=0, tp_rank=0, device=device))  # read back, as the runtime's .tolist()
+        for p in params:  # the clip's pass; its factor does not change its time
+            p.grad.mul_(1.0)  # type: ignore[union-attr]
         opt.step()
 
     rule = StopRule(policy)
