@@ -21,7 +21,7 @@ No pruning, no bounds: slow by design, for tests and benchmarks on pools of a fe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import combinations, product
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
@@ -44,14 +44,47 @@ from sailor_core.simulator import SimOptions, SimulationResult, simulate
 Best = tuple[float, ParallelPlan, SimulationResult] | None
 
 
-@dataclass
-class _Found:
-    """What the enumeration has found so far: the best plan as it is, whether any plan as it is fits in
-    memory, and (under recompute "auto") the best plan recomputing where it must."""
+class _Judge:
+    """Simulates plans as the planner's recompute mode has them and keeps the best (see the module):
+    the best plan as it is, whether any plan as it is fits in memory, and (under "auto") the best plan
+    recomputing where it must; `seen` is called with every plan simulated."""
 
-    plain: Best = None
-    plain_fits: bool = False
-    recomputing: Best = None
+    def __init__(self, request: PlanRequest, book: ProfileBook, so: SimOptions,
+                 seen: Callable[[ParallelPlan, SimulationResult], None] | None = None) -> None:
+        self.request, self.book, self.so, self.seen = request, book, so, seen
+        self.mode = request.options.recompute
+        self.auto = (SimCosts(book, precision=request.options.precision, recompute="auto")
+                     if self.mode == "auto" else None)
+        self.simulated = 0
+        self.plain: Best = None
+        self.plain_fits = False
+        self.recomputing: Best = None
+
+    def run(self, plan: ParallelPlan) -> SimulationResult:
+        r = simulate(plan, self.book, options=self.so)
+        self.simulated += 1
+        if self.seen is not None:
+            self.seen(plan, r)
+        return r
+
+    def __call__(self, plan: ParallelPlan) -> None:
+        if self.mode == "always":
+            plan = replace(plan, stages=tuple(replace(st, recompute=True) for st in plan.stages))
+        r = self.run(plan)
+        self.plain = _keep_best(self.plain, self.request, plan, r)
+        self.plain_fits |= r.fits_memory
+        if self.auto is None or self.plain_fits:
+            return
+        again = recomputed_as(plan, self.auto)
+        if again != plan:
+            self.recomputing = _keep_best(self.recomputing, self.request, again, self.run(again))
+
+    def answer(self) -> tuple[ParallelPlan | None, SimulationResult | None, int]:
+        """(the best plan, its result, how many plans were simulated)."""
+        best = self.plain if self.plain_fits or self.mode != "auto" else self.recomputing
+        if best is None:
+            return None, None, self.simulated
+        return best[1], best[2], self.simulated
 
 
 def exhaustive_best(
@@ -60,50 +93,22 @@ def exhaustive_best(
 ) -> tuple[ParallelPlan | None, SimulationResult | None, int]:
     """(the best plan, its result, how many plans were simulated); `seen` is called with every one."""
     pool = request.restrictions.apply(request.pool)
-    so = sim_options(pool, request.options.precision, request.options.schedule)
-    found = _Found()
-    simulated = 0
+    judge = _Judge(request, book, sim_options(pool, request.options.precision, request.options.schedule), seen)
     # per-region slots, and (where a GPU type is in several regions) its regions pooled: the stages
     # whose data-parallel replicas span regions
     views = [build_slots(pool)] + ([build_slots(pool, pool_regions=True)] if spans_regions(pool) else [])
     for slots in views:
-        simulated += _enumerate(request, book, slots, so, found, max_stages=max_stages, seen=seen)
-    best = found.plain if found.plain_fits or request.options.recompute != "auto" else found.recomputing
-    if best is None:
-        return None, None, simulated
-    return best[1], best[2], simulated
+        _enumerate(request, book, slots, judge, max_stages=max_stages)
+    return judge.answer()
 
 
-def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...], so: SimOptions, found: _Found, *,
-               max_stages: int, seen: Callable[[ParallelPlan, SimulationResult], None] | None) -> int:
-    """Every sketch over these slots simulated into `found`; returns how many plans were simulated."""
+def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...], judge: _Judge, *,
+               max_stages: int) -> None:
+    """Every sketch over these slots, materialised and handed to `judge`."""
     L = book.model.num_layers
     gbs = request.global_batch_size
-    mode = request.options.recompute
-    auto = SimCosts(book, precision=request.options.precision, recompute="auto") if mode == "auto" else None
-    simulated = 0
     caps = [s.capacity for s in slots]
     rotations = list(product(*[range(len(s.zones)) for s in slots]))
-
-    def run(plan: ParallelPlan) -> SimulationResult:
-        nonlocal simulated
-        r = simulate(plan, book, options=so)
-        simulated += 1
-        if seen is not None:
-            seen(plan, r)
-        return r
-
-    def judge(plan: ParallelPlan) -> None:
-        if mode == "always":
-            plan = replace(plan, stages=tuple(replace(st, recompute=True) for st in plan.stages))
-        r = run(plan)
-        found.plain = _keep_best(found.plain, request, plan, r)
-        found.plain_fits |= r.fits_memory
-        if auto is None or found.plain_fits:
-            return
-        again = recomputed_as(plan, auto)
-        if again != plan:
-            found.recomputing = _keep_best(found.recomputing, request, again, run(again))
 
     for mbs in sorted({m for s in slots for m, _ in book.profiled_points(s.gpu_type)}):
         if gbs % mbs:
@@ -137,7 +142,6 @@ def _enumerate(request: PlanRequest, book: ProfileBook, slots: tuple[Slot, ...],
                             judge(materialize(sk, lay, slots, model=request.model, global_batch_size=gbs,
                                               precision=request.options.precision,
                                               schedule=request.options.schedule))
-    return simulated
 
 
 def _keep_best(best: Best, request: PlanRequest, plan: ParallelPlan, r: SimulationResult) -> Best:
@@ -162,17 +166,16 @@ def exhaustive_groups_best(
     batch between the kinds is simulated (pipelines of one kind split their kind's microbatches
     evenly: identical pipelines gain nothing from an uneven split). Single-kind plans are
     included, so the answer is the optimum of the per-pipeline-microbatch, any-shape space.
-    Objective: the request's, without the tolerance (the pure optimum).
+    Objective: the request's, without the tolerance (the pure optimum). Activation recomputation as
+    `exhaustive_best` follows `SearchOptions.recompute`.
     """
     pool = request.restrictions.apply(request.pool)
     slots = build_slots(pool)
     L = book.model.num_layers
     gbs = request.global_batch_size
-    so = sim_options(pool, request.options.precision, request.options.schedule)
+    judge = _Judge(request, book, sim_options(pool, request.options.precision, request.options.schedule))
     caps = [s.capacity for s in slots]
     max_gpus = request.restrictions.max_gpus
-    best: tuple[float, ParallelPlan, SimulationResult] | None = None
-    simulated = 0
     mbs_all = sorted({m for s in slots for m, _ in book.profiled_points(s.gpu_type)})
     for p in range(1, min(max_stages, L) + 1):
         for cuts in combinations(range(1, L), p - 1):
@@ -192,14 +195,9 @@ def exhaustive_groups_best(
             for combo, counts in _selections(uses, caps, max_gpus, max_groups):
                 for split in _batch_splits(gbs, [types[i][0] for i in combo], counts):
                     plan = _group_plan(request, slots, bounds, [types[i] for i in combo], counts, split)
-                    if plan is None:
-                        continue
-                    r = simulate(plan, book, options=so)
-                    simulated += 1
-                    best = _keep_best(best, request, plan, r)
-    if best is None:
-        return None, None, simulated
-    return best[1], best[2], simulated
+                    if plan is not None:
+                        judge(plan)
+    return judge.answer()
 
 
 def _selections(uses: list[list[int]], caps: list[int], max_gpus: int | None, max_groups: int
