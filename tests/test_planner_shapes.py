@@ -104,3 +104,37 @@ def test_any_shape_stages_beat_two_shapes(book) -> None:
     assert many.estimate.fits_memory and sum(p.samples for p in many.plan.pipelines) == 4096
 
 
+
+
+def test_a_pipelines_line_has_the_cycle_of_its_slowest_stage_past_the_fill() -> None:
+    """linear_time, what the kinds of pipelines are balanced by: seconds = a + b x microbatches with b
+    the 1F1B cycle once the pipeline is full (at least the slowest stage's forward and backward), so
+    the line holds for many microbatches. A line through 1 and 2 microbatches put b at the second
+    forward's overlap with the first one's way down: 0.126 s against 0.188 s here, and the planner
+    gave the pipelines with a slow first stage too many microbatches."""
+    from sailor_core.domain import Capacity, ParallelPlan, PipelineBatch, Replica, ResourcePool, Stage
+    from sailor_core.planner.core import build_slots
+    from sailor_core.planner.costs import SimCosts
+    from sailor_core.planner.estimate import linear_time, stage_times
+    from sailor_core.planner.placement import place
+    from sailor_core.simulator import simulate
+    from tests.planner_fixtures import MODEL, tiny_book
+
+    gpus = ("fast", "mid")
+    book = tiny_book(1, gpus=gpus, memory_gib=(6.0, 4.0), zones=("r1-a",), tps=(1,))
+    slots = build_slots(ResourcePool(entries=tuple(
+        Capacity(zone="r1-a", region="r1", gpu_type=g, gpus=2, gpus_per_vm=2, usd_per_gpu_hour=1.0) for g in gpus)))
+    costs = SimCosts(book)
+    mid, fast = (next(s.index for s in slots if s.gpu_type == g) for g in ("mid", "fast"))
+    sk = Sketch(mbs=1, bounds=((0, 2), (3, 5)), kinds=((mid, 1), (fast, 1)), dp=1)
+    a, b = linear_time(costs, slots, sk, place(slots, sk))
+    comp = stage_times(costs, slots, sk)
+    assert comp[0].total_s > 1.3 * comp[1].total_s  # unequal: the first stage is the slow one
+    assert b >= max(c.total_s for c in comp)
+    for m in (12, 40):
+        plan_m = ParallelPlan(model=MODEL, global_batch_size=m, stages=tuple(
+            Stage(first_layer=f, last_layer=la, replicas=(Replica(gpu_type=g, zone="r1-a", tp=1, gpus_per_node=2),))
+            for (f, la), g in zip(sk.bounds, ("mid", "fast"), strict=True)),
+            pipelines=(PipelineBatch(microbatch_size=1, num_microbatches=m),))
+        r = simulate(plan_m, book)
+        assert a + b * m == pytest.approx(r.breakdown.pipeline_time_per_pipeline_s[0], rel=0.01)

@@ -126,7 +126,11 @@ def _rings(slots: Sequence[Slot], c: Costs, sk: Sketch, layouts: Sequence[Layout
 
 def linear_time(c: Costs, slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> tuple[float, float]:
     """(a, b) with one pipeline's seconds = a + b x microbatches, from the simulator's 1F1B composition
-    (each boundary timed between the stages' first zones): what the group planners balance pipelines by."""
+    (each boundary timed between the stages' first zones): what the group planners balance pipelines by.
+    The line runs through the times at 2p and 4p microbatches (p stages), past the fill: b is the
+    steady cycle (the slowest stage's forward, backward and sends), a what the fill and drain add. The
+    step from 1 to 2 microbatches is not the cycle: the second forward overlaps the first one's way
+    down the pipeline, so a line through those two under-counts every later microbatch on unequal stages."""
     comp = stage_times(c, slots, sk)
     p2p = []
     for s in range(sk.num_stages - 1):
@@ -134,9 +138,11 @@ def linear_time(c: Costs, slots: Sequence[Slot], sk: Sketch, layouts: Sequence[L
         msg = c.boundary_bytes(ta, sk.bounds[s][1], sk.mbs)
         za, zb = layouts[s][0][0], layouts[s + 1][0][0]
         p2p.append(c.p2p_s(slots[sa], ta, za, slots[sb], tb, zb, msg))
-    t1 = pipeline_time_s(comp, p2p, 1)[0]
-    t2 = pipeline_time_s(comp, p2p, 2)[0]
-    return t1 - (t2 - t1), t2 - t1
+    n1, n2 = 2 * sk.num_stages, 4 * sk.num_stages
+    t1 = pipeline_time_s(comp, p2p, n1, with_p2p_part=False)[0]
+    t2 = pipeline_time_s(comp, p2p, n2, with_p2p_part=False)[0]
+    b = (t2 - t1) / (n2 - n1)
+    return t1 - b * n1, b
 
 
 def usd_per_hour(slots: Sequence[Slot], sk: Sketch, layouts: Sequence[Layout]) -> float:

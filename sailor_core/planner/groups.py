@@ -34,6 +34,7 @@ from sailor_core.planner.estimate import linear_time
 from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.search import Search
+from sailor_core.planner.shapes import Bounds, partitions, stage_table
 from sailor_core.planner.space import Candidate, Problem, Sketch
 
 
@@ -229,15 +230,14 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
     pb = search.problem
     caps = [s.capacity for s in pb.slots]
     out: list[ParallelPlan] = []
-    done: set[tuple[tuple[int, int], ...]] = set()
-    for cand in top:  # the layer splits of the best plans, `splits` of them
-        bounds = cand.sketch.bounds
-        if bounds in done:
-            continue
-        if len(done) == splits:
+    taken: list[tuple[Bounds, int]] = []  # the layer splits of the best plans, `splits` of them
+    for cand in top:
+        if len(taken) == splits:
             break
-        done.add(bounds)
-        mbs_values = pb.mbs_values if own_microbatch else (cand.sketch.mbs,)
+        if all(b != cand.sketch.bounds for b, _ in taken):
+            taken.append((cand.sketch.bounds, cand.sketch.mbs))
+    for bounds, mbs in taken + own_splits(search, [b for b, _ in taken]):
+        mbs_values = pb.mbs_values if own_microbatch else (mbs,)
         types = _types(search, bounds, mbs_values, keep=2)[:types_kept]
         scored: list[tuple[float, tuple[int, ...], list[int]]] = []
         for k in range(2, max_groups + 1):
@@ -251,6 +251,35 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                               global_batch_size=global_batch_size, precision=precision, schedule=schedule)
             if pl is not None:
                 out.append(pl)
+    return out
+
+
+def own_splits(search: Search, taken: Sequence[Bounds]) -> list[tuple[Bounds, int]]:
+    """(split, microbatch size) for each GPU slot that fits a whole pipeline of its own on none of the
+    `taken` splits (memory: the best plans' splits give its stages too many layers): the split with the
+    fewest stages on which it does, the one whose slowest stage is fastest per sample among the search's
+    splits of that stage count (`partitions`), at the microbatch size that gives it. Pipeline types of
+    that GPU, and of others beside it, exist only on such a split."""
+    pb, costs = search.problem, search.costs
+    out: list[tuple[Bounds, int]] = []
+    for slot in pb.slots:
+        alone = replace(pb, slots=(slot,))
+        if not slot.capacity or any(stage_table(alone, costs, m, b) is not None for b in taken for m in pb.mbs_values):
+            continue
+        for p in range(1, min(pb.max_stages, pb.num_layers) + 1):
+            best: tuple[float, Bounds, int] | None = None
+            for mbs in pb.mbs_values:
+                for bounds, _even in partitions(alone, costs, p, mbs):
+                    table = stage_table(alone, costs, mbs, bounds)
+                    if table is None:
+                        continue
+                    slowest = max(min(t for _, t in stage[0]) for stage in table) / mbs
+                    if best is None or (slowest, bounds, mbs) < best:
+                        best = (slowest, bounds, mbs)
+            if best is not None:
+                if all(best[1] != b for b in taken) and all(best[1] != b for b, _ in out):
+                    out.append((best[1], best[2]))
+                break
     return out
 
 
