@@ -94,7 +94,10 @@ def test_a_lost_replica_resumes_from_the_survivors_memory(tmp_path):
     # the steps after the loss continue from where the survivors were, not from 0 (no checkpoint existed)
     logs = "".join(f.read_text() for f in (tmp_path / "run").glob("worker-*.log"))
     written = re.search(r"checkpoint step (\d+) written from the survivors' memory", logs)
-    assert written, "the survivors did not write their step: the next plan started over"
+    about = re.compile(r"lost|failed|generation|resum|kept|checkpoint|at step|error|timed out")
+    why = [ln for ln in logs.splitlines() if about.search(ln)]
+    assert written, ("the survivors did not write their step: the next plan started over; events "
+                     f"{[e['event'] for e in events]}; worker log lines:\n" + "\n".join(why[-30:]))
     assert int(written.group(1)) >= reached, (written.group(0), reached)
     assert set(steps) == set(range(1, 15))
     repeated = sorted({x for x in steps if steps.count(x) > 1})
