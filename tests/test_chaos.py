@@ -363,16 +363,25 @@ def _training(work: Path) -> bool:
     return any(m.stat().st_size > 0 for m in work.glob("runs/*/**/metrics/**/*.jsonl"))
 
 
+def _agents_started(work: Path) -> list[dict]:
+    """The records of the run's VMs whose agent has started its workers, read live from the agent's own
+    log in the VM's folder. The run's state is no live signal: step records reach it every 10 s
+    (steps.METRICS_FLUSH_S) and worker logs when an agent ends, so on a quiet machine a short run has
+    finished before either shows."""
+    recs = [json.loads(f.read_text()) for f in work.glob("runs/*/local/vms/*.json")]
+    return [r for r in recs if r.get("pid") and r.get("slot") and any(
+        '"event": "started"' in log.read_text(errors="replace") for log in Path(r["slot"]).glob("agent-v*.log"))]
+
+
 def test_sigkill_of_an_agent(tmp_path, demo_store):
     """The agent of one VM (`sailor worker`, the process the local provider started) dies with SIGKILL:
     the flow sees the VM's worker lost, re-plans, and the demo completes every step, leaving nothing."""
     work = tmp_path / "wd"
-    p = _demo(tmp_path, work, "--steps", "60")
+    p = _demo(tmp_path, work, "--steps", "200")  # ~10 s of training: the kill lands while it trains
     try:
-        wait_for(lambda: _training(work) or p.poll() is not None, 300, "the demo to train")
+        wait_for(lambda: _agents_started(work) or p.poll() is not None, 300, "an agent to start its workers")
         assert p.poll() is None, finish(p)
-        recs = [json.loads(f.read_text()) for f in work.glob("runs/*/local/vms/*.json")]
-        agent = next(r for r in recs if r.get("pid"))
+        agent = _agents_started(work)[0]
         os.kill(int(agent["pid"]), signal.SIGKILL)
         kids = descendants(p.pid)
         rc, out, err = finish(p, 400)
@@ -381,10 +390,10 @@ def test_sigkill_of_an_agent(tmp_path, demo_store):
             p.kill()
     assert rc == 0, (rc, out[-1500:], err[-1500:])
     run = json.loads(out[out.index("{\n"):])
-    assert run["status"] == "completed" and run["steps_done"] == 60 and run["processes_left"] == []
+    assert run["status"] == "completed" and run["steps_done"] == 200 and run["processes_left"] == []
     assert any(e["kind"] == "lost" for e in run["events"]), [e["kind"] for e in run["events"]]
     wait_for(lambda: not _alive(kids), 30, "every process of the demo to end")
-    report("SIGKILL of an agent", f"VM {agent['vm_id']} lost; the run re-planned and completed 60/60 steps; "
+    report("SIGKILL of an agent", f"VM {agent['vm_id']} lost; the run re-planned and completed 200/200 steps; "
                                   f"no process left")
 
 
