@@ -257,16 +257,16 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
 def own_splits(search: Search, taken: Sequence[Bounds]) -> list[tuple[Bounds, int]]:
     """(split, microbatch size) for each GPU slot that fits a whole pipeline of its own on none of the
     `taken` splits (memory: the best plans' splits give its stages too many layers): the split with the
-    fewest stages on which it does, the one whose slowest stage is fastest per sample among the search's
-    splits of that stage count (`partitions`), at the microbatch size that gives it. Pipeline types of
-    that GPU, and of others beside it, exist only on such a split."""
+    fewest stages (within the request's stage range) on which it does, the one whose slowest stage is
+    fastest per sample among the search's splits of that stage count (`partitions`), at the microbatch
+    size that gives it. Pipeline types of that GPU, and of others beside it, exist only on such a split."""
     pb, costs = search.problem, search.costs
     out: list[tuple[Bounds, int]] = []
     for slot in pb.slots:
         alone = replace(pb, slots=(slot,))
         if not slot.capacity or any(stage_table(alone, costs, m, b) is not None for b in taken for m in pb.mbs_values):
             continue
-        for p in range(1, min(pb.max_stages, pb.num_layers) + 1):
+        for p in range(max(1, pb.min_stages), min(pb.max_stages, pb.num_layers) + 1):  # the request's stage range
             best: tuple[float, Bounds, int] | None = None
             for mbs in pb.mbs_values:
                 for bounds, _even in partitions(alone, costs, p, mbs):
