@@ -163,8 +163,11 @@ def test_any_shape_per_pipeline_microbatch_space_within_one_percent_of_brute_for
 # seed 1 at 5/3.5/2.6 GiB came out 16 % slower than brute force while the kinds were looked for only
 # on the best plans' layer split, which the middle GPU cannot hold a pipeline of (own_splits), and
 # 10 % slower while pipelines were balanced by their time from 1 to 2 microbatches (linear_time);
+# seed 10 there came out 6 % slower while splits came only from the best plans (its optimum pairs
+# each of 3 fast GPUs with a weak one that holds the head alone: mixed_kind_splits);
 # at 3.5/2.8/2.0 GiB the optimum recomputes activations.
-GROUP_TIGHT = [(1, (5.0, 3.5, 2.6)), (0, (3.5, 2.8, 2.0)), (15, (3.5, 2.8, 2.0)), (0, (4.0, 3.0, 2.2))]
+GROUP_TIGHT = [(1, (5.0, 3.5, 2.6)), (10, (5.0, 3.5, 2.6)), (0, (3.5, 2.8, 2.0)), (15, (3.5, 2.8, 2.0)),
+               (0, (4.0, 3.0, 2.2))]
 
 
 @pytest.mark.parametrize("seed,memory", GROUP_TIGHT)

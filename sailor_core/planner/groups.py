@@ -2,7 +2,9 @@
 
 Contract: `group_plans(search, top, ...)` returns `ParallelPlan`s for the caller to verify with the
 full simulator. Pure and deterministic. For the layer splits of the best single-shape plans (the
-first `splits` distinct ones) it
+first `splits` distinct ones), a GPU type's own split where it holds a pipeline on none of them
+(`own_splits`) and the best plans' pipelines re-split with one stage on another GPU kind
+(`mixed_kind_splits`) it
 1. collects pipeline *types*: a microbatch size and one (slot, TP) per stage, from the bottleneck
    sweep and DP run on the whole pool, on each slot alone and (three slots or more) on the pool
    without each slot (so types on slow or small GPUs exist even when the fastest types would take
@@ -29,12 +31,12 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
-from sailor_core.planner.costs import Slot
+from sailor_core.planner.costs import Costs, Slot
 from sailor_core.planner.estimate import linear_time
 from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.search import Search
-from sailor_core.planner.shapes import Bounds, partitions, stage_table
+from sailor_core.planner.shapes import Bounds, partitions, rebalanced, stage_table
 from sailor_core.planner.space import Candidate, Problem, Sketch
 
 
@@ -236,7 +238,9 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
             break
         if all(b != cand.sketch.bounds for b, _ in taken):
             taken.append((cand.sketch.bounds, cand.sketch.mbs))
-    for bounds, mbs in taken + own_splits(search, [b for b, _ in taken]):
+    extra = own_splits(search, [b for b, _ in taken])
+    extra += mixed_kind_splits(search, top, [b for b, _ in taken + extra], limit=splits)
+    for bounds, mbs in taken + extra:
         mbs_values = pb.mbs_values if own_microbatch else (mbs,)
         types = _types(search, bounds, mbs_values, keep=2)[:types_kept]
         scored: list[tuple[float, tuple[int, ...], list[int]]] = []
@@ -281,6 +285,83 @@ def own_splits(search: Search, taken: Sequence[Bounds]) -> list[tuple[Bounds, in
                     out.append((best[1], best[2]))
                 break
     return out
+
+
+def mixed_kind_splits(search: Search, top: Sequence[Candidate], taken: Sequence[Bounds], *, limit: int
+                      ) -> list[tuple[Bounds, int]]:
+    """(split, microbatch size) for pipelines whose stages run on different GPU kinds: the pipelines of
+    the best plans (`top`, the first `limit` distinct ones), each with one stage moved to a GPU kind
+    the best plan leaves idle (its smallest TP that gives a split), the layers re-split for the kinds
+    it then has (`shapes.rebalanced`: the least bottleneck stage time within each GPU's memory); the
+    `limit` of them not in `taken` whose pipeline is fastest per sample.
+
+    The best plans' splits suit the kinds they were searched for. A weaker GPU after a faster one
+    wants another split (the fast stage keeps most layers, the weak one what it holds and can keep
+    pace with), and the plan that pairs every fast GPU with an otherwise idle weak one exists only on
+    that split: the single-shape search ranks such a pipeline low, as few of its pairs fit the pool."""
+    pb, costs = search.problem, search.costs
+    if not top:
+        return []
+    idle = [s.capacity for s in pb.slots]  # what the best plan leaves: the GPUs such a pipeline would add
+    for si, tp in top[0].sketch.kinds:
+        idle[si] -= tp * top[0].sketch.dp
+    bases: list[Sketch] = []
+    for cand in top:
+        if len(bases) == limit:
+            break
+        if all((b.bounds, b.kinds) != (cand.sketch.bounds, cand.sketch.kinds) for b in bases):
+            bases.append(cand.sketch)
+    split_found: dict[tuple[tuple[int, int], ...], bool] = {sk.kinds: True for sk in bases}
+    scored: list[tuple[float, Bounds, int]] = []
+    for sk in bases:
+        p = sk.num_stages
+        for s in range(p):
+            for g, slot in enumerate(pb.slots):
+                if g == sk.kinds[s][0] or idle[g] <= 0:
+                    continue
+                for tp in pb.tp_values:
+                    if tp > min(slot.gpus_per_node, idle[g]):
+                        continue
+                    kinds = sk.kinds[:s] + ((g, tp),) + sk.kinds[s + 1:]
+                    use = [0] * len(pb.slots)
+                    for si, t in kinds:
+                        use[si] += t
+                    if any(u > sl.capacity for u, sl in zip(use, pb.slots, strict=True)):
+                        break
+                    if kinds not in split_found:
+                        best = _best_split(pb, costs, replace(sk, kinds=kinds, dp=1))
+                        split_found[kinds] = best is not None
+                        if best is not None:
+                            scored.append(best)
+                    if split_found[kinds]:
+                        break  # a larger TP only where this one holds no split
+    out: list[tuple[Bounds, int]] = []
+    for _, bounds, mbs in sorted(scored):
+        if len(out) == limit:
+            break
+        if bounds not in taken and all(bounds != b for b, _ in out):
+            out.append((bounds, mbs))
+    return out
+
+
+def _best_split(pb: Problem, costs: Costs, sk: Sketch) -> tuple[float, Bounds, int] | None:
+    """(seconds per sample of the slowest stage, split, microbatch size) of the sketch's kinds re-split
+    (`rebalanced`) at the microbatch size where that is least; None where no size gives a split."""
+    p = sk.num_stages
+    best: tuple[float, Bounds, int] | None = None
+    for mbs in pb.mbs_values:
+        if not all(costs.profiled(pb.slots[si].gpu_type, mbs, tp) for si, tp in sk.kinds):
+            continue
+        bounds = rebalanced(pb, costs, replace(sk, mbs=mbs))
+        if bounds is None:
+            continue
+        slowest = max(
+            costs.stage_compute(pb.slots[si].gpu_type, mbs, tp, a, z, in_flight=p - i, first_stage=i == 0,
+                                last_stage=i == p - 1).total_s
+            for i, ((a, z), (si, tp)) in enumerate(zip(bounds, sk.kinds, strict=True)))
+        if best is None or (slowest / mbs, bounds, mbs) < best:
+            best = (slowest / mbs, bounds, mbs)
+    return best
 
 
 def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, *, model: str,
