@@ -3,7 +3,7 @@
 Contract: `group_plans(search, top, ...)` returns `ParallelPlan`s for the caller to verify with the
 full simulator. Pure and deterministic. For the layer splits of the best single-shape plans (the
 first `splits` distinct ones), a GPU type's own split where it holds a pipeline on none of them
-(`own_splits`) and the best plans' pipelines re-split with one stage on another GPU kind
+(`own_splits`) and one of the best plans' pipelines re-split with one stage on an idle GPU kind
 (`mixed_kind_splits`) it
 1. collects pipeline *types*: a microbatch size and one (slot, TP) per stage, from the bottleneck
    sweep and DP run on the whole pool, on each slot alone and (three slots or more) on the pool
@@ -239,7 +239,7 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
         if all(b != cand.sketch.bounds for b, _ in taken):
             taken.append((cand.sketch.bounds, cand.sketch.mbs))
     extra = own_splits(search, [b for b, _ in taken])
-    extra += mixed_kind_splits(search, top, [b for b, _ in taken + extra], limit=splits)
+    extra += mixed_kind_splits(search, top, [b for b, _ in taken + extra], bases=splits)
     for bounds, mbs in taken + extra:
         mbs_values = pb.mbs_values if own_microbatch else (mbs,)
         types = _types(search, bounds, mbs_values, keep=2)[:types_kept]
@@ -287,10 +287,10 @@ def own_splits(search: Search, taken: Sequence[Bounds]) -> list[tuple[Bounds, in
     return out
 
 
-def mixed_kind_splits(search: Search, top: Sequence[Candidate], taken: Sequence[Bounds], *, limit: int
-                      ) -> list[tuple[Bounds, int]]:
+def mixed_kind_splits(search: Search, top: Sequence[Candidate], taken: Sequence[Bounds], *, bases: int,
+                      limit: int = 1) -> list[tuple[Bounds, int]]:
     """(split, microbatch size) for pipelines whose stages run on different GPU kinds: the pipelines of
-    the best plans (`top`, the first `limit` distinct ones), each with one stage moved to a GPU kind
+    the best plans (`top`, the first `bases` distinct ones), each with one stage moved to a GPU kind
     the best plan leaves idle (its smallest TP that gives a split), the layers re-split for the kinds
     it then has (`shapes.rebalanced`: the least bottleneck stage time within each GPU's memory); the
     `limit` of them not in `taken` whose pipeline is fastest per sample.
@@ -305,15 +305,15 @@ def mixed_kind_splits(search: Search, top: Sequence[Candidate], taken: Sequence[
     idle = [s.capacity for s in pb.slots]  # what the best plan leaves: the GPUs such a pipeline would add
     for si, tp in top[0].sketch.kinds:
         idle[si] -= tp * top[0].sketch.dp
-    bases: list[Sketch] = []
+    pipelines: list[Sketch] = []
     for cand in top:
-        if len(bases) == limit:
+        if len(pipelines) == bases:
             break
-        if all((b.bounds, b.kinds) != (cand.sketch.bounds, cand.sketch.kinds) for b in bases):
-            bases.append(cand.sketch)
-    split_found: dict[tuple[tuple[int, int], ...], bool] = {sk.kinds: True for sk in bases}
+        if all((b.bounds, b.kinds) != (cand.sketch.bounds, cand.sketch.kinds) for b in pipelines):
+            pipelines.append(cand.sketch)
+    split_found: dict[tuple[tuple[int, int], ...], bool] = {sk.kinds: True for sk in pipelines}
     scored: list[tuple[float, Bounds, int]] = []
-    for sk in bases:
+    for sk in pipelines:
         p = sk.num_stages
         for s in range(p):
             for g, slot in enumerate(pb.slots):
@@ -347,7 +347,6 @@ def mixed_kind_splits(search: Search, top: Sequence[Candidate], taken: Sequence[
 def _best_split(pb: Problem, costs: Costs, sk: Sketch) -> tuple[float, Bounds, int] | None:
     """(seconds per sample of the slowest stage, split, microbatch size) of the sketch's kinds re-split
     (`rebalanced`) at the microbatch size where that is least; None where no size gives a split."""
-    p = sk.num_stages
     best: tuple[float, Bounds, int] | None = None
     for mbs in pb.mbs_values:
         if not all(costs.profiled(pb.slots[si].gpu_type, mbs, tp) for si, tp in sk.kinds):
@@ -355,13 +354,19 @@ def _best_split(pb: Problem, costs: Costs, sk: Sketch) -> tuple[float, Bounds, i
         bounds = rebalanced(pb, costs, replace(sk, mbs=mbs))
         if bounds is None:
             continue
-        slowest = max(
-            costs.stage_compute(pb.slots[si].gpu_type, mbs, tp, a, z, in_flight=p - i, first_stage=i == 0,
-                                last_stage=i == p - 1).total_s
-            for i, ((a, z), (si, tp)) in enumerate(zip(bounds, sk.kinds, strict=True)))
+        slowest = _slowest_stage_s(pb, costs, sk.kinds, bounds, mbs)
         if best is None or (slowest / mbs, bounds, mbs) < best:
             best = (slowest / mbs, bounds, mbs)
     return best
+
+
+def _slowest_stage_s(pb: Problem, costs: Costs, kinds: Sequence[tuple[int, int]], bounds: Bounds, mbs: int
+                     ) -> float:
+    """Seconds per microbatch of the pipeline's slowest stage (compute, with recomputation where it must)."""
+    p = len(bounds)
+    return max(costs.stage_compute(pb.slots[si].gpu_type, mbs, tp, a, z, in_flight=p - i, first_stage=i == 0,
+                                   last_stage=i == p - 1).total_s
+               for i, ((a, z), (si, tp)) in enumerate(zip(bounds, kinds, strict=True)))
 
 
 def _materialize(types: Sequence[PipeType], counts: Sequence[int], pb: Problem, *, model: str,
