@@ -119,21 +119,32 @@ def _variants(search: Search, sk: Sketch) -> list[PipeType]:
                 if not c.fits(slot.gpu_type, tp, first, last, mbs=sk.mbs, in_flight=p - s, first_stage=s == 0,
                               last_stage=s == p - 1):
                     continue
-                kinds = sk.kinds[:s] + ((g, tp),) + sk.kinds[s + 1:]
-                use = [0] * len(pb.slots)
-                for si, t in kinds:
-                    use[si] += t
-                if any(u > s_.capacity for u, s_ in zip(use, pb.slots, strict=True)):
+                moved = _stage_moved(pb, sk.kinds, s, (g, tp))
+                if moved is None:
                     continue
+                kinds, use = moved
                 v = replace(sk, kinds=kinds, dp=1)
                 lay = place(pb.slots, v)
                 if lay is None:
                     continue
                 fill, cycle = linear_time(c, pb.slots, v, lay)
                 if cycle > 0 and math.isfinite(cycle):
-                    out.append(PipeType(sketch=v, use=tuple(use), fill_s=fill, cycle_s=cycle))
+                    out.append(PipeType(sketch=v, use=use, fill_s=fill, cycle_s=cycle))
                 break  # the smallest TP that fits
     return out
+
+
+def _stage_moved(pb: Problem, kinds: tuple[tuple[int, int], ...], s: int, kind: tuple[int, int]
+                 ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
+    """(kinds, GPUs used per slot) of a pipeline with stage s on `kind` (slot, TP); None when one
+    such pipeline needs more GPUs of a slot than the pool has."""
+    moved = kinds[:s] + (kind,) + kinds[s + 1:]
+    use = [0] * len(pb.slots)
+    for si, tp in moved:
+        use[si] += tp
+    if any(u > slot.capacity for u, slot in zip(use, pb.slots, strict=True)):
+        return None
+    return moved, tuple(use)
 
 
 def _balanced_time(gbs: int, types: Sequence[PipeType], counts: Sequence[int]) -> float:
@@ -322,12 +333,10 @@ def mixed_kind_splits(search: Search, top: Sequence[Candidate], taken: Sequence[
                 for tp in pb.tp_values:
                     if tp > min(slot.gpus_per_node, idle[g]):
                         continue
-                    kinds = sk.kinds[:s] + ((g, tp),) + sk.kinds[s + 1:]
-                    use = [0] * len(pb.slots)
-                    for si, t in kinds:
-                        use[si] += t
-                    if any(u > sl.capacity for u, sl in zip(use, pb.slots, strict=True)):
-                        break
+                    moved = _stage_moved(pb, sk.kinds, s, (g, tp))
+                    if moved is None:
+                        break  # a larger TP needs more GPUs still
+                    kinds = moved[0]
                     if kinds not in split_found:
                         best = _best_split(pb, costs, replace(sk, kinds=kinds, dp=1))
                         split_found[kinds] = best is not None
