@@ -110,7 +110,7 @@ def train(
     from sailor_core.plan_format import load_plan_file
     from sailor_core.runtime.engine import TrainSettings
     from sailor_core.runtime.launcher import check_settings
-    from sailor_core.runtime.schedule import check_schedule
+    from sailor_core.runtime.lr_schedule import check_schedule
     from sailor_core.runtime.token_shards import check_dataset
 
     check_schedule(lr_schedule, warmup_steps, min_lr_ratio)
@@ -212,7 +212,7 @@ def _follow(settings: Any, run_dir: str, tensorboard: Path | None) -> tuple[Any,
     if os.path.exists(settings.metrics_out):  # resumed: the steps before are in the events of the earlier run
         follower.tail.offset = os.path.getsize(settings.metrics_out)
     follower.start()
-    return replace(settings, extra={**settings.extra, "rank_metrics_dir": ranks}), follower
+    return replace(settings, rank_metrics_dir=ranks), follower
 
 
 def _run(plan: Any, cfg: Any, settings: Any, run_dir: str, metrics_out: Path | None, run_local: Any,

@@ -4,7 +4,7 @@ What counts as a citation:
 - a markdown link to a local file (`[text](planner.md)`, `[text](docs/x.md#a-section)`): the file
   exists, relative to the page, and the anchor is one of its headings;
 - a code path in backticks or plain text: `sailor_core/plan_format.py`, `tests/test_x.py`,
-  `sailor_core/runtime/` (from the repository root), `runtime/schedule.py` or `groups.py` (a path
+  `sailor_core/runtime/` (from the repository root), `runtime/lr_schedule.py` or `groups.py` (a path
   that ends a file of the repository), `tasks/control.Controller` or `plan_format.py:plan_from_dict`
   (the file exists and defines the name), `sailor_core.planner.search` (a module, or a module's name);
 - in the code (docstrings, comments, error messages): `docs/x.md`, `docs/x.md#anchor` and
@@ -269,7 +269,7 @@ def test_the_glossary_names_what_the_code_defines() -> None:
 def test_the_checks_catch_broken_citations(tmp_path: Path) -> None:
     assert check_code_path("sailor_core/plan_format.py") is None
     assert check_code_path("sailor_core/no_such.py") == "sailor_core/no_such.py does not exist"
-    assert check_code_path("runtime/schedule.py") is None and check_code_path("groups.py") is None
+    assert check_code_path("runtime/lr_schedule.py") is None and check_code_path("groups.py") is None
     assert check_code_path("nope_module.py") == "nope_module.py does not exist"
     assert check_code_path("sailor_core/plan_format.py:plan_from_dict") is None
     assert "does not define" in (check_code_path("sailor_core/plan_format.py:validate") or "")

@@ -10,7 +10,7 @@ Contract (the storage layer, the on-disk layout and what "valid" means: runtime/
   hands them to a background writer; `blocking`: written and agreed by every rank on return;
   `prune=False`: no retention pass on the way (a just-in-time checkpoint).
 - A background write is durable before the step after it commits: the trainer calls
-  `wait_for_writes` before its optimizer update while `write_unconfirmed`, so a write that fails
+  `before_commit(step)` before its optimizer update, which waits while a write is unconfirmed, so a write that fails
   for good (a full disk, a store down past its retries) ends the job with at most one interval of
   steps lost. Every rank pauses together, meeting in one small MAX all-reduce per poll (at most one
   a second), which also carries the slowest rank's last checkpoint times, the stall (snapshot) and
@@ -31,64 +31,31 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sailor_core.errors import SailorError
-from sailor_core.models.config import TransformerConfig
-from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext, shard
-from sailor_core.models.torch_model import StageModel
+from sailor_core.models.tensor_parallel import SHARD_ATTR, shard
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime import memory_checkpoint
 from sailor_core.runtime.comm import Waiter
-from sailor_core.runtime.data_parallel import Zero1
+from sailor_core.runtime.train_state import Progress, TrainState
 
 LayerState = dict[str, Any]
 Snapshot = Callable[[], "tuple[dict[int, LayerState], dict[str, Any] | None] | None"]
 
 
-@dataclass(frozen=True)
-class Progress:
-    """Where training stands: steps done, samples consumed, optimizer steps taken."""
-
-    step: int
-    samples_seen: int
-    opt_steps: int
-
-
-class Holder(Protocol):
-    """What checkpoint I/O reads of a trainer: its shard, its optimizer, where it stands."""
-
-    cfg: TransformerConfig
-    model: StageModel
-    opt: torch.optim.Optimizer
-    tp: TPContext
-    owned: set[int]  # ids of the parameters this rank's optimizer steps
-    zero1: Zero1 | None
-    consistent: bool  # False only while the optimizer updates the state
-    step: int
-    samples_seen: int
-    opt_steps: int
-    checkpoints: CheckpointIO
-
-
-def _layer_key(h: Holder, li: int) -> tuple[Any, ...]:
-    """What `h` holds of layer `li`: the same key means the same tensors, shard for shard."""
-    return (h.cfg.name, li, h.tp.rank, h.tp.size)
-
-
-def kept_layers(me: Holder, previous: Holder | None) -> set[int]:
+def kept_layers(me: TrainState, previous: TrainState | None) -> set[int]:
     """The layers of `me`'s shard that `previous` holds shard for shard, in a consistent state."""
     if previous is None or me.zero1 is not None or previous.zero1 is not None or not previous.consistent:
         return set()
-    theirs = {_layer_key(previous, li) for li in previous.model.layer_ids}
-    return {li for li in me.model.layer_ids if _layer_key(me, li) in theirs}
+    theirs = {previous.layer_key(li) for li in previous.model.layer_ids}
+    return {li for li in me.model.layer_ids if me.layer_key(li) in theirs}
 
 
-def adopt(me: Holder, old: Holder | None, layers: set[int], device: torch.device) -> None:
+def adopt(me: TrainState, old: TrainState | None, layers: set[int], device: torch.device) -> None:
     """Copy `layers` (parameters and this rank's optimizer state) from `old`, which holds them shard for shard."""
     if old is None or not layers:
         return
@@ -138,6 +105,12 @@ class CheckpointIO:
             self.checkpointer.wait(retention=prune)
             self.waiter.barrier(self.device)
 
+    def before_commit(self, step: int) -> None:
+        """Before the optimizer update that ends step `step + 1`: the last checkpoint's write is durable
+        on every rank (a failed write is raised here), so a write that fails loses at most one interval."""
+        if self.write_unconfirmed:
+            self.wait_for_writes(step)
+
     def wait_for_writes(self, step: int, blocking: bool = False) -> None:
         """Until no rank's last checkpoint write is still going (`step`: where training stands); a
         write that failed is raised here. Every rank pauses together, so none takes the wait for a
@@ -184,21 +157,21 @@ class CheckpointIO:
                 self.checkpointer.close()
 
     # -- resume --------------------------------------------------------------------------------
-    def resume(self, me: Holder, previous: Holder | None, *, world: int, seed: int,
+    def resume(self, me: TrainState, previous: TrainState | None, *, world: int, seed: int,
                plan_version: int) -> tuple[str, Progress | None]:
         """How `me` resumed ('memory', 'checkpoint' or 'none') and where it stands now (None: at 0).
         Collective (see the module's contract); `seed`, `plan_version`: the run's, for a meta.json
         written from memory."""
         kept = kept_layers(me, previous)
         whole = previous is not None and kept == set(me.model.layer_ids)
-        mine = float(previous.step) if whole and previous is not None else -1.0
+        mine = float(previous.progress.step) if whole and previous is not None else -1.0
         agree = torch.tensor([mine, -mine], dtype=torch.float64, device=self.device)
         self.waiter.wait(dist.all_reduce(agree, op=dist.ReduceOp.MAX, async_op=True))
         if previous is not None and mine >= 0 and agree[0].item() == mine == -agree[1].item():
             adopt(me, previous, kept, self.device)
-            self.saved_step = previous.checkpoints.saved_step
-            self.log(f"rank {self.rank}: kept its state from memory at step {previous.step}")
-            return "memory", Progress(previous.step, previous.samples_seen, previous.opt_steps)
+            self.saved_step = previous.saved_step
+            self.log(f"rank {self.rank}: kept its state from memory at step {previous.progress.step}")
+            return "memory", previous.progress
         if self.storage is None:
             return "none", None
         step: list[Any] = [None]
@@ -206,21 +179,23 @@ class CheckpointIO:
             step = [ckpt.latest_valid_step(self.storage, me.cfg.num_layers, self.log)]
         # The survivors of a lost member may together hold a newer step than any checkpoint (a lost
         # replica's layers live on in its stage's other replicas): write it, and resume there.
-        newer = memory_checkpoint.write_from_memory(self, previous, step[0], world=world, cfg=me.cfg, seed=seed,
-                                                    plan_version=plan_version)
+        newer = memory_checkpoint.write_from_memory(
+            memory_checkpoint.Writer(storage=self.storage, rank=self.rank, device=self.device, waiter=self.waiter,
+                                     log=self.log),
+            previous, step[0], world=world, cfg=me.cfg, seed=seed, plan_version=plan_version)
         if self.rank == 0 and newer is not None:
             step = [newer]
         dist.broadcast_object_list(step, src=0, device=self.device)
         if step[0] is None:
             return "none", None
-        if previous is None or previous.step != step[0]:
+        if previous is None or previous.progress.step != step[0]:
             kept = set()
         adopt(me, previous, kept, self.device)
         loaded, at = self.load_step(me, int(step[0]), ckpt.read_meta(self.storage, int(step[0])), skip=kept)
         self.log(f"rank {self.rank}: at step {at.step}: {len(kept)} layer(s) kept from memory, {loaded} loaded")
         return ("checkpoint" if loaded else "memory"), at
 
-    def load_step(self, me: Holder, step: int, meta: dict[str, Any],
+    def load_step(self, me: TrainState, step: int, meta: dict[str, Any],
                   skip: Collection[int] = ()) -> tuple[int, Progress]:
         """Load the layers of checkpoint `step` that `me` holds, except `skip` (kept from memory), into
         `me`; (how many layers it read, where the checkpoint stands)."""

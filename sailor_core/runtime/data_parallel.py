@@ -13,7 +13,7 @@ Contract:
   CPU/gloo ~0.2-1.5 ms of latency and wake-ups). Buckets are launched in bucket order only, so every
   rank of the group issues its collectives in one order whatever order autograd finishes in.
   `sync()` waits for them and all-reduces what they did not cover; hetero replicas each place their
-  shards into one full-layout buffer (runtime/tensor_parallel.py) and all-reduce it over the whole
+  shards into one full-layout buffer (runtime/tp_groups.py) and all-reduce it over the whole
   stage, then take their slice back. `close()` removes its gradient hooks.
 - ZeRO-1 (`Zero1`, replicas of a stage with one TP degree): each replica keeps AdamW state for the
   parameters it owns (`zero1_owners`: balanced by size, in parameter order), steps only those after
@@ -36,8 +36,8 @@ from torch import nn
 
 from sailor_core.domain import ParallelPlan
 from sailor_core.models.tensor_parallel import SHARD_ATTR, TPContext
-from sailor_core.runtime.tensor_parallel import FullLayout
 from sailor_core.runtime.topology import RankInfo, ranks_of
+from sailor_core.runtime.tp_groups import FullLayout
 
 # Gradient bucket size for the data-parallel all-reduce: torch DDP's default `bucket_cap_mb`.
 BUCKET_CAP_BYTES = 25 * 1024 * 1024

@@ -5,23 +5,27 @@ Contract:
   groups, its stage (layers [first, last] of its stage, sharded for its replica's TP degree, from the
   deterministic (seed, layer) init), its AdamW, its point-to-point peers and its checkpoint I/O,
   composed from one module per technique in the order `Trainer.__init__` states:
-  tensor_parallel.py (TP groups), data_parallel.py (gradient sync, overlap, ZeRO-1),
+  tp_groups.py (TP groups), data_parallel.py (gradient sync, overlap, ZeRO-1),
   tied_weights.py (a tied embedding and head on two stages), pipeline_schedule.py (peers and the
   1F1B / GPipe order), stage_compute.py (a microbatch's forward and backward, the samples it reads),
-  checkpoint_io.py (snapshot, write, resume), notices.py (preemption notices, stops).
+  checkpoint_io.py (snapshot, write, resume; it sees the trainer only as a `TrainState`),
+  notices.py (preemption notices, stops), lr_schedule.py (the learning rate).
 - `Trainer.resume(previous)` resumes from this process's previous trainer and/or the newest valid
   checkpoint (checkpoint_io.py); `Trainer.train(until_step)` runs steps. The gradient is the exact
   mean over the global batch for any pipelines' microbatch sizes and counts, and gradient clipping
   uses the global norm of full-layout gradients: results match a single-process run of the model.
 - A CUDA rank makes its own GPU current (`select_device`, from the local rank) before any
   communication; collectives that allocate on a device (barrier, object broadcast) are given it.
-- Every step ends with one world all-reduce of [loss, grad norm^2, checkpoint flag, stop flag], so a
-  preemption notice (SIGUSR1 or `settings.preempt_file` appearing) on any rank makes every rank take
-  a just-in-time checkpoint at that step, and SIGTERM (or a stop file, or the worker's plan change)
-  checkpoints and stops. Every rank does the same collectives in the same order. A checkpoint's
-  background write is durable before the next step's optimizer update commits.
+- `Trainer.train_step()` returns a `StepResult`: the step's metrics record, whether every rank
+  checkpoints now and whether every rank stops. Every step ends with one world all-reduce of [loss,
+  grad norm^2, checkpoint flag, stop flag], so a preemption notice (SIGUSR1 or
+  `settings.preempt_file` appearing) on any rank makes every rank take a just-in-time checkpoint at
+  that step, and SIGTERM (or a stop file, or the worker's plan change) checkpoints and stops. Every
+  rank does the same collectives in the same order. A checkpoint's background write is durable
+  before the next step's optimizer update commits (`CheckpointIO.before_commit`).
 - Rank 0 reports one metrics record per step through `on_metrics` (and `settings.metrics_out`),
-  with `checkpoint_stall_s` and `checkpoint_write_s` in the record after a checkpoint's write ended.
+  with `checkpoint_stall_s` and `checkpoint_write_s` in the record after a checkpoint's write ended;
+  with `settings.rank_metrics_dir` every rank also appends its own records there.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,13 +52,14 @@ from sailor_core.runtime.checkpoint_io import CheckpointIO
 from sailor_core.runtime.comm import Waiter
 from sailor_core.runtime.data import TokenBatches, TokenDataset, load_tokens
 from sailor_core.runtime.data_parallel import GradSync, dp_group, grad_of, grad_sq_norm, zero1_for
+from sailor_core.runtime.lr_schedule import learning_rate
 from sailor_core.runtime.notices import NoticePoll, Notices
 from sailor_core.runtime.pipeline_schedule import P2P, run_schedule, stage_peers
-from sailor_core.runtime.schedule import learning_rate
 from sailor_core.runtime.stage_compute import StageCompute
-from sailor_core.runtime.tensor_parallel import tp_context
 from sailor_core.runtime.tied_weights import TiedWeights
 from sailor_core.runtime.topology import layout
+from sailor_core.runtime.tp_groups import tp_context
+from sailor_core.runtime.train_state import Progress, TrainState
 
 
 @dataclass
@@ -75,10 +80,10 @@ class TrainSettings:
     preempt_file: str | None = None
     stop_file: str | None = None
     plan_version: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    rank_metrics_dir: str | None = None  # every rank appends its own records here (per-stage step times)
     # a model that is not built in (read from a config.json): TransformerConfig.to_dict()
     model_config: dict[str, Any] | None = None
-    # learning-rate schedule (sailor_core.runtime.schedule): warmup, then constant, cosine or linear decay
+    # learning-rate schedule (sailor_core.runtime.lr_schedule): warmup, then constant, cosine or linear decay
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
@@ -99,6 +104,15 @@ class TrainSettings:
         d["betas"] = tuple(d.get("betas", (0.9, 0.95)))
         return TrainSettings(**d)
 
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """One step's outcome, the same on every rank: its metrics record, and what every rank does next."""
+
+    metrics: dict[str, Any]  # the step's record (rank 0 reports it; see the module's contract)
+    checkpoint_now: bool  # a preemption notice somewhere: every rank checkpoints at this step
+    stop: bool  # a stop somewhere: every rank checkpoints and stops
 
 
 def device_for(gpu_type: str, local_rank: int) -> torch.device:
@@ -221,18 +235,26 @@ class Trainer:
                     "plan_version": self.settings.plan_version, "time": time.time()}
         return states, meta
 
+    def state(self) -> TrainState:
+        """This rank's training state as checkpointing sees it (train_state.py)."""
+        return TrainState(cfg=self.cfg, model=self.model, opt=self.opt, tp=self.tp, owned=frozenset(self.owned),
+                          zero1=self.zero1, consistent=self.consistent,
+                          progress=Progress(self.step, self.samples_seen, self.opt_steps),
+                          saved_step=self.checkpoints.saved_step)
+
     def resume(self, previous: Trainer | None) -> str:
         """Resume every rank at one step, from `previous` (this process's trainer of the last
         generation) where it can, else from the newest valid checkpoint: 'memory', 'checkpoint' or
         'none' (checkpoint_io.py). Collective."""
-        how, at = self.checkpoints.resume(self, previous, world=self.world, seed=self.settings.seed,
+        how, at = self.checkpoints.resume(self.state(), previous.state() if previous is not None else None,
+                                          world=self.world, seed=self.settings.seed,
                                           plan_version=self.settings.plan_version)
         if at is not None:
             self.step, self.samples_seen, self.opt_steps = at.step, at.samples_seen, at.opt_steps
         return how
 
     # -- one training step -----------------------------------------------------------------------
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         self.model.zero_grad(set_to_none=True)  # every gradient: under ZeRO-1 the optimizer sees only its own
         self.compute.begin(self.samples_seen)
@@ -254,8 +276,7 @@ class Trainer:
             group["lr"] = self.lr_now = learning_rate(
                 self.opt_steps, base_lr=s.lr, schedule=s.lr_schedule, warmup_steps=s.warmup_steps,
                 total_steps=s.steps, min_lr_ratio=s.min_lr_ratio)
-        if self.checkpoints.write_unconfirmed:  # the last checkpoint is durable before this step commits:
-            self.checkpoints.wait_for_writes(self.step)  # a failed write loses at most one interval
+        self.checkpoints.before_commit(self.step)  # the last checkpoint is durable before this step commits
         self.consistent = False  # parameters and optimizer state move to the next step
         self.opt.step()
         if self.zero1 is not None:
@@ -267,7 +288,7 @@ class Trainer:
         t_end = time.perf_counter()
         phases = {"pipeline_s": t_pipe - t0, "grad_sync_s": t_sync - t_pipe, "agree_s": t_agree - t_sync,
                   "optimizer_s": t_end - t_agree}
-        return self._record(loss, norm, jit, stop, t_end - t0, phases)
+        return StepResult(metrics=self._record(loss, norm, t_end - t0, phases), checkpoint_now=jit, stop=stop)
 
     def _agree(self) -> tuple[float, float, bool, bool]:
         """The step's one world all-reduce: (loss, global grad norm, checkpoint now, stop) for every rank."""
@@ -286,47 +307,44 @@ class Trainer:
             self.notice_poll.answered()
         return loss, math.sqrt(max(sq, 0.0)), jit_any > 0, stop_any > 0
 
-    def _record(self, loss: float, norm: float, jit: bool, stop: bool, dt: float,
-                phases: dict[str, float]) -> dict[str, Any]:
+    def _record(self, loss: float, norm: float, dt: float, phases: dict[str, float]) -> dict[str, Any]:
         tokens = self.plan.global_batch_size * self.cfg.sequence_length
         rec = {"step": self.step, "loss": loss, "samples": self.plan.global_batch_size,
                "samples_seen": self.samples_seen, "iteration_time_s": dt, "grad_norm": norm,
                "tokens_per_s": tokens / dt, "memory_bytes": peak_memory_bytes(self.device),
                "plan_version": self.settings.plan_version, "world_size": self.world, "time": time.time(),
                "lr": self.lr_now, "model_flops_per_s": tokens * self.flops_per_token / dt, **phases}
-        rec["_jit"], rec["_stop"] = jit, stop
         rec.update(self.checkpoints.take_measured())
         return rec
 
     def _emit(self, rec: dict[str, Any]) -> None:
-        clean = {k: v for k, v in rec.items() if not k.startswith("_")}
-        rank_dir = self.settings.extra.get("rank_metrics_dir")
+        rank_dir = self.settings.rank_metrics_dir
         if rank_dir:  # per-rank time and memory, for the worker agent's reports
             with open(os.path.join(rank_dir, f"rank-{self.rank}.jsonl"), "a") as f:
-                f.write(json.dumps({**clean, "rank": self.rank, "stage": self.me.stage,
+                f.write(json.dumps({**rec, "rank": self.rank, "stage": self.me.stage,
                                     "pipeline": self.me.pipeline}) + "\n")
         if self.rank != 0:
             return
         if self.settings.metrics_out:
             with open(self.settings.metrics_out, "a") as f:
-                f.write(json.dumps(clean) + "\n")
+                f.write(json.dumps(rec) + "\n")
         if self.on_metrics:
-            self.on_metrics(clean)
+            self.on_metrics(rec)
 
     def train(self, until_step: int | None = None) -> str:
         """Train to `until_step` (default settings.steps). Returns 'done' or 'stopped'."""
         until = self.settings.steps if until_step is None else until_step
         every = self.settings.checkpoint_interval
         while self.step < until:
-            rec = self.train_step()
-            self._emit(rec)
+            result = self.train_step()
+            self._emit(result.metrics)
             # a background write that failed ends the job now, not at the next checkpoint (its peers
             # are aborted with it)
             self.checkpoints.raise_if_failed()
-            if rec["_jit"] or rec["_stop"]:
+            if result.checkpoint_now or result.stop:
                 self.log(f"rank {self.rank}: just-in-time checkpoint at step {self.step}")
                 self.save_checkpoint(blocking=True, prune=False)
-                if rec["_stop"]:
+                if result.stop:
                     return "stopped"
             elif every and self.step % every == 0:
                 self.save_checkpoint()

@@ -2,7 +2,8 @@
 
 Contract: when a generation ends because a member was lost, every surviving process keeps its
 trainer (worker_proc) at the step it completed. The next generation's resume (checkpoint_io) first
-calls `write_from_memory(io, previous, newest_valid, ...)`, a collective over the new world:
+calls `write_from_memory(writer, previous, newest_valid, ...)`, a collective over the new world
+(`writer`: where and how this rank writes; `previous`: its last trainer's `TrainState`):
 - every rank tells what its previous trainer holds, shard for shard, at which step (`Held`);
 - `newest_complete_step` finds the newest step S, newer than the newest valid checkpoint, at which
   the ranks together hold every layer whole (all TP shards of one degree): a layer of a replica that
@@ -18,17 +19,17 @@ back to the newest checkpoint, as before. ZeRO-1 keeps partial optimizer state: 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from sailor_core.models.config import TransformerConfig
 from sailor_core.runtime import checkpoint as ckpt
-
-if TYPE_CHECKING:  # checkpoint_io calls this module: its types only, no import at run time
-    from sailor_core.runtime.checkpoint_io import CheckpointIO, Holder
+from sailor_core.runtime.comm import Waiter
+from sailor_core.runtime.train_state import TrainState
 
 Shard = tuple[int, int, int]  # (layer, tp rank, tp degree)
 
@@ -46,12 +47,24 @@ class Held:
 NOTHING = Held(-1, 0, 0, ())
 
 
-def held_by(previous: Holder | None) -> Held:
+@dataclass(frozen=True, kw_only=True)
+class Writer:
+    """Where and how this rank writes: the run's checkpoint storage, its rank, device, waits and log."""
+
+    storage: ckpt.CheckpointStorage | None
+    rank: int
+    device: torch.device
+    waiter: Waiter
+    log: Callable[[str], None]
+
+
+def held_by(previous: TrainState | None) -> Held:
     """`previous` trainer's shards, or NOTHING when it has none in a consistent, whole state."""
-    if previous is None or previous.zero1 is not None or not previous.consistent or previous.step <= 0:
+    if previous is None or previous.zero1 is not None or not previous.consistent or previous.progress.step <= 0:
         return NOTHING
     shards = tuple((li, previous.tp.rank, previous.tp.size) for li in previous.model.layer_ids)
-    return Held(previous.step, previous.samples_seen, previous.opt_steps, shards)
+    at = previous.progress
+    return Held(at.step, at.samples_seen, at.opt_steps, shards)
 
 
 def _whole(shards: set[Shard], layer: int) -> bool:
@@ -86,9 +99,9 @@ def writers(helds: Sequence[Held], step: int) -> dict[int, list[Shard]]:
     return out
 
 
-def write_from_memory(io: CheckpointIO, previous: Holder | None, newest_valid: int | None, *, world: int,
+def write_from_memory(io: Writer, previous: TrainState | None, newest_valid: int | None, *, world: int,
                       cfg: TransformerConfig, seed: int, plan_version: int) -> int | None:
-    """Collective over the `world` ranks: write checkpoint S through `io` from the ranks' previous
+    """Collective over the `world` ranks: write checkpoint S with `io` from the ranks' previous
     trainers when they hold every layer at a step S newer than `newest_valid` (rank 0's answer
     counts); returns S, or None when nothing was written. `seed`, `plan_version`: the run's, for meta.json."""
     mine = held_by(previous)
