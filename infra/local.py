@@ -416,7 +416,7 @@ class LocalProvider:
 
     def device_types(self) -> list[GpuType]:
         """The scenario's device types as GPU types (memory per device, the largest VM offered), for the
-        store (`ProfileStore.write_gpu_types`) and the planner."""
+        store (`store.write(GPU_TYPES, ...)`) and the planner."""
         out = []
         for d in self.scenario.device_types:
             sizes = [o.gpus_per_vm for o in self.scenario.offerings if o.gpu_type == d.name]
