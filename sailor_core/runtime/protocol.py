@@ -54,6 +54,9 @@ SECRET_HEADER = "X-Sailor-Secret"
 EXIT = -1
 IDLE = -2
 HEARTBEAT_S = 2.0
+LISTEN_BACKLOG = 1024  # pending connections the control server queues (a generation's start is a burst)
+RETRY_S = 20.0  # how long a client retries an unreachable controller before it gives up (the flow's
+# default heartbeat timeout: a worker that cannot reach the controller for longer counts as lost anyway)
 
 
 def new_secret() -> str:
@@ -231,6 +234,10 @@ def _handler(board: _Board, secret: str) -> type[BaseHTTPRequestHandler]:
 
 
 class _QuietServer(ThreadingHTTPServer):
+    # Hundreds of workers connect at once when a generation starts: with the stdlib's backlog of 5 a
+    # burst of 64 ranks had its connections reset. The kernel caps this at net.core.somaxconn.
+    request_queue_size = LISTEN_BACKLOG
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a worker killed mid-request (preempted, stopped) is routine, not an error to print
 
@@ -274,31 +281,79 @@ class ControlServer:
 
 
 class ControlClient:
-    """A worker's or agent's side. Safe to share between threads (one connection per request)."""
+    """A worker's or agent's side. Safe to share between threads: each thread keeps one connection
+    alive across its requests (HTTP/1.1 keep-alive), so a job's workers hold a few connections each
+    instead of opening one per request. A request that cannot reach the controller (refused, reset,
+    timed out) is retried with exponential backoff for up to `retry_s`, on a fresh connection, before
+    `ProtocolError` says the controller is unreachable: a restarting or overloaded controller costs a
+    delay, not a rank. A retried append may arrive twice (readers key step records by step)."""
 
-    def __init__(self, endpoint: str, secret: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoint: str, secret: str, *, timeout_s: float = 30.0, retry_s: float = RETRY_S) -> None:
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise ProtocolError(f"control endpoint {endpoint!r} is not HOST:PORT")
         self.host, self.port, self.secret, self.timeout_s = host, int(port), secret, timeout_s
+        self.retry_s = retry_s
+        self._local = threading.local()
+        self._count_lock = threading.Lock()
+        self.connection_count = 0  # connections opened so far (one per thread while the controller stays up)
 
-    def _request(
-        self, method: str, path: str, body: str | None = None, timeout_s: float | None = None
-    ) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+            self._local.conn = conn
+            with self._count_lock:
+                self.connection_count += 1
+        conn.timeout = timeout_s
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def _once(self, method: str, path: str, data: bytes | None, timeout_s: float) -> tuple[int, bytes]:
+        conn = self._connection(timeout_s)
         try:
-            data = body.encode() if body is not None else None
             conn.request(method, path, body=data, headers={SECRET_HEADER: self.secret,
                                                            "Content-Length": str(len(data or b""))})
             resp = conn.getresponse()
             payload = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            raise ProtocolError(f"controller {self.host}:{self.port} unreachable: {e}") from e
-        finally:
-            conn.close()
-        if resp.status == 403:
-            raise ProtocolError(f"controller {self.host}:{self.port} refused the request: {payload.decode()[:200]}")
+        except BaseException:
+            self._drop()
+            raise
+        if resp.will_close:
+            self._drop()
         return resp.status, payload
+
+    def _request(
+        self, method: str, path: str, body: str | None = None, timeout_s: float | None = None
+    ) -> tuple[int, bytes]:
+        data = body.encode() if body is not None else None
+        deadline = time.monotonic() + self.retry_s
+        delay, tries = 0.05, 0
+        while True:
+            tries += 1
+            reused = getattr(self._local, "conn", None) is not None
+            try:
+                status, payload = self._once(method, path, data, timeout_s or self.timeout_s)
+                break
+            except (OSError, http.client.HTTPException) as e:
+                if reused and tries == 1 and isinstance(e, ConnectionResetError | BrokenPipeError):
+                    continue  # a kept-alive connection the server had closed: once more on a fresh one, at once
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ProtocolError(f"controller {self.host}:{self.port} unreachable: {e} (retried {tries} "
+                                        f"time(s) over {self.retry_s:.0f}s)") from e
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 2.0)
+        if status == 403:
+            raise ProtocolError(f"controller {self.host}:{self.port} refused the request: {payload.decode()[:200]}")
+        return status, payload
 
     def set(self, key: str, value: str) -> None:
         self._request("PUT", "/kv/" + urllib.parse.quote(key, safe="/"), value)
