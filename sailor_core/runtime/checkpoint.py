@@ -255,12 +255,16 @@ def _to_bytes(obj: Any) -> bytes:
 
 
 def layer_state(li: int, layer: torch.nn.Module, state_of: Callable[[torch.Tensor], Any], tp_rank: int,
-                tp: int) -> dict[str, Any]:
+                tp: int, extra_of: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """What a shard file holds: layer `li`'s parameters (TP rank `tp_rank` of `tp`) and their AdamW
     moments (`state_of(p)`: a parameter's optimizer state, None or empty where it has none: zeros),
-    copied to the CPU, with each tensor's shard dimension."""
+    copied to the CPU, with each tensor's shard dimension; `extra_of(p)`: more tensors of the
+    parameter's shape by kind (semi-synchronous training's `outer_global`, `outer_momentum`)."""
     params, m1, m2, dims = {}, {}, {}, {}
+    extra: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in layer.named_parameters(remove_duplicate=False):
+        for kind, t in (extra_of(p) if extra_of is not None else {}).items():
+            extra.setdefault(kind, {})[name] = t.detach().to("cpu", copy=True)
         params[name] = p.detach().to("cpu", copy=True)
         st = state_of(p) or {}
         m1[name] = st["exp_avg"].detach().to("cpu", copy=True) if "exp_avg" in st else torch.zeros_like(params[name])
@@ -269,7 +273,7 @@ def layer_state(li: int, layer: torch.nn.Module, state_of: Callable[[torch.Tenso
         )
         dims[name] = getattr(p, SHARD_ATTR, None)
     return {"layer": li, "tp": tp, "tp_rank": tp_rank, "shard_dims": dims,
-            "params": params, "exp_avg": m1, "exp_avg_sq": m2}
+            "params": params, "exp_avg": m1, "exp_avg_sq": m2, **extra}
 
 
 def write_part(storage: CheckpointStorage, step: int, layer_states: Any, part_name: str) -> None:
@@ -577,8 +581,8 @@ def _listed_files(storage: CheckpointStorage, step: int) -> dict[str, str]:
 
 def load_layer_state(storage: CheckpointStorage, step: int, layer: int,
                      listed: dict[str, str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """Full-layout {'params': ..., 'exp_avg': ..., 'exp_avg_sq': ...} of one layer (`listed`: the
-    step's `_listed_files`, when the caller read them already)."""
+    """Full-layout {'params': ..., 'exp_avg': ..., 'exp_avg_sq': ...} of one layer, and its `outer_*`
+    kinds where it has them (`listed`: the step's `_listed_files`, when the caller read them already)."""
     d = step_dir(step)
     files = _layer_files(_listed_files(storage, step) if listed is None else listed, layer)
     if files is None:
@@ -586,7 +590,7 @@ def load_layer_state(storage: CheckpointStorage, step: int, layer: int,
     pieces = [torch.load(io.BytesIO(storage.read(f"{d}/{f}")), map_location="cpu", weights_only=True) for f in files]
     dims = pieces[0]["shard_dims"]
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for kind in ("params", "exp_avg", "exp_avg_sq"):
+    for kind in ("params", "exp_avg", "exp_avg_sq", *(k for k in pieces[0] if k.startswith("outer_"))):
         out[kind] = {}
         for name in pieces[0][kind]:
             dim = dims[name]

@@ -52,6 +52,7 @@ from sailor_core.runtime.checkpoint_io import CheckpointIO
 from sailor_core.runtime.comm import Waiter
 from sailor_core.runtime.data import TokenBatches, TokenDataset, load_tokens
 from sailor_core.runtime.data_parallel import GradSync, dp_group, grad_of, grad_sq_norm, zero1_for
+from sailor_core.runtime.islands import IslandSettings, island_sync_for, resume_outer
 from sailor_core.runtime.lr_schedule import learning_rate
 from sailor_core.runtime.notices import NoticePoll, Notices
 from sailor_core.runtime.pipeline_schedule import P2P, run_schedule, stage_peers
@@ -88,6 +89,8 @@ class TrainSettings:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     recompute: bool = False  # activation recomputation: blocks keep only their input for backward
+    # semi-synchronous training: this job is one island of the run (runtime/islands.IslandSettings.to_dict())
+    islands: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -199,6 +202,11 @@ class Trainer:
         # 7. Checkpoint I/O last: it snapshots everything above.
         self.checkpoints = CheckpointIO(settings.checkpoint_uri, rank=rank, device=self.device, waiter=self.waiter,
                                         log=self.log)
+        # 8. Islands (semi-synchronous training): a global copy of the initial parameters, the outer loop.
+        self.outer = island_sync_for(
+            IslandSettings.from_dict(settings.islands) if settings.islands else None, plan=plan, me=self.me,
+            params=params, dp_group=group, tokens_per_step=plan.global_batch_size * cfg.sequence_length,
+            timeout_s=settings.timeout_s, log=self.log, wait=self.waiter.wait)
         self.step = self.samples_seen = self.opt_steps = 0
         # False only while the optimizer updates the state: a trainer whose generation failed (a lost
         # peer raises only from a communication wait) otherwise holds exactly the state of `step`
@@ -226,13 +234,16 @@ class Trainer:
         if self.me.pipeline != 0:
             return None
         state_of = (lambda p: gathered[id(p)]) if gathered is not None else (lambda p: self.opt.state.get(p, {}))
-        states = {li: layer_state(li, layer, state_of, self.tp.rank, self.tp.size)
+        extra_of = self.outer.extra_of if self.outer is not None else None
+        states = {li: layer_state(li, layer, state_of, self.tp.rank, self.tp.size, extra_of)
                   for li, layer in zip(self.model.layer_ids, self.model.layers, strict=True)}
         meta = None
         if self.rank == 0:
             meta = {"step": self.step, "samples_seen": self.samples_seen, "opt_steps": self.opt_steps,
                     "model": self.cfg.name, "seed": self.settings.seed, "num_layers": self.cfg.num_layers,
                     "plan_version": self.settings.plan_version, "time": time.time()}
+            if self.outer is not None:
+                meta["outer"] = self.outer.state.round_meta()
         return states, meta
 
     def state(self) -> TrainState:
@@ -251,6 +262,10 @@ class Trainer:
                                           plan_version=self.settings.plan_version)
         if at is not None:
             self.step, self.samples_seen, self.opt_steps = at.step, at.samples_seen, at.opt_steps
+        if self.outer is not None:
+            resume_outer(self.outer, how=how, step=at.step if at is not None else None,
+                         storage=self.checkpoints.storage, previous=previous.outer if previous is not None else None,
+                         model=self.model, tp=self.tp)
         return how
 
     # -- one training step -----------------------------------------------------------------------
@@ -283,11 +298,12 @@ class Trainer:
             self.zero1.share_params()
         self.opt_steps += 1
         self.step += 1
+        outer_s = self.outer.after_step() if self.outer is not None else None  # at a boundary: the outer step
         self.consistent = True
         self.samples_seen += self.plan.global_batch_size
         t_end = time.perf_counter()
         phases = {"pipeline_s": t_pipe - t0, "grad_sync_s": t_sync - t_pipe, "agree_s": t_agree - t_sync,
-                  "optimizer_s": t_end - t_agree}
+                  "optimizer_s": t_end - t_agree, **({"outer_sync_s": outer_s} if outer_s is not None else {})}
         return StepResult(metrics=self._record(loss, norm, t_end - t0, phases), checkpoint_now=jit, stop=stop)
 
     def _agree(self) -> tuple[float, float, bool, bool]:
@@ -345,6 +361,8 @@ class Trainer:
                 self.log(f"rank {self.rank}: just-in-time checkpoint at step {self.step}")
                 self.save_checkpoint(blocking=True, prune=False)
                 if result.stop:
+                    if self.outer is not None:
+                        self.outer.leave()  # the other islands stop waiting for this one
                     return "stopped"
             elif every and self.step % every == 0:
                 self.save_checkpoint()
