@@ -43,6 +43,8 @@ from sailor_core.planner.shapes import packed_partition, uniform_partition
 from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
+from sailor_core.units import sig
+from sailor_core.units import usd as usd_text
 
 
 def build_slots(pool: ResourcePool, *, pool_markets: bool = True, pool_regions: bool = False) -> tuple[Slot, ...]:
@@ -712,8 +714,8 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
         Objective.MAX_GOODPUT: "the most useful iterations per dollar with spot preemptions expected",
     }[request.objective]
     lines = [
-        f"Chosen for {goal}: {r.throughput_iterations_per_s:.4f} it/s, {r.usd_per_iteration:.4f} USD/iteration, "
-        f"{r.usd_per_hour:.2f} USD/hour on {pl.num_gpus} GPUs.",
+        f"Chosen for {goal}: {sig(r.throughput_iterations_per_s)} it/s, {usd_text(r.usd_per_iteration)} USD/iteration, "
+        f"{usd_text(r.usd_per_hour)} USD/hour on {pl.num_gpus} GPUs.",
         _explain_gpus(pl, slots),
         *_explain_shape(pl),
     ]
@@ -732,9 +734,9 @@ def explain(request: PlanRequest, pl: ParallelPlan, r: SimulationResult, slots: 
         fastest = frontier[0]
         cheapest = frontier[-1]
         lines.append(
-            f"Frontier: {len(frontier)} plans from {fastest.iterations_per_s:.4f} it/s "
-            f"at {fastest.usd_per_iteration:.4f} USD/it "
-            f"to {cheapest.iterations_per_s:.4f} it/s at {cheapest.usd_per_iteration:.4f} USD/it."
+            f"Frontier: {len(frontier)} plans from {sig(fastest.iterations_per_s)} it/s "
+            f"at {usd_text(fastest.usd_per_iteration)} USD/iteration "
+            f"to {sig(cheapest.iterations_per_s)} it/s at {usd_text(cheapest.usd_per_iteration)} USD/iteration."
         )
     return "\n".join(lines)
 
@@ -794,7 +796,7 @@ def _explain_risk(request: PlanRequest, gp: Goodput) -> str:
         f"Spot risk: {gp.preemptions_per_hour:.3g} preemptions/hour expected on its spot VMs; with checkpoints "
         f"every {risk.checkpoint_interval_steps} steps and {risk.reconfiguration_s:.0f} s to reconfigure, "
         f"{gp.useful_fraction:.1%} of the time trains: {gp.expected_iterations_per_s:.4f} useful it/s "
-        f"(nominal {gp.nominal_iterations_per_s:.4f}), {gp.expected_usd_per_useful_iteration:.4f} USD per useful "
+        f"(nominal {gp.nominal_iterations_per_s:.4f}), {usd_text(gp.expected_usd_per_useful_iteration)} USD per useful "
         f"iteration."
     )
 
@@ -804,7 +806,7 @@ def _explain_constraints(request: PlanRequest, r: SimulationResult) -> list[str]
     c = request.constraints
     binding = []
     if c.max_usd_per_iteration is not None:
-        binding.append(f"budget {c.max_usd_per_iteration:g} USD/iteration (uses {r.usd_per_iteration:.4f})")
+        binding.append(f"budget {c.max_usd_per_iteration:g} USD/iteration (uses {usd_text(r.usd_per_iteration)})")
     if c.max_usd_per_hour is not None:
         binding.append(f"budget {c.max_usd_per_hour:g} USD/hour (uses {r.usd_per_hour:.2f})")
     if c.min_iterations_per_s is not None:
