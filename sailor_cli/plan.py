@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
+from sailor_cli import plan_sync
 from sailor_cli.options import (
     CheckpointInterval,
     Clouds,
@@ -58,6 +59,7 @@ from sailor_core.planner import (
 from sailor_core.planner import (
     plan as run_planner,
 )
+from sailor_core.planner.islands import SyncMode
 from sailor_core.planner.pool import parse_preemption_rates, read_pool_document
 from sailor_core.planner.request import stage_range
 from sailor_core.planner.risk import AUTO_CHECKPOINT_INTERVAL, SpotRisk, planning_checkpoint_interval
@@ -97,6 +99,12 @@ def plan(
     recompute: Annotated[str, typer.Option("--recompute", help=(
         "activation recomputation: auto (when nothing fits without it, on the stages that need it), never, "
         "always (every stage)"))] = "auto",
+    sync: Annotated[str, typer.Option("--sync", help=(
+        "every-step (default: synchronous), semi[:H] (islands per region, an outer step every H steps; H "
+        "chosen when left out), auto (islands only where they beat every-step by 10 % on the objective); "
+        "docs/semisync.md"))] = "every-step",
+    outer_compression: Annotated[str, typer.Option("--outer-compression", help=(
+        "what islands send at an outer step: none (fp32), bf16, int8"))] = "none",
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them.
 
@@ -107,6 +115,7 @@ def plan(
     if model_config or model is None or seq_len is not None:  # the name `sailor profile model --model-config` used
         model = resolve_model(model, model_config, seq_len).name
     _check_batch(global_batch_size, large_batch)
+    sync_mode = SyncMode.parse(sync, compression=outer_compression)  # before the search: a typo costs nothing
     min_stages, max_stages = stage_range(stages) if stages else (1, SearchOptions.max_stages)
     doc = _read_pool(pool_file)  # before the store is read: a wrong path costs nothing
     book = load_model_book(model, store)
@@ -129,6 +138,9 @@ def plan(
                               max_stages=max_stages, recompute=recompute),
         spot_risk=_spot_risk(doc, store, planning_checkpoint_interval(checkpoint_interval), reconfiguration_s),
     )
+    if sync_mode.mode != "every-step":
+        plan_sync.answer(request, book, sync_mode, out=out, as_json=as_json)
+        return
     result = run_planner(request, book)
     variations = [(change, run_planner(replace(request, pool=apply_what_if(pool, change, book)), book))
                   for change in what_if or []]
