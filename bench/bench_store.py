@@ -26,6 +26,7 @@ import pyarrow as pa  # noqa: E402
 
 from profiles_store import open_store  # noqa: E402
 from profiles_store.local_servers import LocalS3Server  # noqa: E402
+from profiles_store.tables import GPU_TYPES, LAYER_PROFILES, MODELS  # noqa: E402
 from sailor_core.domain import GIB, GpuType, LayerProfile, LayerSpec, ModelSpec, Provenance  # noqa: E402
 
 LAYERS = 100
@@ -77,8 +78,8 @@ def _median_rate(n: int, repeat: int, fn: Callable[[], object]) -> float:
 
 def measure(uri: str, rows: list[LayerProfile], repeat: int) -> dict[str, float]:
     store = open_store(uri, seed=False)
-    store.write_gpu_types([GpuType(name="BenchGPU", memory_bytes=16 * GIB)], provenance=PROV)
-    store.write_model(_model(), provenance=PROV)
+    store.write(GPU_TYPES, [GpuType(name="BenchGPU", memory_bytes=16 * GIB)], provenance=PROV)
+    store.write(MODELS, [_model()], provenance=PROV)
     table = _table(rows)
     n = len(rows)
     part = {"model": "Bench", "gpu_type": "BenchGPU"}
@@ -86,7 +87,8 @@ def measure(uri: str, rows: list[LayerProfile], repeat: int) -> dict[str, float]
         "write, domain objects": _median_rate(
             n, repeat, lambda: store.replace_layer_profiles("Bench", "BenchGPU", rows, provenance=PROV)
         ),
-        "read, domain objects": _median_rate(n, repeat, lambda: store.layer_profiles("Bench", ["BenchGPU"])),
+        "read, domain objects": _median_rate(
+            n, repeat, lambda: store.read(LAYER_PROFILES, {"model": "Bench", "gpu_type": "BenchGPU"})),
         "write, Arrow table": _median_rate(
             n,
             repeat,

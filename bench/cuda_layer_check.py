@@ -37,6 +37,7 @@ def main() -> int:
         return 0
 
     from profiles_store import open_store
+    from profiles_store.tables import LAYER_PROFILES
     from sailor_core.models.config import get_config
     from sailor_core.profiler import ModelProfileSettings, profile_model, save_model_profile
     from sailor_core.profiler.env import device_name
@@ -55,7 +56,8 @@ def main() -> int:
 
     store = open_store(tempfile.mkdtemp(prefix="sailor-cuda-check-"))
     save_model_profile(store, prof)  # the same path as `sailor profile model` (the seed stays below)
-    published = {g: {(p.mbs, p.tp, p.layer): p for p in store.layer_profiles(cfg.name, [g])} for g in PUBLISHED}
+    published = {g: {(p.mbs, p.tp, p.layer): p for p in store.read(LAYER_PROFILES, {"model": cfg.name, "gpu_type": g})}
+                 for g in PUBLISHED}
     report = _compare(prof, published, cfg.num_layers)
     if a.json:
         Path(a.json).write_text(json.dumps({"device": device_name(a.device), "precision": a.precision,

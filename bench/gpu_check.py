@@ -200,6 +200,7 @@ def compare_with_published(
 
 def check_profile(n_dev: int, mbs: tuple[int, ...], precision: str) -> str:
     from profiles_store import open_store
+    from profiles_store.tables import LAYER_PROFILES
     from sailor_core.profiler import ModelProfileSettings, profile_model
     from sailor_core.profiler.env import default_gpu_type
 
@@ -214,8 +215,9 @@ def check_profile(n_dev: int, mbs: tuple[int, ...], precision: str) -> str:
         )
     with tempfile.TemporaryDirectory(prefix="sailor-gpu-check-") as tmp:
         store = open_store(tmp)  # the shipped seed: published profiles
-        ok, detail = compare_with_published(prof.profiles, lambda g: store.layer_profiles("OPT-350", [g]),
-                                            default_gpu_type("cuda"))
+        ok, detail = compare_with_published(
+            prof.profiles, lambda g: store.read(LAYER_PROFILES, {"model": "OPT-350", "gpu_type": g}),
+            default_gpu_type("cuda"))
     detail += f" ({precision}, {time.monotonic() - t0:.0f} s)"
     if prof.infeasible:
         detail += f"; out of memory at {[(x.mbs, x.tp) for x in prof.infeasible]}"

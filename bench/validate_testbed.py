@@ -76,6 +76,16 @@ from infra.testbed import (  # noqa: E402
     testbed_support,
 )
 from profiles_store import open_store  # noqa: E402
+from profiles_store.tables import (  # noqa: E402
+    FRAMEWORK_OVERHEAD,
+    GPU_TYPES,
+    INTRA_NODE_LINKS,
+    LAYER_PROFILES,
+    LINK_ALLREDUCE,
+    MODELS,
+    NETWORK_LINKS,
+    NODE_ALLREDUCE,
+)
 from sailor_core.domain import LayerProfile, Market, ParallelPlan, PipelineBatch, Provenance, Replica, Stage  # noqa: E402
 from sailor_core.plan_format import plan_to_dict  # noqa: E402
 from sailor_core.profiles import ProfileBook  # noqa: E402
@@ -309,7 +319,8 @@ def round_profiles(model: str, rnd: LayerRound) -> list[LayerProfile]:
     """The layer profiles one round measured (every job's store folder)."""
     out: list[LayerProfile] = []
     for _, g, dest in rnd.jobs:
-        out += open_store(str(dest), seed=False).layer_profiles(model, [g])  # seconds of the bound device
+        # seconds of the bound device
+        out += open_store(str(dest), seed=False).read(LAYER_PROFILES, {"model": model, "gpu_type": g})
     return out
 
 
@@ -318,9 +329,10 @@ def import_types(store: Any, rnd: LayerRound, run: str) -> None:
     flows/profiling.py imports a VM's store."""
     for v, g, dest in rnd.jobs:
         src = open_store(str(dest), seed=False)
-        store.write_gpu_types([src.gpu_types()[g]], provenance=_prov(v, run))
-        if g in src.framework_overhead() and v.devices == 1:
-            store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=_prov(v, run))
+        store.write(GPU_TYPES, [src.gpu_types()[g]], provenance=_prov(v, run))
+        if v.devices == 1:
+            store.write(FRAMEWORK_OVERHEAD, [o for o in src.read(FRAMEWORK_OVERHEAD) if o[0] == g],
+                        provenance=_prov(v, run))
 
 
 def import_layers(store: Any, model: str, rnd: LayerRound, run: str) -> None:
@@ -330,7 +342,7 @@ def import_layers(store: Any, model: str, rnd: LayerRound, run: str) -> None:
     for g in sorted({g for _, g, _ in rnd.jobs}):
         new = [p for p in measured if p.gpu_type == g]
         tps = {p.tp for p in new}
-        old = [p for p in store.layer_profiles(model, [g]) if p.tp not in tps]
+        old = [p for p in store.read(LAYER_PROFILES, {"model": model, "gpu_type": g}) if p.tp not in tps]
         v0 = next(v for v, gg, _ in rnd.jobs if gg == g)
         store.replace_layer_profiles(model, g, old + new, provenance=_prov(v0, run))
         for tp in sorted(tps):
@@ -363,9 +375,9 @@ def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, 
     run_on(tb, [(v, a) for v, a, _ in node_jobs], logs)
     for v, _, dest in node_jobs:
         src = open_store(str(dest), seed=False)
-        store.write_intra_node_links([x for x in src.intra_node_links() if x.gpu_type == v.gpu_type],
+        store.write(INTRA_NODE_LINKS, [x for x in src.read(INTRA_NODE_LINKS) if x.gpu_type == v.gpu_type],
                                      provenance=_prov(v, "validate-testbed"))
-        store.write_node_allreduce([x for x in src.node_allreduce() if x.gpu_type == v.gpu_type],
+        store.write(NODE_ALLREDUCE, [x for x in src.read(NODE_ALLREDUCE) if x.gpu_type == v.gpu_type],
                                    provenance=_prov(v, "validate-testbed"))
     # one link per zone pair (and inside a zone with two VMs), measured alone
     zones = list(dict.fromkeys(v.zone for v in vms))
@@ -383,17 +395,17 @@ def profile(tb: Testbed, vms: list[VmInfo], model: str, store: Any, work: Path, 
                          "--store", str(dest)]) for r, v in enumerate((a, b))],
                logs, env={"SAILOR_CONTROL": server.endpoint, SECRET_ENV: server.secret})
         src = open_store(str(dest), seed=False)
-        measured = next(lk for lk in src.network_links() if (lk.sender_zone, lk.receiver_zone) == (za, zb))
+        measured = next(lk for lk in src.read(NETWORK_LINKS) if (lk.sender_zone, lk.receiver_zone) == (za, zb))
         rows = []
         for ga in sorted({v.gpu_type for v in vms if v.zone == za}):
             for gb in sorted({v.gpu_type for v in vms if v.zone == zb}):
                 fwd = replace(measured, sender_zone=za, sender_gpu=ga, receiver_zone=zb, receiver_gpu=gb)
                 rows += [fwd, replace(fwd, sender_zone=zb, sender_gpu=gb, receiver_zone=za, receiver_gpu=ga)]
-        store.write_network_links(rows, provenance=_prov(a, "validate-testbed", peer=b))
-        ar = next(x for x in src.link_allreduce() if (x.zone_a, x.zone_b) == (za, zb))
+        store.write(NETWORK_LINKS, rows, provenance=_prov(a, "validate-testbed", peer=b))
+        ar = next(x for x in src.read(LINK_ALLREDUCE) if (x.zone_a, x.zone_b) == (za, zb))
         ars = [replace(ar, zone_a=r.sender_zone, gpu_a=r.sender_gpu, zone_b=r.receiver_zone, gpu_b=r.receiver_gpu)
                for r in rows]
-        store.write_link_allreduce(ars, provenance=_prov(a, "validate-testbed", peer=b))
+        store.write(LINK_ALLREDUCE, ars, provenance=_prov(a, "validate-testbed", peer=b))
         shaped = tb.rate_gbps(za, zb) * 1e9 / 8
         fit = measured.fit
         log(f"link {za} <-> {zb}: fit at 256 KiB {fit.bandwidth_bytes_per_s(256 << 10) / 1e6:.1f} MB/s, "
@@ -667,11 +679,11 @@ def _profiled_store(bed: _Bed, model: str, store_dir: Path, work: Path) -> tuple
 
     store = open_store(str(store_dir), seed=False)
     if model not in store.model_names():
-        store.write_model(model_spec(get_config(model)))
+        store.write(MODELS, [model_spec(get_config(model))])
     types = sorted({v.gpu_type for v in bed.vms})
-    have = {p.gpu_type for p in store.layer_profiles(model, types)}
-    if have == set(types) and store.network_links():
-        log(f"profiles of {types} and {len(store.network_links())} links found in {store_dir}: reused")
+    have = {p.gpu_type for p in store.read(LAYER_PROFILES, {"model": model, "gpu_type": types})}
+    if have == set(types) and store.read(NETWORK_LINKS):
+        log(f"profiles of {types} and {len(store.read(NETWORK_LINKS))} links found in {store_dir}: reused")
         return store, types
     first = measure_layers(bed.tb, bed.vms, model, work, "round0")
     import_types(store, first, "validate-testbed")  # before the links name them

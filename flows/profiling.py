@@ -23,6 +23,16 @@ from prefect.logging import get_run_logger
 
 from infra.provider import Vm
 from profiles_store.store import ProfileStore
+from profiles_store.tables import (
+    FRAMEWORK_OVERHEAD,
+    GPU_TYPES,
+    INTRA_NODE_LINKS,
+    LAYER_PROFILES,
+    LINK_ALLREDUCE,
+    MODELS,
+    NETWORK_LINKS,
+    NODE_ALLREDUCE,
+)
 from sailor_core.domain import Capacity, LinkAllReduce, NetworkLink, Provenance
 from sailor_core.errors import MissingProfileError, SailorError
 from sailor_core.profiles import ProfileBook
@@ -81,7 +91,7 @@ def ensure_model(store: ProfileStore, model: str) -> None:
         return
     from sailor_core.models.config import get_config, model_spec
 
-    store.write_model(model_spec(get_config(model)))
+    store.write(MODELS, [model_spec(get_config(model))])
 
 
 @task(name="profile-layers", cache_policy=NO_CACHE)
@@ -91,7 +101,7 @@ def profile_layers(store: ProfileStore, model: str, mbs: Sequence[int]) -> int:
 
     prof = profile_model(ModelProfileSettings(model=model, device="cpu", mbs=tuple(mbs), tp=(1,)))
     store.replace_layer_profiles(model, prof.gpu_type, prof.profiles, provenance=prof.provenance)
-    store.write_framework_overhead({prof.gpu_type: prof.framework_overhead_bytes}, provenance=prof.provenance)
+    store.write(FRAMEWORK_OVERHEAD, [(prof.gpu_type, prof.framework_overhead_bytes)], provenance=prof.provenance)
     return len(prof.profiles)
 
 
@@ -102,8 +112,8 @@ def profile_network(store: ProfileStore) -> int:
     from sailor_core.profiler.network import profile_network as measure
 
     prof = measure(NetworkSettings(workers=2, device="cpu", zone=LOCAL_ZONE))
-    store.write_network_links([prof.link], provenance=prof.provenance)
-    store.write_intra_node_links([prof.intra_node], provenance=prof.provenance)
+    store.write(NETWORK_LINKS, [prof.link], provenance=prof.provenance)
+    store.write(INTRA_NODE_LINKS, [prof.intra_node], provenance=prof.provenance)
     return len(prof.points)
 
 
@@ -139,7 +149,7 @@ def _missing(
 
     types = [g for g in gpu_types if lacks(g)]
     ends = sorted({(o.zone, o.gpu_type) for o in offers if o.gpus > 0})
-    links = store.network_links()
+    links = store.read(NETWORK_LINKS)
     have = {(lk.sender_zone, lk.sender_gpu, lk.receiver_zone, lk.receiver_gpu) for lk in links}
     pairs: dict[tuple[str, str], list[tuple[End, End]]] = {}
     for i, a in enumerate(ends):
@@ -148,7 +158,7 @@ def _missing(
                 continue  # one VM of it at most: no two VMs of it ever talk
             if (a[0], a[1], b[0], b[1]) not in have and (b[0], b[1], a[0], a[1]) not in have:
                 pairs.setdefault((min(a[0], b[0]), max(a[0], b[0])), []).append((a, b))
-    intra = {(lk.gpu_type, lk.num_gpus) for lk in store.intra_node_links()}
+    intra = {(lk.gpu_type, lk.num_gpus) for lk in store.read(INTRA_NODE_LINKS)}
     multi = [o for o in offers if o.gpus > 0 and o.gpus_per_vm >= 2 and (o.gpu_type, 2) not in intra]
     multi = list({o.gpu_type: o for o in multi}.values())
     return types, list(pairs.items()), multi
@@ -251,8 +261,8 @@ def _measure_pair(pool: _VmPool, remote: VmCommands, src: tuple[str, str | None]
     if any(codes.values()):
         raise remote.failure(f"measuring {za} <-> {zb}", codes)
     src_store = open_store(remote.store_uri("flow", name))
-    measured = next(lk for lk in src_store.network_links() if (lk.sender_zone, lk.receiver_zone) == (za, zb))
-    ar = next(x for x in src_store.link_allreduce() if (x.zone_a, x.zone_b) == (za, zb))
+    measured = next(lk for lk in src_store.read(NETWORK_LINKS) if (lk.sender_zone, lk.receiver_zone) == (za, zb))
+    ar = next(x for x in src_store.read(LINK_ALLREDUCE) if (x.zone_a, x.zone_b) == (za, zb))
     return measured, ar, a, b
 
 
@@ -295,14 +305,14 @@ def _run_and_import(remote: VmCommands, jobs: list[ProfileJob], store: ProfileSt
         src = open_store(remote.store_uri("flow", f"{kind}-{g}"))
         prov = _provenance(vm, zone, remote.run_id)
         if kind == "layers":
-            store.write_gpu_types([src.gpu_types()[g]], provenance=prov)
-            store.replace_layer_profiles(model, g, src.layer_profiles(model, [g]), provenance=prov)
-            if g in src.framework_overhead():
-                store.write_framework_overhead({g: src.framework_overhead()[g]}, provenance=prov)
+            store.write(GPU_TYPES, [src.gpu_types()[g]], provenance=prov)
+            store.replace_layer_profiles(model, g, src.read(LAYER_PROFILES, {"model": model, "gpu_type": g}),
+                                         provenance=prov)
+            store.write(FRAMEWORK_OVERHEAD, [o for o in src.read(FRAMEWORK_OVERHEAD) if o[0] == g], provenance=prov)
             measured["layers"].append(g)
         else:
-            store.write_intra_node_links([x for x in src.intra_node_links() if x.gpu_type == g], provenance=prov)
-            store.write_node_allreduce([x for x in src.node_allreduce() if x.gpu_type == g], provenance=prov)
+            store.write(INTRA_NODE_LINKS, [x for x in src.read(INTRA_NODE_LINKS) if x.gpu_type == g], provenance=prov)
+            store.write(NODE_ALLREDUCE, [x for x in src.read(NODE_ALLREDUCE) if x.gpu_type == g], provenance=prov)
             measured["intra_node"].append(g)
 
 
@@ -318,8 +328,8 @@ def _import_links(measured: NetworkLink, allreduce: LinkAllReduce, store: Profil
         rows += [fwd, replace(fwd, sender_zone=zb, sender_gpu=gb, receiver_zone=za, receiver_gpu=ga)]
         ars += [LinkAllReduce(zone_a=za, gpu_a=ga, zone_b=zb, gpu_b=gb, fit=allreduce.fit),
                 LinkAllReduce(zone_a=zb, gpu_a=gb, zone_b=za, gpu_b=ga, fit=allreduce.fit)]
-    store.write_network_links(rows, provenance=_provenance(a, a.zone, "", peer=b))
-    store.write_link_allreduce(ars, provenance=_provenance(a, a.zone, "", peer=b))
+    store.write(NETWORK_LINKS, rows, provenance=_provenance(a, a.zone, "", peer=b))
+    store.write(LINK_ALLREDUCE, ars, provenance=_provenance(a, a.zone, "", peer=b))
 
 
 def _provenance(vm: Vm, zone: str, run_id: str, peer: Vm | None = None) -> Provenance:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from profiles_store.backend import resolve
 from profiles_store.eth_easl import read_eth_easl
+from profiles_store.files import FILE_RE
 from profiles_store.importer import import_eth_easl
-from profiles_store.store import FILE_RE, MARKER, SEED_DIR, ProfileStore
+from profiles_store.store import MARKER, SEED_DIR, ProfileStore
 
 # Fixed provenance time of the seed rows: the artifact commit's snapshot date (no per-row time is published).
 SEED_RECORDED_AT = datetime(2025, 6, 1, tzinfo=UTC)

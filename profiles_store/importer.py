@@ -19,6 +19,16 @@ from profiles_store.eth_easl import (
     EthEaslData,
 )
 from profiles_store.store import ProfileStore
+from profiles_store.tables import (
+    EGRESS_PRICES,
+    GPU_PRICES,
+    GPU_TYPES,
+    INTRA_NODE_LINKS,
+    MODELS,
+    NETWORK_LINKS,
+    QUOTAS,
+    Quota,
+)
 from sailor_core.domain import LayerProfile, Provenance
 
 CATALOG_SOURCE = "sailor_core.catalog"
@@ -35,9 +45,9 @@ def import_eth_easl(
     counts: dict[str, int] = {}
     cluster = [g for n, g in sorted(data.gpu_types.items()) if n in data.cluster_config_gpus]
     others = [g for n, g in sorted(data.gpu_types.items()) if n not in data.cluster_config_gpus]
-    store.write_gpu_types(cluster, provenance=prov("sailor/Planner/simulations/configs/basic_cluster_config.json"))
+    store.write(GPU_TYPES, cluster, provenance=prov("sailor/Planner/simulations/configs/basic_cluster_config.json"))
     if others:
-        store.write_gpu_types(
+        store.write(GPU_TYPES,
             others, provenance=Provenance(source=CATALOG_SOURCE, host="sailor_core/catalog.py", recorded_at=recorded_at)
         )
     counts["gpu_types"] = len(data.gpu_types)
@@ -45,7 +55,7 @@ def import_eth_easl(
     counts["model_layers"] = 0
     for name in sorted(data.models):
         spec = data.models[name]
-        store.write_model(spec, provenance=prov("sailor/Planner/llm_info.json"))
+        store.write(MODELS, [spec], provenance=prov("sailor/Planner/llm_info.json"))
         counts["model_layers"] += len(spec.layers)
 
     by_pair: dict[tuple[str, str], list[LayerProfile]] = {}
@@ -63,14 +73,14 @@ def import_eth_easl(
         key = (lk.sender_zone, lk.sender_gpu, lk.sender_count, lk.receiver_zone, lk.receiver_gpu, lk.receiver_count)
         by_file.setdefault(data.link_files.get(key, "sailor/providers/multizone_bandwidths_het.json"), []).append(lk)
     for file, links in sorted(by_file.items()):
-        store.write_network_links(links, provenance=prov(file, settings=NETWORK_CHOICE))
+        store.write(NETWORK_LINKS, links, provenance=prov(file, settings=NETWORK_CHOICE))
     counts["network_links"] = len(data.links)
 
-    store.write_intra_node_links(data.intra_node, provenance=prov("sailor/providers/intra_node_bandwidths.json"))
+    store.write(INTRA_NODE_LINKS, data.intra_node, provenance=prov("sailor/providers/intra_node_bandwidths.json"))
     counts["intra_node_links"] = len(data.intra_node)
-    store.write_egress_prices(data.egress, provenance=prov("sailor/providers/gcp/communication_cost.json"))
+    store.write(EGRESS_PRICES, data.egress, provenance=prov("sailor/providers/gcp/communication_cost.json"))
     counts["egress_prices"] = len(data.egress)
-    store.write_prices(
+    store.write(GPU_PRICES,
         data.prices,
         provenance=prov(
             "GPU_PRICES of the artifact's Python simulator (not a data file)",
@@ -80,6 +90,7 @@ def import_eth_easl(
     )
     counts["gpu_prices"] = len(data.prices)
     if data.quotas:
-        store.write_quotas(data.quotas, provenance=prov("sailor/Planner/sailor_planner/dummy_quotas_dict.json"))
+        store.write(QUOTAS, [Quota.of(c) for c in data.quotas],
+                    provenance=prov("sailor/Planner/sailor_planner/dummy_quotas_dict.json"))
     counts["quotas"] = len(data.quotas)
     return counts

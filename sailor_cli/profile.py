@@ -332,6 +332,7 @@ def link_cmd(
     import os
     from dataclasses import replace
 
+    from profiles_store.tables import LINK_ALLREDUCE, NETWORK_LINKS
     from sailor_core.domain import LinkAllReduce
     from sailor_core.profiler.network import LINK_POLICY, NetworkSettings, measure_link
     from sailor_core.runtime.protocol import client_from_env
@@ -350,10 +351,10 @@ def link_cmd(
     lk = prof.link
     back = replace(lk, sender_zone=lk.receiver_zone, sender_gpu=lk.receiver_gpu,
                    receiver_zone=lk.sender_zone, receiver_gpu=lk.sender_gpu)
-    st.write_network_links([lk, back], provenance=prof.provenance)
+    st.write(NETWORK_LINKS, [lk, back], provenance=prof.provenance)
     ar = LinkAllReduce(zone_a=lk.sender_zone, gpu_a=lk.sender_gpu, zone_b=lk.receiver_zone, gpu_b=lk.receiver_gpu,
                        fit=prof.allreduce_fit)
-    st.write_link_allreduce([ar, replace(ar, zone_a=ar.zone_b, gpu_a=ar.gpu_b, zone_b=ar.zone_a, gpu_b=ar.gpu_a)],
+    st.write(LINK_ALLREDUCE, [ar, replace(ar, zone_a=ar.zone_b, gpu_a=ar.gpu_b, zone_b=ar.zone_a, gpu_b=ar.gpu_a)],
                             provenance=prof.provenance)
     typer.echo(f"link {src} <-> {dst}: {lk.fit.describe()}")
     typer.echo(f"all-reduce over it (2 workers): {ar.fit.describe()}")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from profiles_store.tables import NETWORK_LINKS
 from sailor_core.domain import NetworkLink, Provenance
 
 # Steps of the interrupted cloud runs: the workers must still have steps left once the flow has seen the
@@ -39,9 +40,9 @@ def cloud_store(profiled_store: str, dest: Path, zones: Iterable[str]) -> str:
     shutil.copytree(profiled_store, dest)
     store = open_store(str(dest))
     prov = Provenance(source="test: the local cpu link, for cloud VMs whose workers run on this machine")
-    cpu_link = next(lk for lk in store.network_links() if lk.sender_gpu == "cpu")
+    cpu_link = next(lk for lk in store.read(NETWORK_LINKS) if lk.sender_gpu == "cpu")
     zs = list(zones)
-    store.write_network_links([
+    store.write(NETWORK_LINKS, [
         NetworkLink(sender_zone=a, sender_gpu="cpu", sender_count=1, receiver_zone=b, receiver_gpu="cpu",
                     receiver_count=1, fit=cpu_link.fit) for a in zs for b in zs], provenance=prov)
     return str(dest)

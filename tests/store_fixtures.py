@@ -19,6 +19,7 @@ import pytest
 
 from profiles_store import ProfileStore, open_store
 from profiles_store.local_servers import LocalGcsServer, LocalS3Server
+from profiles_store.tables import GPU_TYPES, MODELS
 from sailor_core.domain import GIB, GpuType, LayerProfile, LayerSpec, ModelSpec, Provenance
 
 BUCKET = "sailor-tests"
@@ -97,8 +98,8 @@ def profiles(model: ModelSpec, gpu: str, points: list[tuple[int, int]], scale: f
 def empty_store(uri: str) -> ProfileStore:
     """A store without the seed, with one small model and one GPU type written."""
     store = open_store(uri, seed=False)
-    store.write_gpu_types([TEST_GPU], provenance=PROV)
-    store.write_model(tiny_model(), provenance=PROV)
+    store.write(GPU_TYPES, [TEST_GPU], provenance=PROV)
+    store.write(MODELS, [tiny_model()], provenance=PROV)
     return store
 
 

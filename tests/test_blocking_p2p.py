@@ -34,6 +34,7 @@ import torch
 import torch._dynamo  # noqa: F401 - AdamW imports it lazily (10 s on a busy box): the forked ranks inherit it
 import torch.distributed as dist
 
+from profiles_store.tables import LAYER_PROFILES
 from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
 from sailor_core.models import get_config
 from sailor_core.runtime.engine import Trainer, TrainSettings
@@ -300,7 +301,7 @@ def test_gpu_check_compares_a_profile_with_the_published_one(tmp_path):
     store = open_store(str(tmp_path / "store"))  # the shipped seed: the artifact's published profiles
 
     def published(gpu_type: str) -> list[Any]:
-        return store.layer_profiles("OPT-350", [gpu_type])
+        return store.read(LAYER_PROFILES, {"model": "OPT-350", "gpu_type": [gpu_type]})
 
     same = [p for p in published("GH-96") if p.tp == 1 and p.mbs in (1, 2, 4)]
     ok, detail = gpu_check.compare_with_published(same, published, "GH-96")

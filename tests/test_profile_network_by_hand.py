@@ -15,6 +15,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from profiles_store.tables import LINK_ALLREDUCE, NETWORK_LINKS
+
 REPO = Path(__file__).resolve().parent.parent
 
 SCENARIO = """
@@ -71,7 +73,7 @@ def test_a_link_measured_by_hand_is_stored_both_ways_and_plans_use_it(tmp_path: 
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     assert out["rows"] == ["za:A100-40 <-> zb:A100-40"]
-    links = {(lk.sender_zone, lk.receiver_zone): lk for lk in open_store(str(store)).network_links()}
+    links = {(lk.sender_zone, lk.receiver_zone): lk for lk in open_store(str(store)).read(NETWORK_LINKS)}
     assert list(links[("za", "zb")].fit.coeffs) == out["fit_coeffs"] == list(links[("zb", "za")].fit.coeffs)
     # nothing of the run is left: its VMs are terminated, each kept its command's output in the run's logs
     vms = LocalProvider(tmp_path / "wd" / "runs" / out["run_id"] / "local").list_vms(out["run_id"])
@@ -88,10 +90,10 @@ def test_a_link_measured_by_hand_is_stored_both_ways_and_plans_use_it(tmp_path: 
     slow = [replace(lk, fit=replace(lk.fit, coeffs=tuple(c / 100 for c in lk.fit.coeffs),
                                     max_bytes_per_s=lk.fit.max_bytes_per_s / 100))
             for key, lk in links.items() if key in (("za", "zb"), ("zb", "za"))]
-    st.write_network_links(slow)
-    ars = {(x.zone_a, x.zone_b): x for x in st.link_allreduce()}
+    st.write(NETWORK_LINKS, slow)
+    ars = {(x.zone_a, x.zone_b): x for x in st.read(LINK_ALLREDUCE)}
     assert set(ars) == {("za", "zb"), ("zb", "za")}  # the two VMs' all-reduce over the link, both ways
-    st.write_link_allreduce([replace(x, fit=replace(x.fit, coeffs=tuple(c / 100 for c in x.fit.coeffs),
+    st.write(LINK_ALLREDUCE, [replace(x, fit=replace(x.fit, coeffs=tuple(c / 100 for c in x.fit.coeffs),
                                                     max_bytes_per_s=x.fit.max_bytes_per_s / 100))
                              for x in ars.values()])
     slowed = plan_json(tmp_path, store)
@@ -140,7 +142,7 @@ def test_ctrl_c_while_the_link_is_measured_leaves_no_vm_behind(tmp_path: Path) -
     assert len(vms) == 2 and all(v.state == "terminated" for v in vms), vms
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).find(str(tmp_path / "wd")) >= 0]
     assert not left, [_cmdline(pid) for pid in left]  # no agent, no `sailor profile link` end
-    assert "za" not in {lk.sender_zone for lk in open_store(str(tmp_path / "store")).network_links()}
+    assert "za" not in {lk.sender_zone for lk in open_store(str(tmp_path / "store")).read(NETWORK_LINKS)}
 
 
 def _link_ends(wd: Path) -> list[str]:

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from profiles_store import open_store  # noqa: E402
+from profiles_store.tables import INTRA_NODE_LINKS, LAYER_PROFILES, NETWORK_LINKS, NODE_ALLREDUCE  # noqa: E402
 from sailor_cli.main import main as cli  # noqa: E402
 from sailor_core.profiler import (  # noqa: E402
     NetworkSettings,
@@ -65,7 +66,7 @@ def test_an_interrupted_profile_writes_nothing_and_leaves_no_worker(tmp_path):
 
     with pytest.raises(_Stop):
         profile_model_to_store(store, model="gpt-tiny", mbs=[1, 2], tp=[1], policy=FAST, progress=interrupt)
-    assert store.layer_profiles("gpt-tiny") == ()
+    assert store.read(LAYER_PROFILES, {"model": "gpt-tiny"}) == ()
     assert "gpt-tiny" not in store.model_names()
     assert multiprocessing.active_children() == []
 
@@ -91,16 +92,16 @@ def test_network_profile_of_two_workers_stores_its_link_node_link_and_allreduce_
     store = open_store(str(tmp_path / "store"))
     save_network_profile(store, prof)
 
-    links = open_store(str(tmp_path / "store")).network_links()
+    links = open_store(str(tmp_path / "store")).read(NETWORK_LINKS)
     link = next(lk for lk in links if lk.sender_gpu == "cpu" and lk.sender_zone == "local")
     assert (link.sender_count, link.receiver_zone, link.receiver_gpu, link.receiver_count) == (1, "local", "cpu", 1)
     sizes = [p.message_bytes for p in prof.points]
     assert len(sizes) == 5 and all(p.p2p_s > 0 for p in prof.points)
     fitted = [link.fit.transfer_time_s(b) for b in sorted(sizes)]
     assert all(t > 0 for t in fitted) and fitted == sorted(fitted), fitted  # more bytes never take less time
-    intra = [x for x in store.intra_node_links() if x.gpu_type == "cpu"]
+    intra = [x for x in store.read(INTRA_NODE_LINKS) if x.gpu_type == "cpu"]
     assert intra and intra[0].num_gpus == 2 and intra[0].fit.coeffs == pytest.approx(link.fit.coeffs)
-    [node_ar] = [x for x in store.node_allreduce() if x.gpu_type == "cpu"]
+    [node_ar] = [x for x in store.read(NODE_ALLREDUCE) if x.gpu_type == "cpu"]
     assert node_ar.workers == 2 and node_ar.fit.coeffs == pytest.approx(prof.allreduce_fit.coeffs)
     assert prof.p2p_alpha_beta.bandwidth_bytes_per_s > 0 and prof.allreduce_alpha_beta.latency_s >= 0
 

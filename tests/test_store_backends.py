@@ -21,6 +21,7 @@ from profiles_store.build_seed import build_seed
 from profiles_store.local_servers import free_port
 from profiles_store.schemas import HISTORY_TABLES, META_VERSION, SCHEMA_VERSION, TABLES
 from profiles_store.store import MARKER, SEED_DIR
+from profiles_store.tables import MODELS
 from tests.paths import REFERENCE_DATA, REPO
 from tests.store_fixtures import BUCKET, gcs_server, s3_server  # noqa: F401 - fixtures
 
@@ -158,7 +159,7 @@ def test_a_nullable_column_added_later_reads_as_not_known_in_older_files(tmp_pat
 
     store = open_store(str(tmp_path / "s"), seed=False)
     spec = model_spec(get_config("opt-tiny"))
-    store.write_model(spec)
+    store.write(MODELS, [spec])
     assert store.model("opt-tiny").tied_head and not model_spec(get_config("gpt-tiny")).tied_head
     # a file written before `tied_head` existed: the same rows without it
     (f,) = list((tmp_path / "s" / "model_layers").rglob("*.parquet"))

@@ -26,6 +26,18 @@ from profiles_store.backend import TMP_PREFIX
 from profiles_store.eth_easl import read_eth_easl
 from profiles_store.schemas import META_TABLE, META_VERSION, SCHEMA_VERSION, TABLES
 from profiles_store.store import SEED_DIR
+from profiles_store.tables import (
+    EGRESS_PRICES,
+    FRAMEWORK_OVERHEAD,
+    GPU_PRICES,
+    INTRA_NODE_LINKS,
+    LAYER_PROFILES,
+    MODELS,
+    NETWORK_LINKS,
+    NODE_ALLREDUCE,
+    QUOTAS,
+    Quota,
+)
 from sailor_core.domain import (
     BandwidthFit,
     Capacity,
@@ -77,7 +89,7 @@ def test_model_and_layer_profiles_round_trip(store_uri):
     assert store.model("Tiny") == model
     rows = profiles(model, "TestGPU", [(1, 1), (2, 1), (1, 2)])
     assert store.replace_layer_profiles("Tiny", "TestGPU", rows, provenance=PROV) == len(rows)
-    assert set(store.layer_profiles("Tiny")) == set(rows)
+    assert set(store.read(LAYER_PROFILES, {"model": "Tiny"})) == set(rows)
     book = store.profile_book("Tiny", ["TestGPU"])
     assert book.model == model
     assert book.profiled_points("TestGPU") == [(1, 1), (1, 2), (2, 1)]
@@ -109,19 +121,19 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
         GpuPrice(cloud="gcp", zone="z-a", gpu_type="TestGPU", market=Market.SPOT, usd_per_gpu_hour=1.25, fetched_at=T0)
     ]
     quotas = [Capacity(zone="z-a", region="z", gpu_type="TestGPU", gpus=8, market=Market.SPOT, cloud="gcp")]
-    store.write_network_links(links, provenance=PROV)
-    store.write_intra_node_links(intra, provenance=PROV)
-    store.write_node_allreduce(node_ar, provenance=PROV)
-    store.write_egress_prices(egress, provenance=PROV)
-    store.write_prices(prices, provenance=PROV)
-    store.write_quotas(quotas, provenance=PROV)
-    store.write_framework_overhead({"TestGPU": 3_000_000_000}, provenance=PROV)
+    store.write(NETWORK_LINKS, links, provenance=PROV)
+    store.write(INTRA_NODE_LINKS, intra, provenance=PROV)
+    store.write(NODE_ALLREDUCE, node_ar, provenance=PROV)
+    store.write(EGRESS_PRICES, egress, provenance=PROV)
+    store.write(GPU_PRICES, prices, provenance=PROV)
+    store.write(QUOTAS, [Quota.of(c) for c in quotas], provenance=PROV)
+    store.write(FRAMEWORK_OVERHEAD, [("TestGPU", 3_000_000_000)], provenance=PROV)
 
-    assert set(store.network_links()) == set(links)
-    assert store.intra_node_links() == tuple(intra)
-    assert set(store.node_allreduce()) == set(node_ar)
-    assert store.egress_prices() == tuple(egress)
-    assert store.prices() == tuple(prices)
+    assert set(store.read(NETWORK_LINKS)) == set(links)
+    assert store.read(INTRA_NODE_LINKS) == tuple(intra)
+    assert set(store.read(NODE_ALLREDUCE)) == set(node_ar)
+    assert store.read(EGRESS_PRICES) == tuple(egress)
+    assert store.read(GPU_PRICES) == tuple(prices)
     [q] = store.quotas()
     assert (q.zone, q.gpu_type, q.gpus, q.market, q.gpus_per_vm, q.usd_per_gpu_hour) == (
         "z-a",
@@ -131,7 +143,7 @@ def test_every_profile_table_round_trips_with_provenance(store_uri):
         2,
         1.25,
     )
-    assert store.framework_overhead() == {"TestGPU": 3_000_000_000}
+    assert dict(store.read(FRAMEWORK_OVERHEAD)) == {"TestGPU": 3_000_000_000}
     book = store.profile_book("Tiny")
     assert book.link("z-a", "TestGPU", 2, "z-b", "TestGPU", 2) == links[1]
     assert book.intra_node_link("TestGPU", 2) == intra[0]
@@ -186,11 +198,11 @@ def test_replace_supersedes_and_retires_older_files(store_uri):
     store.replace_layer_profiles("Tiny", "TestGPU", profiles(model, "TestGPU", [(1, 1), (2, 1)]), provenance=PROV)
     second = profiles(model, "TestGPU", [(4, 2)], scale=2.0)
     store.replace_layer_profiles("Tiny", "TestGPU", second, provenance=PROV)
-    assert set(store.layer_profiles("Tiny", ["TestGPU"])) == set(second)
+    assert set(store.read(LAYER_PROFILES, {"model": "Tiny", "gpu_type": ["TestGPU"]})) == set(second)
     assert _file_count(store, "layer_profiles") == 1
     # An empty replace empties the partition.
     store.replace_layer_profiles("Tiny", "TestGPU", [], provenance=PROV)
-    assert store.layer_profiles("Tiny") == ()
+    assert store.read(LAYER_PROFILES, {"model": "Tiny"}) == ()
 
 
 def test_upsert_newest_write_wins_and_prices_keep_history(store_uri):
@@ -199,17 +211,17 @@ def test_upsert_newest_write_wins_and_prices_keep_history(store_uri):
         EgressPrice(sender_zone="a", receiver_zone="b", usd_per_gb=0.01),
         EgressPrice(sender_zone="a", receiver_zone="c", usd_per_gb=0.02),
     ]
-    store.write_egress_prices(egress)
-    store.write_egress_prices([EgressPrice(sender_zone="a", receiver_zone="b", usd_per_gb=0.05)])
-    assert {(e.receiver_zone, e.usd_per_gb) for e in store.egress_prices()} == {("b", 0.05), ("c", 0.02)}
+    store.write(EGRESS_PRICES, egress)
+    store.write(EGRESS_PRICES, [EgressPrice(sender_zone="a", receiver_zone="b", usd_per_gb=0.05)])
+    assert {(e.receiver_zone, e.usd_per_gb) for e in store.read(EGRESS_PRICES)} == {("b", 0.05), ("c", 0.02)}
 
     def price(usd: float, at) -> GpuPrice:  # noqa: ANN001
         return GpuPrice(cloud="gcp", zone="z", gpu_type="TestGPU", market="spot", usd_per_gpu_hour=usd, fetched_at=at)
 
-    store.write_prices([price(2.0, T0 + timedelta(hours=1))])
-    store.write_prices([price(1.0, T0)])  # an older fetch written late must not hide the newer price
-    assert [p.usd_per_gpu_hour for p in store.prices()] == [2.0]
-    assert sorted(p.usd_per_gpu_hour for p in store.prices(history=True)) == [1.0, 2.0]
+    store.write(GPU_PRICES, [price(2.0, T0 + timedelta(hours=1))])
+    store.write(GPU_PRICES, [price(1.0, T0)])  # an older fetch written late must not hide the newer price
+    assert [p.usd_per_gpu_hour for p in store.read(GPU_PRICES)] == [2.0]
+    assert sorted(p.usd_per_gpu_hour for p in store.read(GPU_PRICES, latest=False)) == [1.0, 2.0]
 
 
 # -- the seed as a base layer -----------------------------------------------------------------
@@ -247,7 +259,7 @@ def test_store_rows_override_the_seed_without_touching_it(store_uri):
     model = store.model("OPT-350")
     mine = profiles(model, "A100-40", [(3, 1)])
     store.replace_layer_profiles("OPT-350", "A100-40", mine, provenance=PROV)
-    store.write_prices([GpuPrice(cloud="gcp", zone="us-central1-a", gpu_type="A100-40", market="on-demand",
+    store.write(GPU_PRICES, [GpuPrice(cloud="gcp", zone="us-central1-a", gpu_type="A100-40", market="on-demand",
                                  usd_per_gpu_hour=1.0, fetched_at=T0 + timedelta(days=400))])
     book = store.profile_book("OPT-350", ["A100-40", "V100-16"])
     assert book.profiled_points("A100-40") == [(3, 1)]
@@ -287,20 +299,20 @@ def _bad_file_path(store, table: str) -> str:
 
 def test_corrupt_or_truncated_file_is_named_and_deleting_it_recovers(store_uri):
     store = empty_store(store_uri)
-    store.write_egress_prices([EgressPrice(sender_zone="a", receiver_zone="b", usd_per_gb=0.01)])
+    store.write(EGRESS_PRICES, [EgressPrice(sender_zone="a", receiver_zone="b", usd_per_gb=0.01)])
     good = store.location.get(store.location.list_files(store.location.path("egress_prices"))[0].path)
     bad = _bad_file_path(store, "egress_prices")
     store.location.put(bad, good[: len(good) // 2])  # truncated
     with pytest.raises(StoreError) as e:
-        store.egress_prices()
+        store.read(EGRESS_PRICES)
     msg = str(e.value)
     assert "not a readable Parquet file" in msg and bad.rsplit("/", 1)[1] in msg and "to fix: delete" in msg
     assert "\n" not in msg
     store.location.put(bad, b"garbage" * 10)  # not Parquet at all
     with pytest.raises(StoreError, match="not a readable Parquet file"):
-        store.egress_prices()
+        store.read(EGRESS_PRICES)
     store.location.delete(bad)
-    assert [e.usd_per_gb for e in store.egress_prices()] == [0.01]
+    assert [e.usd_per_gb for e in store.read(EGRESS_PRICES)] == [0.01]
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -317,7 +329,7 @@ def test_file_of_another_schema_version_is_refused(store_uri, version):
     t = t.replace_schema_metadata({META_TABLE: b"egress_prices", META_VERSION: str(version).encode()})
     store.location.put(_bad_file_path(store, "egress_prices"), _parquet_bytes(t))
     with pytest.raises(StoreError) as e:
-        store.egress_prices()
+        store.read(EGRESS_PRICES)
     assert f"schema version {version}" in str(e.value)
     assert ("upgrade" if version > SCHEMA_VERSION else "rewrite") in str(e.value)
 
@@ -326,7 +338,7 @@ def test_foreign_parquet_file_with_other_columns_is_refused(store_uri):
     store = empty_store(store_uri)
     store.location.put(_bad_file_path(store, "egress_prices"), _parquet_bytes(pa.table({"x": [1, 2]})))
     with pytest.raises(StoreError, match=r"does not have the columns of table egress_prices.*missing"):
-        store.egress_prices()
+        store.read(EGRESS_PRICES)
 
 
 def test_store_marker_of_another_version_is_refused_at_open(store_uri):
@@ -361,7 +373,7 @@ def test_leftovers_of_dead_writers_are_invisible(store_uri, request):
     store.location.put(
         f"{part}/{TMP_PREFIX}0123456789ab-part-{time.time_ns():020d}-0123456789abcdef-replace.parquet", b"PAR1\x00"
     )
-    assert set(store.layer_profiles("Tiny")) == set(rows)
+    assert set(store.read(LAYER_PROFILES, {"model": "Tiny"})) == set(rows)
     if store.location.scheme == "s3":
         # On S3 a killed upload is a multipart upload that was never completed: no object at all.
         boto3 = pytest.importorskip("boto3")
@@ -372,7 +384,7 @@ def test_leftovers_of_dead_writers_are_invisible(store_uri, request):
         key = f"{prefix}/part-{time.time_ns():020d}-feedfeedfeedfeed-replace.parquet"
         up = s3.create_multipart_upload(Bucket=bucket, Key=key)
         s3.upload_part(Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=1, Body=b"x" * (5 * 2**20))
-    assert set(store.layer_profiles("Tiny")) == set(rows)
+    assert set(store.read(LAYER_PROFILES, {"model": "Tiny"})) == set(rows)
 
 
 _WRITER = textwrap.dedent(
@@ -402,7 +414,7 @@ _WRITER = textwrap.dedent(
 
 def test_a_writer_killed_mid_write_leaves_a_whole_generation(store_uri):
     store = empty_store(store_uri)
-    store.write_model(tiny_model("Big", blocks=98, tps=(1,)), provenance=PROV)
+    store.write(MODELS, [tiny_model("Big", blocks=98, tps=(1,))], provenance=PROV)
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, store_uri], stdout=subprocess.PIPE, text=True, cwd=REPO)
     lines = []
     try:
@@ -437,7 +449,7 @@ def test_concurrent_writers_lose_nothing(store_uri):
                 stores[w % 2].append_history(
                     "events", [HistoryRecord(run_id="r", kind="k", time=T0, payload={"w": w, "i": i})]
                 )
-                stores[w % 2].write_egress_prices(
+                stores[w % 2].write(EGRESS_PRICES,
                     [EgressPrice(sender_zone=f"w{w}", receiver_zone=f"i{i}", usd_per_gb=0.01)]
                 )
         except BaseException as e:  # noqa: BLE001 - reported below
@@ -451,7 +463,7 @@ def test_concurrent_writers_lose_nothing(store_uri):
     assert not errors
     got = {(r.payload["w"], r.payload["i"]) for r in stores[0].read_history("events")}
     assert got == {(w, i) for w in range(6) for i in range(4)}
-    assert len(stores[1].egress_prices()) == 24
+    assert len(stores[1].read(EGRESS_PRICES)) == 24
 
 
 def test_concurrent_replaces_leave_exactly_one_of_them(store_uri):
@@ -467,7 +479,7 @@ def test_concurrent_replaces_leave_exactly_one_of_them(store_uri):
         th.start()
     for th in threads:
         th.join()
-    got = set(store.layer_profiles("Tiny"))
+    got = set(store.read(LAYER_PROFILES, {"model": "Tiny"}))
     assert any(got == set(s) for s in sets)
 
 
@@ -484,7 +496,7 @@ def test_readers_during_replaces_always_see_one_whole_generation(store_uri):
         reader = open_store(store_uri, seed=False)
         try:
             while not done.is_set():
-                seen.append(set(reader.layer_profiles("Tiny")))
+                seen.append(set(reader.read(LAYER_PROFILES, {"model": "Tiny"})))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from infra.testbed import testbed_support
+from profiles_store.tables import NETWORK_LINKS
 
 pytest_plugins = ["tests.flow_fixtures"]
 # Several minutes of VM profiling and training on isolated VMs: run with SAILOR_SLOW_TESTS=1 (as root).
@@ -72,7 +73,7 @@ def test_a_run_on_isolated_vms_keeps_its_state_in_object_storage_and_leaves_noth
     assert c["checkpoint_uri"].startswith("s3://") and len(c["wheel_sha256"]) == 64
     assert all(v["address"].startswith("10.") for v in c["vms"])
     # the links between the zones were measured on rented VMs and are in the store now
-    measured = {(lk.sender_zone, lk.receiver_zone) for lk in open_store(profiled_store).network_links()}
+    measured = {(lk.sender_zone, lk.receiver_zone) for lk in open_store(profiled_store).read(NETWORK_LINKS)}
     assert {("za", "zb"), ("zb", "za")} <= measured
     kinds = [e["kind"] for e in r["events"]]
     assert "preemption" in kinds and "reconfigured" in kinds, kinds

@@ -1,7 +1,8 @@
 """Land profiler results in a profile store, and the one-call entry points the flow's tasks use.
 
 Contract: the store is passed in (a `profiles_store.ProfileStore` or anything with its methods);
-this module never opens one, so sailor_core does not depend on the store's package.
+this module never opens one and names its tables by name (`store.write("network_links", ...)`), so
+sailor_core does not depend on the store's package.
 - `save_model_profile(store, profile)`: makes sure the store knows the GPU type and the model's
   layer sizes (writes the analytic spec of sailor_core.models if the model is missing, adds TP
   degrees it lacks, refuses a stored model of the same name with another architecture), then
@@ -56,22 +57,21 @@ def _spec_to_write(store: Any, profile: ModelProfile) -> ModelSpec | None:
 
 def save_model_profile(store: Any, profile: ModelProfile) -> int:
     if profile.gpu_type not in store.gpu_types():
-        store.write_gpu_types([device_gpu_type(profile.device, profile.gpu_type)], provenance=profile.provenance)
+        store.write("gpu_types", [device_gpu_type(profile.device, profile.gpu_type)], provenance=profile.provenance)
     spec = _spec_to_write(store, profile)
     if spec is not None:
-        store.write_model(spec, provenance=profile.provenance)
+        store.write("model_layers", [spec], provenance=profile.provenance)
     n = store.replace_layer_profiles(profile.model, profile.gpu_type, profile.profiles, provenance=profile.provenance)
     if profile.framework_overhead_bytes > 0:
-        store.write_framework_overhead(
-            {profile.gpu_type: profile.framework_overhead_bytes}, provenance=profile.provenance
-        )
+        store.write("framework_overhead", [(profile.gpu_type, profile.framework_overhead_bytes)],
+                    provenance=profile.provenance)
     return int(n)
 
 
 def save_network_profile(store: Any, profile: NetworkProfile) -> int:
-    store.write_network_links([profile.link], provenance=profile.provenance)
-    store.write_intra_node_links([profile.intra_node], provenance=profile.provenance)
-    store.write_node_allreduce([profile.node_allreduce], provenance=profile.provenance)
+    store.write("network_links", [profile.link], provenance=profile.provenance)
+    store.write("intra_node_links", [profile.intra_node], provenance=profile.provenance)
+    store.write("node_allreduce", [profile.node_allreduce], provenance=profile.provenance)
     return 3
 
 
