@@ -11,9 +11,10 @@ Contract:
   exited}}), forwards SIGUSR1 (a preemption notice: the workers checkpoint just in time), and on
   SIGTERM/SIGINT hands the workers SIGTERM (they checkpoint and stop), kills them after `grace_s`
   and exits 0.
-- Worker logs live in the VM's own folder (`run_dir`); with `log_uri` (an object-storage or local
-  folder URI under the run's state) they are copied there every `upload_s` and at exit, so nothing
-  is left only on the VM.
+- Worker logs live in the VM's own folder (`run_dir`), and so do rank 0's own step records
+  (`metrics-v<version>.jsonl`, $SAILOR_METRICS_DIR); with `log_uri` (an object-storage or local
+  folder URI under the run's state) they are copied to `<log_uri>/<vm id>/` every `upload_s`, on a
+  preemption notice and at exit, so nothing is left only on the VM.
 - Exit status: 0 when every worker exited 0 (done, stopped, told to exit) or the agent was told to
   stop; 1 when a worker failed.
 - JSON lines on `events` (default stdout): `started`, `heartbeat`, `worker_exited`, `exited`.
@@ -51,6 +52,7 @@ class WorkerAgent:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._log_storage: Any = None
         self._lock = threading.Lock()
+        self._upload_lock = threading.Lock()  # the periodic upload, the notice's and the last one, one at a time
         self._stop = threading.Event()
 
     def emit(self, ev: dict[str, Any]) -> None:
@@ -67,7 +69,8 @@ class WorkerAgent:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("SAILOR_WORKER_THREADS", "1"), PYTHONUNBUFFERED="1",
                    SAILOR_CONTROL=self.control, SAILOR_WORKER_ID=wid, LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(self.devices), SAILOR_ADVERTISE_ADDR=self.advertise_addr,
-                   SAILOR_FIRST_GENERATION=str(self.first_generation), **{protocol.SECRET_ENV: self.secret})
+                   SAILOR_FIRST_GENERATION=str(self.first_generation), SAILOR_METRICS_DIR=self.run_dir,
+                   **{protocol.SECRET_ENV: self.secret})
         log = open(self._log_path(local), "ab")  # noqa: SIM115 - the child's for its lifetime
         try:
             self.procs[wid] = subprocess.Popen([self.python, "-m", "sailor_core.runtime.worker_proc"], env=env,
@@ -80,6 +83,8 @@ class WorkerAgent:
             for p in self.procs.values():
                 with contextlib.suppress(ProcessLookupError):
                     p.send_signal(signal.SIGUSR1)
+            # The VM goes away when the notice's grace ends: its logs and step records leave now.
+            threading.Thread(target=self.upload_logs, daemon=True).start()
             return
         self._stop.set()
 
@@ -99,18 +104,28 @@ class WorkerAgent:
                 return
 
     def upload_logs(self) -> None:
+        """The VM's worker logs and step records, copied under `log_uri` (best effort)."""
         if not self.log_uri:
             return
+        with self._upload_lock:
+            self._upload()
+
+    def _upload(self) -> None:
+        """One pass of `upload_logs`."""
         from sailor_core.runtime.checkpoint import open_storage
+
+        assert self.log_uri is not None
 
         try:
             # One client for the agent's life: making one (an S3 client) costs more than the uploads,
             # and the last upload is on the path of the VM's release.
             storage = self._log_storage = self._log_storage or open_storage(self.log_uri)
-            for local in range(self.devices):
+            names = [f"worker-{local}.log" for local in range(self.devices)]
+            names += sorted(n for n in os.listdir(self.run_dir) if n.startswith("metrics-v") and n.endswith(".jsonl"))
+            for name in names:
                 with contextlib.suppress(OSError):
-                    with open(self._log_path(local), "rb") as f:
-                        storage.write(f"{self.vm_id}/worker-{local}.log", f.read())
+                    with open(os.path.join(self.run_dir, name), "rb") as f:
+                        storage.write(f"{self.vm_id}/{name}", f.read())
         except Exception as e:  # noqa: BLE001 - logs are best effort; training must not stop for them
             self.emit({"event": "log_upload_failed", "reason": str(e)[:200]})
 

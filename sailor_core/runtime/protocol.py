@@ -25,9 +25,16 @@ Keys (one generation g per plan version the workers are handed; a worker id is
                            keeping their state in memory (status `switched`)
     g<g>/loaded/<worker>   how the worker resumed in generation g: memory | checkpoint | none
     g<g>/rdv               host:port of the generation's process-group store (hosted by its rank 0)
+    g<g>/held              the step rank 0 holds at: a step of the assignment's `hold_at_steps` (a
+                           scripted event's step); every rank waits there until
+    g<g>/release/<step>    is set (by the flow, once its provider has seen the step), or HOLD_MAX_S
     hb/<worker>            the worker's latest heartbeat {"time", "step"} (JSON)
     hb/vm/<vm id>          the agent's heartbeat {"time", "workers": {id: pid}} (JSON)
     metrics/v<version>     list: one JSON record per training step, from rank 0
+
+Rank 0 also appends each step's record to its own file `metrics-v<version>.jsonl` in
+$SAILOR_METRICS_DIR when that is set (the agent sets it to the VM's folder and uploads the file with
+the logs): the record survives a lost request to the controller.
 
 An assignment's `rank` is the worker's global rank; `IDLE` (-2) keeps the process waiting for the next
 generation (a VM with more devices than its replica needs) and `EXIT` (-1) ends it.
@@ -54,6 +61,7 @@ SECRET_HEADER = "X-Sailor-Secret"
 EXIT = -1
 IDLE = -2
 HEARTBEAT_S = 2.0
+HOLD_MAX_S = 10.0  # the longest rank 0 holds at a step unreleased (well within a collective's timeout)
 LISTEN_BACKLOG = 1024  # pending connections the control server queues (a generation's start is a burst)
 RETRY_S = 20.0  # how long a client retries an unreachable controller before it gives up (the flow's
 # default heartbeat timeout: a worker that cannot reach the controller for longer counts as lost anyway)
@@ -90,6 +98,16 @@ def rendezvous_key(gen: int) -> str:
     return f"g{gen}/rdv"
 
 
+def held_key(gen: int) -> str:
+    """Set by rank 0 to the step it holds at (an `Assignment.hold_at_steps` step)."""
+    return f"g{gen}/held"
+
+
+def release_key(gen: int, step: int) -> str:
+    """Set by the controller's side to let generation g go on past a held step."""
+    return f"g{gen}/release/{step}"
+
+
 def heartbeat_key(worker: str) -> str:
     return f"hb/{worker}"
 
@@ -121,6 +139,9 @@ class Assignment:
     settings: dict[str, Any] = field(default_factory=dict)
     resume: bool = False
     local_rank: int = 0
+    # steps after which rank 0 holds the generation until released (release_key): a scripted event's
+    # step, so the event happens at that step however fast the job trains (see the keys above)
+    hold_at_steps: tuple[int, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -130,7 +151,8 @@ class Assignment:
         d = json.loads(raw)
         return cls(rank=int(d["rank"]), world_size=int(d.get("world_size", 0)), plan=d.get("plan") or {},
                    settings=d.get("settings") or {}, resume=bool(d.get("resume")),
-                   local_rank=int(d.get("local_rank", 0)))
+                   local_rank=int(d.get("local_rank", 0)),
+                   hold_at_steps=tuple(int(x) for x in d.get("hold_at_steps") or ()))
 
 
 class _Board:
@@ -387,7 +409,8 @@ class ControlClient:
 
 
 def assign_generation(board: Any, gen: int, *, plan: dict[str, Any], settings: dict[str, Any],
-                      resume: bool, vms: list[tuple[str, int, tuple[int, ...]]]) -> list[str]:
+                      resume: bool, vms: list[tuple[str, int, tuple[int, ...]]],
+                      hold_at_steps: tuple[int, ...] = ()) -> list[str]:
     """Hand out generation `gen`: `vms` lists (vm id, devices, global ranks it runs) in rank order.
 
     Worker i of a VM runs the VM's i-th rank with local rank i (device i); its other workers sit the
@@ -402,7 +425,7 @@ def assign_generation(board: Any, gen: int, *, plan: dict[str, Any], settings: d
             wid = worker_id(vm_id, i)
             if i < len(ranks):
                 a = Assignment(rank=ranks[i], world_size=world, plan=plan, settings=settings, resume=resume,
-                               local_rank=i)
+                               local_rank=i, hold_at_steps=hold_at_steps)
                 members.append((ranks[i], wid))
             else:
                 a = Assignment(rank=IDLE)

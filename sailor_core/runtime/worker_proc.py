@@ -6,7 +6,8 @@ Contract (`python -m sailor_core.runtime.worker_proc`):
   generation g = 0, 1, ... (from SAILOR_FIRST_GENERATION) the worker waits for its assignment
   (`g<g>/assign/<W>`; rank -1 means "exit", -2 "sit this generation out"), joins a fresh process group
   through a TCPStore that the generation's rank 0 hosts at SAILOR_ADVERTISE_ADDR (announced under
-  `g<g>/rdv`), trains, reports each step (rank 0, `metrics/v<version>`) and sets `g<g>/status/<W>` to
+  `g<g>/rdv`), trains, reports each step (rank 0, `metrics/v<version>`, and its own file under
+  $SAILOR_METRICS_DIR), holds at the assignment's `hold_at_steps` until released, and sets `g<g>/status/<W>` to
   `done`, `stopped`, `switched` (a plan change ended it) or `failed: <reason>`. After a switch or a
   failure (a peer died, a timeout) it drops its process group and waits for generation g+1 in the
   same process, keeping torch imported, the dataset and its trainer's state in memory: the next
@@ -53,6 +54,7 @@ from sailor_core.runtime.topology import layout
 from sailor_core.uris import s3_compat_settings
 
 ASSIGNMENT_WAIT_S = 600.0  # how long a worker waits for its next generation before giving up
+METRICS_RETRY_S = 2.0  # how long rank 0 retries a step report (the step's record is also in its own file)
 STOP_POLL_S = 0.5  # a worker waiting for its next generation notices SIGTERM within this
 
 
@@ -207,6 +209,11 @@ class _Control:
         self.last_step = 0
         self.switching = -1  # the generation the controller asked to end for a plan change
         self.training = -1  # the generation this process trains in now (-1: none: waiting, or sitting one out)
+        self.holds: frozenset[int] = frozenset()  # steps the current generation holds at (Assignment.hold_at_steps)
+        self.metrics_dir = os.environ.get("SAILOR_METRICS_DIR")  # rank 0's own step records go here too
+        # Step reports retry briefly: training must not wait long on a controller that is gone (the record
+        # is in the file above); the other requests retry for the client's usual deadline.
+        self.reports = ControlClient(f"{client.host}:{client.port}", client.secret, retry_s=METRICS_RETRY_S)
         self.aborted_groups: list[Any] = []  # process groups of aborted generations (run_generation)
         self.notices = Notices()  # this process's: SIGUSR1/SIGTERM, and the plan change's stop
         # 0: plain waits (lost peers then cost a timeout)
@@ -258,10 +265,35 @@ class _Control:
         return True
 
     def on_metrics(self, rec: dict[str, Any]) -> None:
-        """Records a step's metrics (rank 0) under `metrics/v<version>` and notes the step for heartbeats."""
+        """Records a step's metrics (rank 0): in this process's own file (`metrics-v<version>.jsonl` under
+        $SAILOR_METRICS_DIR, the source of truth its agent uploads) and under the controller's
+        `metrics/v<version>`; notes the step for heartbeats, and holds at a step of `holds`."""
         self.last_step = int(rec.get("step", self.last_step))
+        version = int(rec.get("plan_version") or 0)
+        line = json.dumps(rec)
+        if self.metrics_dir:
+            try:
+                with open(os.path.join(self.metrics_dir, f"metrics-v{version}.jsonl"), "a") as f:
+                    f.write(line + "\n")
+            except OSError as e:  # a full disk: the controller's copy below still has the record
+                _log(f"cannot keep step {self.last_step}'s record: {e}")
         with contextlib.suppress(protocol.ProtocolError):
-            self.client.append(protocol.metrics_key(int(rec.get("plan_version") or 0)), json.dumps(rec))
+            self.reports.append(protocol.metrics_key(version), line)
+        if self.last_step in self.holds:
+            self.hold(self.last_step)
+
+    def hold(self, step: int) -> None:
+        """Wait at `step` until the controller's side releases it (it has seen the step: a scripted event
+        happens exactly there), at most HOLD_MAX_S; the other ranks wait in their next collective."""
+        gen = self.training
+        try:
+            self.client.set(protocol.held_key(gen), str(step))
+            released = self.client.get(protocol.release_key(gen, step), wait_s=protocol.HOLD_MAX_S)
+        except protocol.ProtocolError as e:
+            _log(f"holding at step {step}: {e}; going on")
+            return
+        if released is None:
+            _log(f"held at step {step} for {protocol.HOLD_MAX_S:.0f}s without a release; going on")
 
 
 def controlled(control: str, worker_id: str, secret: str) -> int:
@@ -324,6 +356,7 @@ def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCac
     one, or None."""
     client, worker_id = ctl.client, ctl.worker_id
     ctl.training = gen
+    ctl.holds = frozenset(int(x) for x in a.get("hold_at_steps") or ())
     try:
         status = run_generation(a, data=data, init={"store": _pg_store(a, client, gen)},
                                 local_rank=int(a.get("local_rank", 0)), on_metrics=ctl.on_metrics,
