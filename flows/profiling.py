@@ -13,16 +13,18 @@ another type fails with the command that makes it. `measure_zone_link` is `sailo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from infra.provider import Vm
-from profiles_store.store import ProfileStore
+from infra.provider import Provider, Vm
+from profiles_store.store import ProfileStore, open_store
 from profiles_store.tables import (
     FRAMEWORK_OVERHEAD,
     GPU_TYPES,
@@ -35,15 +37,17 @@ from profiles_store.tables import (
 )
 from sailor_core.domain import Capacity, LinkAllReduce, NetworkLink, Provenance
 from sailor_core.errors import MissingProfileError, SailorError
+from sailor_core.models.config import get_config, model_spec
 from sailor_core.profiles import ProfileBook
-from tasks.jobs import CodeRef
+from tasks.control import Controller
+from tasks.jobs import ship_code
 from tasks.remote import VmCommands
+from tasks.runstate import RunState
 
 if TYPE_CHECKING:
     from prefect.states import State
 
     from flows.params import SailorParams
-    from flows.sailor import Deps
 
 LOCAL_GPU = "cpu"
 LOCAL_ZONE = "local"
@@ -51,6 +55,17 @@ LOCAL_ZONE = "local"
 End = tuple[str, str]  # (zone, device type) at one end of a link
 ZonePair = tuple[tuple[str, str], list[tuple[End, End]]]  # (zone a, zone b), the device-type pairs between them
 ProfileJob = tuple[Vm, list[str], tuple[str, str, str]]  # (vm, `sailor` argv, (kind, device type, zone))
+
+
+class RentingDeps(Protocol):
+    """What measuring on rented VMs uses of a run's side effects (flows/sailor.Deps has them)."""
+
+    provider: Provider
+    store: ProfileStore
+    state: RunState | None  # where the rented VMs' code and results go
+    controller_host: str
+    ship_wheel: bool
+    closers: list[Callable[[], None]]  # run after the VMs are gone (the testbed's object store, ...)
 
 
 class Log(Protocol):
@@ -89,7 +104,6 @@ def ensure_model(store: ProfileStore, model: str) -> None:
     """Models the store lacks but the model family defines (gpt-tiny, gpt-small) are written to it."""
     if model in store.model_names():
         return
-    from sailor_core.models.config import get_config, model_spec
 
     store.write(MODELS, [model_spec(get_config(model))])
 
@@ -246,7 +260,6 @@ def _measure_pair(pool: _VmPool, remote: VmCommands, src: tuple[str, str | None]
     None when no two such VMs can be rented:
     `sailor profile link` on a VM at each end (of that device type where given), meeting through the run's
     controller. Its ping-pong crosses the link both ways; the fit stands for both directions."""
-    from profiles_store import open_store
 
     (za, ga), (zb, gb) = src, dst
     a = pool.get(za, ga)
@@ -293,7 +306,6 @@ def _device(offer: Capacity) -> str:
 
 def _run_and_import(remote: VmCommands, jobs: list[ProfileJob], store: ProfileStore, model: str,
                     measured: dict[str, list[str]], log: Log) -> None:
-    from profiles_store import open_store
 
     if not jobs:
         return
@@ -320,7 +332,6 @@ def _import_links(measured: NetworkLink, allreduce: LinkAllReduce, store: Profil
                   combos: list[tuple[End, End]], a: Vm, b: Vm) -> None:
     """The measured link of a zone pair (and the all-reduce over it), for every device-type pair of those
     zones the plans may use: on one network the link is the zones', measured once between two of their VMs."""
-    from dataclasses import replace
 
     rows, ars = [], []
     for (za, ga), (zb, gb) in combos:
@@ -333,8 +344,6 @@ def _import_links(measured: NetworkLink, allreduce: LinkAllReduce, store: Profil
 
 
 def _provenance(vm: Vm, zone: str, run_id: str, peer: Vm | None = None) -> Provenance:
-    import json
-    from datetime import UTC, datetime
 
     info = {"vm": vm.vm_id, "zone": zone, "gpu_type": vm.gpu_type, "run": run_id or vm.run_id}
     if peer is not None:
@@ -344,7 +353,7 @@ def _provenance(vm: Vm, zone: str, run_id: str, peer: Vm | None = None) -> Prove
 
 
 def measure_zone_link(params: SailorParams, src: tuple[str, str | None], dst: tuple[str, str | None],
-                      log: Log) -> ZoneLink:
+                      log: Log, *, deps: RentingDeps, run_id: str) -> ZoneLink:
     """`sailor profile network --from ZONE[:TYPE] --to ZONE[:TYPE]`: the link between two zones, measured by
     hand on VMs of `params.provider` (on `params.scenario` for the local testbed) as the profile subflow does.
 
@@ -352,20 +361,14 @@ def measure_zone_link(params: SailorParams, src: tuple[str, str | None], dst: tu
     (`_measure_pair`), writes the fit to `params.store_uri` for every device-type pair of the two zones the
     provider offers (only the named type at an end that names one), and removes everything it started:
     the VMs, the controller, the testbed's object store, also on an error or Ctrl-C. Returns what it wrote.
+    `deps`: the run's side effects (flows/sailor.default_deps(params, run_id)).
     """
-    from flows.sailor import default_deps
-    from tasks.control import Controller
-    from tasks.history import new_run_id
-    from tasks.remote import VmCommands
-
-    run_id = new_run_id("profile-network")
-    deps = default_deps(params, run_id)
     assert deps.state is not None  # default_deps always sets the run's state
     controller = None
     try:
         offers = [o for o in deps.provider.offerings(regions=params.regions) if o.gpus > 0]
         types = [_offered_types(offers, zone, gpu, end) for (zone, gpu), end in ((src, "--from"), (dst, "--to"))]
-        code = _wheel_for_vms(deps)
+        code = ship_code(deps.state, deps.provider.name, ship=deps.ship_wheel)
         controller = Controller(host=deps.controller_host)
         remote = VmCommands(deps.provider, controller, deps.state, code, run_id)
         log.info("renting a VM in %s and one in %s (run %s)", src[0], dst[0], run_id)
@@ -396,16 +399,6 @@ def _offered_types(offers: Sequence[Capacity], zone: str, gpu: str | None, end: 
         raise SailorError(f"{end} {zone}:{gpu}: the provider offers no {gpu} there now; to fix: one of "
                           f"{', '.join(f'{zone}:{g}' for g in here)}")
     return [gpu] if gpu is not None else here
-
-
-def _wheel_for_vms(deps: Deps) -> CodeRef:
-    """This checkout as a wheel beside the run's state, for the rented VMs to install (as the train flow ships it)."""
-    from tasks.runstate import build_wheel, project_root, publish_wheel
-
-    if not deps.ship_wheel or deps.state is None:
-        return CodeRef()
-    url, sha = publish_wheel(deps.state, build_wheel(project_root() / "build" / "sailor-wheels"))
-    return CodeRef(url=url, sha256=sha, extras=deps.provider.name if deps.provider.name in ("aws", "gcp") else "")
 
 
 @flow(name="profile", log_prints=True)

@@ -264,6 +264,8 @@ def _zone_link(src: str | None, dst: str | None, *, provider: str, scenario: Pat
     """`profile network --from/--to`: flows/profiling.measure_zone_link, then what it measured."""
     from flows.params import validate_params
     from flows.profiling import measure_zone_link
+    from flows.sailor import default_deps
+    from tasks.history import new_run_id
 
     if src is None or dst is None:
         raise SailorError("--from and --to go together; to fix: name both ends, e.g. --from eu-west --to us-east")
@@ -276,7 +278,8 @@ def _zone_link(src: str | None, dst: str | None, *, provider: str, scenario: Pat
     params = validate_params({"run_name": "profile-network", "provider": provider, "steps": 1,
                               "scenario": None if scenario is None else str(scenario),
                               "store_uri": st.uri, "workdir": str(workdir), "isolation": isolation})
-    out = measure_zone_link(params, ends[0], ends[1], _Say())
+    run_id = new_run_id("profile-network")
+    out = measure_zone_link(params, ends[0], ends[1], _Say(), deps=default_deps(params, run_id), run_id=run_id)
     fit = out.link.fit
     if as_json:
         typer.echo(json.dumps({"run_id": out.run_id, "vms": out.vms, "store": out.store, "rows": out.rows,

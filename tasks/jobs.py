@@ -32,7 +32,7 @@ from sailor_core.domain import ParallelPlan, Replica
 from sailor_core.plan_format import plan_to_dict
 from tasks.control import Controller
 from tasks.records import MetricRow
-from tasks.runstate import RunState
+from tasks.runstate import RunState, build_wheel, project_root, publish_wheel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +124,15 @@ class CodeRef:
     url: str = ""
     sha256: str = ""
     extras: str = ""
+
+
+def ship_code(state: RunState | None, provider: str, *, ship: bool = True) -> CodeRef:
+    """This checkout as a wheel beside the run's `state`, for every VM of `provider` to install (an
+    empty CodeRef where nothing is shipped: `ship` False or no state; the VMs run what they have)."""
+    if not ship or state is None:
+        return CodeRef()
+    url, sha = publish_wheel(state, build_wheel(project_root() / "build" / "sailor-wheels"))
+    return CodeRef(url=url, sha256=sha, extras=provider if provider in ("aws", "gcp") else "")
 
 
 @dataclass(frozen=True, kw_only=True)
