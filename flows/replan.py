@@ -32,12 +32,12 @@ from prefect import flow
 from prefect.logging import get_run_logger
 
 from flows.params import SailorParams
-from infra.provider import AgentExitCodes, CapacityError, Provider, ProviderEvent, Vm
+from infra.provider import AgentExitCodes, Provider, ProviderEvent, Vm
 from infra.scenario import load_scenario
 from profiles_store.spot_risk import spot_risk_from_store
 from sailor_core.decisions import Replacement, StartupTimes, best_replacement, startup_s, switch_outcome
 from sailor_core.domain import Capacity, Market, ModelSpec, ParallelPlan, ResourcePool
-from sailor_core.errors import SailorError
+from sailor_core.errors import CapacityError, SailorError
 from sailor_core.plan_format import plan_to_dict
 from sailor_core.planner.request import (
     Constraints,

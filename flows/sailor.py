@@ -31,18 +31,9 @@ from prefect.runtime import flow_run as runtime_flow_run
 from flows.params import SailorParams, takes_params, validate_params
 from flows.profiling import profile
 from flows.replan import RunContext, RunSetup, replan
-from infra.provider import (
-    CapacityError,
-    ClusterInfo,
-    DryRunReporting,
-    HostedVms,
-    Provider,
-    ProviderEvent,
-    Vm,
-    VmRequest,
-)
+from infra.provider import ClusterInfo, DryRunReporting, HostedVms, Provider, ProviderEvent, Vm, VmRequest
 from sailor_core.domain import Capacity, ParallelPlan, ResourcePool
-from sailor_core.errors import SailorError, StorageUnavailable
+from sailor_core.errors import CapacityError, SailorError, StorageUnavailable
 from sailor_core.planner.risk import planning_checkpoint_interval
 from tasks import interrupt
 from tasks.control import Controller, HeartbeatBoard
@@ -107,7 +98,7 @@ def make_provider(params: SailorParams, run_dir: Path, board: HeartbeatBoard | N
     # credentials from the SDKs' standard chains, never from parameters.
     import os
 
-    from infra.cloud import provider_from_env
+    from infra.registry import provider_from_env
 
     return provider_from_env(params.provider, env=os.environ, regions=params.regions)
 

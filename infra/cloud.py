@@ -1,10 +1,9 @@
 """Pieces the cloud providers (infra/aws, infra/gcp) share; no cloud SDK here.
 
 Contract:
-- `ApiCall` is one request a provider would send (service, region or zone, operation, exact
-  parameters); `DryRunReport` is what `provision(..., dry_run=True)` would send and what it would
-  cost per hour; `format_dry_run` prints it, `dry_run_text(provider, requests)` does both for any
-  provider. A dry run rents nothing.
+- `format_dry_run` prints a `DryRunReport` (infra/provider.py: what `provision(..., dry_run=True)`
+  would send, as `ApiCall`s, and what it would cost per hour); `dry_run_text(provider, requests)`
+  makes and prints one for any provider. A dry run rents nothing.
 - `EventSource` is the protocol of an injectable feed of provider events for a run's VMs;
   `ScriptedEventSource` lets a test or a scenario push spot interruptions, rebalance
   recommendations and preemptions that the clouds' own APIs (moto, the local fake) cannot emit.
@@ -21,16 +20,15 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from infra.catalog import PriceQuote, PriceSource, lookup
-from infra.provider import DryRunReporting, EventKind, Provider, ProviderEvent, Vm, VmRequest
+from infra.provider import ApiCall, DryRunReport, DryRunReporting, EventKind, Provider, ProviderEvent, Vm, VmRequest
 from sailor_core.domain import Capacity, Market, default_region
 from sailor_core.errors import CapacityError, ProviderError
 
@@ -89,30 +87,6 @@ def choose_shape(
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ApiCall:
-    service: str
-    location: str  # region or zone the call goes to
-    operation: str
-    params: Mapping[str, Any]
-
-    def render(self) -> str:
-        return (
-            f"{self.service}.{self.operation} [{self.location}] {json.dumps(self.params, sort_keys=True, default=str)}"
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class DryRunReport:
-    provider: str
-    calls: tuple[ApiCall, ...]
-    vms: tuple[Vm, ...]
-
-    @property
-    def usd_per_hour(self) -> float:
-        return sum(v.usd_per_hour for v in self.vms)
 
 
 def dry_run_text(provider: Provider, requests: Sequence[VmRequest]) -> str:
@@ -493,49 +467,3 @@ def forbid_credentials(env: Mapping[str, str], *, where: str) -> None:
             f"{where}: refusing to copy {bad} to a VM; to fix: give the VM an instance role (AWS) or a "
             f"service account (GCP) with the rights it needs instead of passing secrets"
         )
-
-
-def _csv(value: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in value.split(",") if x.strip())
-
-
-DEFAULT_REGIONS = {"aws": ("us-east-1", "us-west-2"), "gcp": ("us-central1", "europe-west4")}
-
-
-def provider_from_env(
-    name: str, *, env: Mapping[str, str], regions: Sequence[str] | None = None,
-    event_source: EventSource | None = None,
-) -> Any:
-    """Build the aws or gcp provider from settings in `env` (the caller passes os.environ).
-
-    aws: regions from `regions`, else SAILOR_AWS_REGIONS (comma list); boto3's standard credential
-    chain (AWS_PROFILE, env, SSO, instance role); SAILOR_AWS_ENDPOINT_URL points EC2 elsewhere
-    (boto3 also honours AWS_ENDPOINT_URL); SAILOR_AWS_IMAGE_IDS=region=ami,...; SAILOR_AWS_INSTANCE_PROFILE.
-    gcp: SAILOR_GCP_PROJECT (else GOOGLE_CLOUD_PROJECT), regions or SAILOR_GCP_REGIONS; google-auth's
-    application default credentials; SAILOR_GCE_ENDPOINT points Compute elsewhere (a loopback
-    endpoint uses anonymous credentials); SAILOR_GCP_LIVE_PRICES=0 skips the billing catalog.
-    Both: SAILOR_<CLOUD>_CATALOG is a SkyPilot-format CSV used as the price fallback.
-    """
-    name = name.lower()
-    if name == "aws":
-        from infra.aws import from_environment as aws_from_env
-
-        regs = tuple(regions or _csv(env.get("SAILOR_AWS_REGIONS", "")) or DEFAULT_REGIONS["aws"])
-        images = dict(kv.split("=", 1) for kv in _csv(env.get("SAILOR_AWS_IMAGE_IDS", "")) if "=" in kv)
-        extra: dict[str, Any] = {"image_ids": images} if images else {}
-        if env.get("SAILOR_AWS_INSTANCE_PROFILE"):
-            extra["instance_profile"] = env["SAILOR_AWS_INSTANCE_PROFILE"]
-        return aws_from_env(regs, catalog_csv=env.get("SAILOR_AWS_CATALOG") or None,
-                            endpoint_url=env.get("SAILOR_AWS_ENDPOINT_URL") or None, event_source=event_source,
-                            **extra)
-    if name == "gcp":
-        from infra.gcp import from_environment as gcp_from_env
-
-        project = env.get("SAILOR_GCP_PROJECT") or env.get("GOOGLE_CLOUD_PROJECT", "")
-        if not project:
-            raise ProviderError("no GCP project set; to fix: export SAILOR_GCP_PROJECT=my-project")
-        regs = tuple(regions or _csv(env.get("SAILOR_GCP_REGIONS", "")) or DEFAULT_REGIONS["gcp"])
-        return gcp_from_env(project, regs, catalog_csv=env.get("SAILOR_GCP_CATALOG") or None,
-                            endpoint=env.get("SAILOR_GCE_ENDPOINT") or None, event_source=event_source,
-                            live_prices=env.get("SAILOR_GCP_LIVE_PRICES", "1") != "0")
-    raise ProviderError(f"unknown cloud provider {name!r}; to fix: use aws or gcp")

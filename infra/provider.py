@@ -12,19 +12,13 @@ constructor; nothing reaches for a global. Every implementation passes tests/pro
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sailor_core.domain import Capacity, Market
-
-# re-exported: flows, tasks and tests import the provider's errors from here
-from sailor_core.errors import CapacityError as CapacityError
-from sailor_core.errors import ProviderError as ProviderError
-
-if TYPE_CHECKING:
-    from infra.cloud import DryRunReport
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +154,34 @@ class ClusterInfo(Protocol):
     """The provider can say where a run's VMs live (isolation, zones, addresses), for the run history."""
 
     def cluster_info(self, run_id: str) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApiCall:
+    """One request a cloud provider would send: service, region or zone, operation, exact parameters."""
+
+    service: str
+    location: str  # region or zone the call goes to
+    operation: str
+    params: Mapping[str, Any]
+
+    def render(self) -> str:
+        return (
+            f"{self.service}.{self.operation} [{self.location}] {json.dumps(self.params, sort_keys=True, default=str)}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunReport:
+    """What `provision(..., dry_run=True)` would send (`calls`) and rent (`vms`), and what it would cost."""
+
+    provider: str
+    calls: tuple[ApiCall, ...]
+    vms: tuple[Vm, ...]
+
+    @property
+    def usd_per_hour(self) -> float:
+        return sum(v.usd_per_hour for v in self.vms)
 
 
 @runtime_checkable

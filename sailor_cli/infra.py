@@ -11,7 +11,7 @@ Contract:
 - `cleanup [--provider aws|gcp] [--run RUN] [--dry-run]` removes (or lists) every instance,
   volume, security group or firewall tagged with the run (every sailor run if --run is omitted);
   without --provider it covers each cloud that is configured.
-Settings come from the environment (infra.cloud.provider_from_env); credentials only from the
+Settings come from the environment (infra.registry.provider_from_env); credentials only from the
 SDKs' standard chains. Errors print one line with a fix.
 """
 
@@ -46,8 +46,8 @@ app = typer.Typer(help="Cloud providers: offerings, catalogs, dry-run provisioni
 
 
 def _provider(name: str, regions: list[str] | None):
-    from infra.cloud import provider_from_env
-    from infra.provider import ProviderError
+    from infra.registry import provider_from_env
+    from sailor_core.errors import ProviderError
 
     try:
         return provider_from_env(name, env=os.environ, regions=regions or None)
@@ -79,7 +79,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _call(fn, *args, **kw):
-    from infra.provider import ProviderError
+    from sailor_core.errors import ProviderError
 
     try:
         return fn(*args, **kw)

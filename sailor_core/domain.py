@@ -14,9 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-# re-exported: callers outside sailor_core import them from here too
-from sailor_core.errors import SailorError as SailorError
-from sailor_core.errors import ValidationError as ValidationError
+from sailor_core.errors import SailorError, ValidationError
 
 GIB = 2**30
 # Published large runs use global batches of about 1-4 thousand sequences (GPT-3: 1536 x 2048 tokens,

@@ -19,18 +19,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from infra.provider import (
-    AgentExitCodes,
-    CapacityError,
-    EventKind,
-    Provider,
-    ProviderError,
-    ProviderEvent,
-    Reporter,
-    Vm,
-    VmRequest,
-)
+from infra.provider import AgentExitCodes, EventKind, Provider, ProviderEvent, Reporter, Vm, VmRequest
 from sailor_core.domain import Capacity, Market
+from sailor_core.errors import CapacityError, ProviderError
 from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook
 from tasks import interrupt

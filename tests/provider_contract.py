@@ -23,17 +23,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from infra.provider import (
-    CapacityError,
-    EventKind,
-    Provider,
-    ProviderError,
-    ProviderEvent,
-    Vm,
-    VmRequest,
-    WorkerAssignment,
-)
+from infra.provider import EventKind, Provider, ProviderEvent, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Capacity, Market
+from sailor_core.errors import CapacityError, ProviderError
 
 
 class Clock:

@@ -16,7 +16,8 @@ from infra.bootstrap import (
     assignment_json,
     render_startup_script,
 )
-from infra.provider import ProviderError, WorkerAssignment
+from infra.provider import WorkerAssignment
+from sailor_core.errors import ProviderError
 
 pytestmark = pytest.mark.aws
 

@@ -16,8 +16,9 @@ from infra.aws import AwsConfig, AwsProvider
 from infra.aws.prices import SpotPriceHistorySource
 from infra.catalog import ScriptedPriceSource
 from infra.cloud import RUN_TAG, ScriptedEventSource, format_dry_run
-from infra.provider import CapacityError, EventKind, Provider, ProviderError, VmRequest, WorkerAssignment
+from infra.provider import EventKind, Provider, VmRequest, WorkerAssignment
 from sailor_core.domain import Market
+from sailor_core.errors import CapacityError, ProviderError
 from tests.fakes.moto_server import MotoServer, client_factory
 from tests.provider_contract import Clock
 

@@ -19,7 +19,8 @@ from infra.catalog import (
     lookup,
     vm_price,
 )
-from sailor_core.domain import Market, SailorError
+from sailor_core.domain import Market
+from sailor_core.errors import SailorError
 
 DATA = Path(__file__).parent / "data"
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.runtime.token_shards import ShardedTokenDataset, is_prepared, permute
 from tests.store_fixtures import BUCKET, gcs_server, s3_server  # noqa: F401 - the session's servers
 

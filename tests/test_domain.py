@@ -16,10 +16,10 @@ from sailor_core.domain import (
     Replica,
     ResourcePool,
     Stage,
-    ValidationError,
     default_region,
     split_batch,
 )
+from sailor_core.errors import ValidationError
 from sailor_core.plan_format import (
     PlanFormatError,
     load_plan_file,

@@ -111,19 +111,19 @@ def test_the_docstring_tree_is_the_class_tree() -> None:
 
 def test_old_import_paths_give_the_same_classes() -> None:
     from infra.metadata import MetadataUnavailable
-    from infra.provider import CapacityError as ProviderModuleCapacityError
-    from infra.provider import ProviderError as ProviderModuleError
     from infra.testbed import TestbedError as TestbedModuleError
-    from sailor_core.domain import SailorError as DomainSailorError
-    from sailor_core.domain import ValidationError as DomainValidationError
     from sailor_core.profiles import MissingProfileError as ProfilesMissing
     from sailor_core.runtime.protocol import ProtocolError
 
-    assert (DomainSailorError, DomainValidationError, ProfilesMissing) == (SailorError, ValidationError,
-                                                                          MissingProfileError)
-    assert (ProviderModuleError, ProviderModuleCapacityError, TestbedModuleError) == (ProviderError, CapacityError,
-                                                                                      TestbedError)
+    assert ProfilesMissing is MissingProfileError and TestbedModuleError is TestbedError
     assert MetadataUnavailable is errors.MetadataUnavailable and ProtocolError is errors.ProtocolError
+
+
+def test_the_provider_protocol_does_not_re_export_errors() -> None:
+    """infra.provider's error re-exports were imported only by tests: one import path per class."""
+    import infra.provider
+
+    assert not hasattr(infra.provider, "ProviderError") and not hasattr(infra.provider, "CapacityError")
 
 
 def test_a_provider_error_is_a_sailor_error_and_a_failure() -> None:

@@ -296,9 +296,9 @@ def test_a_failure_after_provisioning_still_tears_down(profiled_store, tmp_path)
 
 def test_a_stockout_at_the_first_provisioning_plans_again_on_what_is_granted(profiled_store, tmp_path):
     from flows.sailor import Deps
-    from infra.provider import CapacityError
     from infra.scenario import parse_scenario
     from profiles_store.store import open_store
+    from sailor_core.errors import CapacityError
 
     class Stockout(LocalProvider):
         """Offers 3 spot VMs, but between the offer and the request two of them go (as a cloud's do)."""

@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.cloud, pytest.mark.skipif(
 
 
 def test_live_offerings_and_dry_run_on_a_real_project() -> None:
-    from infra.cloud import format_dry_run, provider_from_env
+    from infra.cloud import format_dry_run
     from infra.provider import VmRequest
+    from infra.registry import provider_from_env
 
     p = provider_from_env("gcp", env=os.environ, regions=["us-central1"])
     offers = p.offerings(gpu_types=["L4-24"], markets=[Market.SPOT])

@@ -15,8 +15,9 @@ import pytest
 from infra.catalog import ScriptedPriceSource
 from infra.cloud import ScriptedEventSource, dry_run_text, format_dry_run
 from infra.gcp import GceClients, GcpConfig, GcpProvider, gce_name
-from infra.provider import CapacityError, EventKind, Provider, ProviderError, VmRequest, WorkerAssignment
+from infra.provider import EventKind, Provider, VmRequest, WorkerAssignment
 from sailor_core.domain import Market
+from sailor_core.errors import CapacityError, ProviderError
 from tests.fakes.gce_fake import GceFake
 from tests.provider_contract import Clock
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from sailor_core.models.config import get_config, layer_activation_bytes, layer_params, model_spec
 from sailor_core.models.hf_config import config_from_hf, hf_config_of, load_model_config
 from tests.store_fixtures import BUCKET, s3_server  # noqa: F401 - the session's S3 server fixture

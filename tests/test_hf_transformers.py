@@ -149,7 +149,7 @@ def test_both_forms_read_as_one_model():
                                   {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
                                   {"rope_type": "no-such-rope"}])
 def test_unsupported_rope_types_are_refused_in_both_forms(rope):
-    from sailor_core.domain import SailorError
+    from sailor_core.errors import SailorError
     from sailor_core.models.hf_config import config_from_hf
 
     d = transformers.LlamaConfig(**SMALL, intermediate_size=96).to_dict()

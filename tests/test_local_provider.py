@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from infra.local import LocalProvider, _group_alive
-from infra.provider import EventKind, ProviderError, VmRequest, WorkerAssignment
+from infra.provider import EventKind, VmRequest, WorkerAssignment
 from infra.scenario import ScenarioError, load_scenario, parse_scenario
 from sailor_core.domain import Market
+from sailor_core.errors import ProviderError
 from tests.provider_contract import ProviderContract
 
 HEARTBEAT_AGENT = textwrap.dedent("""

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sailor_core.domain import SailorError, ValidationError
+from sailor_core.errors import SailorError, ValidationError
 from sailor_core.models import BUILTIN_CONFIGS, TransformerConfig, get_config, model_spec
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from sailor_core.domain import Capacity, Market, ResourcePool, SailorError
+from sailor_core.domain import Capacity, Market, ResourcePool
+from sailor_core.errors import SailorError
 from sailor_core.planner import (
     Constraints,
     Objective,

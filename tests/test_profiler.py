@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from sailor_core.domain import BandwidthFit, SailorError
+from sailor_core.domain import BandwidthFit
+from sailor_core.errors import SailorError
 from sailor_core.models.config import get_config, model_spec
 from sailor_core.profiler.fit import fit_alpha_beta, fit_bandwidth, fit_line, max_abs, relative_errors
 from sailor_core.profiler.layers import ModelProfileSettings, layer_worker

@@ -14,7 +14,8 @@ from dataclasses import replace
 
 import pytest
 
-from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, SailorError, Stage, ValidationError
+from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.errors import SailorError, ValidationError
 from sailor_core.models import get_config
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime.engine import TrainSettings

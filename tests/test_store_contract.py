@@ -48,8 +48,8 @@ from sailor_core.domain import (
     NetworkLink,
     NodeAllReduce,
     Provenance,
-    SailorError,
 )
+from sailor_core.errors import SailorError
 from tests.paths import PUBLISHED_DATA, REFERENCE_DATA, REPO
 from tests.store_fixtures import (  # noqa: F401 - fixtures
     PROV,

@@ -25,7 +25,7 @@ import pytest
 
 from infra import local as local_mod
 from infra.local import LocalProvider
-from infra.provider import EventKind, ProviderError, VmRequest, WorkerAssignment
+from infra.provider import EventKind, VmRequest, WorkerAssignment
 from infra.scenario import parse_scenario
 from infra.testbed import (
     CGROUP_CPU,
@@ -40,6 +40,7 @@ from infra.testbed import (
 from infra.testbed import testbed_support as support_check
 from sailor_cli.main import main
 from sailor_core.domain import Market
+from sailor_core.errors import ProviderError
 from tests.provider_contract import ProviderContract
 
 SUPPORTED, WHY = support_check()

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, SailorError, Stage
+from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
+from sailor_core.errors import SailorError
 from sailor_core.runtime.lr_schedule import check_schedule, learning_rate
 from sailor_core.simulator import SimModel, simulate
 from tests.test_simulator import make_book, plan_of, rep

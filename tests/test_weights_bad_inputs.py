@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sailor_core.domain import SailorError
+from sailor_core.errors import SailorError
 from tests.test_hf_models import LLAMA, hf_llama_weights
 
 MODEL = {**LLAMA, "_name_or_path": "test/bad-inputs-llama"}

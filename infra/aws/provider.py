@@ -44,14 +44,13 @@ from infra.cloud import (
     DATA_PORTS,
     RENDEZVOUS_PORT,
     RUN_TAG,
-    ApiCall,
     CloudProvider,
     EventSource,
     FreeGpus,
     fallback_zones,
     utcnow,
 )
-from infra.provider import EventKind, ProviderEvent, Vm, VmRequest, WorkerAssignment
+from infra.provider import ApiCall, EventKind, ProviderEvent, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Market, default_region
 from sailor_core.errors import ProviderError
 

@@ -42,7 +42,6 @@ from infra.catalog import PriceSource
 from infra.cloud import (
     DATA_PORTS,
     RENDEZVOUS_PORT,
-    ApiCall,
     CloudProvider,
     EventSource,
     FreeGpus,
@@ -50,7 +49,7 @@ from infra.cloud import (
     utcnow,
 )
 from infra.gcp.machine_types import SHAPES, GceShape
-from infra.provider import EventKind, ProviderEvent, Vm, VmRequest, WorkerAssignment
+from infra.provider import ApiCall, EventKind, ProviderEvent, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Market, default_region
 from sailor_core.errors import ProviderError
 
