@@ -119,10 +119,9 @@ GCP_METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/
 
 
 def render_startup_script(
-    *, cloud: str, run_id: str, vm_name: str, env: Mapping[str, str] | None = None, install_spec: str = "",
+    *, cloud: str, run_id: str, vm_name: str, env: Mapping[str, str] | None = None,
 ) -> str:
-    """The cloud's startup script; `install_spec` is accepted for compatibility and unused (the run's
-    wheel comes with the assignment)."""
+    """The cloud's startup script (what to install comes later, with the assignment: the run's wheel)."""
     if cloud not in ("aws", "gcp"):
         raise ValueError(f"cloud must be 'aws' or 'gcp', got {cloud!r}")
     env = dict(env or {})

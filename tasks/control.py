@@ -46,10 +46,6 @@ class HeartbeatBoard:
                 cur["step"] = step
             self._beats[vm_id] = cur
 
-    def forget(self, vm_id: str) -> None:
-        with self._lock:
-            self._beats.pop(vm_id, None)
-
     def get(self, vm_id: str) -> dict[str, float] | None:
         with self._lock:
             b = self._beats.get(vm_id)

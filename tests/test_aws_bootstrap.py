@@ -29,8 +29,8 @@ A = WorkerAssignment(run_id="r1", plan_version=3, plan_json='{"stages": []}', re
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp"])
 def test_startup_script_is_valid_bash_deterministic_and_starts_the_worker(cloud: str, tmp_path) -> None:
-    s = render_startup_script(cloud=cloud, install_spec="sailor-prefect[aws,gcp]==0.1.0", run_id="r1", vm_name="w0")
-    assert s == render_startup_script(cloud=cloud, install_spec="sailor-prefect[aws,gcp]==0.1.0", run_id="r1",
+    s = render_startup_script(cloud=cloud, run_id="r1", vm_name="w0")
+    assert s == render_startup_script(cloud=cloud, run_id="r1",
                                       vm_name="w0")
     path = tmp_path / "s.sh"
     path.write_text(s)
@@ -45,12 +45,12 @@ def test_startup_script_is_valid_bash_deterministic_and_starts_the_worker(cloud:
 
 def test_no_secret_reaches_a_vm() -> None:
     with pytest.raises(ProviderError, match=r"refusing to copy \['AWS_SECRET_ACCESS_KEY'\].*instance role"):
-        render_startup_script(cloud="aws", install_spec="x", run_id="r", vm_name="w",
+        render_startup_script(cloud="aws", run_id="r", vm_name="w",
                               env={"AWS_SECRET_ACCESS_KEY": "abc"})
     with pytest.raises(ProviderError, match="GCS_TOKEN"):
         assignment_json(dataclasses.replace(A, env={"GCS_TOKEN": "t"}), "i-1")
     with pytest.raises(ValueError, match="cloud must be"):
-        render_startup_script(cloud="azure", install_spec="x", run_id="r", vm_name="w")
+        render_startup_script(cloud="azure", run_id="r", vm_name="w")
 
 
 def test_ssm_commands_write_the_assignment_the_worker_reads(tmp_path) -> None:

@@ -57,8 +57,3 @@ QUOTA_CODES: dict[tuple[str, Market], str] = {
     ("standard", Market.ON_DEMAND): "L-1216C47A",  # Running On-Demand Standard (A, C, D, H, I, M, R, T, Z)
     ("standard", Market.SPOT): "L-34B43A08",  # All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests
 }
-
-
-def shapes_for(gpu_types: list[str] | tuple[str, ...] | None = None) -> list[InstanceShape]:
-    return [s for s in SHAPES.values() if not gpu_types or s.gpu_type in gpu_types]
-

@@ -97,7 +97,6 @@ class AwsConfig:
     image_name: str = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch * (Ubuntu 22.04) *"
     image_owner: str = "amazon"
     disk_gb: int = 200
-    install_spec: str = "sailor-prefect[aws]"
     instance_profile: str = ""  # name of an instance profile that allows SSM and the store bucket
     zones: tuple[str, ...] = ()  # allowed zones (empty: every zone of the regions)
     max_vms_per_offering: int = 4  # cap per (zone, type, market) where no quota is readable
@@ -232,7 +231,7 @@ class AwsProvider(CloudProvider[InstanceShape]):
             "Placement": {"AvailabilityZone": zone}, "SecurityGroupIds": [sg],
             "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {
                 "VolumeSize": self.config.disk_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}],
-            "UserData": render_startup_script(cloud="aws", install_spec=self.config.install_spec,
+            "UserData": render_startup_script(cloud="aws",
                                               run_id=r.run_id, vm_name=r.name),
             "TagSpecifications": [{"ResourceType": "instance", "Tags": tags},
                                   {"ResourceType": "volume", "Tags": tags}],

@@ -106,7 +106,6 @@ class GcpConfig:
     image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
     disk_gb: int = 200
     network: str = "global/networks/default"
-    install_spec: str = "sailor-prefect[gcp]"
     service_account: str = "default"
     spot_termination_action: str = "STOP"  # STOP keeps the preempted VM visible until cleanup
     zones: tuple[str, ...] = ()  # allowed zones (empty: every zone of the regions)
@@ -254,7 +253,7 @@ class GcpProvider(CloudProvider[GceShape]):
             "scheduling": scheduling,
             "metadata": {"items": [
                 {"key": "startup-script", "value": render_startup_script(
-                    cloud="gcp", install_spec=self.config.install_spec, run_id=r.run_id, vm_name=r.name)},
+                    cloud="gcp", run_id=r.run_id, vm_name=r.name)},
                 {"key": RUN_ID_KEY, "value": r.run_id}, {"key": "sailor-gpu-type", "value": shape.gpu_type}]},
             "serviceAccounts": [{"email": self.config.service_account,
                                  "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}],

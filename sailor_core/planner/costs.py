@@ -11,7 +11,6 @@ planner and every report. Every answer is memoised, so the search pays each ques
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -420,9 +419,3 @@ def zone_pairs(a: Layout, b: Layout) -> list[tuple[str, str, int]]:
             ib += 1
             left_b = b[ib][1] if ib < len(b) else 0
     return out
-
-
-def ring_zone_crossings(layout: Sequence[tuple[str, int]]) -> int:
-    """Hops of a ring over the layout's replicas (sorted by zone) that cross a zone boundary."""
-    zones = {z for z, n in layout if n > 0}
-    return len(zones) if len(zones) > 1 else 0

@@ -192,18 +192,6 @@ class ModelProfile:
     framework_overhead_bytes: int
     provenance: Provenance
 
-    def saved_bytes_per_sequence(self, layer: int, tp: int) -> float | None:
-        """Measured bytes kept for backward per sequence: the slope over the profiled mbs (the part
-        that grows with the microbatch), or bytes / mbs when a single mbs was profiled."""
-        pts = sorted((p.mbs, p.saved_bytes) for p in self.points if p.layer == layer and p.tp == tp)
-        if not pts:
-            return None
-        if len(pts) == 1:
-            return pts[0][1] / pts[0][0]
-        xs, ys = [float(m) for m, _ in pts], [float(b) for _, b in pts]
-        xbar, ybar = statistics.fmean(xs), statistics.fmean(ys)
-        return sum((x - xbar) * (y - ybar) for x, y in zip(xs, ys, strict=True)) / sum((x - xbar) ** 2 for x in xs)
-
 
 # ----------------------------------------------------------------------------------------------
 # Worker side

@@ -485,7 +485,3 @@ def _result(
         zero1=zero1,
         unpriced=tuple(unpriced),
     )
-
-
-def replica_label(r: Replica) -> str:
-    return f"{r.gpu_type} x{r.tp} @ {r.zone} ({r.market.value})"
