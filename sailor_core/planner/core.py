@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 
+from sailor_core.catalog import is_cpu_type
 from sailor_core.domain import (
     Capacity,
     Market,
@@ -331,6 +332,14 @@ def _check_model(request: PlanRequest, book: ProfileBook) -> None:
         )
 
 
+def profile_command(model: str, gpu_type: str) -> str:
+    """The whole command that measures `model` on `gpu_type`, where that GPU is (its device and the name the
+    results are stored under), e.g. `sailor profile model --model OPT-350 --gpu-type H100-80 --device cuda
+    on a H100-80 machine`."""
+    device = "cpu" if is_cpu_type(gpu_type) else "cuda"
+    return f"sailor profile model --model {model} --gpu-type {gpu_type} --device {device} on a {gpu_type} machine"
+
+
 def _usable_pool(request: PlanRequest, book: ProfileBook) -> tuple[ResourcePool, list[str]]:
     """(the restricted pool less the GPU types the book cannot time, a line for each thing left out)."""
     pool = request.restrictions.apply(request.pool)
@@ -344,10 +353,8 @@ def _usable_pool(request: PlanRequest, book: ProfileBook) -> tuple[ResourcePool,
     usable = []
     for e in pool.entries:
         if e.gpu_type not in book.gpu_types or not book.profiled_points(e.gpu_type):
-            misses.append(
-                f"{e.gpu_type} has no profile for {book.model.name}; to fix: sailor profile model "
-                f"--model {book.model.name} on a {e.gpu_type} machine"
-            )
+            misses.append(f"{e.gpu_type} has no profile for {book.model.name}; to fix: "
+                          f"{profile_command(book.model.name, e.gpu_type)}")
             continue
         usable.append(e)
     return ResourcePool(entries=tuple(usable)), misses
