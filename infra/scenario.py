@@ -60,11 +60,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sailor_core.domain import Capacity, Market
 from sailor_core.errors import ScenarioError as ScenarioError  # re-exported: tests import it from here
 from sailor_core.errors import ValidationError
+from sailor_core.files import check_name, parse_yaml, read_text, shown, shown_path
 
 GPU_TYPE = "cpu"
 ZONE = "local"
@@ -77,6 +76,12 @@ DEMO_KEYS: dict[str, Any] = {"model": str, "global_batch_size": int, "steps": in
 DEVICES_PER_VM = (1, 2, 4)
 DEFAULT_LINKS_GBPS = {"same_zone_gbps": 2.0, "same_region_gbps": 0.5, "cross_region_gbps": 0.1}
 DEFAULT_CPU_BUDGET_CORES = 2.0
+# Limits (docs/formats.md, "Limits"): a scenario runs on this machine, so far below these.
+MAX_SCENARIO_BYTES = 256 << 10
+MAX_VMS = 253  # VMs of one offering (the testbed's most per zone)
+MAX_NUMBER = 1e6  # any other number of a scenario (prices, cores, GiB, Gbit/s, seconds are far below)
+MAX_STEP = 10**12
+MAX_PROBLEMS = 20
 _FIX = "to fix: see scenarios/demo.yaml (one zone) or scenarios/geo.yaml (zones, device types, links)"
 
 
@@ -198,30 +203,24 @@ def default_scenario(slots: int = 4, usd_per_gpu_hour: float = 0.20) -> Scenario
 
 
 def load_scenario(path: str | Path) -> Scenario:
+    """The scenario in the file at `path`, read within `MAX_SCENARIO_BYTES` as YAML without aliases, duplicate
+    keys or non-finite numbers (sailor_core/files.py); every problem is one `ScenarioError`."""
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(
-            f"scenario file {p} does not exist; to fix: check the path (examples in scenarios/)"
-        ) from None
-    except yaml.YAMLError as e:
-        from sailor_core.planner.pool import yaml_problem
-
-        raise ScenarioError(f"scenario file {p} is not valid YAML: {yaml_problem(e)}; {_FIX}") from None
+    text = read_text(p, max_bytes=MAX_SCENARIO_BYTES, what="scenario file", error=ScenarioError)
+    raw = parse_yaml(text, source=f"scenario file {shown_path(p)}", error=ScenarioError)
     return parse_scenario(raw or {}, name=p.stem)
 
 
 def _num(d: dict[str, Any], key: str, where: str, errors: list[str], *, integer: bool = False,
-         minimum: float = 0.0, positive: bool = False) -> Any:
+         minimum: float = 0.0, positive: bool = False, maximum: float = MAX_NUMBER) -> Any:
     if key not in d or d[key] is None:
         return None
     v = d[key]
     ok = isinstance(v, int) if integer else isinstance(v, int | float)
-    if isinstance(v, bool) or not ok or v < minimum or (positive and v <= 0):
+    if isinstance(v, bool) or not ok or not minimum <= v <= maximum or (positive and v <= 0):
         kind = "an integer" if integer else "a number"
         bound = "> 0" if positive else f">= {minimum:g}"
-        errors.append(f"{where}.{key}: must be {kind} {bound}, got {v!r}")
+        errors.append(f"{where}.{key}: must be {kind} {bound} and at most {maximum:g}, got {shown(v)}")
         return None
     return v
 
@@ -229,7 +228,7 @@ def _num(d: dict[str, Any], key: str, where: str, errors: list[str], *, integer:
 def _unknown(d: dict[str, Any], allowed: set[str], where: str, errors: list[str]) -> None:
     extra = set(d) - allowed
     if extra:
-        errors.append(f"{where}: unknown keys {sorted(extra)} (allowed: {', '.join(sorted(allowed))})")
+        errors.append(f"{where}: unknown keys {shown(sorted(map(str, extra)))} (allowed: {', '.join(sorted(allowed))})")
 
 
 _OFFERING_KEYS = {"market", "count", "usd_per_gpu_hour", "device_type", "devices_per_vm"}
@@ -237,7 +236,7 @@ _OFFERING_KEYS = {"market", "count", "usd_per_gpu_hour", "device_type", "devices
 
 def _offering(o: Any, where: str, zone: str, region: str, testbed: bool, errors: list[str]) -> Capacity | None:
     if not isinstance(o, dict):
-        errors.append(f"{where}: must be a mapping, got {o!r}")
+        errors.append(f"{where}: must be a mapping, got {shown(o)}")
         return None
     _unknown(o, _OFFERING_KEYS if testbed else _OFFERING_KEYS - {"device_type", "devices_per_vm"}, where, errors)
     try:
@@ -245,15 +244,14 @@ def _offering(o: Any, where: str, zone: str, region: str, testbed: bool, errors:
     except ValidationError as e:
         errors.append(f"{where}.market: {e}")
         return None
-    count = _num(o, "count", where, errors, integer=True)
+    count = _num(o, "count", where, errors, integer=True, maximum=MAX_VMS)
     price = _num(o, "usd_per_gpu_hour", where, errors)
     devices = _num(o, "devices_per_vm", where, errors, integer=True) if testbed else None
     if devices is not None and devices not in DEVICES_PER_VM:
         errors.append(f"{where}.devices_per_vm: must be one of {', '.join(map(str, DEVICES_PER_VM))}, got {devices}")
         return None
-    gpu_type = o.get("device_type", GPU_TYPE)
-    if not isinstance(gpu_type, str) or not gpu_type:
-        errors.append(f"{where}.device_type: must be a name, got {gpu_type!r}")
+    gpu_type = check_name(o.get("device_type", GPU_TYPE), f"{where}.device_type", errors)
+    if gpu_type is None:
         return None
     if count is None or price is None:
         if "count" not in o or "usd_per_gpu_hour" not in o:
@@ -267,13 +265,16 @@ def _device_types(raw: Any, errors: list[str]) -> tuple[DeviceType, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, dict):
-        errors.append(f"device_types: must be a mapping of name -> {{cpu_per_device: CORES}}, got {raw!r}")
+        errors.append(f"device_types: must be a mapping of name -> {{cpu_per_device: CORES}}, got {shown(raw)}")
         return ()
     out = []
-    for name, spec in raw.items():
+    for key, spec in raw.items():
+        name = check_name(key, "device_types: a name", errors)
         where = f"device_types.{name}"
+        if name is None:
+            continue
         if not isinstance(spec, dict):
-            errors.append(f"{where}: must be a mapping like {{cpu_per_device: 0.5}}, got {spec!r}")
+            errors.append(f"{where}: must be a mapping like {{cpu_per_device: 0.5}}, got {shown(spec)}")
             continue
         _unknown(spec, {"cpu_per_device", "memory_gib"}, where, errors)
         cpu = _num(spec, "cpu_per_device", where, errors, positive=True)
@@ -290,7 +291,7 @@ def _links(raw: Any, zones: dict[str, str], errors: list[str]) -> Links:
         return Links()
     if not isinstance(raw, dict):
         errors.append(
-            f"links: must be a mapping (same_zone_gbps, same_region_gbps, cross_region_gbps, pairs), got {raw!r}"
+            f"links: must be a mapping (same_zone_gbps, same_region_gbps, cross_region_gbps, pairs), got {shown(raw)}"
         )
         return Links()
     _unknown(raw, {*DEFAULT_LINKS_GBPS, "pairs"}, "links", errors)
@@ -302,13 +303,13 @@ def _links(raw: Any, zones: dict[str, str], errors: list[str]) -> Links:
     for i, p in enumerate(raw.get("pairs") or []):
         where = f"links.pairs[{i}]"
         if not isinstance(p, dict):
-            errors.append(f"{where}: must be a mapping like {{zones: [A, B], gbps: 0.1}}, got {p!r}")
+            errors.append(f"{where}: must be a mapping like {{zones: [A, B], gbps: 0.1}}, got {shown(p)}")
             continue
         _unknown(p, {"zones", "gbps"}, where, errors)
         gbps = _num(p, "gbps", where, errors, positive=True)
         zs = p.get("zones")
         if not (isinstance(zs, list) and len(zs) == 2 and all(isinstance(z, str) for z in zs)):
-            errors.append(f"{where}.zones: must be two zone names, got {zs!r}")
+            errors.append(f"{where}.zones: must be two zone names, got {shown(zs)}")
             continue
         missing = [z for z in zs if z not in zones]
         if missing:
@@ -328,22 +329,28 @@ def _links(raw: Any, zones: dict[str, str], errors: list[str]) -> Links:
 
 def _regions(raw: Any, errors: list[str]) -> list[Capacity]:
     if not isinstance(raw, dict) or not raw:
-        errors.append(f"regions: must be a mapping region -> zone -> list of offerings, got {raw!r}")
+        errors.append(f"regions: must be a mapping region -> zone -> list of offerings, got {shown(raw)}")
         return []
     out: list[Capacity] = []
     seen_zones: dict[str, str] = {}
-    for region, zones in raw.items():
-        if not isinstance(zones, dict) or not zones:
-            errors.append(f"regions.{region}: must be a mapping zone -> list of offerings, got {zones!r}")
+    for region_key, zones in raw.items():
+        region = check_name(region_key, "regions: a region", errors)
+        if region is None:
             continue
-        for zone, offers in zones.items():
+        if not isinstance(zones, dict) or not zones:
+            errors.append(f"regions.{region}: must be a mapping zone -> list of offerings, got {shown(zones)}")
+            continue
+        for zone_key, offers in zones.items():
+            zone = check_name(zone_key, f"regions.{region}: a zone", errors)
+            if zone is None:
+                continue
             where = f"regions.{region}.{zone}"
             if zone in seen_zones:
                 errors.append(f"{where}: zone {zone} is already in region {seen_zones[zone]}; zone names are unique")
                 continue
             seen_zones[str(zone)] = str(region)
             if not isinstance(offers, list) or not offers:
-                errors.append(f"{where}: must be a non-empty list of offerings, got {offers!r}")
+                errors.append(f"{where}: must be a non-empty list of offerings, got {shown(offers)}")
                 continue
             for i, o in enumerate(offers):
                 off = _offering(o, f"{where}[{i}]", str(zone), str(region), True, errors)
@@ -356,15 +363,15 @@ def _event(
     e: Any, where: str, index: int, offerings: list[Capacity], errors: list[str]
 ) -> ScenarioEvent | None:
     if not isinstance(e, dict):
-        errors.append(f"{where}: must be a mapping, got {e!r}")
+        errors.append(f"{where}: must be a mapping, got {shown(e)}")
         return None
     _unknown(e, {"at_step", "at_s", "kind", "market", "zone", "device_type", "vm", "usd_per_gpu_hour", "count",
                  "grace_s"}, where, errors)
     kind = e.get("kind")
     if kind not in EVENT_KINDS:
-        errors.append(f"{where}.kind: must be one of {', '.join(EVENT_KINDS)}, got {kind!r}")
+        errors.append(f"{where}.kind: must be one of {', '.join(EVENT_KINDS)}, got {shown(kind)}")
         return None
-    at_step = _num(e, "at_step", where, errors, integer=True)
+    at_step = _num(e, "at_step", where, errors, integer=True, maximum=MAX_STEP)
     at_s = _num(e, "at_s", where, errors)
     if (at_step is None) == (at_s is None):
         errors.append(f"{where}: give exactly one trigger, at_step or at_s")
@@ -378,9 +385,10 @@ def _event(
             return None
     vm = _num(e, "vm", where, errors, integer=True)
     price = _num(e, "usd_per_gpu_hour", where, errors)
-    count = _num(e, "count", where, errors, integer=True)
+    count = _num(e, "count", where, errors, integer=True, maximum=MAX_VMS)
     grace = _num(e, "grace_s", where, errors)
-    zone, gpu_type = e.get("zone"), e.get("device_type")
+    zone, gpu_type = (check_name(e[k], f"{where}.{k}", errors) if e.get(k) is not None else None
+                      for k in ("zone", "device_type"))
     if kind == "price_change" and (market is None or price is None):
         errors.append(f"{where}: a price_change needs market and usd_per_gpu_hour")
         return None
@@ -420,7 +428,7 @@ def parse_scenario(raw: dict[str, Any], *, name: str = "") -> Scenario:
     _unknown(demo, set(DEMO_KEYS), "demo", errors)
     for key, kind in DEMO_KEYS.items():
         if key in demo and not isinstance(demo[key], kind):
-            errors.append(f"demo.{key}: must be {getattr(kind, '__name__', 'a number')}, got {demo[key]!r}")
+            errors.append(f"demo.{key}: must be {getattr(kind, '__name__', 'a number')}, got {shown(demo[key])}")
     testbed = "regions" in raw
     offerings: list[Capacity] = []
     if testbed:
@@ -464,7 +472,8 @@ def parse_scenario(raw: dict[str, Any], *, name: str = "") -> Scenario:
         if ev is not None:
             events.append(ev)
     if errors:
-        raise ScenarioError("invalid scenario: " + "; ".join(errors) + f"; {_FIX}")
+        more = f"; and {len(errors) - MAX_PROBLEMS} more problem(s)" if len(errors) > MAX_PROBLEMS else ""
+        raise ScenarioError("invalid scenario: " + "; ".join(errors[:MAX_PROBLEMS]) + more + f"; {_FIX}")
     return Scenario(
         offerings=tuple(offerings) or DEFAULT_OFFERINGS, events=tuple(events), name=str(raw.get("name") or name),
         device_types=device_types or (DeviceType(name=GPU_TYPE),), links=links, cpu_budget_cores=budget,

@@ -65,15 +65,17 @@ def demo(
     for flag, folder in (("--workdir", workdir), ("--store", store)):  # before the Prefect server and VMs start
         check_folder(flag, folder)
     workdir = workdir.resolve()
+    from infra.scenario import load_scenario
+
+    # the scenario first: a malformed (or hostile) file is refused before Prefect is even imported
+    job = {"model": "gpt-tiny", "global_batch_size": 8, "objective": "max-throughput", "max_usd_per_hour": 2.0,
+           "steps": 120, "workers": 4, **load_scenario(scenario).demo}  # the scenario's demo job, then the flags
     _prefect_env(workdir)
     from flows.params import validate_params
     from flows.sailor import run_id_for, sailor
-    from infra.scenario import load_scenario
     from profiles_store.store import open_store
     from tasks.history import RunHistory
 
-    job = {"model": "gpt-tiny", "global_batch_size": 8, "objective": "max-throughput", "max_usd_per_hour": 2.0,
-           "steps": 120, "workers": 4, **load_scenario(scenario).demo}  # the scenario's demo job, then the flags
     given = {"steps": steps, "workers": workers, "global_batch_size": global_batch_size}
     job.update({k: v for k, v in given.items() if v is not None})
     steps, workers = job["steps"], job["workers"]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from sailor_core import files
 from sailor_core.errors import SailorError
 from sailor_core.planner.request import Objective as _Objective
 
@@ -209,10 +210,14 @@ def check_input_path(flag: str, uri: str | None) -> None:
 
 
 def check_folder(flag: str, uri: str | os.PathLike[str] | None) -> None:
-    """A local folder the command writes into (created if missing) must not be a file, nor lie under one."""
+    """A local folder the command writes into (created if missing) must not be a file, nor lie under one, nor be a
+    symbolic link to nothing (it passed as missing and failed in the workers)."""
     p = local_path(uri) if uri is not None else None
     if p is None:
         return
+    if p.is_symlink() and not p.exists():
+        raise SailorError(f"{flag} {uri} is a symbolic link to {os.readlink(p)}, which does not exist; to fix: name "
+                          f"a folder (it is created if missing), or create the link's target")
     if p.exists() and not p.is_dir():
         raise SailorError(f"{flag} {uri} is a file, not a folder; to fix: name a folder (it is created if missing)")
     base = _existing_ancestor(p)
@@ -223,15 +228,13 @@ def check_folder(flag: str, uri: str | os.PathLike[str] | None) -> None:
 
 
 def check_output_file(flag: str, path: str | os.PathLike[str] | None) -> None:
-    """A local file the command writes must not be a folder, and its folder must exist."""
+    """A local file the command writes must be a regular file or a new path in an existing folder: never a folder,
+    a device, a FIFO or a symbolic link (sailor_core/files.py)."""
     p = local_path(path) if path is not None else None
     if p is None:
         return
-    if p.is_dir():
+    if p.is_dir() and not p.is_symlink():
         raise SailorError(f"{flag} {path} is a folder, not a file; to fix: name a file (e.g. {p / 'metrics.jsonl'})")
-    parent = p.absolute().parent
-    if not parent.is_dir():
-        raise SailorError(f"{flag} {path}: folder {parent} does not exist; to fix: create it, or name a file in an "
-                          f"existing folder")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    files.check_output_file(flag, p)
+    if not os.access(p.absolute().parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise SailorError(f"{flag} {path} is not writable; to fix: name a file you may write")

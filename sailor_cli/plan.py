@@ -11,6 +11,7 @@ nearest miss and exits 1; user errors are `SailorError`s (one line with the fix,
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import sys
 from dataclasses import replace
@@ -44,6 +45,7 @@ from sailor_cli.options import (
 )
 from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market
 from sailor_core.errors import SailorError
+from sailor_core.files import check_output_files, shown_path, write_atomic
 from sailor_core.plan_format import plan_to_dict, save_plan_file
 from sailor_core.planner import (
     Constraints,
@@ -114,7 +116,7 @@ def plan(
 
     if model_config or model is None or seq_len is not None:  # the name `sailor profile model --model-config` used
         model = resolve_model(model, model_config, seq_len).name
-    _check_batch(global_batch_size, large_batch)
+    _check_batch(global_batch_size, large_batch, outputs=(("--out", out), ("--frontier-png", frontier_png)))
     sync_mode = SyncMode.parse(sync, compression=outer_compression)  # before the search: a typo costs nothing
     min_stages, max_stages = stage_range(stages) if stages else (1, SearchOptions.max_stages)
     doc = _read_pool(pool_file)  # before the store is read: a wrong path costs nothing
@@ -151,7 +153,7 @@ def _answer(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_r
             frontier_png: str | None, as_json: bool) -> None:
     """Write, plot and print the planner's answer; exit 1 when there is no feasible plan."""
     if out and result.plan is not None:
-        save_plan_file(result.plan, out)
+        save_plan_file(result.plan, out, flag="--out")
     if frontier_png:
         _plot(result, frontier_png)
     if as_json:
@@ -180,16 +182,14 @@ def _spot_risk(doc: Any, store: str | None, checkpoint_interval: int, reconfigur
 
 def _read_pool(pool_file: str) -> Any:
     if Path(pool_file).is_dir():
-        raise SailorError(f"--pool {pool_file} is a folder, not a pool file; to fix: name the YAML or JSON pool "
-                          f"file in it (format in docs/planner.md)")
-    try:
-        return read_pool_document(pool_file)
-    except PermissionError:
-        raise SailorError(f"pool file {pool_file} is not readable (permission denied); to fix: check its "
-                          f"permissions") from None
+        raise SailorError(f"--pool {shown_path(pool_file)} is a folder, not a pool file; to fix: name the YAML or "
+                          f"JSON pool file in it (format in docs/planner.md)")
+    return read_pool_document(pool_file)  # bounded: a hostile file is refused with one line (docs/formats.md)
 
 
-def _check_batch(global_batch_size: int, confirmed: bool) -> None:
+def _check_batch(global_batch_size: int, confirmed: bool, outputs: tuple[tuple[str, str | None], ...] = ()) -> None:
+    """The request's batch, and its outputs (a device, folder or link there is refused, never replaced)."""
+    check_output_files(*outputs)
     if global_batch_size < 1:
         raise SailorError(f"--global-batch-size must be at least 1 sequence, got {global_batch_size}; to fix: pass a "
                           f"positive number")
@@ -310,5 +310,7 @@ def _plot(result: PlanResult, path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
+    write_atomic("--frontier-png", path, buf.getvalue())

@@ -13,6 +13,7 @@ line (exit 2).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -43,7 +44,8 @@ from sailor_cli.options import (
     split_values,
 )
 from sailor_core.domain import Market
-from sailor_core.errors import SailorError, ValidationError
+from sailor_core.errors import SailorError, TraceError, ValidationError
+from sailor_core.files import check_output_files, read_text, write_atomic
 from sailor_core.planner import Constraints, Objective, Restrictions, SearchOptions
 from sailor_core.planner.risk import AUTO_CHECKPOINT_INTERVAL, planning_checkpoint_interval
 from sailor_core.profiles import ProfileBook
@@ -69,6 +71,7 @@ from sailor_core.replay import FAST_SEARCH as FAST_SEARCH  # the bench's search 
 from sailor_core.replay import (
     replay as run_replay,
 )
+from sailor_core.replay.trace import MAX_TRACE_BYTES
 
 # A replacement after a loss on GPUs the job does not hold waits for its new VMs (sailor_core.decisions.startup_s).
 VmStartS = Annotated[float, typer.Option("--vm-start-s", help=(
@@ -132,14 +135,14 @@ def replay(
     if trace is None or model is None or global_batch_size is None:
         raise SailorError("give --trace, --model and --global-batch-size (or --run RUN_ID); to fix: add those missing")
     names = _policies(policy, steps, token_budget, search)
-    _check_trace_path(trace)  # before the store is read: a typo costs nothing and starts no reader threads
+    _check_trace_path(trace, outputs=(("--save-trace", save_trace), ("--timeline-png", timeline_png)))
     book = load_model_book(model, store)
     tr = _load_trace(trace, book, zone=trace_zone, gpu_type=trace_gpu_type, market=trace_market, gpus=trace_gpus,
                      price=price, spec=SyntheticSpec(total_gpus=synthetic_gpus, days=synthetic_days,
                                                      seed=synthetic_seed))
     check_profiled(tr, book)
     if save_trace:
-        Path(save_trace).write_text(json.dumps(trace_to_json(tr)))
+        write_atomic("--save-trace", save_trace, json.dumps(trace_to_json(tr)).encode())
     seq = book.model.sequence_length
     reconf, reconf_src = _reconfiguration(reconfiguration_s, store)
     job = _job(
@@ -268,11 +271,14 @@ def _load_trace(path: str, book: ProfileBook, *, zone: str, gpu_type: str, marke
     if path == "synthetic":
         return synthetic_trace(spec, how.prices, how.gpus_per_node)
     _check_trace_path(path)
-    p = Path(path)
-    return read_trace(p.name, p.read_text(), how)
+    text = read_text(path, max_bytes=MAX_TRACE_BYTES, what="trace", error=TraceError)  # bounded: docs/formats.md
+    return read_trace(Path(path).name, text, how)
 
 
-def _check_trace_path(path: str) -> None:
+def _check_trace_path(path: str, outputs: tuple[tuple[str, str | None], ...] = ()) -> None:
+    """Before the store is read (a typo costs nothing and starts no reader threads): the trace exists, and the
+    outputs are regular files or new paths (a device, folder or link there is refused, never replaced)."""
+    check_output_files(*outputs)
     if path == "synthetic":
         return
     p = Path(path)
@@ -377,5 +383,7 @@ def _plot(results: list[ReplayResult], tr: Trace, path: str) -> None:
     axes[0].legend(loc="lower right")
     axes[0].set_title(f"replay: {tr.name}"[:100], fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    write_atomic("--timeline-png", path, buf.getvalue())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sailor_core.errors import SailorError, ValidationError
+from sailor_core.files import shown
 
 GIB = 2**30
 # Published large runs use global batches of about 1-4 thousand sequences (GPT-3: 1536 x 2048 tokens,
@@ -38,7 +39,7 @@ class Market(enum.StrEnum):
             return cls(str(value).lower().replace("_", "-"))
         except ValueError:
             raise ValidationError(
-                f"unknown market {value!r}; use one of: {', '.join(m.value for m in cls)}"
+                f"unknown market {shown(value)}; use one of: {', '.join(m.value for m in cls)}"
             ) from None
 
 
@@ -352,8 +353,8 @@ class Capacity:
         _check(self.gpus >= 0, f"capacity {self.gpu_type}@{self.zone}: gpus must be >= 0, got {self.gpus}")
         _check(self.gpus_per_vm >= 1, f"capacity {self.gpu_type}@{self.zone}: gpus_per_vm must be >= 1, "
                f"got {self.gpus_per_vm}")
-        _check(self.usd_per_gpu_hour >= 0, f"capacity {self.gpu_type}@{self.zone}: usd_per_gpu_hour must be >= 0, "
-               f"got {self.usd_per_gpu_hour}")
+        _check(0 <= self.usd_per_gpu_hour < math.inf, f"capacity {self.gpu_type}@{self.zone}: usd_per_gpu_hour "
+               f"must be a finite number >= 0, got {self.usd_per_gpu_hour}")
 
     @property
     def vms(self) -> int:

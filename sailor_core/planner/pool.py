@@ -27,20 +27,32 @@ An entry's `count` is GPUs (`Capacity.gpus`), never VMs; `gpus_per_vm` is the GP
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from sailor_core.domain import Capacity, Market, ResourcePool, default_region
 from sailor_core.errors import PoolFileError, SailorError, ValidationError
+from sailor_core.files import check_name, parse_json, parse_yaml, read_text, shown, shown_path
 from sailor_core.profiles import ProfileBook
 
 _ENTRY_KEYS = {"count", "market", "usd_per_gpu_hour", "gpus_per_vm", "preemptions_per_vm_hour"}
 _OLD_KEYS = {"gpus_per_node": "gpus_per_vm"}  # older name -> the name it reads as
+
+# Limits (docs/formats.md, "Limits"): what no real pool reaches, so that any file is read, checked and
+# refused in bounded time and memory. The planner's own time still grows with zones and counts.
+MAX_POOL_BYTES = 1 << 20  # a pool of every zone of three clouds, each with 8 GPU types, is ~300 KB
+MAX_ZONES = 512  # all zones of AWS, GCP and Azure together are fewer than 400
+MAX_GPU_TYPES = 64  # GPU types of one zone
+MAX_ENTRIES = 4096  # (zone, GPU type, market) entries of the whole pool
+MAX_GPUS = 100_000  # GPUs of one entry (the largest clusters hold about 100,000)
+MAX_GPUS_PER_VM = 64  # the largest GPU VMs offered have 16
+MAX_USD_PER_GPU_HOUR = 1000.0
+MAX_PREEMPTIONS_PER_VM_HOUR = 3600.0  # one a second
+MAX_PROBLEMS = 20  # problems a message lists (then how many more)
 
 
 def load_pool_file(path: str | os.PathLike[str], book: ProfileBook) -> ResourcePool:
@@ -48,35 +60,14 @@ def load_pool_file(path: str | os.PathLike[str], book: ProfileBook) -> ResourceP
 
 
 def read_pool_document(path: str | os.PathLike[str]) -> Any:
-    """The pool file's content (YAML or JSON), unparsed: for `parse_pool` and `parse_preemption_rates`."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise PoolFileError(f"pool file {path} does not exist; to fix: check the path (see docs/planner.md)") from None
-    data: Any
+    """The pool file's content (YAML or JSON), unparsed: for `parse_pool` and `parse_preemption_rates`.
+    Read within `MAX_POOL_BYTES`, without YAML aliases, duplicate keys or non-finite numbers
+    (sailor_core/files.py); every problem is one `PoolFileError`."""
+    text = read_text(path, max_bytes=MAX_POOL_BYTES, what="pool file", error=PoolFileError)
+    source = f"pool file {shown_path(path)}"
     if str(path).endswith(".json"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PoolFileError(f"pool file {path} is not valid JSON: {e}; to fix: correct it there "
-                                f"(format in docs/planner.md)") from None
-    else:
-        import yaml  # YAML is a superset of JSON: one parser covers both
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise PoolFileError(f"pool file {path} is not valid YAML: {yaml_problem(e)}; to fix: correct it there "
-                                f"(format in docs/planner.md)") from None
-    return data
-
-
-def yaml_problem(e: Exception) -> str:
-    """PyYAML's multi-line message as one line: where, then what."""
-    mark = getattr(e, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + " ".join(str(getattr(e, "problem", None) or e).split())
+        return parse_json(text, source=source, error=PoolFileError)
+    return parse_yaml(text, source=source, error=PoolFileError)  # YAML is a superset of JSON: it reads both
 
 
 def parse_pool(data: Any, book: ProfileBook, *, source: str = "pool") -> ResourcePool:
@@ -87,33 +78,72 @@ def parse_pool(data: Any, book: ProfileBook, *, source: str = "pool") -> Resourc
             f"{source}: expected a mapping with a non-empty 'zones:' mapping of zone name -> {{gpus: ...}}; "
             f"to fix: see the pool file format in docs/planner.md"
         )
+    _check_sizes(data["zones"], source)
     if "preemptions_per_vm_hour" in data:
         _rate(data["preemptions_per_vm_hour"], "preemptions_per_vm_hour", errors)
-    for zone, zspec in data["zones"].items():
-        zone = str(zone)
-        where = f"zones.{zone}"
-        if not isinstance(zspec, Mapping) or not isinstance(zspec.get("gpus"), Mapping):
-            errors.append(f"{where}: needs a 'gpus:' mapping of GPU type -> {{count: N}}")
-            continue
-        unknown = set(zspec) - {"gpus", "region", "cloud"}
-        if unknown:
-            errors.append(f"{where}: unknown keys {sorted(unknown)} (allowed: gpus, region, cloud)")
-        region = str(zspec.get("region") or default_region(zone))
-        cloud = str(zspec.get("cloud") or "gcp")
-        for gpu, spec in zspec["gpus"].items():
-            gpu = str(gpu)
-            items = spec if isinstance(spec, list) else [spec]
-            for i, item in enumerate(items):
-                w = f"{where}.gpus.{gpu}" + (f"[{i}]" if isinstance(spec, list) else "")
-                e = _entry(item, zone=zone, region=region, cloud=cloud, gpu=gpu, book=book, where=w, errors=errors)
-                if e is not None:
-                    entries.append(e)
-    keys = [(e.zone, e.gpu_type, e.market) for e in entries]
-    for k in sorted({k for k in keys if keys.count(k) > 1}):
+    for zone_key, zspec in data["zones"].items():
+        zone = check_name(zone_key, "zones: a zone", errors)
+        if zone is not None:
+            entries += _zone(zone, zspec, book, errors)
+    counts = Counter((e.zone, e.gpu_type, e.market) for e in entries)
+    for k in sorted(k for k, n in counts.items() if n > 1):
         errors.append(f"zones.{k[0]}.gpus.{k[1]}: market {k[2].value} listed twice; merge the counts")
     if errors:
-        raise PoolFileError(f"{source}: " + "; ".join(errors) + " (pool file format: docs/planner.md)")
+        listed = errors[:MAX_PROBLEMS]
+        more = f"; and {len(errors) - MAX_PROBLEMS} more problem(s)" if len(errors) > MAX_PROBLEMS else ""
+        fix = "" if any("to fix:" in e for e in listed) else "; to fix: correct those entries"
+        raise PoolFileError(f"{source}: " + "; ".join(listed) + more + " (pool file format: docs/planner.md)" + fix)
     return ResourcePool(entries=tuple(entries))
+
+
+def _check_sizes(zones: Mapping[Any, Any], source: str) -> None:
+    """Refuse a pool larger than the stated limits before any entry is looked at."""
+    n_entries = 0
+    for zspec in zones.values():
+        gpus = zspec.get("gpus") if isinstance(zspec, Mapping) else None
+        if isinstance(gpus, Mapping):
+            if len(gpus) > MAX_GPU_TYPES:
+                raise PoolFileError(f"{source}: a zone lists {len(gpus)} GPU types, more than {MAX_GPU_TYPES}; "
+                                    f"to fix: check the file (limits: docs/formats.md)")
+            n_entries += sum(len(v) if isinstance(v, list) else 1 for v in gpus.values())
+    if len(zones) > MAX_ZONES or n_entries > MAX_ENTRIES:
+        raise PoolFileError(f"{source}: {len(zones)} zones and {n_entries} entries, more than the {MAX_ZONES} zones "
+                            f"and {MAX_ENTRIES} entries a pool may have; to fix: keep the zones you would rent in "
+                            f"(limits: docs/formats.md)")
+
+
+def _zone(zone: str, zspec: Any, book: ProfileBook, errors: list[str]) -> list[Capacity]:
+    """The entries of one zone of the file."""
+    where = f"zones.{zone}"
+    if not isinstance(zspec, Mapping) or not isinstance(zspec.get("gpus"), Mapping):
+        errors.append(f"{where}: needs a 'gpus:' mapping of GPU type -> {{count: N}}")
+        return []
+    unknown = set(zspec) - {"gpus", "region", "cloud"}
+    if unknown:
+        errors.append(f"{where}: unknown keys {shown(sorted(map(str, unknown)))} (allowed: gpus, region, cloud)")
+    region = check_name(zspec["region"], f"{where}.region", errors) if zspec.get("region") else default_region(zone)
+    cloud = check_name(zspec["cloud"], f"{where}.cloud", errors) if zspec.get("cloud") else "gcp"
+    if region is None or cloud is None:
+        return []
+    out: list[Capacity] = []
+    for gpu_key, spec in zspec["gpus"].items():
+        gpu = check_name(gpu_key, f"{where}.gpus: a GPU type", errors)
+        if gpu is None:
+            continue
+        items = spec if isinstance(spec, list) else [spec]
+        for i, item in enumerate(items):
+            w = f"{where}.gpus.{gpu}" + (f"[{i}]" if isinstance(spec, list) else "")
+            e = _entry(item, zone=zone, region=region, cloud=cloud, gpu=gpu, book=book, where=w, errors=errors)
+            if e is not None:
+                out.append(e)
+    return out
+
+
+def _whole(v: Any, where: str, lo: int, hi: int, what: str, errors: list[str]) -> int | None:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        errors.append(f"{where}: must be a whole number from {lo} to {hi:,} ({what}), got {shown(v)}")
+        return None
+    return v
 
 
 def _entry(
@@ -122,15 +152,18 @@ def _entry(
     if isinstance(item, int) and not isinstance(item, bool):
         item = {"count": item}
     if not isinstance(item, Mapping):
-        errors.append(f"{where}: expected {{count: N, ...}}, got {item!r}")
+        errors.append(f"{where}: expected {{count: N, ...}}, got {shown(item)}")
         return None
     item = _renamed(item, where, errors)
     unknown = set(item) - _ENTRY_KEYS
     if unknown:
-        errors.append(f"{where}: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(_ENTRY_KEYS))})")
-    count = item.get("count")
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        errors.append(f"{where}.count: must be a whole number >= 0, got {count!r}")
+        errors.append(f"{where}: unknown keys {shown(sorted(map(str, unknown)))} "
+                      f"(allowed: {', '.join(sorted(_ENTRY_KEYS))})")
+    count = _whole(item.get("count"), f"{where}.count", 0, MAX_GPUS, "GPUs", errors)
+    if count is None:
+        return None
+    if not isinstance(item.get("market", "on-demand"), str):
+        errors.append(f"{where}.market: must be spot or on-demand, got {shown(item['market'])}")
         return None
     try:
         market = Market.parse(item.get("market", "on-demand"))
@@ -142,19 +175,34 @@ def _entry(
         known = book.gpu_types.get(gpu)
         if known is None:
             errors.append(
-                f"{where}: GPU type {gpu!r} is not in the store (known: {sorted(book.gpu_types)}); "
+                f"{where}: GPU type {gpu!r} is not in the store (known: {shown(sorted(book.gpu_types), 200)}); "
                 f"to fix: use a known name or give gpus_per_vm and profile it"
             )
             return None
         gpn = known.gpus_per_node
-    if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
-        errors.append(f"{where}.gpus_per_vm: must be a whole number >= 1, got {gpn!r}")
+    if _whole(gpn, f"{where}.gpus_per_vm", 1, MAX_GPUS_PER_VM, "GPUs of one VM", errors) is None:
         return None
     if "preemptions_per_vm_hour" in item:
         _rate(item["preemptions_per_vm_hour"], f"{where}.preemptions_per_vm_hour", errors)
         if market is not Market.SPOT:
             errors.append(f"{where}.preemptions_per_vm_hour: only spot capacity is preempted; to fix: add "
                           f"market: spot or drop the rate")
+    price = _price(item, zone=zone, gpu=gpu, market=market, book=book, where=where, errors=errors)
+    if price is None:
+        return None
+    try:
+        return Capacity(
+            zone=zone, region=region, gpu_type=gpu, gpus=count, market=market, gpus_per_vm=gpn,
+            usd_per_gpu_hour=price, cloud=cloud,
+        )
+    except ValidationError as e:
+        errors.append(f"{where}: {e}")
+        return None
+
+
+def _price(item: Mapping[str, Any], *, zone: str, gpu: str, market: Market, book: ProfileBook, where: str,
+           errors: list[str]) -> float | None:
+    """The entry's price: its own (a number from 0 to MAX_USD_PER_GPU_HOUR), else the store's."""
     price = item.get("usd_per_gpu_hour")
     if price is None:
         price = book.price_usd_per_gpu_hour(zone, gpu, market)
@@ -164,15 +212,11 @@ def _entry(
                 f"to fix: add usd_per_gpu_hour to this entry or import prices (sailor profiles import-prices)"
             )
             return None
-    try:
-        price = float(price)
-        return Capacity(
-            zone=zone, region=region, gpu_type=gpu, gpus=count, market=market, gpus_per_vm=gpn,
-            usd_per_gpu_hour=price, cloud=cloud,
-        )
-    except (TypeError, ValueError, ValidationError) as e:
-        errors.append(f"{where}: {e}")
+    if isinstance(price, bool) or not isinstance(price, int | float) or not 0 <= price <= MAX_USD_PER_GPU_HOUR:
+        errors.append(f"{where}.usd_per_gpu_hour: must be a number from 0 to {MAX_USD_PER_GPU_HOUR:g} (USD per "
+                      f"GPU-hour), got {shown(price)}")
         return None
+    return float(price)
 
 
 def _renamed(item: Mapping[str, Any], where: str, errors: list[str]) -> Mapping[str, Any]:
@@ -188,8 +232,9 @@ def _renamed(item: Mapping[str, Any], where: str, errors: list[str]) -> Mapping[
 
 
 def _rate(v: Any, where: str, errors: list[str]) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not (v >= 0 and math.isfinite(v)):
-        errors.append(f"{where}: must be a number >= 0 (preemptions per VM-hour), got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_PREEMPTIONS_PER_VM_HOUR:
+        errors.append(f"{where}: must be a number from 0 to {MAX_PREEMPTIONS_PER_VM_HOUR:g} (preemptions per "
+                      f"VM-hour), got {shown(v)}")
         return None
     return float(v)
 

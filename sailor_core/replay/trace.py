@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,11 +38,25 @@ from typing import Any
 
 from sailor_core.domain import Capacity, Market, ResourcePool, default_region
 from sailor_core.errors import TraceError, ValidationError
+from sailor_core.files import check_name, parse_json, shown, shown_text
 
 TRACE_FORMAT = "sailor-trace"
 TRACE_VERSION = 1
 
 PriceLookup = Callable[[str, str, Market], float | None]
+
+# Limits of a trace (docs/formats.md, "Limits"): what the readers accept, so that any file is read and checked,
+# or refused with one line, in bounded time; the values' bounds hold for every trace, however it was made.
+MAX_TRACE_BYTES = 16 << 20  # a month of minute points for 20 places is ~10 MB
+MAX_PLACES = 4096  # as a pool's entries
+MAX_POINTS = 100_000  # a file's points (a synthetic trace may hold more)
+MAX_AT_S = 10 * 366 * 86400.0  # ten years
+MAX_STEP = 10**12
+MAX_GPUS = 100_000  # GPUs of one place, as a pool entry's count
+MAX_GPUS_PER_NODE = 64
+MAX_USD_PER_GPU_HOUR = 1000.0
+MAX_FACTOR = 1000.0  # a calibration factor
+MAX_RECONFIGURATION_S = 86400.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,11 +71,17 @@ class Place:
     gpus_per_node: int = 1
 
     def __post_init__(self) -> None:
+        problems: list[str] = []
+        for what in ("zone", "gpu_type", "cloud") + (("region",) if self.region else ()):
+            object.__setattr__(self, what, check_name(getattr(self, what), f"place {what}", problems))
+        if problems:
+            raise ValidationError(problems[0])
         object.__setattr__(self, "market", Market.parse(self.market))
         if not self.region:
             object.__setattr__(self, "region", default_region(self.zone))
-        if self.gpus_per_node < 1:
-            raise ValidationError(f"place {self.gpu_type}@{self.zone}: gpus_per_node must be >= 1")
+        if not 1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE:
+            raise ValidationError(f"place {self.gpu_type}@{self.zone}: gpus_per_node must be from 1 to "
+                                  f"{MAX_GPUS_PER_NODE}, got {shown(self.gpus_per_node)}")
 
     @property
     def key(self) -> tuple[str, str, Market]:
@@ -88,6 +109,48 @@ class TracePoint:
     calibration: tuple[tuple[str, float], ...] = ()
     reconfiguration_s: float | None = None
 
+    def __post_init__(self) -> None:
+        """Every value finite and within the limits above (a NaN time compared unequal to itself and a negative
+        one started the job before the trace: both ran away)."""
+        bad = _bad_time(self.at_s, self.at_step, self.reconfiguration_s)
+        bad = bad or next((f"count {shown(c)}" for c in (*self.counts, *self.taken) if not 0 <= c <= MAX_GPUS), "")
+        bad = bad or next((f"price {shown(u)}" for u in self.usd_per_gpu_hour
+                           if not 0 <= u <= MAX_USD_PER_GPU_HOUR), "")
+        bad = bad or next((f"calibration factor {shown(f)}" for _, f in self.calibration if not 0 < f <= MAX_FACTOR),
+                          "")
+        if bad:
+            raise ValidationError(f"a trace point has {bad}: times are seconds from 0 to {MAX_AT_S:.0f}, counts "
+                                  f"0 to {MAX_GPUS:,} GPUs, prices 0 to {MAX_USD_PER_GPU_HOUR:g} USD per GPU-hour, "
+                                  f"calibration factors above 0 up to {MAX_FACTOR:g}")
+
+
+def _bad_time(at_s: float, at_step: int | None, reconfiguration_s: float | None) -> str:
+    if not 0 <= at_s <= MAX_AT_S:
+        return f"at_s {shown(at_s)}"
+    if at_step is not None and not 0 <= at_step <= MAX_STEP:
+        return f"at_step {shown(at_step)}"
+    if reconfiguration_s is not None and not 0 <= reconfiguration_s <= MAX_RECONFIGURATION_S:
+        return f"reconfiguration_s {shown(reconfiguration_s)}"
+    return ""
+
+
+def _number(v: Any, where: str) -> float:
+    """`v` (a number, or text of one) as a finite float; else a ValueError naming `where`."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise ValueError(f"{where} must be a number, got {shown(v)}")
+    x = float(v)
+    if not math.isfinite(x):
+        raise ValueError(f"{where} must be a finite number, got {shown(v)}")
+    return x
+
+
+def _count(v: Any, where: str) -> int:
+    """`v` as a whole number (12 or 12.0, or text of one) within a trace's limits; else a ValueError."""
+    x = _number(v, where)
+    if not x.is_integer() or not 0 <= x <= MAX_STEP:
+        raise ValueError(f"{where} must be a whole number from 0 to {MAX_STEP:,}, got {shown(v)}")
+    return int(x)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Trace:
@@ -97,12 +160,15 @@ class Trace:
     _pools: dict[int, ResourcePool] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "name", shown_text(str(self.name), 120))  # shown in messages and tables
         if not self.places:
             raise TraceError(f"trace {self.name!r} names no place; to fix: give at least one (zone, GPU type, market)")
         if not self.points:
             raise TraceError(f"trace {self.name!r} has no point; to fix: give at least the state at time 0")
-        keys = [p.key for p in self.places]
-        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if len(self.places) > MAX_PLACES:
+            raise TraceError(f"trace {self.name!r} has {len(self.places):,} places, more than {MAX_PLACES:,}; to fix: "
+                             f"keep the places the job may rent (limits: docs/formats.md)")
+        dup = sorted(k for k, n in Counter(p.key for p in self.places).items() if n > 1)
         if dup:
             raise TraceError(f"trace {self.name!r} lists a place twice: {dup[0]}; to fix: merge its columns")
         last = -math.inf
@@ -126,7 +192,7 @@ class Trace:
                 raise TraceError(f"trace {self.name!r} point {i}: {len(pt.taken)} taken counts for {n} places; "
                                  f"to fix: one per place, or none")
             if any(c < 0 for c in pt.counts) or any(not (u >= 0 and math.isfinite(u)) for u in pt.usd_per_gpu_hour):
-                raise TraceError(f"trace {self.name!r} point {i}: counts and prices must be >= 0")
+                raise TraceError(f"trace {self.name!r} point {i}: counts and prices must be >= 0; to fix: correct them")
 
     @property
     def by_step(self) -> bool:
@@ -189,22 +255,33 @@ def parse_sailor_trace(data: Any, *, source: str = "trace") -> Trace:
     if data.get("version") != TRACE_VERSION:
         raise TraceError(f"{source}: trace version {data.get('version')!r} is not {TRACE_VERSION}; "
                          f"to fix: write it with this version of sailor")
+    for key, most in (("places", MAX_PLACES), ("points", MAX_POINTS)):
+        if isinstance(data.get(key), list) and len(data[key]) > most:
+            raise TraceError(f"{source}: {len(data[key]):,} {key}, more than {most:,}; to fix: check the file "
+                             f"(limits: docs/formats.md)")
     try:
-        places = tuple(Place(zone=str(p["zone"]), gpu_type=str(p["gpu_type"]), market=p.get("market", "on-demand"),
-                             region=str(p.get("region") or ""), cloud=str(p.get("cloud") or "gcp"),
-                             gpus_per_node=int(p.get("gpus_per_node") or 1)) for p in data["places"])
-        points = tuple(TracePoint(at_s=float(pt.get("at_s", 0.0)), counts=tuple(int(c) for c in pt["counts"]),
-                                  usd_per_gpu_hour=tuple(float(u) for u in pt["usd_per_gpu_hour"]),
-                                  at_step=int(pt["at_step"]) if pt.get("at_step") is not None else None,
-                                  taken=tuple(int(c) for c in pt.get("taken") or ()),
-                                  calibration=tuple((str(g), float(f)) for g, f in pt.get("calibration") or ()),
-                                  reconfiguration_s=float(pt["reconfiguration_s"])
-                                  if pt.get("reconfiguration_s") is not None else None)
-                       for pt in data["points"])
+        places = tuple(Place(zone=p["zone"], gpu_type=p["gpu_type"], market=p.get("market", "on-demand"),
+                             region=p.get("region") or "", cloud=p.get("cloud") or "gcp",
+                             gpus_per_node=_count(p.get("gpus_per_node") or 1, "gpus_per_node"))
+                       for p in data["places"])
+        points = tuple(_point(pt) for pt in data["points"])
     except (KeyError, TypeError, ValueError) as e:
-        raise TraceError(f"{source}: malformed sailor trace ({type(e).__name__}: {e}); "
+        raise TraceError(f"{source}: malformed sailor trace ({type(e).__name__}: {shown_text(str(e), 200)}); "
                          f"to fix: see the trace formats in docs/replay.md") from None
     return Trace(name=str(data.get("name") or source), places=places, points=points)
+
+
+def _point(pt: Mapping[str, Any]) -> TracePoint:
+    """One point of our JSON trace; numbers may be written as text ("12"), never as NaN or infinities."""
+    return TracePoint(at_s=_number(pt.get("at_s", 0.0), "at_s"),
+                      counts=tuple(_count(c, "a count") for c in pt["counts"]),
+                      usd_per_gpu_hour=tuple(_number(u, "a price") for u in pt["usd_per_gpu_hour"]),
+                      at_step=_count(pt["at_step"], "at_step") if pt.get("at_step") is not None else None,
+                      taken=tuple(_count(c, "a taken count") for c in pt.get("taken") or ()),
+                      calibration=tuple((str(g), _number(f, "a calibration factor"))
+                                        for g, f in pt.get("calibration") or ()),
+                      reconfiguration_s=_number(pt["reconfiguration_s"], "reconfiguration_s")
+                      if pt.get("reconfiguration_s") is not None else None)
 
 
 def _price(lookup: PriceLookup, zone: str, gpu: str, market: Market, source: str) -> float:
@@ -221,11 +298,15 @@ def parse_artifact_json(data: Any, *, zone: str, gpu_type: str, market: Market, 
     if not isinstance(data, list) or not data or not all(isinstance(r, Mapping) for r in data):
         raise TraceError(f"{source}: expected a list of {{\"Time\": s, \"GPUs\": n}}; "
                          f"to fix: see the trace formats in docs/replay.md")
+    if len(data) > MAX_POINTS:
+        raise TraceError(f"{source}: {len(data):,} rows, more than {MAX_POINTS:,}; to fix: check the file (limits: "
+                         f"docs/formats.md)")
     try:
-        rows = sorted((float(r["Time"]), int(r["GPUs"])) for r in data)
+        rows = sorted((_number(r["Time"], "Time"), _count(r["GPUs"], "GPUs")) for r in data)
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(
-            f'{source}: a row lacks Time or GPUs ({e}); to fix: every row is {{"Time": s, "GPUs": n}}'
+            f'{source}: a row lacks Time or GPUs ({shown_text(str(e), 200)}); to fix: every row is '
+            f'{{"Time": s, "GPUs": n}}'
         ) from None
     place = Place(zone=zone, gpu_type=gpu_type, market=market, cloud=cloud, gpus_per_node=gpus_per_node)
     price = _price(prices, zone, gpu_type, place.market, source)
@@ -245,6 +326,9 @@ def parse_artifact_csv(text: str, *, market: Market, gpus_per_node: Callable[[st
                        source: str = "trace", cloud: str = "gcp") -> Trace:
     """The artifact's `gpu_trace_*.csv`: Timestamp, then one `<gpu_type>_<zone>` column of GPU counts each."""
     rows = list(csv.reader(io.StringIO(text)))
+    if len(rows) > MAX_POINTS + 1 or (rows and len(rows[0]) > MAX_PLACES + 1):
+        raise TraceError(f"{source}: more than {MAX_POINTS:,} rows or {MAX_PLACES:,} columns; to fix: check the file "
+                         f"(limits: docs/formats.md)")
     if len(rows) < 2 or "Timestamp" not in rows[0]:
         raise TraceError(f"{source}: expected a header with Timestamp and <gpu_type>_<zone> columns and at least "
                          f"one row; to fix: see the trace formats in docs/replay.md")
@@ -256,7 +340,7 @@ def parse_artifact_csv(text: str, *, market: Market, gpus_per_node: Callable[[st
         gpu, sep, zone = h.partition("_")
         if not sep or not gpu or not zone:
             raise TraceError(
-                f"{source}: column {h!r} is not <gpu_type>_<zone>; to fix: name it like A100-40_us-central1-a"
+                f"{source}: column {shown(h)} is not <gpu_type>_<zone>; to fix: name it like A100-40_us-central1-a"
             )
         places.append(Place(zone=zone, gpu_type=gpu, market=market, cloud=cloud, gpus_per_node=gpus_per_node(gpu)))
     price = tuple(_price(prices, p.zone, p.gpu_type, p.market, source) for p in places)
@@ -265,10 +349,11 @@ def parse_artifact_csv(text: str, *, market: Market, gpus_per_node: Callable[[st
         for r in rows[1:]:
             if not any(c.strip() for c in r):
                 continue
-            pts.append((float(r[ti]), tuple(int(float(r[j])) for j, _ in cols)))
+            pts.append((_number(r[ti], "Timestamp"), tuple(_count(r[j], "a count") for j, _ in cols)))
     except (IndexError, ValueError) as e:
         raise TraceError(
-            f"{source}: a row is not numbers ({e}); to fix: one timestamp and one count per column"
+            f"{source}: a row is not numbers ({shown_text(str(e), 200)}); to fix: one timestamp and one count per "
+            f"column"
         ) from None
     pts.sort()
     t0 = pts[0][0]
@@ -278,7 +363,7 @@ def parse_artifact_csv(text: str, *, market: Market, gpus_per_node: Callable[[st
 
 def _time_s(row: Mapping[str, str], t0: list[float], source: str, line: int) -> float:
     if (row.get("at_s") or "").strip():
-        return float(row["at_s"])
+        return _number(row["at_s"], f"line {line}: at_s")
     raw = (row.get("fetched_at") or "").strip()
     if not raw:
         raise TraceError(f"{source} line {line}: no at_s or fetched_at; to fix: give the time of each change")
@@ -304,6 +389,9 @@ def parse_changes_csv(text: str, *, gpus_per_node: Callable[[str], int], default
     places: dict[tuple[str, str, Market], Place] = {}
     t0: list[float] = []
     rows = list(reader)
+    if len(rows) > MAX_POINTS * 4:
+        raise TraceError(f"{source}: {len(rows):,} rows, more than {MAX_POINTS * 4:,}; to fix: check the file "
+                         f"(limits: docs/formats.md)")
     try:
         # The store's history is sorted by key, not time: find the earliest time first.
         if "fetched_at" in fields and "at_s" not in fields:
@@ -319,7 +407,8 @@ def parse_changes_csv(text: str, *, gpus_per_node: Callable[[str], int], default
                                     region=(r.get("region") or "").strip(), gpus_per_node=gpus_per_node(key[1]))
             changes.append((_time_s(r, t0, source, n), n, key, r))
     except (ValueError, ValidationError) as e:
-        raise TraceError(f"{source}: {e}; to fix: see the changes CSV format in docs/replay.md") from None
+        raise TraceError(f"{source}: {shown_text(str(e), 300)}; to fix: see the changes CSV format in docs/replay.md") \
+            from None
     if not changes:
         raise TraceError(f"{source}: no rows; to fix: give at least the state at time 0")
     order = list(places)
@@ -334,16 +423,20 @@ def parse_changes_csv(text: str, *, gpus_per_node: Callable[[str], int], default
             _, n, key, r = changes[i]
             try:
                 if (r.get("count") or "").strip():
-                    count[key] = int(float(r["count"]))
+                    count[key] = _count(r["count"], "count")
                 if (r.get("usd_per_gpu_hour") or "").strip():
-                    price[key] = float(r["usd_per_gpu_hour"])
+                    price[key] = _number(r["usd_per_gpu_hour"], "usd_per_gpu_hour")
             except ValueError as e:
-                raise TraceError(f"{source} line {n}: {e}; to fix: counts and prices are numbers") from None
+                raise TraceError(f"{source} line {n}: {shown_text(str(e), 200)}; to fix: counts and prices are "
+                                 f"numbers") from None
             i += 1
         if any(price[k] is None for k in order):
             continue  # a place is known but not yet priced: the trace starts once every place has a price
-        points.append(TracePoint(at_s=t, counts=tuple(count[k] for k in order),
-                                 usd_per_gpu_hour=tuple(float(price[k] or 0.0) for k in order)))
+        try:
+            points.append(TracePoint(at_s=t, counts=tuple(count[k] for k in order),
+                                     usd_per_gpu_hour=tuple(float(price[k] or 0.0) for k in order)))
+        except ValidationError as e:
+            raise TraceError(f"{source}: {e}; to fix: correct the file") from None
     if not points:
         missing = [k for k in order if price[k] is None]
         raise TraceError(f"{source}: place {missing[0][1]}@{missing[0][0]} never gets a price; "
@@ -367,16 +460,11 @@ class TraceReading:
 
 
 def read_trace(source: str, text: str, how: TraceReading) -> Trace:
-    """Any trace format from its text, told apart by `source`'s suffix and the text's shape (pure)."""
-    import json
-
+    """Any trace format from its text, told apart by `source`'s suffix and the text's shape (pure). JSON is read
+    with sailor_core/files.py's bounds (no NaN, infinities, duplicate keys or deep nesting)."""
     try:
         if source.endswith(".json"):
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{source} is not valid JSON ({e}); to fix: see the trace formats in "
-                                 f"docs/replay.md") from None
+            data = parse_json(text, source=source, error=TraceError)
             if isinstance(data, list):
                 return parse_artifact_json(data, zone=how.zone, gpu_type=how.gpu_type, market=how.market,
                                            gpus_per_node=how.gpus_per_node(how.gpu_type), prices=how.prices,
@@ -389,4 +477,5 @@ def read_trace(source: str, text: str, how: TraceReading) -> Trace:
         return parse_changes_csv(text, gpus_per_node=how.gpus_per_node, default_count=how.default_count,
                                  source=source)
     except ValidationError as e:
-        raise TraceError(f"{source}: {e}; to fix: see the trace formats in docs/replay.md") from None
+        raise TraceError(f"{source}: {shown_text(str(e), 300)}; to fix: see the trace formats in docs/replay.md") \
+            from None
