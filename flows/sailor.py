@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import pydantic
 from prefect import flow, task
@@ -31,20 +31,41 @@ from prefect.runtime import flow_run as runtime_flow_run
 from flows.params import SailorParams, takes_params, validate_params
 from flows.profiling import profile
 from flows.replan import RunContext, RunSetup, replan
-from infra.provider import ClusterInfo, DryRunReporting, HostedVms, Provider, ProviderEvent, Vm, VmRequest
+from infra.provider import (
+    ClusterInfo,
+    DryRunReporting,
+    HostedVms,
+    Provider,
+    ProviderEvent,
+    ScriptedEvents,
+    Vm,
+    VmRequest,
+)
 from sailor_core.domain import Capacity, ParallelPlan, ResourcePool
 from sailor_core.errors import CapacityError, SailorError, StorageUnavailable
 from sailor_core.planner.risk import planning_checkpoint_interval
+from sailor_core.units import usd
 from tasks import interrupt
-from tasks.control import Controller, HeartbeatBoard
+from tasks.control import Controller, HeartbeatBoard, checkpoint_steps
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunEvent, RunHistory, RunStatus, new_run_id
 from tasks.jobs import CodeRef, ColdStart, Job, node_requests
+from tasks.outage import DEFAULT_OUTAGE_S, PrefectWatch
 from tasks.planning import calibrated_book, chosen_plan, pool_from, priced_book
+from tasks.pump import ProviderPump
 from tasks.records import RunSummary
 from tasks.remote import VmCommands
 from tasks.replay import job_of, what_if
 from tasks.reporting import Logger, ProgressBar, emit, publish_cost, publish_timeline
-from tasks.runstate import RunState, TestbedObjectStore, build_wheel, project_root, publish_wheel, state_for
+from tasks.retention import KEEP_RUNS, prune_older_runs, prune_run, prune_wheel_cache
+from tasks.runstate import (
+    RunState,
+    TestbedObjectStore,
+    build_wheel,
+    merge_workers_metrics,
+    project_root,
+    publish_wheel,
+    state_for,
+)
 from tasks.steps import (
     fetch_offerings,
     launch,
@@ -195,13 +216,17 @@ def _reap_crashed(history: RunHistory, deps: Deps, params: SailorParams, run_id:
                     make_provider(params, deps.workdir / "runs" / r["run_id"]).cleanup(r["run_id"])
                 history.event(r["run_id"], RunEvent.TEARDOWN, f"run {run_id} found this run crashed and removed "
                               f"{len(left)} VM(s) it left", {"removed": list(left), "by": run_id})
+                # its agents uploaded rank 0's own step records as they stopped: steps it trained after its
+                # flow's last save reach its history too
+                merge_workers_metrics(_state_of(deps, r["run_id"]))
         except Exception as e:  # noqa: BLE001 - `sailor infra cleanup` is the fallback; this run goes on
             log.warning("could not clean up after crashed run %s: %s", r["run_id"], e)
 
 
 def _check_resume(history: RunHistory, run_id: str, state: RunState, num_layers: int, or_start: bool,
-                  log: Logger) -> None:
-    """Resume never starts over by accident: invalid checkpoints are quarantined and reported."""
+                  log: Logger) -> int | None:
+    """Resume never starts over by accident: invalid checkpoints are quarantined and reported. Returns the
+    step it resumes at (None: none, and `or_start`)."""
     from sailor_core.runtime import checkpoint as ckpt
 
     uri = state.checkpoints("flow")
@@ -211,6 +236,7 @@ def _check_resume(history: RunHistory, run_id: str, state: RunState, num_layers:
         log.warning("%s", s.line())
     if step is None and not or_start:
         raise ckpt.no_resume_error(uri, skipped)
+    return step
 
 
 def _replan_requests(keeper: LeaseKeeper) -> Callable[[], list[ProviderEvent]]:
@@ -281,7 +307,9 @@ def _ship_code(deps: Deps) -> CodeRef:
     """Build this checkout's wheel and put it beside the run's state, for every VM to install."""
     if not deps.ship_wheel or deps.state is None:
         return CodeRef()
-    wheel = build_wheel(project_root() / "build" / "sailor-wheels")
+    cache = project_root() / "build" / "sailor-wheels"
+    wheel = build_wheel(cache)
+    prune_wheel_cache(cache, keep=wheel.parent)
     url, sha = publish_wheel(deps.state, wheel)
     return CodeRef(url=url, sha256=sha, extras=deps.provider.name if deps.provider.name in ("aws", "gcp") else "")
 
@@ -309,6 +337,8 @@ class _Run:
     controller: Controller | None = None
     code: CodeRef = field(default_factory=CodeRef)
     job: Job | None = None
+    pump: ProviderPump | None = None  # a local provider's: scripted events at their step (tasks/pump.py)
+    prefect: PrefectWatch | None = None  # the Prefect server's health (tasks/outage.py)
 
     @property
     def params(self) -> SailorParams:
@@ -324,10 +354,12 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> RunSummary:
     run = _open(params, deps, run_id)
     status, reason = RunStatus.FAILED, ""
     try:
-        deferred = _defer_to_live_run(run)
-        if deferred is not None:
-            status, reason = RunStatus.COMPLETED, f"deferred to the live run {deferred['deferred_to']}; rented nothing"
-            return deferred
+        ended = _defer_to_live_run(run)
+        if ended is not None:
+            status = RunStatus.COMPLETED
+            reason = (f"deferred to the live run {ended['deferred_to']}; rented nothing" if "deferred_to" in ended
+                      else f"nothing left to train after run {ended['nothing_to_do_after']}; rented nothing")
+            return ended
         plan = _first_plan(run)
         if params.what_if_trace:  # before anything is rented: the job over that trace, per policy
             _what_if(run)
@@ -338,7 +370,11 @@ def run_job(params: SailorParams, deps: Deps, run_id: str) -> RunSummary:
             summary = run.ctx.summary(status, run.t0)
             summary["dry_run"] = run.ctx.dry_run
             return summary
-        _resume_from_earlier_run(run)
+        resumed = _resume_from_earlier_run(run)
+        if resumed is not None and resumed[0] >= run.ctx.total_steps:
+            status, reason = RunStatus.COMPLETED, f"nothing left to train after run {resumed[1]}; rented nothing"
+            return _nothing_to_do(run, f"the checkpoint of run {resumed[1]} is at step {resumed[0]}, and "
+                                       f"{run.ctx.total_steps} steps are asked: nothing is left to train", resumed[1])
         _record_cluster(run, "where the run's VMs and state live")
         requested_at = time.time()
         vms = _provision_first(run)
@@ -369,25 +405,79 @@ def _open(params: SailorParams, deps: Deps, run_id: str) -> _Run:
            {"name": params.run_name, "provider": params.provider, "model": params.model,
             "flow_run_id": str(runtime_flow_run.id or ""), "params": params.model_dump(mode="json")})
     keeper = LeaseKeeper(history, run_id, ttl_s=deps.lease_s).start()  # the run is owned by this process
-    run = _Run(ctx=ctx, deps=deps, state=deps.state, keeper=keeper)
+    run = _Run(ctx=ctx, deps=deps, state=deps.state, keeper=keeper, prefect=_prefect_watch())
+    if run.prefect is not None:
+        run.prefect.on_lost = lambda why: _stop_without_prefect(run, why)
     _reap_crashed(history, deps, params, run_id, log)
+    # runs that may have trained (a rerun that rented nothing does not push a job's checkpoint out), and ended
+    ended = [r["run_id"] for r in history.list_runs() if r.get("name") == params.run_name and r["run_id"] != run_id
+             and r.get("status") != RunStatus.RUNNING and r.get("plan_versions", 1) != 0]
+    try:
+        pruned = prune_older_runs(ended, lambda other: _state_of(deps, other))
+        if pruned:
+            log.info("removed the checkpoints of %d earlier run(s) of %s beyond the newest %d (tasks/retention.py)",
+                     len({p.split("/")[0] for p in pruned}), params.run_name, KEEP_RUNS)
+    except Exception as e:  # noqa: BLE001 - pruning saves space; this run goes on
+        log.warning("could not prune earlier runs' checkpoints: %s", e)
     emit("run.started", run_id, {"name": params.run_name, "model": params.model})
     log.info("run %s: %s on %s, objective %s", run_id, params.model, params.provider, params.objective)
     return run
 
 
 def _defer_to_live_run(run: _Run) -> RunSummary | None:
-    """The scheduled rerun while its run still trains: ask that run to re-plan, rent nothing."""
-    history, run_id = run.ctx.history, run.run_id
-    live = history.live_run(run.params.run_name, exclude=run_id) if run.params.resume else None
+    """One job of a name at a time, decided before anything is rented. A rerun (resume, as the schedule
+    sends) of a job that still trains asks that run to re-plan against current prices and capacity, and
+    ends; any other run beside it is refused. A rerun of a job that trained all its steps ends too,
+    renting nothing (`_nothing_left`); a rerun of a failed, cancelled or crashed job goes on to resume it."""
+    history, run_id, params = run.ctx.history, run.run_id, run.params
+    live = history.live_run(params.run_name, exclude=run_id)
     if live is None:
-        return None
-    why = (f"run {run_id} (resume) found run {live['run_id']} of the same name alive (lease until "
-           f"{live['lease_expires_at'][11:19]} UTC) and asked it to re-plan against current prices and capacity")
+        return _nothing_left(run)
+    until = live["lease_expires_at"][11:19]
+    if not params.resume:
+        raise SailorError(f"run {live['run_id']} of the name {params.run_name!r} is training (its lease runs until "
+                          f"{until} UTC), and one job of a name trains at a time; to fix: wait for it to end, pass "
+                          f"resume=true to have it re-plan now, or give this run another run_name")
+    why = (f"run {run_id} (resume) found run {live['run_id']} of the same name training (lease until {until} UTC) "
+           f"and asked it to re-plan against current prices and capacity")
     history.request_replan(live["run_id"], run_id, why)
     record(history.event, run_id, RunEvent.DEFERRED, why + "; rented nothing", {"live_run": live["run_id"]})
     get_run_logger().info("%s; rented nothing", why)
     return {"run_id": run_id, "status": "completed", "deferred_to": live["run_id"]}
+
+
+def _nothing_left(run: _Run) -> RunSummary | None:
+    """A rerun (resume) whose job's last run completed at least the steps asked now: nothing to train."""
+    history, run_id, params = run.ctx.history, run.run_id, run.params
+    last = history.last_job(params.run_name, exclude=run_id) if params.resume else None
+    total = _steps_asked(params)
+    if last is None or last.get("status") != RunStatus.COMPLETED or total is None:
+        return None
+    done = int(last.get("steps_done") or 0)
+    if done < total:
+        return None
+    return _nothing_to_do(run, f"run {last['run_id']} of this name completed {done} steps, and {total} are asked: "
+                               f"nothing is left to train", last["run_id"])
+
+
+def _nothing_to_do(run: _Run, why: str, after: str) -> RunSummary:
+    """The run ends completed without renting anything, and says why."""
+    record(run.ctx.history.event, run.run_id, RunEvent.NOTHING_TO_DO, why + "; rented nothing", {"after": after})
+    get_run_logger().info("%s; rented nothing", why)
+    return {"run_id": run.run_id, "status": "completed", "nothing_to_do_after": after}
+
+
+def _steps_asked(params: SailorParams) -> int | None:
+    """The steps the parameters ask for, where that is known before profiling (None: a token budget over a
+    model whose sequence length the runtime does not know)."""
+    if params.steps is not None:
+        return params.steps
+    from sailor_core.models.config import get_config
+
+    try:
+        return params.total_steps(get_config(params.model).sequence_length)
+    except SailorError:
+        return None
 
 
 def _offers(run: _Run) -> list[Capacity]:
@@ -406,6 +496,8 @@ def _first_plan(run: _Run) -> ParallelPlan:
     gpu_set = sorted({o.gpu_type for o in offers if o.gpus > 0})
     run.code = _ship_code(run.deps)
     run.controller = Controller(host=run.deps.controller_host)
+    if isinstance(provider, ScriptedEvents):  # the workers hold at each scripted step until the provider saw it
+        run.controller.hold_steps = lambda: provider.scripted_steps(run.run_id)
     remote = VmCommands(provider, run.controller, run.state, run.code, run.run_id)
     ctx.base_book = profile(run.deps.store, params.model, gpu_set, offers=offers, remote=remote)
     ctx.calibration = ctx.history.calibration(gpu_set)
@@ -415,6 +507,10 @@ def _first_plan(run: _Run) -> ParallelPlan:
     result = make_plan(ctx.plan_request(pool_from(offers)), book)
     plan, est = chosen_plan(result)
     ctx.total_steps = params.total_steps(ctx.base_book.model.sequence_length)
+    if isinstance(provider, ScriptedEvents):
+        for step in (s for s in provider.scripted_steps(run.run_id) if s > ctx.total_steps):
+            get_run_logger().warning("the scenario scripts an event at step %d, after the run's last step %d: it "
+                                     "will not happen", step, ctx.total_steps)
     if params.provider == "local":  # cloud plans are checked by the workers on their VMs
         check_runnable(plan, params.workers)
     ctx.adopt_plan(plan, est, result.explanation or "best plan for the request", result.frontier)
@@ -432,18 +528,21 @@ def _what_if(run: _Run) -> None:
     what_if(run.run_id, p.what_if_trace, calibrated_book(ctx.base_book, ctx.calibration), job, ctx.history)
 
 
-def _resume_from_earlier_run(run: _Run) -> None:
-    """With resume: the newest earlier run's checkpoints copied in, and checked (never a silent restart)."""
+def _resume_from_earlier_run(run: _Run) -> tuple[int, str] | None:
+    """With resume: the newest earlier run's checkpoints copied in, and checked (never a silent restart);
+    returns (the step it resumes at, that run's id), None when it starts at step 0."""
     params, ctx = run.params, run.ctx
     if not params.resume:
-        return
+        return None
     log = get_run_logger()
     prev = _previous_checkpoint(ctx.history, run.deps, params.run_name, run.run_id)
     if prev is not None:
         _copy_checkpoints(prev, run.state)
         log.info("resuming from the checkpoints of %s", prev.uri)
     assert ctx.plan is not None
-    _check_resume(ctx.history, run.run_id, run.state, ctx.plan.stages[-1].last_layer + 1, params.resume_or_start, log)
+    step = _check_resume(ctx.history, run.run_id, run.state, ctx.plan.stages[-1].last_layer + 1,
+                         params.resume_or_start, log)
+    return None if step is None or prev is None else (step, prev.uri.rstrip("/").rsplit("/", 1)[-1])
 
 
 def _record_cluster(run: _Run, what: str, *, at_teardown: bool = False) -> None:
@@ -503,6 +602,10 @@ def _start_training(run: _Run, vms: list[Vm], requested_at: float) -> Job:
               controller=run.controller,
               started_by=ColdStart(provisioned_at=time.time(), requested_at=requested_at,
                                    provider=run.deps.provider.name))
+    if isinstance(run.deps.provider, ScriptedEvents):
+        assert run.controller is not None
+        run.pump = ProviderPump(run.deps.provider, run_id, run.controller, run.deps.board,
+                                log=get_run_logger()).start()
     job.launched_at = launch(run.deps.provider, job)
     resumed = f", resuming from the checkpoint of step {job.start_step}" if job.start_step else ""
     record(ctx.history.event, run_id, RunEvent.TRAINING_STARTED, f"plan v{ctx.version} on {len(vms)} workers{resumed}",
@@ -523,7 +626,7 @@ def _train(run: _Run) -> None:
     while True:
         interrupt.check()  # a stop that library code swallowed on the way still ends the run here
         out = monitor(deps.provider, job, ctx.history, bar, deps.board, seen=seen, requested=requested,
-                      poll_s=deps.poll_s,
+                      poll_s=deps.poll_s, prefect=run.prefect,
                       deadline_at=deadline_at, tolerance=params.calibration_tolerance, calibrate_after=5,
                       calibrated=job.calibrated, stall_timeout_s=deps.stall_timeout_s)
         ctx.observe(job, out.progress)
@@ -538,16 +641,12 @@ def _train(run: _Run) -> None:
 
 
 def _finish(run: _Run, status: RunStatus, reason: str) -> None:
-    """Lease ended, metrics saved, controller closed, every VM removed, the final status written."""
+    """Lease ended, every VM removed, every step's record saved, controller closed, the final status written."""
     ctx, deps, run_id = run.ctx, run.deps, run.run_id
     run.keeper.stop()  # the final status below ends the lease
-    if run.job is not None and run.job.controller is not None:
-        try:
-            save_metrics(run.job)
-        except Exception as e:  # noqa: BLE001 - teardown comes next whatever happened; the metrics stay in the log
-            get_run_logger().warning("could not save the last plan version's metrics: %s", e)
-    if run.controller is not None:
-        run.controller.close()
+    for thread in (run.pump, run.prefect):
+        if thread is not None:
+            thread.stop()
     removed: list[str] = []
     try:
         removed = teardown(deps.provider, run_id)
@@ -556,6 +655,10 @@ def _finish(run: _Run, status: RunStatus, reason: str) -> None:
         status = RunStatus.FAILED
     ctx.ledger.release_all()
     # Teardown goes on past each of these, logging it: the run's outcome must still be written.
+    _save_steps(run)  # after teardown: the agents uploaded rank 0's own step records as they stopped
+    _prune(run)
+    if run.controller is not None:
+        run.controller.close()
     if isinstance(deps.provider, ClusterInfo) and run.job is not None:
         try:  # the VMs the run had, as they ended
             _record_cluster(run, "the run's VMs at teardown", at_teardown=True)
@@ -567,6 +670,95 @@ def _finish(run: _Run, status: RunStatus, reason: str) -> None:
         except Exception as e:  # noqa: BLE001 - a server or client the run opened; nothing else depends on it
             get_run_logger().warning("closing %s at teardown failed: %s", getattr(close, "__qualname__", close), e)
     _write_outcome(run, status, reason, removed)
+
+
+def _prefect_watch() -> PrefectWatch | None:
+    """A watch on the Prefect server this flow reports to (None: no HTTP server to watch)."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            api = str(client.api_url or "")
+    except Exception as e:  # noqa: BLE001 - the run goes on unwatched: an outage then blocks as Prefect does
+        get_run_logger().warning("cannot watch the Prefect server's health: %s", e)
+        return None
+    if not api.startswith("http"):
+        return None
+    outage_s = float(os.environ.get("SAILOR_PREFECT_OUTAGE_S", DEFAULT_OUTAGE_S))
+    return PrefectWatch(api.rstrip("/") + "/health", outage_s=outage_s).start()
+
+
+def _stop_without_prefect(run: _Run, why: str) -> NoReturn:
+    """The Prefect server is lost (tasks/outage.py): every Prefect call would block, so the job is stopped here,
+    without it. The agents are stopped (the workers checkpoint first), the steps and the outcome go to the run
+    history, one line goes to stderr, and the process leaves with status 1."""
+    import sys
+
+    step = run.deps.board.max_step()
+    reason = f"{why}; the run stopped at step {step}"
+    try:
+        for thread in (run.pump, run.keeper):
+            if thread is not None:
+                thread.stop()
+        run.deps.provider.cleanup(run.run_id)  # SIGTERM to the agents: the workers checkpoint, then stop
+        ctl = run.controller
+        if ctl is not None:
+            merge_workers_metrics(run.state, {v: ctl.metrics(v) for v in ctl.metric_versions()})
+        if run.job is not None:
+            at = checkpoint_steps(run.state.checkpoints("flow"), run.job.num_layers)
+            reason += f", its checkpoint of step {at} kept at {run.state.checkpoints('public')}" if at else ""
+        run.ctx.history.run_status(run.run_id, RunStatus.FAILED, reason, run.ctx.summary(RunStatus.FAILED, run.t0))
+        if ctl is not None:
+            ctl.close()
+        for close in run.deps.closers:
+            close()
+    except BaseException as e:  # noqa: BLE001 - the line below still says what happened; the hooks clean up
+        reason += f" (stopping it met: {type(e).__name__}: {e})"[:300]
+    finally:
+        print(f"error: {reason}; to fix: start the Prefect server again and rerun with resume=true", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+
+def _prune(run: _Run) -> None:
+    """The run's wheel copy and older checkpoints removed (tasks/retention.py), while its state is reachable."""
+    if run.job is None:
+        return
+    try:
+        removed = prune_run(run.state, checkpoint_steps(run.state.checkpoints("flow"), run.job.num_layers))
+        if removed:
+            get_run_logger().info("pruned %d file(s) of the run's state: its wheel copy and checkpoints older than "
+                                  "its newest valid one", len(removed))
+    except Exception as e:  # noqa: BLE001 - pruning saves space; the run's outcome comes first
+        get_run_logger().warning("could not prune the run's state: %s", e)
+
+
+def _save_steps(run: _Run) -> None:
+    """Every plan version's step records (the controller's and the workers' own files) into the run's state,
+    and the scripted events that did not happen into its history."""
+    log = get_run_logger()
+    if run.job is not None and run.job.controller is not None:
+        try:
+            save_metrics(run.job, workers_files=True)
+        except Exception as e:  # noqa: BLE001 - the metrics stay in the workers' logs; the outcome comes first
+            log.warning("could not save the run's step records: %s", e)
+    provider = run.deps.provider
+    if isinstance(provider, ScriptedEvents) and run.job is not None:
+        try:
+            for what in provider.missed_events(run.run_id, last_step=run.deps.board.max_step()):
+                log.warning("%s", what)
+                run.ctx.history.event(run.run_id, RunEvent.SCRIPTED_MISSED, what, {})
+        except Exception as e:  # noqa: BLE001 - a record for people; the outcome comes first
+            log.warning("could not record the scenario's missed events: %s", e)
+
+
+def result_line(summary: RunSummary) -> str:
+    """The run's outcome in one line that ends with what it trained: its final loss and tokens."""
+    loss = summary.get("final_loss")
+    return (f"run {summary.get('run_id')} {summary.get('status')}: {summary.get('steps_done', 0)} of "
+            f"{summary.get('total_steps', 0)} steps in {summary.get('wall_s', 0)} s, "
+            f"{usd(float(summary.get('usd_total', 0.0)))} USD; final loss {'-' if loss is None else f'{loss:.4f}'}, "
+            f"{summary.get('tokens', 0):,} tokens")
 
 
 def _write_outcome(run: _Run, status: RunStatus, reason: str, removed: list[str]) -> None:
@@ -583,5 +775,6 @@ def _write_outcome(run: _Run, status: RunStatus, reason: str, removed: list[str]
         publish_timeline(run_id, shown["events"], shown["decisions"])
         publish_cost(run_id, ctx.cost_table())
         log.info("run %s %s: %s", run_id, status, json.dumps(summary, default=str)[:2000])
+        log.info("%s", result_line(summary))
     except Exception as e:  # reporting must not hide the run's own outcome
         log.warning("could not write the run's final status: %s", e)

@@ -120,6 +120,13 @@ def _instance_type(o: Capacity) -> str:
     return f"local-{o.gpus_per_vm}x{o.gpu_type}"
 
 
+def _scripted(ev: ScenarioEvent) -> str:
+    """A scripted event as the scenario file states it, e.g. `preemption (spot) scripted at step 20`."""
+    about = " ".join(x for x in (ev.market.value if ev.market else "", ev.zone or "", ev.gpu_type or "") if x)
+    when = f"at step {ev.at_step}" if ev.at_step is not None else f"at {ev.at_s:g}s"
+    return f"the scenario's {ev.kind.replace('_', ' ')}{f' ({about})' if about else ''} scripted {when}"
+
+
 def _now_dt(t: float) -> datetime:
     return datetime.fromtimestamp(t, UTC)
 
@@ -599,6 +606,26 @@ class LocalProvider:
         return None if rec is None else rec.get("exit_code")
 
     # -- scenario and liveness ---------------------------------------------------------------
+    def scripted_steps(self, run_id: str) -> list[int]:
+        """The training steps of this run's scripted events that have not fired yet."""
+        with self._lock:
+            fired = set(self._state()["fired"].get(run_id, []))
+        return sorted({ev.at_step for ev in self.scenario.events if ev.at_step is not None and ev.index not in fired})
+
+    def missed_events(self, run_id: str, *, last_step: int) -> list[str]:
+        """Scripted events that did not happen in this run: skipped when they fired (no running VM matched
+        a preemption) or never due (the run ended at `last_step`, before their step)."""
+        with self._lock:
+            st = self._state()
+        fired = set(st["fired"].get(run_id, []))
+        out = [str(x["what"]) for x in st.get("skipped", {}).get(run_id, [])]
+        for ev in self.scenario.events:
+            if ev.index in fired or ev.at_step is None:
+                continue
+            out.append(f"{_scripted(ev)} did not happen: the run ended at step {last_step}; to fix: script it at a "
+                       f"step the run reaches, or train more steps")
+        return out
+
     def _run_step(self, run_id: str) -> int:
         step = 0
         for rec in self._records(run_id):
@@ -677,6 +704,9 @@ class LocalProvider:
             target = cands[-1] if cands else None
         if target is None:
             detail["skipped"] = "no running VM matched"
+            what = (f"{_scripted(ev)} did not happen: no running VM of the run matched it at step "
+                    f"{detail['run_step']}; to fix: match a market, zone or device type the run's plan uses")
+            st.setdefault("skipped", {}).setdefault(run_id, []).append({"index": ev.index, "what": what})
             return
         # A spot VM taken back is capacity its offering no longer has (until a capacity_change returns it).
         key = _rec_key(target)

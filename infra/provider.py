@@ -192,6 +192,18 @@ class DryRunReporting(Protocol):
 
 
 @runtime_checkable
+class ScriptedEvents(Protocol):
+    """A provider whose events are scripted at training steps (the local provider's scenario file): the
+    steps still to come, where the flow holds its workers until the provider has seen the step (so an
+    event happens at its step however fast the job trains), and the scripted events that could not
+    happen (no VM matched, or the run ended before their step), in the user's words."""
+
+    def scripted_steps(self, run_id: str) -> list[int]: ...
+
+    def missed_events(self, run_id: str, *, last_step: int) -> list[str]: ...
+
+
+@runtime_checkable
 class HostedVms(Protocol):
     """VMs hosted on this machine (the local provider): where they reach the flow, how they are isolated,
     and the environment every VM's agent gets."""

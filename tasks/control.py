@@ -10,7 +10,11 @@ Contract (no Prefect):
   `failed: ...` as soon as one of its workers is), `metrics(version)` the per-step records.
 - `HeartbeatBoard`: the latest heartbeat time and training step per VM, written by the monitor from
   the controller and read by the local provider (its `heartbeats` source), so a hung worker is found
-  by the provider's own timeout the same way a dead one is.
+  by the provider's own timeout the same way a dead one is. Once it `follow`s the run's controller,
+  a read also sees the beats the controller got since: a flow busy elsewhere (a replan, a Prefect
+  call that waits) never makes a healthy VM look silent.
+- Scripted steps: `hold_steps` (the provider's scripted event steps) go into each generation's
+  assignment; rank 0 holds at such a step (`held()`) until `release`d (tasks/pump.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from infra.provider import Vm
@@ -36,6 +41,11 @@ class HeartbeatBoard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._beats: dict[str, dict[str, float]] = {}
+        self._controller: Controller | None = None
+
+    def follow(self, controller: Controller) -> None:
+        """Reads also see the beats `controller` received (by its clock), however long ago the monitor looked."""
+        self._controller = controller
 
     def beat(self, vm_id: str, *, at: float | None = None, step: int | None = None) -> None:
         with self._lock:
@@ -48,8 +58,12 @@ class HeartbeatBoard:
 
     def get(self, vm_id: str) -> dict[str, float] | None:
         with self._lock:
-            b = self._beats.get(vm_id)
-            return dict(b) if b else None
+            b = dict(self._beats.get(vm_id) or {})
+        ctl = self._controller
+        at = ctl.heartbeats([vm_id]).get(vm_id) if ctl is not None else None
+        if at is not None:
+            b["time"] = max(at, b.get("time", 0.0))
+        return b or None
 
     def max_step(self) -> int:
         """The highest training step any VM was seen at (0: none yet)."""
@@ -75,6 +89,11 @@ class Controller:
         self.endpoint, self.secret = self.server.endpoint, self.server.secret
         self._devices: dict[str, int] = {}
         self._metrics: dict[int, list[MetricRow]] = {}
+        self.flushed: dict[int, int] = {}  # rows of each version saved under the run's state (tasks/steps.py)
+        # The steps of scripted events still to come (a ScriptedEvents provider's): generations hold there.
+        self.hold_steps: Callable[[], Sequence[int]] = tuple
+        self.generation = -1  # the newest generation handed out, and its VMs
+        self.generation_vms: list[str] = []
 
     def assign(self, job: Job, *, resume: bool, collective_timeout_s: float = 30.0) -> list[str]:
         """Generation `job.version` for every worker of the job's VMs; returns the members in rank order."""
@@ -89,10 +108,32 @@ class Controller:
         )
         vms = [(vm.vm_id, max(vm.gpus, 1), ranks) for vm, ranks in vm_ranks(job)]
         self._devices.update({v: n for v, n, _ in vms})
+        holds = tuple(s for s in self.hold_steps() if job.start_step < s <= job.total_steps)
         members = assign_generation(self.server, job.version, plan=plan_to_dict(job.plan), settings=settings.to_dict(),
-                                    resume=resume, vms=vms)
+                                    resume=resume, vms=vms, hold_at_steps=holds)
         job.members = members  # the generation a plan change ends (end_generation)
+        self.generation, self.generation_vms = job.version, [v for v, _, _ in vms]
         return members
+
+    def held(self) -> tuple[int, int] | None:
+        """(generation, step) when the newest generation's rank 0 holds at a step not yet released."""
+        from sailor_core.runtime.protocol import held_key, release_key
+
+        gen = self.generation
+        raw = self.server.get(held_key(gen)) if gen >= 0 else None
+        if raw is None or not raw.isdigit() or self.server.get(release_key(gen, int(raw))) is not None:
+            return None
+        return gen, int(raw)
+
+    def release(self, gen: int, step: int) -> None:
+        """Let generation `gen` go on past `step`."""
+        from sailor_core.runtime.protocol import release_key
+
+        self.server.set(release_key(gen, step), "released")
+
+    def metric_versions(self) -> list[int]:
+        """The plan versions whose workers reported step records (this process's view)."""
+        return [v for v in range(self.generation + 1) if self.metrics(v)]
 
     def watch(self, vms: list[Vm]) -> None:
         """Know these VMs' device counts before they are handed a generation (for `ready`)."""

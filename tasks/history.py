@@ -68,7 +68,9 @@ class RunEvent(enum.StrEnum):
     CLUSTER = "cluster"  # where the run's VMs and state live
     WHAT_IF = "what_if"  # the job replayed over a trace before renting
     DEFERRED = "deferred"  # a scheduled rerun asked the live run to re-plan instead
+    NOTHING_TO_DO = "nothing_to_do"  # a rerun of a job that had trained all its steps: nothing rented
     REPLAN_REQUEST = "replan_request"  # another run asks this one to re-plan
+    SCRIPTED_MISSED = "scripted_missed"  # a scenario's scripted event that could not happen in this run
     COMPLETED = "completed"
     TEARDOWN = "teardown"
 
@@ -180,10 +182,21 @@ class RunHistory:
         self._append("runs", run_id, RunStatus.CRASHED, reason, {})
 
     def live_run(self, name: str, *, exclude: str | None = None) -> RunRow | None:
-        """The newest run of this name whose lease is current (None: none alive)."""
-        live = [r for r in self.list_runs() if r.get("name") == name and r["run_id"] != exclude
-                and r.get("status") == RunStatus.RUNNING and r.get("lease_expires_at")]
+        """The newest run of this name whose lease is current (None: none alive). With `exclude`, a run
+        that started after that one does not count: of two runs started together, the first goes on."""
+        runs = self.list_runs()
+        mine = next((r["started_at"] for r in runs if r["run_id"] == exclude), None)
+        live = [r for r in runs if r.get("name") == name and r["run_id"] != exclude
+                and r.get("status") == RunStatus.RUNNING and r.get("lease_expires_at")
+                and (mine is None or r["started_at"] <= mine)]
         return live[-1] if live else None
+
+    def last_job(self, name: str, *, exclude: str | None = None) -> RunRow | None:
+        """The newest run of this name that may have trained: not one that deferred to a live run or found
+        nothing to do (those end with `plan_versions` 0)."""
+        runs = [r for r in self.list_runs() if r.get("name") == name and r["run_id"] != exclude
+                and r.get("plan_versions", 1) != 0]
+        return runs[-1] if runs else None
 
     def request_replan(self, run_id: str, requested_by: str, reason: str) -> None:
         self.event(run_id, RunEvent.REPLAN_REQUEST, reason, {"requested_by": requested_by})
@@ -239,6 +252,8 @@ class RunHistory:
                 cur["ended_at"] = _iso(r.time)
                 for k in (
                     "steps_done",
+                    "final_loss",
+                    "tokens",
                     "usd_total",
                     "wall_s",
                     "training_s",

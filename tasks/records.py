@@ -68,6 +68,8 @@ class RunRow(TypedDict, total=False):
     owner: LeaseOwner
     crash_detected: bool
     steps_done: int
+    final_loss: float | None
+    tokens: int
     usd_total: float
     wall_s: float
     training_s: float
@@ -100,6 +102,8 @@ class RunSummary(TypedDict, total=False):
     status: str
     steps_done: int
     total_steps: int
+    final_loss: float | None  # the last step's loss
+    tokens: int  # tokens trained: steps x global batch x sequence length
     plan_versions: int
     usd_total: float
     wall_s: float
@@ -110,3 +114,4 @@ class RunSummary(TypedDict, total=False):
     plan: str
     dry_run: str  # a dry run: what provisioning would do
     deferred_to: str  # a scheduled rerun that asked the live run to re-plan instead
+    nothing_to_do_after: str  # a rerun of a job whose last run had trained every step asked: rented nothing

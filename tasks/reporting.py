@@ -4,8 +4,11 @@ Contract: `emit(kind, run_id, ...)` sends a Prefect event `sailor.<kind>` about 
 `sailor.run.<run_id>` (and records nothing else); the artifact functions publish the plan as a
 table, the throughput-cost frontier as a plot (PNG, inlined) with its table, the event and
 decision timeline, the cost so far, and the training curves (loss and tokens/s per step, reconfigurations
-marked; `curves_png` is also what `sailor runs show --plot` draws), under keys derived from the run id
-(Prefect keeps every version of a key, so the latest is what the UI shows). `Progress` wraps a progress artifact.
+marked; `curves_png` is also what `sailor runs show --plot` draws), under keys derived from the run id.
+Each key is one artifact, created once and then updated in place (`_publish`): a run's curves, plan,
+timeline and cost are each one artifact whatever the number of updates, not a new version per update
+(each was an `artifact.created` event in `prefect deployment run --watch`). `ProgressBar` wraps a
+progress artifact, updated every 10 % of the steps.
 Nothing here decides anything; failures to publish are logged, never fatal for the run.
 """
 
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 from uuid import UUID
 
 from prefect.artifacts import (
+    TableArtifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -30,6 +34,7 @@ from prefect.logging import get_run_logger
 
 from infra.provider import Vm
 from sailor_core.domain import ParallelPlan
+from sailor_core.units import sig, usd
 from tasks.records import CostTable, JSONObject, MetricRow
 
 if TYPE_CHECKING:
@@ -65,6 +70,26 @@ def emit(kind: str, run_id: str, payload: JSONObject | None = None) -> None:
         _logger().warning("could not emit event sailor.%s: %s", kind, e)
 
 
+def _publish(key: str, description: str, *, markdown: str | None = None,
+             table: Sequence[dict[str, object]] | None = None) -> None:
+    """The artifact `key` with this content: updated in place when the run published it before, else created."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_latest_artifacts(
+            artifact_filter=ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(any_=[key])), limit=1)
+        if found:
+            data = markdown if markdown is not None else TableArtifact(table=list(table or [])).format()
+            client.update_artifact(found[0].latest_id, ArtifactUpdate(data=data, description=description))
+            return
+    if markdown is not None:
+        create_markdown_artifact(key=key, markdown=markdown, description=description)
+    else:
+        create_table_artifact(key=key, table=list(table or []), description=description)
+
+
 def plan_rows(plan: ParallelPlan, vms: Sequence[Vm] | None = None) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     k = 0
@@ -83,12 +108,10 @@ def plan_rows(plan: ParallelPlan, vms: Sequence[Vm] | None = None) -> list[dict[
 
 def publish_plan(run_id: str, version: int, plan: ParallelPlan, estimate: SimulationResult, reason: str) -> None:
     try:
-        create_table_artifact(
-            key=artifact_key("plan", run_id), table=plan_rows(plan),
-            description=(f"Plan v{version} for {plan.model}, global batch {plan.global_batch_size}: "
-                         f"{estimate.iteration_time_s:.3f} s/iteration, "
-                         f"{estimate.usd_per_hour:.4f} USD/hour. {reason}"),
-        )
+        _publish(artifact_key("plan", run_id), table=plan_rows(plan),
+                 description=(f"Plan v{version} for {plan.model}, global batch {plan.global_batch_size}: "
+                              f"{sig(estimate.iteration_time_s)} s/iteration, "
+                              f"{usd(estimate.usd_per_hour)} USD/hour. {reason}"))
     except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the plan artifact: %s", e)
 
@@ -126,10 +149,10 @@ def publish_frontier(run_id: str, version: int, points: Sequence[FrontierPoint],
             lines += [f"![frontier](data:image/png;base64,{png})", ""]
         lines += ["| iterations/s | USD/iteration | USD/hour | GPUs | plan |", "|---|---|---|---|---|"]
         for p in points:
-            lines.append(f"| {p.iterations_per_s:.4f} | {p.usd_per_iteration:.6f} | {p.usd_per_hour:.4f} "
+            lines.append(f"| {sig(p.iterations_per_s)} | {usd(p.usd_per_iteration)} | {usd(p.usd_per_hour)} "
                          f"| {p.num_gpus} | {'**chosen**: ' if p.chosen else ''}{p.summary} |")
-        create_markdown_artifact(key=artifact_key("frontier", run_id), markdown="\n".join(lines),
-                                 description="Pareto frontier of throughput against cost, as the simulator scores it")
+        _publish(artifact_key("frontier", run_id), markdown="\n".join(lines),
+                 description="Pareto frontier of throughput against cost, as the simulator scores it")
     except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the frontier artifact: %s", e)
 
@@ -142,8 +165,8 @@ def publish_timeline(run_id: str, events: Iterable[JSONObject], decisions: Itera
         lines = ["# Events and decisions", "", "| time (UTC) | what | kind | reason |", "|---|---|---|---|"]
         for what, kind, t, reason in rows:
             lines.append(f"| {t[11:23]} | {what} | {kind} | {str(reason).replace('|', '/')} |")
-        create_markdown_artifact(key=artifact_key("timeline", run_id), markdown="\n".join(lines),
-                                 description="What happened in this run and what the flow decided, with reasons")
+        _publish(artifact_key("timeline", run_id), markdown="\n".join(lines),
+                 description="What happened in this run and what the flow decided, with reasons")
     except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the timeline artifact: %s", e)
 
@@ -151,7 +174,7 @@ def publish_timeline(run_id: str, events: Iterable[JSONObject], decisions: Itera
 def publish_cost(run_id: str, cost: CostTable) -> None:
     try:
         rows = [{"item": k, "value": v} for k, v in cost.items()]
-        create_table_artifact(key=artifact_key("cost", run_id), table=rows, description="Cost so far")
+        _publish(artifact_key("cost", run_id), table=rows, description="Cost so far")
     except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the cost artifact: %s", e)
 
@@ -205,8 +228,8 @@ def curves_png(rows: Sequence[MetricRow], title: str = "") -> bytes:
 
 
 def publish_curves(run_id: str, rows: Sequence[MetricRow]) -> None:
-    """The loss and throughput curves so far (PNG, inlined) with one row per plan version; a new version
-    of the artifact each call, so the UI shows the latest while the run trains."""
+    """The loss and throughput curves so far (PNG, inlined) with one row per plan version, the artifact
+    updated in place each call, so the UI shows the latest while the run trains."""
     try:
         if not rows:
             return
@@ -220,8 +243,8 @@ def publish_curves(run_id: str, rows: Sequence[MetricRow]) -> None:
                          f"{mine[-1].get('loss', float('nan')):.4f} | {tps[len(tps) // 2]:,.0f} |")
         marks = ", ".join(f"step {s}: plan v{v}" for s, v in reconfiguration_steps(rows))
         lines += ["", f"Reconfigurations (dashed lines): {marks or 'none'}."]
-        create_markdown_artifact(key=artifact_key("curves", run_id), markdown="\n".join(lines),
-                                 description="Loss and tokens/s per step, each reconfiguration marked")
+        _publish(artifact_key("curves", run_id), markdown="\n".join(lines),
+                 description="Loss and tokens/s per step, each reconfiguration marked")
     except Exception as e:  # noqa: BLE001 - artifacts are for people: the run goes on
         _logger().warning("could not publish the training curves: %s", e)
 
@@ -240,7 +263,7 @@ class ProgressBar:
 
     def update(self, step: int) -> None:
         pct = min(100.0, 100.0 * step / self.total)
-        if self.id is None or pct - self.last < 2.0 and pct < 100.0:
+        if self.id is None or pct - self.last < 10.0 and pct < 100.0:
             return
         self.last = pct
         try:

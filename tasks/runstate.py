@@ -6,13 +6,17 @@ Contract (no Prefect here):
   `flow_uri`, how the flow reaches it; `vm_uri`, how the VMs reach it (their network may see the
   server at another address). `vm_env` is what a VM needs besides (on the local testbed the object
   store's keys stand in for a cloud VM's instance role; on a cloud it is empty). Under it:
-  `checkpoints/` (the runtime's layout, sailor_core/runtime/checkpoint.py), `logs/<vm>/worker-<i>.log`,
-  `metrics/v<version>.jsonl` (one record per step, written by the flow from what the controller got)
-  and `code/<wheel>`.
+  `checkpoints/` (the runtime's layout, sailor_core/runtime/checkpoint.py), `logs/<vm>/worker-<i>.log`
+  and `logs/<vm>/metrics-v<version>.jsonl` (rank 0's own step records, uploaded by its agent),
+  `metrics/v<version>.jsonl` (one record per step, written by the flow from what the controller got
+  and, at the end, the workers' own records) and `code/<wheel>`. `read_metrics` gives each trained
+  step once (`steps_once`).
 - `state_for(store_uri, run_id, run_dir)`: `<store>/runs/<run_id>` when the store is s3:// or gs://
   (a cloud VM reaches it with its own role), else a local folder under the run's folder.
 - `TestbedObjectStore`: the local testbed's object store, `rclone serve s3` over a folder under the
-  work dir (kept across runs), bound to 127.0.0.1 and the testbed's host address only.
+  work dir (kept across runs), bound to 127.0.0.1 and the testbed's host address only. A run's state
+  there is public under the folder that holds its objects (`<work dir>/objects/sailor-runs/runs/<run
+  id>`), which stays readable after the server has stopped.
 - `build_wheel(cache)`: a wheel of this project's source tree, built once per content hash;
   `publish_wheel(state, wheel)` copies it under `code/` and returns (URL for the VM, sha256).
 """
@@ -24,7 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -53,7 +57,7 @@ class RunState:
 
     @property
     def is_object_storage(self) -> bool:
-        return "://" in self.uri and not self.uri.startswith("file://")
+        return "://" in self.flow_uri and not self.flow_uri.startswith("file://")
 
     def checkpoints(self, side: str = "flow") -> str:
         return join(self._side(side), "checkpoints")
@@ -91,6 +95,7 @@ class TestbedObjectStore:
     def __init__(self, root: Path, host_address: str) -> None:
         from profiles_store.local_servers import LocalS3Server
 
+        self.root = root.resolve()
         self.host_address = host_address
         self.server = LocalS3Server(root, extra_addresses=() if host_address == "127.0.0.1" else (host_address,))
         self.server.start()
@@ -104,8 +109,11 @@ class TestbedObjectStore:
                "AWS_SECRET_ACCESS_KEY": s.secret_key, "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required", "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
                "AWS_EC2_METADATA_DISABLED": "true"}
-        return RunState(uri=f"s3://{STATE_BUCKET}/runs/{run_id}", flow_uri=s.uri(STATE_BUCKET, f"runs/{run_id}"),
-                        vm_uri=vm_uri, vm_env=env)
+        # Its public name is the folder the server keeps the objects in, as plain files: readable by
+        # `sailor runs show` after the run, when the server is gone. `s3://sailor-runs/...` named a
+        # bucket on AWS that anyone could own, and reading it went there.
+        folder = str(self.root / STATE_BUCKET / "runs" / run_id)
+        return RunState(uri=folder, flow_uri=s.uri(STATE_BUCKET, f"runs/{run_id}"), vm_uri=vm_uri, vm_env=env)
 
     def close(self) -> None:
         self.server.stop()
@@ -180,11 +188,82 @@ def flush_metrics(state: RunState, version: int, rows: Sequence[MetricRow]) -> N
     state.write(f"metrics/v{version}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
-def read_metrics(state: RunState) -> list[MetricRow]:
-    """Every per-step record saved under the run's state (`flush_metrics`), plan version by version; records of
-    a version whose file is missing or torn are skipped, not fatal (a picture of the run, not its accounting)."""
+def _jsonl_rows(text: str) -> list[MetricRow]:
+    """The step records of a JSON-lines text; a torn line is skipped."""
     import json
 
+    rows: list[MetricRow] = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            rows.append(cast(MetricRow, rec))
+    return rows
+
+
+def read_metrics(state: RunState) -> list[MetricRow]:
+    """Every trained step's record saved under the run's state (`flush_metrics`), once each (`steps_once`),
+    with its `plan_version`; records of a version whose file is missing or torn are skipped, not fatal
+    (a picture of the run, not its accounting)."""
+    return steps_once(read_raw_metrics(state))
+
+
+def steps_once(rows: Sequence[MetricRow]) -> list[MetricRow]:
+    """Each trained step once, in step order. Within a plan version the newest record of a step wins (a
+    retried report may arrive twice); across versions, a version that resumed at step s replaces every
+    record after s of the versions before it: those steps were trained again from its checkpoint, and
+    what the older version did past it was lost with it."""
+    by_version: dict[int, dict[int, MetricRow]] = {}
+    for r in rows:
+        by_version.setdefault(int(r.get("plan_version", 0)), {})[int(r["step"])] = r
+    kept: dict[int, MetricRow] = {}
+    for v in sorted(by_version):
+        mine = by_version[v]
+        first = min(mine)
+        for s in [s for s in kept if s >= first]:
+            del kept[s]
+        kept.update(mine)
+    return [kept[s] for s in sorted(kept)]
+
+
+def workers_metrics(state: RunState) -> dict[int, list[MetricRow]]:
+    """The step records rank 0 kept in its own file on its VM (`logs/<vm>/metrics-v<version>.jsonl`,
+    uploaded by the VM's agent), per plan version: the source the controller's copy is checked against."""
+    from sailor_core.runtime.checkpoint import open_storage
+
+    storage = open_storage(state.flow_uri)
+    out: dict[int, list[MetricRow]] = {}
+    try:
+        vms = storage.listdir("logs")
+    except (OSError, FileNotFoundError):
+        return out
+    for vm in vms:
+        try:
+            names = storage.listdir(f"logs/{vm}")
+        except (OSError, FileNotFoundError, NotADirectoryError):
+            continue
+        for n in names:
+            if n.startswith("metrics-v") and n.endswith(".jsonl") and n[9:-6].isdigit():
+                try:
+                    text = storage.read(f"logs/{vm}/{n}").decode()
+                except (OSError, FileNotFoundError):
+                    continue
+                out.setdefault(int(n[9:-6]), []).extend(_jsonl_rows(text))
+    return out
+
+
+def saved_metrics(state: RunState) -> dict[int, list[MetricRow]]:
+    """The step records saved under `metrics/`, per plan version, as written (not merged across versions)."""
+    out: dict[int, list[MetricRow]] = {}
+    for r in read_raw_metrics(state):
+        out.setdefault(int(r.get("plan_version", 0)), []).append(r)
+    return out
+
+
+def read_raw_metrics(state: RunState) -> list[MetricRow]:
+    """Every record saved under `metrics/v<version>.jsonl`, with its `plan_version`, steps as written."""
     from sailor_core.runtime.checkpoint import open_storage
 
     storage = open_storage(state.flow_uri)
@@ -192,18 +271,28 @@ def read_metrics(state: RunState) -> list[MetricRow]:
         names = storage.listdir("metrics")
     except (OSError, FileNotFoundError):
         return []
-    versions = sorted(int(n[1:-6]) for n in names if n.startswith("v") and n.endswith(".jsonl") and n[1:-6].isdigit())
     rows: list[MetricRow] = []
-    for v in versions:
-        try:
-            text = storage.read(f"metrics/v{v}.jsonl").decode()
-        except (OSError, FileNotFoundError):
-            continue
-        for line in text.splitlines():
+    for n in sorted(names):
+        if n.startswith("v") and n.endswith(".jsonl") and n[1:-6].isdigit():
             try:
-                rec = json.loads(line)
-            except ValueError:
+                text = storage.read(f"metrics/{n}").decode()
+            except (OSError, FileNotFoundError):
                 continue
-            if isinstance(rec, dict) and "step" in rec:
-                rows.append(cast(MetricRow, {"plan_version": v, **rec}))
+            rows += [cast(MetricRow, {**r, "plan_version": int(n[1:-6])}) for r in _jsonl_rows(text)]
     return rows
+
+
+def merge_workers_metrics(state: RunState, known: Mapping[int, Sequence[MetricRow]] | None = None) -> int:
+    """Rewrite each plan version's records under `metrics/` as the union, by step, of `known` (default: what is
+    saved there) and rank 0's own files (`workers_metrics`); returns the records added from those files."""
+    known = saved_metrics(state) if known is None else known
+    own = workers_metrics(state)
+    added = 0
+    for v in sorted(set(known) | set(own)):
+        by_step = {int(r["step"]): r for r in own.get(v, []) if "step" in r}
+        before = len(by_step)
+        by_step.update({int(r["step"]): r for r in known.get(v, []) if "step" in r})
+        added += len(by_step) - len({int(r["step"]) for r in known.get(v, []) if "step" in r})
+        if by_step or before:
+            flush_metrics(state, v, [by_step[k] for k in sorted(by_step)])
+    return added

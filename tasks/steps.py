@@ -24,6 +24,7 @@ from sailor_core.domain import Capacity, Market
 from sailor_core.errors import CapacityError, ProviderError
 from sailor_core.planner.request import PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook
+from sailor_core.units import sig
 from tasks import interrupt
 from tasks.control import HeartbeatBoard, checkpoint_steps
 from tasks.decisions import (
@@ -39,9 +40,10 @@ from tasks.decisions import (
 )
 from tasks.history import Measurement, RunEvent, RunHistory
 from tasks.jobs import ColdStart, Job, Progress, Switch, assignments, read_progress
+from tasks.outage import PrefectWatch
 from tasks.planning import run_planner
 from tasks.reporting import ProgressBar, emit, publish_curves
-from tasks.runstate import flush_metrics, read_metrics
+from tasks.runstate import flush_metrics, merge_workers_metrics, read_metrics
 
 
 def _no_retry_on_capacity(task, task_run, state) -> bool:
@@ -98,11 +100,28 @@ def launch(provider: Provider, job: Job) -> float:
 
 
 @task(name="save-metrics", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def save_metrics(job: Job) -> None:
-    """The plan version's per-step records, from the controller to the run's state in object storage."""
-    if job.controller is not None:
-        flush_metrics(job.state, job.version, job.controller.metrics(job.version))
-        publish_training_curves(job)
+def save_metrics(job: Job, *, workers_files: bool = False) -> None:
+    """Every plan version's per-step records into the run's state in object storage, then the curves."""
+    flush_versions(job, workers_files=workers_files)
+    publish_training_curves(job)
+
+
+def flush_versions(job: Job, *, workers_files: bool = False) -> None:
+    """The per-step records of every plan version the controller got (an older version's last steps
+    arrive after the flow moved on to the next) whose count changed; with `workers_files`, merged with
+    rank 0's own files (`workers_metrics`: what the agents uploaded, the source when a report to the
+    controller was lost) and written in any case: at the end of a run, after its VMs stopped."""
+    ctl = job.controller
+    if ctl is None:
+        return
+    if workers_files:
+        merge_workers_metrics(job.state, {v: ctl.metrics(v) for v in ctl.metric_versions()})
+        return
+    for v in ctl.metric_versions():
+        rows = ctl.metrics(v)
+        if ctl.flushed.get(v) != len(rows):
+            flush_metrics(job.state, v, rows)
+            ctl.flushed[v] = len(rows)
 
 
 def publish_training_curves(job: Job) -> None:
@@ -129,10 +148,21 @@ def teardown(provider: Provider, run_id: str) -> list[str]:
     return removed
 
 
-@task(name="record", retries=3, retry_delay_seconds=[0.5, 1, 2], cache_policy=NO_CACHE)
+RECORD_RETRY_S = (0.5, 1.0, 2.0)  # waits before the retries of a history write
+
+
 def record(fn: Callable[..., None], *args: object, **kwargs: object) -> None:
-    """One write to the run history (store) with retries."""
-    fn(*args, **kwargs)
+    """One write to the run history (store), retried 3 times after an error. A plain call, not a Prefect
+    task: a run writes dozens of rows, and as task runs each was three state events in `prefect
+    deployment run --watch` and the UI's graph, burying the steps and decisions."""
+    for wait in (*RECORD_RETRY_S, None):
+        try:
+            fn(*args, **kwargs)
+            return
+        except Exception:  # noqa: BLE001 - retried; the last error is raised as it is
+            if wait is None:
+                raise
+            time.sleep(wait)
 
 
 @task(name="plan", cache_policy=NO_CACHE)
@@ -154,13 +184,24 @@ def record_reconfigured(job: Job, switch: Switch, history: RunHistory, step: int
     loaded = ctl.loaded_from(job.version) if ctl is not None else {}
     trig = ", ".join(switch.trigger)
     reason = (f"plan v{job.version} trained its first step {secs:.1f}s after the {trig} event; {kept} worker "
-              f"process(es) kept running; state from {loaded or 'nowhere (fresh start)'}")
+              f"process(es) kept running; {loaded_words(loaded)}")
     payload = {"plan_version": job.version, "reconfiguration_s": secs, "step": step, "workers": len(job.vms),
                "kept_processes": kept, "loaded_from": loaded, "new_vms": switch.new_vms}
     history.event(job.run_id, RunEvent.RECONFIGURED, reason, payload)
     history.measurement(job.run_id, Measurement.RECONFIGURATION, payload, reason)
     emit("reconfigured", job.run_id, {"reason": reason, **payload})
     get_run_logger().info("reconfigured: %s", reason)
+
+
+def loaded_words(loaded: dict[str, int]) -> str:
+    """How a new plan's ranks got their state, in words (`Controller.loaded_from`'s counts), e.g. "2 ranks
+    kept their state in memory, 1 rank loaded its state from the checkpoint"."""
+    said = {"memory": "kept {its} state in memory", "checkpoint": "loaded {its} state from the checkpoint",
+            "none": "started from fresh weights"}
+    parts = [f"{n} rank{'s' if n != 1 else ''} " + said.get(how, how).format(its="its" if n == 1 else "their")
+             for how, n in sorted(loaded.items(), key=lambda kv: ("memory", "checkpoint", "none").index(kv[0])
+                                  if kv[0] in said else 3) if n]
+    return ", ".join(parts) if parts else "no rank said how it resumed"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +230,13 @@ class MonitorOutcome:
 
 
 METRICS_FLUSH_S = 10.0  # how often the per-step records reach the run's state while it trains
+LOG_EVERY_S = 30.0  # the longest the flow's log goes without a progress line while steps go by
+
+
+def log_every(total_steps: int) -> int:
+    """Steps between two progress lines in the flow's log (what `prefect deployment run --watch` shows):
+    twenty lines over a run."""
+    return max(1, round(total_steps / 20))
 
 
 def event_row(e: ProviderEvent) -> dict[str, object]:
@@ -233,6 +281,11 @@ class _Watch:
     last_log: float = 0.0
     last_progress_at: float = field(default_factory=time.time)
     last_flush: float = field(default_factory=time.time)
+    prefect: PrefectWatch | None = None  # the Prefect server's health: no artifact while it does not answer
+
+    @property
+    def prefect_up(self) -> bool:
+        return self.prefect is None or self.prefect.state() == "up"
 
     def progress(self) -> Progress:
         """The job's progress now; heartbeats to the board, the bar, the log and the metrics kept current."""
@@ -243,15 +296,18 @@ class _Watch:
             self.board.beat(v.vm_id, at=beats.get(v.vm_id), step=prog.step)
         if prog.step != self.seen_step:
             self.last_progress_at = time.time()
-            self.bar.update(prog.step)
-            if time.time() - self.last_flush > METRICS_FLUSH_S and ctl is not None:
-                flush_metrics(job.state, job.version, ctl.metrics(job.version))
+            if self.prefect_up:
+                self.bar.update(prog.step)
+            if time.time() - self.last_flush > METRICS_FLUSH_S and ctl is not None and self.prefect_up:
+                flush_versions(job)
                 publish_training_curves(job)  # the curves artifact, while it trains
                 self.last_flush = time.time()
-            if time.time() - self.last_log > 5 or prog.step >= job.total_steps:
-                it = f"{prog.recent_iteration_s:.3f}s/it" if prog.recent_iteration_s else "warming up"
-                loss = f"loss {prog.loss:.4f}" if prog.loss is not None else ""
-                get_run_logger().info("step %d/%d (plan v%d) %s %s", prog.step, job.total_steps, job.version, loss, it)
+            every = log_every(job.total_steps)
+            if (prog.step // every > max(self.seen_step, 0) // every or time.time() - self.last_log > LOG_EVERY_S
+                    or prog.step >= job.total_steps):
+                it = f", {sig(prog.recent_iteration_s)} s/step" if prog.recent_iteration_s else ", warming up"
+                loss = f", loss {prog.loss:.4f}" if prog.loss is not None else ""
+                get_run_logger().info("step %d of %d (plan v%d)%s%s", prog.step, job.total_steps, job.version, loss, it)
                 self.last_log = time.time()
             self.seen_step = prog.step
         if prog.steps_this_version and job.first_step_at is None:
@@ -351,18 +407,24 @@ class _Watch:
 def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar, board: HeartbeatBoard, *,
             seen: set[tuple[str, str, str]], requested: Callable[[], list[ProviderEvent]] | None = None,
             poll_s: float, deadline_at: float | None, tolerance: float, calibrate_after: int,
-            calibrated: bool, stall_timeout_s: float) -> MonitorOutcome:
+            calibrated: bool, stall_timeout_s: float, prefect: PrefectWatch | None = None) -> MonitorOutcome:
     """Watch the job until it completes or something needs a decision; report everything seen (the
-    provider's events, and those `requested` from outside it: another run's request to re-plan)."""
-    watch = _Watch(job=job, history=history, bar=bar, board=board, seen=seen)
+    provider's events, and those `requested` from outside it: another run's request to re-plan). While
+    the Prefect server does not answer (`prefect`, tasks/outage.py) it only waits for it, the job training
+    on."""
+    watch = _Watch(job=job, history=history, bar=bar, board=board, seen=seen, prefect=prefect)
     shape = f"plan v{job.version}: {job.plan.num_stages} stage(s) x {job.plan.data_parallel} replica(s)"
     while True:
+        if prefect is not None and prefect.state() != "up":
+            ride_out(prefect, watch, poll_s)
         prog = watch.progress()
+        # Every event is reported, also one that came while the flow looked elsewhere and the job then
+        # finished: the run's history has it either way.
+        actionable = watch.events_to_answer(provider, requested)
         if prog.step >= job.total_steps:
             return MonitorOutcome(completed=True, progress=prog)
-        actionable = watch.events_to_answer(provider, requested)
         if actionable:
-            return MonitorOutcome(completed=False, events=actionable, progress=prog)
+            return MonitorOutcome(completed=False, events=actionable, progress=watch.progress())
         # Online calibration: measured against estimated iteration time, once per plan version.
         check = None if calibrated else check_calibration(prog.recent_iteration_s, job.estimate_s,
                                                             len(prog.iteration_times), after=calibrate_after,
@@ -382,6 +444,22 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
             raise RuntimeError(why)
         interrupt.check()  # the user's stop, if an exception for it was swallowed on the way
         time.sleep(poll_s)
+
+
+def ride_out(prefect: PrefectWatch, watch: _Watch, poll_s: float) -> None:
+    """While the Prefect server does not answer: the job trains on (its records keep arriving at the
+    controller, the provider sees its heartbeats through tasks/pump.py), and nothing here calls Prefect;
+    returns once the server answers again, or hands the run to `prefect.on_lost` once it is lost."""
+    log = get_run_logger()
+    log.warning("%s; training goes on, and stops with its checkpoint if the server is not back within %.0f s",
+                prefect.why(), prefect.outage_s)
+    while prefect.state() == "down":
+        watch.progress()  # heartbeats and steps, for the log and the stall check (no Prefect call while down)
+        interrupt.check()
+        time.sleep(poll_s)
+    if prefect.state() == "lost" and prefect.on_lost is not None:
+        prefect.on_lost(prefect.why())
+    log.info("the Prefect server answers again after an outage; the run goes on")
 
 
 def utcnow() -> datetime:
