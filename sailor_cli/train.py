@@ -12,8 +12,10 @@ the loss of a worker by continuing under a smaller plan;
 checkpoint and why) when there is none, unless `--resume-or-start`; invalid checkpoints are moved
 to `quarantine/` beside them, never written over. The plan file's model is the model (a different
 `--model` is an error). Exit status: 0 done, 1 training failed, 2 bad input, 143/130 when stopped
-by SIGTERM/SIGINT (the workers checkpoint first). Worker logs live in a temporary folder that is
-removed at the end (`--log-dir` keeps them).
+by SIGTERM/SIGINT (the workers checkpoint first). The run goes into the run history of `--store`
+(default: the `sailor runs` store) as `sailor-train:<plan file stem>`, with its step records, so
+`sailor runs list` and `runs show --plot` show it (sailor_cli/train_record.py). Worker logs live in a
+temporary folder that is removed at the end (`--log-dir` keeps them).
 Models: `--model NAME` (built in) or `--model-config config.json` (Hugging Face style Llama,
 GPT-NeoX, OPT). `--init-weights` (safetensors file, model.safetensors.index.json, or a folder, local
 or s3:// / gs://; checked against the config before anything starts) starts from those weights
@@ -30,6 +32,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,6 +46,7 @@ from sailor_cli.options import (
     PlanFormat,
     SeqLen,
     Steps,
+    Store,
     TimeoutS,
     check_folder,
     check_input_path,
@@ -91,6 +95,7 @@ def train(
     tensorboard: Annotated[Path | None, typer.Option("--tensorboard", help=(
         "write TensorBoard event files to this folder as the run trains (loss, learning rate, tokens/s, step time, "
         "per stage step time)"))] = None,
+    store: Store = None,
 ) -> None:
     """Train the plan's model under PLAN_FILE with local workers (one process per GPU slot of the plan).
 
@@ -131,7 +136,11 @@ def train(
     check_settings(settings)  # before any checkpoint is touched or a worker starts
     check_dataset(data, cfg.sequence_length, cfg.vocab_size)  # e.g. a tokenizer larger than the model
     settings = _start_from(settings, cfg, init_weights, resume_or_start)
-    _run_and_export(plan, cfg, settings, log_dir, metrics_out, export, tensorboard)
+    from sailor_cli.train_record import TrainRecord
+
+    record = TrainRecord.open(store, plan_file.stem, cfg.name, settings.to_dict(),
+                              tokens_per_step=plan.global_batch_size * cfg.sequence_length)
+    _run_and_export(plan, cfg, settings, log_dir, metrics_out, export, tensorboard, record)
 
 
 def _interval(given: int, older: int | None) -> int:
@@ -166,13 +175,13 @@ def _start_from(settings: Any, cfg: Any, init_weights: str | None, or_start: boo
 
 
 def _run_and_export(plan: Any, cfg: Any, settings: Any, log_dir: Path | None, metrics_out: Path | None,
-                    export: str | None, tensorboard: Path | None = None) -> None:
+                    export: str | None, tensorboard: Path | None = None, record: Any = None) -> None:
     """Train in a log folder (a temporary one unless --log-dir), then export the weights if asked."""
     from sailor_core.runtime.launcher import run_local
 
     run_dir = str(log_dir) if log_dir is not None else tempfile.mkdtemp(prefix="sailor-train-")
     try:
-        _run(plan, cfg, settings, run_dir, metrics_out, run_local, tensorboard)
+        _run(plan, cfg, settings, run_dir, metrics_out, run_local, tensorboard, record)
         if export:
             from sailor_core.runtime.weights import export_weights
 
@@ -215,8 +224,16 @@ def _follow(settings: Any, run_dir: str, tensorboard: Path | None) -> tuple[Any,
     return replace(settings, rank_metrics_dir=ranks), follower
 
 
+def _rows(metrics: str) -> list[dict[str, Any]]:
+    """The step records rank 0 wrote to `metrics` (JSON lines; none when it is missing)."""
+    if not os.path.exists(metrics):
+        return []
+    with open(metrics) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def _run(plan: Any, cfg: Any, settings: Any, run_dir: str, metrics_out: Path | None, run_local: Any,
-         tensorboard: Path | None = None) -> None:
+         tensorboard: Path | None = None, record: Any = None) -> None:
     metrics = str(metrics_out) if metrics_out else os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics) and not settings.resume:
         os.remove(metrics)
@@ -233,16 +250,20 @@ def _run(plan: Any, cfg: Any, settings: Any, run_dir: str, metrics_out: Path | N
             typer.echo(f"checkpoint step {ev['step']} skipped: {ev['reason']}; moved aside to {ev['moved_to']}",
                        err=True)
 
+    t0 = time.time()
     try:
         result = run_local(plan, cfg, settings, on_event=on_event, run_dir=run_dir)
+    except BaseException as e:
+        if record is not None:  # the run history says how it ended, with the steps it did train
+            record.finish("failed", _rows(metrics), time.time() - t0, reason=f"{type(e).__name__}: {e}"[:500])
+        raise
     finally:
         if follower is not None:
             typer.echo(f"TensorBoard: {follower.stop()} steps written to {tensorboard} "
                        f"(tensorboard --logdir {tensorboard})")
-    rows = []
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+    rows = _rows(metrics)
+    if record is not None:
+        record.finish(result.status, rows, time.time() - t0)
     for r in rows:
         typer.echo(f"step {r['step']:>5}  loss {r['loss']:.4f}  {r['iteration_time_s'] * 1000:8.1f} ms  "
                    f"plan v{r.get('plan_version', 0)}")
