@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from sailor_core.errors import ValidationError
 from sailor_core.models import get_config
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime.engine import TrainSettings
-from sailor_core.runtime.islands import IslandSamples, IslandSettings, Quorum
+from sailor_core.runtime.islands import IslandSamples, IslandSettings, Quorum, host_store
 from sailor_core.runtime.launcher import run_local
 from sailor_core.runtime.outer_sync import (
     OuterState,
@@ -158,10 +157,7 @@ class Store:
     """The run's island store, hosted on loopback for the test's islands."""
 
     def __init__(self, islands: list[int]) -> None:
-        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=60))
-        self.server.set("outer/islands", json.dumps(islands))
-        self.address = f"127.0.0.1:{self.server.port}"
+        self.server, self.address = host_store("127.0.0.1", islands)
 
 
 def _train_islands(ip: IslandPlan, which: list[int], store: Store, tmp: Path, tag: str, *, steps: int,
@@ -216,11 +212,11 @@ def test_a_run_checkpointed_mid_round_resumes_to_the_same_parameters(tmp_path: P
     sync = OuterSync(inner_steps=4, outer_lr=0.7, momentum=0.9, compression="int8")
     ip = IslandPlan(islands=(_plan(dp=1, stages=stages), _plan(dp=1, stages=stages)), sync=sync)
     _train_islands(ip, [0, 1], Store([0, 1]), tmp_path, "straight", steps=8)
-    store = Store([0, 1])
-    _train_islands(ip, [0, 1], store, tmp_path, "cut", steps=6)  # stops at step 6: two steps into round 2
+    _train_islands(ip, [0, 1], Store([0, 1]), tmp_path, "cut", steps=6)  # stops at step 6: two steps into round 2
     meta = ckpt.read_meta(ckpt.open_storage(str(tmp_path / "ckpt-cut-0")), 6)
     assert meta["outer"]["steps_in_round"] == 2 and meta["outer"]["version"] == 1
-    _train_islands(ip, [0, 1], store, tmp_path, "cut", steps=8, resume=True)
+    # the whole run restarts (its store too): every island resumes its round from its checkpoint
+    _train_islands(ip, [0, 1], Store([0, 1]), tmp_path, "cut", steps=8, resume=True)
     for i in (0, 1):
         a, b = _params(tmp_path / f"ckpt-straight-{i}"), _params(tmp_path / f"ckpt-cut-{i}")
         for k in a:

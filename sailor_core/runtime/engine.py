@@ -368,6 +368,8 @@ class Trainer:
                 self.save_checkpoint()
         if self.checkpoints.checkpointer is not None:
             self.save_checkpoint(blocking=True)
+        if self.outer is not None:
+            self.outer.leave()  # done: an island still training stops waiting for this one
         return "done"
 
     def close(self) -> None:

@@ -301,9 +301,9 @@ class IslandSync:
         self.state.version = -1
 
     def leave(self) -> None:
-        """This island stops taking part (its job ends or reconfigures): the others stop waiting for it."""
-        if self.role.leader:
-            self.quorum.set_away(self.role.island, True)
+        """This island stops taking part (its job ends or reconfigures): the others stop waiting for it.
+        Any of its ranks may say so (the leader may be the rank that was lost); it rejoins with its next join."""
+        self.quorum.set_away(self.role.island, True)
 
 
 # -- composition: the trainer's step 8, the worker's samples, checkpoints -------------------------------
@@ -327,6 +327,22 @@ class IslandSettings:
     def to_dict(self) -> dict[str, Any]:
         return {"island": self.island, "sync": self.sync.to_dict(), "store": self.store,
                 "global_batch_size": self.global_batch_size, "batch_offset": self.batch_offset}
+
+
+def host_store(address: str, islands: Sequence[int], timeout_s: float = 60.0) -> tuple[Any, str]:
+    """The run's island store, hosted by whoever drives the islands (the flow, the bench, a test): a
+    TCPStore that listens on `address` only (it is unauthenticated: reachable only where the islands'
+    ranks are), with `outer/islands` set. Returns (the store, "host:port" for IslandSettings.store)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, 0))
+    sock.listen(256)
+    store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                          master_listen_fd=sock.detach())
+    store.set("outer/islands", json.dumps(list(islands)))
+    return store, f"{address}:{store.port}"
 
 
 def connect_store(address: str, timeout_s: float) -> Any:
@@ -386,4 +402,6 @@ def resume_outer(sync: IslandSync, *, how: str, step: int | None, storage: Any, 
     elif storage is None or not sync.load(ckpt.load_layer_states(storage, step, list(model.layer_ids)), model, tp,
                                           ckpt.read_meta(storage, step)):
         sync.mark_stale()
+    if sync.role.leader:
+        sync.quorum.set_away(sync.role.island, False)  # back: the others wait for it again at their boundaries
     sync.rejoin_if_stale()
