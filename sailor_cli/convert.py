@@ -43,11 +43,13 @@ def convert(
 
     The model config defaults to the config.json beside SRC's weights.
     """
+    from sailor_core.models.export_target import check_export_target
     from sailor_core.models.hf_config import load_model_config
     from sailor_core.runtime import checkpoint as ckpt
     from sailor_core.runtime.weights import export_weights, import_weights
 
     check_folder("DST", dst)
+    check_export_target("DST", dst)  # an earlier export is replaced as a unit; anything else there is refused
     check_folder("--keep-checkpoint", checkpoint_dir)
     is_checkpoint = _is_checkpoint(src)
     config = model_config or _config_beside(src, is_checkpoint)

@@ -114,9 +114,7 @@ def train(
     from sailor_core.models.config import get_config
     from sailor_core.plan_format import load_plan_file
     from sailor_core.runtime.engine import TrainSettings
-    from sailor_core.runtime.launcher import check_settings
     from sailor_core.runtime.lr_schedule import check_schedule
-    from sailor_core.runtime.token_shards import check_dataset
 
     check_schedule(lr_schedule, warmup_steps, min_lr_ratio)
     if tensorboard is not None and tensorboard.exists() and not tensorboard.is_dir():
@@ -127,20 +125,15 @@ def train(
         model = load_model_config(model_config, name=model, sequence_length=seq_len).name
     plan = load_plan_file(plan_file, fmt=fmt, model=model)
     cfg = get_config(plan.model)
-    _need_checkpoint_dir(checkpoint_uri, through=bool(init_weights or export), resume=resume or resume_or_start)
+    _need_checkpoint_dir(checkpoint_uri, through=bool(init_weights or export), resume=resume or resume_or_start,
+                         export=(cfg, export))
     settings = TrainSettings(model=cfg.name, steps=steps, seed=seed, data=data, checkpoint_uri=checkpoint_uri,
                              checkpoint_interval=checkpoint_interval, resume=resume or resume_or_start, lr=lr,
                              timeout_s=timeout_s, model_config=cfg.to_dict() if model_config else None,
                              lr_schedule=lr_schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
                              max_grad_norm=max_grad_norm, recompute=recompute)
-    check_settings(settings)  # before any checkpoint is touched or a worker starts
-    check_dataset(data, cfg.sequence_length, cfg.vocab_size)  # e.g. a tokenizer larger than the model
     settings = _start_from(settings, cfg, init_weights, resume_or_start)
-    from sailor_cli.train_record import TrainRecord
-
-    record = TrainRecord.open(store, plan_file.stem, cfg.name, settings.to_dict(),
-                              tokens_per_step=plan.global_batch_size * cfg.sequence_length)
-    _run_and_export(plan, cfg, settings, log_dir, metrics_out, export, tensorboard, record)
+    _run_and_export(plan, cfg, settings, log_dir, metrics_out, export, tensorboard, (store, plan_file.stem))
 
 
 def _interval(given: int, older: int | None) -> int:
@@ -153,7 +146,17 @@ def _interval(given: int, older: int | None) -> int:
     return older
 
 
-def _need_checkpoint_dir(checkpoint_uri: str | None, *, through: bool, resume: bool) -> None:
+def _need_checkpoint_dir(checkpoint_uri: str | None, *, through: bool, resume: bool,
+                         export: tuple[Any, str | None] = (None, None)) -> None:
+    """What --init-weights, --export and --resume need, checked before training: the checkpoints they go through;
+    for --export, a model with a Hugging Face layout and a folder the export may replace as a unit."""
+    cfg, out = export
+    if out:
+        from sailor_core.models.export_target import check_export_target
+        from sailor_core.models.hf_config import hf_config_of
+
+        hf_config_of(cfg)  # a model without a Hugging Face layout (gpt-tiny) was refused only after training
+        check_export_target("--export", out)
     if through and not checkpoint_uri:
         raise SailorError("--init-weights and --export go through the run's checkpoints; to fix: pass "
                           "--checkpoint-dir (an empty folder or URI for a new run)")
@@ -163,7 +166,13 @@ def _need_checkpoint_dir(checkpoint_uri: str | None, *, through: bool, resume: b
 
 def _start_from(settings: Any, cfg: Any, init_weights: str | None, or_start: bool) -> Any:
     """`settings` resuming where the run starts: imported weights (step 0 of the checkpoint folder), else
-    the newest valid checkpoint when --resume asked for one, else step 0."""
+    the newest valid checkpoint when --resume asked for one, else step 0. The settings and the dataset are
+    checked first: before any checkpoint is touched or a worker starts."""
+    from sailor_core.runtime.launcher import check_settings
+    from sailor_core.runtime.token_shards import check_dataset
+
+    check_settings(settings)
+    check_dataset(settings.data, cfg.sequence_length, cfg.vocab_size)  # e.g. a tokenizer larger than the model
     if init_weights:
         from sailor_core.runtime.weights import import_weights
 
@@ -175,10 +184,17 @@ def _start_from(settings: Any, cfg: Any, init_weights: str | None, or_start: boo
 
 
 def _run_and_export(plan: Any, cfg: Any, settings: Any, log_dir: Path | None, metrics_out: Path | None,
-                    export: str | None, tensorboard: Path | None = None, record: Any = None) -> None:
+                    export: str | None, tensorboard: Path | None = None,
+                    history: tuple[str | None, str] | None = None) -> None:
     """Train in a log folder (a temporary one unless --log-dir), then export the weights if asked."""
     from sailor_core.runtime.launcher import run_local
 
+    record = None
+    if history is not None:  # (--store, the plan file's stem): the run goes into the run history
+        from sailor_cli.train_record import TrainRecord
+
+        record = TrainRecord.open(history[0], history[1], cfg.name, settings.to_dict(),
+                                  tokens_per_step=plan.global_batch_size * cfg.sequence_length)
     run_dir = str(log_dir) if log_dir is not None else tempfile.mkdtemp(prefix="sailor-train-")
     try:
         _run(plan, cfg, settings, run_dir, metrics_out, run_local, tensorboard, record)

@@ -272,7 +272,8 @@ def _kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a file")
 
 
-def _umask() -> int:
+def umask() -> int:
+    """This process's umask (read, not changed: setting it to read it races with other threads)."""
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
@@ -288,7 +289,7 @@ def write_atomic(flag: str, path: str | os.PathLike[str], data: bytes, *, error:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~umask())
         check_output_file(flag, path, error=error)  # still a regular file or absent: only then replace it
         os.replace(tmp, target)
     except BaseException:

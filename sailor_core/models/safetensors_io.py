@@ -376,29 +376,6 @@ def _indexed_files(index_uri: str) -> tuple[list[str], dict[str, str]]:
     return files, weight_map
 
 
-def _writer(out: str) -> Callable[[str, bytes], None]:
-    if "://" not in out or out.startswith("file://"):
-        root = out.removeprefix("file://")
-        os.makedirs(root, exist_ok=True)
-
-        def write_local(name: str, data: bytes) -> None:
-            tmp = os.path.join(root, f".{name}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, os.path.join(root, name))
-
-        return write_local
-    from sailor_core.uris import filesystem_for
-
-    filesystem, prefix = filesystem_for(out)
-
-    def write_remote(name: str, data: bytes) -> None:
-        with filesystem.open_output_stream(f"{prefix.rstrip('/')}/{name}") as f:
-            f.write(data)
-
-    return write_remote
-
-
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default max_shard_size ("5GB")
 
 
@@ -421,29 +398,32 @@ def export_groups(cfg: TransformerConfig, max_shard_bytes: int = DEFAULT_SHARD_B
 
 
 def write_safetensors_sharded(parts: Iterable[dict[str, torch.Tensor]], num_parts: int, cfg: TransformerConfig,
-                              out: str) -> list[str]:
+                              out: str, *, flag: str = "export folder") -> list[str]:
     """Write `num_parts` tensor groups as `model.safetensors` (one part) or `model-0000k-of-0000n.safetensors`
     plus `model.safetensors.index.json` (transformers' sharded layout), then `config.json`, into folder or
-    prefix `out`, holding one part in memory at a time; returns the names written."""
+    prefix `out`, holding one part in memory at a time; returns the names written. An earlier export there
+    is replaced as a unit, and a folder holding anything else is refused (sailor_core/models/export_target.py)."""
     from safetensors.torch import save
 
-    write = _writer(out)
+    from sailor_core.models.export_target import export_writer
+
     names: list[str] = []
     weight_map: dict[str, str] = {}
     total = 0
-    for k, tensors in enumerate(parts):
-        name = "model.safetensors" if num_parts == 1 else f"model-{k + 1:05d}-of-{num_parts:05d}.safetensors"
-        write(name, save(tensors, metadata={"format": "pt"}))
-        names.append(name)
-        weight_map.update({t: name for t in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    if len(names) != num_parts:
-        raise SailorError(f"export wrote {len(names)} weight files, expected {num_parts}")
-    if num_parts > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        write("model.safetensors.index.json", json.dumps(index, indent=1).encode())
-        names.append("model.safetensors.index.json")
-    write("config.json", json.dumps(hf_config_of(cfg), indent=1).encode())
+    with export_writer(flag, out) as write:
+        for k, tensors in enumerate(parts):
+            name = "model.safetensors" if num_parts == 1 else f"model-{k + 1:05d}-of-{num_parts:05d}.safetensors"
+            write(name, save(tensors, metadata={"format": "pt"}))
+            names.append(name)
+            weight_map.update({t: name for t in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        if len(names) != num_parts:
+            raise SailorError(f"export wrote {len(names)} weight files, expected {num_parts}")
+        if num_parts > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            write("model.safetensors.index.json", json.dumps(index, indent=1).encode())
+            names.append("model.safetensors.index.json")
+        write("config.json", json.dumps(hf_config_of(cfg), indent=1).encode())
     return [*names, "config.json"]
 
 
