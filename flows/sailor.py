@@ -28,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
 
-from flows.params import SailorParams, takes_params, validate_params
+from flows.params import InvalidParameters, SailorParams, takes_params, validate_params
 from flows.profiling import profile
 from flows.replan import RunContext, RunSetup, replan
 from infra.provider import (
@@ -322,7 +322,28 @@ def sailor(deps: Deps | None = None, **parameters: object) -> RunSummary:
     params = validate_params({k: v for k, v in parameters.items() if v is not None})  # before anything is rented
     run_id = run_id_for(params.run_name, str(runtime_flow_run.id or ""))
     deps = deps or default_deps(params, run_id)
+    check_model(deps.store, params.model)  # before the run is recorded, let alone queued behind another
     return run_job(params, deps, run_id)
+
+
+def check_model(store: ProfileStore, model: str) -> None:
+    """A model the flow can plan and train: one the store has (published, or stored by `sailor profile model
+    --model-config`) or one the runtime builds. Anything else is refused at once, with the names it knows
+    and the fix that works for a flow run (it takes no config file)."""
+    from sailor_core.models.config import BUILTIN_CONFIGS, get_config
+
+    stored = store.model_names()
+    if model in stored:
+        return
+    try:
+        get_config(model)
+        return
+    except SailorError:
+        pass
+    raise InvalidParameters(f"invalid parameters: model: unknown model {model!r} (known: "
+                            f"{', '.join(sorted(set(stored) | set(BUILTIN_CONFIGS)))}); to fix: set model to one of "
+                            f"those, or store a Hugging Face config.json first with `sailor profile model "
+                            f"--model-config config.json --model {model}`")
 
 
 @dataclass(kw_only=True)

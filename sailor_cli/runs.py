@@ -44,7 +44,8 @@ def list_runs(store: Store = None, as_json: Json = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{len(runs)} run(s) in the store {opened.uri}")
+    typer.echo(f"{len(runs)} run(s) in the store {opened.uri}")
+    t = Table()
     for c in ("run_id", "name", "status", "started (UTC)", "steps", "USD", "wall s"):
         t.add_column(c, no_wrap=c in ("run_id", "started (UTC)"))
     for r in runs:

@@ -283,6 +283,23 @@ def test_invalid_parameters_fail_before_anything_is_provisioned(profiled_store, 
     assert not (tmp_path / "work").exists()  # no run folder, no slot, no VM
 
 
+def test_an_unknown_model_is_refused_at_once_with_a_fix_the_flow_takes(profiled_store, tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    state = run(profiled_store, tmp_path, "typo", model="gpt-tinyy")
+    assert state.is_failed() and time.monotonic() - t0 < 30  # it failed minutes later, after planning
+    with pytest.raises(InvalidParameters) as e:
+        state.result()
+    msg = str(e.value)
+    assert "unknown model 'gpt-tinyy'" in msg and "gpt-tiny" in msg and "--model-config config.json" in msg
+    assert "sailor profile model" in msg  # not "pass --model-config", which a flow run does not take
+    from profiles_store.store import open_store
+    from tasks.history import RunHistory
+
+    assert not [r for r in RunHistory(open_store(profiled_store)).list_runs() if r.get("name") == "typo"]
+
+
 def test_a_failure_after_provisioning_still_tears_down(profiled_store, tmp_path):
     from flows.sailor import Deps
     from profiles_store.store import open_store
