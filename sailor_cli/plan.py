@@ -151,7 +151,8 @@ def plan(
 
 def _answer(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_risk: SpotRisk, *, out: str | None,
             frontier_png: str | None, as_json: bool) -> None:
-    """Write, plot and print the planner's answer; exit 1 when there is no feasible plan."""
+    """Write, plot and print the planner's answer; exit 1 when there is no feasible plan, 2 when none of the
+    pool's GPU types has a profile for the model (input to fix: the answer names the command for each)."""
     if out and result.plan is not None:
         save_plan_file(result.plan, out, flag="--out")
     if frontier_png:
@@ -163,7 +164,7 @@ def _answer(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_r
     if result.plan is None:
         # SystemExit, not typer.Exit: click swallows Exit's code when the entry point runs it
         # with standalone_mode=False.
-        raise SystemExit(1)
+        raise SystemExit(2 if result.unprofiled else 1)
 
 
 def _spot_risk(doc: Any, store: str | None, checkpoint_interval: int, reconfiguration_s: float | None) -> SpotRisk:

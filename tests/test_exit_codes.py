@@ -125,6 +125,25 @@ def test_plan_user_error_and_infeasible(tmp_path):
     assert "pool" in one_line_error(p)
 
 
+def test_plan_over_gpu_types_without_profiles_is_input_to_fix_with_the_whole_command(tmp_path):
+    # A pool of H100-80 only (no profile of OPT-350 on it) exited 1 as if infeasible, and the fix left out
+    # --gpu-type and --device; a mixed pool is planned over the types that have profiles, naming the others.
+    h100 = "      H100-80: {count: 8, gpus_per_vm: 8, usd_per_gpu_hour: 4.0}\n"
+    (tmp_path / "h100.yaml").write_text("zones:\n  us-east-1a:\n    region: us-east-1\n    gpus:\n" + h100)
+    p = sailor(tmp_path, "plan", "--pool", str(tmp_path / "h100.yaml"), "--model", "OPT-350",
+               "--global-batch-size", "64")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "sailor profile model --model OPT-350 --gpu-type H100-80 --device cuda" in " ".join(p.stdout.split())
+    (tmp_path / "mixed.yaml").write_text("zones:\n  us-east-1a:\n    region: us-east-1\n    gpus:\n" + h100
+                                         + "      A100-40: {count: 8, usd_per_gpu_hour: 2.0}\n")
+    p = sailor(tmp_path, "plan", "--pool", str(tmp_path / "mixed.yaml"), "--model", "OPT-350",
+               "--global-batch-size", "64", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    assert {r["gpu_type"] for st in doc["plan"]["stages"] for r in st["replicas"]} == {"A100-40"}
+    assert "H100-80 has no profile for OPT-350" in json.dumps(doc)
+
+
 # -- profile --------------------------------------------------------------------------------------
 def test_profile_interrupted_by_sigint_exits_130_and_stores_nothing(tmp_path):
     store = tmp_path / "pstore"

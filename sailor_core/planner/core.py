@@ -536,10 +536,13 @@ def _no_plan(
     # The constraint hint only where a constraint is what failed (memory and empty-pool misses
     # carry their own fix).
     hint = _constraint_hint(request) if relaxed or closest is not None or search.state.nearest is not None else ""
+    unprofiled = () if slots else tuple(sorted({e.gpu_type for e in request.restrictions.apply(request.pool).entries
+                                                if e.gpu_type not in book.gpu_types
+                                                or not book.profiled_points(e.gpu_type)}))
     return PlanResult(
         plan=None, estimate=None, frontier=frontier, stats=stats,
         explanation="no feasible plan",
-        nearest_miss="; ".join(misses) + (f"; to fix: {hint}" if hint else ""),
+        nearest_miss="; ".join(misses) + (f"; to fix: {hint}" if hint else ""), unprofiled=unprofiled,
     )
 
 

@@ -248,6 +248,9 @@ class PlanResult:
     explanation: str
     nearest_miss: str = ""
     goodput: Goodput | None = None  # the plan's nominal and expected throughput under the request's spot risk
+    # no plan because no GPU type of the pool has a profile for the model: these need one (input to fix,
+    # not an infeasible request; nearest_miss names the command for each)
+    unprofiled: tuple[str, ...] = ()
 
     @property
     def feasible(self) -> bool:
