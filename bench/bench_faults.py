@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,23 @@ TIMEOUT_S = 10.0  # `sailor train --timeout` of every case: a silent peer counts
 EVERY = 4  # checkpoint interval of the cases
 STEPS = 16  # steps of a case that heals
 LONG = 2000  # steps of a case that is stopped before it finishes
+# The deadlines (a case's bound, its waits for training to start) are for an idle machine and scale with
+# how slow it runs now: by the job's measured step time against NOMINAL_STEP_S once it trains, before that by
+# the load average per core; at most MAX_PACE times. Beside two CPU hogs a step took about 3x as long.
+NOMINAL_STEP_S = 0.08  # gpt-tiny's step on 2-3 workers of an idle 2-core machine
+MAX_PACE = 5.0
+
+
+def load_pace() -> float:
+    """How much slower than idle this machine runs now, by its load average per core (1: idle)."""
+    return min(MAX_PACE, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
+def step_pace(times: list[float]) -> float:
+    """How much slower than NOMINAL_STEP_S the job's recent steps ran (the load's pace before it trained)."""
+    if len(times) < 3:
+        return load_pace()
+    return min(MAX_PACE, max(1.0, statistics.median(times[-20:]) / NOMINAL_STEP_S))
 
 _REPLICA = {"gpu_type": "cpu", "zone": "local", "region": "local", "market": "on-demand"}
 # 2 VMs' worth of workers: stage 0 a TP group of 2, stage 1 one worker (3 workers, 2 stages, tp 2)
@@ -113,6 +131,7 @@ class Job:
         self.t0 = time.monotonic()
         self.seen: dict[int, int] = {}  # every descendant seen while it ran: {pid: start time}
         self.arrivals: list[tuple[float, int]] = []  # (when seen, step) of each metrics line, in order
+        self.iteration_times: list[float] = []  # the steps' measured times, in order
         self.fault_at: float | None = None
         self.ended_at: float | None = None
         self.step_at_fault = 0
@@ -136,8 +155,10 @@ class Job:
         self._read += end
         now = time.monotonic()
         for ln in chunk[:end].decode(errors="replace").splitlines():
-            with contextlib.suppress(ValueError, KeyError):
-                self.arrivals.append((now, int(json.loads(ln)["step"])))
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                rec = json.loads(ln)
+                self.arrivals.append((now, int(rec["step"])))
+                self.iteration_times.append(float(rec.get("iteration_time_s") or 0.0))
 
     def steps(self) -> list[int]:
         return [s for _, s in self.arrivals]
@@ -164,7 +185,11 @@ class Job:
         return False
 
     def wait_steps(self, n: int, timeout: float = 120) -> bool:
-        return self.wait(lambda: self.last_step() >= n, timeout)
+        return self.wait(lambda: self.last_step() >= n, timeout * load_pace())
+
+    def pace(self) -> float:
+        """How much slower than an idle machine this job trains (its deadlines scale by it)."""
+        return step_pace(self.iteration_times)
 
     def workers(self) -> list[int]:
         """PIDs of the live worker processes (sailor_core.runtime.worker_proc), oldest first."""
@@ -186,8 +211,10 @@ class Job:
             self.proc.send_signal(sig)
 
     def finish(self, bound_s: float) -> bool:
-        """Waits for the command to end within `bound_s` of the fault (or start); False: hung, killed."""
+        """Waits for the command to end within `bound_s` of the fault (or start), scaled by its `pace`;
+        False: hung, killed."""
         since = self.fault_at if self.fault_at is not None else self.t0
+        bound_s *= self.pace()
         self.wait(lambda: False, max(0.0, since + bound_s - time.monotonic()), every=0.2)
         if self.proc.poll() is not None:
             self.poll()
@@ -226,7 +253,7 @@ _LIVE: list[Job] = []  # every job started: stopped by `stop_all` if the bench i
 
 def stop_all(root: Path) -> None:
     """Ends every job still running (SIGTERM, then SIGKILL) and unmounts what a case mounted under `root`."""
-    for job in _LIVE:
+    for job in [j for j in _LIVE if j.folder.is_relative_to(root)]:
         if job.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.proc.pid, signal.SIGTERM)
@@ -588,7 +615,9 @@ def flow_steps(folder: Path) -> list[list[int]]:
     """Per run (in the order they started), the steps trained: the runs' metrics, plan version by version."""
     runs: dict[str, list[tuple[float, list[int]]]] = {}
     for f in (folder / "wd").rglob("*.jsonl"):
-        if "metrics" not in f.parts and "metrics" not in f.name:
+        # the flow's records per plan version (`metrics/v<version>.jsonl`), not rank 0's own copies of them
+        # beside the worker logs (`logs/<vm>/metrics-v<version>.jsonl`), which would count each step twice
+        if f.parent.name != "metrics":
             continue
         rel = f.relative_to(folder / "wd").parts
         run = rel[rel.index("runs") + 1] if "runs" in rel else "?"
@@ -603,7 +632,17 @@ def flow_steps(folder: Path) -> list[list[int]]:
 
 
 def wait_training(job: Job, folder: Path, n: int = 1, timeout: float = 240) -> bool:
-    return job.wait(lambda: any(len(set(r)) >= n for r in flow_steps(folder)), timeout, every=0.5)
+    return job.wait(lambda: any(len(set(r)) >= n for r in flow_steps(folder)), timeout * load_pace(), every=0.5)
+
+
+def flow_iteration_times(folder: Path) -> list[float]:
+    """The measured step times of a flow case's runs (their `metrics/` records), in file order."""
+    out: list[float] = []
+    for f in sorted((folder / "wd").rglob("metrics/v*.jsonl")):
+        for ln in f.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                out.append(float(json.loads(ln)["iteration_time_s"]))
+    return out
 
 
 def flow_fault(job: Job, folder: Path) -> None:
@@ -613,6 +652,7 @@ def flow_fault(job: Job, folder: Path) -> None:
 
 
 def observe_flow(job: Job, folder: Path, bound_s: float) -> Observed:
+    job.iteration_times = flow_iteration_times(folder) or job.iteration_times  # the flow's pace, for its bound
     obs = observe(job, bound_s, total=None, ck=None)
     if job.fault_at is not None and job.ended_at is not None:
         obs.seconds = job.ended_at - job.fault_at  # a flow's steps arrive in batches: from the fault to its end
@@ -656,6 +696,7 @@ def testbed_leftovers(folder: Path) -> list[str]:
 def case_agent_killed(folder: Path) -> Observed:
     """SIGKILL of one VM's agent (`sailor worker`) while the flow trains: the flow replans, completes."""
     job = demo_job(folder, PLAIN_SCENARIO, "process")
+    agent: dict | None = None  # the VM whose agent is killed (none when the run never trained)
     if wait_training(job, folder, 5):
         recs = [json.loads(f.read_text()) for f in (folder / "wd").glob("runs/*/local/vms/*.json")]
         agent = next((r for r in recs if r.get("pid") and r.get("state") == "running"), None)
@@ -837,6 +878,7 @@ def run_case(case: Case, root: Path, index: int) -> tuple[str, str, Observed | N
     try:
         obs = case.run(folder)
     except Exception as e:  # noqa: BLE001 - a broken case is reported, the bench goes on
+        stop_all(folder)  # and what it started is stopped, not left to the next case
         return "error", f"{type(e).__name__}: {e}"[:240], None, time.monotonic() - t0
     outcome, why = classify(case.expect, obs, interval=case.interval)
     if not os.environ.get("BENCH_FAULTS_KEEP"):
