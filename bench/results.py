@@ -1,16 +1,22 @@
-"""`make bench`: runs the scripts under bench/, one after the other, and writes docs/results.md.
+"""`make bench`: runs the scripts under bench/, keeps each one's last run, and writes docs/results.md from them.
 
-A bench that needs what this machine lacks is not run but listed as skipped, with the reason: root
+Every run of a bench (or its skip) is kept as its record, bench/records/<bench>.json: when it ran, on
+what machine (CPU count, model name, OS, Python, user) and at what load (the load average before and
+after it), its exit status, wall time and output. docs/results.md is generated from the records of
+every bench under bench/, and from nothing else: what each bench measures (the first paragraph of its
+docstring), then its last figures with the machine and load they were measured at. Running one bench
+(`bench/results.py bench_store`) replaces its record and rewrites the page; `--render` rewrites the
+page from the records alone. tests/test_bench_results.py checks that the page is the records' render.
+
+A bench that needs what this machine lacks is not run but recorded as skipped, with the reason: root
 for the local testbed's network namespaces and cgroups (`NEEDS`: bench_device_binding.py,
 bench_testbed_links.py, validate_testbed.py; `infra.testbed.testbed_support` says why), a CUDA GPU
-(cuda_layer_check.py, gpu_check.py). A bench that runs and opens a line with `skipped:` or `SKIP:`
-(and exits 0) is listed as skipped with that line too. docs/results.md gets the date, the machine
-(CPU count, model name, load average before and after), and per bench its command, exit status, wall
-time and output (stdout in a code block; stderr's tail too when it failed), then the skipped benches
-and why. Each bench runs in its own process group, killed when it outlives `--timeout` or on Ctrl-C.
-Exit status 1 when a bench failed or timed out (after writing the page), else 0.
+(cuda_layer_check.py, gpu_check.py); a skip never replaces the record of an earlier run. A bench that
+runs and opens a line with `skipped:` or `SKIP:` (and exits 0) is recorded as skipped with that line.
+Each bench runs in its own process group, killed when it outlives `--timeout` or on Ctrl-C. Exit
+status 1 when a bench failed or timed out (after writing the page), else 0.
 
-    .venv/bin/python bench/results.py [NAME ...] [--out docs/results.md] [--timeout 3600]
+    .venv/bin/python bench/results.py [NAME ...] [--out docs/results.md] [--timeout 3600] [--render]
     make bench [BENCHES="bench_store validate_testbed"] [RESULTS=/tmp/results.md] [BENCH_TIMEOUT=3600]
 
 NAME: a script under bench/ with or without `.py` (default: every one but this).
@@ -19,6 +25,8 @@ NAME: a script under bench/ with or without `.py` (default: every one but this).
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
 import platform
 import signal
@@ -27,7 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
@@ -46,7 +54,8 @@ STDERR_TAIL = 60  # lines of a failed bench's stderr on the page
 
 @dataclass(frozen=True)
 class Outcome:
-    """What became of one bench: 'ok', 'failed', 'timed out' or 'skipped', and what it printed."""
+    """What became of one bench: 'ok', 'failed', 'timed out' or 'skipped', and what it printed; when it
+    ran (`started`, UTC), on what machine (`host`) and at what load (`load_before`, `load_after`)."""
 
     name: str
     status: str
@@ -55,6 +64,43 @@ class Outcome:
     seconds: float = 0.0
     stdout: str = ""
     stderr: str = ""
+    started: str = ""
+    host: dict[str, str] = field(default_factory=dict)
+    load_before: str = ""
+    load_after: str = ""
+
+
+def records_dir() -> Path:
+    return BENCH / "records"
+
+
+def load_records() -> dict[str, Outcome]:
+    """Each bench's last recorded run, by name."""
+    out = {}
+    for f in sorted(records_dir().glob("*.json")):
+        d = json.loads(f.read_text())
+        out[d["name"]] = Outcome(**d)
+    return out
+
+
+def save_record(o: Outcome) -> None:
+    """Keep `o` as its bench's last run; a skip does not replace a run that measured something."""
+    path = records_dir() / f"{o.name}.json"
+    if o.status == "skipped" and o.rc is None and path.exists():
+        if json.loads(path.read_text()).get("status") != "skipped":
+            return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tail = "".join(o.stderr.splitlines(True)[-STDERR_TAIL:]) if o.status in ("failed", "timed out") else ""
+    path.write_text(json.dumps({**asdict(o), "stderr": tail}, indent=1, sort_keys=True) + "\n")
+
+
+def measures(name: str) -> str:
+    """What a bench measures: the first paragraph of its docstring, on one line."""
+    try:
+        doc = ast.get_docstring(ast.parse((BENCH / f"{name}.py").read_text())) or ""
+    except (OSError, SyntaxError):
+        doc = ""
+    return " ".join(doc.split("\n\n")[0].split()) or "(no docstring)"
 
 
 def root_missing() -> str:
@@ -113,6 +159,7 @@ def run_bench(name: str, timeout_s: float) -> Outcome:
     """Runs the bench `name` (a script under bench/) with this Python in its own process group, its
     output shown as it comes and kept; the group is killed when it outlives `timeout_s` or on Ctrl-C."""
     print(f"== bench/{name}.py", flush=True)
+    started, host, load_before = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), machine(), load_average()
     t0 = time.monotonic()
     p = subprocess.Popen([sys.executable, str(BENCH / f"{name}.py")], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
@@ -137,12 +184,15 @@ def run_bench(name: str, timeout_s: float) -> Outcome:
     took = time.monotonic() - t0
     stdout, stderr = "".join(out), "".join(err)
     if timed_out:
-        return Outcome(name, "timed out", f"still running after {timeout_s:.0f} s", None, took, stdout, stderr)
-    if p.returncode == 0 and skipped_line(stdout):
-        return Outcome(name, "skipped", skipped_line(stdout), 0, took, stdout, stderr)
-    if p.returncode != 0:
-        return Outcome(name, "failed", f"exit {p.returncode}", p.returncode, took, stdout, stderr)
-    return Outcome(name, "ok", "", 0, took, stdout, stderr)
+        status, reason, rc = "timed out", f"still running after {timeout_s:.0f} s", None
+    elif p.returncode == 0 and skipped_line(stdout):
+        status, reason, rc = "skipped", skipped_line(stdout), 0
+    elif p.returncode != 0:
+        status, reason, rc = "failed", f"exit {p.returncode}", p.returncode
+    else:
+        status, reason, rc = "ok", "", 0
+    return Outcome(name, status, reason, rc, took, stdout, stderr, started=started, host=host,
+                   load_before=load_before, load_after=load_average())
 
 
 def _kill_group(p: subprocess.Popen[str]) -> None:
@@ -183,53 +233,65 @@ def _block(text: str) -> str:
     return f"{fence}text\n{text.rstrip()}\n{fence}\n" if text.strip() else "(no output)\n"
 
 
-def render(outcomes: Sequence[Outcome], host: dict[str, str], started: str, load_before: str, load_after: str,
-           not_asked: Sequence[str] = ()) -> str:
-    """docs/results.md: the machine, every bench that ran with its output, then the skipped ones and why,
-    and the benches left out of a run of named ones (`not_asked`)."""
+def _when(o: Outcome) -> str:
+    load = (f"load average {o.load_before} before, {o.load_after} after (1, 5, 15 min; the 1-min alone where one)"
+            if o.load_before else "load average not recorded")
+    h = o.host
+    where = (f"{h.get('cpus', '?')} CPUs ({h.get('cpu model', 'unknown')}), {h.get('os', 'unknown OS')}, "
+             f"Python {h.get('python', '?')}, as {h.get('user', '?')}") if h else "machine not recorded"
+    return f"{o.started or 'date not recorded'} on {where}; {load}"
+
+
+def render(records: dict[str, Outcome], names: Sequence[str]) -> str:
+    """docs/results.md from the records of the benches `names` (see the module's contract)."""
     lines = ["# Benchmark results", "",
-             f"Written by bench/results.py (`make bench`) on {started}. The figures are this machine's, at its",
-             "load at the time: rerun on a quiet machine before comparing them with another run's.", "",
-             "## Machine", ""]
-    lines += [f"- {k}: {v}" for k, v in host.items()]
-    lines += [f"- load average (1, 5, 15 min) before: {load_before}; after: {load_after}", "", "## Benches", ""]
-    ran = [o for o in outcomes if o.status != "skipped" or o.rc is not None]
-    for o in ran:
-        lines += [f"### {o.name}.py", "",
-                  f"`.venv/bin/python bench/{o.name}.py`: {o.status}"
-                  f"{f' ({o.reason})' if o.reason else ''}, {o.seconds:.0f} s", "", _block(o.stdout)]
-        if o.status in ("failed", "timed out") and o.stderr.strip():
-            tail = "".join(o.stderr.splitlines(True)[-STDERR_TAIL:])
-            lines += [f"stderr (last {STDERR_TAIL} lines):", "", _block(tail)]
-    if not ran:
-        lines += ["(none ran)", ""]
-    skipped = [o for o in outcomes if o.status == "skipped"]
-    lines += ["## Skipped", ""]
-    lines += [f"- {o.name}.py: {o.reason}" for o in skipped] or ["(none)"]
-    failed = [o for o in outcomes if o.status in ("failed", "timed out")]
-    if failed:
-        lines += ["", "## Failed", ""] + [f"- {o.name}.py: {o.status} ({o.reason})" for o in failed]
-    if not_asked:
-        lines += ["", "## Not run", "", f"Only the benches named were asked for; not run: {', '.join(not_asked)}."]
+             "Generated by bench/results.py from each bench's last recorded run (bench/records/); nothing here is",
+             "written by hand. Figures hold for the machine and load they were measured at.", "",
+             "| bench | last run | status |", "| --- | --- | --- |"]
+    for n in names:
+        o = records.get(n)
+        lines.append(f"| {n}.py | {o.started if o else 'never'} | "
+                     f"{(o.status + (f' ({o.reason})' if o.reason else '')) if o else 'not run yet'} |")
+    for n in names:
+        o = records.get(n)
+        lines += ["", f"## {n}.py", "", f"What it measures: {measures(n)}", ""]
+        if o is None:
+            lines += ["Not run yet: `.venv/bin/python bench/results.py " + n + "` runs it and records it here."]
+            continue
+        lines += [f"`.venv/bin/python bench/{n}.py`: {o.status}{f' ({o.reason})' if o.reason else ''}, "
+                  f"{o.seconds:.0f} s, {_when(o)}.", ""]
+        lines.append(_block(o.stdout).rstrip())
+        if o.stderr.strip():
+            lines += ["", f"stderr (last {STDERR_TAIL} lines):", "", _block(o.stderr).rstrip()]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benches, writes the page, prints what was skipped and failed (see the module)."""
+    """Runs the benches, keeps their records, writes the page, prints what was skipped and failed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="benches to run (default: all)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds a bench may run (default 3600)")
+    ap.add_argument("--render", action="store_true", help="only rewrite the page from the records")
     a = ap.parse_args(argv)
-    names = benches(a.names)
+    names = [] if a.render else benches(a.names)
     out = Path(a.out)
     if not os.access(out if out.exists() else out.parent, os.W_OK):  # before an hour of benches, not after
         print(f"cannot write {out}; to fix: pass --out (make bench RESULTS=...) to a writable place", file=sys.stderr)
         return 2
+    outcomes = run_all(names, a.timeout)
+    out.write_text(render(load_records(), benches([])))
+    print(f"\nwrote {out}")
+    for o in outcomes:
+        if o.status != "ok":
+            print(f"{o.status}: bench/{o.name}.py: {o.reason}")
+    return 1 if any(o.status in ("failed", "timed out") for o in outcomes) else 0
+
+
+def run_all(names: Sequence[str], timeout_s: float) -> list[Outcome]:
+    """Runs (or skips, with the reason) each bench of `names` in turn, keeping each one's record."""
     checks: dict[str, Callable[[], str]] = {"root": root_missing, "gpu": gpu_missing}
     known: dict[str, str] = {}
-    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    host, load_before = machine(), load_average()
     outcomes = []
     for name in names:
         need = NEEDS.get(name, "")
@@ -237,16 +299,13 @@ def main(argv: list[str] | None = None) -> int:
             known[need] = skip_reason(name, checks)
         if need and known[need]:
             print(f"== bench/{name}.py: skipped: {known[need]}", flush=True)
-            outcomes.append(Outcome(name, "skipped", known[need]))
-            continue
-        outcomes.append(run_bench(name, a.timeout))
-    not_asked = [n for n in benches([]) if n not in names]
-    out.write_text(render(outcomes, host, started, load_before, load_average(), not_asked))
-    print(f"\nwrote {out}")
-    for o in outcomes:
-        if o.status != "ok":
-            print(f"{o.status}: bench/{o.name}.py: {o.reason}")
-    return 1 if any(o.status in ("failed", "timed out") for o in outcomes) else 0
+            o = Outcome(name, "skipped", known[need], started=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                        host=machine(), load_before=load_average(), load_after=load_average())
+        else:
+            o = run_bench(name, timeout_s)
+        save_record(o)
+        outcomes.append(o)
+    return outcomes
 
 
 if __name__ == "__main__":

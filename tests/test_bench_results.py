@@ -1,6 +1,7 @@
 """`make bench`'s runner (bench/results.py): benches that need root or a GPU this machine lacks are
 skipped with the reason, one that says it skipped counts as skipped, a failure or a timeout does not
-stop the others, a timed-out bench's whole process group goes, and docs/results.md lists them all."""
+stop the others, a timed-out bench's whole process group goes, each run is kept as the bench's record,
+and docs/results.md is generated from the records alone: the page in the tree is their render."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from types import ModuleType
 import pytest
 
 from tests.paths import REPO
+from tests.waits import wait_for
 
 
 @pytest.fixture
@@ -27,7 +29,7 @@ def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     benches = tmp_path / "bench"
     benches.mkdir()
     scripts = {
-        "a_ok": 'print("figure=1.0")',
+        "a_ok": '"""Measures one figure."""\nprint("figure=1.0")',
         "b_needs_root": 'raise SystemExit("must not run")',
         "c_says_skip": 'print("skipped: needs a GPU (none here)")',
         "d_fails": 'import sys; print("half"); print("Traceback: boom", file=sys.stderr); sys.exit(3)',
@@ -55,23 +57,20 @@ def test_every_bench_runs_or_is_skipped_with_its_reason_and_the_page_lists_them(
     assert time.monotonic() - t0 < 60
     page = out.read_text()
     assert page.startswith("# Benchmark results")
-    for fact in ("- cpus: ", "- cpu model: ", "- load average (1, 5, 15 min) before: "):
-        assert fact in page
-    assert "### a_ok.py" in page and "```text\nfigure=1.0\n```" in page
-    assert "### b_needs_root.py" not in page and "- b_needs_root.py: needs root: not root (uid 1000)" in page
-    assert "- c_says_skip.py: needs a GPU (none here)" in page
-    assert "### d_fails.py" in page and "failed (exit 3)" in page and "Traceback: boom" in page
-    assert "e_hangs.py: timed out (still running after 3 s)" in page
-    assert "results.py" not in page.split("## Machine")[1]  # the runner does not run itself
+    a_ok = page.split("## a_ok.py")[1].split("\n## ")[0]
+    assert "What it measures: Measures one figure." in a_ok and "```text\nfigure=1.0\n```" in a_ok
+    for fact in (" CPUs (", "load average ", " UTC on "):  # the machine and load it ran at
+        assert fact in a_ok
+    assert "skipped (needs root: not root (uid 1000))" in page.split("## b_needs_root.py")[1]
+    assert "skipped (needs a GPU (none here))" in page.split("## c_says_skip.py")[1]
+    d_fails = page.split("## d_fails.py")[1]
+    assert "failed (exit 3)" in d_fails and "Traceback: boom" in d_fails
+    assert "timed out (still running after 3 s)" in page.split("## e_hangs.py")[1]
+    assert "## results.py" not in page  # the runner does not run itself
+    assert page == results.render(results.load_records(), results.benches([]))  # the records, nothing else
     pid = int((tmp_path / "grandchild.pid").read_text())
-    for _ in range(50):  # the timed-out bench's whole process group is killed, its children too
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the hung bench's child {pid} outlived its run")
+    # the timed-out bench's whole process group is killed, its children too
+    wait_for(lambda: not _alive(pid), 5, f"the hung bench's child {pid} to end with its run")
     printed = capsys.readouterr().out
     assert "skipped: bench/b_needs_root.py: needs root" in printed and "failed: bench/d_fails.py: exit 3" in printed
 
@@ -80,11 +79,41 @@ def test_named_benches_only_and_an_unwritable_page_is_refused_before_running(res
     out = tmp_path / "only.md"
     assert results.main(["a_ok", "b_needs_root.py", "--out", str(out)]) == 0
     page = out.read_text()
-    assert "### a_ok.py" in page and "### d_fails" not in page and "- b_needs_root.py: needs root" in page
-    assert "not run: c_says_skip, d_fails, e_hangs." in page
+    assert "figure=1.0" in page.split("## a_ok.py")[1] and "skipped (needs root" in page.split("## b_needs_root")[1]
+    for never in ("c_says_skip", "d_fails", "e_hangs"):  # not asked for, and never run before
+        assert "Not run yet" in page.split(f"## {never}.py")[1].split("\n## ")[0]
     with pytest.raises(SystemExit, match="no bench"):
         results.main(["nope", "--out", str(out)])
     assert results.main(["a_ok", "--out", str(tmp_path / "missing" / "r.md")]) == 2
+
+
+def test_one_bench_rerun_replaces_its_record_and_a_skip_keeps_an_earlier_run(results, tmp_path):
+    out = tmp_path / "results.md"
+    results.main(["a_ok", "d_fails", "--out", str(out)])
+    first = results.load_records()
+    assert set(first) == {"a_ok", "d_fails"}
+    (results.BENCH / "a_ok.py").write_text('print("figure=2.0")')
+    assert results.main(["a_ok", "--out", str(out)]) == 0
+    again = results.load_records()
+    assert "figure=2.0" in again["a_ok"].stdout and again["d_fails"] == first["d_fails"]
+    assert "figure=2.0" in out.read_text() and "Traceback: boom" in out.read_text()  # the page keeps d_fails
+    # a bench that ran once and cannot run now keeps its figures, not the skip
+    (results.records_dir() / "b_needs_root.json").write_text(results.json.dumps(
+        {**results.asdict(again["a_ok"]), "name": "b_needs_root"}))
+    results.main(["b_needs_root", "--out", str(out)])
+    assert results.load_records()["b_needs_root"].status == "ok"
+
+
+def test_the_page_in_the_tree_is_the_render_of_the_records():
+    spec = importlib.util.spec_from_file_location("bench_results_page", REPO / "bench" / "results.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    page = (REPO / "docs" / "results.md").read_text()
+    assert page == mod.render(mod.load_records(), mod.benches([])), (
+        "docs/results.md is not what bench/results.py renders from bench/records/; to fix: "
+        "`.venv/bin/python bench/results.py --render` (never edit the page by hand)")
 
 
 def test_the_real_bench_list_names_scripts_that_exist():
@@ -95,3 +124,11 @@ def test_the_real_bench_list_names_scripts_that_exist():
     spec.loader.exec_module(mod)
     every = mod.benches([])
     assert set(mod.NEEDS) <= set(every) and "results" not in every and "validate_testbed" in every
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
