@@ -75,6 +75,14 @@ def when_step(board: Any, step: int, action: Callable[[], None], *, timeout_s: f
     return t
 
 
+def notice_runs_out(provider: Any, vm_id: str, notice_s: float) -> None:
+    """A spot notice of `notice_s`: returns once the flow has stopped the VM's agent (its workers checkpoint
+    on the way) or the notice has run out, whichever comes first; then the cloud takes the VM back."""
+    deadline = time.monotonic() + notice_s
+    while vm_id in provider.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def leaks(secrets: Iterable[str], *, store_uri: str, folders: Iterable[Path], extra: Iterable[str] = ()) -> list[str]:
     """Where any secret appears: Prefect logs and artifacts, store rows, files, extra texts."""
     from prefect.client.orchestration import get_client

@@ -29,8 +29,9 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook signature
     """The suite's Prefect home and default store go with the pytest process that made them (again after a
     moment when a server still shutting down wrote into it meanwhile: empty folders were left otherwise)."""
-    for _ in range(5):
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
         shutil.rmtree(_TMP, ignore_errors=True)
         if not _TMP.exists():
             return
-        time.sleep(0.5)
+        time.sleep(0.1)

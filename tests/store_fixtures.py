@@ -8,7 +8,7 @@ test sees another's files and nothing needs cleaning up; the servers stop at ses
 
 from __future__ import annotations
 
-import time
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -103,15 +103,17 @@ def empty_store(uri: str) -> ProfileStore:
     return store
 
 
-class SlowWrites(pafs.FileSystemHandler):
-    """A filesystem that delegates to another but writes in small, slow chunks, announcing each
-    output stream on stdout: lets a test kill a writer in the middle of an upload, for sure."""
+class HeldWrites(pafs.FileSystemHandler):
+    """A filesystem that delegates to another but holds every write half done: it writes the first half,
+    says "writing PATH" on stdout, and goes on only when `release` is set (or after `hold_s`). A test
+    kills the writer on that line: in the middle of an upload, for sure, with no sleep to guess by."""
 
-    def __init__(self, inner: pafs.FileSystem, chunks: int = 40, pause_s: float = 0.02) -> None:
-        self.inner, self.chunks, self.pause_s = inner, chunks, pause_s
+    def __init__(self, inner: pafs.FileSystem, hold_s: float = 120.0) -> None:
+        self.inner, self.hold_s = inner, hold_s
+        self.release = threading.Event()
 
     def get_type_name(self) -> str:
-        return "slow-" + self.inner.type_name
+        return "held-" + self.inner.type_name
 
     def normalize_path(self, path: str) -> str:
         return self.inner.normalize_path(path)
@@ -159,16 +161,16 @@ class SlowWrites(pafs.FileSystemHandler):
         inner = self.inner.open_output_stream(path)
         handler = self
 
-        class Slow:
+        class Held:
             closed = False
 
             def write(self, data) -> int:  # noqa: ANN001
                 view = memoryview(data)
+                half = len(view) // 2
+                inner.write(view[:half])
                 print(f"writing {path}", flush=True)
-                step = max(1, len(view) // handler.chunks)
-                for i in range(0, len(view), step):
-                    inner.write(view[i : i + step])
-                    time.sleep(handler.pause_s)
+                handler.release.wait(handler.hold_s)  # the kill is what this waits for
+                inner.write(view[half:])
                 return len(view)
 
             def flush(self) -> None:
@@ -178,4 +180,4 @@ class SlowWrites(pafs.FileSystemHandler):
                 inner.close()
                 self.closed = True
 
-        return pa.PythonFile(Slow(), mode="w")
+        return pa.PythonFile(Held(), mode="w")

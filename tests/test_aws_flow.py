@@ -11,8 +11,6 @@ may appear in any log line, artifact, store row or file of the run.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from infra.aws import AwsConfig, AwsProvider
@@ -24,6 +22,7 @@ from tests.cloud_flow_fixtures import (
     assert_two_ranks_on_one_vm,
     cloud_store,
     leaks,
+    notice_runs_out,
     when_step,
     zones_per_plan,
 )
@@ -72,7 +71,7 @@ def test_flow_on_aws_survives_a_spot_interruption_and_leaves_nothing(moto, reque
     def interrupt() -> None:
         vm = next(v for v in aws.list_vms() if v.zone == "us-east-1a")
         notices.spot_interruption(vm)  # the two-minute notice, as the metadata relay reports it
-        time.sleep(10.0)  # the 2-minute notice, compressed: the flow stops the workers (they checkpoint) first
+        notice_runs_out(provider, vm.vm_id, 120.0)  # the 2-minute notice: the flow stops the workers first
         provider.reclaim(vm.vm_id)  # the VM powers off ...
         client_for("ec2", "us-east-1").terminate_instances(InstanceIds=[vm.vm_id])  # ... and EC2 takes it back
         interrupted.append(vm.vm_id)

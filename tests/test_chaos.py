@@ -22,7 +22,8 @@ import pytest
 
 from sailor_cli.lifeline import descendants
 from sailor_core.runtime import checkpoint as ckpt
-from tests.test_exit_codes import GPT_TINY_2_STAGES, _env, _ours_left, finish, start, wait_for
+from tests.test_exit_codes import GPT_TINY_2_STAGES, _env, _ours_left, finish, start
+from tests.waits import wait_for
 
 pytest_plugins = ["tests.flow_fixtures"]
 NUM_LAYERS = 6  # gpt-tiny's blocks: what checkpoints of GPT_TINY_2_STAGES record
@@ -37,6 +38,13 @@ def demo_store(profiled_once, tmp_path):
 
 def report(fault: str, survived: str) -> None:
     print(f"\nCHAOS {fault}: {survived}")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
+    except OSError:  # ended meanwhile
+        return ""
 
 
 def _alive(pids: dict[int, int]) -> list[int]:
@@ -240,21 +248,28 @@ def test_sigkill_of_the_demo_flow_process(tmp_path, demo_store):
         wait_for(lambda: any(m.stat().st_size > 0 for m in work.glob("runs/*/**/metrics/**/*.jsonl"))
                  or p.poll() is not None, 300, "the demo to train")
         assert p.poll() is None
-        time.sleep(2)
-        kids = descendants(p.pid)
-        cmds = {q: Path(f"/proc/{q}/cmdline").read_text(errors="replace").replace("\0", " ") for q in kids}
-        assert any("uvicorn" in c for c in cmds.values()), cmds  # the ephemeral server
+        kids: dict[int, int] = {}
+
+        def server_among_kids() -> bool:  # the ephemeral server is one of the demo's processes
+            kids.update(descendants(p.pid))
+            return any("uvicorn" in _cmdline(q) for q in kids)
+
+        wait_for(server_among_kids, 60, "the demo's Prefect server among its processes")
         p.kill()
         p.wait(timeout=30)
     finally:
         if p.poll() is None:
             p.kill()
     wait_for(lambda: not _alive(kids), 30, "the server and workers to die with the demo")
-    time.sleep(7)
-    runs = subprocess.run([sys.executable, "-m", "sailor_cli.main", "runs", "list", "--json"], capture_output=True,
-                          text=True, env=env, timeout=120)
-    demo = [r for r in json.loads(runs.stdout) if r["name"] == "demo"]
-    assert demo and demo[-1]["status"] == "crashed", demo
+
+    def demo_runs() -> list[dict]:
+        runs = subprocess.run([sys.executable, "-m", "sailor_cli.main", "runs", "list", "--json"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        return [r for r in json.loads(runs.stdout) if r["name"] == "demo"]
+
+    # the run is shown crashed once its 6 s lease has expired unrenewed
+    demo = wait_for(lambda: (d := demo_runs()) and d[-1]["status"] == "crashed" and d, 90,
+                    "the killed demo's run to be shown crashed")
     report("SIGKILL of the flow (sailor demo)", f"{len(kids)} descendant processes (server, agents, workers) ended "
                                                 f"by the guardian; run {demo[-1]['run_id']} shown crashed")
 
@@ -280,7 +295,10 @@ def test_s3_server_stopped_during_checkpoint_writes_and_restarted(tmp_path):
             wait_for(lambda: len(_steps(metrics)) >= 5 or p.poll() is not None, 180, "five steps")
             first.stop()
             outage_at = max(_steps(metrics))
-            time.sleep(3)
+            # the store comes back after 3 s, or once a checkpoint fell due while it was down
+            down_until = time.monotonic() + 3.0
+            while time.monotonic() < down_until and p.poll() is None and max(_steps(metrics)) < outage_at + 2:
+                time.sleep(0.1)
             second.start()
             rc, out, err = finish(p, 300)
         finally:

@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.paths import REPO
+from tests.waits import wait_for
 
 GPT_TINY_2_STAGES = {
     "format": "sailor-plan", "version": 1, "model": "gpt-tiny", "global_batch_size": 8, "precision": "fp32",
@@ -67,15 +67,6 @@ def finish(p: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, st
 def _ours_left(tmp: Path) -> list[str]:
     # torch keeps its compile cache (torchinductor_*) in TMPDIR; that one is not ours
     return [x.name for x in (tmp / "tmp").iterdir() if x.name.startswith("sailor")]
-
-
-def wait_for(pred, timeout: float, what: str) -> None:  # noqa: ANN001
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- demo -----------------------------------------------------------------------------------------

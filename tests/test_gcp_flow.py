@@ -11,8 +11,6 @@ no instance and no firewall of the run, and no credential may appear anywhere th
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from infra.catalog import ScriptedPriceSource
@@ -24,6 +22,7 @@ from tests.cloud_flow_fixtures import (
     assert_two_ranks_on_one_vm,
     cloud_store,
     leaks,
+    notice_runs_out,
     when_step,
     zones_per_plan,
 )
@@ -67,7 +66,7 @@ def test_flow_on_gcp_survives_a_preemption_and_leaves_nothing(fake, request, tmp
     def preempt() -> None:
         vm = next(v for v in gcp.list_vms() if v.zone == "us-central1-a")
         fake.preempt("us-central1-a", vm.vm_id.split("/", 1)[1])  # GCE preempts: the operation, then TERMINATED
-        time.sleep(10.0)  # GCE's 30 s ACPI grace, compressed: the flow stops the workers (they checkpoint) first
+        notice_runs_out(provider, vm.vm_id, 30.0)  # GCE's 30 s ACPI grace: the flow stops the workers first
         provider.reclaim(vm.vm_id)  # the VM is off, its worker with it
         preempted.append(vm.vm_id)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tasks.history import LeaseKeeper, RunHistory
+from tests.waits import wait_for
 
 pytest_plugins = ["tests.flow_fixtures"]
 REPO = Path(__file__).resolve().parent.parent
@@ -83,22 +84,30 @@ def test_a_lease_whose_owner_process_is_gone_shows_crashed_at_once(tmp_path):
     assert far.list_runs()[0]["status"] == "running"
 
 
+class _CountedPolls(RunHistory):
+    """A run history that counts how often the keeper looked for re-plan requests."""
+
+    polls = 0
+
+    def replan_requests(self, run_id):  # noqa: ANN001, ANN201
+        got = super().replan_requests(run_id)
+        self.polls += 1
+        return got
+
+
 def test_the_keeper_passes_on_a_replan_request_once(tmp_path):
     from profiles_store.store import open_store
 
-    h = RunHistory(open_store(str(tmp_path / "store")))
+    h = _CountedPolls(open_store(str(tmp_path / "store")))
     h.run_status("a-1", "running", "started", {"name": "a"})
     k = LeaseKeeper(h, "a-1", ttl_s=3).start()
     try:
         assert k.take_request() is None
         h.request_replan("a-1", "a-2", "prices moved")
-        end = time.monotonic() + 10
-        req = None
-        while req is None and time.monotonic() < end:
-            req = k.take_request()
-            time.sleep(0.1)
-        assert req is not None and req["requested_by"] == "a-2" and req["reason"] == "prices moved"
-        time.sleep(1.5)
+        req = wait_for(k.take_request, 10, "the keeper to pass on the request")
+        assert req["requested_by"] == "a-2" and req["reason"] == "prices moved"
+        seen = h.polls
+        wait_for(lambda: h.polls >= seen + 2, 10, "the keeper to look for requests twice more")
         assert k.take_request() is None
     finally:
         k.stop()

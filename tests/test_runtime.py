@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -21,6 +20,7 @@ from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime.engine import TrainSettings
 from sailor_core.runtime.launcher import run_local, shrink_plan
 from sailor_core.runtime.topology import layout, runtime_problems, tie_groups
+from tests.waits import wait_for
 
 CFG = get_config("gpt-tiny")
 STEPS = 8
@@ -284,11 +284,8 @@ def test_lost_worker_continues_under_a_smaller_plan(tmp_path, baseline):
             pids.update(ev["pids"])
 
     def killer():
-        while True:
-            time.sleep(0.05)
-            if out.exists() and len(out.read_text().splitlines()) >= 3:
-                os.kill(pids[4], signal.SIGKILL)  # stage 1 of pipeline 1
-                return
+        wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 3, 300, "three steps")
+        os.kill(pids[4], signal.SIGKILL)  # stage 1 of pipeline 1
 
     threading.Thread(target=killer, daemon=True).start()
     result = run_local(PLANS["2stages-mixed-tp"], CFG, settings, on_event=on_event, run_dir=str(tmp_path / "run"))
@@ -334,8 +331,7 @@ def test_preemption_notice_takes_a_just_in_time_checkpoint(tmp_path):
     out, notice, ck = tmp_path / "m.jsonl", tmp_path / "preempt", tmp_path / "ck"
 
     def touch_after_two_steps():
-        while not (out.exists() and len(out.read_text().splitlines()) >= 2):
-            time.sleep(0.02)
+        wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 2, 300, "two steps", every_s=0.02)
         notice.write_text("preempted")
 
     threading.Thread(target=touch_after_two_steps, daemon=True).start()

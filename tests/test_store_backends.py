@@ -178,7 +178,7 @@ def test_a_killed_test_run_leaves_no_object_store_server(server, tmp_path):
     import sys
 
     from sailor_cli.lifeline import descendants
-    from tests.test_exit_codes import wait_for
+    from tests.waits import wait_for
 
     code = (f"from profiles_store.local_servers import {server}; import sys, time; s = {server}(); s.start(); "
             f"print(s.proc.pid, flush=True); time.sleep(120)")

@@ -393,7 +393,7 @@ _WRITER = textwrap.dedent(
     import pyarrow as pa
     import pyarrow.fs as pafs
     from profiles_store import open_store
-    from tests.store_fixtures import SlowWrites
+    from tests.store_fixtures import HeldWrites
     store = open_store(sys.argv[1], seed=False)
     n = 100 * 4 * 100
     base = {"model": ["Big"] * n, "gpu_type": ["TestGPU"] * n, "mbs": [1 + i // 400 for i in range(n)],
@@ -402,9 +402,9 @@ _WRITER = textwrap.dedent(
     gen = 0
     while True:
         gen += 1
-        if gen == 2:  # from the second generation on, uploads crawl: the kill lands inside one
-            slow = pafs.PyFileSystem(SlowWrites(store.location.fs))
-            store.location = dataclasses.replace(store.location, fs=slow)
+        if gen == 2:  # from the second generation on, uploads stop half way: the kill lands inside one
+            held = pafs.PyFileSystem(HeldWrites(store.location.fs))
+            store.location = dataclasses.replace(store.location, fs=held)
         table = pa.table({**base, "forward_s": [float(gen)] * n})
         store.write_table("layer_profiles", table, mode="replace", partition={"model": "Big", "gpu_type": "TestGPU"})
         print("committed", gen, flush=True)
@@ -423,8 +423,7 @@ def test_a_writer_killed_mid_write_leaves_a_whole_generation(store_uri):
             assert line, f"writer exited early: {lines}"
             lines.append(line.strip())
             if line.startswith("writing") and "committed 1" in lines:
-                break
-        time.sleep(0.05)
+                break  # held half way through an upload until killed
     finally:
         proc.kill()
         proc.wait()

@@ -111,8 +111,9 @@ class FaultProxy:
         if kind == "timeout":
             with self._lock:
                 self._open.add(conn)
-            while not self._closed.is_set() and self.current() == "timeout" and conn in self._open:
-                time.sleep(0.1)
+            # held open until the test changes the fault or closes the proxy (the events this stands for)
+            while self.current() == "timeout" and conn in self._open and not self._closed.wait(0.1):
+                pass
             with self._lock:
                 self._drop(conn)
             return

@@ -1,0 +1,26 @@
+"""Waiting in tests: poll for the event a test waits for, with a deadline, never a fixed sleep.
+
+`wait_for(cond, timeout_s, what)` calls `cond` until it returns something true (and returns that), and
+fails the test with "timed out after N s waiting for WHAT" at the deadline. tests/test_waits.py checks
+that every `time.sleep` in tests/ is inside such a polling loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], timeout_s: float, what: str, *, every_s: float = 0.05) -> T:
+    """`cond()`'s first true value, polled every `every_s` until `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)
