@@ -73,7 +73,10 @@ def test_queries_are_pure_functions_of_the_table(aws) -> None:
         ("p3.2xlarge", "us-east-1a", 0.918), ("p3.8xlarge", "us-east-1b", 0.918)]
     best = cheapest(catalog_shapes(aws), gpu_type="A100-40", market=Market.ON_DEMAND)
     assert best is not None and best.instance_type == "p4d.24xlarge" and best.gpus_per_vm == 8
-    assert catalog_shapes(aws) == catalog_shapes(aws)  # no hidden state
+    # no hidden state: asking again, after other queries of the same table, answers the same
+    again = catalog_shapes(aws, regions=["us-east-1"], gpu_types=["V100-16"], markets=[Market.SPOT])
+    assert [(o.instance_type, o.zone, round(o.usd_per_gpu_hour, 3)) for o in again] == [
+        ("p3.2xlarge", "us-east-1a", 0.918), ("p3.8xlarge", "us-east-1b", 0.918)]
 
 
 def test_gcp_catalog_prices_attachable_gpus_separately() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from sailor_core.domain import Market, Replica
-from sailor_core.models.config import get_config, layer_params
 from sailor_core.planner.risk import SpotRisk
 from tasks.checkpointing import (
     ASSUMED_WRITE_BYTES_PER_S,
@@ -25,10 +24,13 @@ def test_the_notice_comes_from_the_user_the_cloud_or_the_scenario():
 
 def test_the_largest_writer_holds_its_stages_weights_and_two_moments():
     p = plan([((0, 1), [rep()]), ((2, 5), [rep(2)])])
-    cfg = get_config("gpt-tiny")
-    stage0 = sum(layer_params(cfg, li) for li in (0, 1)) * 12
-    stage1 = sum(layer_params(cfg, li, 2) for li in range(2, 6)) * 12
-    assert writer_state_bytes(p) == max(stage0, stage1)
+    # gpt-tiny: hidden 128, FFN 512, vocabulary 256, 128 learned positions, biases, LayerNorm (2 x 128 each);
+    # 12 B per parameter: fp32 weights and Adam's two moments.
+    # stage 0 at tp 1: embedding 256*128 + 128*128 = 49,152; block 1: norms 512, attention 384*128 + 384 +
+    #   128*128 + 128 = 66,048, MLP 128*512 + 512 + 512*128 + 128 = 131,712 -> 198,272; 247,424 x 12 = 2,969,088
+    # stage 1 at tp 2: blocks 2-4 each 512 + 33,088 + 65,920 = 99,520; head 256 + 256*128/2 = 16,640;
+    #   315,200 x 12 = 3,782,400: the larger writer
+    assert writer_state_bytes(p) == 3_782_400
 
 
 def test_measured_times_are_the_newest_records():
