@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sailor_core.domain import MAX_PLAIN_GLOBAL_BATCH, Market
 from sailor_core.errors import InvalidParameters as InvalidParameters  # re-exported for tests
 from sailor_core.planner.request import Objective
+from sailor_core.uris import redact_text
 
 PROVIDERS = ("local", "aws", "gcp")
 
@@ -148,7 +149,7 @@ def validate_params(raw: dict[str, object]) -> SailorParams:
             field = ".".join(str(p) for p in err["loc"]) or "parameters"
             msg = str(err["msg"]).removeprefix("Value error, ")
             value = err.get("input")
-            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            shown = "" if isinstance(value, dict) else f" (got {redact_text(repr(value))[:200]})"
             problems.append(f"{field}: {msg}{shown}")
         # Cross-field rules run only once every field is valid; say them now too, so one try fixes all.
         if (raw.get("steps") is None) == (raw.get("token_budget") is None) and not any(

@@ -80,7 +80,8 @@ def demo(
     job.update({k: v for k, v in given.items() if v is not None})
     steps, workers = job["steps"], job["workers"]
     params = dict(run_name="demo", max_stages=max_stages, provider="local", scenario=str(scenario),
-                  isolation=isolation, checkpoint_interval=0, store_uri=store, workdir=str(workdir), **job)
+                  isolation=isolation, checkpoint_interval=0, store_uri=_without_credentials(store),
+                  workdir=str(workdir), **job)
     validate_params({k: v for k, v in params.items() if v is not None})  # a user error: one line, exit 2
     typer.echo(f"sailor demo: {job['model']}, {steps} steps of {job['global_batch_size']} samples on up to {workers} "
                f"devices, scenario {scenario}")
@@ -101,6 +102,18 @@ def demo(
         _print(run, left)
     if not state.is_completed() or left:
         raise typer.Exit(1)
+
+
+def _without_credentials(store: str | None) -> str | None:
+    """The store URI the flow gets: Prefect keeps a flow run's parameters, so credentials in the URI's query
+    (access_key, secret_key, session_token) move to this process's environment, where the AWS SDK finds them."""
+    if not store:
+        return store
+    from sailor_core.uris import split_credentials
+
+    uri, env = split_credentials(store)
+    os.environ.update(env)
+    return uri
 
 
 def _left_behind(root: Path, run_id: str) -> list[str]:

@@ -22,8 +22,15 @@ writes to `os.environ`.
   SDK reads them from the process environment only, so the process's entry point adds them there
   before it opens storage (and passes them on to the processes it starts).
 
-Credentials given in a URI's query stay in memory: messages show URIs through `redact`, and
-nothing here writes a file. pyarrow is imported lazily: the planner and simulator never reach it.
+Credentials given in a URI (`access_key`, `secret_key`, `session_token` in the query, or a user and
+password before the bucket) stay in memory: every URI that is stored (flow parameters, the run
+history), logged or printed goes through `redact` (which also hides the value of every query key it
+does not know, and the key itself: a mistyped key may hold a secret) or, inside a text, `redact_text`;
+`redact_values` does it to every string of a JSON document. `split_credentials(uri)` takes them out
+of a URI into the AWS SDK's environment variables, for a process that must hand the URI on (a flow's
+parameters are kept by Prefect). A store URI with a query key `store_target` does not know is refused
+(naming no key or value). Nothing here writes a file. pyarrow is imported lazily: the planner and
+simulator never reach it.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from sailor_core.errors import SailorError, StoreError
 
@@ -52,9 +59,73 @@ def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
+# Query keys whose values are not secret, shown as they are; the values of every other key are hidden.
+PUBLIC_QUERY_KEYS = ("endpoint_override", "region", "scheme", "anonymous", "project_id", "retry_seconds",
+                     "connect_timeout", "request_timeout", "max_attempts")
+CREDENTIAL_QUERY_KEYS = {"access_key": "AWS_ACCESS_KEY_ID", "secret_key": "AWS_SECRET_ACCESS_KEY",
+                         "session_token": "AWS_SESSION_TOKEN"}
+HIDDEN = "***"
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
 def redact(uri: str) -> str:
-    """The URI with any secret_key query value hidden, for messages and listings."""
-    return re.sub(r"(secret_key=)[^&]*", r"\1***", uri)
+    """The URI for messages, listings and records: credentials (query values, a user and password) hidden, and
+    every query key that is neither public nor a known credential shown as `***=***` (never echoed)."""
+    parts = urlsplit(uri)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{HIDDEN}@{netloc.rsplit('@', 1)[1]}"
+    if not parts.query and netloc == parts.netloc:
+        return uri
+    pairs = []
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key in PUBLIC_QUERY_KEYS:
+            pairs.append(f"{key}={quote(value, safe=':/')}")
+        elif key in CREDENTIAL_QUERY_KEYS:
+            pairs.append(f"{key}={HIDDEN}")
+        else:
+            pairs.append(f"{HIDDEN}={HIDDEN}")
+    return urlunsplit((parts.scheme, netloc, parts.path, "&".join(pairs), ""))
+
+
+def redact_text(text: str) -> str:
+    """`text` (a message, an exception's words) with every URI in it redacted."""
+    return _URI_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+def redact_values(value: Any) -> Any:
+    """A JSON-like value with every string redacted (`redact_text`): for the run history and its listings."""
+    if isinstance(value, str):
+        return redact_text(value) if "://" in value else value
+    if isinstance(value, Mapping):
+        return {k: redact_values(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_values(v) for v in value]
+    return value
+
+
+def split_credentials(uri: str) -> tuple[str, dict[str, str]]:
+    """(the URI without credentials, the AWS SDK environment variables that carry them instead)."""
+    parts = urlsplit(uri)
+    if not parts.query:
+        return uri, {}
+    kept, env = [], {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key in CREDENTIAL_QUERY_KEYS:
+            env[CREDENTIAL_QUERY_KEYS[key]] = value
+        else:
+            kept.append(f"{key}={quote(value, safe=':/')}")
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, "&".join(kept), "")), env
+
+
+def check_query_keys(uri: str) -> None:
+    """Refuse a query key that is neither public nor a known credential, naming neither it nor its value."""
+    unknown = [k for k, _ in parse_qsl(urlsplit(uri).query, keep_blank_values=True)
+               if k not in PUBLIC_QUERY_KEYS and k not in CREDENTIAL_QUERY_KEYS]
+    if unknown:
+        raise StoreError(f"store URI {redact(uri)!r} has {len(unknown)} query parameter(s) sailor does not know "
+                         f"(not shown: one may be a secret); to fix: use only {', '.join(PUBLIC_QUERY_KEYS)}, "
+                         f"{', '.join(CREDENTIAL_QUERY_KEYS)}")
 
 
 def split_endpoint(endpoint: str) -> tuple[str, str | None]:
@@ -65,7 +136,7 @@ def split_endpoint(endpoint: str) -> tuple[str, str | None]:
 
 def query(uri: str) -> dict[str, str]:
     """The URI's query parameters, the last value of each."""
-    return {k: v[-1] for k, v in parse_qs(urlsplit(uri).query).items()}
+    return dict(parse_qsl(urlsplit(uri).query))
 
 
 def s3_endpoint(q: Mapping[str, str], env: Mapping[str, str]) -> str:
@@ -112,7 +183,7 @@ def filesystem_for(uri: str) -> tuple[Any, str]:
     try:
         if parts.scheme == "s3" and q.get("access_key"):
             kwargs: dict[str, Any] = dict(access_key=q["access_key"], secret_key=q.get("secret_key", ""),
-                                          region=q.get("region", "us-east-1"))
+                                          session_token=q.get("session_token"), region=q.get("region", "us-east-1"))
             if endpoint := q.get("endpoint_override"):
                 host, scheme = split_endpoint(endpoint)
                 kwargs.update(endpoint_override=host, scheme=q.get("scheme") or scheme or "https")
@@ -129,7 +200,8 @@ def filesystem_for(uri: str) -> tuple[Any, str]:
             return pafs.GcsFileSystem(**gkw), (parts.netloc + "/" + parts.path.strip("/")).rstrip("/")
         filesystem, path = pafs.FileSystem.from_uri(uri)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad URI
-        raise SailorError(f"cannot open {redact(uri)!r}: {e}; to fix: check the URI and credentials") from None
+        raise SailorError(f"cannot open {redact(uri)!r}: {redact_text(str(e))}; to fix: check the URI and "
+                          f"credentials") from None
     return filesystem, path.rstrip("/")
 
 
@@ -142,7 +214,8 @@ def read_uri(uri: str) -> bytes:
     except FileNotFoundError:
         raise SailorError(f"{redact(uri)!r} does not exist; to fix: check the path or URI") from None
     except OSError as e:
-        raise SailorError(f"cannot read {redact(uri)!r}: {e}; to fix: check the path or URI and credentials") from None
+        raise SailorError(f"cannot read {redact(uri)!r}: {redact_text(str(e))}; to fix: check the path or URI and "
+                          f"credentials") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +247,7 @@ def store_target(uri: str | None, env: Mapping[str, str]) -> StoreTarget:
         path = parts.path if scheme == "file" else raw
         root = os.path.abspath(os.path.expanduser(path)).replace(os.sep, "/").rstrip("/")
         return StoreTarget(uri=raw, fs=pafs.LocalFileSystem(), root=root, scheme="file")
+    check_query_keys(raw)
     q = query(raw)
     bucket = parts.netloc
     if not bucket:
@@ -203,7 +277,8 @@ def _s3_store(raw: str, q: Mapping[str, str], env: Mapping[str, str], bucket: st
         allow_bucket_deletion=False,
     )
     if q.get("access_key"):
-        kwargs.update(access_key=q["access_key"], secret_key=q.get("secret_key") or "")
+        kwargs.update(access_key=q["access_key"], secret_key=q.get("secret_key") or "",
+                      session_token=q.get("session_token"))
     signed = not anonymous and bool(q.get("access_key") or aws_credentials_configured(env))
     if endpoint:
         host, sch = split_endpoint(endpoint)
@@ -213,8 +288,8 @@ def _s3_store(raw: str, q: Mapping[str, str], env: Mapping[str, str], bucket: st
         kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=1)
         delete_fs = pafs.S3FileSystem(**kwargs)
     except (OSError, pa.ArrowException, ValueError) as e:
-        raise StoreError(f"cannot set up S3 for {redact(raw)!r}: {e}; to fix: check the URI's query parameters") \
-            from None
+        raise StoreError(f"cannot set up S3 for {redact(raw)!r}: {redact_text(str(e))}; to fix: check the URI's query "
+                         f"parameters") from None
     return StoreTarget(uri=raw, fs=fs, root=root, scheme="s3", bucket=bucket, endpoint=endpoint, delete_fs=delete_fs,
                        signed=signed)
 
@@ -235,6 +310,6 @@ def _gcs_store(raw: str, q: Mapping[str, str], env: Mapping[str, str], bucket: s
     try:
         fs = pafs.GcsFileSystem(**gkw)
     except (OSError, pa.ArrowException, ValueError) as e:
-        raise StoreError(f"cannot set up GCS for {redact(raw)!r}: {e}; to fix: check the URI's query parameters") \
-            from None
+        raise StoreError(f"cannot set up GCS for {redact(raw)!r}: {redact_text(str(e))}; to fix: check the URI's "
+                         f"query parameters") from None
     return StoreTarget(uri=raw, fs=fs, root=root, scheme="gs", bucket=bucket, endpoint=endpoint, signed=not anonymous)

@@ -28,10 +28,11 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from infra.provider import EventKind
 from sailor_core.errors import UnknownRunError as UnknownRunError  # re-exported: tests import it from here
+from sailor_core.uris import redact_text, redact_values
 from tasks.records import JSONObject, LeaseOwner, ReplanRequest, RunRow
 
 if TYPE_CHECKING:
@@ -165,7 +166,9 @@ class RunHistory:
             if self._last is not None and t <= self._last:
                 t = self._last + timedelta(microseconds=1)
             self._last = t
-        rec = HistoryRecord(run_id=run_id, kind=str(kind), time=t, reason=reason, payload=dict(payload or {}))
+        # no credential of a URI reaches the store (a store URI's secret_key, say, in the run's parameters)
+        rec = HistoryRecord(run_id=run_id, kind=str(kind), time=t, reason=redact_text(reason),
+                            payload=redact_values(dict(payload or {})))
         self.store.append_history(table, [rec])
 
     def run_status(self, run_id: str, status: RunStatus, reason: str = "", payload: JSONObject | None = None) -> None:
@@ -309,7 +312,7 @@ class RunHistory:
         ]
         # where the run's VMs and state lived (isolation, zones, device types, VMs, wheel, checkpoints)
         out["cluster"] = next((e["cluster"] for e in reversed(out["events"]) if e["kind"] == RunEvent.CLUSTER), None)
-        return out
+        return cast(dict[str, Any], redact_values(out))  # rows written before redaction show none either
 
 
 class LeaseKeeper:
