@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -29,10 +28,10 @@ def test_useful_fraction_follows_the_renewal_model() -> None:
     lam_h = 0.01
     approx = 1 - lam_h / 3600 * (120 + 20 / 2)
     assert useful_fraction_of(lam_h, 2.0, risk) == pytest.approx(approx, rel=1e-5)
-    # exact: u = I / E, E = e^(lam R) (e^(lam I) - 1) / lam
-    lam = 30.0 / 3600
-    e = math.exp(lam * 120) * math.expm1(lam * 20) / lam
-    assert useful_fraction_of(30.0, 2.0, risk) == pytest.approx(20 / e, rel=1e-12)
+    # exact: u = I / E, E = e^(lam R) (e^(lam I) - 1) / lam; at 30 preemptions an hour lam = 1/120 per s:
+    # lam R = 1, lam I = 1/6, E = e * (e^(1/6) - 1) * 120 = 2.7182818 * 0.1813604 * 120 = 59.158646 s,
+    # u = 20 / 59.158646 = 0.33807400
+    assert useful_fraction_of(30.0, 2.0, risk) == pytest.approx(0.33807400, rel=1e-7)
     us = [useful_fraction_of(x, 2.0, risk) for x in (0.1, 1, 10, 100, 1e4)]
     assert all(a > b for a, b in zip(us, us[1:], strict=False)) and us[-1] >= 0
     # a longer checkpoint interval loses more work per preemption
