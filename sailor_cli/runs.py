@@ -91,26 +91,29 @@ STEP_FIELDS = ("step", "plan_version", "loss", "iteration_time_s", "tokens_per_s
 def _print(run: dict[str, Any], rows: list[Any], unread: str) -> None:
     """The run as tables, for people (full reasons, wrapped at words)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     con = Console(width=max(Console().width, 130))
-    con.print(f"[bold]{run['run_id']}[/bold] ({run.get('name', '')}): [bold]{run.get('status')}[/bold] "
-              f"{run.get('status_reason', '')}")
+    # Reasons are text, never markup: a worker's error such as "[/__w/pytorch/...pair.cc:553]" broke the table.
+    con.print(f"[bold]{escape(run['run_id'])}[/bold] ({escape(run.get('name', ''))}): [bold]{run.get('status')}"
+              f"[/bold] {escape(str(run.get('status_reason', '')))}")
     for k in ("started_at", "ended_at", "steps_done", "usd_total", "wall_s"):
         if k in run:
             con.print(f"  {k}: {usd(run[k]) if k == 'usd_total' else run[k]}")
-    con.print(f"  steps recorded: {_steps_line(rows) if rows else unread or 'none'}")
+    con.print(Text(f"  steps recorded: {_steps_line(rows) if rows else unread or 'none'}"))
     t = Table(title="events")
     for c in ("time (UTC)", "kind", "reason"):
         t.add_column(c, no_wrap=c != "reason")
     for e in run["events"]:
-        t.add_row(e["time"][11:23], e["kind"], e.get("reason", ""))
+        t.add_row(e["time"][11:23], e["kind"], Text(str(e.get("reason", ""))))
     con.print(t)
     t = Table(title="decisions")
     for c in ("time (UTC)", "decision", "reason"):
         t.add_column(c, no_wrap=c != "reason")
     for d in run["decisions"]:
-        t.add_row(d["time"][11:23], d["kind"], d["reason"])
+        t.add_row(d["time"][11:23], d["kind"], Text(str(d["reason"])))
     con.print(t)
     t = Table(title="plans")
     for c in ("version", "s/iteration (est.)", "USD/hour", "reason"):
@@ -118,7 +121,7 @@ def _print(run: dict[str, Any], rows: list[Any], unread: str) -> None:
     for p in run["plans"]:
         est = p.get("estimate") or {}
         t.add_row(str(p["version"]), sig(est.get("iteration_time_s", 0)), usd(est.get("usd_per_hour", 0)),
-                  str(p.get("reason", "")))
+                  Text(str(p.get("reason", ""))))
     con.print(t)
     meas = [m for m in run["measurements"] if m["kind"] == "iteration_time"]
     if meas:
