@@ -55,3 +55,17 @@ def _profile(dest: Path) -> None:
 
     book = profile(open_store(str(dest)), "gpt-tiny", ["cpu"], mbs=[1, 2])
     assert book.profiled_points("cpu"), "the profile subflow wrote no cpu profile"
+
+
+def assert_steps_once_and_events_at_their_step(r: dict, *, total: int, scripted: dict[str, int]) -> None:
+    """The run's history lists every step from 1 to the last once (a deployment run's curves had no
+    record of steps 21-50), and each scripted event happened at its step (the demo's preemption scripted
+    at step 20 came at step 59; its price change at step 80 never came)."""
+    from tasks.runstate import RunState, read_metrics
+
+    state = r["cluster"]["state_uri"]
+    steps = [row["step"] for row in read_metrics(RunState(uri=state, flow_uri=state, vm_uri=state))]
+    assert steps == list(range(1, total + 1)), (steps[:5], len(steps), sorted(set(range(1, total + 1)) - set(steps)))
+    for kind, at in scripted.items():
+        happened = [e for e in r["events"] if e["kind"] == kind and e.get("scripted")]
+        assert happened and happened[0]["at_step"] == at and happened[0]["run_step"] == at, (kind, happened)

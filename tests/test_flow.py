@@ -15,6 +15,7 @@ import pytest
 
 from flows.params import InvalidParameters
 from infra.local import LocalProvider, _group_alive
+from tests.flow_fixtures import assert_steps_once_and_events_at_their_step
 
 # The session fixtures (one test server, one profiled store) are shared by every module that loads them.
 pytest_plugins = ["tests.flow_fixtures"]
@@ -152,6 +153,7 @@ events:
     assert {rep["market"] for st in last["stages"] for rep in st["replicas"]} == {"on-demand"}
     assert_nothing_left(tmp_path, r["run_id"])
     assert_training_curves(profiled_store, tmp_path, r["run_id"], versions=len(r["plans"]))
+    assert_steps_once_and_events_at_their_step(r, total=600, scripted={"preemption": 5, "price_change": 60})
 
 
 def assert_training_curves(store: str, tmp_path: Path, run_id: str, versions: int) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from infra.local import LocalProvider
 from infra.provider import VmRequest
 from infra.scenario import parse_scenario
@@ -19,6 +21,8 @@ from sailor_core.domain import Market
 from sailor_core.runtime import protocol
 from sailor_core.runtime.protocol import ControlClient, ControlServer
 from tasks.runstate import RunState, flush_metrics, read_metrics, steps_once
+
+pytest_plugins = ["tests.flow_fixtures"]
 
 
 def rows(version: int, steps: range) -> list[dict]:
@@ -102,3 +106,24 @@ def test_the_provider_names_the_steps_still_scripted_and_the_events_that_could_n
     assert "preemption (on-demand local) scripted at step 5 did not happen: no running VM" in missed[0]
     assert "price change (spot) scripted at step 400 did not happen: the run ended at step 120" in missed[1]
     p.cleanup("r")
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_demo_records_every_step_once_and_each_scripted_event_at_its_step(profiled_store, tmp_path, capsys):
+    """`make run`'s job (scenarios/demo.yaml: a preemption at step 20, a price change at step 80), with plain
+    process VMs: the history read back lists steps 1-120 once and each event at the step the file names."""
+    import json
+
+    from sailor_cli.main import main
+
+    assert main(["demo", "--isolation", "process", "--store", profiled_store, "--workdir", str(tmp_path / "wd"),
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    run = json.loads(out[out.index("{\n"):])
+    state = run["cluster"]["state_uri"]
+    steps = [r["step"] for r in read_metrics(RunState(uri=state, flow_uri=state, vm_uri=state))]
+    assert steps == list(range(1, 121)), sorted(set(range(1, 121)) - set(steps))
+    for kind, at in (("preemption", 20), ("price_change", 80)):
+        happened = [e for e in run["events"] if e["kind"] == kind and e.get("scripted")]
+        assert happened and happened[0]["run_step"] == at, (kind, happened)
+    assert not [e for e in run["events"] if e["kind"] == "scripted_missed"]
