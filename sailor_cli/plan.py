@@ -65,6 +65,7 @@ from sailor_core.planner.islands import SyncMode
 from sailor_core.planner.pool import parse_preemption_rates, read_pool_document
 from sailor_core.planner.request import stage_range
 from sailor_core.planner.risk import AUTO_CHECKPOINT_INTERVAL, SpotRisk, planning_checkpoint_interval
+from sailor_core.units import sig, usd
 
 
 def plan(
@@ -274,7 +275,7 @@ def _print(result: PlanResult, variations: list[tuple[str, PlanResult]], out: st
         for h in ("it/s", "USD/iteration", "USD/hour", "GPUs", "plan"):
             t.add_column(h)
         for f in result.frontier:
-            t.add_row(f"{f.iterations_per_s:.4f}", f"{f.usd_per_iteration:.4f}", f"{f.usd_per_hour:.2f}",
+            t.add_row(sig(f.iterations_per_s), usd(f.usd_per_iteration), usd(f.usd_per_hour),
                       str(f.num_gpus), ("(chosen) " if f.chosen else "") + f.summary)
         con.print(t)
     if png:
@@ -284,9 +285,10 @@ def _print(result: PlanResult, variations: list[tuple[str, PlanResult]], out: st
         if not d["feasible"]:
             con.print(f"[bold]what if {change}[/bold]: no feasible plan ({var.nearest_miss})")
             continue
-        line = f"[bold]what if {change}[/bold]: {d['iterations_per_s']:.4f} it/s, {d['usd_per_iteration']:.4f} USD/it"
+        line = (f"[bold]what if {change}[/bold]: {sig(d['iterations_per_s'])} it/s, "
+                f"{usd(d['usd_per_iteration'])} USD/iteration")
         if "delta_iterations_per_s" in d:
-            line += (f" ({d['delta_iterations_per_s']:+.4f} it/s, {d['delta_usd_per_iteration']:+.4f} USD/it, "
+            line += (f" ({d['delta_iterations_per_s']:+.4g} it/s, {d['delta_usd_per_iteration']:+.3g} USD/iteration, "
                      f"{d['delta_num_gpus']:+d} GPUs{', same plan' if d['same_plan'] else ''})")
         con.print(line)
         if not d.get("same_plan"):

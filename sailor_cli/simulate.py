@@ -24,6 +24,7 @@ from sailor_core.errors import SailorError
 from sailor_core.plan_format import load_plan_file
 from sailor_core.simulator import ReplicaResult, SimOptions, SimulationResult
 from sailor_core.simulator import simulate as run_simulation
+from sailor_core.units import usd
 
 
 def _gb(b: float) -> str:
@@ -52,8 +53,8 @@ def _print_rich(res: SimulationResult, plan_path: str, recompute: tuple[bool, ..
     t.add_row("throughput", f"{res.throughput_iterations_per_s:.3f} it/s, {res.samples_per_s:.1f} samples/s, "
               f"{res.tokens_per_s:,.0f} tokens/s")
     t.add_row("peak memory", f"{_gb(res.peak_memory_bytes)}  fits: {'yes' if res.fits_memory else '[red]NO[/red]'}")
-    t.add_row("cost", f"${res.usd_per_iteration:.4f}/iteration (egress ${res.egress_usd_per_iteration:.4f}), "
-              f"${res.usd_per_hour:.2f}/h, ${res.usd_per_million_tokens:.3f}/M tokens")
+    t.add_row("cost", f"${usd(res.usd_per_iteration)}/iteration (egress ${usd(res.egress_usd_per_iteration)}), "
+              f"${usd(res.usd_per_hour)}/h, ${usd(res.usd_per_million_tokens)}/M tokens")
     if res.unpriced:
         t.add_row("[yellow]unpriced[/yellow]", ", ".join("/".join(u) for u in res.unpriced) + " (counted as $0)")
     con.print(t)
