@@ -30,7 +30,7 @@ against (a)'s at the same tokens (signed: positive when (b) is higher); bytes_ra
 regions per token of (a) over (b); sim_err_pct: the largest simulator error of the three, signed.
 
     sudo .venv/bin/python bench/bench_semisync.py [--steps 1000] [--warmup 20] [--global-batch-size 24]
-        [--compression none] [--quick (60 steps)] [--only a,b,c]
+        [--compression int8] [--quick (60 steps)] [--only a,a0,b,c] [--plan-only]
 
 Without root it prints `skipped: needs root: ...` and exits 0. Everything it builds is torn down at the
 end, also on an error or a signal.
@@ -184,25 +184,24 @@ class Bed:
 
 
 def profile_layers(bed: Bed, corpus: Corpus, work: Path, tag: str, mbs: list[int]) -> list[Any]:
-    """One round of the model's layer profiles at tp 1 on one VM of each device type (every rank bound
-    to its own device's CPU share), at the microbatch sizes `mbs`; returns them (LayerProfile)."""
+    """One round of the model's layer profiles at tp 1 on every VM at once (each rank bound to its VM's
+    first device, as the runs keep every VM busy), at the microbatch sizes `mbs`: per device type, the
+    median over its VMs of each layer's times (LayerProfile)."""
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
     jobs, where = [], []
-    for g in sorted({v.gpu_type for v in bed.vms}):
-        v = next(v for v in bed.vms if v.gpu_type == g)
-        dest = work / f"layers-{tag}-{g}"
+    for v in bed.vms:
+        dest = work / f"layers-{tag}-{v.key}"
         jobs.append((v, ["profile", "model", "--model", MODEL, "--model-config", corpus.config_json, "--device", "cpu",
-                         "--gpu-type", g, "--tp", "1", "--mbs", ",".join(map(str, sorted(set(mbs)))), "--json",
-                         "--store", str(dest)]))
-        where.append((v, g, dest))
+                         "--gpu-type", v.gpu_type, "--tp", "1", "--mbs", ",".join(map(str, sorted(set(mbs)))),
+                         "--json", "--store", str(dest)]))
+        where.append((v, dest))
     t0 = time.time()
     vt.run_on(bed.tb, jobs, logs)
-    out: list[Any] = []
-    for _, g, dest in where:
-        out += open_store(str(dest), seed=False).read(LAYER_PROFILES, {"model": MODEL, "gpu_type": g})
-    log(f"layer profiles ({tag}) at mbs {sorted(set(mbs))} in {time.time() - t0:.0f} s")
-    return out
+    rounds = [open_store(str(dest), seed=False).read(LAYER_PROFILES, {"model": MODEL, "gpu_type": v.gpu_type})
+              for v, dest in where]
+    log(f"layer profiles ({tag}) at mbs {sorted(set(mbs))} on {len(where)} VMs in {time.time() - t0:.0f} s")
+    return vt.median_profiles(rounds)
 
 
 def profiled_store(bed: Bed, corpus: Corpus, work: Path, name: str, mbs: list[int]) -> Any:
@@ -217,7 +216,7 @@ def profiled_store(bed: Bed, corpus: Corpus, work: Path, name: str, mbs: list[in
     first = profile_layers(bed, corpus, work, f"{name}-0", mbs)
     for g in sorted({p.gpu_type for p in first}):
         v = next(v for v in bed.vms if v.gpu_type == g)
-        src = open_store(str(work / f"layers-{name}-0-{g}"), seed=False)
+        src = open_store(str(work / f"layers-{name}-0-{v.key}"), seed=False)
         store.write(GPU_TYPES, [src.gpu_types()[g]], provenance=vt._prov(v, "bench-semisync"))
         store.replace_layer_profiles(MODEL, g, [p for p in first if p.gpu_type == g],
                                      provenance=vt._prov(v, "bench-semisync"))
@@ -511,7 +510,8 @@ def choose_plans(book: Any, sc: Any, args: argparse.Namespace) -> tuple[Parallel
     request = PlanRequest(model=MODEL, global_batch_size=args.global_batch_size, pool=pool_of(sc))
     sync = plan_sync(request, book)
     spec = f"semi:{args.inner_steps}" if args.inner_steps else "semi"
-    semi = plan_with_sync(request, book, SyncMode.parse(spec, compression=args.compression))
+    semi = plan_with_sync(request, book, SyncMode.parse(spec, compression=args.compression, outer_lr=args.outer_lr,
+                                                        momentum=args.outer_momentum))
     for row in semi.frontier():
         log(f"  {row['sync']:<10} {row['tokens_per_s']:>9,.0f} tokens/s  {row['summary']}")
     if sync.plan is None or semi.chosen is None or semi.chosen.plan is None:
@@ -583,10 +583,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--scenario", default=str(ROOT / "bench" / "bench_semisync.yaml"))
     ap.add_argument("--steps", type=int, default=1000, help="inner steps of every plan (rounded up to H)")
     ap.add_argument("--warmup", type=int, default=20, help="steps left out of tokens/s")
-    ap.add_argument("--global-batch-size", type=int, default=24)
+    ap.add_argument("--global-batch-size", type=int, default=48)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--compression", default="none", help="what islands send: none, bf16, int8")
+    ap.add_argument("--compression", default="int8", help="what islands send: none, bf16, int8")
     ap.add_argument("--inner-steps", type=int, default=0, help="H (default: the planner's rule)")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="the outer step's learning rate (DiLoCo: 0.7)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="its Nesterov momentum (DiLoCo: 0.9)")
     ap.add_argument("--fast-gbps", type=float, default=2.0, help="every link of (c)'s testbed")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per plan")
     ap.add_argument("--only", default="a,a0,b,c", help="the plans to run (a, a0, b, c)")

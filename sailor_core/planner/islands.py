@@ -39,7 +39,14 @@ from sailor_core.planner.core import plan as plan_sync
 from sailor_core.planner.core import summarize
 from sailor_core.planner.request import Objective, PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook
-from sailor_core.semisync import COMPRESSIONS, IslandPlan, OuterSync, shape_of
+from sailor_core.semisync import (
+    COMPRESSIONS,
+    DILOCO_MOMENTUM,
+    DILOCO_OUTER_LR,
+    IslandPlan,
+    OuterSync,
+    shape_of,
+)
 from sailor_core.simulator.model import model_for
 from sailor_core.simulator.semisync import SemiSyncResult, outer_sync_s, simulate_islands
 
@@ -57,9 +64,12 @@ class SyncMode:
     mode: str  # "every-step" | "semi" | "auto"
     inner_steps: int | None = None
     compression: str = "none"
+    outer_lr: float = DILOCO_OUTER_LR
+    momentum: float = DILOCO_MOMENTUM
 
     @staticmethod
-    def parse(spec: str, *, compression: str = "none") -> SyncMode:
+    def parse(spec: str, *, compression: str = "none", outer_lr: float = DILOCO_OUTER_LR,
+              momentum: float = DILOCO_MOMENTUM) -> SyncMode:
         head, _, h = spec.strip().partition(":")
         fix = "to fix: pass --sync every-step, semi, semi:H (H inner steps, e.g. semi:100) or auto"
         if head not in ("every-step", "semi", "auto") or (h and head != "semi"):
@@ -73,7 +83,12 @@ class SyncMode:
             raise ValidationError(f"--sync {spec!r}: H must be a whole number of inner steps; {fix}") from None
         if steps is not None and steps < 1:
             raise ValidationError(f"--sync {spec!r}: H must be at least 1; {fix}")
-        return SyncMode(mode=head, inner_steps=steps, compression=compression)
+        OuterSync(inner_steps=1, outer_lr=outer_lr, momentum=momentum)  # refuses bad values, with the fix
+        return SyncMode(mode=head, inner_steps=steps, compression=compression, outer_lr=outer_lr, momentum=momentum)
+
+    def outer(self, inner_steps: int) -> OuterSync:
+        return OuterSync(inner_steps=inner_steps, outer_lr=self.outer_lr, momentum=self.momentum,
+                         compression=self.compression)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,12 +212,12 @@ class _Islands:
 
     def _with_h(self, regions: tuple[str, ...], plans: tuple[Any, ...]) -> IslandCandidate:
         m = self.mode
-        probe = IslandPlan(islands=plans, sync=OuterSync(inner_steps=1, compression=m.compression))
+        probe = IslandPlan(islands=plans, sync=m.outer(1))
         inner = max(p.estimate.iteration_time_s for p in (self.region_plan(r, q.global_batch_size)
                                                           for r, q in zip(regions, plans, strict=True))
                     if p.estimate is not None)
         h = m.inner_steps or choose_inner_steps(inner, outer_sync_s(probe, model_for(self.book)))
-        ip = IslandPlan(islands=plans, sync=OuterSync(inner_steps=h, compression=m.compression))
+        ip = IslandPlan(islands=plans, sync=m.outer(h))
         est = simulate_islands(ip, self.book)
         c = self.request.constraints
         broken = c.violations(usd_per_iteration=est.usd_per_iteration, usd_per_hour=est.usd_per_hour,
