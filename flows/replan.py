@@ -2,10 +2,13 @@
 
 Contract: `replan(ctx, job, events, calibration, progress)` is called when monitoring saw
 something that may change the best plan (a preemption notice, a lost worker, a price or capacity
-change, or measured iteration time off the estimate). It re-plans against current offerings and
-the calibrated profiles, decides with `tasks.decisions.decide_switch` whether the new plan is worth
-the switch (gain over the remaining work against the cost of reconfiguring), records the decision
-and its reason, and when switching: provisions only the difference (the new VMs boot while the old
+change, or measured iteration time off the estimate). It decides with the decision core the trace
+replay shares (sailor_core/decisions.py): `assess` says why the current plan cannot go on and what to
+plan, the subflow plans it against current offerings and the calibrated profiles, and `choose` says
+whether a new plan is worth the switch (gain over the remaining work against the cost of
+reconfiguring). Then `_apply` makes every change the decision implies, in one place: the calibration
+it used, the VMs lost, the decision and its reason in the run history, and when switching: it
+provisions only the difference (the new VMs boot while the old
 plan trains on, if it is still whole), ends the old generation at a step with a checkpoint, hands the
 new plan to every worker in place and then releases the VMs the new plan drops: processes on kept VMs
 go on running, and a rank that keeps its shard keeps its state in memory (others load the checkpoint).
@@ -16,14 +19,17 @@ Sailor policy does: the best plan on the VMs still held, the best plan on everyt
 lost plan's own shape moved to where it fits now. Each is charged its own start (`RunContext.startup_times`):
 the reconfiguration alone on VMs held; for new VMs also their start, the median the store measured for
 this provider (`vm_start` measurements, one per run's cold start; an assumption per provider before
-any), and loading the largest shard at the rate the run measured its checkpoint writes.
+any), and loading the largest shard at the rate the run measured its checkpoint writes. The
+reconfiguration time is measured too (`RunContext.reconfiguration`): this run's switches in place,
+else earlier runs', else this provider's measured VM start; the Deps' estimate only when nothing was
+measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,7 +41,23 @@ from flows.params import SailorParams
 from infra.provider import AgentExitCodes, Provider, ProviderEvent, Vm
 from infra.scenario import load_scenario
 from profiles_store.spot_risk import spot_risk_from_store
-from sailor_core.decisions import Replacement, StartupTimes, best_replacement, startup_s, switch_outcome
+from profiles_store.tables import HistoryRecord
+from sailor_core.decisions import (
+    WEIGHED_AS,
+    Assessment,
+    Happened,
+    Option,
+    PlanCost,
+    Replacement,
+    RunningJob,
+    StartupTimes,
+    Verdict,
+    assess,
+    calibrated_factors,
+    choose,
+    reconfiguration_estimate,
+    within_limits,
+)
 from sailor_core.domain import Capacity, Market, ModelSpec, ParallelPlan, ResourcePool
 from sailor_core.errors import CapacityError, SailorError
 from sailor_core.plan_format import plan_to_dict
@@ -44,6 +66,7 @@ from sailor_core.planner.request import (
     FrontierPoint,
     Objective,
     PlanRequest,
+    PlanResult,
     Restrictions,
     SearchOptions,
 )
@@ -61,7 +84,7 @@ from sailor_core.runtime.protocol import vm_of
 from sailor_core.simulator.result import SimulationResult
 from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
 from tasks.control import Controller
-from tasks.decisions import PlanCost, decide_switch, lost_vms
+from tasks.decisions import lost_vms
 from tasks.history import Decision, DecisionKind, Measurement, RunEvent, RunHistory, RunStatus
 from tasks.jobs import Job, Progress, Switch, node_request, nodes, place
 from tasks.ledger import Ledger
@@ -70,7 +93,6 @@ from tasks.planning import (
     calibrated_book,
     chosen_plan,
     estimate,
-    plan_violations,
     pool_from,
     priced_book,
 )
@@ -115,8 +137,8 @@ class RunContext:
     estimate: SimulationResult | None = None  # the current plan's, as the simulator estimated it
     total_steps: int = 0
     steps_done: int = 0
-    reconfigurations_s: list[float] = field(default_factory=list)
-    in_place_s: list[float] = field(default_factory=list)  # those of switches that rented no VM
+    # each switch this run measured, by the plan version it started: (seconds, whether it rented no VM)
+    switches: dict[int, tuple[float, bool]] = field(default_factory=dict)
     iteration_times: dict[int, tuple[float, ...]] = field(default_factory=dict)
     decisions: list[Decision] = field(default_factory=list)
     dry_run: str = ""
@@ -198,9 +220,38 @@ class RunContext:
         get_run_logger().info("plan v%d: %s", self.version, _describe(plan, est))
 
     # -- time ------------------------------------------------------------------------------------------
+    @property
+    def reconfigurations_s(self) -> list[float]:
+        """Every switch this run measured, in plan version order."""
+        return [s for _, (s, _) in sorted(self.switches.items())]
+
+    def reconfiguration(self) -> tuple[float, str]:
+        """A switch on VMs already held, as the decisions assume it, and where the figure comes from
+        (`sailor_core.decisions.reconfiguration_estimate`): this run's switches in place, else those
+        earlier runs measured in the store, else this provider's measured VM start, else the estimate."""
+        in_place = [s for s, kept in self.switches.values() if kept]
+        earlier: list[float] = []
+        start: float | None = None
+        if not in_place:
+            earlier = self._measured(Measurement.RECONFIGURATION, "reconfiguration_s",
+                                     lambda r: r.payload.get("new_vms") == 0 and r.run_id != self.run_id)
+            starts = self._measured(Measurement.VM_START, "vm_start_s",
+                                    lambda r: r.payload.get("provider") == self.provider.name)
+            start = vm_start_from_history(starts)
+        return reconfiguration_estimate(this_run_in_place_s=in_place, earlier_in_place_s=earlier,
+                                        vm_start_s=start, assumed_s=self.setup.reconfiguration_estimate_s)
+
     def reconfiguration_s(self) -> float:
-        """A switch on VMs already held: the longest the run measured, else the estimate."""
-        return max(self.in_place_s) if self.in_place_s else self.setup.reconfiguration_estimate_s
+        return self.reconfiguration()[0]
+
+    def _measured(self, kind: Measurement, key: str, keep: Callable[[HistoryRecord], bool]) -> list[float]:
+        """The figures `key` of the store's `kind` measurements that `keep` accepts (none when unreadable)."""
+        try:
+            rows = self.history.store.read_history("measurements", kind=kind.value)
+        except Exception as e:  # noqa: BLE001 - an unreadable history only costs the measured figure: log it
+            get_run_logger().warning("%s measurements unreadable (%s)", kind.value, e)
+            return []
+        return [float(r.payload[key]) for r in rows if key in r.payload and keep(r)]
 
     def startup_times(self, job: Job, model: ModelSpec) -> StartupTimes:
         """What starting a replacement takes, as the run knows it now (see the module's contract)."""
@@ -214,25 +265,17 @@ class RunContext:
     def vm_start_s(self) -> float:
         """This provider's new VMs, from the request to the first step: the store's median, else assumed."""
         name = self.provider.name
-        try:
-            rows = self.history.store.read_history("measurements", kind=Measurement.VM_START.value)
-        except Exception as e:  # noqa: BLE001 - an unreadable history only costs the measured figure: log, assume
-            get_run_logger().warning("VM start times unreadable (%s); assuming %ss for %s", e,
-                                     assumed_vm_start_s(name), name)
-            rows = []
-        got = vm_start_from_history(float(r.payload["vm_start_s"]) for r in rows
-                                    if r.payload.get("provider") == name and "vm_start_s" in r.payload)
+        got = vm_start_from_history(self._measured(Measurement.VM_START, "vm_start_s",
+                                                   lambda r: r.payload.get("provider") == name))
         return got if got is not None else assumed_vm_start_s(name)
 
     def observe(self, job: Job, progress: Progress | None) -> None:
         if progress is not None:
             self.steps_done = max(self.steps_done, progress.step)
             self.iteration_times[job.version] = progress.iteration_times
-        if job.reconfiguration_s is not None and not job.reconfiguration_counted:
-            self.reconfigurations_s.append(job.reconfiguration_s)
-            if isinstance(job.started_by, Switch) and job.started_by.new_vms == 0:
-                self.in_place_s.append(job.reconfiguration_s)
-            job.reconfiguration_counted = True
+        if job.reconfiguration_s is not None:  # measured at the version's first step; seen once per version
+            in_place = isinstance(job.started_by, Switch) and job.started_by.new_vms == 0
+            self.switches[job.version] = (job.reconfiguration_s, in_place)
 
     def training_s(self) -> float:
         return sum(sum(t) for t in self.iteration_times.values())
@@ -265,145 +308,120 @@ def _describe(plan: ParallelPlan | None, est: SimulationResult | None) -> str:
             f"{iteration_time_s:.4f} s/it, {usd_per_hour:.4f} USD/h")
 
 
-def _checkpoint_step(step: int, interval: int) -> int:
-    return (step // interval) * interval
+@dataclass(frozen=True, kw_only=True)
+class _Planned:
+    """What the flow keeps of an option beside the decision core's view of it: the simulator's estimate
+    (recorded with an adopted plan) and the frontier it was chosen from."""
 
-
-def _steps_at_risk(step: int, interval: int, *, lost: bool) -> int:
-    """Steps a switch may redo. A whole plan is stopped at a step boundary with a checkpoint (its state
-    kept in memory): none. After a loss, those since the last periodic checkpoint (the survivors'
-    memory may still save them, runtime/memory_checkpoint.py, but that is not known here)."""
-    return step - _checkpoint_step(step, interval) if lost else 0
+    est: SimulationResult
+    frontier: tuple[FrontierPoint, ...] = ()
 
 
 @flow(name="replan", log_prints=True)
 def replan(ctx: RunContext, job: Job, events: list[ProviderEvent], calibration: Calibration | None,
            progress: Progress | None) -> Job:
+    """Weigh the change with the decision core (`weigh`), then apply the result in one place (`_apply`)."""
     p = ctx.params
-    provider = ctx.provider
-    assert ctx.base_book is not None and ctx.plan is not None
-    step = progress.step if progress else job.start_step
-    lost = lost_vms(events, [v.vm_id for v in job.vms])
-    kinds = sorted({e.kind.value for e in events}) + (["iteration_time"] if calibration else [])
-    trigger_at = min((e.at for e in events), default=datetime.now(UTC)).timestamp()
-    if calibration:
-        ratio = calibration.ratio
-        for g in sorted({r.gpu_type for st in job.plan.stages for r in st.replicas}):
-            factor = ctx.calibration.get(g, 1.0) * ratio
-            ctx.calibration[g] = factor
-            record(ctx.history.measurement, ctx.run_id, Measurement.CALIBRATION,
-                   {"gpu_type": g, "factor": factor, "ratio": ratio, "plan_version": job.version},
-                   f"iteration time x{ratio:.2f} of the estimate; layer times of {g} now scaled x{factor:.2f}")
-        job.calibrated = True
-    ctx.ledger.release(lost)
-    held = [v for v in job.vms if v.vm_id not in lost]
-    offers = fetch_offerings(provider, regions=p.regions, gpu_types=p.gpu_types, markets=p.markets)
-    book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
-    current_est = estimate(job.plan, book)
-    job.estimate_s = current_est.iteration_time_s
-    broken = ""
-    if lost:
-        broken = f"{len(lost)} worker(s) of plan v{job.version} lost ({', '.join(kinds)})"
-    else:
-        v = plan_violations(current_est, max_usd_per_iteration=p.max_usd_per_iteration,
-                            max_usd_per_hour=p.max_usd_per_hour, min_iterations_per_s=p.min_iterations_per_s)
-        if v:
-            broken = "the current plan now breaks a limit: " + "; ".join(v)
-    # Only a loss weighs new VMs: other replans wait for a switch in place, and read no store for start times.
-    times = ctx.startup_times(job, book.model) if lost else StartupTimes(reconfiguration_s=ctx.reconfiguration_s())
-    try:
-        options = _replacements(ctx, job, offers, held, book) if lost else []
-        if not options:
-            result = make_plan(ctx.plan_request(pool_from(offers, held)), book)
-            options = [_option(*chosen_plan(result), held, book.model, frontier=result.frontier)]
-    except NoPlanError as e:
-        if lost:
-            raise
-        reason = (
-            f"after {', '.join(kinds)}: no feasible plan with current offerings ({e}); staying on plan v{job.version}"
-        )
-        _decide(ctx, DecisionKind.STAY, reason, {"trigger": kinds, "step": step})
-        return job
-    remaining = ctx.total_steps - step
-    lost_steps = _steps_at_risk(step, job.checkpoint_interval, lost=bool(lost))
-    pick = best_replacement(objective=p.objective, candidates=[o.replacement for o in options],
-                            remaining_steps=remaining, lost_steps=lost_steps, times=times)
-    chosen = options[pick]
-    cand, cand_est = chosen.plan, chosen.est
-    same = plan_to_dict(cand) == plan_to_dict(job.plan) and not lost
-    # A plan that cannot go on waits for its replacement's new VMs; a whole one trains on while they start.
-    took = startup_s(chosen.replacement, times) if lost else ctx.reconfiguration_s()
-    decision = decide_switch(
-        objective=p.objective,
-        current=None if lost else PlanCost(iteration_time_s=current_est.iteration_time_s,
-                                           usd_per_iteration=current_est.usd_per_iteration,
-                                           usd_per_hour=current_est.usd_per_hour),
-        candidate=PlanCost(iteration_time_s=cand_est.iteration_time_s, usd_per_iteration=cand_est.usd_per_iteration,
-                           usd_per_hour=cand_est.usd_per_hour),
-        remaining_steps=remaining, lost_steps=lost_steps, reconfiguration_s=took,
-        min_gain=p.min_gain, current_broken=broken, same_plan=same,
-    )
-    weighed = _weighed(options, pick, times, remaining, lost_steps, p.objective) if len(options) > 1 else ""
-    reason = f"after {', '.join(kinds)} at step {step}: {decision.reason}{weighed}"
-    detail = {"trigger": kinds, "step": step, "decision": decision.to_json(), "candidate": _describe(cand, cand_est),
-              "current": _describe(job.plan, current_est),
-              "startup": {"reconfiguration_s": times.reconfiguration_s, "vm_start_s": times.vm_start_s,
-                          "load_bytes_per_s": times.load_bytes_per_s},
-              "replacements": [{"kind": o.kind, "plan": _describe(o.plan, o.est), "new_vms": o.replacement.new_vms,
-                                "startup_s": startup_s(o.replacement, times)} for o in options]}
-    _decide(ctx, DecisionKind.SWITCH if decision.switch else DecisionKind.STAY, reason, detail)
-    if not decision.switch:
-        return job
-    return _reconfigure(ctx, job, cand, cand_est, held, lost, trigger_at, kinds, chosen.frontier, step, reason)
+    offers = fetch_offerings(ctx.provider, regions=p.regions, gpu_types=p.gpu_types, markets=p.markets)
+    w = weigh(ctx, job, events=events, calibration=calibration, step=progress.step if progress else job.start_step,
+              offers=offers)
+    for note in w.notes:
+        get_run_logger().info("replan: %s", note)
+    return _apply(ctx, job, w, events=events, calibration=calibration)
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Option:
-    """A plan that could replace the current one, and what starting it takes."""
+class Weighing:
+    """What the flow's replan weighed, before it changes anything: the decision core's assessment and
+    verdict, and what it needs to apply them."""
 
-    plan: ParallelPlan
-    est: SimulationResult
-    replacement: Replacement
-    frontier: tuple[FrontierPoint, ...] = ()
-    kind: str = "best"  # "held" (on the VMs still held) | "best" (on everything offered) | "moved"
+    assessment: Assessment
+    verdict: Verdict
+    options: tuple[Option, ...]  # what was weighed, as `verdict.weighed` lists it
+    planned: dict[int, _Planned]  # id(option) -> the simulator's estimate and frontier of that option
+    current_est: SimulationResult
+    lost: set[str]
+    factors: dict[str, float]  # the layer-time calibration the decision was made with
+    times: StartupTimes
+    notes: tuple[str, ...] = ()  # requests that had no feasible plan, and why
 
 
-def _option(plan: ParallelPlan, est: SimulationResult, held: Sequence[Vm], model: ModelSpec, *,
-            kind: str = "best", frontier: Sequence[FrontierPoint] = ()) -> _Option:
-    """`plan` as a replacement: the VMs it must rent beside those `held`, and then the largest shard to load."""
-    new = place(plan, list(held))[1]
-    cost = PlanCost(iteration_time_s=est.iteration_time_s, usd_per_iteration=est.usd_per_iteration,
+def weigh(ctx: RunContext, job: Job, *, events: Sequence[ProviderEvent], calibration: Calibration | None,
+          step: int, offers: Sequence[Capacity],
+          plan: Callable[[PlanRequest, ProfileBook], PlanResult] = make_plan) -> Weighing:
+    """The flow's decision at `step` after `events` (and a calibration), over what `offers` can be rented
+    now: `assess` (sailor_core/decisions.py), the plans it asks for (`plan`: the planner task), then
+    `choose`. Changes nothing: `_apply` does."""
+    p = ctx.params
+    assert ctx.base_book is not None
+    lost = lost_vms(events, [v.vm_id for v in job.vms])
+    kinds = tuple(sorted({e.kind.value for e in events}) + (["iteration_time"] if calibration else []))
+    factors = ctx.calibration if calibration is None else calibrated_factors(
+        ctx.calibration, calibration.ratio, {r.gpu_type for st in job.plan.stages for r in st.replicas})
+    held = [v for v in job.vms if v.vm_id not in lost]
+    book = calibrated_book(priced_book(ctx.base_book, offers), factors)
+    current_est = estimate(job.plan, book)
+    held_pool = pool_from([dataclasses.replace(o, gpus=0) for o in offers], held) if lost and held else None
+    a = assess(Happened(kinds=kinds, step=step, gone=_gone(job.vms, lost)),
+               RunningJob(plan=job.plan, cost=plan_cost(current_est), total_steps=ctx.total_steps,
+                          checkpoint_interval=job.checkpoint_interval),
+               limits=ctx.plan_request(pool_from(offers, held)), held=held_pool)
+    # Only a loss weighs new VMs: other replans wait for a switch in place, and read no store for VM starts.
+    times = ctx.startup_times(job, book.model) if lost else StartupTimes(reconfiguration_s=ctx.reconfiguration_s())
+    options, planned, notes = _options(a, job.plan, held, book, plan)
+    verdict = choose(a, options, objective=p.objective, times=times, min_gain=p.min_gain)
+    return Weighing(assessment=a, verdict=verdict, options=tuple(options), planned=planned, current_est=current_est,
+                    lost=lost, factors=dict(factors), times=times, notes=tuple(notes))
+
+
+def plan_cost(est: SimulationResult) -> PlanCost:
+    return PlanCost(iteration_time_s=est.iteration_time_s, usd_per_iteration=est.usd_per_iteration,
                     usd_per_hour=est.usd_per_hour)
-    rep = Replacement(cost=cost, new_vms=len(new), load_bytes=float(largest_shard_bytes(plan, model)) if new else 0.0)
-    return _Option(plan=plan, est=est, replacement=rep, frontier=tuple(frontier), kind=kind)
 
 
-def _replacements(ctx: RunContext, job: Job, offers: Sequence[Capacity], held: list[Vm],
-                  book: ProfileBook) -> list[_Option]:
-    """After a loss, the plans that could replace the lost one, the one on the VMs still held first (it
-    wins ties: it rents nothing): the best on those VMs, the best on everything offered, and the lost
-    plan's own shape moved to where it fits now (as the replay's Sailor policy weighs them)."""
-    out: list[_Option] = []
-    none_free = [dataclasses.replace(o, gpus=0) for o in offers]  # their zones' regions, no capacity
-    try:
-        if held:
-            r = make_plan(ctx.plan_request(pool_from(none_free, held)), book)
-            out.append(_option(*chosen_plan(r), held, book.model, kind="held", frontier=r.frontier))
-    except NoPlanError:
-        pass  # no plan fits the VMs still held: only plans with new VMs remain
-    everything = pool_from(offers, held)
-    r = make_plan(ctx.plan_request(everything), book)  # NoPlanError: nothing can replace the lost plan
-    out.append(_option(*chosen_plan(r), held, book.model, frontier=r.frontier))
-    req = ctx.plan_request(everything)
-    moved = relocate(job.plan, req.restrictions.apply(everything), req.restrictions.markets,
-                     lambda pl: _priceable(pl, book))
-    if moved is not None and all(moved != o.plan for o in out):
-        est = estimate(moved, book)
-        if not plan_violations(est, max_usd_per_iteration=ctx.params.max_usd_per_iteration,
-                               max_usd_per_hour=ctx.params.max_usd_per_hour,
-                               min_iterations_per_s=ctx.params.min_iterations_per_s):
-            out.append(_option(moved, est, held, book.model, kind="moved"))
+def _gone(vms: Sequence[Vm], lost: set[str]) -> dict[tuple[str, str, Market], int]:
+    """The GPUs of the lost VMs, per place (zone, GPU type, market), as the decision core counts them."""
+    out: dict[tuple[str, str, Market], int] = {}
+    for v in vms:
+        if v.vm_id in lost:
+            k = (v.zone, v.gpu_type, v.market)
+            out[k] = out.get(k, 0) + max(1, v.gpus)
     return out
+
+
+def _options(a: Assessment, current: ParallelPlan, held: Sequence[Vm], book: ProfileBook,
+             plan: Callable[[PlanRequest, ProfileBook], PlanResult],
+             ) -> tuple[list[Option], dict[int, _Planned], list[str]]:
+    """The plans the assessment asks for, planned (a request with no feasible plan gives none, and a
+    note), and after a loss the lost plan's own shape moved to where it fits now; with what the flow
+    keeps of each."""
+    options: list[Option] = []
+    planned: dict[int, _Planned] = {}
+    notes: list[str] = []
+
+    def add(kind: str, plan: ParallelPlan, est: SimulationResult, frontier: Sequence[FrontierPoint] = ()) -> None:
+        new = place(plan, list(held))[1]
+        rep = Replacement(cost=plan_cost(est), new_vms=len(new),
+                          load_bytes=float(largest_shard_bytes(plan, book.model)) if new else 0.0)
+        options.append(Option(kind=kind, plan=plan, replacement=rep))
+        planned[id(options[-1])] = _Planned(est=est, frontier=tuple(frontier))
+
+    for kind, req in a.requests:
+        try:
+            r = plan(req, book)
+        except NoPlanError as e:
+            notes.append(f"no plan for {WEIGHED_AS.get(kind, kind)}: {e}")
+            continue
+        add(kind, *chosen_plan(r), frontier=r.frontier)
+    if a.move_current:
+        limits = a.requests[-1][1]
+        moved = relocate(current, limits.restrictions.apply(limits.pool), limits.restrictions.markets,
+                         lambda pl: _priceable(pl, book))
+        if moved is not None and all(moved != o.plan for o in options):
+            est = estimate(moved, book)
+            if within_limits(limits, plan_cost(est)):
+                add("moved", moved, est)
+    return options, planned, notes
 
 
 def _priceable(plan: ParallelPlan, book: ProfileBook) -> bool:
@@ -414,19 +432,44 @@ def _priceable(plan: ParallelPlan, book: ProfileBook) -> bool:
     return True
 
 
-def _weighed(options: Sequence[_Option], pick: int, times: StartupTimes, remaining: int, lost_steps: int,
-             objective: str) -> str:
-    """The replacements weighed, for the decision's reason: each one's start and time (or cost) to finish."""
-    at, unit = (0, "s") if objective == "max-throughput" else (1, "USD")
-    parts = []
-    for k, o in enumerate(options):
-        took = startup_s(o.replacement, times)
-        total = switch_outcome(o.replacement.cost, remaining_steps=remaining, lost_steps=lost_steps,
-                               reconfiguration_s=took)[at]
-        mark = "*" if k == pick else ""
-        vms = f", {o.replacement.new_vms} new VM(s)" if o.replacement.new_vms else ""
-        parts.append(f"{mark}{o.kind} ({took:.0f}s start{vms}): {total:.6g} {unit}")
-    return "; weighed " + ", ".join(parts)
+def _apply(ctx: RunContext, job: Job, w: Weighing, *, events: Sequence[ProviderEvent],
+           calibration: Calibration | None) -> Job:
+    """Everything the decision changes, in one place: the calibration it was made with, the current
+    plan's estimate, the VMs lost, the decision and its reason in the run's history, and on a switch
+    the reconfiguration. A loss with nothing that can run fails the run (a flow does not wait)."""
+    a, verdict, factors, lost, times = w.assessment, w.verdict, w.factors, w.lost, w.times
+    if calibration is not None:
+        for g, factor in sorted(factors.items()):
+            if factor != ctx.calibration.get(g, 1.0):
+                record(ctx.history.measurement, ctx.run_id, Measurement.CALIBRATION,
+                       {"gpu_type": g, "factor": factor, "ratio": calibration.ratio, "plan_version": job.version},
+                       f"iteration time x{calibration.ratio:.2f} of the estimate; layer times of {g} now scaled "
+                       f"x{factor:.2f}")
+        ctx.calibration = dict(factors)
+        job.calibrated = True
+    job.estimate_s = w.current_est.iteration_time_s
+    ctx.ledger.release(lost)
+    if verdict.kind == "wait":
+        raise NoPlanError(f"{verdict.reason}; the run cannot go on without a plan")
+    opt = verdict.option
+    chosen = w.planned[id(opt)] if opt is not None else None
+    detail: dict[str, object] = {
+        "trigger": list(a.happened.kinds), "step": a.happened.step, "current": _describe(job.plan, w.current_est),
+        "startup": {"reconfiguration_s": times.reconfiguration_s, "reconfiguration_from": ctx.reconfiguration()[1],
+                    "vm_start_s": times.vm_start_s, "load_bytes_per_s": times.load_bytes_per_s},
+        "replacements": [{"kind": o.kind, "plan": _describe(o.plan, w.planned[id(o)].est),
+                          "new_vms": o.replacement.new_vms, "startup_s": took, "finish": total}
+                         for o, (_, took, total) in zip(w.options, verdict.weighed, strict=True)]}
+    if verdict.decision is not None:
+        detail["decision"] = verdict.decision.to_json()
+    if opt is not None and chosen is not None:
+        detail["candidate"] = _describe(opt.plan, chosen.est)
+    _decide(ctx, DecisionKind.SWITCH if verdict.kind == "switch" else DecisionKind.STAY, verdict.reason, detail)
+    if opt is None or chosen is None:
+        return job
+    trigger_at = min((e.at for e in events), default=datetime.now(UTC)).timestamp()
+    return _reconfigure(ctx, job, opt.plan, chosen.est, [v for v in job.vms if v.vm_id not in lost], lost,
+                        trigger_at, list(a.happened.kinds), chosen.frontier, a.happened.step, verdict.reason)
 
 
 def _decide(ctx: RunContext, kind: DecisionKind, reason: str, detail: dict[str, object]) -> None:

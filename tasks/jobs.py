@@ -176,7 +176,6 @@ class Job:
     # What monitoring measured of this version (tasks/steps.py), set as it trains:
     first_step_at: float | None = None  # wall time of its first trained step
     reconfiguration_s: float | None = None  # a switch: trigger to first step
-    reconfiguration_counted: bool = False  # the run's context added reconfiguration_s to its list
     cold_start_s: float | None = None  # a cold start: provisioning to first step
     calibrated: bool = False  # measured iteration time compared with the estimate (once a version)
 

@@ -36,7 +36,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sailor_core.decisions import PlanCost, Replacement, StartupTimes, SwitchDecision, startup_s
+from sailor_core.decisions import (
+    Assessment,
+    Happened,
+    PlanCost,
+    Replacement,
+    RunningJob,
+    StartupTimes,
+    SwitchDecision,
+    assess,
+    startup_s,
+)
 from sailor_core.domain import Capacity, Market, ModelSpec, ParallelPlan, ResourcePool
 from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, PlanRequest, Restrictions, SearchOptions, summarize
@@ -114,6 +124,12 @@ class ReplayJob:
         if not self.period_s > 0:
             raise SailorError(f"replay: period_s must be > 0, got {self.period_s}")
 
+    def request(self, pool: ResourcePool) -> PlanRequest:
+        """What the job asks the planner for on `pool` (the flow's `RunContext.plan_request`)."""
+        return PlanRequest(model=self.model, global_batch_size=self.global_batch_size, pool=pool,
+                           objective=Objective.parse(self.objective), constraints=self.constraints,
+                           restrictions=self.restrictions, options=self.search)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
@@ -188,19 +204,10 @@ class Planner:
                     self._root.hits += 1
                     self._best[key] = known
                     return known
-        j = self.job
-        req = PlanRequest(
-            model=j.model,
-            global_batch_size=j.global_batch_size,
-            pool=pool,
-            objective=Objective.parse(j.objective),
-            constraints=j.constraints,
-            restrictions=j.restrictions,
-            options=j.search,
-        )
+        req = self.job.request(pool)
         t0 = time.perf_counter()
         if self._costs is None:
-            self._costs = SimCosts(self.book, precision=j.search.precision)
+            self._costs = SimCosts(self.book, precision=self.job.search.precision)
         result = run_planner(req, self.book, costs=self._costs)
         self._root.search_s += time.perf_counter() - t0
         self._root.calls += 1
@@ -246,6 +253,7 @@ class View:
     remaining_steps: int
     lost_steps: int  # after a loss, steps since the last periodic checkpoint (what decide_switch charges); else 0
     reconfiguration_s: float  # the reconfiguration time in force (the job's, or one measured since)
+    assessment: Assessment  # the decision core's ground (sailor_core.decisions.assess), also for the fields above
     held: ResourcePool | None = None  # when GPUs were lost: those of the current plan still there
 
     @property
@@ -453,9 +461,21 @@ def _notice(s: _State, job: ReplayJob, t: float) -> None:
     s.step = float(kept)
 
 
-def _violations(job: ReplayJob, c: PlanCost) -> list[str]:
-    return job.constraints.violations(usd_per_iteration=c.usd_per_iteration, usd_per_hour=c.usd_per_hour,
-                                      iterations_per_s=1.0 / c.iteration_time_s if c.iteration_time_s > 0 else math.inf)
+def _kinds(trigger: str, lost: bool, trace: Trace, i: int) -> tuple[str, ...]:
+    """What happened at a decision point, in the flow's words: a preemption (GPUs of the plan taken), a
+    price or capacity change against the point before, a scheduled tick, or the start."""
+    if trigger == "start":
+        return ("start",)
+    kinds = {"preemption"} if lost else set()
+    if "change" in trigger and i > 0:
+        before, now = trace.points[i - 1], trace.points[i]
+        if before.usd_per_gpu_hour != now.usd_per_gpu_hour:
+            kinds.add("price_change")
+        if before.counts != now.counts and not lost:
+            kinds.add("capacity_change")
+    if "tick" in trigger:
+        kinds.add("tick")
+    return tuple(sorted(kinds)) or (trigger,)
 
 
 def replay(trace: Trace, book: ProfileBook, job: ReplayJob, policy: Policy, *, name: str = "",
@@ -541,25 +561,20 @@ def _decide(s: _State, job: ReplayJob, planner: Planner, policy: Policy, pool: R
         for k, n in s.plan.gpus_by_place().items():  # running VMs reclaimed: the job's among them
             if taken.get(k, 0) > 0:
                 gone[k] = max(gone.get(k, 0), min(n, taken[k]))
-    lost = bool(gone)
-    broken = ""
-    if s.plan is not None:
-        if lost:
-            broken = (f"{sum(gone.values())} GPU(s) of the plan gone ("
-                      + ", ".join(f"{n}x {g} {m.value} @{z}" for (z, g, m), n in sorted(gone.items())) + ")")
-        else:
-            s.cost = planner.cost(s.plan, pool)  # the prices in force
-            v = _violations(job, s.cost)
-            if v:
-                broken = "the current plan now breaks a limit: " + "; ".join(v)
+    lost = bool(gone) and s.plan is not None
+    if s.plan is not None and not lost:
+        s.cost = planner.cost(s.plan, pool)  # the prices in force
     step_i = int(s.step + 1e-6)  # a step reached by arithmetic may fall a hair short
+    held = _held_pool(s.plan, gone, trace, i) if lost and s.plan is not None else None
+    a = assess(Happened(kinds=_kinds(trigger, lost, trace, i), step=step_i, gone=gone if lost else {}),
+               RunningJob(plan=s.plan, cost=s.cost if s.plan is not None else None, total_steps=job.total_steps,
+                          checkpoint_interval=job.checkpoint_interval),
+               limits=job.request(pool), held=held)
+    broken = a.broken if s.plan is not None else ""
     view = View(t_s=s.t, trigger=trigger, pool=pool, job=job, planner=planner, current=s.plan,
                 current_cost=s.cost if s.plan is not None else None, lost=lost, broken=broken, initial=s.initial,
-                remaining_steps=job.total_steps - step_i,
-                # a whole plan stops at a step boundary with a checkpoint: only a loss risks steps
-                lost_steps=step_i - (step_i // job.checkpoint_interval) * job.checkpoint_interval if lost else 0,
-                reconfiguration_s=s.reconf_now,
-                held=_held_pool(s.plan, gone, trace, i) if lost and s.plan is not None else None)
+                remaining_steps=a.remaining_steps, lost_steps=a.lost_steps, reconfiguration_s=s.reconf_now,
+                assessment=a, held=held)
     action = policy(view)
     kind = action.kind
     if kind == "stay" and (lost or s.plan is None):

@@ -1,9 +1,10 @@
 """Reaction policies: what a job does when availability or prices change. Each is a small pure
 function of the `View` the engine shows it, returning an `Action` (stay, switch to a plan, wait).
 
-- `sailor`: the flow's own loop (flows/replan.py). At every change it re-plans against what can be
-  rented now and switches when `decide_switch` (the very function the replan subflow calls) says
-  the gain over the remaining work pays for the reconfiguration and the steps redone; a plan that
+- `sailor`: the flow's own loop (flows/replan.py), through the same decision core
+  (`sailor_core.decisions.assess` and `choose`, which the replan subflow calls). At every change it
+  re-plans against what can be rented now and switches when the gain over the remaining work pays
+  for the reconfiguration and the steps redone; a plan that
   lost GPUs is always left, for whichever of the best plan on the GPUs it still holds, the best
   on everything available and its own shape moved to where it fits now finishes the remaining
   work soonest (or cheapest: `best_replacement`, ties to the plan on the GPUs still held), each
@@ -25,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from sailor_core.decisions import best_replacement, decide_switch, startup_s
+from sailor_core.decisions import Option, choose, within_limits
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.errors import MissingProfileError, SailorError
-from sailor_core.replay.engine import Action, Candidate, Policy, View, counts_of, missing_gpus
+from sailor_core.replay.engine import Action, Policy, View, counts_of, missing_gpus
 
 POLICIES = ("sailor", "relaunch-same", "static", "periodic")
 
@@ -41,57 +42,35 @@ def _first(v: View) -> Action:
 
 
 def sailor(v: View) -> Action:
-    if v.lost and v.job.weigh_replacements:
-        cand = _replacement(v)
-    else:
-        cand = None
-        if v.lost and v.held is not None and v.held.entries:
-            # Shrink first (the flow's former rule): the best plan on the GPUs still held starts in
-            # seconds (their processes go on in place); capacity elsewhere is weighed at the next change.
-            cand = v.planner.best(v.held)
-        if cand is None:
-            cand = v.planner.best(v.pool)
-    if cand is None:
-        if v.current is None or v.lost:
-            return Action(kind="wait", reason="no feasible plan with the GPUs available now; waiting")
-        return Action(kind="stay", reason="no feasible plan with current offerings; staying on the current plan")
     if v.initial is None:
-        return Action(kind="switch", plan=cand.plan, reason="best plan for the request")
-    unusable = v.current is None or v.lost
-    # A plan that cannot go on waits for its replacement's new VMs; a whole one trains on while they start.
-    took = startup_s(v.replacement(cand.plan, cand.cost), v.startup) if unusable else v.reconfiguration_s
-    d = decide_switch(
-        objective=v.job.objective, current=None if unusable else v.current_cost, candidate=cand.cost,
-        remaining_steps=v.remaining_steps, lost_steps=v.lost_steps, reconfiguration_s=took,
-        min_gain=v.job.min_gain, current_broken=v.broken if v.current is not None else "nothing rented",
-        same_plan=(cand.plan == v.current) and not unusable,
-    )
-    return Action(kind="switch" if d.switch else "stay", plan=cand.plan if d.switch else None, reason=d.reason,
-                  decision=d)
+        return _first(v)
+    a = v.assessment
+    verdict = choose(a, _options(v), objective=v.job.objective, times=v.startup, min_gain=v.job.min_gain)
+    return Action(kind=verdict.kind, plan=verdict.option.plan if verdict.option is not None else None,
+                  reason=verdict.reason, decision=verdict.decision)
 
 
-def _replacement(v: View) -> Candidate | None:
-    """After a loss: the best on the GPUs still held (no new VMs), the best on everything, or the
-    plan's own shape moved to where it fits now, whichever finishes the remaining work soonest
-    (or cheapest) with its own start (`best_replacement`, the first of equals)."""
-    options: list[Candidate | None] = []
-    if v.held is not None and v.held.entries:
-        options.append(v.planner.best(v.held))
-    options.append(v.planner.best(v.pool))
-    if v.current is not None:
-        moved = relocate(v.current, v.job.restrictions.apply(v.pool), v.job.restrictions.markets, _priceable(v))
-        if moved is not None:
+def _options(v: View) -> list[Option]:
+    """The plans the assessment asks for (the best on the GPUs still held after a loss, the best on
+    everything) and, after a loss, the lost plan's own shape moved to where it fits now. With
+    `weigh_replacements` off, the flow's former rule: shrink onto the GPUs still held when a plan fits
+    them (it starts in seconds; capacity elsewhere is weighed at the next change)."""
+    a = v.assessment
+    found: list[Option] = []
+    for kind, req in a.requests:
+        cand = v.planner.best(req.pool)
+        if cand is not None:
+            found.append(Option(kind=kind, plan=cand.plan, replacement=v.replacement(cand.plan, cand.cost)))
+    if a.lost and not v.job.weigh_replacements:
+        return found[:1]
+    if a.move_current and v.current is not None:
+        limits = a.requests[-1][1]
+        moved = relocate(v.current, limits.restrictions.apply(v.pool), limits.restrictions.markets, _priceable(v))
+        if moved is not None and all(moved != o.plan for o in found):
             cost = v.planner.cost(moved, v.pool)
-            if not v.job.constraints.violations(usd_per_iteration=cost.usd_per_iteration,
-                                                usd_per_hour=cost.usd_per_hour,
-                                                iterations_per_s=1.0 / cost.iteration_time_s):
-                options.append(Candidate(plan=moved, cost=cost))
-    found = [c for c in options if c is not None]
-    if not found:
-        return None
-    k = best_replacement(objective=v.job.objective, candidates=[v.replacement(c.plan, c.cost) for c in found],
-                         remaining_steps=v.remaining_steps, lost_steps=v.lost_steps, times=v.startup)
-    return found[k]
+            if within_limits(limits, cost):
+                found.append(Option(kind="moved", plan=moved, replacement=v.replacement(moved, cost)))
+    return found
 
 
 def relocate(plan: ParallelPlan, pool: ResourcePool, markets: tuple[Market, ...] = (),
