@@ -4,8 +4,9 @@ Contract (no Prefect):
 - `Controller(host=...)`: one per run. Its server binds `host`, the one address the run's VMs reach
   the flow at (loopback for VMs on this machine, the testbed's bridge address, the flow's VM
   address on a cloud), and refuses any client without the run's `secret`. Plan version v is
-  generation v: `assign(job, resume)` hands every worker of every VM its assignment (one worker per
-  device; ranks per VM from tasks/jobs.vm_ranks); `heartbeats(vm_ids)` reads the agents' beats,
+  generation v: `assign(version, plan=..., settings=..., vms=..., ...)` hands every worker of every VM
+  its assignment (one worker per device; a job's ranks per VM: tasks/jobs.assign_job, which calls it);
+  `heartbeats(vm_ids)` reads the agents' beats,
   `statuses(vm_ids, version)` what each VM's workers reported at the end of a generation (a VM is
   `failed: ...` as soon as one of its workers is), `metrics(version)` the per-step records.
 - `HeartbeatBoard`: the latest heartbeat time and training step per VM, written by the monitor from
@@ -23,15 +24,12 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
 
 from infra.provider import Vm
+from sailor_core.domain import ParallelPlan
 from sailor_core.plan_format import plan_to_dict
 from tasks.records import MetricRow
-
-if TYPE_CHECKING:  # tasks.jobs imports this module: a Job holds its run's Controller
-    from tasks.jobs import Job
 
 # Each VM's worker processes as its agent reported them: {vm id: {worker id: pid, or None once exited}}.
 WorkerPids = dict[str, dict[str, int | None]]
@@ -95,24 +93,19 @@ class Controller:
         self.generation = -1  # the newest generation handed out, and its VMs
         self.generation_vms: list[str] = []
 
-    def assign(self, job: Job, *, resume: bool, collective_timeout_s: float = 30.0) -> list[str]:
-        """Generation `job.version` for every worker of the job's VMs; returns the members in rank order."""
-        from sailor_core.runtime.engine import TrainSettings
+    def assign(self, version: int, *, plan: ParallelPlan, settings: Mapping[str, object],
+               vms: Sequence[tuple[str, int, tuple[int, ...]]], resume: bool, start_step: int,
+               total_steps: int) -> list[str]:
+        """Generation `version` of `plan` for every worker of `vms` ((VM id, devices, global ranks) each),
+        with the workers' training `settings` (TrainSettings.to_dict()); returns the members in rank order.
+        The generation holds at the scripted steps after `start_step` (up to `total_steps`)."""
         from sailor_core.runtime.protocol import assign_generation
-        from tasks.jobs import vm_ranks
 
-        settings = TrainSettings(
-            model=job.plan.model, steps=job.total_steps, seed=job.seed, data=job.data_uri or None,
-            checkpoint_uri=job.state.checkpoints("vm"), checkpoint_interval=job.checkpoint_interval, resume=resume,
-            plan_version=job.version, timeout_s=collective_timeout_s,
-        )
-        vms = [(vm.vm_id, max(vm.gpus, 1), ranks) for vm, ranks in vm_ranks(job)]
         self._devices.update({v: n for v, n, _ in vms})
-        holds = tuple(s for s in self.hold_steps() if job.start_step < s <= job.total_steps)
-        members = assign_generation(self.server, job.version, plan=plan_to_dict(job.plan), settings=settings.to_dict(),
-                                    resume=resume, vms=vms, hold_at_steps=holds)
-        job.members = members  # the generation a plan change ends (end_generation)
-        self.generation, self.generation_vms = job.version, [v for v, _, _ in vms]
+        holds = tuple(s for s in self.hold_steps() if start_step < s <= total_steps)
+        members = assign_generation(self.server, version, plan=plan_to_dict(plan), settings=dict(settings),
+                                    resume=resume, vms=list(vms), hold_at_steps=holds)
+        self.generation, self.generation_vms = version, [v for v, _, _ in vms]
         return members
 
     def held(self) -> tuple[int, int] | None:

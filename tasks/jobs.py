@@ -198,6 +198,23 @@ def vm_ranks(job: Job) -> list[tuple[Vm, tuple[int, ...]]]:
     return out
 
 
+def assign_job(job: Job, *, resume: bool, collective_timeout_s: float = 30.0) -> list[str]:
+    """Hand generation `job.version` to every worker of the job's VMs through its run's controller; the
+    members, in rank order, are also kept on the job (the generation a plan change ends)."""
+    from sailor_core.runtime.engine import TrainSettings  # torch: imported only when a job is handed out
+
+    assert job.controller is not None, "a job is handed out through its run's controller"
+    settings = TrainSettings(
+        model=job.plan.model, steps=job.total_steps, seed=job.seed, data=job.data_uri or None,
+        checkpoint_uri=job.state.checkpoints("vm"), checkpoint_interval=job.checkpoint_interval, resume=resume,
+        plan_version=job.version, timeout_s=collective_timeout_s,
+    )
+    vms = [(vm.vm_id, max(vm.gpus, 1), ranks) for vm, ranks in vm_ranks(job)]
+    job.members = job.controller.assign(job.version, plan=job.plan, settings=settings.to_dict(), vms=vms,
+                                        resume=resume, start_step=job.start_step, total_steps=job.total_steps)
+    return job.members
+
+
 def assignments(job: Job) -> list[tuple[Vm, WorkerAssignment]]:
     plan_json = json.dumps(plan_to_dict(job.plan))
     world = job.plan.num_gpus

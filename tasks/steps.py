@@ -39,7 +39,7 @@ from tasks.decisions import (
     stop_reason,
 )
 from tasks.history import Measurement, RunEvent, RunHistory
-from tasks.jobs import ColdStart, Job, Progress, Switch, assignments, read_progress
+from tasks.jobs import ColdStart, Job, Progress, Switch, assign_job, assignments, read_progress
 from tasks.outage import PrefectWatch
 from tasks.planning import run_planner
 from tasks.reporting import ProgressBar, emit, publish_curves
@@ -88,8 +88,7 @@ def hand_out(job: Job) -> float:
     job.start_step = resume_step or 0
     # After a replan the workers may hold a newer state in memory than any checkpoint (a lost replica's
     # layers live on in the others): they resume, from memory where they can, even with no checkpoint yet.
-    assert job.controller is not None, "a job is handed out through its run's controller"
-    job.controller.assign(job, resume=resume_step is not None or job.version > 1)
+    assign_job(job, resume=resume_step is not None or job.version > 1)
     return time.time()
 
 

@@ -13,7 +13,7 @@ from sailor_core.domain import Market, ParallelPlan, PipelineBatch, Replica, Sta
 from tasks.control import Controller
 from tasks.decisions import PlanCost, decide_switch
 from tasks.history import RunHistory, UnknownRunError, new_run_id
-from tasks.jobs import Job, assignments, place, read_progress, vm_ranks
+from tasks.jobs import Job, assign_job, assignments, place, read_progress, vm_ranks
 from tasks.runstate import state_for
 
 
@@ -145,7 +145,7 @@ def test_a_multi_device_vm_runs_a_tp_group_and_its_spare_devices_sit_out(tmp_pat
         job = Job(run_id="r", version=1, plan=plan, vms=vms, run_dir=tmp_path, total_steps=4, checkpoint_interval=2,
                   state=state_for(None, "r", tmp_path), controller=ctl)
         assert [(v.vm_id, r) for v, r in vm_ranks(job)] == [("a", (0,)), ("b", (1, 2))]
-        members = ctl.assign(job, resume=False)
+        members = assign_job(job, resume=False)
         assert members == ["a/0", "b/0", "b/1"]
         got = {w: json.loads(ctl.server.get(f"g1/assign/{w}")) for w in ("a/0", "a/1", "b/0", "b/1")}
         assert [got[w]["rank"] for w in ("a/0", "a/1", "b/0", "b/1")] == [0, -2, 1, 2]
