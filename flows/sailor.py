@@ -43,6 +43,7 @@ from infra.provider import (
 )
 from sailor_core.domain import Capacity, ParallelPlan, ResourcePool
 from sailor_core.errors import CapacityError, SailorError, StorageUnavailable
+from sailor_core.files import private_dir
 from sailor_core.planner.risk import planning_checkpoint_interval
 from sailor_core.units import usd
 from tasks import interrupt
@@ -418,7 +419,7 @@ def _open(params: SailorParams, deps: Deps, run_id: str) -> _Run:
     log = get_run_logger()
     history = RunHistory(deps.store)
     run_dir = deps.workdir / "runs" / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(run_dir, what="run folder")  # 0700 and ours: what it records, the run acts on (files.private_dir)
     ctx = RunContext(setup=RunSetup(run_id=run_id, params=params, provider=deps.provider, history=history,
                                     run_dir=run_dir, reconfiguration_estimate_s=deps.reconfiguration_estimate_s))
     deps.state = deps.state or state_for(params.store_uri, run_id, run_dir)

@@ -19,6 +19,8 @@ Contract:
   watched for new versions), then run `AGENT_SCRIPT` under systemd, plus a unit that SIGTERMs it on an
   interruption notice from the metadata service (`python -m infra.metadata`).
 - The scripts carry no credentials: the VM's rights come from its instance role / service account.
+  What they write runs under `umask 077`: the assignment file (the run's secret) is 0600 in a 0700
+  folder, readable by root only.
   `render_startup_script` refuses an `env` that names secrets. The run's secret (which only lets a
   worker talk to its own run's controller) travels in the assignment, never in a script.
 - Rendering is pure: the same arguments give the same script (tests compare it byte for byte).
@@ -152,6 +154,7 @@ nohup {SAILOR_HOME}/watch-assignment.sh >/var/log/sailor-assignment.log 2>&1 &""
     return f"""#!/bin/bash
 # sailor startup script: run {run_id}, vm {vm_name}. Carries no credentials.
 set -euo pipefail
+umask 077  # the assignment holds the run's secret: nothing written here is readable by other users
 exec > >(tee -a /var/log/sailor-startup.log) 2>&1
 mkdir -p /etc/sailor {SAILOR_HOME}
 cat > {AGENT_PATH} <<'AGENT'
@@ -200,7 +203,8 @@ def assignment_commands(assignment: WorkerAssignment, vm_id: str) -> list[str]:
     """Shell commands (SSM AWS-RunShellScript) that install a new assignment and restart the agent."""
     body = assignment_json(assignment, vm_id)
     return [
-        "mkdir -p /etc/sailor",
+        "umask 077",  # the assignment holds the run's secret: 0600 in a 0700 folder
+        "mkdir -p /etc/sailor && chmod 700 /etc/sailor",
         f"printf '%s' {shlex.quote(body)} > {ASSIGNMENT_FILE}.tmp",
         f"mv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE}",
         "systemctl restart sailor-worker.service || true",

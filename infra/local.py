@@ -60,6 +60,7 @@ from infra.scenario import Scenario, ScenarioEvent, default_scenario
 from infra.testbed import Testbed, TestbedVm, cleanup_stale, leftovers, testbed_support
 from sailor_core.domain import Capacity, GpuType, Market, capacity_key
 from sailor_core.errors import CapacityError, ProviderError, TestbedError
+from sailor_core.files import private_dir, write_atomic
 
 AgentCommand = Callable[[Vm, WorkerAssignment, Path], list[str]]
 LIVE_STATES = ("running", "preempting")
@@ -97,9 +98,11 @@ def prepare_vm_folder(folder: Path, vm: Vm, assignment: WorkerAssignment) -> dic
     """Put on a VM's own disk what a cloud VM gets from SSM or its instance metadata (the assignment)
     and its startup script (the bootstrap, infra/bootstrap.py); return the environment the bootstrap
     runs with. On this machine the VM's Python is this one and its image's packages are this venv's."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "assignment.json").write_text(assignment_json(assignment, vm.vm_id))
-    (folder / "sailor-agent.sh").write_text(AGENT_SCRIPT)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # the assignment holds the run's secret (who has it may stop the run): 0600 from its first byte
+    write_atomic("assignment", folder / "assignment.json", assignment_json(assignment, vm.vm_id).encode(),
+                 error=ProviderError, mode=0o600)
+    write_atomic("agent script", folder / "sailor-agent.sh", AGENT_SCRIPT.encode(), error=ProviderError, mode=0o700)
     return {**assignment.env, "SAILOR_ASSIGNMENT_FILE": str(folder / "assignment.json"), "SAILOR_VM_ID": vm.vm_id,
             "SAILOR_HOME": str(folder / "sailor"), "SAILOR_PYTHON": sys.executable, "SAILOR_DEPS_SITE": _deps_site(),
             "OMP_NUM_THREADS": assignment.env.get("OMP_NUM_THREADS", "1")}
@@ -132,9 +135,8 @@ def _now_dt(t: float) -> datetime:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    write_atomic("provider record", path, json.dumps(obj, indent=1, default=str).encode(), error=ProviderError,
+                 mode=0o600)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -213,8 +215,10 @@ class LocalProvider:
         self._support = support
         self._notify = notify
         self.testbed_network = testbed_network
+        # its records say which process groups a cleanup kills: this user's own folder, 0700 (files.private_dir)
+        private_dir(self.root, what="local provider folder", error=ProviderError)
         for d in ("vms", "events"):
-            (self.root / d).mkdir(parents=True, exist_ok=True)
+            (self.root / d).mkdir(mode=0o700, exist_ok=True)
         if not self._state_path.exists():
             # Capacity counts VMs per offering (zone/device type/market); prices are per device and hour.
             _write_json(self._state_path, {

@@ -28,6 +28,11 @@ Contract:
   idempotent and works from another process: every name lives in `<home>/<tag>/testbed.json`,
   written before the resource is created. `cleanup_stale()` tears down testbeds whose owner process
   is dead, and any resource named like ours whose record is gone; `create()` calls it first.
+- The home (`default_home()`: $SAILOR_TESTBED_HOME, else <tmp>/sailor-testbed-<uid>), each testbed's
+  folder and each VM's folder are 0700 and this user's: the home is created so, or refused with one
+  line when another user owns it or may write to it (or to a folder above it), since its records say
+  which processes a cleanup kills and its VM folders hold the scripts an agent runs and the run's
+  secret (`trusted_home`). Records are written 0600 through uniquely named temporary files.
 - In `process` isolation (no root, no `ip`): no namespaces, cgroups or shaping; a VM is a folder
   and its processes; addresses are 127.0.0.1. The same API, the same teardown.
 
@@ -58,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor_core.errors import TestbedError as TestbedError  # re-exported for tests and bench
+from sailor_core.files import private_dir, write_atomic
 from sailor_core.runtime.devices import CGROUP_ROOT_ENV
 
 _log = logging.getLogger(__name__)
@@ -96,6 +102,13 @@ def default_home() -> Path:
     """Where testbeds keep their records and VM folders (one place per user: stale cleanup looks here)."""
     env = os.environ.get("SAILOR_TESTBED_HOME")
     return Path(env) if env else Path(tempfile.gettempdir()) / f"sailor-testbed-{os.getuid()}"
+
+
+def trusted_home(home: Path) -> Path:
+    """`home` made or checked as this user's own 0700 folder (sailor_core/files.py `private_dir`): its records
+    name the processes a cleanup kills and its VM folders the scripts an agent runs, as root on the testbed.
+    One owned by another user (or open to others) is refused with one line, never used."""
+    return private_dir(home, what="testbed home ($SAILOR_TESTBED_HOME)", error=TestbedError)
 
 
 def testbed_support(*, euid: int | None = None, which: Callable[[str], str | None] = shutil.which,
@@ -186,8 +199,7 @@ class Testbed:
         """A new testbed for `run_id` with one subnet per zone (zones in this order: 10.X.1, 10.X.2, ...)."""
         if isolation not in ("netns", "process"):
             raise TestbedError(f"isolation must be netns or process, got {isolation!r}; to fix: use one of those")
-        home = home or default_home()
-        home.mkdir(parents=True, exist_ok=True)
+        home = trusted_home(home or default_home())  # 0700, ours: its records say what root kills and runs
         if len(zones) > 250:
             raise TestbedError(f"{len(zones)} zones do not fit in one /16 (at most 250); to fix: use fewer zones")
         cleanup_stale(home=home, runner=runner)
@@ -209,10 +221,10 @@ class Testbed:
                 subnet = _free_subnet(network or os.environ.get("SAILOR_TESTBED_NET") or DEFAULT_NETWORK, home, runner)
                 record["subnet"] = str(subnet)
                 record["host_address"] = str(subnet.network_address + 1)
-            folder.mkdir()
-            (folder / "vms").mkdir()
+            folder.mkdir(mode=0o700)
+            (folder / "vms").mkdir(mode=0o700)
             if isolation == "netns":  # only isolated testbeds have system-wide names to protect
-                owners_dir().mkdir(parents=True, exist_ok=True)
+                private_dir(owners_dir(), what="the testbeds' owners folder", error=TestbedError)
                 _write(owners_dir() / f"{tag}.json", record["owner"])
             _write(folder / RECORD, record)
         tb = cls(folder, record, runner=runner)
@@ -311,7 +323,7 @@ class Testbed:
             raise TestbedError(f"veth name {vm.veth} is longer than 15 characters; to fix: fewer VMs per testbed")
         self._rec["vms"][key] = asdict(vm)
         self._save()  # the record first: a crash from here on leaves names a teardown can find
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # the VM's assignment (its run's secret) goes here
         if self.isolation == "netns":
             try:
                 self._build_vm(vm, zone_no)
@@ -577,6 +589,8 @@ def stream_bytes_per_s(tb: Testbed, src: str, dst: str, nbytes: int, *, port: in
 def stale_testbeds(*, home: Path | None = None, runner: Runner = _run) -> list[str]:
     """The tags `cleanup_stale` would remove: testbeds of a dead owner, and our names without a record."""
     home = home or default_home()
+    if home.is_dir():
+        trusted_home(home)  # its records are read and acted on
     parent = CGROUP_CPU / CGROUP_PARENT
     tags = {n[len(LINK_PREFIX):len(LINK_PREFIX) + 6] for n in _our_links(runner)}
     tags |= {n[len(NETNS_PREFIX):len(NETNS_PREFIX) + 6] for n in _our_namespaces(runner)}
@@ -593,6 +607,8 @@ def stale_testbeds(*, home: Path | None = None, runner: Runner = _run) -> list[s
 def cleanup_stale(*, home: Path | None = None, runner: Runner = _run) -> list[str]:
     """Tear down testbeds whose owner process is dead, and resources named like ours that have no record."""
     home = home or default_home()
+    if home.is_dir():
+        trusted_home(home)  # its records name processes to kill: never another user's
     removed: list[str] = []
     # Resources first, records second: a testbed made in between has written its record already.
     links = _our_links(runner)
@@ -809,6 +825,4 @@ def _lock(home: Path):  # type: ignore[no-untyped-def]
 
 
 def _write(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_atomic("testbed record", path, json.dumps(obj, indent=1).encode(), error=TestbedError, mode=0o600)

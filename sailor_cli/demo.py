@@ -66,10 +66,12 @@ def demo(
         check_folder(flag, folder)
     workdir = workdir.resolve()
     from infra.scenario import load_scenario
+    from infra.testbed import default_home, trusted_home
 
     # the scenario first: a malformed (or hostile) file is refused before Prefect is even imported
     job = {"model": "gpt-tiny", "global_batch_size": 8, "objective": "max-throughput", "max_usd_per_hour": 2.0,
            "steps": 120, "workers": 4, **load_scenario(scenario).demo}  # the scenario's demo job, then the flags
+    trusted_home(default_home())  # the VMs' folders: a testbed home another user owns is refused here
     _prefect_env(workdir)
     from flows.params import validate_params
     from flows.sailor import run_id_for, sailor

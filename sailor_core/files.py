@@ -24,7 +24,16 @@ Writing. `check_output_file(flag, path, error=...)` accepts a regular file or a 
 refuses anything else (a folder, a device such as /dev/full, a FIFO, a socket, a symbolic link);
 `write_atomic(flag, path, data)` checks the same, writes a temporary file of a unique name beside
 it and renames it over the path, so readers see the old or the new content, and parallel writers
-never share a temporary file.
+never share a temporary file (`mode=0o600` for a file that holds a secret: it never exists with
+wider permissions).
+
+Folders a run trusts. `private_dir(path, what=..., error=...)` is a folder only this user may enter,
+for what a process of this user (often root) later reads back and acts on (records of processes to
+kill, scripts it runs, a run's secret): created 0700 where missing; where it exists it must be this
+user's own, a folder and not a symbolic link, and writable by nobody else (it is then set to 0700);
+and no folder on the way to it may be another user's or writable by others without the sticky bit
+(whoever can rename a folder on the way can swap what lies under it). A folder that fails is refused
+with one line, never used.
 """
 
 from __future__ import annotations
@@ -281,18 +290,67 @@ def umask() -> int:
         return 0o022
 
 
-def write_atomic(flag: str, path: str | os.PathLike[str], data: bytes, *, error: ErrorType = SailorError) -> None:
-    """Write `data` to `path` through a uniquely named temporary file beside it (see the contract)."""
+def write_atomic(flag: str, path: str | os.PathLike[str], data: bytes, *, error: ErrorType = SailorError,
+                 mode: int | None = None) -> None:
+    """Write `data` to `path` through a uniquely named temporary file beside it (see the contract); `mode`:
+    the file's permissions (default: what a new file gets under the umask)."""
     check_output_file(flag, path, error=error)
     target = os.path.abspath(path)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~umask())
+        os.chmod(tmp, 0o666 & ~umask() if mode is None else mode)
         check_output_file(flag, path, error=error)  # still a regular file or absent: only then replace it
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# --- folders a run trusts ----------------------------------------------------------------------------------------
+def private_dir(path: str | os.PathLike[str], *, what: str, error: ErrorType = SailorError) -> Path:
+    """`path` as a folder only this user may enter (see the contract); returns it."""
+    p = Path(os.path.abspath(path))
+    me = os.geteuid()
+    _check_ancestors(p.parent, what, error)
+    for folder in [*reversed([q for q in p.parents if not q.exists()]), p]:
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise error(f"cannot create {what} {shown_path(folder)}: {e.strerror or e}; to fix: name a folder you "
+                        f"may create") from None
+    st = os.lstat(p)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise error(f"{what} {shown_path(p)} is {_kind(st.st_mode)}, not a folder of its own; to fix: remove it, or "
+                    f"name another folder")
+    if st.st_uid != me or _open_to_others(st):
+        owner = f"user {st.st_uid}" if st.st_uid != me else "you, but writable by others"
+        raise error(f"{what} {shown_path(p)} belongs to {owner} (mode {stat.S_IMODE(st.st_mode):04o}): whoever "
+                    f"controls it controls what this run reads back and runs; to fix: remove it, or name a folder "
+                    f"of your own")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(p, 0o700)
+    return p
+
+
+def _open_to_others(st: os.stat_result) -> bool:
+    """Writable by another user: by everyone, or by a group that is not this process's own."""
+    return bool(st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid()))
+
+
+def _check_ancestors(folder: Path, what: str, error: ErrorType) -> None:
+    """No folder on the way to `what` is another user's (root's excepted) or writable by others unless sticky."""
+    me = os.geteuid()
+    for q in [folder, *folder.parents]:
+        try:
+            st = os.stat(q)
+        except FileNotFoundError:
+            continue
+        if st.st_uid not in (0, me) or (_open_to_others(st) and not st.st_mode & stat.S_ISVTX):
+            raise error(f"{what} lies under {shown_path(q)}, which user {st.st_uid} owns with mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}: another user could swap what is under it; to fix: name a "
+                        f"folder under one only you and root may change")

@@ -14,7 +14,8 @@ Contract (no Prefect here):
 - `state_for(store_uri, run_id, run_dir)`: `<store>/runs/<run_id>` when the store is s3:// or gs://
   (a cloud VM reaches it with its own role), else a local folder under the run's folder.
 - `TestbedObjectStore`: the local testbed's object store, `rclone serve s3` over a folder under the
-  work dir (kept across runs), bound to 127.0.0.1 and the testbed's host address only. A run's state
+  work dir (kept across runs, 0700), bound to 127.0.0.1 and the testbed's host address only, with a
+  random key pair per server (given to rclone by environment; the VMs get it in theirs, `vm_env`). A run's state
   there is public under the folder that holds its objects (`<work dir>/objects/sailor-runs/runs/<run
   id>`), which stays readable after the server has stopped.
 - `build_wheel(cache)`: a wheel of this project's source tree, built once per content hash;
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -35,6 +37,7 @@ from typing import cast
 from urllib.parse import quote
 
 from sailor_core.errors import SailorError
+from sailor_core.files import private_dir
 from tasks.records import MetricRow
 
 STATE_BUCKET = "sailor-runs"
@@ -95,9 +98,14 @@ class TestbedObjectStore:
     def __init__(self, root: Path, host_address: str) -> None:
         from profiles_store.local_servers import LocalS3Server
 
-        self.root = root.resolve()
+        # the run's checkpoints and logs as plain files: a folder of this user's only (files.private_dir)
+        self.root = private_dir(root, what="testbed object store folder").resolve()
         self.host_address = host_address
-        self.server = LocalS3Server(root, extra_addresses=() if host_address == "127.0.0.1" else (host_address,))
+        # Keys of this server only, random: with fixed ones any local user could read and write every run's
+        # checkpoints and logs through it (it listens on 127.0.0.1 and on the testbed's bridge).
+        self.server = LocalS3Server(root, access_key=f"sailor-{secrets.token_hex(6)}",
+                                    secret_key=secrets.token_urlsafe(24),
+                                    extra_addresses=() if host_address == "127.0.0.1" else (host_address,))
         self.server.start()
         self.server.create_bucket(STATE_BUCKET)
 

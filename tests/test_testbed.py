@@ -478,7 +478,7 @@ def test_a_real_user_without_root_gets_process_isolation():
     if unreadable:
         pytest.skip(unreadable)
     tmp_path = Path(tempfile.mkdtemp(prefix="sailor-nobody-"))
-    tmp_path.chmod(0o777)
+    tmp_path.chmod(0o1777)  # open to nobody, sticky as /tmp is: a folder another user could rename in is refused
     code = textwrap.dedent(f"""
         import sys, time
         from infra.local import LocalProvider
