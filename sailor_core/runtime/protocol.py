@@ -8,7 +8,9 @@ Transport: the controller runs a small HTTP server (`ControlServer`) holding str
 append-only lists. It binds the one address its workers reach it at (loopback on one machine, the
 testbed bridge or the VM network elsewhere), never every interface, and refuses (HTTP 403, nothing
 read or written) every request that does not carry the run's secret in the `X-Sailor-Secret`
-header. Workers read the secret from `SAILOR_RUN_SECRET`; it never appears on a command line.
+header. Workers read the secret from `SAILOR_RUN_SECRET`; it never appears on a command line. A
+request must arrive whole within 30 s (`slow_clients.py`): a client that sends nothing, or a byte at
+a time, is cut off instead of holding a thread for ever.
 
     PUT  /kv/<key>                 set a value
     GET  /kv/<key>?wait=S          the value; waits up to S seconds for it to appear (404 if not)
@@ -55,6 +57,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from sailor_core.errors import ProtocolError as ProtocolError  # re-exported for callers
+from sailor_core.runtime.slow_clients import CLIENT_IDLE_S, BoundedRequests
 
 SECRET_ENV = "SAILOR_RUN_SECRET"
 SECRET_HEADER = "X-Sailor-Secret"
@@ -187,9 +190,10 @@ class _Board:
             return list(self.lists.get(key, [])[start:])
 
 
-def _handler(board: _Board, secret: str) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+def _handler(board: _Board, secret: str, client_timeout_s: float) -> type[BaseHTTPRequestHandler]:
+    class Handler(BoundedRequests):  # a request arrives whole within client_timeout_s, or its client is cut off
         protocol_version = "HTTP/1.1"
+        timeout = request_read_s = client_timeout_s
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
             pass
@@ -209,8 +213,7 @@ def _handler(board: _Board, secret: str) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def _body(self) -> str:
-            n = int(self.headers.get("Content-Length") or 0)
-            return self.rfile.read(n).decode() if n else ""
+            return self.body.decode()  # read with the request, within its deadline (slow_clients.py)
 
         def _route(self) -> tuple[str, str, dict[str, list[str]]]:
             u = urllib.parse.urlsplit(self.path)
@@ -267,10 +270,11 @@ class _QuietServer(ThreadingHTTPServer):
 class ControlServer:
     """The controller's side: binds `host` only; in-process reads and writes skip HTTP."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
+                 client_timeout_s: float = CLIENT_IDLE_S) -> None:
         self.secret = secret or new_secret()
         self._board = _Board()
-        self._http = _QuietServer((host, port), _handler(self._board, self.secret))
+        self._http = _QuietServer((host, port), _handler(self._board, self.secret, client_timeout_s))
         self._http.daemon_threads = True
         self.host = host
         self.port = int(self._http.server_address[1])
