@@ -48,6 +48,7 @@ from profiles_store.tables import GPU_TYPES, HISTORY, LAYER_PROFILES, MODELS, TY
 from profiles_store.views import PairSummary
 from sailor_core.domain import Capacity, GpuType, LayerProfile, ModelSpec, Provenance
 from sailor_core.errors import SailorError, StoreError, UnknownGpuTypeError, UnknownModelError
+from sailor_core.files import write_atomic
 from sailor_core.profiles import ProfileBook
 
 SEED_DIR = Path(__file__).resolve().parent / "seed"
@@ -304,7 +305,7 @@ class ProfileStore:
                 continue
             buf = io.BytesIO()
             pacsv.write_csv(t, buf)
-            (out / f"{name}.csv").write_bytes(buf.getvalue())
+            write_atomic("--out", out / f"{name}.csv", buf.getvalue())  # never through a link or into a device
             counts[name] = t.num_rows
         return counts
 

@@ -25,6 +25,7 @@ import typer
 
 from sailor_cli.options import Json, Store, open_store
 from sailor_core.errors import SailorError
+from sailor_core.files import check_output_file, write_atomic
 from sailor_core.units import sig, usd
 
 app = typer.Typer(help="Runs of the sailor flow: status, events, decisions and plans from the store.",
@@ -67,12 +68,12 @@ def show(
         "--plot", help="draw the run's loss and tokens/s per step, reconfigurations marked, to this PNG")] = None,
 ) -> None:
     """Show one run: status, events, decisions with reasons, plans, measured vs estimated, steps recorded."""
+    if plot is not None:  # a regular file or a new path: a device, folder or link there is refused, not replaced
+        check_output_file("--plot", plot)
     opened = open_store(store)
     from tasks.history import RunHistory
 
     run = RunHistory(opened).show(run_id)
-    if plot is not None and plot.is_dir():
-        raise SailorError(f"--plot {plot} is a folder; to fix: name a .png file")
     rows, unread = _steps(run, opened.location.uri)
     if plot is not None:
         _plot(run, rows, unread, plot)
@@ -201,6 +202,6 @@ def _plot(run: dict[str, Any], rows: list[Any], unread: str, out: Path) -> None:
         raise SailorError(f"run {run['run_id']} has no per-step records to plot: "
                           f"{unread or 'it saved none under its state'}; to fix: plot a run that trained at "
                           f"least one step, from the folder (or with the --store) it ran with")
-    out.write_bytes(curves_png(rows, title=f"{run['run_id']} ({run.get('status', '')})"))
+    write_atomic("--plot", out, curves_png(rows, title=f"{run['run_id']} ({run.get('status', '')})"))
     typer.echo(f"wrote {out}: {len(rows)} steps, {len({r.get('plan_version', 0) for r in rows})} plan version(s)",
                err=True)

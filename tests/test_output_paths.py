@@ -163,3 +163,42 @@ def test_a_dangling_link_as_checkpoint_dir_is_refused_before_training(tmp_path):
     link.symlink_to(tmp_path / "gone" / "ckpt")
     p = _sailor(tmp_path, "train", str(plan), "--steps", "1", "--checkpoint-dir", str(link))
     assert "--checkpoint-dir" in _one_line(p) and "started" not in p.stdout
+
+
+def test_profiles_export_never_writes_through_a_link_in_its_folder(tmp_path):
+    out, target = tmp_path / "csv", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("keep me")
+    (out / "gpu_types.csv").symlink_to(target)  # planted where the export writes one of its tables
+    p = _sailor(tmp_path, "profiles", "export", "--out", str(out))
+    assert "gpu_types.csv" in _one_line(p)
+    assert target.read_text() == "keep me" and (out / "gpu_types.csv").is_symlink()
+
+
+def test_runs_show_plot_refuses_a_fifo(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    p = _sailor(tmp_path, "runs", "show", "any-run", "--plot", str(fifo))
+    assert "--plot" in _one_line(p)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_data_prepare_never_writes_through_a_link_in_its_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from sailor_core.runtime.prepare import prepare_dataset
+    from sailor_core.runtime.token_shards import shard_name
+
+    docs = [f"word{i % 7} other{i % 5} text" for i in range(200)]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "in.txt").write_text("\n".join(docs))
+    out, target = tmp_path / "out", tmp_path / "precious.bin"
+    out.mkdir()
+    target.write_bytes(b"keep me")
+    (out / shard_name(0)).symlink_to(target)
+    with pytest.raises(SailorError, match="symbolic link"):
+        prepare_dataset([str(tmp_path / "in.txt")], str(tmp_path / "tokenizer.json"), str(out), shard_tokens=50)
+    assert target.read_bytes() == b"keep me"

@@ -176,8 +176,7 @@ def prepare_dataset(inputs: list[str], tokenizer_uri: str, out: str, *, text_fie
             take, rest = flat[:shard_tokens], flat[shard_tokens:]
             data = take.astype(dtype).tobytes()
             name = shard_name(len(shards))
-            with filesystem.open_output_stream(f"{root}/{name}") as f:
-                f.write(data)
+            _put(filesystem, root, name, data)
             shards.append({"name": name, "tokens": int(len(take)), "sha256": hashlib.sha256(data).hexdigest()})
             if progress:
                 progress({"kind": "shard", "name": name, "tokens": int(len(take)), "documents": docs})
@@ -211,6 +210,19 @@ def prepare_dataset(inputs: list[str], tokenizer_uri: str, out: str, *, text_fie
              "tokenizer_sha256": tok_sha, "sources": [n for _, _, n in files], "text_field": text_field,
              "add_special_tokens": add_special_tokens,
              "shards": shards}
-    with filesystem.open_output_stream(f"{root}/{INDEX}") as f:
-        f.write(json.dumps(index, indent=1).encode())
+    _put(filesystem, root, INDEX, json.dumps(index, indent=1).encode())
     return index
+
+
+def _put(filesystem: Any, root: str, name: str, data: bytes) -> None:
+    """One file of the dataset. A local one is a regular file or a new path, written atomically (a device, a
+    folder or a symbolic link at that name is refused: sailor_core/files.py); object storage has none of those."""
+    from pyarrow import fs as pafs
+
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        from sailor_core.files import write_atomic
+
+        write_atomic("--out", f"{root}/{name}", data)
+        return
+    with filesystem.open_output_stream(f"{root}/{name}") as f:
+        f.write(data)
