@@ -72,7 +72,7 @@ class HeartbeatBoard:
 def checkpoint_steps(checkpoint_uri: str, num_layers: int, *, retry_s: float | None = None) -> int | None:
     """Newest complete checkpoint step under the folder (None: there is none). Only "not found" means
     none: an object store that keeps failing raises StorageUnavailable after `retry_s` of retries
-    (default checkpoint.STORAGE_RETRY_S), so a hiccup never restarts a job from step 0."""
+    (default checkpoint_storage.STORAGE_RETRY_S), so a hiccup never restarts a job from step 0."""
     from sailor_core.runtime import checkpoint as ckpt
 
     storage = ckpt.open_storage(checkpoint_uri, **({} if retry_s is None else {"retry_s": retry_s}))

@@ -35,7 +35,7 @@ from tests.test_simulator import make_book, plan_of, rep
 
 PACKAGES = ("sailor_core", "profiles_store", "infra", "tasks", "flows", "sailor_cli")
 # Not errors: signals turned into exceptions (BaseException, like KeyboardInterrupt) so `finally` runs.
-SIGNALS = {"tasks.interrupt.Terminated", "sailor_core.runtime.checkpoint.RetentionCancelled",
+SIGNALS = {"tasks.interrupt.Terminated", "sailor_core.runtime.checkpoint_writer.RetentionCancelled",
            "tasks.interrupt.Interrupted"}
 _BUILTIN_EXCEPTIONS = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
 

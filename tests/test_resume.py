@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from sailor_core.runtime import checkpoint as ckpt
+from sailor_core.runtime.checkpoint_writer import AsyncCheckpointer
 from tests.paths import REPO
 
 pytest_plugins = ["tests.flow_fixtures"]
@@ -29,7 +30,7 @@ def _state(v: float):
             "exp_avg_sq": {"w": t * 0}}
 
 
-def _save(w: ckpt.AsyncCheckpointer, step: int, layers=(0, 1)) -> None:
+def _save(w: AsyncCheckpointer, step: int, layers=(0, 1)) -> None:
     w.save(step, {i: _state(step) for i in layers}, "part_s0_t0.json", {"num_layers": 2, "step": step}, blocking=True)
 
 
@@ -41,7 +42,7 @@ def _corrupt(root, step: int) -> None:
 
 def test_resume_point_quarantines_invalid_newer_checkpoints_with_their_reason(tmp_path):
     storage = ckpt.open_storage(str(tmp_path))
-    w = ckpt.AsyncCheckpointer(storage, keep_last=10)
+    w = AsyncCheckpointer(storage, keep_last=10)
     for step in (1, 2, 3):
         _save(w, step)
     _corrupt(tmp_path, 3)
@@ -64,7 +65,7 @@ def test_resume_point_quarantines_invalid_newer_checkpoints_with_their_reason(tm
 
 def test_resume_point_with_nothing_valid_reports_every_step(tmp_path):
     storage = ckpt.open_storage(str(tmp_path))
-    w = ckpt.AsyncCheckpointer(storage, keep_last=10)
+    w = AsyncCheckpointer(storage, keep_last=10)
     for step in (10, 20):
         _save(w, step)
         _corrupt(tmp_path, step)
@@ -78,7 +79,7 @@ def test_resume_point_with_nothing_valid_reports_every_step(tmp_path):
 def test_retention_keeps_the_last_valid_checkpoint_when_newer_ones_are_invalid(tmp_path):
     """Steps 3 and 4 lack layer 1 (a writer that failed): the valid steps 1 and 2 must survive pruning."""
     storage = ckpt.open_storage(str(tmp_path))
-    w = ckpt.AsyncCheckpointer(storage, keep_last=2)
+    w = AsyncCheckpointer(storage, keep_last=2)
     _save(w, 1)
     _save(w, 2)
     _save(w, 3, layers=(0,))
@@ -93,7 +94,7 @@ def test_retention_keeps_the_last_valid_checkpoint_when_newer_ones_are_invalid(t
 
 def test_retention_quarantines_an_old_corrupt_checkpoint_instead_of_deleting_it(tmp_path):
     storage = ckpt.open_storage(str(tmp_path))
-    w = ckpt.AsyncCheckpointer(storage, keep_last=2)
+    w = AsyncCheckpointer(storage, keep_last=2)
     _save(w, 1)
     _corrupt(tmp_path, 1)
     _save(w, 2)

@@ -17,6 +17,7 @@ from sailor_core.domain import ParallelPlan, PipelineBatch, Replica, Stage
 from sailor_core.errors import SailorError, ValidationError
 from sailor_core.models import get_config
 from sailor_core.runtime import checkpoint as ckpt
+from sailor_core.runtime.checkpoint_writer import AsyncCheckpointer
 from sailor_core.runtime.engine import TrainSettings
 from sailor_core.runtime.launcher import run_local, shrink_plan
 from sailor_core.runtime.topology import layout, runtime_problems, tie_groups
@@ -193,7 +194,7 @@ def test_corrupt_or_incomplete_checkpoint_is_skipped(tmp_path):
     import torch
 
     storage = ckpt.open_storage(str(tmp_path))
-    w = ckpt.AsyncCheckpointer(storage, keep_last=5)
+    w = AsyncCheckpointer(storage, keep_last=5)
 
     def state(v):
         t = torch.full((2, 2), float(v))

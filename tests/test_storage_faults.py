@@ -16,6 +16,8 @@ import torch
 
 from sailor_core.errors import StorageUnavailable
 from sailor_core.runtime import checkpoint as ckpt
+from sailor_core.runtime.checkpoint_storage import CheckpointStorage, RetryingStorage
+from sailor_core.runtime.checkpoint_writer import AsyncCheckpointer
 from tasks.control import checkpoint_steps
 from tests.fakes.fault_proxy import FaultProxy
 from tests.store_fixtures import BUCKET, s3_server  # noqa: F401 - a fixture
@@ -28,11 +30,11 @@ def _uri_through(server, proxy: FaultProxy, prefix: str) -> str:  # noqa: ANN001
     return uri.replace(quote(server.endpoint, safe=""), quote(proxy.endpoint, safe=""))
 
 
-def _write_checkpoint(storage: ckpt.CheckpointStorage, step: int) -> None:
+def _write_checkpoint(storage: CheckpointStorage, step: int) -> None:
     states = {li: {"layer": li, "tp": 1, "tp_rank": 0, "shard_dims": {"w": None}, "params": {"w": torch.ones(4)},
                    "exp_avg": {"w": torch.zeros(4)}, "exp_avg_sq": {"w": torch.zeros(4)}} for li in range(NUM_LAYERS)}
     meta = {"step": step, "num_layers": NUM_LAYERS, "model": "test"}
-    w = ckpt.AsyncCheckpointer(storage)
+    w = AsyncCheckpointer(storage)
     w.save(step, states, "part_s0_t0.json", meta, blocking=True, prune=False)
 
 
@@ -85,9 +87,9 @@ class _Flaky:
         return ["step_00000003"]
 
 
-def _retrying(inner: _Flaky, retry_s: float) -> ckpt.RetryingStorage:
+def _retrying(inner: _Flaky, retry_s: float) -> RetryingStorage:
     now = [0.0]
-    return ckpt.RetryingStorage(inner, retry_s=retry_s, sleep=lambda s: now.__setitem__(0, now[0] + s),  # type: ignore[arg-type]
+    return RetryingStorage(inner, retry_s=retry_s, sleep=lambda s: now.__setitem__(0, now[0] + s),  # type: ignore[arg-type]
                                 clock=lambda: now[0])
 
 

@@ -14,6 +14,7 @@ Contract:
   run resumes) moves every invalid checkpoint newer than the one it resumes from to
   `quarantine/step_NNNNNNNN[.k]/`, with `QUARANTINED.json` {step, reason, time} beside its files,
   so a run that goes on from an older step cannot write over it and a person can inspect it.
+- Writing (checkpoint_writer.py) and storage (checkpoint_storage.py) are modules of their own.
 - Retention (`AsyncCheckpointer.keep_last`) removes a checkpoint only when it is older than a newer
   *valid* one and more than `keep_last` steps are kept; an invalid old one is quarantined instead.
   It runs after a save that writes meta.json, on the save's thread once the files are written, one
@@ -34,192 +35,25 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import io
 import json
-import os
-import shutil
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from sailor_core.errors import SailorError, StorageUnavailable
+from sailor_core.errors import SailorError
 from sailor_core.models.tensor_parallel import SHARD_ATTR
-
-
-class CheckpointStorage(Protocol):
-    def write(self, path: str, data: bytes) -> None: ...  # atomic: all or nothing visible
-    def read(self, path: str) -> bytes: ...
-    def exists(self, path: str) -> bool: ...
-    def listdir(self, path: str) -> list[str]: ...
-    def delete_tree(self, path: str) -> None: ...
-    def move_tree(self, src: str, dst: str) -> None: ...  # dst must not exist
-
-
-class LocalStorage:
-    def __init__(self, root: str):
-        self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
-
-    def _p(self, path: str) -> str:
-        return os.path.join(self.root, path)
-
-    def write(self, path: str, data: bytes) -> None:
-        full = self._p(path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, full)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)  # a full disk must not also keep half a file
-            raise
-
-    def read(self, path: str) -> bytes:
-        with open(self._p(path), "rb") as f:
-            return f.read()
-
-    def exists(self, path: str) -> bool:
-        return os.path.exists(self._p(path))
-
-    def listdir(self, path: str) -> list[str]:
-        try:
-            return sorted(n for n in os.listdir(self._p(path)) if ".tmp-" not in n)
-        except FileNotFoundError:
-            return []
-
-    def delete_tree(self, path: str) -> None:
-        shutil.rmtree(self._p(path), ignore_errors=True)
-
-    def move_tree(self, src: str, dst: str) -> None:
-        os.makedirs(os.path.dirname(self._p(dst)), exist_ok=True)
-        os.rename(self._p(src), self._p(dst))
-
-
-class PyArrowStorage:
-    """Object storage through pyarrow.fs (S3, GCS); object PUTs are atomic, so write is too."""
-
-    def __init__(self, uri: str):
-        from pyarrow import fs as pafs
-
-        from sailor_core.uris import filesystem_for
-
-        self._fs, self._root = filesystem_for(uri)
-        self._pafs = pafs
-
-    def _p(self, path: str) -> str:
-        return f"{self._root.rstrip('/')}/{path}" if path else self._root
-
-    def write(self, path: str, data: bytes) -> None:
-        with self._fs.open_output_stream(self._p(path)) as f:
-            f.write(data)
-
-    def read(self, path: str) -> bytes:
-        with self._fs.open_input_stream(self._p(path)) as f:
-            return bytes(f.read())
-
-    def exists(self, path: str) -> bool:
-        return bool(self._fs.get_file_info(self._p(path)).type != self._pafs.FileType.NotFound)
-
-    def listdir(self, path: str) -> list[str]:
-        sel = self._pafs.FileSelector(self._p(path), allow_not_found=True)
-        return sorted(i.base_name for i in self._fs.get_file_info(sel))
-
-    def delete_tree(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):  # gone already; any other error is the caller's
-            self._fs.delete_dir(self._p(path))
-
-    def move_tree(self, src: str, dst: str) -> None:
-        # object stores have no directory rename: copy every object, then delete the source
-        sel = self._pafs.FileSelector(self._p(src), recursive=True, allow_not_found=True)
-        base = self._p(src).rstrip("/") + "/"
-        for info in self._fs.get_file_info(sel):
-            if info.type == self._pafs.FileType.File:
-                self._fs.copy_file(info.path, self._p(dst).rstrip("/") + "/" + info.path[len(base):])
-        self.delete_tree(src)
-
-
-STORAGE_RETRY_S = 120.0  # how long an object store may fail transiently before the caller is told
-_RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 8.0  # exponential backoff between tries, capped
-# Errors of an object store that no retry mends (pyarrow raises a plain OSError for all of them).
-_PERMANENT_MARKERS = ("ACCESS_DENIED", "AccessDenied", "HTTP status 403", "Forbidden", "NoSuchBucket",
-                      "NO_SUCH_BUCKET", "INVALID_", "InvalidAccessKeyId", "SignatureDoesNotMatch")
-_PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR,
-                     errno.ENOTDIR, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTEMPTY}
-
-
-def is_transient(e: BaseException) -> bool:
-    """Whether a storage error may go away if the call is tried again: an OSError that is not "not found",
-    not a local filesystem's permanent condition (full, read-only, permissions) and not an object
-    store's refusal (credentials, no such bucket)."""
-    if not isinstance(e, OSError) or isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError):
-        return False
-    if e.errno in _PERMANENT_ERRNOS:
-        return False
-    return not any(m in str(e) for m in _PERMANENT_MARKERS)
-
-
-class RetryingStorage:
-    """A storage whose calls are retried on transient errors (`is_transient`) with exponential backoff
-    for up to `retry_s`; then `StorageUnavailable`. "Not found" and permanent errors pass at once.
-    Writes are safe to repeat (each is atomic: a temporary name renamed, or one object PUT); so is
-    `move_tree` (it copies what is left, then deletes). `sleep` and `clock` are passed in for tests."""
-
-    def __init__(self, storage: CheckpointStorage, *, retry_s: float = STORAGE_RETRY_S, what: str = "storage",
-                 sleep: Any = time.sleep, clock: Any = time.monotonic, log: Any = None) -> None:
-        self._s, self.retry_s, self.what = storage, retry_s, what
-        self._sleep, self._clock, self._log = sleep, clock, log
-
-    def _call(self, op: str, fn: Any, *args: Any) -> Any:
-        deadline = self._clock() + self.retry_s
-        pause, tries = _RETRY_FIRST_S, 0
-        while True:
-            try:
-                return fn(*args)
-            except OSError as e:
-                tries += 1
-                if not is_transient(e):
-                    raise
-                left = deadline - self._clock()
-                if left <= 0:
-                    raise StorageUnavailable(
-                        f"{self.what} kept failing for {self.retry_s:.0f}s ({tries} tries of {op} "
-                        f"{args[0] if args else ''!s}): {str(e).splitlines()[0][:200]}; nothing was taken for "
-                        f"missing; to fix: check the object store's health and the network, then retry "
-                        f"(checkpoints already written are intact)") from e
-                if self._log is not None:
-                    self._log(f"{self.what}: {op} failed ({str(e).splitlines()[0][:120]}); retrying in {pause:.1f}s")
-                self._sleep(min(pause, left))
-                pause = min(pause * 2, _RETRY_MAX_S)
-
-    def write(self, path: str, data: bytes) -> None:
-        self._call("write", self._s.write, path, data)
-
-    def read(self, path: str) -> bytes:
-        return bytes(self._call("read", self._s.read, path))
-
-    def exists(self, path: str) -> bool:
-        return bool(self._call("exists", self._s.exists, path))
-
-    def listdir(self, path: str) -> list[str]:
-        return list(self._call("listdir", self._s.listdir, path))
-
-    def delete_tree(self, path: str) -> None:
-        self._call("delete", self._s.delete_tree, path)
-
-    def move_tree(self, src: str, dst: str) -> None:
-        self._call("move", self._s.move_tree, src, dst)
+from sailor_core.runtime.checkpoint_storage import (
+    STORAGE_RETRY_S,
+    CheckpointStorage,
+    LocalStorage,
+    PyArrowStorage,
+    RetryingStorage,
+)
 
 
 def open_storage(uri: str, *, retry_s: float = STORAGE_RETRY_S) -> CheckpointStorage:
@@ -292,160 +126,6 @@ def write_part(storage: CheckpointStorage, step: int, layer_states: Any, part_na
 def write_meta(storage: CheckpointStorage, step: int, meta: dict[str, Any]) -> None:
     """meta.json of checkpoint `step`: written last, by one writer, once every part is written."""
     storage.write(f"{step_dir(step)}/meta.json", json.dumps(meta).encode())
-
-
-class RetentionCancelled(BaseException):  # noqa: N818 - a signal between threads, not an error
-    """A retention pass was cancelled between two reads (by `AsyncCheckpointer.close`). A BaseException,
-    like KeyboardInterrupt: no handler of a read's errors (which would take the checkpoint for corrupt and
-    quarantine it) may catch it."""
-
-
-class _CancellableReads:
-    """A storage whose reads (read, exists, listdir) raise RetentionCancelled once `cancel` is set;
-    writes, moves and deletes run to the end, so a cancelled pass leaves no half-moved checkpoint."""
-
-    def __init__(self, storage: CheckpointStorage, cancel: threading.Event) -> None:
-        self._s, self._cancel = storage, cancel
-
-    def _check(self) -> None:
-        if self._cancel.is_set():
-            raise RetentionCancelled()
-
-    def write(self, path: str, data: bytes) -> None:
-        self._s.write(path, data)
-
-    def read(self, path: str) -> bytes:
-        self._check()
-        return self._s.read(path)
-
-    def exists(self, path: str) -> bool:
-        self._check()
-        return self._s.exists(path)
-
-    def listdir(self, path: str) -> list[str]:
-        self._check()
-        return self._s.listdir(path)
-
-    def delete_tree(self, path: str) -> None:
-        self._s.delete_tree(path)
-
-    def move_tree(self, src: str, dst: str) -> None:
-        self._s.move_tree(src, dst)
-
-
-class AsyncCheckpointer:
-    """One background writer per rank; a new save first waits for the previous one's files.
-
-    A save's thread writes the files, then (the writer of meta.json, unless `prune` is False) runs
-    the retention pass, which reads older checkpoints to check them: slow on object storage from a
-    fraction of a core, so training does not wait for it (one pass at a time: a save whose pass
-    would wait for another's skips it). `close()`
-    cancels a pass between two reads and waits for every thread: a rank leaving its generation (a
-    plan change, a lost peer) is done in the time of its writes, and no pass of it deletes anything
-    while the next generation reads the checkpoints."""
-
-    def __init__(self, storage: CheckpointStorage, keep_last: int = 3):
-        self.storage = storage
-        self.keep_last = keep_last
-        self._threads: list[threading.Thread] = []
-        self._written: threading.Event | None = None
-        self._prune_lock = threading.Lock()
-        self._cancel = threading.Event()
-        self._error: BaseException | None = None
-        self.last_write_s = 0.0  # how long the last completed save took to write its files
-
-    def save(self, step: int, layer_states: dict[int, dict[str, Any]], part_name: str,
-             meta: dict[str, Any] | None = None, *, blocking: bool = False, prune: bool = True) -> None:
-        """Write one rank's part of checkpoint `step` on a background thread (waited for, retention
-        included, when `blocking`); the writer of `meta` then applies retention, unless `prune` is
-        False (a just-in-time checkpoint must be done fast: the next save prunes)."""
-        self.wait(retention=False)
-        written = self._written = threading.Event()
-        snapshot = [layer_states]  # released once written, not held through a retention pass
-
-        def work() -> None:
-            t0 = time.perf_counter()
-            try:
-                self._write(step, snapshot.pop(), part_name, meta)
-                self.last_write_s = time.perf_counter() - t0
-            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-                self._error = e
-                return
-            finally:
-                written.set()
-            # One pass at a time; while one runs, a newer save skips its own (the next one prunes).
-            if meta is not None and prune and self._prune_lock.acquire(blocking=False):
-                try:
-                    self._prune(step)
-                except RetentionCancelled:
-                    pass
-                except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-                    self._error = e
-                finally:
-                    self._prune_lock.release()
-
-        t = threading.Thread(target=work, name=f"ckpt-{step}", daemon=True)
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
-        if blocking:
-            self.wait(retention=prune)
-
-    def busy(self) -> bool:
-        """Whether the last save's files are still being written (object storage retrying, a slow disk)."""
-        return self._written is not None and not self._written.is_set()
-
-    def raise_if_failed(self) -> None:
-        """Without waiting: re-raise the error of a write or retention pass that has ended in one."""
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise SailorError(f"writing a checkpoint failed: {e}") from e
-
-    def close(self) -> None:
-        """Cancel a retention pass in progress (at its next read), then `wait()` for every thread."""
-        self._cancel.set()
-        try:
-            self.wait()
-        finally:
-            self._cancel.clear()
-
-    def _write(self, step: int, layer_states: dict[int, dict[str, Any]], part_name: str,
-               meta: dict[str, Any] | None) -> None:
-        write_part(self.storage, step, layer_states.items(), part_name)
-        if meta is not None:
-            write_meta(self.storage, step, meta)
-
-    def wait(self, *, retention: bool = True) -> None:
-        """Until the last save's files are written (and, with `retention`, every retention pass has
-        run); re-raises a write's or a retention pass's error."""
-        if retention:
-            for t in self._threads:
-                t.join()
-            self._threads = []
-        elif self._written is not None:
-            self._written.wait()
-        self.raise_if_failed()
-
-    def _prune(self, newest: int) -> None:
-        """Keep the newest `keep_last` steps; drop an older one only below a newer valid checkpoint.
-
-        The step just written may not be valid yet (other stages still writing), so the anchor is
-        the newest step that checks out now; nothing at or above it is touched."""
-        storage = _CancellableReads(self.storage, self._cancel)
-        meta = json.loads(storage.read(f"{step_dir(newest)}/meta.json"))
-        num_layers = int(meta.get("num_layers", 0))
-        steps = sorted(list_steps(storage))
-        old = steps[: max(0, len(steps) - self.keep_last)]
-        if not old or not num_layers:
-            return
-        anchor = next((s for s in reversed(steps) if s > old[-1] and check_step(storage, s, num_layers) is None), None)
-        if anchor is None:
-            return  # no newer valid checkpoint: keep everything
-        for s in old:
-            reason = check_step(storage, s, num_layers)
-            if reason is None or reason.startswith("no meta.json"):
-                storage.delete_tree(step_dir(s))  # valid, or a write that never finished
-            else:
-                quarantine(storage, s, reason)
 
 
 def list_steps(storage: CheckpointStorage) -> list[int]:

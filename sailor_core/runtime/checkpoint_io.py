@@ -40,6 +40,7 @@ from sailor_core.errors import SailorError
 from sailor_core.models.tensor_parallel import SHARD_ATTR, shard
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime import memory_checkpoint
+from sailor_core.runtime.checkpoint_writer import AsyncCheckpointer
 from sailor_core.runtime.comm import Waiter
 from sailor_core.runtime.train_state import Progress, TrainState
 
@@ -79,7 +80,7 @@ class CheckpointIO:
     def __init__(self, uri: str | None, *, rank: int, device: torch.device, waiter: Waiter,
                  log: Callable[[str], None]) -> None:
         self.storage = ckpt.open_storage(uri) if uri else None
-        self.checkpointer = ckpt.AsyncCheckpointer(self.storage) if self.storage else None
+        self.checkpointer = AsyncCheckpointer(self.storage) if self.storage else None
         self.rank, self.device, self.waiter, self.log = rank, device, waiter, log
         self.saved_step = -1
         self.write_unconfirmed = False  # a background write started at the last checkpoint, not yet agreed done

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from sailor_core.models.config import TransformerConfig
 from sailor_core.runtime import checkpoint as ckpt
+from sailor_core.runtime.checkpoint_storage import CheckpointStorage
 from sailor_core.runtime.comm import Waiter
 from sailor_core.runtime.train_state import TrainState
 
@@ -51,7 +52,7 @@ NOTHING = Held(-1, 0, 0, ())
 class Writer:
     """Where and how this rank writes: the run's checkpoint storage, its rank, device, waits and log."""
 
-    storage: ckpt.CheckpointStorage | None
+    storage: CheckpointStorage | None
     rank: int
     device: torch.device
     waiter: Waiter

@@ -28,6 +28,8 @@ from sailor_core.models.safetensors_io import (
     write_safetensors_sharded,
 )
 from sailor_core.runtime import checkpoint as ckpt
+from sailor_core.runtime.checkpoint_storage import CheckpointStorage
+from sailor_core.runtime.checkpoint_writer import AsyncCheckpointer
 from sailor_core.uris import redact
 
 
@@ -44,7 +46,7 @@ def import_weights(cfg: TransformerConfig, weights_uri: str, checkpoint_uri: str
     if ckpt.list_steps(storage):
         raise SailorError(f"checkpoint folder {checkpoint_uri!r} already holds steps; to fix: import the weights into "
                           f"an empty --checkpoint-dir (or resume from the steps there without --init-weights)")
-    writer = ckpt.AsyncCheckpointer(storage)
+    writer = AsyncCheckpointer(storage)
     for i in range(cfg.num_layers):  # one layer in memory at a time, as the checkpoint's own writers do
         with torch.device("meta"):
             dims = param_shard_dims(_new_layer(cfg, i, TPContext.single()))
@@ -75,7 +77,7 @@ def export_weights(cfg: TransformerConfig, checkpoint_uri: str, out: str, step: 
     return step
 
 
-def _checked_step(cfg: TransformerConfig, storage: ckpt.CheckpointStorage, uri: str, step: int | None) -> int:
+def _checked_step(cfg: TransformerConfig, storage: CheckpointStorage, uri: str, step: int | None) -> int:
     if step is None:
         step = ckpt.latest_valid_step(storage, cfg.num_layers)
         if step is None:
