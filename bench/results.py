@@ -10,8 +10,8 @@ page from the records alone. tests/test_bench_results.py checks that the page is
 
 A bench that needs what this machine lacks is not run but recorded as skipped, with the reason: root
 for the local testbed's network namespaces and cgroups (`NEEDS`: bench_device_binding.py,
-bench_testbed_links.py, validate_testbed.py; `infra.testbed.testbed_support` says why), a CUDA GPU
-(cuda_layer_check.py, gpu_check.py); a skip never replaces the record of an earlier run. A bench that
+bench_semisync.py, bench_testbed_links.py, validate_testbed.py; `infra.testbed.testbed_support` says
+why), a CUDA GPU (cuda_layer_check.py, gpu_check.py); a skip never replaces the record of an earlier run. A bench that
 runs and opens a line with `skipped:` or `SKIP:` (and exits 0) is recorded as skipped with that line.
 Each bench runs in its own process group, killed when it outlives `--timeout` or on Ctrl-C. Exit
 status 1 when a bench failed or timed out (after writing the page), else 0.
@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 NEEDS = {  # what a bench needs beyond this project's venv; checked before it runs
     "bench_device_binding": "root",
+    "bench_semisync": "root",
     "bench_testbed_links": "root",
     "validate_testbed": "root",
     "cuda_layer_check": "gpu",
