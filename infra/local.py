@@ -39,6 +39,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import uuid
@@ -110,7 +111,6 @@ def prepare_vm_folder(folder: Path, vm: Vm, assignment: WorkerAssignment) -> dic
 
 def _deps_site() -> str:
     """This interpreter's site-packages: the testbed VMs' stand-in for an image with the dependencies."""
-    import sysconfig
 
     return sysconfig.get_paths()["purelib"]
 

@@ -21,7 +21,11 @@ Only the standard library (and sailor_core.errors); nothing here needs a cloud S
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -177,10 +181,6 @@ def poller_from_env(env: Mapping[str, str]) -> Poller | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import os
-    import subprocess
-    import sys
 
     ap = argparse.ArgumentParser(prog="python -m infra.metadata", description="watch interruption notices")
     ap.add_argument("--exec", dest="command", required=True, help="shell command to run on an imminent notice")

@@ -1,10 +1,10 @@
 """Which cloud provider the environment describes: `provider_from_env("aws" | "gcp", env=...)`.
 
-Contract: builds AwsProvider or GcpProvider (infra/aws, infra/gcp, imported only when named, so the
-other cloud's SDK is never loaded) from settings the caller's `env` holds; credentials come from the
-SDKs' own chains, never from here. An unknown name, or GCP without a project, is a one-line
-`ProviderError`. It sits above infra/cloud.py (the pieces both clouds share) and the two clouds, so
-none of them imports it back.
+Contract: builds AwsProvider or GcpProvider (infra/aws, infra/gcp, whose cloud SDKs are imported
+only when a provider is built, so the other cloud's SDK is never loaded) from settings the caller's
+`env` holds; credentials come from the SDKs' own chains, never from here. An unknown name, or GCP
+without a project, is a one-line `ProviderError`. It sits above infra/cloud.py (the pieces both
+clouds share) and the two clouds, so none of them imports it back.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from infra.aws import from_environment as aws_from_env
 from infra.cloud import EventSource
+from infra.gcp import from_environment as gcp_from_env
 from sailor_core.errors import ProviderError
 
 
@@ -39,7 +41,6 @@ def provider_from_env(
     """
     name = name.lower()
     if name == "aws":
-        from infra.aws import from_environment as aws_from_env
 
         regs = tuple(regions or _csv(env.get("SAILOR_AWS_REGIONS", "")) or DEFAULT_REGIONS["aws"])
         images = dict(kv.split("=", 1) for kv in _csv(env.get("SAILOR_AWS_IMAGE_IDS", "")) if "=" in kv)
@@ -50,7 +51,6 @@ def provider_from_env(
                             endpoint_url=env.get("SAILOR_AWS_ENDPOINT_URL") or None, event_source=event_source,
                             **extra)
     if name == "gcp":
-        from infra.gcp import from_environment as gcp_from_env
 
         project = env.get("SAILOR_GCP_PROJECT") or env.get("GOOGLE_CLOUD_PROJECT", "")
         if not project:

@@ -13,6 +13,7 @@ server's own API. Neither is used by the store itself.
 from __future__ import annotations
 
 import abc
+import ctypes
 import os
 import platform
 import shutil
@@ -25,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from datetime import timedelta
 from pathlib import Path
 from typing import Self
 from urllib.parse import quote
@@ -52,7 +54,6 @@ def _find_binary(name: str) -> str:
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the parent dies, however it died."""
-    import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
 
@@ -194,7 +195,6 @@ class LocalGcsServer(_Server):
         self._spawn(argv, "/storage/v1/b")
 
     def filesystem(self) -> pafs.GcsFileSystem:
-        from datetime import timedelta
 
         return pafs.GcsFileSystem(
             anonymous=True, endpoint_override=f"127.0.0.1:{self.port}", scheme="http",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import os
 import reprlib
@@ -157,7 +158,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse_json(text: str, *, source: str, error: ErrorType) -> Any:
     """JSON within the bounds of the contract; every problem is `error(one line)` naming `source`."""
-    import json
 
     try:
         data = json.loads(text, parse_float=_finite, parse_int=_whole, parse_constant=_no_constant,

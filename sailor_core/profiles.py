@@ -9,7 +9,7 @@ Contract: an immutable, in-memory bundle of domain values (no I/O). The store bu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sailor_core.domain import (
     EgressPrice,
@@ -141,7 +141,6 @@ def calibrated_book(book: ProfileBook, factors: Mapping[str, float]) -> ProfileB
     (through tasks.planning) and the trace replay both call this."""
     if not factors:
         return book
-    from dataclasses import replace
 
     scaled = {}
     for key, layers in book.layer_profiles.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from sailor_core.domain import ParallelPlan
+from sailor_core.models.config import get_config, model_spec
 from sailor_core.planner.risk import (
     CheckpointInterval,
     SpotRisk,
@@ -49,7 +50,6 @@ def notice_s(provider: str, given: float | None, scenario_graces: Iterable[float
 
 def writer_state_bytes(plan: ParallelPlan) -> int:
     """What the largest checkpoint writer holds: one TP rank's shard of its stage's layers."""
-    from sailor_core.models.config import get_config, model_spec
 
     tps = sorted({r.tp for st in plan.stages for r in st.replicas})
     return largest_shard_bytes(plan, model_spec(get_config(plan.model), tps))

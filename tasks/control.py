@@ -29,6 +29,20 @@ from collections.abc import Callable, Mapping, Sequence
 from infra.provider import Vm
 from sailor_core.domain import ParallelPlan
 from sailor_core.plan_format import plan_to_dict
+from sailor_core.runtime.protocol import (
+    ControlServer,
+    abort_key,
+    assign_generation,
+    heartbeat_key,
+    held_key,
+    loaded_key,
+    metrics_key,
+    release_key,
+    status_key,
+    stop_key,
+    vm_heartbeat_key,
+    worker_id,
+)
 from tasks.records import MetricRow
 
 # Each VM's worker processes as its agent reported them: {vm id: {worker id: pid, or None once exited}}.
@@ -81,7 +95,6 @@ def checkpoint_steps(checkpoint_uri: str, num_layers: int, *, retry_s: float | N
 
 class Controller:
     def __init__(self, *, host: str = "127.0.0.1") -> None:
-        from sailor_core.runtime.protocol import ControlServer
 
         self.server = ControlServer(host=host)
         self.endpoint, self.secret = self.server.endpoint, self.server.secret
@@ -99,7 +112,6 @@ class Controller:
         """Generation `version` of `plan` for every worker of `vms` ((VM id, devices, global ranks) each),
         with the workers' training `settings` (TrainSettings.to_dict()); returns the members in rank order.
         The generation holds at the scripted steps after `start_step` (up to `total_steps`)."""
-        from sailor_core.runtime.protocol import assign_generation
 
         self._devices.update({v: n for v, n, _ in vms})
         holds = tuple(s for s in self.hold_steps() if start_step < s <= total_steps)
@@ -110,7 +122,6 @@ class Controller:
 
     def held(self) -> tuple[int, int] | None:
         """(generation, step) when the newest generation's rank 0 holds at a step not yet released."""
-        from sailor_core.runtime.protocol import held_key, release_key
 
         gen = self.generation
         raw = self.server.get(held_key(gen)) if gen >= 0 else None
@@ -120,7 +131,6 @@ class Controller:
 
     def release(self, gen: int, step: int) -> None:
         """Let generation `gen` go on past `step`."""
-        from sailor_core.runtime.protocol import release_key
 
         self.server.set(release_key(gen, step), "released")
 
@@ -133,7 +143,6 @@ class Controller:
         self._devices.update({v.vm_id: max(v.gpus, 1) for v in vms})
 
     def heartbeats(self, vm_ids: list[str]) -> dict[str, float]:
-        from sailor_core.runtime.protocol import heartbeat_key, vm_heartbeat_key, worker_id
 
         # When a beat arrived, by this machine's clock (a VM's clock or a slow answer must not make it
         # late), from the agent or any of its workers: a VM is alive while any of them beats.
@@ -146,7 +155,6 @@ class Controller:
         return out
 
     def statuses(self, vm_ids: list[str], version: int) -> dict[str, str]:
-        from sailor_core.runtime.protocol import status_key, worker_id
 
         out = {}
         for v in vm_ids:
@@ -161,7 +169,6 @@ class Controller:
 
     def worker_pids(self, vm_ids: list[str]) -> WorkerPids:
         """Each VM's worker processes as its agent last reported them: {worker id: pid, or None if exited}."""
-        from sailor_core.runtime.protocol import vm_heartbeat_key
 
         out = {}
         for v in vm_ids:
@@ -173,7 +180,6 @@ class Controller:
 
     def loaded_from(self, version: int) -> dict[str, int]:
         """How the workers of generation `version` got their state: counts of memory / checkpoint / none."""
-        from sailor_core.runtime.protocol import loaded_key, worker_id
 
         counts: dict[str, int] = {}
         for v, n in self._devices.items():
@@ -189,7 +195,6 @@ class Controller:
         """Ask generation `version` to stop at its next step with a checkpoint (its workers go on to the
         next generation, state kept); a broken one (a member lost) is aborted instead. Waits until
         every member reported, or `timeout_s`; returns their statuses."""
-        from sailor_core.runtime.protocol import abort_key, status_key, stop_key
 
         self.server.set(abort_key(version) if broken else stop_key(version), "plan change")
         deadline = time.monotonic() + timeout_s
@@ -201,13 +206,11 @@ class Controller:
 
     def ready(self, vm_ids: list[str]) -> bool:
         """Whether every worker of these VMs has started (beats its heartbeat)."""
-        from sailor_core.runtime.protocol import heartbeat_key, worker_id
 
         return all(self.server.get(heartbeat_key(worker_id(v, i))) is not None
                    for v in vm_ids for i in range(self._devices.get(v, 1)))
 
     def metrics(self, version: int) -> list[MetricRow]:
-        from sailor_core.runtime.protocol import metrics_key
 
         rows = self._metrics.setdefault(version, [])
         for line in self.server.read_list(metrics_key(version), start=len(rows)):

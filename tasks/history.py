@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -323,7 +324,6 @@ class LeaseKeeper:
     `stop()` ends the thread (the lease then simply expires if the run is not marked final)."""
 
     def __init__(self, history: RunHistory, run_id: str, *, ttl_s: float = DEFAULT_LEASE_S) -> None:
-        import threading
 
         self.history, self.run_id, self.ttl_s = history, run_id, ttl_s
         self._stop = threading.Event()

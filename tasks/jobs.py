@@ -30,6 +30,7 @@ from typing import cast
 from infra.provider import Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import ParallelPlan, Replica
 from sailor_core.plan_format import plan_to_dict
+from sailor_core.simulator.core import place_nodes
 from tasks.control import Controller
 from tasks.records import MetricRow
 from tasks.runstate import RunState, build_wheel, project_root, publish_wheel
@@ -78,7 +79,6 @@ class Node:
 
 
 def nodes(plan: ParallelPlan) -> list[Node]:
-    from sailor_core.simulator.core import place_nodes
 
     ids = place_nodes(plan)
     groups: dict[int, list[Slot]] = {}

@@ -22,8 +22,10 @@ from dataclasses import replace
 from infra.provider import Vm
 from sailor_core.domain import Capacity, GpuPrice, Market, ParallelPlan, ResourcePool
 from sailor_core.errors import NoPlanError
-from sailor_core.planner.request import PlanRequest, PlanResult
+from sailor_core.planner import plan as planner_plan
+from sailor_core.planner.request import Constraints, PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook, calibrated_book
+from sailor_core.simulator import simulate
 from sailor_core.simulator.result import SimulationResult
 
 __all__ = [
@@ -69,14 +71,12 @@ def priced_book(book: ProfileBook, offerings: Sequence[Capacity]) -> ProfileBook
 
 
 def estimate(plan: ParallelPlan, book: ProfileBook) -> SimulationResult:
-    from sailor_core.simulator import simulate
 
     return simulate(plan, book)
 
 
 def run_planner(request: PlanRequest, book: ProfileBook) -> PlanResult:
     """The planner's answer to the request; NoPlanError (with the nearest miss) when nothing fits."""
-    from sailor_core.planner import plan as planner_plan
 
     result = planner_plan(request, book)
     if result.plan is None or result.estimate is None:
@@ -98,7 +98,6 @@ def chosen_plan(result: PlanResult) -> tuple[ParallelPlan, SimulationResult]:
 
 def plan_violations(est: SimulationResult, *, max_usd_per_iteration: float | None,
                     max_usd_per_hour: float | None, min_iterations_per_s: float | None) -> list[str]:
-    from sailor_core.planner.request import Constraints
 
     c = Constraints(max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
                     min_iterations_per_s=min_iterations_per_s)

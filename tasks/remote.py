@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from infra.provider import AgentExitCodes, Provider, Vm, VmRequest, WorkerAssignment
 from sailor_core.domain import Capacity
 from sailor_core.errors import Failure, SailorError
+from sailor_core.runtime.protocol import job_key
 from tasks.control import Controller
 from tasks.jobs import CodeRef
 from tasks.runstate import RunState, join
@@ -53,7 +54,6 @@ class VmCommands:
     def run(self, jobs: Sequence[tuple[Vm, Sequence[str]]], *, timeout_s: float = 900.0) -> dict[str, int]:
         """Run each command on its VM, all at once; returns each VM's exit status (`UNFINISHED` for one still
         running 5 s after another failed: a link's other end would wait for ever). Raises on a timeout."""
-        from sailor_core.runtime.protocol import job_key
 
         self._jobs += 1
         job = self.job = 1_000_000 + self._jobs  # job ids live beside plan versions; never the same number

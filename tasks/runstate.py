@@ -25,6 +25,7 @@ Contract (no Prefect here):
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import cast
 from urllib.parse import quote
 
+import sailor_core
 from sailor_core.errors import SailorError
 from sailor_core.files import private_dir
 from tasks.records import MetricRow
@@ -128,7 +130,6 @@ class TestbedObjectStore:
 
 
 def project_root() -> Path:
-    import sailor_core
 
     root = Path(sailor_core.__file__).resolve().parent.parent
     if not (root / "pyproject.toml").exists():
@@ -191,14 +192,12 @@ def publish_wheel(state: RunState, wheel: Path) -> tuple[str, str]:
 
 def flush_metrics(state: RunState, version: int, rows: Sequence[MetricRow]) -> None:
     """The per-step records of one plan version, as JSON lines under the run's state."""
-    import json
 
     state.write(f"metrics/v{version}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
 def _jsonl_rows(text: str) -> list[MetricRow]:
     """The step records of a JSON-lines text; a torn line is skipped."""
-    import json
 
     rows: list[MetricRow] = []
     for line in text.splitlines():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from infra.aws.prices import PriceListSource, SpotPriceHistorySource
 from infra.aws.provider import AwsConfig, AwsProvider, boto3_clients
 from infra.catalog import CatalogPriceSource, ChainedPriceSource, PriceSource, load_skypilot_file
 from infra.cloud import EventSource
@@ -20,7 +21,6 @@ def from_environment(
     regions: Sequence[str], *, catalog_csv: str | Path | None = None, endpoint_url: str | None = None,
     event_source: EventSource | None = None, **config: object,
 ) -> AwsProvider:
-    from infra.aws.prices import PriceListSource, SpotPriceHistorySource
 
     client_for = boto3_clients(endpoint_url=endpoint_url)
     sources: list[PriceSource] = [

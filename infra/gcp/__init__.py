@@ -12,6 +12,7 @@ from pathlib import Path
 
 from infra.catalog import ChainedPriceSource, PriceSource, load_skypilot_file
 from infra.cloud import EventSource
+from infra.gcp.prices import BillingCatalogSource, SkypilotGcpPriceSource, billing_fetcher
 from infra.gcp.provider import GceClients, GcpConfig, GcpProvider, gce_name
 
 __all__ = ["GceClients", "GcpConfig", "GcpProvider", "from_environment", "gce_name"]
@@ -21,7 +22,6 @@ def from_environment(
     project: str, regions: Sequence[str], *, catalog_csv: str | Path | None = None, endpoint: str | None = None,
     event_source: EventSource | None = None, live_prices: bool = True, **config: object,
 ) -> GcpProvider:
-    from infra.gcp.prices import BillingCatalogSource, SkypilotGcpPriceSource, billing_fetcher
 
     sources: list[PriceSource] = [BillingCatalogSource(billing_fetcher())] if live_prices else []
     if catalog_csv:

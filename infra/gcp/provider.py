@@ -31,6 +31,7 @@ Contract (the Provider protocol of infra/provider.py):
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -430,6 +431,5 @@ def _instance_type(inst: Any) -> str:
 
 
 def _json(obj: Any) -> str:
-    import json
 
     return json.dumps(obj)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from sailor_core.catalog import MODEL_ARCHITECTURES
 from sailor_core.domain import LayerSpec, ModelSpec
 from sailor_core.errors import SailorError, ValidationError
 
@@ -334,7 +335,6 @@ def model_spec(cfg: TransformerConfig, tp_degrees: tuple[int, ...] | list[int] =
 
 
 def _builtin() -> dict[str, TransformerConfig]:
-    from sailor_core.catalog import MODEL_ARCHITECTURES
 
     variants = {"OPT-350": "opt", "OPT-30": "opt", "GPT-Neo-2.7": "gpt-neo", "LLAMA-3-8": "llama"}
     out = {

@@ -30,6 +30,7 @@ from typing import Any
 
 from sailor_core.errors import SailorError
 from sailor_core.files import shown, umask
+from sailor_core.uris import filesystem_for, redact
 
 EXPORT_NAME = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json)$")
 
@@ -45,7 +46,6 @@ def _names(out: str) -> list[str]:
         return sorted(os.listdir(path)) if os.path.isdir(path) else []
     from pyarrow import fs as pafs
 
-    from sailor_core.uris import filesystem_for
 
     filesystem, root = filesystem_for(out)
     infos = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
@@ -54,7 +54,6 @@ def _names(out: str) -> list[str]:
 
 def check_export_target(flag: str, out: str) -> None:
     """Refuse a target an export cannot replace as a unit (see the contract)."""
-    from sailor_core.uris import redact
 
     if _is_local(out):
         path = out.removeprefix("file://")
@@ -111,7 +110,6 @@ def _swap_in(staging: str, target: str) -> None:
 
 
 def _remote_writer(out: str) -> Iterator[Callable[[str, bytes], None]]:
-    from sailor_core.uris import filesystem_for
 
     filesystem, prefix = filesystem_for(out)
     prefix = prefix.rstrip("/")

@@ -36,7 +36,8 @@ import os
 from typing import Any
 
 from sailor_core.errors import SailorError
-from sailor_core.models.config import TransformerConfig, register_config
+from sailor_core.models.config import TransformerConfig, get_config, register_config
+from sailor_core.uris import read_uri
 
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt_neox": "gpt-neox", "opt": "opt"}
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -252,7 +253,6 @@ def read_bytes(uri: str) -> bytes:
             raise SailorError(f"{path!r} does not exist; to fix: check the path")
         with open(path, "rb") as f:
             return f.read()
-    from sailor_core.uris import read_uri  # lazily: only object storage needs pyarrow
 
     return read_uri(uri)
 
@@ -278,6 +278,5 @@ def resolve_model(model: str | None, model_config: str | None, sequence_length: 
                           "--model-config config.json with it (a built-in model has its own length)")
     if not model:
         raise SailorError("no model given; to fix: pass --model NAME or --model-config config.json")
-    from sailor_core.models.config import get_config
 
     return get_config(model)

@@ -36,8 +36,11 @@ import torch
 
 from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig
+from sailor_core.models.export_target import export_writer
 from sailor_core.models.hf_config import hf_config_of, read_bytes
-from sailor_core.uris import redact
+from sailor_core.models.tensor_parallel import TPContext
+from sailor_core.models.torch_model import _new_layer
+from sailor_core.uris import filesystem_for, redact
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
@@ -109,8 +112,6 @@ def _names(cfg: TransformerConfig, index: int) -> dict[str, str]:
 
 def layer_shapes(cfg: TransformerConfig, index: int) -> dict[str, tuple[int, ...]]:
     """Full-layout parameter shapes of layer `index`, without allocating or initialising it."""
-    from sailor_core.models.tensor_parallel import TPContext
-    from sailor_core.models.torch_model import _new_layer
 
     with torch.device("meta"):
         return {n: tuple(p.shape) for n, p in _new_layer(cfg, index, TPContext.single()).named_parameters()}
@@ -346,7 +347,6 @@ def _folder_names(uri: str) -> list[str]:
         return [n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))]
     from pyarrow import fs as pafs
 
-    from sailor_core.uris import filesystem_for
 
     filesystem, root = filesystem_for(uri)
     infos = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
@@ -405,7 +405,6 @@ def write_safetensors_sharded(parts: Iterable[dict[str, torch.Tensor]], num_part
     is replaced as a unit, and a folder holding anything else is refused (sailor_core/models/export_target.py)."""
     from safetensors.torch import save
 
-    from sailor_core.models.export_target import export_writer
 
     names: list[str] = []
     weight_map: dict[str, str] = {}

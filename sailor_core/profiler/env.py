@@ -14,6 +14,7 @@ import socket
 from datetime import UTC, datetime
 from typing import Any
 
+from sailor_core.catalog import GPU_TYPES
 from sailor_core.domain import GpuType, Provenance
 from sailor_core.errors import SailorError
 
@@ -78,7 +79,6 @@ def provenance(tool: str, device: str, settings: dict[str, Any]) -> Provenance:
 
 def device_gpu_type(device: str, name: str) -> GpuType:
     """The `GpuType` of the device at hand, for a store that does not know `name` yet."""
-    from sailor_core.catalog import GPU_TYPES
 
     if name in GPU_TYPES:
         return GPU_TYPES[name]

@@ -42,6 +42,7 @@ import functools
 import math
 import resource
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
@@ -269,7 +270,6 @@ def _init_rank(
 
 def _timers(torch: ModuleType, cuda: bool, tp: int) -> tuple[_Timed, _Timed]:
     """(timer of work without collectives, timer of a layer): each runs fn() and returns (seconds, its result)."""
-    import time
 
     def timed(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
         if cuda:
@@ -306,7 +306,6 @@ class _CollectiveWaits:
 
     @staticmethod
     def install() -> _CollectiveWaits:
-        import time
 
         from sailor_core.models.tensor_parallel import set_wait
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
@@ -261,7 +263,6 @@ def _timed_steps(
     torch: ModuleType, dist: ModuleType, rank: int, cuda: bool
 ) -> tuple[tuple[str, Callable[[Tensor], float]], ...]:
     """(("p2p", one-way seconds of a ping-pong between ranks 0 and 1), ("ar", seconds of an all-reduce))."""
-    import time
 
     def sync() -> None:
         if cuda:
@@ -296,7 +297,6 @@ def _visit_sizes(storage: Tensor, sizes: list[int], done: Tensor,
                  steps: Sequence[tuple[str, Callable[[Tensor], float]]],
                  rules: dict[tuple[int, str], StopRule], spent: list[float], policy: RepeatPolicy) -> None:
     """One round-robin visit of every unfinished size: a warm-up then REPS_PER_VISIT timed reps of each step."""
-    import time
 
     for i, size in enumerate(sizes):
         if int(done[i]):
@@ -512,7 +512,6 @@ def measure_link(settings: NetworkSettings, *, rank: int, rendezvous: Any, key: 
     on `advertise_addr` and announces `tcp://addr:port` under `key`; rank 1 waits for it. `ends`:
     ((zone, gpu type) of rank 0, (zone, gpu type) of rank 1), the labels of the link.
     """
-    import socket
 
     if rank == 0:
         with socket.socket() as s:

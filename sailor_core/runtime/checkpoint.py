@@ -54,12 +54,12 @@ from sailor_core.runtime.checkpoint_storage import (
     PyArrowStorage,
     RetryingStorage,
 )
+from sailor_core.uris import redact
 
 
 def open_storage(uri: str, *, retry_s: float = STORAGE_RETRY_S) -> CheckpointStorage:
     """The storage of a checkpoint folder or URI; object storage retries transient errors (RetryingStorage)."""
     if "://" in uri and not uri.startswith("file://"):
-        from sailor_core.uris import redact
 
         try:
             inner = PyArrowStorage(uri)

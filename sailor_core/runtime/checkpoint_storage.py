@@ -21,6 +21,7 @@ import uuid
 from typing import Any, Protocol
 
 from sailor_core.errors import StorageUnavailable
+from sailor_core.uris import filesystem_for
 
 
 class CheckpointStorage(Protocol):
@@ -82,7 +83,6 @@ class PyArrowStorage:
     def __init__(self, uri: str):
         from pyarrow import fs as pafs
 
-        from sailor_core.uris import filesystem_for
 
         self._fs, self._root = filesystem_for(uri)
         self._pafs = pafs

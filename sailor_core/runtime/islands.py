@@ -32,6 +32,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,9 @@ import torch
 import torch.distributed as dist
 
 from sailor_core.errors import PeerLost
+from sailor_core.models.tensor_parallel import SHARD_ATTR, shard
 from sailor_core.runtime.outer_sync import OuterState, ring_allreduce
+from sailor_core.runtime.topology import layout
 from sailor_core.semisync import OuterSync
 
 QUORUM_S = 120.0  # how long an island waits at a boundary for islands that are not away
@@ -266,7 +269,6 @@ class IslandSync:
              meta: dict[str, Any]) -> bool:
         """The outer state of a checkpoint (`fulls`: full-layout layer states, `meta`: its meta.json),
         sharded for this rank; False when the checkpoint has none (the island then rejoins)."""
-        from sailor_core.models.tensor_parallel import SHARD_ATTR, shard
 
         st = self.state
         if "outer" not in meta:
@@ -333,7 +335,6 @@ def host_store(address: str, islands: Sequence[int], timeout_s: float = 60.0) ->
     """The run's island store, hosted by whoever drives the islands (the flow, the bench, a test): a
     TCPStore that listens on `address` only (it is unauthenticated: reachable only where the islands'
     ranks are), with `outer/islands` set. Returns (the store, "host:port" for IslandSettings.store)."""
-    import socket
 
     sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -377,7 +378,6 @@ def island_sync_for(settings: IslandSettings | None, *, plan: Any, me: Any, para
     part in the outer all-reduce (shard index = their position among pipeline 0's ranks)."""
     if settings is None:
         return None
-    from sailor_core.runtime.topology import layout
 
     lay = layout(plan)
     zero = [r.rank for r in lay if r.pipeline == 0]

@@ -32,13 +32,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from sailor_core.catalog import is_cpu_type
 from sailor_core.domain import ParallelPlan, PipelineBatch, Stage, split_batch
 from sailor_core.errors import TrainingFailed, ValidationError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.plan_format import plan_to_dict
+from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime import protocol
 from sailor_core.runtime.engine import TrainSettings
+from sailor_core.runtime.protocol import SECRET_ENV, ControlServer
 from sailor_core.runtime.topology import check_runnable, layout
 
 ABORT_GRACE_S = 15.0  # how long survivors get to report after a generation is aborted
@@ -110,9 +114,7 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
               on_event: Callable[[dict[str, Any]], None] | None = None, run_dir: str | None = None,
               max_generations: int = 4, python: str = sys.executable) -> RunResult:
     """Runs `plan` in local worker processes, generation after generation, until done (see the module)."""
-    import torch
 
-    from sailor_core.runtime.protocol import ControlServer
 
     cuda = torch.cuda.device_count()
     uses_gpus = any(not is_cpu_type(r.gpu_type) for st in plan.stages for r in st.replicas)
@@ -177,7 +179,6 @@ def run_local(plan: ParallelPlan, cfg: TransformerConfig, settings: TrainSetting
 
 def _worker_env(store: protocol.ControlServer) -> dict[str, str]:
     """The workers' environment: this one plus the control endpoint, the run's secret, one thread each."""
-    from sailor_core.runtime.protocol import SECRET_ENV
 
     return dict(os.environ, OMP_NUM_THREADS=os.environ.get("SAILOR_WORKER_THREADS", "1"),
                 SAILOR_CONTROL=store.endpoint, PYTHONUNBUFFERED="1", SAILOR_ADVERTISE_ADDR="127.0.0.1",
@@ -226,7 +227,6 @@ class _SignalForwarder:
 
 
 def _quarantine_invalid(checkpoint_uri: str, num_layers: int, emit: Callable[[dict[str, Any]], None]) -> None:
-    from sailor_core.runtime import checkpoint as ckpt
 
     _, skipped = ckpt.resume_point(ckpt.open_storage(checkpoint_uri), num_layers)
     for s in skipped:

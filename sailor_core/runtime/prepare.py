@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from sailor_core.errors import SailorError
+from sailor_core.files import write_atomic
+from sailor_core.models.hf_config import read_bytes
 from sailor_core.runtime.token_shards import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -102,7 +105,6 @@ def load_tokenizer(uri: str) -> tuple[Any, str]:
     """A tokenizer.json (path or URI, or the folder / prefix of a model holding one) and its digest."""
     from tokenizers import Tokenizer
 
-    from sailor_core.models.hf_config import read_bytes
 
     base, sep, query = uri.partition("?")
     if not base.endswith(".json"):  # a model's folder: its tokenizer.json
@@ -135,7 +137,6 @@ def _warn(progress: Callable[[dict[str, Any]], None] | None, message: str) -> No
     if progress is not None:
         progress({"kind": "warning", "message": message})
     else:
-        import warnings
 
         warnings.warn(message, stacklevel=3)
 
@@ -220,7 +221,6 @@ def _put(filesystem: Any, root: str, name: str, data: bytes) -> None:
     from pyarrow import fs as pafs
 
     if isinstance(filesystem, pafs.LocalFileSystem):
-        from sailor_core.files import write_atomic
 
         write_atomic("--out", f"{root}/{name}", data)
         return

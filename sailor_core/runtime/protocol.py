@@ -48,6 +48,7 @@ import contextlib
 import hmac
 import http.client
 import json
+import os
 import secrets
 import threading
 import time
@@ -439,7 +440,6 @@ def assign_generation(board: Any, gen: int, *, plan: dict[str, Any], settings: d
 
 def client_from_env(timeout_s: float = 30.0) -> ControlClient:
     """The run's controller as a VM's process sees it: $SAILOR_CONTROL and $SAILOR_RUN_SECRET."""
-    import os
 
     endpoint, secret = os.environ.get("SAILOR_CONTROL", ""), os.environ.get(SECRET_ENV, "")
     if not endpoint or not secret:

@@ -16,6 +16,8 @@ Contract:
 
 from __future__ import annotations
 
+import torch
+
 from sailor_core.errors import SailorError
 from sailor_core.models.config import TransformerConfig
 from sailor_core.models.safetensors_io import (
@@ -27,6 +29,8 @@ from sailor_core.models.safetensors_io import (
     read_safetensors,
     write_safetensors_sharded,
 )
+from sailor_core.models.tensor_parallel import TPContext
+from sailor_core.models.torch_model import _new_layer, param_shard_dims
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime.checkpoint_storage import CheckpointStorage
 from sailor_core.runtime.checkpoint_writer import AsyncCheckpointer
@@ -35,10 +39,7 @@ from sailor_core.uris import redact
 
 def import_weights(cfg: TransformerConfig, weights_uri: str, checkpoint_uri: str, seed: int = 0) -> int:
     """Write `weights_uri` as step 0 of the checkpoint at `checkpoint_uri`; returns the layers written."""
-    import torch
 
-    from sailor_core.models.tensor_parallel import TPContext
-    from sailor_core.models.torch_model import _new_layer, param_shard_dims
 
     tensors = read_safetensors(weights_uri)
     hf_to_layers(cfg, meta_tensors(tensors))  # every name and shape, before anything is read or written

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -36,6 +39,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
 
 from sailor_core.errors import PeerLost
 from sailor_core.models.config import config_from_dict, get_config
@@ -168,7 +172,6 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
 def _pg_store(a: dict[str, Any], client: ControlClient, gen: int) -> Any:
     """The rendezvous of one generation: a TCPStore that its rank 0 hosts on its own VM (as torchrun's
     master does), announced to the other ranks through the controller under `g<g>/rdv`."""
-    from torch.distributed import PrefixStore, TCPStore
 
     timeout = timedelta(seconds=float(a["settings"].get("timeout_s", 60)))
     rank, world = int(a["rank"]), int(a["world_size"])
@@ -188,7 +191,6 @@ def _listen_on(addr: str) -> int:
     listens on every interface, and the store is unauthenticated, so it must be reachable only at the
     address the job's peers use (loopback on one machine, the VM's private address on the testbed or
     a cloud). Returns the file descriptor, which the store owns from then on."""
-    import socket
 
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -390,8 +392,6 @@ def _abort_peers(ctl: _Control, gen: int, reason: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import faulthandler
-    import signal
 
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID` dumps every thread's stack
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
