@@ -11,6 +11,7 @@ import threading
 import time
 
 from sailor_core.runtime.protocol import ControlClient, ControlServer
+from tests.waits import hold_for
 
 
 def _burst(server: ControlServer, clients: int, rounds: int) -> list[str]:
@@ -69,7 +70,7 @@ def test_a_client_retries_while_the_controller_is_briefly_unreachable():
     holder: list[ControlServer] = []
 
     def start_later() -> None:
-        time.sleep(1.0)  # the outage being simulated, not a synchronisation
+        hold_for(1.0, "the controller's outage: nothing listens on its port")
         holder.append(ControlServer(port=port, secret="s" * 32))
 
     t = threading.Thread(target=start_later)

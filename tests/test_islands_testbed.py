@@ -29,6 +29,7 @@ from sailor_core.plan_format import plan_to_dict
 from sailor_core.runtime.islands import IslandSettings, host_store
 from sailor_core.runtime.protocol import SECRET_ENV, ControlServer, assign_generation, metrics_key, status_key
 from sailor_core.semisync import OuterSync
+from tests.waits import hold_for
 
 SUPPORTED, WHY = support_check()
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason=f"the testbed needs root: {WHY}")
@@ -122,12 +123,14 @@ def test_a_preemption_in_one_island_leaves_the_other_training(tmp_path: Path) ->
         _wait(lambda: max((r["step"] for r in a.steps()), default=0) >= 2 * H + 2, "island 0's steps", tmp_path)
         # the notice (its agent passes SIGUSR1 on: a just-in-time checkpoint), then the VM is taken away
         a.procs[1].send_signal(signal.SIGUSR1)
-        time.sleep(3.0)  # the notice's grace period
+        hold_for(3.0, "the notice's grace period")
         tb.remove_vm("a1")
         _wait(lambda: any(s and s.startswith("failed") for s in a.status(0)), "island 0 to lose its peer", tmp_path)
         lost_at = time.time()
         b_step_at_loss = max(r["step"] for r in b.steps())
-        time.sleep(8.0)  # the flow decides and hands out the smaller plan; island 1 trains on meanwhile
+        # the flow decides and hands out the smaller plan; island 1 trains on meanwhile, an outer round at least
+        _wait(lambda: sum(1 for r in b.steps() if r["time"] >= lost_at) >= 2 * H,
+              "island 1 to train an outer round on alone", tmp_path)
         a.settings = {**a.settings, "plan_version": 1}
         a.members[1] = assign_generation(a.server, 1, plan=plan_to_dict(_plan([_rep("eu-west", "eu")])),
                                          settings=a.settings, resume=True, vms=[("a0", 1, (0,))])

@@ -14,6 +14,7 @@ import threading
 import time
 
 from sailor_core.runtime.protocol import SECRET_HEADER, ControlClient, ControlServer
+from tests.waits import hold_for
 
 
 def _closed_within(sock: socket.socket, limit_s: float) -> float:
@@ -53,7 +54,8 @@ def test_a_client_that_trickles_its_request_is_cut_off_before_it_ends():
                     except OSError:
                         cut.set()
                         return
-                    time.sleep(0.2)
+                    if cut.wait(0.2):  # the pace of a slow client, until the server cuts it off
+                        return
 
             t = threading.Thread(target=trickle, daemon=True)
             t.start()
@@ -86,7 +88,7 @@ def test_real_clients_long_polls_and_kept_alive_connections_still_work():
         t0 = time.monotonic()
         assert client.get("late", wait_s=10.0) == "v"  # waited 2.5 s, past the 1 s client timeout
         assert time.monotonic() - t0 >= 2.0
-        time.sleep(2.0)  # the kept-alive connection idles past the timeout: the server closes it
+        hold_for(2.0, "the kept-alive connection idling past the timeout (the server closes it)")
         client.set("k", "1")  # and the client reopens it at once
         assert server.get("k") == "1"
         client.append("l", "a")

@@ -1,8 +1,9 @@
 """Waiting in tests: poll for the event a test waits for, with a deadline, never a fixed sleep.
 
 `wait_for(cond, timeout_s, what)` calls `cond` until it returns something true (and returns that), and
-fails the test with "timed out after N s waiting for WHAT" at the deadline. tests/test_waits.py checks
-that every `time.sleep` in tests/ is inside such a polling loop.
+fails the test with "timed out after N s waiting for WHAT" at the deadline. `hold_for(seconds, what)` is
+for what a test scripts as a duration, not a wait for an event: an outage, a grace period, a client left
+idle past a timeout. tests/test_waits.py checks that every `time.sleep` in tests/ is inside such a loop.
 """
 
 from __future__ import annotations
@@ -24,3 +25,10 @@ def wait_for(cond: Callable[[], T], timeout_s: float, what: str, *, every_s: flo
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(every_s)
+
+
+def hold_for(seconds: float, what: str) -> None:
+    """A scripted duration (`what`: the outage, grace period or idle time it stands for), held on the clock."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        time.sleep(min(0.05, max(0.0, until - time.monotonic())))
