@@ -128,3 +128,15 @@ def test_hostile_file_is_accepted_or_refused_with_one_line_within_10_s(tmp_path,
     assert "Traceback" not in p.stderr, (case, p.stderr[-1500:])
     assert len(lines) == 1 and lines[0].startswith("error: ") and "to fix" in lines[0], (case, p.stderr[-1500:])
     assert len(lines[0]) < 2000, (case, len(lines[0]), lines[0][:300])  # no unbounded value in the message
+
+
+def test_a_what_if_that_adds_an_absurd_count_is_refused_by_the_pool_limit():
+    from profiles_store.eth_easl import read_eth_easl
+    from sailor_core.errors import SailorError
+    from sailor_core.planner.pool import MAX_GPUS, apply_what_if, load_pool_file
+
+    book = read_eth_easl(PUBLISHED_DATA).profile_book("OPT-350")
+    pool = load_pool_file(HOSTILE / "pool" / "ok-small.yaml", book)
+    with pytest.raises(SailorError, match="more than 100,000"):
+        apply_what_if(pool, f"+{MAX_GPUS * 10**9} A100-40 in us-central1-a", book)
+    assert apply_what_if(pool, "+8 A100-40 in us-central1-a", book).entries[0].gpus == 16

@@ -298,6 +298,9 @@ def apply_what_if(pool: ResourcePool, change: str, book: ProfileBook) -> Resourc
         entries = list(pool.entries)
         for i, e in enumerate(entries):
             if (e.zone, e.gpu_type, e.market) == (zone, gpu, market):
+                if e.gpus + delta > MAX_GPUS:
+                    raise SailorError(f"what-if {shown(change)}: {e.gpus + delta:,} GPUs of one entry is more than "
+                                      f"{MAX_GPUS:,}; to fix: add fewer (limits: docs/formats.md)")
                 entries[i] = replace(e, gpus=max(0, e.gpus + delta))
                 return ResourcePool(entries=tuple(entries))
         if delta < 0:
