@@ -714,10 +714,7 @@ def _stop_without_prefect(run: _Run, why: str) -> NoReturn:
     """The Prefect server is lost (tasks/outage.py): every Prefect call would block, so the job is stopped here,
     without it. The agents are stopped (the workers checkpoint first), the steps and the outcome go to the run
     history, one line goes to stderr, and the process leaves with status 1."""
-    import sys
-
-    step = run.deps.board.max_step()
-    reason = f"{why}; the run stopped at step {step}"
+    reason = f"{why}; the run stopped"
     try:
         for thread in (run.pump, run.keeper):
             if thread is not None:
@@ -728,7 +725,8 @@ def _stop_without_prefect(run: _Run, why: str) -> NoReturn:
             merge_workers_metrics(run.state, {v: ctl.metrics(v) for v in ctl.metric_versions()})
         if run.job is not None:
             at = checkpoint_steps(run.state.checkpoints("flow"), run.job.num_layers)
-            reason += f", its checkpoint of step {at} kept at {run.state.checkpoints('public')}" if at else ""
+            reason += (f" with its checkpoint of step {at} kept at {run.state.checkpoints('public')}" if at else
+                       f" at step {run.deps.board.max_step()} with no checkpoint")
         run.ctx.history.run_status(run.run_id, RunStatus.FAILED, reason, run.ctx.summary(RunStatus.FAILED, run.t0))
         if ctl is not None:
             ctl.close()
@@ -737,8 +735,8 @@ def _stop_without_prefect(run: _Run, why: str) -> NoReturn:
     except BaseException as e:  # noqa: BLE001 - the line below still says what happened; the hooks clean up
         reason += f" (stopping it met: {type(e).__name__}: {e})"[:300]
     finally:
-        print(f"error: {reason}; to fix: start the Prefect server again and rerun with resume=true", file=sys.stderr,
-              flush=True)
+        # straight to the process's stderr: print() in a flow run goes to Prefect's logger (log_prints)
+        os.write(2, f"error: {reason}; to fix: start the Prefect server again and rerun with resume=true\n".encode())
         os._exit(1)
 
 

@@ -450,8 +450,8 @@ def ride_out(prefect: PrefectWatch, watch: _Watch, poll_s: float) -> None:
     controller, the provider sees its heartbeats through tasks/pump.py), and nothing here calls Prefect;
     returns once the server answers again, or hands the run to `prefect.on_lost` once it is lost."""
     log = get_run_logger()
-    log.warning("%s; training goes on, and stops with its checkpoint if the server is not back within %.0f s",
-                prefect.why(), prefect.outage_s)
+    log.warning("the Prefect server (%s) stopped answering; training goes on, and stops with its checkpoint if "
+                "the server is not back within %.0f s", prefect.health_url.removesuffix("/health"), prefect.outage_s)
     while prefect.state() == "down":
         watch.progress()  # heartbeats and steps, for the log and the stall check (no Prefect call while down)
         interrupt.check()
