@@ -31,6 +31,7 @@ from sailor_cli.options import (
     check_folder,
 )
 from sailor_core.errors import SailorError
+from sailor_core.units import clip, sig, usd
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SCENARIO = REPO / "scenarios" / "demo.yaml"
@@ -138,9 +139,9 @@ def _print(run: dict, left: list[str]) -> None:
     typer.echo(f"run {run['run_id']}: {run.get('status')} ({run.get('status_reason', '')})")
     for p in run["plans"]:
         est = p.get("estimate") or {}
-        reason = " ".join(str(p.get("reason", "")).split())[:160]
-        typer.echo(f"  plan v{p['version']}: {est.get('iteration_time_s', 0):.4f} s/it estimated, "
-                   f"{est.get('usd_per_hour', 0):.4f} USD/h  <- {reason}")
+        reason = clip(str(p.get("reason", "")), 160)  # cut at a word, never inside one
+        typer.echo(f"  plan v{p['version']}: {sig(est.get('iteration_time_s', 0))} s/it estimated, "
+                   f"{usd(est.get('usd_per_hour', 0))} USD/h  <- {reason}")
         for stage in (p.get("plan") or {}).get("stages", []):
             first, last = stage.get("layers", ["?", "?"])
             where = ", ".join(f"{x.get('gpu_type')} tp {x.get('tp', 1)} on a {x.get('gpus_per_node', 1)}-device "
@@ -148,14 +149,14 @@ def _print(run: dict, left: list[str]) -> None:
             typer.echo(f"    layers {first}-{last}: {where}")
     typer.echo("  events:")
     for e in run["events"]:
-        typer.echo(f"    {e['time'][11:23]} {e['kind']:<16} {str(e.get('reason', ''))[:150]}")
+        typer.echo(f"    {e['time'][11:23]} {e['kind']:<16} {clip(str(e.get('reason', '')), 150)}")
     typer.echo("  decisions:")
     for d in run["decisions"]:
-        typer.echo(f"    {d['time'][11:23]} {d['kind']:<7} {d['reason'][:220]}")
+        typer.echo(f"    {d['time'][11:23]} {d['kind']:<7} {clip(d['reason'], 220)}")
     for m in run["measurements"]:
         if m["kind"] == "iteration_time":
-            typer.echo(f"  measured vs estimated (plan v{m.get('plan_version')}): {m['measured_s']:.4f} s vs "
-                       f"{m['estimated_s']:.4f} s (x{m['ratio']:.2f})")
+            typer.echo(f"  measured vs estimated (plan v{m.get('plan_version')}): {sig(m['measured_s'])} s vs "
+                       f"{sig(m['estimated_s'])} s (x{m['ratio']:.2f})")
         if m["kind"] == "reconfiguration":
             typer.echo(f"  reconfiguration to plan v{m.get('plan_version')}: {m['reconfiguration_s']:.1f} s "
                        f"from the event to the first step")
@@ -164,6 +165,10 @@ def _print(run: dict, left: list[str]) -> None:
         typer.echo(f"  cluster: isolation {cluster.get('isolation')}, checkpoints {cluster.get('checkpoint_uri')}")
     for k in ("steps_done", "usd_total", "wall_s"):
         if k in run:
-            typer.echo(f"  {k}: {run[k]}")
+            typer.echo(f"  {k}: {usd(run[k]) if k == 'usd_total' else run[k]}")
     typer.echo(f"  processes left: {'none' if not left else left}")
     typer.echo(f"  details: sailor runs show {run['run_id']}")
+    if "final_loss" in run:  # the result last: what the run trained
+        loss = run.get("final_loss")
+        typer.echo(f"  result: {run.get('steps_done', 0)} steps, {int(run.get('tokens') or 0):,} tokens, final loss "
+                   f"{'-' if loss is None else f'{loss:.4f}'}")
