@@ -14,7 +14,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 120
 export PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW = ignore
 
-.PHONY: run test test-under-load lint bench clean
+.PHONY: run test test-fast test-under-load lint bench clean
 
 -include mk/deploy.mk
 
@@ -32,6 +32,22 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
+# The pure core in a few minutes: planner, simulator, store, formats, the decisions and the replay, and the
+# house checks (dependency rule, import circles, function length, waits, docs). No flow, worker or testbed:
+# `make test` runs those too. The brute-force optimality checks (test_planner_optimality.py) are left to it.
+FAST_TESTS ?= tests/test_planner.py tests/test_planner_crosszone.py tests/test_planner_goodput.py \
+	tests/test_planner_kernel.py tests/test_planner_markets.py tests/test_planner_shapes.py tests/test_planner_stages.py \
+	tests/test_simulator.py tests/test_simulator_network_fit.py tests/test_simulator_pipeline.py \
+	tests/test_simulator_schedule.py tests/test_simulator_validation.py \
+	tests/test_store_contract.py tests/test_store_backends.py tests/test_store_cli.py \
+	tests/test_domain.py tests/test_catalog.py tests/test_scenario.py \
+	tests/test_replay.py tests/test_decision_core.py tests/test_monitor_decisions.py tests/test_checkpoint_interval.py \
+	tests/test_errors.py tests/test_architecture.py tests/test_import_cycles.py tests/test_function_length.py \
+	tests/test_waits.py tests/test_docs.py
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(FAST_TESTS)
 
 # The suite beside load: HOGS CPU-burning processes for the whole time, RUNS full `make test` runs in a row;
 # each run's wall time and the load average are printed. The hogs end with the target, however it ends.
