@@ -19,13 +19,19 @@ from tests.paths import REPO
 from tests.waits import wait_for
 
 
-@pytest.fixture
-def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_results", REPO / "bench" / "results.py")
+def _runner(name: str) -> ModuleType:
+    """bench/results.py loaded as module `name` (its dataclasses look their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "results.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    mod = _runner("bench_results")
     benches = tmp_path / "bench"
     benches.mkdir()
     scripts = {
@@ -105,11 +111,7 @@ def test_one_bench_rerun_replaces_its_record_and_a_skip_keeps_an_earlier_run(res
 
 
 def test_the_page_in_the_tree_is_the_render_of_the_records():
-    spec = importlib.util.spec_from_file_location("bench_results_page", REPO / "bench" / "results.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    mod = _runner("bench_results_page")
     page = (REPO / "docs" / "results.md").read_text()
     assert page == mod.render(mod.load_records(), mod.benches([])), (
         "docs/results.md is not what bench/results.py renders from bench/records/; to fix: "
@@ -117,11 +119,7 @@ def test_the_page_in_the_tree_is_the_render_of_the_records():
 
 
 def test_the_real_bench_list_names_scripts_that_exist():
-    spec = importlib.util.spec_from_file_location("bench_results_real", REPO / "bench" / "results.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    mod = _runner("bench_results_real")
     every = mod.benches([])
     assert set(mod.NEEDS) <= set(every) and "results" not in every and "validate_testbed" in every
 
