@@ -49,7 +49,7 @@ from sailor_core.units import usd
 from tasks import interrupt
 from tasks.control import Controller, HeartbeatBoard, checkpoint_steps
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunEvent, RunHistory, RunStatus, new_run_id
-from tasks.jobs import CodeRef, ColdStart, Job, node_requests
+from tasks.jobs import CodeRef, ColdStart, Job, node_requests, ship_code
 from tasks.outage import DEFAULT_OUTAGE_S, PrefectWatch
 from tasks.planning import calibrated_book, chosen_plan, pool_from, priced_book
 from tasks.pump import ProviderPump
@@ -57,14 +57,11 @@ from tasks.records import RunSummary
 from tasks.remote import VmCommands
 from tasks.replay import job_of, what_if
 from tasks.reporting import Logger, ProgressBar, emit, publish_cost, publish_timeline
-from tasks.retention import KEEP_RUNS, prune_older_runs, prune_run, prune_wheel_cache
+from tasks.retention import KEEP_RUNS, prune_older_runs, prune_run
 from tasks.runstate import (
     RunState,
     TestbedObjectStore,
-    build_wheel,
     merge_workers_metrics,
-    project_root,
-    publish_wheel,
     state_for,
 )
 from tasks.steps import (
@@ -304,17 +301,6 @@ def _copy_checkpoints(src: RunState, dst: RunState) -> int:
     return n
 
 
-def _ship_code(deps: Deps) -> CodeRef:
-    """Build this checkout's wheel and put it beside the run's state, for every VM to install."""
-    if not deps.ship_wheel or deps.state is None:
-        return CodeRef()
-    cache = project_root() / "build" / "sailor-wheels"
-    wheel = build_wheel(cache)
-    prune_wheel_cache(cache, keep=wheel.parent)
-    url, sha = publish_wheel(deps.state, wheel)
-    return CodeRef(url=url, sha256=sha, extras=deps.provider.name if deps.provider.name in ("aws", "gcp") else "")
-
-
 @flow(name="sailor", log_prints=True, on_cancellation=[_cleanup_hook], on_crashed=[_cleanup_hook])
 @takes_params(SailorParams)
 def sailor(deps: Deps | None = None, **parameters: object) -> RunSummary:
@@ -516,7 +502,7 @@ def _first_plan(run: _Run) -> ParallelPlan:
         raise RuntimeError(f"provider {params.provider} offers no GPUs matching the request; "
                            f"to fix: allow more regions, GPU types or markets")
     gpu_set = sorted({o.gpu_type for o in offers if o.gpus > 0})
-    run.code = _ship_code(run.deps)
+    run.code = ship_code(run.deps.state, run.deps.provider.name, ship=run.deps.ship_wheel)
     run.controller = Controller(host=run.deps.controller_host)
     if isinstance(provider, ScriptedEvents):  # the workers hold at each scripted step until the provider saw it
         run.controller.hold_steps = lambda: provider.scripted_steps(run.run_id)

@@ -33,6 +33,7 @@ from sailor_core.plan_format import plan_to_dict
 from sailor_core.simulator.core import place_nodes
 from tasks.control import Controller
 from tasks.records import MetricRow
+from tasks.retention import prune_wheel_cache
 from tasks.runstate import RunState, build_wheel, project_root, publish_wheel
 
 
@@ -128,10 +129,14 @@ class CodeRef:
 
 def ship_code(state: RunState | None, provider: str, *, ship: bool = True) -> CodeRef:
     """This checkout as a wheel beside the run's `state`, for every VM of `provider` to install (an
-    empty CodeRef where nothing is shipped: `ship` False or no state; the VMs run what they have)."""
+    empty CodeRef where nothing is shipped: `ship` False or no state; the VMs run what they have).
+    The wheel cache keeps only this build (tasks/retention.py)."""
     if not ship or state is None:
         return CodeRef()
-    url, sha = publish_wheel(state, build_wheel(project_root() / "build" / "sailor-wheels"))
+    cache = project_root() / "build" / "sailor-wheels"
+    wheel = build_wheel(cache)
+    prune_wheel_cache(cache, keep=wheel.parent)
+    url, sha = publish_wheel(state, wheel)
     return CodeRef(url=url, sha256=sha, extras=provider if provider in ("aws", "gcp") else "")
 
 
