@@ -90,11 +90,10 @@ from tasks.jobs import Job, Progress, Switch, node_request, nodes, place
 from tasks.ledger import Ledger
 from tasks.planning import (
     NoPlanError,
-    calibrated_book,
+    book_now,
     chosen_plan,
     estimate,
     pool_from,
-    priced_book,
 )
 from tasks.records import CostTable, RunSummary
 from tasks.reporting import emit, publish_cost, publish_frontier, publish_plan, publish_timeline
@@ -359,7 +358,7 @@ def weigh(ctx: RunContext, job: Job, *, events: Sequence[ProviderEvent], calibra
     factors = ctx.calibration if calibration is None else calibrated_factors(
         ctx.calibration, calibration.ratio, {r.gpu_type for st in job.plan.stages for r in st.replicas})
     held = [v for v in job.vms if v.vm_id not in lost]
-    book = calibrated_book(priced_book(ctx.base_book, offers), factors)
+    book = book_now(ctx.base_book, offers, factors)
     current_est = estimate(job.plan, book)
     held_pool = pool_from([dataclasses.replace(o, gpus=0) for o in offers], held) if lost and held else None
     a = assess(Happened(kinds=kinds, step=step, gone=_gone(job.vms, lost)),

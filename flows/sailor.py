@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -44,6 +44,7 @@ from infra.provider import (
 from sailor_core.domain import Capacity, ParallelPlan, ResourcePool
 from sailor_core.errors import CapacityError, SailorError, StorageUnavailable
 from sailor_core.files import private_dir
+from sailor_core.planner.request import PlanResult
 from sailor_core.planner.risk import planning_checkpoint_interval
 from sailor_core.units import usd
 from tasks import interrupt
@@ -51,7 +52,7 @@ from tasks.control import Controller, HeartbeatBoard, checkpoint_steps
 from tasks.history import DEFAULT_LEASE_S, LeaseKeeper, RunEvent, RunHistory, RunStatus, new_run_id
 from tasks.jobs import CodeRef, ColdStart, Job, node_requests, ship_code
 from tasks.outage import DEFAULT_OUTAGE_S, PrefectWatch
-from tasks.planning import calibrated_book, chosen_plan, pool_from, priced_book
+from tasks.planning import book_now, calibrated_book, chosen_plan, pool_from
 from tasks.pump import ProviderPump
 from tasks.records import RunSummary
 from tasks.remote import VmCommands
@@ -511,8 +512,7 @@ def _first_plan(run: _Run) -> ParallelPlan:
     ctx.calibration = ctx.history.calibration(gpu_set)
     if ctx.calibration:
         get_run_logger().info("using online calibration from earlier runs: %s", ctx.calibration)
-    book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
-    result = make_plan(ctx.plan_request(pool_from(offers)), book)
+    result = _plan_now(ctx, offers)
     plan, est = chosen_plan(result)
     ctx.total_steps = params.total_steps(ctx.base_book.model.sequence_length)
     if isinstance(provider, ScriptedEvents):
@@ -568,6 +568,12 @@ def _record_cluster(run: _Run, what: str, *, at_teardown: bool = False) -> None:
         record(run.ctx.history.event, run.run_id, RunEvent.CLUSTER, what, payload)
 
 
+def _plan_now(ctx: RunContext, offers: Sequence[Capacity]) -> PlanResult:
+    """The planner's answer on what is offered now, priced and calibrated as the run knows it."""
+    assert ctx.base_book is not None
+    return make_plan(ctx.plan_request(pool_from(offers)), book_now(ctx.base_book, offers, ctx.calibration))
+
+
 def _provision_first(run: _Run) -> list[Vm]:
     """The first plan's VMs; a stockout between planning and renting plans again on what is offered."""
     ctx = run.ctx
@@ -575,10 +581,7 @@ def _provision_first(run: _Run) -> list[Vm]:
         try:
             return _provision_plan(run)
         except CapacityError as e:
-            offers = _offers(run)
-            assert ctx.base_book is not None
-            book = calibrated_book(priced_book(ctx.base_book, offers), ctx.calibration)
-            result = make_plan(ctx.plan_request(pool_from(offers)), book)
+            result = _plan_now(ctx, _offers(run))
             plan, est = chosen_plan(result)
             ctx.adopt_plan(plan, est, f"the first provisioning found less than planned ({e}); "
                                       f"planned again on what is offered now", result.frontier)

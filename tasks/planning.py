@@ -6,6 +6,7 @@ Contract (no Prefect): pure helpers around sailor_core's planner and simulator.
 - `priced_book(book, offerings)`: the book with the provider's current prices.
 - `calibrated_book(book, factors)` (from sailor_core.profiles): layer times of each GPU type scaled by its online
   correction (measured / estimated iteration time), so the next plan uses what this machine really does.
+- `book_now(book, offerings, factors)`: both, the book every plan of a run is made and priced with.
 - `run_planner(request, book)`: the planner's answer (a `PlanResult` with a plan), or `NoPlanError` with its
   nearest miss.
 - `chosen_plan(result)`: its plan and the simulator's estimate of it (a `SimulationResult`; the run
@@ -16,7 +17,7 @@ Contract (no Prefect): pure helpers around sailor_core's planner and simulator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from infra.provider import Vm
@@ -30,6 +31,7 @@ from sailor_core.simulator.result import SimulationResult
 
 __all__ = [
     "NoPlanError",
+    "book_now",
     "calibrated_book",
     "chosen_plan",
     "estimate",
@@ -60,6 +62,11 @@ def pool_from(offerings: Sequence[Capacity], held: Sequence[Vm] = ()) -> Resourc
             entries[k] = Capacity(zone=vm.zone, region=region, gpu_type=vm.gpu_type, gpus=vm.gpus, market=vm.market,
                                   usd_per_gpu_hour=vm.usd_per_hour / max(vm.gpus, 1), cloud=cloud or "local")
     return ResourcePool(entries=tuple(e for e in entries.values() if e.gpus > 0))
+
+
+def book_now(book: ProfileBook, offerings: Sequence[Capacity], factors: Mapping[str, float]) -> ProfileBook:
+    """The book to plan with now: the offerings' current prices, layer times scaled by the online calibration."""
+    return calibrated_book(priced_book(book, offerings), dict(factors))
 
 
 def priced_book(book: ProfileBook, offerings: Sequence[Capacity]) -> ProfileBook:
