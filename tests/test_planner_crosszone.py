@@ -88,7 +88,8 @@ def test_equal_gpus_in_two_regions_the_front_keeps_a_pipeline_in_one() -> None:
     assert dp is not None
     layers, states = dp
     ends = end_states(states, caps, None)
-    lb = Floor(reach=(0.0,) * 3, best=(1.0,) * 3, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0)
+    lb = Floor(options=(((1, 1.0),),) * 3, fill=(0.0,) * 2, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0,
+               gpus=8)
     pb = Problem(num_layers=3, global_batch_size=8, tokens_per_sample=1, slots=(), mbs_values=(1,), tp_values=(1,))
     got = {d: (front, extra) for d, front, extra in fronts(pb, Goal.of_problem(pb), ends, 1.0, 8, [2], lb,
                                                              lambda: math.inf)}
@@ -118,7 +119,8 @@ def test_a_path_that_sends_more_cheaply_to_what_follows_is_kept_though_slower_so
     assert set(ends) == {((1, 1), (0, 1), (1, 1)), ((0, 1), (1, 1), (1, 1))}
     assert ends[((1, 1), (0, 1), (1, 1))] == pytest.approx((3.0, 2.0))  # the keys' best: fastest compute
     assert ends[((0, 1), (1, 1), (1, 1))] == pytest.approx((3.2, 1.02))  # the best with sends
-    lb = Floor(reach=(0.0,) * 3, best=(1.0,) * 3, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0)
+    lb = Floor(options=(((1, 1.0),),) * 3, fill=(0.0,) * 2, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0,
+               gpus=8)
     pb = Problem(num_layers=3, global_batch_size=8, tokens_per_sample=1, slots=(), mbs_values=(1,), tp_values=(1,))
     (_, front, extra), = fronts(pb, Goal.of_problem(pb), end_states(states, caps, None), 1.1, 8, [1], lb,
                                 lambda: math.inf)

@@ -60,12 +60,9 @@ def test_the_sweeps_bound_is_never_above_the_exact_time_of_anything_it_prunes() 
         g_lo = [t * rng.uniform(0, 1) for t in tg]
         fill = [min(a + g, a_lo[b] + g_lo[b] + rng.uniform(0, 1) * (a + g - a_lo[b] - g_lo[b]))
                 for b, (a, g) in enumerate(zip(ta, tg, strict=True))]
-        reach = [0.0]
-        for b in range(p - 1):
-            reach.append(reach[-1] + best[b] + fill[b])
         opt = rng.uniform(0, 1)
-        lb = Floor(reach=tuple(reach), best=tuple(best), act=tuple([0.0] + a_lo), grad=tuple(g_lo + [0.0]),
-                    opt=opt, rate=1.0)
+        lb = Floor(options=tuple(((1, t),) for t in best), fill=tuple(fill), act=tuple([0.0] + a_lo),
+                   grad=tuple(g_lo + [0.0]), opt=opt, rate=1.0, gpus=64 * p)
         tau = max(f + b for f, b in zip(fs, bs, strict=True)) * rng.uniform(0.5, 1.0)
         dp = rng.choice([1, 2, 4, 8])
         m = -(-64 // dp)

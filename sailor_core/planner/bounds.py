@@ -17,16 +17,16 @@ caches of pure answers: they change what is computed, never a result.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import product
 
-from sailor_core.planner.costs import Costs
+from sailor_core.planner.costs import Costs, Slot
 from sailor_core.planner.estimate import BYTES_PER_GB, fwd_bwd, round_trip_usd_per_gb
 from sailor_core.planner.scoring import Goal
-from sailor_core.planner.shapes import Bounds, StageTable
+from sailor_core.planner.shapes import Bounds, StageTable, d_values
 from sailor_core.planner.space import Problem
-from sailor_core.simulator.schedule import lower_bound_1f1b
+from sailor_core.simulator.schedule import held_s, lower_bound_1f1b
 
 Kind = tuple[int, int]  # a stage's (slot index, tp)
 # The least (activation forward, gradient back) seconds across one boundary from a stage of the first
@@ -40,46 +40,120 @@ PairTolls = dict[tuple[Kind, Kind], float]  # empty: no egress across the bounda
 
 @dataclass(frozen=True)
 class Floor:
-    """Lower-bound terms of one (mbs, partition), stage by stage, for `schedule.lower_bound_1f1b`:
-    stage b is reached no earlier than `reach[b]` (the cheapest stages and sends before it, both
-    ways), computes m microbatches of at least `best[b]` and waits at least (m - 1) `act[b]` and
-    m `grad[b]` for its neighbours; `opt` is the least optimizer step that ends the iteration."""
+    """Lower-bound terms of one (mbs, partition), stage by stage, for `schedule.lower_bound_1f1b`.
 
-    reach: tuple[float, ...]
-    best: tuple[float, ...]
+    D pipelines share the pool's `gpus`: each gets gpus // D, so a stage may take a TP no larger than
+    its own least TP plus what the other stages' least TPs leave (`times`). With those, stage b is
+    reached no earlier than the cheapest stages and sends before it (both ways), computes m
+    microbatches of at least its cheapest time, waits at least (m - 1) `act[b]` and m `grad[b]` for its
+    neighbours, or idles while microbatches go down the stages and sends after it and back; `opt` is
+    the least optimizer step that ends the iteration, `ring` what stage 0's gradient ring adds after
+    its last backward."""
+
+    options: tuple[tuple[tuple[int, float], ...], ...]  # per stage: (TP, least seconds at it in any slot)
+    fill: tuple[float, ...]  # per boundary: the cheapest forward + back
     act: tuple[float, ...]  # the cheapest activation into stage b (0 for the first)
     grad: tuple[float, ...]  # the cheapest gradient into stage b (0 for the last)
     opt: float
     rate: float  # USD/hour of the cheapest GPUs per pipeline
+    gpus: int  # what the pool offers all pipelines
+    fluid: float = 0.0  # the least seconds the pool's GPUs take for every microbatch of every stage (`fluid_s`)
     pairs: tuple[PairSends, ...] = field(default=(), compare=False)  # per boundary: its sends floor per kind pair
-    memo: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
+    # the least time stage 0's gradient ring adds after its last backward, at D replicas (None: 0)
+    ring: Callable[[int], float] | None = field(default=None, compare=False, repr=False)
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
-    def at(self, m: int) -> tuple[float, float]:
-        """(the least wait of any stage, the largest bound of a stage at its cheapest time) at m
-        microbatches: the parts of the bound that do not depend on tau."""
-        v = self.memo.get(m)
+    @property
+    def best(self) -> tuple[float, ...]:
+        """Each stage's cheapest seconds per microbatch, whatever its TP."""
+        return tuple(min(t for _, t in opts) for opts in self.options)
+
+    def times(self, d: int) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None:
+        """(each stage's least seconds within D pipelines' GPU share, the reach of each stage, the tail
+        after it); None when the share is below the pipeline's least GPUs."""
+        extra = self.gpus // d - sum(opts[0][0] for opts in self.options)
+        if extra < 0:
+            return None
+        key = ("times", extra)
+        v = self.memo.get(key)
         if v is None:
-            waits = [(m - 1) * a + m * g + r for a, g, r in zip(self.act, self.grad, self.reach, strict=True)]
-            v = (min(waits), max(m * t + w for t, w in zip(self.best, waits, strict=True)))
-            self.memo[m] = v
-        return v
+            best = tuple(min(t for tp, t in opts if tp <= opts[0][0] + extra) for opts in self.options)
+            p = len(best)
+            reach, tail = [0.0] * p, [0.0] * p
+            for b in range(1, p):
+                reach[b] = reach[b - 1] + best[b - 1] + self.fill[b - 1]
+            for b in range(p - 2, -1, -1):
+                tail[b] = tail[b + 1] + best[b + 1] + self.fill[b]
+            v = self.memo[key] = (best, tuple(reach), tuple(tail))
+        return v  # type: ignore[return-value]
+
+    def slowest_at_least(self, d: int) -> float:
+        """The least bottleneck D pipelines can have within the pool's GPUs: the first threshold at which
+        every stage's smallest TP within it fits one pipeline in gpus // D; infinite when none does."""
+        need = self.memo.get("need")
+        if need is None:
+            need = self.memo["need"] = _need(self.options)
+        share = self.gpus // d
+        for tau, gpus in need:  # type: ignore[attr-defined]
+            if gpus <= share:
+                return float(tau)
+        return math.inf
+
+    def least_at(self, m: int, tau: float, d: int) -> float:
+        """The least pipeline time of D pipelines of m microbatches whose slowest stage computes at least
+        tau, every stage at least its cheapest time within the GPU share (`schedule.lower_bound_1f1b`'s
+        terms): some stage computes m x tau after its reach and beside its waits (which stage is not
+        known: the least over them), and each stage at its cheapest time adds its reach and the longer of
+        its waits and its idle (a stage's split of its time between forward and backward is not known:
+        halves hold the least idle, `schedule.held_s`)."""
+        key = ("at", d, m)
+        v = self.memo.get(key)
+        if v is None:
+            terms = self.times(d)
+            if terms is None:
+                v = (math.inf, math.inf)
+            else:
+                best, reach, tail = terms
+                p = len(best)
+                waits = [(m - 1) * a + m * g for a, g in zip(self.act, self.grad, strict=True)]
+                some = min(reach[b] + waits[b] for b in range(p))
+                every = max(reach[b] + m * best[b] + held_s(waits[b], tail[b], best[b] / 2, best[b] / 2, p - 1 - b, m)
+                            for b in range(p))
+                v = (some, every)
+            self.memo[key] = v
+        some, every = v  # type: ignore[misc]
+        return max(m * tau + some, every)
 
 
-def bound(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int]) -> float:
+# A split's bound counts stage 0's gradient ring only from this share of the cutoff up: a ring adds a few
+# percent, so far below the cutoff it prunes nothing and only costs its timing (algorithmic choice).
+RING_WORTH = 2.0
+
+
+def bound(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int], cutoff: float = math.inf) -> float:
     """A lower bound on the score of anything with compute bottleneck >= tau, at any D of d_list."""
-    return min(bounds_at(goal, tau, lb, n, d_list), default=math.inf)
+    return min(bounds_at(goal, tau, lb, n, d_list, cutoff), default=math.inf)
 
 
-def bounds_at(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int]) -> list[float]:
-    """`bound` at each D of d_list on its own."""
+def bounds_at(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int], cutoff: float = math.inf
+              ) -> list[float]:
+    """`bound` at each D of d_list on its own; stage 0's gradient ring counted only where the rest is below
+    `cutoff` (a bound at or above it prunes already) and within `RING_WORTH` of it."""
     out = []
     for d in d_list:
         m = -(-n // d)
-        # some stage computes at least tau per microbatch (which one is not known: the least of
-        # them), and every stage at least its cheapest time
-        least_wait, floor = lb.at(m)
-        t = lb.opt + max(m * tau + least_wait, floor)
-        out.append(goal.floor(t, d, lb.rate, budget=False))
+        # D pipelines share the pool's GPUs: the fewer each gets, the slower its TPs and its slowest stage
+        slowest = max(tau, lb.slowest_at_least(d))
+        if not math.isfinite(slowest):
+            out.append(math.inf)
+            continue
+        # stage 0 ends the pipeline (1F1B), then its gradient ring's last buckets and the optimizer step
+        t = lb.opt + max(lb.least_at(m, slowest, d), lb.fluid)
+        floor = goal.floor(t, d, lb.rate, budget=False)
+        # the ring tightens only a bound close to the cutoff: not worth timing far below it
+        if RING_WORTH * cutoff <= floor < cutoff and lb.ring is not None and d > 1:
+            floor = goal.floor(t + lb.ring(d), d, lb.rate, budget=False)
+        out.append(floor)
     return out
 
 
@@ -94,15 +168,20 @@ class LinkSends:
 
 
 class LinkFloors:
-    """Per (microbatch size, last layer before the boundary), computed once each: the `LinkSends`
-    over every pair of kinds, and the `PairSends` and `PairTolls` of each pair of kinds (its sends'
-    and its egress's floor wherever the placement puts the two stages: the least over the slots' zones)."""
+    """Per boundary, computed once per distinct message: the `LinkSends` over every pair of kinds, and
+    the `PairSends` and `PairTolls` of each pair of kinds (its sends' and its egress's floor wherever the
+    placement puts the two stages: the least over the slots' zones). A boundary is keyed by its
+    microbatch size and the message each TP sends across it: a transformer's blocks all send the same
+    activation, so most boundaries of a model share one answer. The answers depend on the slots' GPU
+    types, node shapes and zones, not on their GPU counts: searches of one request over parts of its
+    pool (each slot alone, what a plan leaves) share one `LinkFloors`."""
 
     def __init__(self, pb: Problem, costs: Costs) -> None:
         self._pb = pb
         self._costs = costs
-        self._memo: dict[tuple[int, int], tuple[LinkSends, PairSends]] = {}
-        self._tolls: dict[tuple[int, int], PairTolls] = {}
+        self._keys: dict[tuple[int, int], tuple[int, tuple[float, ...]]] = {}
+        self._memo: dict[tuple[int, tuple[float, ...]], tuple[LinkSends, PairSends]] = {}
+        self._tolls: dict[tuple[int, tuple[float, ...]], PairTolls] = {}
 
     def __call__(self, mbs: int, last: int) -> LinkSends:
         return self._of(mbs, last)[0]
@@ -112,38 +191,47 @@ class LinkFloors:
 
     def tolls(self, mbs: int, last: int) -> PairTolls:
         """The `PairTolls` of the boundary after layer `last` (empty where no pair of kinds pays egress)."""
-        v = self._tolls.get((mbs, last))
+        key = self._key(mbs, last)
+        v = self._tolls.get(key)
         if v is None:
-            v = self._tolls[(mbs, last)] = self._least_egress(mbs, last)
+            v = self._tolls[key] = self._least_egress(mbs, last)
         return v
+
+    def _key(self, mbs: int, last: int) -> tuple[int, tuple[float, ...]]:
+        k = self._keys.get((mbs, last))
+        if k is None:
+            c = self._costs
+            tps = sorted({ta for a in self._pb.slots for ta in self._pb.tp_values
+                          if ta <= a.gpus_per_node and c.profiled(a.gpu_type, mbs, ta)})
+            k = self._keys[(mbs, last)] = (mbs, tuple(c.boundary_bytes(tp, last, mbs) for tp in tps))
+        return k
+
+    def _ends(self, mbs: int, last: int) -> list[tuple[Slot, int, str, float]]:
+        """(slot, TP, zone, message bytes) of every profiled kind that fits a node, in each of its zones."""
+        c = self._costs
+        return [(a, ta, za, c.boundary_bytes(ta, last, mbs)) for a in self._pb.slots for ta in self._pb.tp_values
+                if ta <= a.gpus_per_node and c.profiled(a.gpu_type, mbs, ta) for za, _ in a.zones]
 
     def _least_egress(self, mbs: int, last: int) -> PairTolls:
         c = self._costs
-        ends = [(a.index, ta, za, c.boundary_bytes(ta, last, mbs))
-                for a in self._pb.slots for ta in self._pb.tp_values
-                if ta <= a.gpus_per_node and c.profiled(a.gpu_type, mbs, ta) for za, _ in a.zones]
         tolls: PairTolls = {}
-        for (a, ta, za, msg), (b, tb, zb, _) in product(ends, repeat=2):
-            key = ((a, ta), (b, tb))
+        for (a, ta, za, msg), (b, tb, zb, _) in product(self._ends(mbs, last), repeat=2):
+            key = ((a.index, ta), (b.index, tb))
             tolls[key] = min(tolls.get(key, math.inf), msg / BYTES_PER_GB * round_trip_usd_per_gb(c, za, zb))
         return tolls if any(tolls.values()) else {}
 
     def _of(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
-        v = self._memo.get((mbs, last))
+        key = self._key(mbs, last)
+        v = self._memo.get(key)
         if v is None:
-            v = self._memo[(mbs, last)] = self._cheapest(mbs, last)
+            v = self._memo[key] = self._cheapest(mbs, last)
         return v
 
     def _cheapest(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
         c = self._costs
-        # both ends range over every profiled (slot, tp) that fits a node, in each of the slot's zones;
-        # the sender's message is the activation after `last` at its TP
-        kinds = [(a, ta) for a in self._pb.slots for ta in self._pb.tp_values
-                 if ta <= a.gpus_per_node and c.profiled(a.gpu_type, mbs, ta)]
-        ends = [(a, ta, za, msg) for a, ta in kinds for msg in (c.boundary_bytes(ta, last, mbs),) for za, _ in a.zones]
         one = both = lo_f = lo_b = math.inf
         pairs: PairSends = {}
-        for (a, ta, za, msg), (b, tb, zb, _) in product(ends, repeat=2):
+        for (a, ta, za, msg), (b, tb, zb, _) in product(self._ends(mbs, last), repeat=2):
             # the estimate times a send with the pipelines that share a node's link (`costs.nic_share`:
             # up to a node's TP groups); a link's fit may give each flow more speed with more of them
             f, bk = math.inf, math.inf
@@ -159,26 +247,130 @@ class LinkFloors:
         return sends, pairs
 
 
-def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bounds, table: StageTable) -> Floor:
-    """The lower-bound terms of a split from its stage table: the cheapest compute per stage, every
-    boundary's cheapest message each way, the least optimizer step and the cheapest GPUs' price."""
+def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bounds, table: StageTable,
+             rings: RingTails | None = None) -> Floor:
+    """The lower-bound terms of a split from its stage table: each stage's least time per TP, every
+    boundary's cheapest message each way, the least optimizer step, the cheapest GPUs' price and the
+    least ring stage 0 adds."""
     p = len(bounds)
     slots = pb.slots
-    best_t = [min(t for row in table[s] for _, t in row) for s in range(p)]
+    options = []
+    for s in range(p):
+        least: dict[int, float] = {}
+        for row in table[s]:
+            for tp, t in row:
+                least[tp] = min(least.get(tp, math.inf), t)
+        options.append(tuple(sorted(least.items())))
     min_rate = [min(tp * slots[g].usd_per_gpu_hour for g, row in enumerate(table[s]) for tp, _ in row)
                 for s in range(p)]
     sends = [links(mbs, bounds[b][1]) for b in range(p - 1)]
-    reach = [0.0]
-    for b in range(p - 1):
-        reach.append(reach[-1] + best_t[b] + sends[b].fill)
     opt_lb = max(
         min(costs.optimizer_s(slots[g].gpu_type, mbs, tp, *bounds[s]) for g, row in enumerate(table[s])
             for tp, _ in row)
         for s in range(p)
     )
-    return Floor(reach=tuple(reach), best=tuple(best_t), act=tuple([0.0] + [x.forward for x in sends]),
+    caps = sum(sl.capacity for sl in slots)
+    kinds0 = tuple((g, tp) for g, row in enumerate(table[0]) for tp, _ in row)
+    tails = rings or RingTails(pb, costs)
+
+    def ring(d: int) -> float:
+        return tails.least(mbs, bounds[0], kinds0, d)
+
+    gpu_s = [[min((t * tp for tp, t in row), default=math.inf) for row in table[s]] for s in range(p)]
+    fluid = fluid_s(gpu_s, [sl.capacity for sl in slots], pb.max_gpus, pb.global_batch_size // mbs)
+    return Floor(options=tuple(options), fill=tuple(x.fill for x in sends), gpus=min(caps, pb.max_gpus or caps),
+                 fluid=fluid,
+                 ring=ring, act=tuple([0.0] + [x.forward for x in sends]),
                  grad=tuple([x.back for x in sends] + [0.0]), opt=opt_lb, rate=sum(min_rate),
                  pairs=tuple(links.pairs(mbs, bounds[b][1]) for b in range(p - 1)))
+
+
+def fluid_s(gpu_s: Sequence[Sequence[float]], caps: Sequence[int], max_gpus: int | None, n: int) -> float:
+    """A lower bound on the seconds the pool takes to compute n microbatches through every unit (a stage,
+    or a layer), whatever the plan: unit u costs gpu_s[u][g] GPU-seconds per microbatch on slot g (its
+    least time x TP), slot g offers caps[g] GPUs. Fluid relaxation (GPUs shared by the second, no
+    bubbles, messages or memory): with T seconds slot g offers T caps[g] GPU-seconds, so for any prices
+    y_g >= 0 with sum_g y_g caps[g] = 1, T >= n sum_u min_g y_g gpu_s[u][g] (weak duality). Prices
+    y_g proportional to 1 / (slot g's GPU-seconds for every unit) make it the pool's aggregate rate
+    when the slots' speed ratios are the same on every unit."""
+    caps = [min(c, max_gpus) if max_gpus is not None else c for c in caps]
+    # a slot's GPU-seconds over the units it can run (a unit that fits nowhere on it costs it nothing here:
+    # the prices must stay finite for the duality to hold)
+    whole = [sum(row[g] for row in gpu_s if math.isfinite(row[g])) for g in range(len(caps))]
+    weights = [c / w if c > 0 and w > 0 else 0.0 for c, w in zip(caps, whole, strict=True)]
+    total = sum(weights)
+    if total <= 0:
+        return 0.0
+    prices = [(1.0 / w) / total if c > 0 and w > 0 else 0.0 for c, w in zip(caps, whole, strict=True)]
+    return n * sum(min(y * c for y, c in zip(prices, row, strict=True)) for row in gpu_s)
+
+
+def _need(options: Sequence[Sequence[tuple[int, float]]]) -> tuple[tuple[float, int], ...]:
+    """(threshold, GPUs) for each stage time: the least GPUs one pipeline needs when each stage takes
+    its smallest TP whose time is within the threshold (GPUs never grow as thresholds do)."""
+    taus = sorted({t for opts in options for _, t in opts})
+    out: list[tuple[float, int]] = []
+    for tau in taus:
+        need = 0
+        for opts in options:
+            least = min((tp for tp, t in opts if t <= tau), default=0)
+            if not least:
+                break
+            need += least
+        else:
+            if not out or need < out[-1][1]:
+                out.append((tau, need))
+    return tuple(out)
+
+
+class DepthFloors:
+    """Lower bounds of whole stage counts, before any split is listed: a pipeline of P stages whose D
+    copies share the pool's G GPUs computes each microbatch in at least the sum over layers of their
+    fastest time (any slot, any TP) and, per stage, at least the larger of that sum / P and the layers'
+    least GPU-seconds / (G // D) (a stage's TP group holds its share of the GPU-seconds); 1F1B then
+    takes at least (m - 1) x that bottleneck + the sum. Memory and messages are left out (a bound)."""
+
+    def __init__(self, pb: Problem, costs: Costs, goal: Goal) -> None:
+        self._pb = pb
+        self._costs = costs
+        self._goal = goal
+        self._layers: dict[int, tuple[float, float, float, float]] = {}
+        caps = sum(s.capacity for s in pb.slots)
+        self._gpus = min(caps, pb.max_gpus or caps)
+
+    def _per_mbs(self, mbs: int) -> tuple[float, float, float, float]:
+        """(the layers' fastest seconds, their least GPU-seconds, the cheapest USD per GPU-hour, the pool's
+        fluid bound `fluid_s` over layers) at mbs."""
+        v = self._layers.get(mbs)
+        if v is None:
+            pb, c = self._pb, self._costs
+            kinds = [(s, tp) for s in pb.slots if s.capacity for tp in pb.tp_values
+                     if tp <= s.gpus_per_node and c.profiled(s.gpu_type, mbs, tp)]
+            fast = gsec = 0.0
+            per_slot = []
+            for layer in range(pb.num_layers):
+                times = [(c.compute(s.gpu_type, mbs, tp, layer, layer).total_s, tp, s.index) for s, tp in kinds]
+                fast += min((t for t, _, _ in times), default=math.inf)
+                gsec += min((t * tp for t, tp, _ in times), default=math.inf)
+                per_slot.append([min((t * tp for t, tp, g in times if g == s.index), default=math.inf)
+                                 for s in pb.slots])
+            price = min((s.usd_per_gpu_hour for s, _ in kinds), default=math.inf)
+            fluid = fluid_s(per_slot, [s.capacity for s in pb.slots], pb.max_gpus, pb.global_batch_size // mbs)
+            v = self._layers[mbs] = (fast, gsec, price, fluid)
+        return v
+
+    def floor(self, mbs: int, p: int) -> float:
+        """A score floor of every plan of p stages at microbatch size mbs."""
+        fast, gsec, price, fluid = self._per_mbs(mbs)
+        n = self._pb.global_batch_size // mbs
+        if not math.isfinite(fast) or self._gpus < p:
+            return math.inf
+        best = math.inf
+        for d in d_values(n, self._gpus // p):
+            slowest = max(fast / p, gsec / (self._gpus // d))
+            t = max((-(-n // d) - 1) * slowest + fast, fluid)
+            best = min(best, self._goal.floor(t, d, p * price, budget=False))
+        return best
 
 
 class SketchFloors:
@@ -186,12 +378,15 @@ class SketchFloors:
     the least over the slots' zones, wherever the placement puts them) and their gradient ring at its
     fastest; the terms that do not depend on D are kept per (mbs, bounds, kinds)."""
 
-    def __init__(self, pb: Problem, costs: Costs, goal: Goal, links: LinkFloors) -> None:
+    def __init__(self, pb: Problem, costs: Costs, goal: Goal, links: LinkFloors, rings: RingTails | None = None,
+                 shared: SketchFloors | None = None) -> None:
+        """`shared`: the floors of a search over the same slots, whose D-free terms these reuse."""
         self._pb = pb
         self._costs = costs
         self._goal = goal
         self._links = links
-        self._terms: dict[tuple[object, ...], SketchTerms] = {}
+        self._rings = rings or RingTails(pb, costs)
+        self._terms: dict[tuple[object, ...], SketchTerms] = shared._terms if shared is not None else {}
 
     def _fixed(self, mbs: int, bounds: Bounds, kinds: tuple[Kind, ...]) -> SketchTerms:
         """The D-free terms of a sketch's bound (`SketchTerms`)."""
@@ -239,14 +434,43 @@ class SketchFloors:
 
 
     def _ring_floor(self, mbs: int, bounds0: tuple[int, int], kind0: Kind, d: int, bwd0: float) -> float:
-        """The least time stage 0's gradient ring adds after its last backward (`dp_sync_end_s` - finish):
-        the ring on one zone of its slot, the fastest of them (zones differ in their measured links)."""
-        slot = self._pb.slots[kind0[0]]
-        least = math.inf
-        for zone, _ in slot.zones:
-            ar, ar_last, first_bwd = self._costs.dp_sync_terms(slot, kind0[1], ((zone, d),), mbs, *bounds0)
-            least = min(least, max(ar_last, ar - bwd0 + first_bwd))
-        return least
+        """The least time stage 0's gradient ring adds after its last backward (`ring_tail`)."""
+        return self._rings.least(mbs, bounds0, (kind0,), d, bwd0)
+
+
+class RingTails:
+    """`ring_tail` memoised per (microbatch size, stage 0's layers, its kinds, D): splits of every stage
+    count share their first stage's layers, and each sketch of a split its kinds."""
+
+    def __init__(self, pb: Problem, costs: Costs) -> None:
+        self._pb = pb
+        self._costs = costs
+        self._memo: dict[tuple[object, ...], float] = {}
+
+    def least(self, mbs: int, bounds0: tuple[int, int], kinds0: Sequence[Kind], d: int, bwd0: float | None = None
+              ) -> float:
+        """The least `ring_tail` over `kinds0` at D replicas."""
+        key = (mbs, bounds0, tuple(kinds0), d, bwd0)
+        v = self._memo.get(key)
+        if v is None:
+            v = self._memo[key] = min(ring_tail(self._pb, self._costs, mbs, bounds0, k, d, bwd0) for k in kinds0)
+        return v
+
+
+def ring_tail(pb: Problem, costs: Costs, mbs: int, bounds0: tuple[int, int], kind0: Kind, d: int,
+              bwd0: float | None = None) -> float:
+    """The least time stage 0's gradient ring of D replicas of `kind0` adds after its last backward
+    (`dp_sync_end_s` - finish; `bwd0`: the stage's backward, its compute without recomputation by default):
+    the ring on one zone of its slot, the fastest of them (zones differ in their measured links; a
+    cross-zone ring is slower)."""
+    slot = pb.slots[kind0[0]]
+    if bwd0 is None:
+        bwd0 = costs.compute(slot.gpu_type, mbs, kind0[1], *bounds0).backward_s
+    least = math.inf
+    for zone, _ in slot.zones:
+        ar, ar_last, first_bwd = costs.dp_sync_terms(slot, kind0[1], ((zone, d),), mbs, *bounds0)
+        least = min(least, max(ar_last, ar - bwd0 + first_bwd))
+    return least
 
 
 @dataclass(frozen=True)

@@ -511,7 +511,7 @@ def _widen_frontier(request: PlanRequest, problem: Problem, search: Search, cost
         if unconstrained and (other is request.objective or (
                 other is Objective.MIN_COST and request.objective is Objective.MIN_COST_PER_TOKEN)):
             continue  # the main search already covers this end
-        wide = Search(replace(problem, objective=other, constraints=Constraints()), costs)
+        wide = Search(replace(problem, objective=other, constraints=Constraints()), costs, shared=search)
         wide.run()
         search.state.points.extend(wide.state.points)
 

@@ -71,9 +71,8 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
     for mbs in mbs_values:
         for slots in pools:
             sub = Search(replace(pb, slots=slots, mbs_values=(mbs,), keep=keep, constraints=Constraints(),
-                                 objective=Objective.MAX_THROUGHPUT), search.costs)
-            sub.sweep(mbs, bounds)
-            for cand in sub.best():
+                                 objective=Objective.MAX_THROUGHPUT), search.costs, shared=search)
+            for cand in sub.run_split(mbs, bounds):
                 sk = cand.sketch
                 key = (sk.mbs, sk.kinds)
                 if key in out:

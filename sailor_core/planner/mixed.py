@@ -66,10 +66,9 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
                 Problem(num_layers=pb.num_layers, global_batch_size=pb.global_batch_size,
                         tokens_per_sample=pb.tokens_per_sample, slots=left, mbs_values=(mbs_b,),
                         tp_values=pb.tp_values, objective=pb.objective, max_gpus=max_gpus, keep=per_base),
-                search.costs,
+                search.costs, shared=search,
             )
-            sub.sweep(mbs_b, a.bounds)
-            for b_cand in sub.best()[:per_base]:
+            for b_cand in sub.run_split(mbs_b, a.bounds)[:per_base]:
                 b = b_cand.sketch
                 if (a, b) in seen:
                     continue

@@ -39,25 +39,72 @@ kinds) polish them.
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sailor_core.planner.assign import end_states, fronts, reconstruct, stage_options, usage_dp
-from sailor_core.planner.bounds import Floor, LinkFloors, SketchFloors, bounds_at, floor_of
+from sailor_core.planner.bounds import DepthFloors, Floor, LinkFloors, RingTails, SketchFloors, bounds_at, floor_of
 from sailor_core.planner.costs import Costs
 from sailor_core.planner.estimate import estimate
 from sailor_core.planner.placement import fill_variants, place
 from sailor_core.planner.scoring import SECONDS_PER_HOUR, Goal
-from sailor_core.planner.shapes import Bounds, StageTable, d_values, kind_changes, partitions, rebalanced, stage_table
+from sailor_core.planner.shapes import (
+    Bounds,
+    StageTable,
+    d_values,
+    kind_changes,
+    partitions,
+    rebalanced,
+    stage_table,
+)
 from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.planner.state import SearchState
+
+
+@dataclass(eq=False)
+class _Split:
+    """One (microbatch size, split) of the search and how far its bottleneck sweep has come: the
+    stage table, the lower-bound terms, the D values, the ascending thresholds and the next one's index."""
+
+    mbs: int
+    bounds: Bounds
+    table: StageTable
+    floor: Floor
+    n: int
+    d_list: list[int]
+    taus: list[float]
+    k: int = 0
+    at: list[float] | None = None  # the bound at each D of the next threshold (`bounds.bounds_at`)
+
+
+def _same_slots(a: Problem, b: Problem) -> bool:
+    """Whether two problems' slots are the same GPUs in the same zones, whatever their counts, and their
+    profiled TPs the same: what link and ring floors depend on."""
+    return a.tp_values == b.tp_values and len(a.slots) == len(b.slots) and all(
+        (x.index, x.gpu_type, x.gpus_per_node, x.region, x.zone_regions, x.usd_per_gpu_hour)
+        == (y.index, y.gpu_type, y.gpus_per_node, y.region, y.zone_regions, y.usd_per_gpu_hour)
+        and [z for z, _ in x.zones] == [z for z, _ in y.zones] for x, y in zip(a.slots, b.slots, strict=True))
+
+
+@dataclass(frozen=True)
+class _Depth:
+    """A microbatch size and stage count whose splits are not yet listed."""
+
+    mbs: int
+    p: int
 
 
 class Search:
     """One search over a problem's plan space: the steps composed, the state kept in `state`."""
 
-    def __init__(self, problem: Problem, costs: Costs, *, incumbent: float = math.inf) -> None:
+    def __init__(self, problem: Problem, costs: Costs, *, incumbent: float = math.inf,
+                 shared: Search | None = None) -> None:
         """`incumbent`: the best score another search of the same request found; the bounds prune
-        against it from the first sketch on (candidates must come within the tolerance of it)."""
+        against it from the first sketch on (candidates must come within the tolerance of it).
+        `shared`: a search of the same request over the same slots (their GPU counts may differ: a part
+        of the pool) whose memos of link, ring and sketch floors this one reuses."""
         self.problem = problem
         self.costs = costs
         self.goal = Goal.of_problem(problem)
@@ -65,8 +112,16 @@ class Search:
         self.state.incumbent = incumbent
         self._caps = tuple(s.capacity for s in problem.slots)
         self._total_gpus = min(sum(self._caps), problem.max_gpus or sum(self._caps))
-        self._links = LinkFloors(problem, costs)  # memo of each boundary's cheapest sends
-        self._floors = SketchFloors(problem, costs, self.goal, self._links)  # memo of each sketch's D-free terms
+        self._links: LinkFloors  # each boundary's cheapest sends
+        self._rings: RingTails  # stage 0's least gradient ring per D
+        self._floors: SketchFloors  # each sketch's D-free terms
+        if shared is not None and shared.costs is costs and _same_slots(shared.problem, problem):
+            self._links, self._rings = shared._links, shared._rings
+            self._floors = SketchFloors(problem, costs, self.goal, self._links, self._rings, shared._floors)
+        else:
+            self._links, self._rings = LinkFloors(problem, costs), RingTails(problem, costs)
+            self._floors = SketchFloors(problem, costs, self.goal, self._links, self._rings)
+        self._depths = DepthFloors(problem, costs, self.goal)  # bounds of whole stage counts
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
@@ -79,46 +134,88 @@ class Search:
             st.start_stage_counts()
             for p in range(pb.min_stages, max_p + 1):
                 for bounds, even in partitions(pb, self.costs, p, mbs):
-                    st.counters.configurations += 1
-                    st.round_fits |= self.sweep(mbs, bounds) and even
+                    sp = self._split(mbs, bounds)
+                    if sp is not None:
+                        self._sweep([sp])
+                    st.round_fits |= sp is not None and even
                 # Patience: deeper pipelines only add bubbles and sends once memory and GPU types
                 # are served (an even split fits: one packed to memory does not serve them, its first
                 # stages are crowded); stop after `patience` stage counts in a row that come nowhere near.
-                misses = st.end_round(pb.patience_slack)
+                misses = st.end_round(0.05)
                 if pb.patience and misses >= pb.patience:
                     break
         self.rebalance_pass()
         self.local_pass()
-        return st.best()
+        return self.state.best()
 
-    def sweep(self, mbs: int, bounds: Bounds) -> bool:
-        """The bottleneck sweep of one (microbatch size, split): ascending tau until the bound stops it.
-        False when some stage of the split fits in memory nowhere."""
-        pb, st = self.problem, self.state
+    def run_split(self, mbs: int, bounds: Bounds) -> list[Candidate]:
+        """The bottleneck sweep of one (microbatch size, split) alone, no polish: the best candidates on it."""
+        sp = self._split(mbs, bounds)
+        self._sweep([sp] if sp is not None else [])
+        return self.state.best()
+
+    def _split(self, mbs: int, bounds: Bounds) -> _Split | None:
+        """A split ready to sweep; None when some stage fits in memory nowhere or no D fits the pool."""
+        pb = self.problem
+        self.state.counters.configurations += 1
         table = stage_table(pb, self.costs, mbs, bounds)
         if table is None:
-            return False
+            return None
         n = pb.global_batch_size // mbs
-        lb = floor_of(pb, self.costs, self._links, mbs, bounds, table)
+        lb = floor_of(pb, self.costs, self._links, mbs, bounds, table, self._rings)
         min_gpus = sum(min(tp for row in stage for tp, _ in row) for stage in table)
         d_list = d_values(n, max(1, self._total_gpus // max(1, min_gpus)))
         if not d_list:
-            return True
+            return None
         slowest_best = max(lb.best)
         taus = sorted({t for stage in table for row in stage for _, t in row if t >= slowest_best})
-        # Merging thresholds only pays (and only risks) when there are many of them.
-        step = pb.tau_step if len(taus) > 48 else 0.0
-        for k, tau in enumerate(taus):
-            at = bounds_at(self.goal, tau, lb, n, d_list)
-            if min(at) >= st.cutoff:
-                st.counters.pruned += 1
-                break
-            # Thresholds within tau_step of the next one are covered by it (its options include
-            # theirs but for a TP the next one no longer needs): at most that much on the bottleneck.
-            if step and k + 1 < len(taus) and taus[k + 1] <= tau * (1 + step):
-                continue
-            self._assign(mbs, bounds, table, tau, n, [d for d, b in zip(d_list, at, strict=True) if b < st.cutoff], lb)
-        return True
+        return _Split(mbs=mbs, bounds=bounds, table=table, floor=lb, n=n, d_list=d_list, taus=taus)
+
+    def _bound(self, item: _Depth | _Split) -> float:
+        """The least score anything of a stage count, or of a split's thresholds not yet swept, can have."""
+        if isinstance(item, _Depth):
+            return self._depths.floor(item.mbs, item.p)
+        if item.k >= len(item.taus):
+            return math.inf
+        item.at = bounds_at(self.goal, item.taus[item.k], item.floor, item.n, item.d_list, self.state.cutoff)
+        return min(item.at, default=math.inf)
+
+    def _sweep(self, items: Sequence[_Depth | _Split]) -> None:
+        """Expand stage counts into their splits and sweep the splits' thresholds, best first (least lower
+        bound; a split's thresholds in ascending order), until the least bound left is at the cutoff:
+        nothing left can come within the tolerance of the incumbent."""
+        st = self.state
+        heap: list[tuple[float, int, _Depth | _Split]] = [(self._bound(x), i, x) for i, x in enumerate(items)]
+        heapq.heapify(heap)
+        seq = len(heap)
+        while heap and heap[0][0] < st.cutoff:
+            _, _, item = heapq.heappop(heap)
+            if isinstance(item, _Depth):
+                nxt = [sp for bounds, _ in partitions(self.problem, self.costs, item.p, item.mbs)
+                       if (sp := self._split(item.mbs, bounds)) is not None]
+            else:
+                self._step(item)
+                nxt = [item]
+            for x in nxt:
+                b = self._bound(x)
+                if b < st.cutoff:
+                    seq += 1
+                    heapq.heappush(heap, (b, seq, x))
+        st.counters.pruned += len(heap)
+
+    def _step(self, sp: _Split) -> None:
+        """The DP at the split's next threshold, then on to the one after (thresholds within
+        `Problem.tau_step` of the next are covered by it when a split has many)."""
+        pb, st = self.problem, self.state
+        tau = sp.taus[sp.k]
+        sp.k += 1
+        # Thresholds within tau_step of the next one are covered by it (its options include
+        # theirs but for a TP the next one no longer needs): at most that much on the bottleneck.
+        if len(sp.taus) > 48 and sp.k < len(sp.taus) and sp.taus[sp.k] <= tau * (1 + pb.tau_step):
+            return
+        at = sp.at if sp.at is not None else bounds_at(self.goal, tau, sp.floor, sp.n, sp.d_list)
+        self._assign(sp.mbs, sp.bounds, sp.table, tau, sp.n,
+                     [d for d, b in zip(sp.d_list, at, strict=True) if b < st.cutoff], sp.floor)
 
     def _assign(self, mbs: int, bounds: Bounds, table: StageTable, tau: float, n: int, d_list: list[int],
                 lb: Floor) -> None:

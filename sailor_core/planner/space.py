@@ -40,7 +40,6 @@ class Problem:
     exhaustive_partitions_up_to: int = 64
     keep: int = 24  # best candidates returned
     patience: int = 4  # stop adding stages after this many stage counts without a near-best plan (0: never)
-    patience_slack: float = 0.05  # "near-best": within 5% of the best score so far
     tp_options: int = 2  # per stage and slot, the DP tries the smallest TPs that meet tau, this many
     tau_step: float = 0.01  # bottleneck thresholds closer than this (relative) are swept as one
     # Lexicographic objectives: scores within this (relative) of the best are equally good, and the

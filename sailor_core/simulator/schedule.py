@@ -282,25 +282,43 @@ def lower_bound_1f1b(
 ) -> float:
     """A lower bound on `run_1f1b`: for every stage b,
 
-        T >= sum_{k<b} (F_k + act_k + grad_k + B_k) + n (F_b + B_b) + (n - 1) act_{b-1} + n grad_b
+        T >= sum_{k<b} (F_k + act_k + grad_k + B_k) + n (F_b + B_b) + max(waits_b, idle_b)
 
     Microbatch 0 reaches b after the forwards and sends before it; b then computes n forwards and
-    backwards; each of its n batches with its left neighbour (a receive or a mirror) lasts at least
-    that boundary's activation time after it is posted, one of them already counted in the reach,
-    and each of its n waited batches with its right neighbour at least the gradient's time; after
-    its last backward the gradient still crosses every boundary and stage below it."""
+    backwards, and after its last backward the gradient still crosses every boundary and stage below
+    it. Beside its compute, b is held at least max(waits_b, idle_b) (`held_s`): each of its n batches
+    with its left neighbour (a receive or a mirror) lasts at least that boundary's activation time
+    after it is posted, one of them already counted in the reach, and each of its n waited batches
+    with its right neighbour at least the gradient's time (waits_b); or, from the stages after it,
+    the time b idles while microbatch 0, and later microbatch n - 1, go down the rest of the pipeline
+    and back (idle_b)."""
+    p = len(fwd_s)
+    tail = [0.0] * p  # tail[b]: the stages after b and the sends between, both ways, for one microbatch
+    for b in range(p - 2, -1, -1):
+        tail[b] = tail[b + 1] + fwd_s[b + 1] + bwd_s[b + 1] + act_s[b] + grad_s[b]
     best = 0.0
     prefix = 0.0
-    p = len(fwd_s)
     for b in range(p):
-        t = prefix + n * (fwd_s[b] + bwd_s[b])
-        if b > 0:
-            t += (n - 1) * act_s[b - 1]
+        waits = (n - 1) * act_s[b - 1] if b > 0 else 0.0
         if b < p - 1:
-            t += n * grad_s[b]
+            waits += n * grad_s[b]
+        held = held_s(waits, tail[b], fwd_s[b], bwd_s[b], p - 1 - b, n)
+        best = max(best, prefix + n * (fwd_s[b] + bwd_s[b]) + held)
+        if b < p - 1:
             prefix += fwd_s[b] + bwd_s[b] + act_s[b] + grad_s[b]
-        best = max(best, t)
     return best
+
+
+def held_s(waits: float, tail: float, fwd: float, bwd: float, after: int, n: int) -> float:
+    """The least time a stage with `after` stages after it (and `tail` seconds of their compute and sends
+    for one microbatch, both ways) is held beside its n forwards and backwards: its neighbours' messages
+    (`waits`), or the idle 1F1B leaves it. Its first backward waits for microbatch 0 to go down the tail
+    and back, while it runs w = min(after, n - 1) more forwards; its last backward waits the same for
+    microbatch n - 1 after its last forward, while it runs w backwards. The two waits are apart when its
+    last forward comes after its first backward (n - 1 > after), else the longer one counts."""
+    w = min(after, n - 1)
+    first, last = max(0.0, tail - w * fwd), max(0.0, tail - w * bwd)
+    return max(waits, first + last if n - 1 > after else max(first, last))
 
 
 # -- DeepSpeed's pipeline engine (the published runs' framework) ---------------------------------------
