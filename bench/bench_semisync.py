@@ -1,17 +1,20 @@
 """Semi-synchronous islands against synchronous training on the testbed (issue 45).
 
-Builds the scenario's testbed (bench/bench_semisync.yaml: three regions, one VM of two devices each,
-25-50 Mbit/s between regions, fast links inside a zone; needs root), and a corpus that ships with
+Builds the scenario's testbed (bench/bench_semisync.yaml: three regions, one 1-device VM each, 25-50
+Mbit/s between regions, fast links inside a zone; needs root), and a corpus that ships with
 Python (pydoc_data's topics and the standard library's docstrings, every 25th docstring held out),
 with a BPE tokenizer trained on it by `tokenizers` and the token shards `sailor data prepare` writes.
 The model is a small Llama (config.json written here). Then, as the flow does on rented VMs:
 
-- profiles: layer times of the model on a VM of the device type (bound to its devices), the node's
-  link on the 2-device VM, and every zone pair's link, into a fresh store;
-- plans: (a) the planner's best synchronous plan over the scenario's VMs, (b) its best
-  semi-synchronous plan (`plan_with_sync`, --sync semi: islands per region, H by its rule), and
-  (c) the best synchronous plan over the same devices on a second testbed whose links are all fast
-  (the utilization reference; its links profiled there);
+- profiles: layer times of the model on every VM at once (each bound to its device, as the runs keep
+  every VM busy; per layer the median over the VMs), and every zone pair's link, into a fresh store;
+- plans: (a) the fastest synchronous plan over every VM (simulated: data parallel over all, or a
+  stage per region in every order and layer split), (a0) the planner's best synchronous plan, which
+  may leave VMs idle (timed over --a0-steps only: its gradients, so its loss, are (a)'s), (b) the
+  planner's best semi-synchronous plan (`plan_with_sync`, --sync semi: islands per region, H by its
+  rule or --inner-steps, --compression, --outer-lr, --outer-momentum), and (c) the planner's best
+  synchronous plan over the same devices on a second testbed whose links are all fast (the
+  utilization reference; its links profiled there);
 - runs: each trained --steps inner steps from the same initial weights on the same samples (global
   sample numbering; islands read their shares), right after a short round of layer profiles, from
   which, with the links measured before, the simulator predicts its tokens/s: nothing of the run
@@ -25,7 +28,7 @@ out/bench_semisync.png (training loss per token of each plan). The last line:
 
     semi_vs_sync=X utilization_pct=Y loss_gap_pct=Z bytes_ratio=W sim_err_pct=V
 
-semi_vs_sync: tokens/s of (b) over (a); utilization_pct: (b) over (c); loss_gap_pct: (b)'s held-out loss
+semi_vs_sync: tokens/s of (b) over the faster of (a) and (a0); utilization_pct: (b) over (c); loss_gap_pct: (b)'s held-out loss
 against (a)'s at the same tokens (signed: positive when (b) is higher); bytes_ratio: bytes across
 regions per token of (a) over (b); sim_err_pct: the largest simulator error of the three, signed.
 

@@ -109,9 +109,18 @@ class Quorum:
                         self.set_away(i, True)
                 value = json.dumps({"members": sorted(joined), "info": {str(i): j for i, j in joined.items()}})
                 self.store.compare_set(key, "", value)
-                self.store.compare_set("outer/decided", _get(self.store, "outer/decided") or "", str(v))
+                self._advance_decided(v)
                 continue  # read back whoever won
             self.sleep(POLL_S)
+
+    def _advance_decided(self, v: int) -> None:
+        """`outer/decided` becomes v unless it is there already or beyond (it never goes back)."""
+        while True:
+            cur = _get(self.store, "outer/decided") or ""
+            if cur and int(cur) >= v:
+                return
+            if bytes(self.store.compare_set("outer/decided", cur, str(v))).decode() == str(v):
+                return
 
     def wait_members(self, v: int, timeout_s: float) -> dict[str, Any]:
         """The decision of outer step v (for the ranks of an island other than its leader)."""
