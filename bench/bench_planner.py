@@ -49,8 +49,8 @@ from sailor_core.planner import (  # noqa: E402
     plan,
     summarize,
 )
-from sailor_core.planner.core import objective_value  # noqa: E402
 from sailor_core.planner.exhaustive import exhaustive_best  # noqa: E402
+from sailor_core.planner.verify import objective_value  # noqa: E402
 from sailor_core.simulator import simulate  # noqa: E402
 
 REFERENCE = REPO.parent / "shared" / "reference_data"
@@ -294,7 +294,7 @@ def _cheapest_within_tolerance() -> bool:
     """max-throughput picks the cheapest plan within 0.5% of the fastest, pipelines inside zones where that
     costs no speed and no money (GPT-Neo-2.7 on five zones of A100-40)."""
     from profiles_store.store import open_store
-    from sailor_core.planner.core import sim_options
+    from sailor_core.planner.verify import sim_options
     from sailor_core.simulator import simulate
     from tests.test_planner import _pipelines_in_zones
 

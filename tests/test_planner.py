@@ -25,10 +25,10 @@ from sailor_core.planner import (
     parse_pool,
     plan,
 )
-from sailor_core.planner.core import _problem as core_problem
-from sailor_core.planner.core import sim_options
+from sailor_core.planner.core import problem_of as core_problem
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.shapes import balanced_partition, uniform_partition
+from sailor_core.planner.verify import sim_options
 from sailor_core.simulator import simulate
 from sailor_core.simulator.model import model_for
 from tests.planner_fixtures import MODEL, tiny_book
@@ -451,8 +451,9 @@ def test_recomputation_stays_off_the_stages_that_fit_without_it(tmp_path: Path) 
 
 
 def test_the_search_estimates_recomputing_plans_as_the_simulator_runs_them(tmp_path: Path) -> None:
-    from sailor_core.planner.core import build_slots, materialize, recomputed_as
     from sailor_core.planner.search import Search
+    from sailor_core.planner.slots import build_slots
+    from sailor_core.planner.verify import materialize, recomputed_as
 
     opt30 = seed_book("OPT-30", tmp_path)
     pool = parse_pool({"zones": {"us-central1-a": {"gpus": {V: {"count": 128}}}}}, opt30)
@@ -516,29 +517,32 @@ def test_equally_fast_plans_go_to_the_cheaper_market() -> None:
     assert res.estimate.usd_per_hour < on_demand_only.estimate.usd_per_hour
 
 
-def test_lexicographic_choice_takes_the_cheapest_within_the_tolerance() -> None:
-    from sailor_core.planner.core import choose
+def test_the_choice_is_the_best_on_the_objective_and_a_near_plan_is_offered() -> None:
+    from sailor_core.planner.verify import Verified, choose, near_alternative
 
     def res(it_s: float, usd: float) -> Any:
         return SimpleNamespace(iteration_time_s=it_s, usd_per_iteration=usd)
 
-    fast = (1.000, "fast", res(1.000, 9.0))
-    close_cheap = (1.004, "close", res(1.004, 5.0))
-    far_cheaper = (1.010, "far", res(1.010, 1.0))
-    opts: list[Any] = [fast, close_cheap, far_cheaper]
-    def pick(objective: Objective, options: list[Any], tolerance: float) -> Any:
-        got = choose(objective, options, tolerance)
-        return None if got is None else got[1]
-
-    assert pick(Objective.MAX_THROUGHPUT, opts, 0.005) == "close"
-    assert pick(Objective.MAX_THROUGHPUT, opts, 0.0) == "fast"
-    # min cost: the fastest among the plans within 0.5% of the cheapest
-    cheap = (2.000, "cheap", res(9.0, 2.000))
-    cheap_fast = (2.009, "cheap-fast", res(3.0, 2.009))
-    dear_fast = (2.200, "dear-fast", res(1.0, 2.2))
-    by_cost: list[Any] = [cheap, cheap_fast, dear_fast]
-    assert pick(Objective.MIN_COST, by_cost, 0.005) == "cheap-fast"
-    assert pick(Objective.MIN_COST, [], 0.005) is None
+    fast = Verified(value=1.000, plan="fast", result=res(1.000, 9.0))  # type: ignore[arg-type]
+    close_cheap = Verified(value=1.004, plan="close", result=res(1.004, 5.0))  # type: ignore[arg-type]
+    far_cheaper = Verified(value=1.010, plan="far", result=res(1.010, 1.0))  # type: ignore[arg-type]
+    opts = [close_cheap, fast, far_cheaper]
+    got = choose(Objective.MAX_THROUGHPUT, opts)
+    assert got is not None and got.plan == "fast"  # the fastest, though a plan 0.4 % slower costs 44 % less
+    alt = near_alternative(Objective.MAX_THROUGHPUT, got, opts, 0.005)
+    assert alt is not None and alt.plan == "close"  # offered in the explanation, within the 0.5 % tolerance
+    assert near_alternative(Objective.MAX_THROUGHPUT, got, opts, 0.0) is None
+    # exact ties on the objective go to the other goal; min cost: the cheapest, ties to the fastest
+    twin = Verified(value=1.000, plan="twin", result=res(1.000, 8.0))  # type: ignore[arg-type]
+    got = choose(Objective.MAX_THROUGHPUT, [fast, twin])
+    assert got is not None and got.plan == "twin"
+    cheap = Verified(value=2.000, plan="cheap", result=res(9.0, 2.000))  # type: ignore[arg-type]
+    cheap_fast = Verified(value=2.009, plan="cheap-fast", result=res(3.0, 2.009))  # type: ignore[arg-type]
+    got = choose(Objective.MIN_COST, [cheap_fast, cheap])
+    assert got is not None and got.plan == "cheap"
+    alt = near_alternative(Objective.MIN_COST, got, [cheap, cheap_fast], 0.005)
+    assert alt is not None and alt.plan == "cheap-fast"
+    assert choose(Objective.MIN_COST, []) is None
 
 
 def _pipelines_in_zones(pl, pool):
@@ -567,10 +571,11 @@ def _pipelines_in_zones(pl, pool):
     )
 
 
-def test_max_throughput_keeps_pipelines_inside_zones_when_that_is_as_fast(tmp_path: Path) -> None:
+def test_a_plan_as_fast_with_pipelines_inside_zones_is_offered_beside_the_fastest(tmp_path: Path) -> None:
     # The issue's case: a 2.7B model on 5 A100 zones. Stage-major placement sent every pipeline's
     # activations across zones (egress 40% of the cost per iteration here); the same plan with whole
-    # pipelines per zone is as fast and pays no pipeline egress.
+    # pipelines per zone is within the tolerance of the fastest and pays no pipeline egress. The planner
+    # returns the fastest (the objective first) and names the in-zone plan, on its frontier and in words.
     neo = seed_book("GPT-Neo-2.7", tmp_path)
     zones: dict[str, dict] = {z: {"gpus": {A: {"count": 32}}} for z in
                               ("us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f", "us-west1-b")}
@@ -582,26 +587,24 @@ def test_max_throughput_keeps_pipelines_inside_zones_when_that_is_as_fast(tmp_pa
     req = PlanRequest(model="GPT-Neo-2.7", global_batch_size=1024, pool=pool,
                       options=SearchOptions(min_stages=2, max_stages=2))
     res = plan(req, neo)
-    fastest = plan(replace(req, options=replace(req.options, tolerance=0.0)), neo)
-    assert res.plan is not None and fastest.plan is not None and res.plan.num_stages >= 2
-    e, f = res.estimate, fastest.estimate
-    assert e.throughput_iterations_per_s >= f.throughput_iterations_per_s * (1 - 0.005)
-    assert e.usd_per_iteration <= f.usd_per_iteration
+    assert res.plan is not None and res.estimate is not None and res.plan.num_stages == 2
     # The premise, checked under the simulator: the fastest plan moved to whole pipelines per zone.
-    inside = _pipelines_in_zones(fastest.plan, pool)
+    inside = _pipelines_in_zones(res.plan, pool)
     assert inside is not None
     r_in = simulate(inside, neo, options=sim_options(pool, "fp32", "1f1b"))
     # (0.09 % slower when this was written; should the simulator come to price rings across zones above
     # the sends saved, the premise fails here, and the case needs a pool where it holds)
-    assert r_in.throughput_iterations_per_s >= f.throughput_iterations_per_s * (1 - 0.005), (
+    assert r_in.throughput_iterations_per_s >= res.estimate.throughput_iterations_per_s * (1 - 0.005), (
         "premise: whole pipelines per zone are within the 0.5 % tolerance of the fastest plan")
-    # a same-throughput plan keeps pipelines inside zones: the chosen one pays no pipeline egress
-    for j in range(res.plan.data_parallel):
-        assert len({st.replicas[j].zone for st in res.plan.stages}) == 1, f"pipeline {j} crosses zones"
-    assert e.usd_per_iteration <= r_in.usd_per_iteration * (1 + 1e-9)
-    assert e.usd_per_iteration < f.usd_per_iteration  # the egress the fastest plan's pipelines paid is saved
-    _assert_on_frontier(res)
-
+    # nothing on the frontier is faster than the chosen plan, and a cheaper one within the tolerance keeps
+    # every pipeline inside a zone
+    assert all(f.iterations_per_s <= res.estimate.throughput_iterations_per_s * (1 + 1e-9) for f in res.frontier)
+    near = [f for f in res.frontier if not f.chosen
+            and f.iterations_per_s >= res.estimate.throughput_iterations_per_s * (1 - 0.005)
+            and f.usd_per_iteration < res.estimate.usd_per_iteration]
+    assert near and any(all(len({st.replicas[j].zone for st in f.plan.stages}) == 1
+                            for j in range(f.plan.data_parallel)) for f in near)
+    assert "Within 0.5% of this throughput" in res.explanation
 
 def _assert_on_frontier(res) -> None:
     """The chosen plan is a point of the frontier shown, marked, and no frontier point beats it on both goals."""
@@ -628,10 +631,10 @@ def test_tied_head_exchange_is_billed_once_by_the_simulator_and_the_search(tmp_p
     the rings (tied_weights.TiedWeights.sync). The simulator bills it after the first and last stages' rings, with
     its egress, and the search's estimate composes the same term."""
     from sailor_core.planner import build_slots
-    from sailor_core.planner.core import materialize
     from sailor_core.planner.estimate import estimate
     from sailor_core.planner.placement import place
     from sailor_core.planner.space import Problem, Sketch
+    from sailor_core.planner.verify import materialize
 
     neo = seed_book("GPT-Neo-2.7", tmp_path)
     tied = replace(neo, model=replace(neo.model, tied_head=True))

@@ -22,12 +22,14 @@ from sailor_core.domain import ParallelPlan, Replica, Stage, split_batch
 from sailor_core.planner import PlanRequest, parse_pool, plan
 from sailor_core.planner.assign import end_states, fronts, reconstruct, usage_dp
 from sailor_core.planner.bounds import Floor, LinkFloors, SketchFloors, bound, floor_of
-from sailor_core.planner.core import _problem, build_slots, sim_options
+from sailor_core.planner.core import problem_of
 from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.estimate import estimate
 from sailor_core.planner.scoring import Goal
 from sailor_core.planner.shapes import bounds_from_cuts, stage_table
+from sailor_core.planner.slots import build_slots
 from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Problem, Sketch
+from sailor_core.planner.verify import sim_options
 from sailor_core.simulator import simulate
 from tests.planner_fixtures import multi_region_world
 
@@ -91,7 +93,7 @@ def test_equal_gpus_in_two_regions_the_front_keeps_a_pipeline_in_one() -> None:
     lb = Floor(options=(((1, 1.0),),) * 3, fill=(0.0,) * 2, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0,
                gpus=8)
     pb = Problem(num_layers=3, global_batch_size=8, tokens_per_sample=1, slots=(), mbs_values=(1,), tp_values=(1,))
-    got = {d: (front, extra) for d, front, extra in fronts(pb, Goal.of_problem(pb), ends, 1.0, 8, [2], lb,
+    got = {d: (front, extra) for d, front, extra, _ in fronts(pb, Goal.of_problem(pb), ends, 1.0, 8, [2], lb,
                                                              lambda: math.inf)}
     front, extra = got[2]
     # at D = 2 both (3, 0) (every stage in region A) and (2, 1) fit; they tie on compute and price,
@@ -122,7 +124,7 @@ def test_a_path_that_sends_more_cheaply_to_what_follows_is_kept_though_slower_so
     lb = Floor(options=(((1, 1.0),),) * 3, fill=(0.0,) * 2, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0,
                gpus=8)
     pb = Problem(num_layers=3, global_batch_size=8, tokens_per_sample=1, slots=(), mbs_values=(1,), tp_values=(1,))
-    (_, front, extra), = fronts(pb, Goal.of_problem(pb), end_states(states, caps, None), 1.1, 8, [1], lb,
+    (_, front, extra, _), = fronts(pb, Goal.of_problem(pb), end_states(states, caps, None), 1.1, 8, [1], lb,
                                 lambda: math.inf)
     assert [reconstruct(layers, k) for k in extra] == [((0, 1), (1, 1), (1, 1))]
 
@@ -153,7 +155,7 @@ def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int) -> N
     fill): never above the estimate's score."""
     book, req = multi_region_world(seed)
     slots = build_slots(req.pool)
-    pb = _problem(req, book, slots)
+    pb = problem_of(req, book, slots)
     costs = SimCosts(book)
     goal = Goal.of_problem(pb)
     links = LinkFloors(pb, costs)

@@ -121,7 +121,8 @@ def test_pool_file_rates_and_their_errors(tmp_path) -> None:
     with pytest.raises(PoolFileError) as e:
         parse_pool(bad, book)
     msg = str(e.value)
-    assert "preemptions_per_vm_hour: must be a number from 0 to 3600" in msg and "only spot capacity is preempted" in msg
+    assert "preemptions_per_vm_hour: must be a number from 0 to 3600" in msg
+    assert "only spot capacity is preempted" in msg
 
 
 def test_rates_and_reconfiguration_from_the_run_history() -> None:

@@ -12,10 +12,10 @@ import pytest
 
 from sailor_core.domain import Capacity, Market, ParallelPlan, PipelineBatch, Replica, ResourcePool, Stage
 from sailor_core.planner import PlanRequest, SearchOptions, build_slots, plan
-from sailor_core.planner.core import materialize, sim_options
 from sailor_core.planner.estimate import usd_per_hour
 from sailor_core.planner.placement import place
 from sailor_core.planner.space import Sketch
+from sailor_core.planner.verify import materialize, sim_options
 from sailor_core.simulator import simulate
 from tests.test_planner import seed_book
 

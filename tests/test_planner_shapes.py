@@ -113,10 +113,10 @@ def test_a_pipelines_line_has_the_cycle_of_its_slowest_stage_past_the_fill() -> 
     forward's overlap with the first one's way down: 0.126 s against 0.188 s here, and the planner
     gave the pipelines with a slow first stage too many microbatches."""
     from sailor_core.domain import Capacity, ParallelPlan, PipelineBatch, Replica, ResourcePool, Stage
-    from sailor_core.planner.core import build_slots
     from sailor_core.planner.costs import SimCosts
     from sailor_core.planner.estimate import linear_time, stage_times
     from sailor_core.planner.placement import place
+    from sailor_core.planner.slots import build_slots
     from sailor_core.simulator import simulate
     from tests.planner_fixtures import MODEL, tiny_book
 

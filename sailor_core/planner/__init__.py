@@ -8,7 +8,8 @@ parsed by `pool`. See docs/planner.md.
 """
 
 from sailor_core.errors import PoolFileError
-from sailor_core.planner.core import build_slots, materialize, plan, summarize
+from sailor_core.planner.core import plan
+from sailor_core.planner.explain import summarize
 from sailor_core.planner.pool import apply_what_if, load_pool_file, parse_pool, pool_to_dict
 from sailor_core.planner.request import (
     Constraints,
@@ -20,6 +21,8 @@ from sailor_core.planner.request import (
     SearchOptions,
     SearchStats,
 )
+from sailor_core.planner.slots import build_slots
+from sailor_core.planner.verify import materialize
 
 __all__ = [
     "Constraints",

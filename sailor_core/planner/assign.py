@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 from sailor_core.planner.bounds import Floor, PairSends, PairTolls, bound
 from sailor_core.planner.request import Objective
@@ -38,15 +39,56 @@ BY_KEYS = -1
 # (a world of tests/test_planner_optimality.py: 2.3 % short with the best alone). Only those their
 # sketch bound with sends lets through are estimated.
 WITH_SENDS = 4
-# A DP state's value: (primary, secondary, the state it came from, the (slot, tp) step taken, the
-# send floor of its path: each boundary's least sends between the kinds taken, forward + back)
+# A DP state's value, inside this module only (the inner loop builds millions: a plain tuple): (primary,
+# secondary, the state it came from, the (slot, tp) step taken, the send floor of its path: each
+# boundary's least sends between the kinds taken, forward + back)
 Value = tuple[float, float, State | None, tuple[int, int] | None, float]
-# (slot, tp, primary, secondary) of one choice for one stage
-Option = tuple[int, int, float, float]
-# (D that fits, primary, secondary, state, send floor) of one end state
-End = tuple[int, float, float, State, float]
-# (primary, secondary, state, send floor) of an end state eligible at some D
-Eligible = tuple[float, float, State, float]
+
+
+class Option(NamedTuple):
+    """One choice for one stage at a bottleneck: a slot and TP, with the objective's key and the other."""
+
+    slot: int
+    tp: int
+    primary: float
+    secondary: float
+
+
+class End(NamedTuple):
+    """An end state of the DP: how many copies (D) of its pipeline fit the pool, its keys, its send floor."""
+
+    copies: int
+    primary: float
+    secondary: float
+    state: State
+    sends: float
+
+
+class Eligible(NamedTuple):
+    """An end state eligible at some D: its keys, the state and its send floor."""
+
+    primary: float
+    secondary: float
+    state: State
+    sends: float
+
+
+class DP(NamedTuple):
+    """`usage_dp`'s answer: every stage's layer of states (for `reconstruct`) and the last one's."""
+
+    layers: list[dict[State, Value]]
+    last: dict[State, Value]
+
+
+class Picks(NamedTuple):
+    """What `fronts` yields at one D: the end states worth estimating, those `with_sends` adds, and every
+    eligible end state in key order (where a pick that cannot be placed or estimated makes way)."""
+
+    d: int
+    front: list[State]
+    with_sends: list[State]
+    ranked: list[State]
+    by_types: list[State] = []  # the best by the keys of each set of GPU types no other pick uses
 
 
 def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool) -> list[list[Option]] | None:
@@ -65,7 +107,7 @@ def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool)
             fit = [(tp, t) for tp, t in cand if t <= tau][: pb.tp_options]
             for tp, t in fit:
                 price = tp * slots[g].usd_per_gpu_hour
-                opts.append((g, tp, t if speed_first else price, price if speed_first else t))
+                opts.append(Option(g, tp, t if speed_first else price, price if speed_first else t))
         if not opts:
             return None
         options.append(opts)
@@ -75,7 +117,7 @@ def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool)
 def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends] = (),
              speed_first: bool = True, max_gpus: int | None = None, live: Sequence[int] | None = None,
              tolls: Sequence[PairTolls] = (), toll_rate: float = 0.0
-             ) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
+             ) -> DP | None:
     """(every stage's layer of the DP, its last layer): per state, the best value, the state and step
     that reached it and its path's send floor (`sends[b]`: boundary b's least sends between two
     kinds, `bounds.LinkFloors.pairs`); None if none fits.
@@ -102,11 +144,11 @@ def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[P
     toll = _Tolls(tolls, toll_rate)
     keyed = _keys_track(options, caps, sends, lambda u: _copies(u, caps, max_gpus) >= least, toll)
     if keyed is None or not sends:
-        return keyed
+        return None if keyed is None else DP(*keyed)
     extra = _sends_track(options, caps, sends, speed_first, _send_limits(keyed[1], caps, max_gpus, live, speed_first),
                          toll)
     layers = [{**a, **b} for a, b in zip(keyed[0], extra + [{}] * (len(keyed[0]) - len(extra)), strict=True)]
-    return layers, layers[-1]
+    return DP(layers, layers[-1])
 
 
 def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends],
@@ -124,7 +166,7 @@ def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequenc
         for key, (p1, p2, _, _, w), row, priced in _with_rows(states, link, opts, s, toll):
             u = key[0]
             for (g, tp, x1, x2), dw in zip(priced, row, strict=True):
-                if u[g] + tp > caps[g]:
+                if u[g] + tp > caps[g] or dw == math.inf:  # no room, or no link between the kinds anywhere
                     continue
                 q1, q2, qw = p1 + x1, p2 + x2, w + dw
                 used = u[:g] + (u[g] + tp,) + u[g + 1 :]
@@ -168,7 +210,7 @@ def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequen
         for key, (p1, p2, _, _, w), row, priced in _with_rows(states, link, opts, s, toll):
             u = key[0]
             for (g, tp, x1, x2), dw, c in zip(priced, row, classes, strict=True):
-                if u[g] + tp > caps[g]:
+                if u[g] + tp > caps[g] or dw == math.inf:  # no room, or no link between the kinds anywhere
                     continue
                 q1, q2, qw = p1 + x1, p2 + x2, w + dw
                 used = u[:g] + (u[g] + tp,) + u[g + 1 :]
@@ -285,7 +327,7 @@ class _Tolls:
         if last is None or not self.tolls or not s or not self.tolls[s - 1]:
             return opts
         t = self.tolls[s - 1]
-        return [(g, tp, x1 + t[(last, (g, tp))] * self.rate, x2) for g, tp, x1, x2 in opts]
+        return [Option(g, tp, x1 + t[(last, (g, tp))] * self.rate, x2) for g, tp, x1, x2 in opts]
 
 
 def _with_rows(states: dict[State, Value], link: PairSends | None, opts: list[Option], s: int = 0,
@@ -313,7 +355,7 @@ def end_states(states: dict[State, Value], caps: Sequence[int], max_gpus: int | 
     """(D-capacity, primary, secondary, state, send floor) of each end state, most copies first then best value."""
     ends = []
     for key, (p1, p2, _, _, w) in states.items():
-        ends.append((_copies(key[0], caps, max_gpus), p1, p2, key, w))
+        ends.append(End(_copies(key[0], caps, max_gpus), p1, p2, key, w))
     ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
     return ends
 
@@ -334,7 +376,7 @@ def reconstruct(layers: list[dict[State, Value]], end: State) -> tuple[tuple[int
 
 
 def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list: Sequence[int], lb: Floor,
-           cutoff: Callable[[], float]) -> Iterator[tuple[int, list[State], list[State]]]:
+           cutoff: Callable[[], float]) -> Iterator[Picks]:
     """Yields (D, the end states worth estimating at D, those `with_sends` adds beyond them), largest
     D first, each D only while the bound (against `cutoff()` read at that moment: estimates of earlier
     D move it) does not rule it out."""
@@ -345,7 +387,7 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
     i = 0
     for d in reversed(d_list):
         while i < len(ends) and ends[i][0] >= d:
-            e = (ends[i][1], ends[i][2], ends[i][3], ends[i][4])
+            e = Eligible(ends[i][1], ends[i][2], ends[i][3], ends[i][4])
             picks.add(e)
             if e[2][1] == BY_KEYS:
                 bisect.insort(keyed, e)
@@ -361,7 +403,26 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
             m = -(-n // d)
             ranked = sorted(keyed, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2][0], d, m, tau), e))
             front += [e[2] for e in _distinct(ranked)[:2]]
-        yield d, front, [u for u in picks.states() if u not in front]
+        yield Picks(d, front, [u for u in picks.states() if u not in front], [e[2] for e in keyed],
+                    _by_types(pb, keyed, front))
+
+
+def _by_types(pb: Problem, keyed: Sequence[Eligible], taken: Sequence[State]) -> list[State]:
+    """The best end state by the keys (`keyed` is in key order) of each set of GPU types that the states
+    in `taken` do not use: the keys favour the fastest (or cheapest) GPUs, whose plans may still fail or
+    lose once placed (a type linked to the others in one zone only), and a larger pool must not lose
+    the best plan of the types a smaller one had (the DP's best path per usage is the same in both)."""
+    def types(u: Usage) -> frozenset[str]:
+        return frozenset(pb.slots[g].gpu_type for g, n in enumerate(u) if n)
+
+    seen = {types(u[0]) for u in taken}
+    out = []
+    for e in keyed:
+        t = types(e[2][0])
+        if t not in seen:
+            seen.add(t)
+            out.append(e[2])
+    return out
 
 
 class _SendPicks:

@@ -11,8 +11,9 @@ planner and every report. Every answer is memoised, so the search pays each ques
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from sailor_core.domain import Market, Replica
 from sailor_core.errors import MissingProfileError
@@ -21,8 +22,14 @@ from sailor_core.simulator import StageCompute, StageMemory, model_for
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import bucket_counts
 
-# One market's GPUs in one zone: (zone, market, GPUs, USD per GPU-hour).
-Offer = tuple[str, Market, int, float]
+
+class Offer(NamedTuple):
+    """One market's GPUs in one zone of a slot that pools markets."""
+
+    zone: str
+    market: Market
+    gpus: int
+    usd_per_gpu_hour: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +112,7 @@ class Slot:
         for z, mk, count, price in self.offers:
             take = min(count, left.get(z, 0))
             left[z] = left.get(z, 0) - take
-            offers.append((z, mk, count - take, price))
+            offers.append(Offer(z, mk, count - take, price))
         return replace(self, zones=tuple((z, n - used.get(z, 0)) for z, n in self.zones), offers=tuple(offers))
 
     def usable(self, gpus: int, tp: int) -> int:
@@ -149,6 +156,8 @@ class Costs(Protocol):
 
     def grad_bytes(self, tp: int, first: int, last: int) -> float: ...
 
+    def linked(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> bool: ...
+
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float: ...
 
     def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
@@ -180,7 +189,7 @@ class SimCosts:
         self._sync: dict[tuple[object, ...], tuple[float, float, float]] = {}
         self._tied: dict[tuple[object, ...], tuple[float, float]] = {}
         self._replicas: dict[tuple[object, ...], Replica] = {}
-        self.missing: set[str] = set()  # network profiles the search wanted and the store lacks
+        self._linked: dict[tuple[object, ...], bool] = {}
 
     def profiled(self, gpu: str, mbs: int, tp: int) -> bool:
         return self.book.has_layers(gpu, mbs, tp)
@@ -256,11 +265,28 @@ class SimCosts:
             # Consecutive stages sit on different nodes (ranks are laid out stage by stage).
             try:
                 v = self.sm.boundary_p2p_s(ra, rb, message_bytes, same_node=False, share=share)
-            except MissingProfileError as e:
-                # No measured link between these GPUs/zones: that boundary is not an option.
-                self.missing.add(e.what)
+            except MissingProfileError:
+                # No measured link between these GPUs/zones: that boundary is not an option (`link_gaps`).
                 v = (math.inf, math.inf)
             self._p2p[key] = v
+        return v
+
+    def linked(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> bool:
+        """Whether the book has a network profile between a GPU of `a` in `zone_a` and one of `b` in
+        `zone_b` (either way, at some GPU count: `SimModel`'s lookup)."""
+        key = (a.gpu_type, a.gpus_per_node, zone_a, b.gpu_type, b.gpus_per_node, zone_b)
+        v = self._linked.get(key)
+        if v is None:
+            ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=1, gpus_per_node=a.gpus_per_node,
+                         region=a.region_of(zone_a))
+            rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=1, gpus_per_node=b.gpus_per_node,
+                         region=b.region_of(zone_b))
+            try:
+                self.sm.boundary_p2p_s(ra, rb, 1e6, same_node=False)
+                v = True
+            except MissingProfileError:
+                v = False
+            self._linked[key] = v
         return v
 
     def grad_bytes(self, tp: int, first: int, last: int) -> float:
@@ -282,8 +308,7 @@ class SimCosts:
                          region=b.region_of(zone_b))
             try:
                 t = self.sm.tied_sync_s(ra, rb, same_node=False)
-            except MissingProfileError as e:
-                self.missing.add(e.what)
+            except MissingProfileError:
                 t = math.inf
             v = (t, gb)
             self._tied[key] = v
@@ -302,8 +327,7 @@ class SimCosts:
         if v is None:
             try:
                 v = self._ring(slot, tp, layout, grad_bytes)
-            except MissingProfileError as e:
-                self.missing.add(e.what)
+            except MissingProfileError:
                 v = math.inf
             self._ar[key] = v
         return v
@@ -388,6 +412,25 @@ class SimCosts:
 
     def egress_usd_per_gb(self, zone_a: str, zone_b: str) -> float:
         return self.book.egress_usd_per_gb(zone_a, zone_b)
+
+
+def link_gaps(slots: Sequence[Slot], costs: SimCosts) -> tuple[str, ...]:
+    """The links between the slots' GPUs (each GPU type in each of its zones, both ways) that have no
+    network profile, in words: the placements that would need them are not options (a value of the pool
+    and the book, whatever the search looked at)."""
+    ends = sorted({(s.gpu_type, z, s.index) for s in slots for z, n in s.zones if n > 0})
+    by_slot = {s.index: s for s in slots}
+    seen: set[tuple[str, str, str, str]] = set()
+    out = []
+    for i, (ga, za, sa) in enumerate(ends):
+        for gb, zb, sb in ends[i:]:
+            key = (ga, za, gb, zb)
+            if key in seen:
+                continue
+            seen.add(key)
+            if not costs.linked(by_slot[sa], za, by_slot[sb], zb):
+                out.append(f"{ga} in {za} <-> {gb} in {zb}")
+    return tuple(out)
 
 
 def nic_share(slot_a: Slot, tp_a: int, layout_a: Layout, zone_a: str, slot_b: Slot, tp_b: int, layout_b: Layout,

@@ -14,7 +14,7 @@ where a GPU type is offered in several regions, the same over slots that pool it
 Activation recomputation is the planner's space too (`SearchOptions.recompute`): "never", plans as
 they are; "always", every stage recomputing; "auto", the plans as they are when any of them fits in
 memory, and otherwise each plan with its stages recomputing exactly where they do not fit without
-(`core.recomputed_as`), as the planner's second pass searches.
+(`verify.recomputed_as`), as the planner's second pass searches.
 No pruning, no bounds: slow by design, for tests and benchmarks on pools of a few GPUs.
 """
 
@@ -25,19 +25,13 @@ from dataclasses import replace
 from itertools import combinations, product
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
-from sailor_core.planner.core import (
-    build_slots,
-    materialize,
-    objective_value,
-    recomputed_as,
-    sim_options,
-    spans_regions,
-)
 from sailor_core.planner.costs import SimCosts, Slot
 from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import PlanRequest
 from sailor_core.planner.shapes import bounds_from_cuts
+from sailor_core.planner.slots import build_slots, spans_regions
 from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Sketch
+from sailor_core.planner.verify import materialize, objective_value, recomputed_as, sim_options
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
 

@@ -36,7 +36,7 @@ from typing import Any
 from sailor_core.domain import ResourcePool
 from sailor_core.errors import ValidationError
 from sailor_core.planner.core import plan as plan_sync
-from sailor_core.planner.core import summarize
+from sailor_core.planner.explain import summarize
 from sailor_core.planner.request import Objective, PlanRequest, PlanResult
 from sailor_core.profiles import ProfileBook
 from sailor_core.semisync import (

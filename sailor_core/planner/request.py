@@ -140,9 +140,9 @@ class SearchOptions:
     # about doubles the search time. The CLI turns it on for --frontier-png and --wide-frontier.
     wide_frontier: bool = False
     frontier_points: int = 24
-    # Lexicographic objectives: plans within this (relative) of the best on the objective are equally
-    # good, and the other goal picks among them: the cheapest (egress included) of the plans within
-    # 0.5% of the best throughput, the fastest of those within 0.5% of the lowest cost (0: exact ties only).
+    # The search keeps candidates within this (relative) of its best estimate for the simulator to decide
+    # between; the plan returned is the best on the objective, and the explanation names a plan within this
+    # of it that is better on the other goal (cheaper under max throughput, faster under the cost objectives).
     tolerance: float = 0.005
     precision: str = "fp32"
     schedule: str = "1f1b"
@@ -150,17 +150,24 @@ class SearchOptions:
     # backward): "auto" only when no plan fits in memory without it, and then on the stages that do not
     # fit without it; "never"; "always" (every stage).
     recompute: str = "auto"
+    # Time budget of one plan (seconds; None: none). The search stops when it ends, keeps what it found
+    # and proves a gap (`SearchStats.gap`); the flow's replans set one so recovery never waits on a search.
+    max_search_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_stages <= self.max_stages:
             raise ValidationError(f"pipeline stages must satisfy 1 <= min_stages <= max_stages, got "
                                   f"min_stages {self.min_stages}, max_stages {self.max_stages}")
+        if self.max_search_s is not None and not (0 < self.max_search_s <= MAX_SEARCH_S):
+            raise ValidationError(f"max_search_s must be from 0 to {MAX_SEARCH_S:g} seconds, got "
+                                  f"{self.max_search_s!r}; to fix: pass e.g. --max-search-s 5")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValidationError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}; "
                                   f"to fix: pass --recompute auto, never or always")
 
 
 RECOMPUTE_MODES = ("auto", "never", "always")
+MAX_SEARCH_S = 3600.0  # the longest time budget a plan may ask for
 
 
 def stage_range(spec: str) -> tuple[int, int]:
@@ -227,6 +234,17 @@ class SearchStats:
     candidates: int  # complete plans estimated
     simulated: int  # plans scored with the full simulator
     pruned: int  # configurations skipped by a bound
+    # How much better on the objective a plan of what the time budget left unsearched could be than the one
+    # returned (relative, proven by lower bounds): 0.0 when the whole searched space was covered or ruled
+    # out; None when no plan was found to compare with.
+    gap: float | None = 0.0
+    passes: tuple[str, ...] = ()  # the passes of `passes.PASSES` that ran after the single-kind search
+    skipped: tuple[str, ...] = ()  # those the time budget left out
+
+    @property
+    def optimal(self) -> bool:
+        """Whether every plan of the searched space was covered or ruled out by its bound."""
+        return self.gap == 0.0 and not self.skipped
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -236,6 +254,10 @@ class SearchStats:
             "candidates": self.candidates,
             "simulated": self.simulated,
             "pruned": self.pruned,
+            "gap": self.gap,
+            "optimal": self.optimal,
+            "passes": list(self.passes),
+            "skipped": list(self.skipped),
         }
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,28 +89,29 @@ def _same_slots(a: Problem, b: Problem) -> bool:
         and [z for z, _ in x.zones] == [z for z, _ in y.zones] for x, y in zip(a.slots, b.slots, strict=True))
 
 
-@dataclass(frozen=True)
-class _Depth:
-    """A microbatch size and stage count whose splits are not yet listed."""
-
-    mbs: int
-    p: int
+# "Near-best" for patience: a stage count whose best plan comes within 5 % of the best so far (algorithmic choice).
+PATIENCE_SLACK = 0.05
 
 
 class Search:
     """One search over a problem's plan space: the steps composed, the state kept in `state`."""
 
     def __init__(self, problem: Problem, costs: Costs, *, incumbent: float = math.inf,
-                 shared: Search | None = None) -> None:
+                 shared: Search | None = None, deadline: float | None = None) -> None:
         """`incumbent`: the best score another search of the same request found; the bounds prune
         against it from the first sketch on (candidates must come within the tolerance of it).
         `shared`: a search of the same request over the same slots (their GPU counts may differ: a part
-        of the pool) whose memos of link, ring and sketch floors this one reuses."""
+        of the pool) whose memos of link, ring and sketch floors this one reuses, and whose deadline it
+        keeps unless given one. `deadline`: when the search stops (`time.perf_counter()` seconds)."""
         self.problem = problem
         self.costs = costs
         self.goal = Goal.of_problem(problem)
         self.state = SearchState(self.goal, problem.keep)
         self.state.incumbent = incumbent
+        self.deadline: float = deadline if deadline is not None else (
+            shared.deadline if shared is not None else math.inf)
+        # the least score anything the deadline left unsearched could have (inf: nothing was left)
+        self.unsearched = math.inf
         self._caps = tuple(s.capacity for s in problem.slots)
         self._total_gpus = min(sum(self._caps), problem.max_gpus or sum(self._caps))
         self._links: LinkFloors  # each boundary's cheapest sends
@@ -121,18 +123,22 @@ class Search:
         else:
             self._links, self._rings = LinkFloors(problem, costs), RingTails(problem, costs)
             self._floors = SketchFloors(problem, costs, self.goal, self._links, self._rings)
-        self._depths = DepthFloors(problem, costs, self.goal)  # bounds of whole stage counts
+        self.depths = DepthFloors(problem, costs, self.goal)  # bounds of whole stage counts
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
-        """Every microbatch size and stage count (until patience runs out), then the polish passes."""
+        """Every microbatch size and stage count (until patience runs out), then the polish passes;
+        what the deadline leaves unsearched is bounded in `unsearched`."""
         pb, st = self.problem, self.state
         max_p = min(pb.max_stages, pb.num_layers)
-        for mbs in sorted(pb.mbs_values, reverse=True):
-            if pb.global_batch_size % mbs:
-                continue
+        sizes = [mbs for mbs in sorted(pb.mbs_values, reverse=True) if pb.global_batch_size % mbs == 0]
+        for i, mbs in enumerate(sizes):
             st.start_stage_counts()
             for p in range(pb.min_stages, max_p + 1):
+                if self.out_of_time():
+                    self._left_out([(mbs, q) for q in range(p, max_p + 1)]
+                                   + [(m, q) for m in sizes[i + 1:] for q in range(pb.min_stages, max_p + 1)])
+                    return st.best()
                 for bounds, even in partitions(pb, self.costs, p, mbs):
                     sp = self._split(mbs, bounds)
                     if sp is not None:
@@ -141,12 +147,19 @@ class Search:
                 # Patience: deeper pipelines only add bubbles and sends once memory and GPU types
                 # are served (an even split fits: one packed to memory does not serve them, its first
                 # stages are crowded); stop after `patience` stage counts in a row that come nowhere near.
-                misses = st.end_round(0.05)
+                misses = st.end_round(PATIENCE_SLACK)
                 if pb.patience and misses >= pb.patience:
                     break
         self.rebalance_pass()
         self.local_pass()
-        return self.state.best()
+        return st.best()
+
+    def out_of_time(self) -> bool:
+        return self.deadline < math.inf and time.perf_counter() >= self.deadline
+
+    def _left_out(self, depths: Sequence[tuple[int, int]]) -> None:
+        """Bound what the deadline leaves unsearched: these (microbatch size, stage count) whole."""
+        self.unsearched = min([self.unsearched, *(self.depths.floor(mbs, p) for mbs, p in depths)])
 
     def run_split(self, mbs: int, bounds: Bounds) -> list[Candidate]:
         """The bottleneck sweep of one (microbatch size, split) alone, no polish: the best candidates on it."""
@@ -171,36 +184,29 @@ class Search:
         taus = sorted({t for stage in table for row in stage for _, t in row if t >= slowest_best})
         return _Split(mbs=mbs, bounds=bounds, table=table, floor=lb, n=n, d_list=d_list, taus=taus)
 
-    def _bound(self, item: _Depth | _Split) -> float:
-        """The least score anything of a stage count, or of a split's thresholds not yet swept, can have."""
-        if isinstance(item, _Depth):
-            return self._depths.floor(item.mbs, item.p)
-        if item.k >= len(item.taus):
+    def _bound(self, sp: _Split) -> float:
+        """The least score anything of a split's thresholds not yet swept can have."""
+        if sp.k >= len(sp.taus):
             return math.inf
-        item.at = bounds_at(self.goal, item.taus[item.k], item.floor, item.n, item.d_list, self.state.cutoff)
-        return min(item.at, default=math.inf)
+        sp.at = bounds_at(self.goal, sp.taus[sp.k], sp.floor, sp.n, sp.d_list, self.state.cutoff)
+        return min(sp.at, default=math.inf)
 
-    def _sweep(self, items: Sequence[_Depth | _Split]) -> None:
-        """Expand stage counts into their splits and sweep the splits' thresholds, best first (least lower
-        bound; a split's thresholds in ascending order), until the least bound left is at the cutoff:
-        nothing left can come within the tolerance of the incumbent."""
+    def _sweep(self, splits: Sequence[_Split]) -> None:
+        """Sweep the splits' thresholds best first (least lower bound; a split's thresholds in ascending
+        order), until the least bound left is at the cutoff (nothing left can come within the tolerance of
+        the incumbent) or the deadline passes (what is left is bounded in `unsearched`)."""
         st = self.state
-        heap: list[tuple[float, int, _Depth | _Split]] = [(self._bound(x), i, x) for i, x in enumerate(items)]
+        heap: list[tuple[float, int, _Split]] = [(self._bound(x), i, x) for i, x in enumerate(splits)]
         heapq.heapify(heap)
-        seq = len(heap)
         while heap and heap[0][0] < st.cutoff:
-            _, _, item = heapq.heappop(heap)
-            if isinstance(item, _Depth):
-                nxt = [sp for bounds, _ in partitions(self.problem, self.costs, item.p, item.mbs)
-                       if (sp := self._split(item.mbs, bounds)) is not None]
-            else:
-                self._step(item)
-                nxt = [item]
-            for x in nxt:
-                b = self._bound(x)
-                if b < st.cutoff:
-                    seq += 1
-                    heapq.heappush(heap, (b, seq, x))
+            if self.out_of_time():
+                self.unsearched = min(self.unsearched, heap[0][0])
+                return
+            _, i, sp = heapq.heappop(heap)
+            self._step(sp)
+            b = self._bound(sp)
+            if b < st.cutoff:
+                heapq.heappush(heap, (b, i, sp))
         st.counters.pruned += len(heap)
 
     def _step(self, sp: _Split) -> None:
@@ -232,20 +238,29 @@ class Search:
                       tolls, SECONDS_PER_HOUR / tau if tau > 0 else 0.0)
         if dp is None:
             return
-        layers, states = dp
-        ends = end_states(states, self._caps, self.problem.max_gpus)
-        for d, front, network in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
+        ends = end_states(dp.last, self._caps, self.problem.max_gpus)
+        for picks in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
             # The front's picks are bounded with the cheapest sends between any kinds, not their own:
             # one that cannot win on its own split may still seed the re-split (rebalance_pass) of its
             # kinds (fig8b-80+240 lost its 0.3795 it/s plan when its own sends pruned the seed). The
             # picks the send floor adds are bounded with their own sends: only those that can win.
-            picks = [(u, False) for u in dict.fromkeys(front)] + [(u, True) for u in dict.fromkeys(network)]
-            for pick, with_sends in picks:
-                kinds = reconstruct(layers, pick)
-                if self._floors.score(mbs, bounds, kinds, d, n, st.cutoff, sends=with_sends) >= st.cutoff:
+            ranked = iter([u for u in picks.ranked if u not in picks.front])
+            todo = [(u, False) for u in dict.fromkeys(picks.front)]
+            todo += [(u, True) for u in dict.fromkeys(picks.with_sends + picks.by_types)]
+            while todo:
+                pick, with_sends = todo.pop(0)
+                kinds = reconstruct(dp.layers, pick)
+                if self._floors.score(mbs, bounds, kinds, picks.d, n, st.cutoff, sends=with_sends) >= st.cutoff:
                     st.counters.pruned += 1
                     continue
-                self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=d))
+                unplaced = st.counters.unplaced
+                self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=picks.d))
+                if st.counters.unplaced > unplaced and not with_sends:
+                    # Missing links rule out only the plans that need them: the next state by the keys
+                    # makes way for a pick that cannot be placed or estimated (no profile between its zones).
+                    nxt = next(ranked, None)
+                    if nxt is not None:
+                        todo.insert(0, (nxt, False))
 
     def consider(self, sk: Sketch) -> Candidate | None:
         """Place, estimate and score a sketch once, and record it; None when it is not a new, placeable plan."""
@@ -255,11 +270,15 @@ class Search:
         if pb.max_gpus is not None and sk.dp * sum(tp for _, tp in sk.kinds) > pb.max_gpus:
             return None
         layouts = place(pb.slots, sk)
-        if layouts is None or not st.first_placement((sk.mbs, sk.bounds, sk.kinds, sk.dp, layouts)):
+        if layouts is None:
+            st.counters.unplaced += 1
+            return None
+        if not st.first_placement((sk.mbs, sk.bounds, sk.kinds, sk.dp, layouts)):
             return None
         e = estimate(pb, self.costs, sk, layouts)
         st.counters.candidates += 1
         if e is None or not math.isfinite(e.iteration_s):
+            st.counters.unplaced += 1
             return None  # no zone room, or a link without a network profile
         cand = Candidate(sketch=sk, estimate=e, score=self.goal.of(e))
         st.record(cand, self.goal.gap(e), lambda: self.goal.why_not(e))
@@ -275,7 +294,7 @@ class Search:
         try their other zone fills (placement.fill_variants)."""
         for cand in self.state.best():
             sk = cand.sketch
-            if sk.num_stages < 2:
+            if sk.num_stages < 2 or self.out_of_time():
                 continue
             b = rebalanced(self.problem, self.costs, sk)
             if b is not None and b != sk.bounds:
@@ -292,6 +311,8 @@ class Search:
         full estimate."""
         st = self.state
         for _ in range(rounds):
+            if self.out_of_time():
+                return
             before = st.progress()
             for cand in st.best()[:top] + st.seeds():
                 for sk in kind_changes(self.problem, self.costs, cand.sketch):

@@ -11,6 +11,7 @@ placed sketch; a `Candidate` is a sketch with its estimate and score. Each step 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from sailor_core.planner.costs import Layout, Slot
 from sailor_core.planner.request import Constraints, Objective
@@ -80,6 +81,14 @@ class Estimate:
     @property
     def iterations_per_s(self) -> float:
         return 1.0 / self.iteration_s
+
+
+class Point(NamedTuple):
+    """An estimated plan's place on the throughput/cost plane (the frontier's raw material)."""
+
+    iterations_per_s: float
+    usd_per_iteration: float
+    sketch: Sketch
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sailor_core.planner.scoring import Goal
-from sailor_core.planner.space import Candidate, Sketch
+from sailor_core.planner.space import Candidate, Point, Sketch
 
 KEEP_VIOLATORS = 16  # limit-breaking candidates kept as local-search seeds, of each kind
 CLOSE_GAP = 0.02  # a candidate this far (relative) past a limit still competes: the simulator has the final word
@@ -29,6 +29,7 @@ class Counters:
     assignments: int = 0
     candidates: int = 0
     pruned: int = 0
+    unplaced: int = 0  # sketches that could not be placed in their slots' zones or estimated (no link profile)
 
 
 class SearchState:
@@ -36,7 +37,7 @@ class SearchState:
         self.goal = goal
         self.keep = keep
         self.counters = Counters()
-        self.points: list[tuple[float, float, Sketch]] = []  # (iterations/s, USD/iteration, sketch)
+        self.points: list[Point] = []  # every estimated plan, for the frontier
         self.incumbent = math.inf
         self.nearest: tuple[float, str] | None = None  # smallest gap seen, and its reason
         self.round_best = math.inf  # the best feasible score of the current stage count
@@ -73,7 +74,7 @@ class SearchState:
     def record(self, cand: Candidate, gap: float, why: Callable[[], str]) -> None:
         """Take in an estimated candidate `gap` past the limits (`why`: the limits it breaks, in words)."""
         e = cand.estimate
-        self.points.append((e.iterations_per_s, e.usd_per_iteration, cand.sketch))
+        self.points.append(Point(e.iterations_per_s, e.usd_per_iteration, cand.sketch))
         if gap <= 0:
             self.round_best = min(self.round_best, cand.score)
         else:

@@ -51,13 +51,13 @@ from sailor_core.domain import Capacity, Market, ModelSpec, ParallelPlan, Resour
 from sailor_core.errors import SailorError
 from sailor_core.planner import Constraints, Objective, PlanRequest, Restrictions, SearchOptions, summarize
 from sailor_core.planner import plan as run_planner
-from sailor_core.planner.core import sim_options
 from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.risk import (  # the flow's stand-ins before it has measured or planned
     DEFAULT_CHECKPOINT_INTERVAL_STEPS,
     DEFAULT_RECONFIGURATION_S,
     largest_shard_bytes,
 )
+from sailor_core.planner.verify import sim_options
 from sailor_core.profiles import ProfileBook, calibrated_book
 from sailor_core.replay.trace import Trace, TracePoint
 from sailor_core.simulator import simulate
