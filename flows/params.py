@@ -45,6 +45,9 @@ class SailorParams(BaseModel):
     markets: list[str] | None = None
     max_gpus: int | None = Field(default=None, ge=1)
     max_stages: int | None = Field(default=None, ge=1, description="most pipeline stages a plan may have")
+    max_search_s: float = Field(default=5.0, gt=0, le=3600, description=(
+        "time budget of each plan the run makes, the first and every replan (the planner keeps the best it "
+        "found and proves a gap): a replan sits on the recovery path of a preempted job"))
     spot_preemptions_per_vm_hour: float = Field(
         default=0.0, ge=0, description="expected preemptions per spot VM-hour where the store's run history has not "
                                        "watched a market long enough (what max-goodput weighs; 0: none expected)")

@@ -175,7 +175,7 @@ class RunContext:
                                       gpu_types=tuple(p.gpu_types or ()),
                                       markets=tuple(Market.parse(m) for m in p.markets or ()),
                                       max_gpus=min(p.max_gpus or p.workers, p.workers) if local else p.max_gpus),
-            options=SearchOptions(max_stages=p.max_stages) if p.max_stages else SearchOptions(),
+            options=SearchOptions(max_stages=p.max_stages or SearchOptions.max_stages, max_search_s=p.max_search_s),
             spot_risk=self._spot_risk(),
         )
 
