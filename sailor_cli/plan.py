@@ -67,6 +67,10 @@ from sailor_core.planner.request import stage_range
 from sailor_core.planner.risk import AUTO_CHECKPOINT_INTERVAL, SpotRisk, planning_checkpoint_interval
 from sailor_core.units import sig, usd
 
+# `sailor plan` stops searching after this long unless told otherwise (a pool of thousands of GPUs in many
+# zones; the answer then says how far from optimal it may be).
+DEFAULT_MAX_SEARCH_S = 60.0
+
 
 def plan(
     pool_file: Annotated[str, typer.Option("--pool", help="pool file (YAML or JSON), see docs/planner.md")],
@@ -108,6 +112,9 @@ def plan(
         "docs/semisync.md"))] = "every-step",
     outer_compression: Annotated[str, typer.Option("--outer-compression", help=(
         "what islands send at an outer step: none (fp32), bf16, int8"))] = "none",
+    max_search_s: Annotated[float, typer.Option("--max-search-s", help=(
+        "time budget of the search in seconds: it stops there with the best plan it found and says how much "
+        "better a plan of what it left unsearched could be"))] = DEFAULT_MAX_SEARCH_S,
 ) -> None:
     """Choose which GPUs to rent, where, and how to split MODEL over them.
 
@@ -138,7 +145,7 @@ def plan(
             max_gpus=max_gpus,
         ),
         options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None, min_stages=min_stages,
-                              max_stages=max_stages, recompute=recompute),
+                              max_stages=max_stages, recompute=recompute, max_search_s=max_search_s),
         spot_risk=_spot_risk(doc, store, planning_checkpoint_interval(checkpoint_interval), reconfiguration_s),
     )
     if sync_mode.mode != "every-step":
@@ -237,6 +244,7 @@ def _to_json(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_
         "plan": plan_to_dict(result.plan) if result.plan is not None else None,
         "estimate": result.estimate.to_json() if result.estimate is not None else None,
         "search_time_s": result.stats.search_time_s,
+        "search": search_words(result),
         "stats": result.stats.to_json(),
         "summary": summarize(result.plan) if result.plan is not None else "",
         "explanation": result.explanation,
@@ -249,14 +257,22 @@ def _to_json(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_
     }
 
 
+def search_words(result: PlanResult) -> str:
+    """"optimal" when the search covered its whole space (or ruled it out by bounds), else "within x %"."""
+    gap = result.stats.gap
+    if result.stats.optimal:
+        return "optimal"
+    return "gap unknown" if gap is None else f"within {gap:.1%}"
+
+
 def _print(result: PlanResult, variations: list[tuple[str, PlanResult]], out: str | None, png: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     con = Console(width=None if sys.stdout.isatty() else 140)
     s = result.stats
-    con.print(f"searched in {s.search_time_s:.2f} s: {s.configurations} splits, {s.assignments} assignments, "
-              f"{s.candidates} plans estimated, {s.simulated} simulated")
+    con.print(f"searched in {s.search_time_s:.2f} s ({search_words(result)}): {s.configurations} splits, "
+              f"{s.assignments} assignments, {s.candidates} plans estimated, {s.simulated} simulated")
     if result.plan is None:
         con.print(f"[red]no feasible plan[/red]: {result.nearest_miss}")
     else:
