@@ -12,6 +12,8 @@ composes the islands with the simulator's `simulate_islands` (simulator/semisync
   must win to be worth that risk), and meet the request's constraints.
 - Candidate islands: the pool's regions (after the request's restrictions); every subset of two or
   more of them is a candidate (up to MAX_REGIONS regions; beyond, all of them and each leave-one-out).
+  Each GPU also holds its shard's global copy and outer momentum: where they do not fit beside the
+  islands' plans, the islands are planned again with that much of every GPU's memory held back.
   An island is planned first at an equal share of the global batch, then again at a share
   proportional to its samples per second, so islands of different speed reach a boundary together
   (the runtime weights their pseudo-gradients by the tokens they trained). The runtime pairs
@@ -47,6 +49,7 @@ from sailor_core.semisync import (
     OuterSync,
     shape_of,
 )
+from sailor_core.simulator.core import simulate
 from sailor_core.simulator.model import model_for
 from sailor_core.simulator.semisync import SemiSyncResult, outer_sync_s, simulate_islands
 
@@ -174,33 +177,43 @@ def _region_sets(regions: list[str]) -> list[tuple[str, ...]]:
 
 
 class _Islands:
-    """Plans islands for one request, memoising each (region, batch share) plan."""
+    """Plans islands for one request, memoising each (region, batch share, memory held back) plan."""
 
     def __init__(self, request: PlanRequest, book: ProfileBook, mode: SyncMode) -> None:
         self.request, self.book, self.mode = request, book, mode
         self.pool = request.restrictions.apply(request.pool)
-        self._memo: dict[tuple[str, int], PlanResult] = {}
+        self._memo: dict[tuple[str, int, int], PlanResult] = {}
+        self._books: dict[int, ProfileBook] = {0: book}
 
-    def region_plan(self, region: str, batch: int) -> PlanResult:
-        key = (region, batch)
+    def region_plan(self, region: str, batch: int, reserve: int = 0) -> PlanResult:
+        """The synchronous planner's answer for `region` at `batch`, with `reserve` bytes of every GPU held
+        back (for the global copy and the outer momentum)."""
+        key = (region, batch, reserve)
         if key not in self._memo:
+            if reserve not in self._books:
+                self._books[reserve] = replace(self.book, gpu_types={
+                    g: replace(t, memory_bytes=max(0, t.memory_bytes - reserve))
+                    for g, t in self.book.gpu_types.items()})
             sub = ResourcePool(entries=tuple(e for e in self.pool.entries if e.region == region))
             opts = replace(self.request.options, wide_frontier=False)
             self._memo[key] = plan_sync(replace(self.request, pool=sub, global_batch_size=batch, options=opts),
-                                        self.book)
+                                        self._books[reserve])
         return self._memo[key]
 
-    def candidate(self, regions: tuple[str, ...]) -> IslandCandidate:
+    def candidate(self, regions: tuple[str, ...], reserve: int = 0) -> IslandCandidate:
+        """The islands of `regions`: planned at equal shares, then at shares by speed; planned once more
+        with each GPU's outer state held back when it does not fit beside them."""
         g = self.request.global_batch_size
         if g < len(regions):
             return IslandCandidate(regions=regions, plan=None, estimate=None,
                                    why_not=f"a global batch of {g} cannot be shared by {len(regions)} islands")
-        first = [self.region_plan(r, b) for r, b in zip(regions, _shares(g, [1.0] * len(regions)), strict=True)]
+        first = [self.region_plan(r, b, reserve) for r, b in zip(regions, _shares(g, [1.0] * len(regions)),
+                                                                  strict=True)]
         if any(p.estimate is None for p in first):
             bad = [r for r, p in zip(regions, first, strict=True) if p.estimate is None]
             return IslandCandidate(regions=regions, plan=None, estimate=None, why_not=f"no plan in {', '.join(bad)}")
         speed = [p.estimate.samples_per_s for p in first if p.estimate is not None]
-        results = [self.region_plan(r, b) for r, b in zip(regions, _shares(g, speed), strict=True)]
+        results = [self.region_plan(r, b, reserve) for r, b in zip(regions, _shares(g, speed), strict=True)]
         if any(p.plan is None for p in results):
             results = first
         plans = tuple(p.plan for p in results if p.plan is not None)
@@ -208,14 +221,15 @@ class _Islands:
             return IslandCandidate(regions=regions, plan=None, estimate=None, why_not=(
                 "the islands' best plans differ in shape (stage layers, TP): "
                 + "; ".join(f"{r}: {summarize(p)}" for r, p in zip(regions, plans, strict=True))))
-        return self._with_h(regions, plans)
+        c = self._with_h(regions, plans)
+        if c.estimate is not None and not c.estimate.fits_memory and not reserve:
+            return self.candidate(regions, reserve=c.estimate.outer_state_bytes)
+        return c
 
     def _with_h(self, regions: tuple[str, ...], plans: tuple[Any, ...]) -> IslandCandidate:
         m = self.mode
         probe = IslandPlan(islands=plans, sync=m.outer(1))
-        inner = max(p.estimate.iteration_time_s for p in (self.region_plan(r, q.global_batch_size)
-                                                          for r, q in zip(regions, plans, strict=True))
-                    if p.estimate is not None)
+        inner = max(simulate(p, self.book).iteration_time_s for p in plans)
         h = m.inner_steps or choose_inner_steps(inner, outer_sync_s(probe, model_for(self.book)))
         ip = IslandPlan(islands=plans, sync=m.outer(h))
         est = simulate_islands(ip, self.book)
