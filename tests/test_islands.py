@@ -223,3 +223,41 @@ def test_a_run_checkpointed_mid_round_resumes_to_the_same_parameters(tmp_path: P
         a, b = _params(tmp_path / f"ckpt-straight-{i}"), _params(tmp_path / f"ckpt-cut-{i}")
         for k in a:
             assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (i, k, (a[k] - b[k]).abs().max())
+
+
+def test_islands_of_different_speed_weigh_by_the_tokens_they_trained(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two islands' outer step in one process (a thread each, gloo over loopback): with lr 1 and no
+    momentum the new parameters are the mean of the islands' weighted by their tokens in the round."""
+    from sailor_core.runtime.islands import IslandRole, IslandSync
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.HashStore()
+    store.set("outer/islands", json.dumps([0, 1]))
+    start = torch.zeros(6)
+    mine = [torch.full((6,), 1.0), torch.full((6,), 4.0)]
+    syncs = []
+    for i, tokens in enumerate((3.0, 1.0)):  # island 0 trained three times the tokens of island 1
+        p = start.clone()
+        s = IslandSync(OuterSync(inner_steps=2, outer_lr=1.0, momentum=0.0), [p],
+                       IslandRole(island=i, shard=0, leader=True, dp_group=None, dp_src=0), Quorum(store),
+                       tokens_per_step=tokens, timeout_s=30, log=lambda m: None)
+        p.copy_(mine[i])
+        syncs.append(s)
+    errors: list[BaseException] = []
+
+    def two_steps(s: IslandSync) -> None:
+        try:
+            s.after_step()
+            s.after_step()  # the second step ends the round: the outer step
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=two_steps, args=(s,)) for s in syncs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for s in syncs:
+        assert torch.allclose(s.state.params[0], torch.full((6,), (3 * 1.0 + 1 * 4.0) / 4), atol=1e-6)
+        assert s.state.version == 1 and s.state.steps_in_round == 0
