@@ -14,7 +14,7 @@ Contract:
 - Worker logs live in the VM's own folder (`run_dir`), and so do rank 0's own step records
   (`metrics-v<version>.jsonl`, $SAILOR_METRICS_DIR); with `log_uri` (an object-storage or local
   folder URI under the run's state) they are copied to `<log_uri>/<vm id>/` every `upload_s`, on a
-  preemption notice and at exit, so nothing is left only on the VM.
+  preemption notice, when told to stop, and at exit, so nothing is left only on the VM.
 - Exit status: 0 when every worker exited 0 (done, stopped, told to exit) or the agent was told to
   stop; 1 when a worker failed.
 - JSON lines on `events` (default stdout): `started`, `heartbeat`, `worker_exited`, `exited`.
@@ -87,6 +87,9 @@ class WorkerAgent:
             threading.Thread(target=self.upload_logs, daemon=True).start()
             return
         self._stop.set()
+        # Told to stop: the step records so far leave at once, not only after the workers' grace (whoever stops
+        # this VM may not wait that long: a command's guardian gives its children 5 s).
+        threading.Thread(target=self.upload_logs, daemon=True).start()
 
     def _heartbeat(self) -> None:
         workers = {w: (p.pid if p.poll() is None else None) for w, p in self.procs.items()}
