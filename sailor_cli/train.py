@@ -123,7 +123,8 @@ def train(
         from sailor_core.models.hf_config import load_model_config
 
         model = load_model_config(model_config, name=model, sequence_length=seq_len).name
-    plan = load_plan_file(plan_file, fmt=fmt, model=model)
+    islands = _island_plan(plan_file)  # a `sailor plan --sync semi` answer: one job per island
+    plan = islands.islands[0] if islands is not None else load_plan_file(plan_file, fmt=fmt, model=model)
     cfg = get_config(plan.model)
     _need_checkpoint_dir(checkpoint_uri, through=bool(init_weights or export), resume=resume or resume_or_start,
                          export=(cfg, export))
@@ -132,8 +133,50 @@ def train(
                              timeout_s=timeout_s, model_config=cfg.to_dict() if model_config else None,
                              lr_schedule=lr_schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
                              max_grad_norm=max_grad_norm, recompute=recompute)
+    if islands is not None:
+        _run_islands(islands, cfg, settings, log_dir, metrics_out)
+        return
     settings = _start_from(settings, cfg, init_weights, resume_or_start)
     _run_and_export(plan, cfg, settings, log_dir, metrics_out, export, tensorboard, (store, plan_file.stem))
+
+
+def _island_plan(path: Path) -> Any:
+    """The island plan in `path` (format sailor-islands), or None for any other plan file."""
+    from sailor_core.semisync import FORMAT_NAME, islands_from_dict
+
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # not JSON, or unreadable: the plan loader says what is wrong with it
+    return islands_from_dict(d) if isinstance(d, dict) and d.get("format") == FORMAT_NAME else None
+
+
+def _run_islands(ip: Any, cfg: Any, settings: Any, log_dir: Path | None, metrics_out: Path | None) -> None:
+    """Every island of an island plan on this machine at once (runtime/island_launcher.py), then each
+    island's steps and loss."""
+    from sailor_core.runtime.island_launcher import run_islands
+
+    run_dir = str(log_dir) if log_dir is not None else tempfile.mkdtemp(prefix="sailor-train-")
+    metrics = str(metrics_out) if metrics_out else os.path.join(run_dir, "metrics.jsonl")
+
+    def on_event(ev: dict) -> None:
+        if ev["event"] == "started":
+            typer.echo(f"island {ev['island']}: started {ev['world_size']} workers")
+        elif ev["event"] == "reconfigured":
+            typer.echo(f"island {ev['island']}: lost workers {ev['lost_workers']}, continuing alone under plan "
+                       f"version {ev['plan_version']}")
+
+    try:
+        results = run_islands(ip, cfg, replace(settings, metrics_out=metrics), run_dir=run_dir, on_event=on_event)
+        for i, result in enumerate(results):
+            rows = _rows(f"{metrics}.island{i}")
+            if rows:
+                typer.echo(f"island {i}: {result.status}, {len(rows)} steps, loss {rows[0]['loss']:.4f} -> "
+                           f"{rows[-1]['loss']:.4f}")
+        typer.echo(f"{len(results)} islands, an outer step every {ip.sync.inner_steps} steps ({ip.sync.compression})")
+    finally:
+        if log_dir is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _interval(given: int, older: int | None) -> int:

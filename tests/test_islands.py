@@ -261,3 +261,19 @@ def test_islands_of_different_speed_weigh_by_the_tokens_they_trained(monkeypatch
     for s in syncs:
         assert torch.allclose(s.state.params[0], torch.full((6,), (3 * 1.0 + 1 * 4.0) / 4), atol=1e-6)
         assert s.state.version == 1 and s.state.steps_in_round == 0
+
+
+def test_sailor_train_runs_an_island_plan_file_one_job_per_island(tmp_path: Path) -> None:
+    """`sailor plan --sync semi --out FILE` writes an island plan; `sailor train FILE` runs its islands here."""
+    import subprocess
+    import sys
+
+    ip = IslandPlan(islands=(_plan(dp=2), _plan(dp=1)), sync=OuterSync(inner_steps=4, compression="int8"))
+    path = tmp_path / "islands.json"
+    path.write_text(json.dumps(islands_to_dict(ip)))
+    p = subprocess.run([sys.executable, "-m", "sailor_cli.main", "train", str(path), "--steps", "8",
+                        "--checkpoint-dir", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "island 0: done, 8 steps" in p.stdout and "island 1: done, 8 steps" in p.stdout
+    a, b = _params(tmp_path / "ckpt" / "island0"), _params(tmp_path / "ckpt" / "island1")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the last step was an outer step: one global copy
