@@ -20,7 +20,7 @@ from sailor_core.errors import ValidationError
 from sailor_core.models import get_config
 from sailor_core.runtime import checkpoint as ckpt
 from sailor_core.runtime.engine import TrainSettings
-from sailor_core.runtime.islands import IslandSamples, IslandSettings, Quorum, host_store
+from sailor_core.runtime.islands import IslandSamples, IslandSettings, host_store
 from sailor_core.runtime.launcher import run_local
 from sailor_core.runtime.outer_sync import (
     OuterState,
@@ -30,6 +30,7 @@ from sailor_core.runtime.outer_sync import (
     fragments_of,
     ring_allreduce,
 )
+from sailor_core.runtime.quorum import Quorum
 from sailor_core.semisync import IslandPlan, OuterSync, islands_from_dict, islands_to_dict
 
 CFG = get_config("gpt-tiny")

@@ -2,18 +2,8 @@
 
 Contract:
 - Every island is an ordinary job (its own process group, plan and checkpoints). The islands of one
-  run meet in a torch `Store` (a TCPStore the flow, the bench or a test hosts: torchft's lighthouse),
-  under `outer/`:
-    `outer/islands`          JSON list of the run's island ids (set once by whoever hosts the store)
-    `outer/away/<i>`         "1" while island i is away (reconfiguring, or dropped after a timeout)
-    `outer/decided`          the last outer step v whose members were decided
-    `outer/v<v>/join/<i>`    island i's leader at its boundary: {"tokens", "version"}
-    `outer/v<v>/members`     {"members": [...], "info": {i: join}}: set once (compare-and-set) by the
-                             first leader that sees every island not away joined, or QUORUM_S after
-                             its own join (the missing ones are then marked away)
-- `Quorum.members(v, island, join)`: island i's leader joins outer step v and returns its members;
-  an island not among them (it came too late) joins v + 1. `Quorum.wait_members(v)`: the island's
-  other ranks read the decision.
+  run meet in a torch `Store` (a TCPStore the flow, the bench or a test hosts, `host_store`: torchft's
+  lighthouse); who takes part in each outer step is decided there (runtime/quorum.py).
 - `IslandSync`: one rank's outer loop, composed into the Trainer (engine.py). Ranks of pipeline 0
   take part: the rank holding (stage s, TP rank t) of every member island forms one gloo group per
   member set (rank = position in the member list, over the store under `outer/v<v>/pg<k>`), kept
@@ -45,92 +35,9 @@ import torch.distributed as dist
 from sailor_core.errors import PeerLost
 from sailor_core.models.tensor_parallel import SHARD_ATTR, shard
 from sailor_core.runtime.outer_sync import OuterState, ring_allreduce
+from sailor_core.runtime.quorum import QUORUM_S, Quorum
 from sailor_core.runtime.topology import layout
 from sailor_core.semisync import OuterSync
-
-QUORUM_S = 120.0  # how long an island waits at a boundary for islands that are not away
-POLL_S = 0.02
-
-
-def _get(store: Any, key: str) -> str | None:
-    """The value of `key`, or None when it is not set (never blocks)."""
-    if not store.check([key]):
-        return None
-    return bytes(store.get(key)).decode()
-
-
-class Quorum:
-    """Outer-step membership over a shared store (see the module's contract)."""
-
-    def __init__(self, store: Any, *, quorum_s: float = QUORUM_S, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.store, self.quorum_s, self.clock, self.sleep = store, quorum_s, clock, sleep
-
-    def islands(self) -> list[int]:
-        raw = _get(self.store, "outer/islands")
-        return json.loads(raw) if raw else []
-
-    def decided(self) -> int:
-        raw = _get(self.store, "outer/decided")
-        return int(raw) if raw else 0
-
-    def set_away(self, island: int, away: bool) -> None:
-        if away:
-            self.store.set(f"outer/away/{island}", "1")
-        elif _get(self.store, f"outer/away/{island}") is not None:
-            self.store.delete_key(f"outer/away/{island}")
-
-    def away(self) -> set[int]:
-        return {i for i in self.islands() if _get(self.store, f"outer/away/{i}") == "1"}
-
-    def members(self, v: int, island: int, join: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Join outer step v (or the first one after it still open) as `island`; (the step, its decision)."""
-        while True:
-            self.store.set(f"outer/v{v}/join/{island}", json.dumps(join))
-            self.set_away(island, False)
-            decision = self._decide(v)
-            if island in decision["members"]:
-                return v, decision
-            v += 1  # decided without us (we came late): the next outer step
-
-    def _decide(self, v: int) -> dict[str, Any]:
-        key = f"outer/v{v}/members"
-        start = self.clock()
-        while True:
-            raw = _get(self.store, key)
-            if raw is not None:
-                return dict(json.loads(raw))
-            everyone = self.islands()
-            joined = {i: json.loads(j) for i in everyone if (j := _get(self.store, f"outer/v{v}/join/{i}"))}
-            late = self.clock() - start > self.quorum_s
-            if joined and (set(everyone) - self.away() <= set(joined) or late):
-                for i in set(everyone) - set(joined):
-                    if late:
-                        self.set_away(i, True)
-                value = json.dumps({"members": sorted(joined), "info": {str(i): j for i, j in joined.items()}})
-                self.store.compare_set(key, "", value)
-                self._advance_decided(v)
-                continue  # read back whoever won
-            self.sleep(POLL_S)
-
-    def _advance_decided(self, v: int) -> None:
-        """`outer/decided` becomes v unless it is there already or beyond (it never goes back)."""
-        while True:
-            cur = _get(self.store, "outer/decided") or ""
-            if cur and int(cur) >= v:
-                return
-            if bytes(self.store.compare_set("outer/decided", cur, str(v))).decode() == str(v):
-                return
-
-    def wait_members(self, v: int, timeout_s: float) -> dict[str, Any]:
-        """The decision of outer step v (for the ranks of an island other than its leader)."""
-        deadline = self.clock() + timeout_s
-        while (raw := _get(self.store, f"outer/v{v}/members")) is None:
-            if self.clock() > deadline:
-                raise PeerLost(f"outer step {v}: no decision on its members within {timeout_s:.0f} s; to fix: "
-                               f"check that every island's leader reaches the store")
-            self.sleep(POLL_S)
-        return dict(json.loads(raw))
 
 
 @dataclass(frozen=True, kw_only=True)
