@@ -91,12 +91,12 @@ class WorkerAgent:
         # this VM may not wait that long: a command's guardian gives its children 5 s).
         threading.Thread(target=self.upload_logs, daemon=True).start()
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, *, last: bool = False) -> None:
         workers = {w: (p.pid if p.poll() is None else None) for w, p in self.procs.items()}
+        # the last beat, as the agent exits, tries briefly: the controller may be gone with its flow
+        client = protocol.ControlClient(self.control, self.secret, retry_s=2.0) if last else self.client
         with contextlib.suppress(protocol.ProtocolError):
-            self.client.set(
-                protocol.vm_heartbeat_key(self.vm_id), json.dumps({"time": time.time(), "workers": workers})
-            )
+            client.set(protocol.vm_heartbeat_key(self.vm_id), json.dumps({"time": time.time(), "workers": workers}))
         self.emit({"event": "heartbeat", "workers": workers})
 
     @staticmethod
@@ -123,8 +123,9 @@ class WorkerAgent:
             # One client for the agent's life: making one (an S3 client) costs more than the uploads,
             # and the last upload is on the path of the VM's release.
             storage = self._log_storage = self._log_storage or open_storage(self.log_uri)
-            names = [f"worker-{local}.log" for local in range(self.devices)]
-            names += sorted(n for n in os.listdir(self.run_dir) if n.startswith("metrics-v") and n.endswith(".jsonl"))
+            # the step records first (small, and what the run's history needs), then the logs
+            names = sorted(n for n in os.listdir(self.run_dir) if n.startswith("metrics-v") and n.endswith(".jsonl"))
+            names += [f"worker-{local}.log" for local in range(self.devices)]
             for name in names:
                 with contextlib.suppress(OSError):
                     with open(os.path.join(self.run_dir, name), "rb") as f:
@@ -160,9 +161,10 @@ class WorkerAgent:
             stopped = self._stop.is_set()
             self._shutdown()
             done.set()
-            uploads.join(timeout=self.grace_s)
-            self._heartbeat()
+            # What the VM leaves goes first: the last beat may wait on a controller that is gone (retries).
             self.upload_logs()
+            uploads.join(timeout=self.grace_s)
+            self._heartbeat(last=True)
         failed = [w for w, p in self.procs.items() if p.returncode not in (0, -signal.SIGTERM, None)]
         status = "cancelled" if stopped else ("failed" if failed else "done")
         self.emit({"event": "exited", "status": status, "failed": failed})

@@ -327,7 +327,8 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
                 continue
             status = _train_generation(ctl, a, gen, data, kept)
             try:
-                client.set(protocol.status_key(gen, worker_id), status)
+                # stopped by SIGTERM (its VM is going): report briefly, the controller may be gone already
+                (ctl.reports if ctl.notices.terminated else client).set(protocol.status_key(gen, worker_id), status)
             except protocol.ProtocolError as e:
                 _log(f"cannot report generation {gen}: {e}")
                 return 1
