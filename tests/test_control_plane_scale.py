@@ -99,3 +99,20 @@ def test_a_client_gives_up_after_its_retry_deadline():
     else:
         raise AssertionError("a controller that never answers must fail the request")
     assert 0.9 < time.monotonic() - t0 < 10
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_at_once():
+    # The server cuts off a client idle past its timeout; the client's next request goes through on a new one.
+    import select
+
+    server = ControlServer(client_timeout_s=0.5)
+    try:
+        c = ControlClient(server.endpoint, server.secret, retry_s=0.5)
+        c.set("k", "v")
+        sock = c._local.conn.sock
+        deadline = time.monotonic() + 10
+        while not select.select([sock], [], [], 0.1)[0]:  # readable: the server closed its end (EOF)
+            assert time.monotonic() < deadline, "the server kept an idle connection past its timeout"
+        assert c.get("k") == "v" and c.connection_count == 2
+    finally:
+        server.close()
