@@ -93,7 +93,7 @@ def test_equal_gpus_in_two_regions_the_front_keeps_a_pipeline_in_one() -> None:
     lb = Floor(options=(((1, 1.0),),) * 3, fill=(0.0,) * 2, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0,
                gpus=8)
     pb = Problem(num_layers=3, global_batch_size=8, tokens_per_sample=1, slots=(), mbs_values=(1,), tp_values=(1,))
-    got = {d: (front, extra) for d, front, extra, _ in fronts(pb, Goal.of_problem(pb), ends, 1.0, 8, [2], lb,
+    got = {pk.d: (pk.front, pk.with_sends) for pk in fronts(pb, Goal.of_problem(pb), ends, 1.0, 8, [2], lb,
                                                              lambda: math.inf)}
     front, extra = got[2]
     # at D = 2 both (3, 0) (every stage in region A) and (2, 1) fit; they tie on compute and price,
@@ -124,9 +124,8 @@ def test_a_path_that_sends_more_cheaply_to_what_follows_is_kept_though_slower_so
     lb = Floor(options=(((1, 1.0),),) * 3, fill=(0.0,) * 2, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0,
                gpus=8)
     pb = Problem(num_layers=3, global_batch_size=8, tokens_per_sample=1, slots=(), mbs_values=(1,), tp_values=(1,))
-    (_, front, extra, _), = fronts(pb, Goal.of_problem(pb), end_states(states, caps, None), 1.1, 8, [1], lb,
-                                lambda: math.inf)
-    assert [reconstruct(layers, k) for k in extra] == [((0, 1), (1, 1), (1, 1))]
+    (pick,) = fronts(pb, Goal.of_problem(pb), end_states(states, caps, None), 1.1, 8, [1], lb, lambda: math.inf)
+    assert [reconstruct(layers, k) for k in pick.with_sends] == [((0, 1), (1, 1), (1, 1))]
 
 
 def test_under_a_cost_objective_the_price_key_counts_the_egress_of_the_sends() -> None:

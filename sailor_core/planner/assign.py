@@ -384,6 +384,7 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
     risky = pb.objective is Objective.MAX_GOODPUT and risk is not None and not risk.riskless
     keyed: list[Eligible] = []  # the first track's; the sends track serves `with_sends` alone
     picks = _SendPicks(goal.speed_first)
+    types_of: dict[Usage, frozenset[str]] = {}
     i = 0
     for d in reversed(d_list):
         while i < len(ends) and ends[i][0] >= d:
@@ -404,16 +405,22 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
             ranked = sorted(keyed, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2][0], d, m, tau), e))
             front += [e[2] for e in _distinct(ranked)[:2]]
         yield Picks(d, front, [u for u in picks.states() if u not in front], [e[2] for e in keyed],
-                    _by_types(pb, keyed, front))
+                    _by_types(pb, keyed, front, types_of))
 
 
-def _by_types(pb: Problem, keyed: Sequence[Eligible], taken: Sequence[State]) -> list[State]:
+def _by_types(pb: Problem, keyed: Sequence[Eligible], taken: Sequence[State],
+              types_of: dict[Usage, frozenset[str]]) -> list[State]:
     """The best end state by the keys (`keyed` is in key order) of each set of GPU types that the states
     in `taken` do not use: the keys favour the fastest (or cheapest) GPUs, whose plans may still fail or
     lose once placed (a type linked to the others in one zone only), and a larger pool must not lose
-    the best plan of the types a smaller one had (the DP's best path per usage is the same in both)."""
+    the best plan of the types a smaller one had (the DP's best path per usage is the same in both).
+    `types_of`: a memo of each usage's GPU types."""
     def types(u: Usage) -> frozenset[str]:
-        return frozenset(pb.slots[g].gpu_type for g, n in enumerate(u) if n)
+        t = types_of.get(u)
+        if t is None:
+            t = types_of[u] = frozenset(pb.slots[g].gpu_type if g < len(pb.slots) else str(g)
+                                        for g, n in enumerate(u) if n)
+        return t
 
     seen = {types(u[0]) for u in taken}
     out = []

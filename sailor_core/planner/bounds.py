@@ -302,7 +302,7 @@ def fluid_s(gpu_s: Sequence[Sequence[float]], caps: Sequence[int], max_gpus: int
     if total <= 0:
         return 0.0
     prices = [(1.0 / w) / total if c > 0 and w > 0 else 0.0 for c, w in zip(caps, whole, strict=True)]
-    return n * sum(min(y * c for y, c in zip(prices, row, strict=True)) for row in gpu_s)
+    return n * sum(min((y * c for y, c in zip(prices, row, strict=True) if y > 0), default=math.inf) for row in gpu_s)
 
 
 def _need(options: Sequence[Sequence[tuple[int, float]]]) -> tuple[tuple[float, int], ...]:

@@ -39,6 +39,9 @@ from sailor_core.planner.search import Search
 from sailor_core.planner.shapes import Bounds, partitions, rebalanced, stage_table
 from sailor_core.planner.space import Candidate, Problem, Sketch
 
+# Microbatch sizes of the best plans whose pipeline types the group search collects (algorithmic choice).
+TYPE_SIZES = 3
+
 
 @dataclass(frozen=True)
 class PipeType:
@@ -250,8 +253,11 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
             taken.append((cand.sketch.bounds, cand.sketch.mbs))
     extra = own_splits(search, [b for b, _ in taken])
     extra += mixed_kind_splits(search, top, [b for b, _ in taken + extra], bases=splits)
+    # Pipeline types at the microbatch sizes the best plans run (and each split's own): a size no good plan
+    # runs gives no type a group of the best ones would take (the sub-searches cost one sweep per size).
+    sizes = list(dict.fromkeys(c.sketch.mbs for c in top))[:TYPE_SIZES]
     for bounds, mbs in taken + extra:
-        mbs_values = pb.mbs_values if own_microbatch else (mbs,)
+        mbs_values = tuple(dict.fromkeys([*sizes, mbs])) if own_microbatch else (mbs,)
         types = _types(search, bounds, mbs_values, keep=2)[:types_kept]
         scored: list[tuple[float, tuple[int, ...], list[int]]] = []
         for k in range(2, max_groups + 1):

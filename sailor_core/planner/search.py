@@ -127,13 +127,13 @@ class Search:
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
-        """Every microbatch size and stage count (until patience runs out), then the polish passes;
-        what the deadline leaves unsearched is bounded in `unsearched`."""
+        """Every microbatch size (largest first) and stage count (until patience runs out), then the polish
+        passes; what the deadline leaves unsearched is bounded in `unsearched`."""
         pb, st = self.problem, self.state
         max_p = min(pb.max_stages, pb.num_layers)
         sizes = [mbs for mbs in sorted(pb.mbs_values, reverse=True) if pb.global_batch_size % mbs == 0]
         for i, mbs in enumerate(sizes):
-            st.start_stage_counts()
+            misses = 0
             for p in range(pb.min_stages, max_p + 1):
                 if self.out_of_time():
                     self._left_out([(mbs, q) for q in range(p, max_p + 1)]
@@ -147,7 +147,9 @@ class Search:
                 # Patience: deeper pipelines only add bubbles and sends once memory and GPU types
                 # are served (an even split fits: one packed to memory does not serve them, its first
                 # stages are crowded); stop after `patience` stage counts in a row that come nowhere near.
-                misses = st.end_round(PATIENCE_SLACK)
+                missed = st.end_round(PATIENCE_SLACK)
+                if missed is not None:
+                    misses = misses + 1 if missed else 0
                 if pb.patience and misses >= pb.patience:
                     break
         self.rebalance_pass()

@@ -42,7 +42,6 @@ class SearchState:
         self.nearest: tuple[float, str] | None = None  # smallest gap seen, and its reason
         self.round_best = math.inf  # the best feasible score of the current stage count
         self.round_fits = False  # whether some split of the current stage count fits in memory anywhere
-        self.misses = 0  # stage counts in a row whose best came nowhere near the incumbent
         self._best: list[tuple[float, int, Candidate]] = []  # max-heap on score via negation
         self._near: list[tuple[float, float, int, Candidate]] = []  # (secondary, score, tie, c) within tolerance
         self._violators: list[tuple[float, int, Candidate]] = []  # best scores that break a limit
@@ -121,22 +120,15 @@ class SearchState:
         near = [sec for sec, score, _, _ in self._near if score <= self.cutoff]
         return self.incumbent, min(near, default=math.inf)
 
-    def start_stage_counts(self) -> None:
-        """A new microbatch size: its stage counts start from one stage again, patience full."""
-        self.misses = 0
+    def end_round(self, slack: float) -> bool | None:
+        """Close a (microbatch size, stage count): whether its best feasible score is more than `slack`
+        (relative) above the incumbent (a miss of the patience rule), None when none of its splits fits in
+        memory (no miss: deeper pipelines hold less per GPU, and the rule that more stages only add
+        bubbles and sends holds only once memory is served)."""
+        missed = self.round_best > self.incumbent * (1 + slack) if self.round_fits else None
         self.round_best = math.inf
         self.round_fits = False
-
-    def end_round(self, slack: float) -> int:
-        """Close a stage count: the stage counts in a row (this one included) whose best feasible score
-        is more than `slack` (relative) above the incumbent; 0 when this one came near. A stage count
-        none of whose splits fits in memory is no miss: deeper pipelines hold less per GPU, and the
-        patience rule (more stages only add bubbles and sends) holds only once memory is served."""
-        if self.round_fits:
-            self.misses = self.misses + 1 if self.round_best > self.incumbent * (1 + slack) else 0
-        self.round_best = math.inf
-        self.round_fits = False
-        return self.misses
+        return missed
 
 
 def _push_bounded(heap: list[tuple[float, int, Candidate]], item: tuple[float, int, Candidate], size: int) -> None:

@@ -90,8 +90,9 @@ def programs_1f1b(p: int, n: int) -> tuple[tuple[tuple[int, int, int, bool], ...
 _ADD_F, _ADD_B, _POST, _MEET, _MARK = 0, 1, 2, 3, 4
 # A (p, n) walk is interpreted until it has been asked for this many times, then compiled to one Python
 # function: compiling costs about 100-130 interpreted walks of the same (p, n) and the compiled walk runs
-# 3-4x faster (measured for 5 to 26 stages), while most (p, n) of one search are asked for a handful of times.
-_COMPILE_AFTER = 128
+# 3-4x faster (measured for 5 to 26 stages); most (p, n) of one search are asked for a handful of times,
+# the few long-pipeline extrapolations (2p and 4p microbatches) thousands of times.
+_COMPILE_AFTER = 16
 _TRACE_CALLS: dict[tuple[int, int], int] = {}
 
 
