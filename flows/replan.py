@@ -82,6 +82,7 @@ from sailor_core.profiles import ProfileBook
 from sailor_core.replay.policies import relocate
 from sailor_core.runtime.protocol import vm_of
 from sailor_core.simulator.result import SimulationResult
+from sailor_core.units import sig, usd
 from tasks.checkpointing import interval_for, measured_checkpoint, notice_s
 from tasks.control import Controller
 from tasks.decisions import lost_vms
@@ -136,6 +137,7 @@ class RunContext:
     estimate: SimulationResult | None = None  # the current plan's, as the simulator estimated it
     total_steps: int = 0
     steps_done: int = 0
+    loss: float | None = None  # the latest step's loss the run saw
     # each switch this run measured, by the plan version it started: (seconds, whether it rented no VM)
     switches: dict[int, tuple[float, bool]] = field(default_factory=dict)
     iteration_times: dict[int, tuple[float, ...]] = field(default_factory=dict)
@@ -271,6 +273,7 @@ class RunContext:
     def observe(self, job: Job, progress: Progress | None) -> None:
         if progress is not None:
             self.steps_done = max(self.steps_done, progress.step)
+            self.loss = progress.loss if progress.loss is not None else self.loss
             self.iteration_times[job.version] = progress.iteration_times
         if job.reconfiguration_s is not None:  # measured at the version's first step; seen once per version
             in_place = isinstance(job.started_by, Switch) and job.started_by.new_vms == 0
@@ -286,8 +289,10 @@ class RunContext:
 
     def summary(self, status: RunStatus, t0: float) -> RunSummary:
         wall = time.time() - t0
+        seq = self.base_book.model.sequence_length if self.base_book is not None else 0
         return {"run_id": self.run_id, "status": status.value, "steps_done": self.steps_done,
-                "total_steps": self.total_steps, "plan_versions": self.version,
+                "total_steps": self.total_steps, "final_loss": None if self.loss is None else round(self.loss, 4),
+                "tokens": self.steps_done * self.params.global_batch_size * seq, "plan_versions": self.version,
                 "usd_total": round(self.ledger.usd_so_far(), 6), "wall_s": round(wall, 2),
                 "training_s": round(self.training_s(), 2),
                 "orchestration_overhead_s": round(wall - self.training_s(), 2),
@@ -304,7 +309,7 @@ def _describe(plan: ParallelPlan | None, est: SimulationResult | None) -> str:
     for (zone, gpu, market), n in plan.gpus_by_place().items():
         places[f"{n}x {gpu} {market.value} @{zone}"] = n
     return (f"{plan.num_stages} stage(s) x {plan.data_parallel} replica(s) on {', '.join(places)}; "
-            f"{iteration_time_s:.4f} s/it, {usd_per_hour:.4f} USD/h")
+            f"{sig(iteration_time_s)} s/it, {usd(usd_per_hour)} USD/h")
 
 
 @dataclass(frozen=True, kw_only=True)
