@@ -135,15 +135,9 @@ def plan(
         global_batch_size=global_batch_size,
         pool=pool,
         objective=Objective.parse(objective),
-        constraints=Constraints(
-            max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
-            min_iterations_per_s=min_iterations_per_s,
-        ),
-        restrictions=Restrictions(
-            clouds=split_values(clouds), regions=split_values(regions), zones=split_values(zones),
-            gpu_types=split_values(gpu_types), markets=tuple(Market.parse(m) for m in split_values(markets)),
-            max_gpus=max_gpus,
-        ),
+        constraints=Constraints(max_usd_per_iteration=max_usd_per_iteration, max_usd_per_hour=max_usd_per_hour,
+                                min_iterations_per_s=min_iterations_per_s),
+        restrictions=_restrictions(clouds, regions, zones, gpu_types, markets, max_gpus),
         options=SearchOptions(wide_frontier=wide_frontier or frontier_png is not None, min_stages=min_stages,
                               max_stages=max_stages, recompute=recompute, max_search_s=max_search_s),
         spot_risk=_spot_risk(doc, store, planning_checkpoint_interval(checkpoint_interval), reconfiguration_s),
@@ -155,6 +149,14 @@ def plan(
     variations = [(change, run_planner(replace(request, pool=apply_what_if(pool, change, book)), book))
                   for change in what_if or []]
     _answer(result, variations, request.spot_risk, out=out, frontier_png=frontier_png, as_json=as_json)
+
+
+def _restrictions(clouds: list[str] | None, regions: list[str] | None, zones: list[str] | None,
+                  gpu_types: list[str] | None, markets: list[str] | None, max_gpus: int | None) -> Restrictions:
+    """The request's restrictions from the repeatable, comma-separated options."""
+    return Restrictions(clouds=split_values(clouds), regions=split_values(regions), zones=split_values(zones),
+                        gpu_types=split_values(gpu_types), max_gpus=max_gpus,
+                        markets=tuple(Market.parse(m) for m in split_values(markets)))
 
 
 def _answer(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_risk: SpotRisk, *, out: str | None,

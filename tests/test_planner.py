@@ -26,8 +26,9 @@ from sailor_core.planner import (
     plan,
 )
 from sailor_core.planner.core import problem_of as core_problem
-from sailor_core.planner.costs import SimCosts, Slot
+from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.shapes import balanced_partition, uniform_partition
+from sailor_core.planner.slots import Slot
 from sailor_core.planner.verify import sim_options
 from sailor_core.simulator import simulate
 from sailor_core.simulator.model import model_for

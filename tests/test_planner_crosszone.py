@@ -20,11 +20,13 @@ import pytest
 
 from sailor_core.domain import ParallelPlan, Replica, Stage, split_batch
 from sailor_core.planner import PlanRequest, parse_pool, plan
-from sailor_core.planner.assign import end_states, fronts, reconstruct, usage_dp
-from sailor_core.planner.bounds import Floor, LinkFloors, SketchFloors, bound, floor_of
+from sailor_core.planner.assign import usage_dp
+from sailor_core.planner.bounds import Floor, SketchFloors, bound, floor_of
 from sailor_core.planner.core import problem_of
 from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.estimate import estimate
+from sailor_core.planner.links import LinkFloors
+from sailor_core.planner.picks import end_states, fronts, reconstruct
 from sailor_core.planner.scoring import Goal
 from sailor_core.planner.shapes import bounds_from_cuts, stage_table
 from sailor_core.planner.slots import build_slots
@@ -196,7 +198,8 @@ def test_pruning_the_dp_keeps_every_state_the_search_can_pick(seed: int, speed_f
     objective: `usage_dp` keeps the first track's end states at every usage that fits a D still
     estimated, and at each such D `with_sends`'s picks have the same values as from both tracks run
     whole."""
-    from sailor_core.planner.assign import BY_KEYS, _copies, _keys_track, _sends_track, with_sends
+    from sailor_core.planner.assign import BY_KEYS, _keys_track, _sends_track, copies
+    from sailor_core.planner.picks import with_sends
 
     rng = random.Random(seed)
     slots = rng.randint(2, 3)
@@ -214,7 +217,7 @@ def test_pruning_the_dp_keeps_every_state_the_search_can_pick(seed: int, speed_f
     pruned = usage_dp(options, caps, sends, speed_first, max_gpus, live)
     keyed = _keys_track(options, caps, sends)
     least = min(live) if live else 1
-    fits = {k: v for k, v in keyed[0][-1].items() if _copies(k[0], caps, max_gpus) >= least} if keyed else {}
+    fits = {k: v for k, v in keyed[0][-1].items() if copies(k[0], caps, max_gpus) >= least} if keyed else {}
     assert (pruned is None) == (not fits)
     if pruned is None:
         return

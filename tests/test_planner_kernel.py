@@ -13,12 +13,12 @@ from itertools import combinations, product
 import pytest
 
 from sailor_core.domain import Market
-from sailor_core.planner.costs import Layout, Slot
 from sailor_core.planner.estimate import estimate
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.scoring import Goal
 from sailor_core.planner.search import Search
 from sailor_core.planner.shapes import bounds_from_cuts
+from sailor_core.planner.slots import Layout, Slot
 from sailor_core.planner.space import Problem, Sketch
 from sailor_core.simulator import StageCompute
 

@@ -269,7 +269,8 @@ def test_a_ring_step_over_a_link_whose_all_reduce_was_measured_is_timed_from_tha
     from dataclasses import replace
 
     from sailor_core.domain import LinkAllReduce
-    from sailor_core.planner.costs import SimCosts, Slot
+    from sailor_core.planner.costs import SimCosts
+    from sailor_core.planner.slots import Slot
 
     # the link's ping-pong says 5 GB/s across zones; the two machines' all-reduce over it, 1 GB/s (algorithm bw)
     measured = [LinkAllReduce(zone_a=a, gpu_a="G1", zone_b=b, gpu_b="G1", fit=const_fit(1.0))

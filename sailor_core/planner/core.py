@@ -21,7 +21,7 @@ from functools import partial
 
 from sailor_core.domain import ResourcePool
 from sailor_core.errors import SailorError
-from sailor_core.planner.costs import SimCosts, Slot, link_gaps
+from sailor_core.planner.costs import SimCosts, link_gaps
 from sailor_core.planner.explain import (
     constraint_hint,
     explain,
@@ -41,7 +41,7 @@ from sailor_core.planner.request import (
 )
 from sailor_core.planner.risk import goodput
 from sailor_core.planner.search import Search
-from sailor_core.planner.slots import build_slots
+from sailor_core.planner.slots import Slot, build_slots
 from sailor_core.planner.space import Problem
 from sailor_core.planner.verify import (
     Miss,

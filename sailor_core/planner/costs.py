@@ -1,134 +1,26 @@
 """What the search asks about costs, and the adapter that answers it with the simulator's model.
 
-Contract: `Slot` is one unit of rentable capacity the search reasons about: GPUs of one type and
-market in one region, at one price and node shape (zones of a region pooled, paper heuristic; the
-zones stay listed in fill order so a stage that spans zones is priced and timed on the real
-cross-zone link). `Costs` is the protocol the search kernel needs; `SimCosts` implements it with
-the simulator's stage-level building blocks (`sailor_core.simulator.model_for`): one model for the
-planner and every report. Every answer is memoised, so the search pays each question once.
+Contract: `Costs` is the protocol the search kernel needs (all in seconds, bytes or USD); `SimCosts`
+implements it with the simulator's stage-level building blocks (`sailor_core.simulator.model_for`): one
+model for the planner and every report. Every answer is memoised, so the search pays each question
+once; a link without a network profile answers infinity (`link_gaps` lists them as a value).
+`nic_share` and `zone_pairs` say which pipelines' messages share a node's link and which zones a
+boundary's sends cross, as the simulator counts them. The slots the questions are about: slots.py.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
-from sailor_core.domain import Market, Replica
+from sailor_core.domain import Replica
 from sailor_core.errors import MissingProfileError
+from sailor_core.planner.slots import Layout, Slot
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import StageCompute, StageMemory, model_for
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.model import bucket_counts
-
-
-class Offer(NamedTuple):
-    """One market's GPUs in one zone of a slot that pools markets."""
-
-    zone: str
-    market: Market
-    gpus: int
-    usd_per_gpu_hour: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class Slot:
-    """GPUs of one type in one region, zones in fill order.
-
-    With `zone_regions` the slot spans regions (`core.build_slots(pool_regions=True)`): the same GPU
-    type and node shape in every region of a cloud, so a stage's data-parallel replicas may sit in
-    several regions; each zone keeps its own region (`region_of`), and `region` is the first zone's.
-
-    Without `offers`: one market at one price (`market`, `usd_per_gpu_hour`). With `offers` (see
-    `core.build_slots`), the markets of the type in each zone pooled: spot and on-demand GPUs of one
-    type in one zone are the same hardware on the same links, so a stage's replicas may use both;
-    `market` and `usd_per_gpu_hour` are then the cheapest offer's (a lower bound for the search's
-    bounds and its DP), and `usd_per_hour` prices a placement exactly, each zone's cheapest market first.
-    """
-
-    index: int
-    gpu_type: str
-    market: Market
-    region: str
-    cloud: str
-    gpus_per_node: int
-    usd_per_gpu_hour: float
-    zones: tuple[tuple[str, int], ...]  # (zone, GPUs), fill order: most GPUs first, then by name
-    offers: tuple[Offer, ...] = ()  # pooled markets, cheapest first within each zone
-    zone_regions: tuple[tuple[str, str], ...] = ()  # (zone, region) where the slot spans regions
-
-    @property
-    def capacity(self) -> int:
-        return sum(n for _, n in self.zones)
-
-    def region_of(self, zone: str) -> str:
-        """The region of one of the slot's zones."""
-        for z, r in self.zone_regions:
-            if z == zone:
-                return r
-        return self.region
-
-    def usd_per_hour(self, used: dict[str, int]) -> float:
-        """USD per hour of `used` GPUs per zone: each zone's cheapest market first."""
-        if not self.offers:
-            return self.usd_per_gpu_hour * sum(used.values())
-        total = 0.0
-        for zone, n in used.items():
-            dearest = self.usd_per_gpu_hour
-            for z, _mk, count, price in self.offers:
-                if z == zone and n > 0:
-                    take = min(n, count)
-                    total += take * price
-                    n -= take
-                    dearest = price
-            total += n * dearest  # more than the zone offers: the search's layouts never ask for it
-        return total
-
-    def markets_of(self, zone: str, tp: int, k: int, free: dict[tuple[str, Market], int]) -> list[Market]:
-        """The market of each of k tp-wide replicas in `zone`: the cheapest with room for a whole TP
-        group (`free`: GPUs left per (zone, market), updated); the slot's market where none has room."""
-        out = []
-        for _ in range(k):
-            for z, mk, count, _price in self.offers:
-                if z == zone and free.setdefault((z, mk), count) >= tp:
-                    free[(z, mk)] -= tp
-                    out.append(mk)
-                    break
-            else:
-                out.append(self.market)
-        return out
-
-    def replicas(self, zone: str, tp: int, k: int, free: dict[tuple[str, Market], int]) -> list[Replica]:
-        """k tp-wide replicas in `zone`, each on its market (`markets_of`; one market without offers)."""
-        markets = self.markets_of(zone, tp, k, free) if self.offers else [self.market] * k
-        return [Replica(gpu_type=self.gpu_type, zone=zone, tp=tp, gpus_per_node=self.gpus_per_node, market=mk,
-                        region=self.region_of(zone)) for mk in markets]
-
-    def minus(self, used: dict[str, int]) -> Slot:
-        """The slot less `used` GPUs per zone (taken from each zone's cheapest market first)."""
-        offers = []
-        left = dict(used)
-        for z, mk, count, price in self.offers:
-            take = min(count, left.get(z, 0))
-            left[z] = left.get(z, 0) - take
-            offers.append(Offer(z, mk, count - take, price))
-        return replace(self, zones=tuple((z, n - used.get(z, 0)) for z, n in self.zones), offers=tuple(offers))
-
-    def usable(self, gpus: int, tp: int) -> int:
-        """GPUs of `gpus` that tp-wide groups can use: TP stays inside a node."""
-        full, rest = divmod(gpus, self.gpus_per_node)
-        return full * (self.gpus_per_node // tp) * tp + (rest // tp) * tp
-
-    def label(self) -> str:
-        zs = ",".join(z for z, _ in self.zones)
-        markets = "+".join(dict.fromkeys(mk.value for _, mk, _, _ in self.offers)) or self.market.value
-        regions = "+".join(dict.fromkeys(self.region_of(z) for z, _ in self.zones)) or self.region
-        return f"{self.gpu_type} {markets} @ {regions} [{zs}]"
-
-
-# A stage's replicas of one slot, zone by zone: ((zone, replicas), ...) in pipeline order.
-Layout = tuple[tuple[str, int], ...]
 
 
 class Costs(Protocol):

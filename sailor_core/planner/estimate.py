@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sailor_core.planner.costs import Costs, Layout, Slot, nic_share, zone_pairs
+from sailor_core.planner.costs import Costs, nic_share, zone_pairs
 from sailor_core.planner.placement import place
 from sailor_core.planner.risk import useful_fraction_of
+from sailor_core.planner.slots import Layout, Slot
 from sailor_core.planner.space import Estimate, Problem, Sketch
 from sailor_core.simulator import StageCompute, dp_sync_end_s, pipeline_time_s
 

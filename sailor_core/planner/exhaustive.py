@@ -25,11 +25,11 @@ from dataclasses import replace
 from itertools import combinations, product
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
-from sailor_core.planner.costs import SimCosts, Slot
+from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import PlanRequest
 from sailor_core.planner.shapes import bounds_from_cuts
-from sailor_core.planner.slots import build_slots, spans_regions
+from sailor_core.planner.slots import Slot, build_slots, spans_regions
 from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Sketch
 from sailor_core.planner.verify import materialize, objective_value, recomputed_as, sim_options
 from sailor_core.profiles import ProfileBook

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 from sailor_core.catalog import is_cpu_type
 from sailor_core.domain import ParallelPlan
-from sailor_core.planner.costs import Offer, SimCosts, Slot
+from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.request import FrontierPoint, Objective, PlanRequest
 from sailor_core.planner.risk import Goodput
 from sailor_core.planner.shapes import packed_partition, uniform_partition
+from sailor_core.planner.slots import Offer, Slot
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimulationResult
 from sailor_core.units import sig

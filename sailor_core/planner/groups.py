@@ -31,12 +31,13 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
-from sailor_core.planner.costs import Costs, Slot
+from sailor_core.planner.costs import Costs
 from sailor_core.planner.estimate import linear_time
 from sailor_core.planner.placement import place, place_in_turn, stages_of
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.search import Search
 from sailor_core.planner.shapes import Bounds, partitions, rebalanced, stage_table
+from sailor_core.planner.slots import Slot
 from sailor_core.planner.space import Candidate, Problem, Sketch
 
 # Microbatch sizes of the best plans whose pipeline types the group search collects (algorithmic choice).

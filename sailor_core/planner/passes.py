@@ -30,12 +30,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from sailor_core.domain import ParallelPlan, ResourcePool
-from sailor_core.planner.costs import SimCosts, Slot
+from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.groups import group_plans
 from sailor_core.planner.mixed import mixed_plans
 from sailor_core.planner.request import Constraints, Objective, PlanRequest
 from sailor_core.planner.search import Search
-from sailor_core.planner.slots import build_slots, spans_regions
+from sailor_core.planner.slots import Slot, build_slots, spans_regions
 from sailor_core.planner.space import Candidate, Point
 from sailor_core.planner.verify import goodput_wanted, materialize
 

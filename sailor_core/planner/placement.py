@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from sailor_core.domain import Market, Replica, Stage
-from sailor_core.planner.costs import Layout, Slot
+from sailor_core.planner.slots import Layout, Slot
 from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Sketch
 
 

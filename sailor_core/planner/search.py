@@ -45,10 +45,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sailor_core.planner.assign import end_states, fronts, reconstruct, stage_options, usage_dp
-from sailor_core.planner.bounds import DepthFloors, Floor, LinkFloors, RingTails, SketchFloors, bounds_at, floor_of
+from sailor_core.planner.assign import stage_options, usage_dp
+from sailor_core.planner.bounds import DepthFloors, Floor, RingTails, SketchFloors, bounds_at, floor_of
 from sailor_core.planner.costs import Costs
 from sailor_core.planner.estimate import estimate
+from sailor_core.planner.links import LinkFloors
+from sailor_core.planner.picks import end_states, fronts, reconstruct
 from sailor_core.planner.placement import fill_variants, place
 from sailor_core.planner.scoring import SECONDS_PER_HOUR, Goal
 from sailor_core.planner.shapes import (

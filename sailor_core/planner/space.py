@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from sailor_core.planner.costs import Layout, Slot
 from sailor_core.planner.request import Constraints, Objective
 from sailor_core.planner.risk import SpotRisk
+from sailor_core.planner.slots import Layout, Slot
 
 # How a sketch's replicas fill its slots' zones (`Sketch.placement`).
 # STAGE_MAJOR: each stage fills its slot's zones in order on its own (a pipeline may cross zones);

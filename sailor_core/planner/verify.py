@@ -18,12 +18,13 @@ from dataclasses import dataclass, replace
 
 from sailor_core.domain import Market, ParallelPlan, ResourcePool, split_batch
 from sailor_core.errors import MissingProfileError
-from sailor_core.planner.costs import SimCosts, Slot
+from sailor_core.planner.costs import SimCosts
 from sailor_core.planner.explain import summarize
 from sailor_core.planner.placement import place, stages_of
 from sailor_core.planner.request import FrontierPoint, Objective, PlanRequest
 from sailor_core.planner.risk import goodput
 from sailor_core.planner.scoring import score, secondary
+from sailor_core.planner.slots import Slot
 from sailor_core.planner.space import Point, Sketch
 from sailor_core.profiles import ProfileBook
 from sailor_core.simulator import SimOptions, SimulationResult, simulate
