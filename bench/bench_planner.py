@@ -49,9 +49,9 @@ from sailor_core.planner import (  # noqa: E402
     plan,
     summarize,
 )
-from sailor_core.planner.exhaustive import exhaustive_best  # noqa: E402
 from sailor_core.planner.verify import objective_value  # noqa: E402
 from sailor_core.simulator import simulate  # noqa: E402
+from tests.planner_oracle import exhaustive_best  # noqa: E402
 
 REFERENCE = REPO.parent / "shared" / "reference_data"
 
@@ -367,7 +367,7 @@ def new_spaces(book) -> bool:
     ok &= _cheapest_within_tolerance()
 
     sys.path.insert(0, str(REPO / "tests"))
-    from sailor_core.planner.exhaustive import exhaustive_groups_best
+    from tests.planner_oracle import exhaustive_groups_best
     from tests.test_planner_optimality import group_world
 
     worst, gains, n_sim = 0.0, [], 0
@@ -400,7 +400,7 @@ TIGHT_GROUP_MEMORY = ((5.0, 3.5, 2.6), (4.5, 3.2, 2.4), (4.0, 3.0, 2.2), (3.5, 2
 
 
 def _kinds_where_memory_binds(group_world) -> bool:
-    from sailor_core.planner.exhaustive import exhaustive_groups_best
+    from tests.planner_oracle import exhaustive_groups_best
 
     worst, worlds, recomputing, n_sim = 0.0, 0, 0, 0
     for seed in TIGHT_GROUP_SEEDS:

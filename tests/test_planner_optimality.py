@@ -15,9 +15,9 @@ import pytest
 
 from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.planner import Objective, PlanRequest, SearchOptions, plan
-from sailor_core.planner.exhaustive import exhaustive_best
 from sailor_core.planner.verify import objective_value
 from tests.planner_fixtures import MODEL, multi_region_world, tiny_book
+from tests.planner_oracle import exhaustive_best
 
 MAX_STAGES = 3
 OBJECTIVES = (Objective.MAX_THROUGHPUT, Objective.MIN_COST, Objective.MIN_COST_PER_TOKEN)
@@ -149,7 +149,7 @@ def group_world(seed: int, gbs: int = 8, memory_gib: tuple[float, float, float] 
 def test_any_shape_per_pipeline_microbatch_space_within_one_percent_of_brute_force(seed: int) -> None:
     """Brute force over every set of up to 3 pipeline kinds (own microbatch size, own GPU kinds per
     stage), their counts and every way to share the batch; the planner within 1% of it."""
-    from sailor_core.planner.exhaustive import exhaustive_groups_best
+    from tests.planner_oracle import exhaustive_groups_best
 
     book, req = group_world(seed)
     ours = plan(req, book)
@@ -173,7 +173,7 @@ GROUP_TIGHT = [(1, (5.0, 3.5, 2.6)), (10, (5.0, 3.5, 2.6)), (0, (3.5, 2.8, 2.0))
 @pytest.mark.parametrize("seed,memory", GROUP_TIGHT)
 def test_pipeline_kinds_where_memory_binds_within_one_percent_of_brute_force(
         seed: int, memory: tuple[float, float, float]) -> None:
-    from sailor_core.planner.exhaustive import exhaustive_groups_best
+    from tests.planner_oracle import exhaustive_groups_best
 
     book, req = group_world(seed, gbs=16, memory_gib=memory)
     ours = plan(req, book)
