@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from sailor_core.planner.links import PairSends, PairTolls
@@ -115,6 +115,22 @@ def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[P
     return DP(layers, layers[-1])
 
 
+# One move of the DP from a state whose last kind is known: (slot, tp, primary, secondary, send floor, class of
+# the next sends, the (slot, tp) kind), the options whose kinds have no link to the last one left out.
+Move = tuple[int, int, float, float, float, int, tuple[int, int]]
+
+
+def _moves(link: PairSends | None, last: tuple[int, int] | None, opts: list[Option], s: int, toll: _Tolls | None,
+           classes: Sequence[int]) -> list[Move]:
+    """The moves after a stage of kind `last`: each option with its send floor (`_send_row`), its price key
+    with the egress its sends pay per hour (`_Tolls.priced`) and its class of next sends; an option with
+    no link to `last` in any zone pair is no move."""
+    priced = toll.priced(s, last, opts) if toll is not None else opts
+    return [(g, tp, x1, x2, dw, c, (g, tp)) for (g, tp, x1, x2), dw, c in zip(priced, _send_row(link, last, opts),
+                                                                               classes, strict=True)
+            if dw != math.inf]
+
+
 def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends],
                 alive: Callable[[Usage], bool] = lambda u: True, toll: _Tolls | None = None
                 ) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
@@ -124,26 +140,39 @@ def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequenc
     layers: list[dict[State, Value]] = []
     states: dict[State, Value] = {(zero, BY_KEYS): (0.0, 0.0, None, None, 0.0)}
     seen: dict[Usage, bool] = {}
+    eps = 1e-12
     for s, opts in enumerate(options):
         link = sends[s - 1] if s and sends else None
+        zeros = [0] * len(opts)
+        by_last: dict[tuple[int, int] | None, list[Move]] = {}
         nxt: dict[State, Value] = {}
-        for key, (p1, p2, _, _, w), row, priced in _with_rows(states, link, opts, s, toll):
+        for key, (p1, p2, _, last, w) in states.items():
+            moves = by_last.get(last)
+            if moves is None:
+                moves = by_last[last] = _moves(link, last, opts, s, toll, zeros)
             u = key[0]
-            for (g, tp, x1, x2), dw in zip(priced, row, strict=True):
-                if u[g] + tp > caps[g] or dw == math.inf:  # no room, or no link between the kinds anywhere
+            for g, tp, x1, x2, dw, _c, kind in moves:
+                n = u[g] + tp
+                if n > caps[g]:
                     continue
-                q1, q2, qw = p1 + x1, p2 + x2, w + dw
-                used = u[:g] + (u[g] + tp,) + u[g + 1 :]
+                used = u[:g] + (n,) + u[g + 1:]
                 ok = seen.get(used)
                 if ok is None:
                     ok = seen[used] = alive(used)
                 if not ok:
                     continue
+                q1 = p1 + x1
                 v = (used, BY_KEYS)
                 old = nxt.get(v)
-                if old is None or q1 < old[0] - 1e-12 or (q1 <= old[0] + 1e-12 and (
-                        q2 < old[1] - 1e-12 or (q2 <= old[1] + 1e-12 and qw < old[4] - 1e-12))):
-                    nxt[v] = (q1, q2, key, (g, tp), qw)
+                if old is not None:
+                    o1 = old[0]
+                    if q1 > o1 + eps:
+                        continue
+                    if q1 >= o1 - eps:
+                        q2, o2 = p2 + x2, old[1]
+                        if q2 > o2 + eps or (q2 >= o2 - eps and w + dw >= old[4] - eps):
+                            continue
+                nxt[v] = (q1, p2 + x2, key, kind, w + dw)
         if not nxt:
             return None
         layers.append(nxt)
@@ -166,31 +195,44 @@ def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequen
     rest1 = _finish_floor(options, sends if speed_first else (), 2)  # of the primary (with sends for time)
     rest2 = _finish_floor(options, () if speed_first else sends, 3)  # of the secondary (with sends for time)
     cap_of: dict[Usage, tuple[float, float]] = {}
+    eps = 1e-12
     for s, opts in enumerate(options):
         link = sends[s - 1] if s else None
         ahead = sends[s] if s + 1 < len(options) and len(sends) > s else None
         classes = _row_classes(ahead, opts, options[s + 1]) if ahead is not None else [0] * len(opts)
+        by_last: dict[tuple[int, int] | None, list[Move]] = {}
+        r1, r2 = rest1[s], rest2[s]
         nxt: dict[State, Value] = {}
-        for key, (p1, p2, _, _, w), row, priced in _with_rows(states, link, opts, s, toll):
+        for key, (p1, p2, _, last, w) in states.items():
+            moves = by_last.get(last)
+            if moves is None:
+                moves = by_last[last] = _moves(link, last, opts, s, toll, classes)
             u = key[0]
-            for (g, tp, x1, x2), dw, c in zip(priced, row, classes, strict=True):
-                if u[g] + tp > caps[g] or dw == math.inf:  # no room, or no link between the kinds anywhere
+            for g, tp, x1, x2, dw, c, kind in moves:
+                n = u[g] + tp
+                if n > caps[g]:
                     continue
                 q1, q2, qw = p1 + x1, p2 + x2, w + dw
-                used = u[:g] + (u[g] + tp,) + u[g + 1 :]
+                used = u[:g] + (n,) + u[g + 1:]
                 if limit is not None:
                     top = cap_of.get(used)
                     if top is None:
                         top = cap_of[used] = limit(used)
                     if speed_first:
-                        if q1 + qw + rest1[s] > top[0]:
+                        if q1 + qw + r1 > top[0]:
                             continue
-                    elif q1 + rest1[s] > top[0] and q2 + qw + rest2[s] > top[1]:
+                    elif q1 + r1 > top[0] and q2 + qw + r2 > top[1]:
                         continue
                 v = (used, c)
                 old = nxt.get(v)
-                if old is None or _sends_first(q1, q2, qw, old, speed_first):
-                    nxt[v] = (q1, q2, key, (g, tp), qw)
+                if old is not None:  # by time with sends, then the other key
+                    if speed_first:
+                        a, b, oa, ob = q1 + qw, q2, old[0] + old[4], old[1]
+                    else:
+                        a, b, oa, ob = q2 + qw, q1, old[1] + old[4], old[0]
+                    if not (a < oa - eps or (a <= oa + eps and b < ob - eps)):
+                        continue
+                nxt[v] = (q1, q2, key, kind, qw)
         if not nxt:
             break
         layers.append(nxt)
@@ -260,15 +302,6 @@ def copies(u: Usage, caps: Sequence[int], max_gpus: int | None) -> int:
     return min(d, max_gpus // max(1, sum(u))) if max_gpus is not None else d
 
 
-def _sends_first(q1: float, q2: float, w: float, old: Value, speed_first: bool) -> bool:
-    """Whether (q1, q2, w) beats `old` by time with sends, then the other key."""
-    if speed_first:
-        a, b, c, d = q1 + w, q2, old[0] + old[4], old[1]
-    else:
-        a, b, c, d = q2 + w, q1, old[1] + old[4], old[0]
-    return a < c - 1e-12 or (a <= c + 1e-12 and b < d - 1e-12)
-
-
 def _row_classes(link: PairSends, opts: list[Option], ahead: list[Option]) -> list[int]:
     """For each option of a stage, the class of its sends to the next stage's options over `link`:
     options with equal rows share a class (one class when the next sends do not depend on the kind)."""
@@ -292,20 +325,6 @@ class _Tolls:
             return opts
         t = self.tolls[s - 1]
         return [Option(g, tp, x1 + t[(last, (g, tp))] * self.rate, x2) for g, tp, x1, x2 in opts]
-
-
-def _with_rows(states: dict[State, Value], link: PairSends | None, opts: list[Option], s: int = 0,
-               toll: _Tolls | None = None) -> Iterator[tuple[State, Value, list[float], list[Option]]]:
-    """Each state with its value, the send floor of each option after it (`_send_row`) and the options
-    with the egress their sends pay per hour added to the price key (`_Tolls.priced`: `opts` itself
-    without tolls), both worked out once per last kind."""
-    rows: dict[tuple[int, int] | None, tuple[list[float], list[Option]]] = {}
-    for key, value in states.items():
-        last = value[3]
-        pair = rows.get(last)
-        if pair is None:
-            pair = rows[last] = (_send_row(link, last, opts), toll.priced(s, last, opts) if toll is not None else opts)
-        yield key, value, pair[0], pair[1]
 
 
 def _send_row(link: PairSends | None, last: tuple[int, int] | None, opts: list[Option]) -> list[float]:

@@ -171,7 +171,7 @@ def verify(request: PlanRequest, book: ProfileBook, pool: ResourcePool, plans: S
         try:
             r = simulate(pl, book, options=so)
         except MissingProfileError as e:  # e.g. a ring mixing two GPU types with no measured link between them
-            missing.add(e.what)
+            missing.add(_in_words(e))
             continue
         simulated += 1
         why = problems(request, pool, pl, r)
@@ -183,6 +183,16 @@ def verify(request: PlanRequest, book: ProfileBook, pool: ResourcePool, plans: S
         feasible.append(Verified(value=value(pl, r), plan=pl, result=r))
     return Verification(simulated=simulated, feasible=tuple(feasible), closest=closest,
                         missing_links=frozenset(missing))
+
+
+def _in_words(e: MissingProfileError) -> str:
+    """A missing profile as the planner lists it: a link as its two ends (the words of `link_gaps`),
+    whatever group sizes the plan asked for; anything else as the error says it."""
+    if e.link is None:
+        return e.what
+    zone_a, type_a, _, zone_b, type_b, _ = e.link
+    a, b = sorted([(type_a, zone_a), (type_b, zone_b)])
+    return f"{a[0]} in {a[1]} <-> {b[0]} in {b[1]}"
 
 
 def problems(request: PlanRequest, pool: ResourcePool, pl: ParallelPlan, r: SimulationResult) -> list[str]:
