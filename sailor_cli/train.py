@@ -102,23 +102,14 @@ def train(
     The model is the plan's; a published plan names none: give --model (or --model-config).
     --timeout: how long a silent peer is waited for before it counts as lost.
     """
-    # inputs a worker would trip over 15-20 s after the start: refused before anything starts
     checkpoint_interval = _interval(checkpoint_interval, checkpoint_every)
-    if resume and resume_or_start:
-        raise SailorError("--resume and --resume-or-start exclude each other (without a checkpoint the first fails, "
-                          "the second starts at step 0); to fix: pass one of them")
-    check_input_path("--data", data)  # local paths only: s3:// and gs:// are the workers' to read
-    for flag, folder in (("--checkpoint-dir", checkpoint_uri), ("--log-dir", log_dir), ("--export", export)):
-        check_folder(flag, folder)
-    check_output_file("--metrics-out", metrics_out)
+    _refuse_bad_inputs(resume and resume_or_start, data, (("--checkpoint-dir", checkpoint_uri), ("--log-dir", log_dir),
+                                                          ("--export", export)),
+                       metrics_out, (lr_schedule, warmup_steps, min_lr_ratio), tensorboard)
     from sailor_core.models.config import get_config
     from sailor_core.plan_format import load_plan_file
     from sailor_core.runtime.engine import TrainSettings
-    from sailor_core.runtime.lr_schedule import check_schedule
 
-    check_schedule(lr_schedule, warmup_steps, min_lr_ratio)
-    if tensorboard is not None and tensorboard.exists() and not tensorboard.is_dir():
-        raise SailorError(f"--tensorboard {tensorboard} is a file; to fix: name a folder (created if missing)")
     if model_config:  # a config.json model, registered under its name: the plan's model resolves to it
         from sailor_core.models.hf_config import load_model_config
 
@@ -138,6 +129,23 @@ def train(
         return
     settings = _start_from(settings, cfg, init_weights, resume_or_start)
     _run_and_export(plan, cfg, settings, log_dir, metrics_out, export, tensorboard, (store, plan_file.stem))
+
+
+def _refuse_bad_inputs(both_resumes: bool, data: str | None, folders: tuple[tuple[str, Any], ...],
+                       metrics_out: Path | None, schedule: tuple[str, int, float], tensorboard: Path | None) -> None:
+    """Inputs a worker would trip over 15-20 s after the start: refused before anything starts."""
+    from sailor_core.runtime.lr_schedule import check_schedule
+
+    if both_resumes:
+        raise SailorError("--resume and --resume-or-start exclude each other (without a checkpoint the first fails, "
+                          "the second starts at step 0); to fix: pass one of them")
+    check_input_path("--data", data)  # local paths only: s3:// and gs:// are the workers' to read
+    for flag, folder in folders:
+        check_folder(flag, folder)
+    check_output_file("--metrics-out", metrics_out)
+    check_schedule(*schedule)
+    if tensorboard is not None and tensorboard.exists() and not tensorboard.is_dir():
+        raise SailorError(f"--tensorboard {tensorboard} is a file; to fix: name a folder (created if missing)")
 
 
 def _island_plan(path: Path) -> Any:

@@ -195,9 +195,11 @@ def test_a_signal_while_the_workers_start(tmp_path, sig):
     out_lines: list[str] = []
     try:
         assert p.stdout is not None
-        line = p.stdout.readline()  # "started 2 workers ..." (the first line the command prints)
-        out_lines.append(line)
-        assert line.startswith("started"), line
+        for line in p.stdout:  # "run train-... (sailor runs show ...)", then "started 2 workers ..."
+            out_lines.append(line)
+            if not line.startswith("run "):
+                break
+        assert line.startswith("started"), out_lines
         kids = descendants(p.pid)
         p.send_signal(sig)
         rc, out, err = finish(p, 90)
