@@ -264,6 +264,50 @@ def test_islands_of_different_speed_weigh_by_the_tokens_they_trained(monkeypatch
         assert s.state.version == 1 and s.state.steps_in_round == 0
 
 
+def test_a_stale_island_is_sent_the_global_copy_and_momentum_and_weighs_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An island back from a reconfiguration without outer state (version -1) joins the next outer step:
+    the up-to-date island sends it the global copy and momentum first, its own pseudo-gradient weighs 0,
+    and both end with the same parameters and momentum (lr 1, Nesterov 0.5: a lost momentum shows)."""
+    from sailor_core.runtime.islands import IslandRole, IslandSync
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.HashStore()
+    store.set("outer/islands", json.dumps([0, 1]))
+    syncs = []
+    for i, local in enumerate((1.0, 4.0)):
+        p = torch.zeros(6)
+        s = IslandSync(OuterSync(inner_steps=1, outer_lr=1.0, momentum=0.5), [p],
+                       IslandRole(island=i, shard=0, leader=True, dp_group=None, dp_src=0), Quorum(store),
+                       tokens_per_step=1.0, timeout_s=30, log=lambda m: None)
+        p.fill_(local)
+        s.state.steps_in_round, s.state.tokens_in_round = 1, 1.0  # a round trained, tokens counted
+        syncs.append(s)
+    syncs[0].state.version = 3
+    syncs[0].state.momentum[0].fill_(4.0)
+    syncs[1].mark_stale()
+    errors: list[BaseException] = []
+
+    def outer(s: IslandSync, first: int | None) -> None:
+        try:
+            s.synchronise(first=first)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    # island 1 joins as rejoin_if_stale has it join: the step after the run's last decided one
+    threads = [threading.Thread(target=outer, args=(s, f)) for s, f in zip(syncs, (None, 4), strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    # island 0 alone counts: d = 0 - 1 = -1; m = 0.5 * 4 + d = 1; global = 0 - (d + 0.5 m) = 0.5
+    for s in syncs:
+        assert torch.allclose(s.state.params[0], torch.full((6,), 0.5), atol=1e-6), s.state.params[0]
+        assert torch.allclose(s.state.momentum[0], torch.full((6,), 1.0), atol=1e-6), s.state.momentum[0]
+        assert s.state.version == 4
+
+
 def test_sailor_train_runs_an_island_plan_file_one_job_per_island(tmp_path: Path) -> None:
     """`sailor plan --sync semi --out FILE` writes an island plan; `sailor train FILE` runs its islands here."""
     import subprocess

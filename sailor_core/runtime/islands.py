@@ -136,7 +136,7 @@ class IslandSync:
         if len(current) < len(members):  # someone was away: the up-to-date copy first, all of it
             buf = st.flat_state(None)
             if pg is not None:
-                pg.broadcast([buf], members.index(current[0])).wait()
+                pg.broadcast(buf, members.index(current[0])).wait()
             if self.role.island not in current:
                 st.set_flat_state(buf, None, to_params=True)
         tokens = sum(float(info[m]["tokens"]) for m in current) or 1.0
