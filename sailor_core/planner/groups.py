@@ -6,9 +6,8 @@ first `splits` distinct ones), a GPU type's own split where it holds a pipeline 
 (`own_splits`) and one of the best plans' pipelines re-split with one stage on an idle GPU kind
 (`mixed_kind_splits`) it
 1. collects pipeline *types*: a microbatch size and one (slot, TP) per stage, from the bottleneck
-   sweep and DP run on the whole pool, on each slot alone and (three slots or more) on the pool
-   without each slot (so types on slow or small GPUs exist even when the fastest types would take
-   every GPU), for every profiled microbatch size;
+   sweep and DP run on the whole pool, on each GPU type alone and (three types or more) without each
+   (types on slow or small GPUs exist even where the fastest would take every GPU), at the best sizes;
 2. chooses how many pipelines of each type to run, jointly: for every combination of up to
    `max_groups` types (of the `types_kept` best by samples per second per GPU) and counts that fit
    the pool together, the iteration time of the combination when the global batch is shared so
@@ -62,16 +61,12 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
            ) -> list[PipeType]:
     pb = search.problem
     out: dict[tuple[int, tuple[tuple[int, int], ...]], PipeType] = {}
-    pools: list[tuple[Slot, ...]] = [pb.slots]
-    def only(keep: set[int]) -> tuple[Slot, ...]:
-        return tuple(s if s.index in keep else replace(s, zones=tuple((z, 0) for z, _ in s.zones)) for s in pb.slots)
-
-    if len(pb.slots) > 1:
-        # each slot alone: the types a slow or small GPU can run, which the whole pool's best hide
-        pools += [only({g.index}) for g in pb.slots]
-    if len(pb.slots) > 2:
-        # each slot left out: the best types of the others (a middle GPU paired with a slow one)
-        pools += [only({s.index for s in pb.slots} - {g.index}) for g in pb.slots]
+    # The whole pool; each GPU type alone (what a slow or small GPU can run, which the whole pool's best
+    # hide); each left out (the best of the others: a middle GPU paired with a slow one). By type, not
+    # by slot: a type's slots in other regions run the same pipelines.
+    by_type = [{s.index for s in pb.slots if s.gpu_type == g} for g in dict.fromkeys(s.gpu_type for s in pb.slots)]
+    pools = [pb.slots] + ([_only(pb.slots, ix) for ix in by_type] if len(by_type) > 1 else []) + (
+        [_only(pb.slots, {s.index for s in pb.slots} - ix) for ix in by_type] if len(by_type) > 2 else [])
     for mbs in mbs_values:
         for slots in pools:
             sub = Search(replace(pb, slots=slots, mbs_values=(mbs,), keep=keep, constraints=Constraints(),
@@ -81,12 +76,9 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
                 key = (sk.mbs, sk.kinds)
                 if key in out:
                     continue
-                use = [0] * len(pb.slots)
-                for si, tp in sk.kinds:
-                    use[si] += tp
                 fill, cycle = linear_time(sub.costs, sub.problem.slots, sk, cand.estimate.layouts)
                 if cycle > 0 and math.isfinite(cycle):
-                    out[key] = PipeType(sketch=replace(sk, dp=1, zone_rot=()), use=tuple(use), fill_s=fill,
+                    out[key] = PipeType(sketch=replace(sk, dp=1, zone_rot=()), use=_use(pb, sk.kinds), fill_s=fill,
                                         cycle_s=cycle)
     # One stage moved to another GPU kind: types that mix kinds the sweeps' best never pair (a
     # middle GPU for the first stage of a pipeline whose other stages keep the fastest).
@@ -105,6 +97,11 @@ def _types(search: Search, bounds: tuple[tuple[int, int], ...], mbs_values: Sequ
         seen[support] = seen.get(support, 0) + 1
         rounds[min(seen[support], 3) - 1].append(t)
     return rounds[0] + rounds[1] + rounds[2]
+
+
+def _only(slots: Sequence[Slot], keep: set[int]) -> tuple[Slot, ...]:
+    """The slots with every one not in `keep` emptied (indices unchanged)."""
+    return tuple(s if s.index in keep else replace(s, zones=tuple((z, 0) for z, _ in s.zones)) for s in slots)
 
 
 def _variants(search: Search, sk: Sketch) -> list[PipeType]:
@@ -142,12 +139,15 @@ def _stage_moved(pb: Problem, kinds: tuple[tuple[int, int], ...], s: int, kind: 
     """(kinds, GPUs used per slot) of a pipeline with stage s on `kind` (slot, TP); None when one
     such pipeline needs more GPUs of a slot than the pool has."""
     moved = kinds[:s] + (kind,) + kinds[s + 1:]
-    use = [0] * len(pb.slots)
-    for si, tp in moved:
-        use[si] += tp
+    use = _use(pb, moved)
     if any(u > slot.capacity for u, slot in zip(use, pb.slots, strict=True)):
         return None
-    return moved, tuple(use)
+    return moved, use
+
+
+def _use(pb: Problem, kinds: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """GPUs one pipeline of these kinds (slot, TP per stage) uses of each slot."""
+    return tuple(sum(tp for si, tp in kinds if si == g) for g in range(len(pb.slots)))
 
 
 def _balanced_time(gbs: int, types: Sequence[PipeType], counts: Sequence[int]) -> float:
@@ -254,8 +254,7 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
             taken.append((cand.sketch.bounds, cand.sketch.mbs))
     extra = own_splits(search, [b for b, _ in taken])
     extra += mixed_kind_splits(search, top, [b for b, _ in taken + extra], bases=splits)
-    # Pipeline types at the microbatch sizes the best plans run (and each split's own): a size no good plan
-    # runs gives no type a group of the best ones would take (the sub-searches cost one sweep per size).
+    # Pipeline types at the sizes the best plans run and each split's own (one sub-search sweep per size).
     sizes = list(dict.fromkeys(c.sketch.mbs for c in top))[:TYPE_SIZES]
     for bounds, mbs in taken + extra:
         mbs_values = tuple(dict.fromkeys([*sizes, mbs])) if own_microbatch else (mbs,)
@@ -312,10 +311,9 @@ def mixed_kind_splits(search: Search, top: Sequence[Candidate], taken: Sequence[
     it then has (`shapes.rebalanced`: the least bottleneck stage time within each GPU's memory); the
     `limit` of them not in `taken` whose pipeline is fastest per sample.
 
-    The best plans' splits suit the kinds they were searched for. A weaker GPU after a faster one
-    wants another split (the fast stage keeps most layers, the weak one what it holds and can keep
-    pace with), and the plan that pairs every fast GPU with an otherwise idle weak one exists only on
-    that split: the single-shape search ranks such a pipeline low, as few of its pairs fit the pool."""
+    A weaker GPU after a faster one wants another split than the best plans' (the fast stage keeps most
+    layers, the weak one what it holds and keeps pace with): a plan pairing every fast GPU with an idle
+    weak one exists only on it, and the single-shape search ranks it low (few of its pairs fit the pool)."""
     pb, costs = search.problem, search.costs
     if not top:
         return []
