@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -264,43 +265,76 @@ def test_islands_of_different_speed_weigh_by_the_tokens_they_trained(monkeypatch
         assert s.state.version == 1 and s.state.steps_in_round == 0
 
 
-def test_a_stale_island_is_sent_the_global_copy_and_momentum_and_weighs_nothing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """An island back from a reconfiguration without outer state (version -1) joins the next outer step:
-    the up-to-date island sends it the global copy and momentum first, its own pseudo-gradient weighs 0,
-    and both end with the same parameters and momentum (lr 1, Nesterov 0.5: a lost momentum shows)."""
+def _island_sync(store: Any, island: int, sync: OuterSync, local: float, *, timeout_s: float = 30) -> Any:
+    """Island `island`'s outer loop over one parameter (6 zeros, then `local`): one round trained, 1 token."""
     from sailor_core.runtime.islands import IslandRole, IslandSync
 
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.HashStore()
-    store.set("outer/islands", json.dumps([0, 1]))
-    syncs = []
-    for i, local in enumerate((1.0, 4.0)):
-        p = torch.zeros(6)
-        s = IslandSync(OuterSync(inner_steps=1, outer_lr=1.0, momentum=0.5), [p],
-                       IslandRole(island=i, shard=0, leader=True, dp_group=None, dp_src=0), Quorum(store),
-                       tokens_per_step=1.0, timeout_s=30, log=lambda m: None)
-        p.fill_(local)
-        s.state.steps_in_round, s.state.tokens_in_round = 1, 1.0  # a round trained, tokens counted
-        syncs.append(s)
-    syncs[0].state.version = 3
-    syncs[0].state.momentum[0].fill_(4.0)
-    syncs[1].mark_stale()
+    p = torch.zeros(6)
+    s = IslandSync(sync, [p], IslandRole(island=island, shard=0, leader=True, dp_group=None, dp_src=0),
+                   Quorum(store), tokens_per_step=1.0, timeout_s=timeout_s, log=lambda m: None)
+    p.fill_(local)
+    s.state.steps_in_round, s.state.tokens_in_round = 1, 1.0
+    return s
+
+
+def _outer_together(syncs: list[Any], firsts: list[int | None]) -> None:
+    """Each island's `synchronise(first=...)` at once, a thread each (gloo over loopback)."""
     errors: list[BaseException] = []
 
-    def outer(s: IslandSync, first: int | None) -> None:
+    def outer(s: Any, first: int | None) -> None:
         try:
             s.synchronise(first=first)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
 
-    # island 1 joins as rejoin_if_stale has it join: the step after the run's last decided one
-    threads = [threading.Thread(target=outer, args=(s, f)) for s, f in zip(syncs, (None, 4), strict=True)]
+    threads = [threading.Thread(target=outer, args=(s, f)) for s, f in zip(syncs, firsts, strict=True)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_an_island_back_in_a_new_generation_gets_a_new_outer_group_from_every_member(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Island 0 reconfigures (a new generation: a new IslandSync, its state kept in memory) and is back at
+    the next outer step with island 1, whose group over {0, 1} is the old island 0's: both must build a new
+    one (they waited out the group's timeout, and the step failed, when island 1 kept its old group)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.HashStore()
+    store.set("outer/islands", json.dumps([0, 1]))
+    sync = OuterSync(inner_steps=1, outer_lr=1.0, momentum=0.0)
+    syncs = [_island_sync(store, i, sync, local, timeout_s=5) for i, local in enumerate((1.0, 3.0))]
+    _outer_together(syncs, [None, None])
+    assert all(s.state.version == 1 for s in syncs)
+    old = syncs[0]
+    syncs[0] = _island_sync(store, 0, sync, 0.0, timeout_s=5)
+    assert syncs[0].adopt(old)  # the new generation holds the old one's outer state (resume from memory)
+    for s, local in zip(syncs, (4.0, 6.0), strict=True):
+        s.state.params[0].fill_(local)
+        s.state.steps_in_round, s.state.tokens_in_round = 1, 1.0
+    _outer_together(syncs, [None, None])
+    for s in syncs:  # the mean of the two rounds' local results, each time (lr 1, no momentum)
+        assert s.state.version == 2, s.state.version
+        assert torch.allclose(s.state.params[0], torch.full((6,), 5.0), atol=1e-6), s.state.params[0]
+
+
+def test_a_stale_island_is_sent_the_global_copy_and_momentum_and_weighs_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An island back from a reconfiguration without outer state (version -1) joins the next outer step:
+    the up-to-date island sends it the global copy and momentum first, its own pseudo-gradient weighs 0,
+    and both end with the same parameters and momentum (lr 1, Nesterov 0.5: a lost momentum shows)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.HashStore()
+    store.set("outer/islands", json.dumps([0, 1]))
+    sync = OuterSync(inner_steps=1, outer_lr=1.0, momentum=0.5)
+    syncs = [_island_sync(store, i, sync, local) for i, local in enumerate((1.0, 4.0))]
+    syncs[0].state.version = 3
+    syncs[0].state.momentum[0].fill_(4.0)
+    syncs[1].mark_stale()
+    # island 1 joins as rejoin_if_stale has it join: the step after the run's last decided one
+    _outer_together(syncs, [None, 4])
     # island 0 alone counts: d = 0 - 1 = -1; m = 0.5 * 4 + d = 1; global = 0 - (d + 0.5 m) = 0.5
     for s in syncs:
         assert torch.allclose(s.state.params[0], torch.full((6,), 0.5), atol=1e-6), s.state.params[0]

@@ -7,13 +7,16 @@ Contract:
 - `IslandSync`: one rank's outer loop, composed into the Trainer (engine.py). Ranks of pipeline 0
   take part: the rank holding (stage s, TP rank t) of every member island forms one gloo group per
   member set (rank = position in the member list, over the store under `outer/v<v>/pg<k>`), kept
-  while the members stay the same. At a boundary: members whose global copy is older than the
-  newest among them (they were away) are sent it, and its momentum, from the first up-to-date
-  member; the pseudo-gradients, each weighted by its island's tokens over the up-to-date members'
-  tokens (stale ones weigh 0), are summed with `ring_allreduce`; every member takes the same outer
-  step. Pipeline 0 then broadcasts the global copy, momentum and round to the island's other
-  replicas of its shard over the data-parallel group, so every rank holds the outer state whole
-  (any rank's checkpoint, or a reconfigured island, has it).
+  while the members and their incarnations stay the same (an island's leader joins with a token new
+  to each IslandSync, so an island back in a new generation makes every member build a new group
+  at the same outer step instead of one of them talking to its old group). At a boundary: members
+  whose global copy is older than the newest among them (they were away) are sent it, and its
+  momentum, from the first up-to-date member; the pseudo-gradients, each weighted by its island's
+  tokens over the up-to-date members' tokens (stale ones weigh 0), are summed with
+  `ring_allreduce`; every member takes the same outer step. Pipeline 0 then broadcasts the global
+  copy, momentum and round to the island's other replicas of its shard over the data-parallel
+  group, so every rank holds the outer state whole (any rank's checkpoint, or a reconfigured
+  island, has it).
 - An island that rejoins (a new generation after a reconfiguration, resumed from its checkpoint or
   memory) whose global copy is older than `outer/decided` joins the next outer step at once, trains
   nothing until then, and starts from the global parameters it is sent.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,7 +67,8 @@ class IslandSync:
         self.state = OuterState(params, sync)
         self.tokens_per_step = tokens_per_step
         self.timeout = timedelta(seconds=timeout_s)
-        self._pg: tuple[tuple[int, ...], Any] | None = None  # (members, group) while they stay the same
+        self._pg: tuple[tuple[tuple[int, str], ...], Any] | None = None  # (members, group) while they stay the same
+        self.incarnation = uuid.uuid4().hex[:16]  # this island's generation, as its leader joins outer steps
         self.last_sync_s = 0.0
 
     # -- a step's end -------------------------------------------------------------------------------
@@ -101,8 +106,8 @@ class IslandSync:
         if self.role.shard is not None:
             v = max(st.version + 1, first or 0)
             if self.role.leader:
-                v, decision = self.quorum.members(v, self.role.island,
-                                                  {"tokens": st.tokens_in_round, "version": st.version})
+                v, decision = self.quorum.members(v, self.role.island, {"tokens": st.tokens_in_round,
+                                                  "version": st.version, "incarnation": self.incarnation})
             else:
                 v, decision = self._wait_mine(v)
             try:
@@ -129,7 +134,7 @@ class IslandSync:
         info = {int(k): val for k, val in decision["info"].items()}
         newest = max(int(info[m]["version"]) for m in members)
         current = [m for m in members if int(info[m]["version"]) == newest] if newest >= 0 else members[:1]
-        pg = self._group(tuple(members), v)
+        pg = self._group(tuple((m, str(info[m].get("incarnation", ""))) for m in members), v)
         if newest < 0 and self.role.island == members[0]:  # nobody holds a global copy: the first one's values
             st.set_flat_state(torch.cat([p.detach().float().reshape(-1) for p in st.params]
                                         + [torch.zeros(m.numel()) for m in st.momentum]), None, to_params=False)
@@ -148,14 +153,16 @@ class IslandSync:
         st.outer_step(avg, fragment)
         st.version = v
 
-    def _group(self, members: tuple[int, ...], v: int) -> Any:
-        """The gloo group of this shard over the member islands (kept while they stay the same)."""
+    def _group(self, members: tuple[tuple[int, str], ...], v: int) -> Any:
+        """The gloo group of this shard over the member islands, (island, incarnation) each: kept while they
+        stay the same, else built by every member at this outer step v."""
         if len(members) == 1:
             return None
         if self._pg is not None and self._pg[0] == members:
             return self._pg[1]
         prefix = dist.PrefixStore(f"outer/v{v}/pg{self.role.shard}", self.quorum.store)
-        pg = dist.ProcessGroupGloo(prefix, members.index(self.role.island), len(members), self.timeout)
+        rank = [m for m, _ in members].index(self.role.island)
+        pg = dist.ProcessGroupGloo(prefix, rank, len(members), self.timeout)
         self._pg = (members, pg)
         return pg
 

@@ -5,7 +5,7 @@ hosts it), under `outer/`:
     `outer/islands`          JSON list of the run's island ids (set once by whoever hosts the store)
     `outer/away/<i>`         "1" while island i is away (reconfiguring, done, or dropped after a timeout)
     `outer/decided`          the last outer step v whose members were decided (it never goes back)
-    `outer/v<v>/join/<i>`    island i's leader at its boundary: {"tokens", "version"}
+    `outer/v<v>/join/<i>`    island i's leader at its boundary: {"tokens", "version", "incarnation"}
     `outer/v<v>/members`     {"members": [...], "info": {i: join}}: set once (compare-and-set) by the
                              first leader that sees every island not away joined, or QUORUM_S after
                              its own join (the missing ones are then marked away)
