@@ -46,6 +46,7 @@ from sailor_core.decisions import (
     WEIGHED_AS,
     Assessment,
     Happened,
+    Measured,
     Option,
     PlanCost,
     Replacement,
@@ -55,7 +56,7 @@ from sailor_core.decisions import (
     assess,
     calibrated_factors,
     choose,
-    reconfiguration_estimate,
+    known_reconfiguration,
     within_limits,
 )
 from sailor_core.domain import Capacity, Market, ModelSpec, ParallelPlan, ResourcePool
@@ -228,31 +229,29 @@ class RunContext:
 
     def reconfiguration(self) -> tuple[float, str]:
         """A switch on VMs already held, as the decisions assume it, and where the figure comes from
-        (`sailor_core.decisions.reconfiguration_estimate`): this run's switches in place, else those
-        earlier runs measured in the store, else this provider's measured VM start, else the estimate."""
+        (`sailor_core.decisions.known_reconfiguration`, which the replay of this run calls too): this
+        run's switches in place, else those earlier runs measured in the store, else this provider's
+        measured VM start, else the estimate."""
         in_place = [s for s, kept in self.switches.values() if kept]
-        earlier: list[float] = []
-        start: float | None = None
-        if not in_place:
-            earlier = self._measured(Measurement.RECONFIGURATION, "reconfiguration_s",
-                                     lambda r: r.payload.get("new_vms") == 0 and r.run_id != self.run_id)
-            starts = self._measured(Measurement.VM_START, "vm_start_s",
-                                    lambda r: r.payload.get("provider") == self.provider.name)
-            start = vm_start_from_history(starts)
-        return reconfiguration_estimate(this_run_in_place_s=in_place, earlier_in_place_s=earlier,
-                                        vm_start_s=start, assumed_s=self.setup.reconfiguration_estimate_s)
+        rows = [] if in_place else [*self._rows(Measurement.RECONFIGURATION), *self._rows(Measurement.VM_START)]
+        return known_reconfiguration(run_id=self.run_id, provider=self.provider.name, this_run_in_place_s=in_place,
+                                     measured=[m for r in rows if (m := Measured.of(r.run_id, r.kind, r.payload))],
+                                     assumed_s=self.setup.reconfiguration_estimate_s)
 
     def reconfiguration_s(self) -> float:
         return self.reconfiguration()[0]
 
-    def _measured(self, kind: Measurement, key: str, keep: Callable[[HistoryRecord], bool]) -> list[float]:
-        """The figures `key` of the store's `kind` measurements that `keep` accepts (none when unreadable)."""
+    def _rows(self, kind: Measurement) -> list[HistoryRecord]:
+        """The store's `kind` measurements (none when unreadable)."""
         try:
-            rows = self.history.store.read_history("measurements", kind=kind.value)
+            return self.history.store.read_history("measurements", kind=kind.value)
         except Exception as e:  # noqa: BLE001 - an unreadable history only costs the measured figure: log it
             get_run_logger().warning("%s measurements unreadable (%s)", kind.value, e)
             return []
-        return [float(r.payload[key]) for r in rows if key in r.payload and keep(r)]
+
+    def _measured(self, kind: Measurement, key: str, keep: Callable[[HistoryRecord], bool]) -> list[float]:
+        """The figures `key` of the store's `kind` measurements that `keep` accepts (none when unreadable)."""
+        return [float(r.payload[key]) for r in self._rows(kind) if key in r.payload and keep(r)]
 
     def startup_times(self, job: Job, model: ModelSpec) -> StartupTimes:
         """What starting a replacement takes, as the run knows it now (see the module's contract)."""

@@ -211,10 +211,12 @@ def run_inputs(store_uri: str | None, run_id: str,
     The starting pool is what the run's provider offered at its start; a local run's provider is
     rebuilt from the run's scenario (its offerings are a function of the file) in `workdir`.
     The book is the store's, priced as the run's offerings; the trace's points calibrate it as the
-    flow did (the factors it started with, then those it measured).
+    flow did (the factors it started with, then those it measured) and assume the reconfiguration the
+    flow assumed at each replan (from the store's measurements recorded before it).
     """
     from infra.local import LocalProvider
     from infra.scenario import load_scenario
+    from sailor_core.decisions import Measured
     from sailor_core.replay.history import run_job, run_trace
     from tasks.history import RunHistory
     from tasks.planning import pool_from, priced_book
@@ -238,7 +240,11 @@ def run_inputs(store_uri: str | None, run_id: str,
         if m.time < started and m.run_id != run_id and m.payload.get("gpu_type") in gpu_set:
             factors[str(m.payload["gpu_type"])] = float(m.payload["factor"])
     book = priced_book(st.profile_book(str(p["model"]), gpu_set), offers)  # calibrated point by point
-    return r, run_trace(r, pool_from(offers), factors), book, run_job(r, sequence_length=book.model.sequence_length)
+    # what the flow's store held: each replan assumes the reconfiguration that those recorded before it give
+    measured = [(m.time, x) for kind in ("reconfiguration", "vm_start")
+                for m in st.read_history("measurements", kind=kind) if (x := Measured.of(m.run_id, m.kind, m.payload))]
+    return (r, run_trace(r, pool_from(offers), factors, measured), book,
+            run_job(r, sequence_length=book.model.sequence_length))
 
 
 def _replay_run(run_id: str, store: str | None, as_json: bool) -> None:

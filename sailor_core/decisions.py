@@ -44,6 +44,9 @@ a copy of any step):
 `reconfiguration_estimate(...)` is the reconfiguration time the decisions assume: what this run
 measured of its own switches in place, else what earlier runs measured, else what starting this
 provider's VMs measured, and a constant only when nothing was measured (the reason names which).
+`known_reconfiguration(...)` picks those inputs out of the store's measurements (`Measured`): the
+flow passes every row the store holds when it decides, the replay of a run the rows recorded before
+that decision, so both assume the same figure from the same inputs.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from typing import Any
 
 from sailor_core.domain import Market, ParallelPlan, ResourcePool
 from sailor_core.planner.request import PlanRequest
+from sailor_core.planner.risk import vm_start_from_history
 from sailor_core.units import sig, usd
 
 PlaceKey = tuple[str, str, Market]  # (zone, GPU type, market)
@@ -372,3 +376,39 @@ def reconfiguration_estimate(*, this_run_in_place_s: Sequence[float], earlier_in
     if vm_start_s is not None:
         return vm_start_s, "this provider's measured VM start (no switch measured yet)"
     return assumed_s, "assumed (nothing measured yet)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """A figure of the store's history that the reconfiguration estimate reads: a switch some run
+    measured (`kind` "reconfiguration", with the VMs it rented) or a provider's VM start ("vm_start")."""
+
+    run_id: str
+    kind: str
+    seconds: float
+    new_vms: int | None = None
+    provider: str | None = None
+
+    @classmethod
+    def of(cls, run_id: str, kind: str, payload: Mapping[str, Any]) -> Measured | None:
+        """The measurement row (its run, kind and payload) as such a figure; None for other rows."""
+        key = {"reconfiguration": "reconfiguration_s", "vm_start": "vm_start_s"}.get(kind)
+        if key is None or payload.get(key) is None:
+            return None
+        new_vms = payload.get("new_vms")
+        return cls(run_id=run_id, kind=kind, seconds=float(payload[key]),
+                   new_vms=None if new_vms is None else int(new_vms), provider=payload.get("provider"))
+
+
+def known_reconfiguration(*, run_id: str, provider: str, this_run_in_place_s: Sequence[float],
+                          measured: Iterable[Measured], assumed_s: float) -> tuple[float, str]:
+    """`reconfiguration_estimate` over what run `run_id` on `provider` knew: its own switches in place,
+    and in `measured` (what the store held when it decided) earlier runs' switches that rented no VM
+    and this provider's VM starts (its own included)."""
+    if this_run_in_place_s:
+        return reconfiguration_estimate(this_run_in_place_s=this_run_in_place_s, assumed_s=assumed_s)
+    rows = list(measured)
+    earlier = [m.seconds for m in rows if m.kind == "reconfiguration" and m.new_vms == 0 and m.run_id != run_id]
+    start = vm_start_from_history(m.seconds for m in rows if m.kind == "vm_start" and m.provider == provider)
+    return reconfiguration_estimate(this_run_in_place_s=(), earlier_in_place_s=earlier, vm_start_s=start,
+                                    assumed_s=assumed_s)

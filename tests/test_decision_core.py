@@ -207,3 +207,46 @@ def test_the_flows_decisions_use_the_reconfiguration_it_measured(tmp_path):
     assert "incl. 51.1s reconfiguration" in again.verdict.reason
     assert again.verdict.decision is not None and decided.verdict.decision is not None
     assert again.verdict.decision.switch_usd > decided.verdict.decision.switch_usd  # the longer switch costs more
+
+
+def test_a_replayed_run_assumes_the_reconfiguration_the_flow_knew_at_each_replan(tmp_path):
+    """The replay rebuilds, at each replan, what the flow's store held then (its own switches, earlier
+    runs' switches in place, the provider's VM starts), never what was recorded later, and the same
+    function turns it into the figure: the flow and the replay assume the same reconfiguration."""
+    from datetime import timedelta
+
+    from sailor_core.decisions import Measured
+    from sailor_core.replay.history import run_trace
+    from tasks.history import RunEvent, RunStatus
+
+    ticks = iter(datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=i) for i in range(100))
+    first = Planner(BOOK, replay_job()).best(the_trace().pool_at(0)).plan
+    ctx = flow_context(tmp_path, first)
+    h = ctx.history
+    h.clock = lambda: next(ticks)
+    h.run_status("run-1", RunStatus.RUNNING, "", {"params": {"provider": "local"}})
+    flow_knew: list[float] = []
+
+    def replan(step: int) -> None:
+        flow_knew.append(ctx.reconfiguration()[0])  # what the flow assumes, read before it records the replan
+        h.event("run-1", RunEvent.REPLAN, "", {"step": step})
+
+    replan(10)  # nothing measured: assumed
+    h.measurement("run-1", Measurement.VM_START, {"provider": "local", "vm_start_s": 44.0})
+    h.measurement("run-9", Measurement.VM_START, {"provider": "aws", "vm_start_s": 99.0})  # another provider's
+    replan(20)  # this run's VM start
+    h.measurement("run-0", Measurement.RECONFIGURATION, {"reconfiguration_s": 33.0, "new_vms": 0})
+    h.measurement("run-0", Measurement.RECONFIGURATION, {"reconfiguration_s": 70.0, "new_vms": 2})  # rented VMs
+    replan(30)  # an earlier run's switch in place
+    h.event("run-1", RunEvent.RECONFIGURED, "", {"reconfiguration_s": 51.1, "new_vms": 0})
+    h.measurement("run-1", Measurement.RECONFIGURATION, {"reconfiguration_s": 51.1, "new_vms": 0})
+    ctx.switches[2] = (51.1, True)
+    replan(40)  # this run's own switch in place
+    h.measurement("run-0", Measurement.RECONFIGURATION, {"reconfiguration_s": 90.0, "new_vms": 0})  # learned later
+    assert flow_knew == [ASSUMED_RECONFIGURATION_S, 44.0, 33.0, 51.1]
+
+    measured = [(r.time, m) for r in h.store.read_history("measurements")
+                if (m := Measured.of(r.run_id, r.kind, r.payload)) is not None]
+    tr = run_trace(h.show("run-1"), the_trace().pool_at(0), measured=measured)
+    assert [(p.at_step, p.reconfiguration_s) for p in tr.points[1:]] == [(10, ASSUMED_RECONFIGURATION_S), (20, 44.0),
+                                                                         (30, 33.0), (40, 51.1)]

@@ -352,21 +352,31 @@ def test_a_runs_events_become_step_points_that_take_the_jobs_vms():
             {"kind": "price_change", "zone": "r1-a", "gpu_type": "fast", "market": "spot", "new_usd_per_gpu_hour": 9.0},
             {"kind": "replan", "step": 120},
             {"kind": "lost", "vm_id": "vm-7"},  # a worker's own report names no place
-            {"kind": "replan", "step": 120},
+            {"kind": "replan", "step": 120, "trigger": ["lost"]},
+            {"kind": "preemption", "zone": "r1-a", "gpu_type": "fast", "market": "spot", "vm_id": "vm-8"},
+            {"kind": "lost", "vm_id": "vm-8", "zone": "r1-a", "gpu_type": "fast", "market": "spot"},
+            {"kind": "lost", "vm_id": "vm-7"},  # a VM the job already gave up dies again: no loss
+            {"kind": "iteration_time"},
+            {"kind": "replan", "step": 130, "trigger": ["iteration_time"]},
         ],
         "decisions": [{"kind": "switch", "detail": {"step": 50}}, {"kind": "stay", "detail": {"step": 120}}],
     }
     tr = run_trace(run, start)
-    assert [p.at_step for p in tr.points] == [None, 50, 120, 120]
+    assert [p.at_step for p in tr.points] == [None, 50, 120, 120, 130]
     assert tr.points[1].counts == (2, 4) and tr.points[1].taken == (2, 0)  # the preempted VM and its capacity
     assert tr.points[2].usd_per_gpu_hour == (9.0, 3.0) and tr.points[2].taken == ()
     assert tr.points[3].counts == (2, 4) and tr.points[3].taken == (2, 2)  # wherever the plan runs
+    assert tr.points[4].counts == (0, 4) and tr.points[4].taken == (2, 0)  # vm-8 once, as its preemption
+    assert [p.happened for p in tr.points] == [(), (), (), ("lost",), ("iteration_time",)]  # what woke each replan
     j = run_job(run, sequence_length=1024)
     assert (j.total_steps, j.objective, j.grace_s, j.restrictions.max_gpus) == (400, "min-cost", 2.0, 4)
     assert not j.reuse_dominating_plans and decisions_of(run) == [("switch", 50), ("stay", 120)]
     r = replay(tr, BOOK, j, policy_named("sailor"), name="sailor")
     steps = [d.step for d in r.decisions if d.trigger != "start"]
-    assert steps == [50, 120, 120] and r.finished
+    assert steps[:3] == [50, 120, 120] and r.finished
+    assert r.decisions[3].reason.startswith("after lost at step 120: 1 GPU(s) of the plan lost")  # the flow's words
+    assert [(d.kind, d.reason) for d in r.decisions if d.step == 130] == [
+        ("stay", "after iteration_time at step 130: the best plan is the current plan")]  # nothing of its lost
 
 
 def test_a_plan_under_notice_trains_through_its_window_then_the_new_one_starts():

@@ -462,10 +462,13 @@ def _notice(s: _State, job: ReplayJob, t: float) -> None:
 
 
 def _kinds(trigger: str, lost: bool, trace: Trace, i: int) -> tuple[str, ...]:
-    """What happened at a decision point, in the flow's words: a preemption (GPUs of the plan taken), a
-    price or capacity change against the point before, a scheduled tick, or the start."""
+    """What happened at a decision point, in the flow's words: what woke its replan where the point
+    says (a run's history), else a preemption (GPUs of the plan taken), a price or capacity change
+    against the point before, a scheduled tick, or the start."""
     if trigger == "start":
         return ("start",)
+    if "change" in trigger and trace.points[i].happened:  # a run's history: what woke the flow's replan
+        return trace.points[i].happened
     kinds = {"preemption"} if lost else set()
     if "change" in trigger and i > 0:
         before, now = trace.points[i - 1], trace.points[i]

@@ -57,6 +57,7 @@ MAX_GPUS_PER_NODE = 64
 MAX_USD_PER_GPU_HOUR = 1000.0
 MAX_FACTOR = 1000.0  # a calibration factor
 MAX_RECONFIGURATION_S = 86400.0
+MAX_HAPPENED = 8  # the kinds that woke a replan (a run's history): short identifiers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +99,9 @@ class TracePoint:
     job holding GPUs there loses them even if the place still has free capacity (empty: none).
     A run's history also carries what the flow had measured by then: `calibration` (GPU type,
     factor) pairs scale those types' layer times from here on (the flow's online calibration), and
-    `reconfiguration_s` replaces the job's reconfiguration time (the flow's measured one).
+    `reconfiguration_s` replaces the job's reconfiguration time (the flow's measured one), and
+    `happened` names what woke the flow's replan there (its trigger: event kinds, "iteration_time"),
+    which the replay's decision says instead of what it reads off the trace.
     """
 
     at_s: float
@@ -108,11 +111,14 @@ class TracePoint:
     taken: tuple[int, ...] = ()
     calibration: tuple[tuple[str, float], ...] = ()
     reconfiguration_s: float | None = None
+    happened: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """Every value finite and within the limits above (a NaN time compared unequal to itself and a negative
         one started the job before the trace: both ran away)."""
         bad = _bad_time(self.at_s, self.at_step, self.reconfiguration_s)
+        bad = bad or ("too many or malformed happened kinds" if len(self.happened) > MAX_HAPPENED or not all(
+            k.isidentifier() and len(k) <= 40 for k in self.happened) else "")
         bad = bad or next((f"count {shown(c)}" for c in (*self.counts, *self.taken) if not 0 <= c <= MAX_GPUS), "")
         bad = bad or next((f"price {shown(u)}" for u in self.usd_per_gpu_hour
                            if not 0 <= u <= MAX_USD_PER_GPU_HOUR), "")
@@ -232,7 +238,8 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
                     **({"at_step": pt.at_step} if pt.at_step is not None else {}),
                     **({"taken": list(pt.taken)} if pt.taken else {}),
                     **({"calibration": [list(c) for c in pt.calibration]} if pt.calibration else {}),
-                    **({"reconfiguration_s": pt.reconfiguration_s} if pt.reconfiguration_s is not None else {})}
+                    **({"reconfiguration_s": pt.reconfiguration_s} if pt.reconfiguration_s is not None else {}),
+                    **({"happened": list(pt.happened)} if pt.happened else {})}
                    for pt in trace.points],
     }
 
@@ -281,7 +288,8 @@ def _point(pt: Mapping[str, Any]) -> TracePoint:
                       calibration=tuple((str(g), _number(f, "a calibration factor"))
                                         for g, f in pt.get("calibration") or ()),
                       reconfiguration_s=_number(pt["reconfiguration_s"], "reconfiguration_s")
-                      if pt.get("reconfiguration_s") is not None else None)
+                      if pt.get("reconfiguration_s") is not None else None,
+                      happened=tuple(str(k) for k in (pt.get("happened") or ())[:MAX_HAPPENED + 1]))
 
 
 def _price(lookup: PriceLookup, zone: str, gpu: str, market: Market, source: str) -> float:
