@@ -55,12 +55,12 @@ def test_read_metrics_gives_each_step_once(tmp_path):
 
 
 def test_rank_zero_holds_at_a_scripted_step_until_released(tmp_path, monkeypatch):
-    from sailor_core.runtime.worker_proc import _Control
+    from sailor_core.runtime.worker_control import WorkerControl
 
     monkeypatch.setenv("SAILOR_METRICS_DIR", str(tmp_path))
     server = ControlServer()
     try:
-        ctl = _Control(ControlClient(server.endpoint, server.secret), "vm/0")
+        ctl = WorkerControl(ControlClient(server.endpoint, server.secret), "vm/0")
         ctl.training, ctl.holds = 3, frozenset({20})
         done: list[float] = []
         t = threading.Thread(target=lambda: (ctl.on_metrics({"step": 20, "plan_version": 3}),

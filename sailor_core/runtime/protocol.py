@@ -4,13 +4,13 @@ Every side uses this module: `sailor train`'s launcher (sailor_core/runtime/laun
 controller (tasks/control.py), the per-VM agent (sailor_core/runtime/agent.py, `sailor worker`) and
 the worker process (sailor_core/runtime/worker_proc.py).
 
-Transport: the controller runs a small HTTP server (`ControlServer`) holding string keys and
-append-only lists. It binds the one address its workers reach it at (loopback on one machine, the
-testbed bridge or the VM network elsewhere), never every interface, and refuses (HTTP 403, nothing
-read or written) every request that does not carry the run's secret in the `X-Sailor-Secret`
-header. Workers read the secret from `SAILOR_RUN_SECRET`; it never appears on a command line. A
-request must arrive whole within 30 s (`slow_clients.py`): a client that sends nothing, or a byte at
-a time, is cut off instead of holding a thread for ever.
+Transport: the controller runs a small HTTP server (`ControlServer`; its board and request handler are
+in control_http.py) holding string keys and append-only lists. It binds the one address its workers
+reach it at (loopback on one machine, the testbed bridge or the VM network elsewhere), never every
+interface, and refuses (HTTP 403, nothing read or written) every request that does not carry the run's
+secret in the `X-Sailor-Secret` header. Workers read the secret from `SAILOR_RUN_SECRET`; it never
+appears on a command line. A request must arrive whole within 30 s (`slow_clients.py`): a client that
+sends nothing, or a byte at a time, is cut off instead of holding a thread for ever.
 
     PUT  /kv/<key>                 set a value
     GET  /kv/<key>?wait=S          the value; waits up to S seconds for it to appear (404 if not)
@@ -45,7 +45,6 @@ generation (a VM with more devices than its replica needs) and `EXIT` (-1) ends 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import http.client
 import json
 import os
@@ -54,19 +53,17 @@ import threading
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from sailor_core.errors import ProtocolError as ProtocolError  # re-exported for callers
-from sailor_core.runtime.slow_clients import CLIENT_IDLE_S, BoundedRequests
+from sailor_core.runtime.control_http import SECRET_HEADER, Board, QuietServer, handler
+from sailor_core.runtime.slow_clients import CLIENT_IDLE_S
 
 SECRET_ENV = "SAILOR_RUN_SECRET"
-SECRET_HEADER = "X-Sailor-Secret"
 EXIT = -1
 IDLE = -2
 HEARTBEAT_S = 2.0
 HOLD_MAX_S = 10.0  # the longest rank 0 holds at a step unreleased (well within a collective's timeout)
-LISTEN_BACKLOG = 1024  # pending connections the control server queues (a generation's start is a burst)
 RETRY_S = 20.0  # how long a client retries an unreachable controller before it gives up (the flow's
 # default heartbeat timeout: a worker that cannot reach the controller for longer counts as lost anyway)
 
@@ -159,123 +156,14 @@ class Assignment:
                    hold_at_steps=tuple(int(x) for x in d.get("hold_at_steps") or ()))
 
 
-class _Board:
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.kv: dict[str, str] = {}
-        self.lists: dict[str, list[str]] = {}
-        self.received: dict[str, float] = {}  # when each key was last set, by this machine's clock
-
-    def set(self, key: str, value: str) -> None:
-        with self.cond:
-            self.kv[key] = value
-            self.received[key] = time.time()
-            self.cond.notify_all()
-
-    def get(self, key: str, wait_s: float = 0.0) -> str | None:
-        deadline = time.monotonic() + wait_s
-        with self.cond:
-            while key not in self.kv:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.cond.wait(left)
-            return self.kv[key]
-
-    def append(self, key: str, line: str) -> None:
-        with self.cond:
-            self.lists.setdefault(key, []).append(line)
-
-    def read(self, key: str, start: int = 0) -> list[str]:
-        with self.cond:
-            return list(self.lists.get(key, [])[start:])
-
-
-def _handler(board: _Board, secret: str, client_timeout_s: float) -> type[BaseHTTPRequestHandler]:
-    class Handler(BoundedRequests):  # a request arrives whole within client_timeout_s, or its client is cut off
-        protocol_version = "HTTP/1.1"
-        timeout = request_read_s = client_timeout_s
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
-            pass
-
-        def _authorised(self) -> bool:
-            given = self.headers.get(SECRET_HEADER, "")
-            if hmac.compare_digest(given.encode(), secret.encode()):
-                return True
-            self._reply(403, b"refused: missing or wrong run secret")
-            self.close_connection = True
-            return False
-
-        def _reply(self, code: int, body: bytes = b"") -> None:
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _body(self) -> str:
-            return self.body.decode()  # read with the request, within its deadline (slow_clients.py)
-
-        def _route(self) -> tuple[str, str, dict[str, list[str]]]:
-            u = urllib.parse.urlsplit(self.path)
-            kind, _, key = u.path.lstrip("/").partition("/")
-            return kind, urllib.parse.unquote(key), urllib.parse.parse_qs(u.query)
-
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            if not self._authorised():
-                return
-            kind, key, q = self._route()
-            if kind == "kv":
-                value = board.get(key, float(q.get("wait", ["0"])[0]))
-                if value is None:
-                    self._reply(404)
-                else:
-                    self._reply(200, value.encode())
-            elif kind == "list":
-                self._reply(200, json.dumps(board.read(key, int(q.get("start", ["0"])[0]))).encode())
-            else:
-                self._reply(404)
-
-        def do_PUT(self) -> None:  # noqa: N802
-            if not self._authorised():
-                return
-            kind, key, _ = self._route()
-            body = self._body()
-            if kind != "kv":
-                return self._reply(404)
-            board.set(key, body)
-            self._reply(204)
-
-        def do_POST(self) -> None:  # noqa: N802
-            if not self._authorised():
-                return
-            kind, key, _ = self._route()
-            body = self._body()
-            if kind != "list":
-                return self._reply(404)
-            board.append(key, body)
-            self._reply(204)
-
-    return Handler
-
-
-class _QuietServer(ThreadingHTTPServer):
-    # Hundreds of workers connect at once when a generation starts: with the stdlib's backlog of 5 a
-    # burst of 64 ranks had its connections reset. The kernel caps this at net.core.somaxconn.
-    request_queue_size = LISTEN_BACKLOG
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a worker killed mid-request (preempted, stopped) is routine, not an error to print
-
-
 class ControlServer:
     """The controller's side: binds `host` only; in-process reads and writes skip HTTP."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
                  client_timeout_s: float = CLIENT_IDLE_S) -> None:
         self.secret = secret or new_secret()
-        self._board = _Board()
-        self._http = _QuietServer((host, port), _handler(self._board, self.secret, client_timeout_s))
+        self._board = Board()
+        self._http = QuietServer((host, port), handler(self._board, self.secret, client_timeout_s))
         self._http.daemon_threads = True
         self.host = host
         self.port = int(self._http.server_address[1])

@@ -19,8 +19,9 @@ Contract (`python -m sailor_core.runtime.worker_proc`):
 - torchrun mode (`--assignment FILE`, with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT): one
   generation from a JSON file {plan, settings, resume}.
 Heartbeats: in controlled mode the worker sets `hb/<W>` to {"time", "step"} every few seconds.
-Process state lives in the worker's `_Control`: its `Notices` (SIGUSR1, SIGTERM, the plan change's
-stop) and its `Waiter` (waits a lost peer aborts), handed to each generation's trainer.
+Process state lives in the worker's `WorkerControl` (worker_control.py: heartbeats, the stop and abort
+watchers, step reports and holds): its `Notices` (SIGUSR1, SIGTERM, the plan change's stop) and its
+`Waiter` (waits a lost peer aborts), handed to each generation's trainer.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -43,7 +43,6 @@ from torch.distributed import PrefixStore, TCPStore
 
 from sailor_core.errors import PeerLost
 from sailor_core.models.config import config_from_dict, get_config
-from sailor_core.models.tensor_parallel import set_wait
 from sailor_core.plan_format import plan_from_dict
 from sailor_core.runtime import protocol
 from sailor_core.runtime.comm import Waiter
@@ -55,19 +54,11 @@ from sailor_core.runtime.notices import Notices
 from sailor_core.runtime.protocol import ControlClient
 from sailor_core.runtime.token_shards import ShardedTokenDataset, open_dataset
 from sailor_core.runtime.topology import layout
+from sailor_core.runtime.worker_control import WorkerControl, worker_log
 from sailor_core.uris import s3_compat_settings
 
 ASSIGNMENT_WAIT_S = 600.0  # how long a worker waits for its next generation before giving up
-METRICS_RETRY_S = 2.0  # how long rank 0 retries a step report (the step's record is also in its own file)
 STOP_POLL_S = 0.5  # a worker waiting for its next generation notices SIGTERM within this
-
-
-def _log(msg: str) -> None:
-    print(
-        f"[sailor-worker {os.getpid()} {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}] {msg}",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 class _DataCache:
@@ -121,7 +112,7 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
     rank, world = int(assignment["rank"]), int(assignment["world_size"])
     me = layout(plan)[rank]
     notices = notices or Notices()
-    _log(f"plan version {settings.plan_version}: joining as rank {rank} of {world}")
+    worker_log(f"plan version {settings.plan_version}: joining as rank {rank} of {world}")
     # Before any communication: NCCL works on the current GPU; on the testbed a device is a CPU share.
     bind_device(local_rank, me.gpu_type)
     dist.init_process_group(backend_for(me.gpu_type), rank=rank, world_size=world,
@@ -133,7 +124,7 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
         if settings.islands:  # one island of a semi-synchronous run: its share of each global batch
             isl = IslandSettings.from_dict(settings.islands)
             ds = IslandSamples(ds, plan.global_batch_size, isl.global_batch_size, isl.batch_offset)
-        trainer = Trainer(plan, cfg, settings, rank, world, local_rank=local_rank, dataset=ds, log=_log,
+        trainer = Trainer(plan, cfg, settings, rank, world, local_rank=local_rank, dataset=ds, log=worker_log,
                           on_metrics=on_metrics, notices=notices, waiter=waiter)
         notices.install()
         loaded = trainer.resume(previous) if assignment.get("resume") else "none"
@@ -142,7 +133,7 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
             kept.trainer = trainer
         if on_loaded is not None:
             on_loaded(loaded)
-        _log(f"plan version {settings.plan_version}: rank {rank} ready at step {trainer.step}")
+        worker_log(f"plan version {settings.plan_version}: rank {rank} ready at step {trainer.step}")
         return trainer.train()
     except BaseException:
         # An aborted generation may leave gloo work running on its subgroups' threads (blocked on the
@@ -166,7 +157,7 @@ def run_generation(assignment: dict[str, Any], *, data: _DataCache, init: dict[s
             trainer.close()
         with contextlib.suppress(Exception):  # no default group (never joined, or already left): nothing to do
             dist.destroy_process_group()
-        _log(f"plan version {settings.plan_version}: rank {rank} left its process group")
+        worker_log(f"plan version {settings.plan_version}: rank {rank} left its process group")
 
 
 def _pg_store(a: dict[str, Any], client: ControlClient, gen: int) -> Any:
@@ -200,107 +191,9 @@ def _listen_on(addr: str) -> int:
     return sock.detach()
 
 
-class _Control:
-    """A controlled worker's side channel: heartbeats, the stop and abort watchers, step metrics."""
-
-    def __init__(self, client: ControlClient, worker_id: str) -> None:
-        self.client = client
-        self.worker_id = worker_id
-        self.stop = threading.Event()
-        self.current_gen = 0
-        self.last_step = 0
-        self.switching = -1  # the generation the controller asked to end for a plan change
-        self.training = -1  # the generation this process trains in now (-1: none: waiting, or sitting one out)
-        self.holds: frozenset[int] = frozenset()  # steps the current generation holds at (Assignment.hold_at_steps)
-        self.metrics_dir = os.environ.get("SAILOR_METRICS_DIR")  # rank 0's own step records go here too
-        # Step reports retry briefly: training must not wait long on a controller that is gone (the record
-        # is in the file above); the other requests retry for the client's usual deadline.
-        self.reports = ControlClient(f"{client.host}:{client.port}", client.secret, retry_s=METRICS_RETRY_S)
-        self.aborted_groups: list[Any] = []  # process groups of aborted generations (run_generation)
-        self.notices = Notices()  # this process's: SIGUSR1/SIGTERM, and the plan change's stop
-        # 0: plain waits (lost peers then cost a timeout)
-        self.waiter = Waiter(abortable=os.environ.get("SAILOR_ABORTABLE_WAITS", "1") != "0")
-
-    def start(self) -> None:
-        """Starts the heartbeat and the stop and abort watchers (daemon threads until `stop` is set)."""
-        threading.Thread(target=self.heartbeat, daemon=True).start()
-        threading.Thread(target=self.watch, args=(protocol.stop_key, self.switch), daemon=True).start()
-        if self.waiter.abortable:  # the TP layers' collectives wait through it too
-            set_wait(self.waiter.wait)
-        threading.Thread(target=self.watch, args=(protocol.abort_key, self.abort), daemon=True).start()
-
-    def heartbeat(self) -> None:
-        """Sets `hb/<W>` to {"time", "step"} every HEARTBEAT_S until stopped."""
-        while not self.stop.wait(protocol.HEARTBEAT_S):
-            with contextlib.suppress(protocol.ProtocolError):
-                self.client.set(protocol.heartbeat_key(self.worker_id),
-                                json.dumps({"time": time.time(), "step": self.last_step}))
-
-    def watch(self, key: Any, act: Any) -> None:
-        """Long-poll the current generation's `key(g)`; when it is set, `act(g)` once for that generation."""
-        while not self.stop.is_set():
-            gen = self.current_gen
-            try:
-                hit = self.client.get(key(gen), wait_s=5.0)
-            except protocol.ProtocolError:
-                self.stop.wait(1.0)
-                continue
-            if hit is not None and gen == self.current_gen and act(gen):
-                while gen == self.current_gen and not self.stop.is_set():
-                    self.stop.wait(0.05)
-
-    def abort(self, gen: int) -> bool:
-        """A member of the generation was lost: wakes every blocked wait (a reconfiguration within
-        milliseconds instead of a timeout); False when already aborting."""
-        if self.waiter.abort.is_set():
-            return False
-        self.waiter.abort.set()
-        return True
-
-    def switch(self, gen: int) -> bool:
-        """A plan change: finish the current step, checkpoint, and go on to g+1 keeping the state in memory;
-        False unless this process trains in generation `gen` and was not asked already."""
-        if self.training != gen or self.switching == gen:
-            return False
-        self.switching = gen
-        self.notices.stop = True  # every rank agrees on the step through the step's all-reduce
-        return True
-
-    def on_metrics(self, rec: dict[str, Any]) -> None:
-        """Records a step's metrics (rank 0): in this process's own file (`metrics-v<version>.jsonl` under
-        $SAILOR_METRICS_DIR, the source of truth its agent uploads) and under the controller's
-        `metrics/v<version>`; notes the step for heartbeats, and holds at a step of `holds`."""
-        self.last_step = int(rec.get("step", self.last_step))
-        version = int(rec.get("plan_version") or 0)
-        line = json.dumps(rec)
-        if self.metrics_dir:
-            try:
-                with open(os.path.join(self.metrics_dir, f"metrics-v{version}.jsonl"), "a") as f:
-                    f.write(line + "\n")
-            except OSError as e:  # a full disk: the controller's copy below still has the record
-                _log(f"cannot keep step {self.last_step}'s record: {e}")
-        with contextlib.suppress(protocol.ProtocolError):
-            self.reports.append(protocol.metrics_key(version), line)
-        if self.last_step in self.holds:
-            self.hold(self.last_step)
-
-    def hold(self, step: int) -> None:
-        """Wait at `step` until the controller's side releases it (it has seen the step: a scripted event
-        happens exactly there), at most HOLD_MAX_S; the other ranks wait in their next collective."""
-        gen = self.training
-        try:
-            self.client.set(protocol.held_key(gen), str(step))
-            released = self.client.get(protocol.release_key(gen, step), wait_s=protocol.HOLD_MAX_S)
-        except protocol.ProtocolError as e:
-            _log(f"holding at step {step}: {e}; going on")
-            return
-        if released is None:
-            _log(f"held at step {step} for {protocol.HOLD_MAX_S:.0f}s without a release; going on")
-
-
 def controlled(control: str, worker_id: str, secret: str) -> int:
     """Controlled mode: one generation after another from the controller (see the module contract)."""
-    ctl = _Control(ControlClient(control, secret), worker_id)
+    ctl = WorkerControl(ControlClient(control, secret), worker_id)
     client = ctl.client
     ctl.start()
     data = _DataCache()
@@ -311,10 +204,10 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
             try:
                 raw = _next_assignment(client, protocol.assign_key(gen, worker_id), ctl.notices)
             except protocol.ProtocolError as e:  # the controller went away or took too long
-                _log(f"no assignment for generation {gen}: {e}")
+                worker_log(f"no assignment for generation {gen}: {e}")
                 return 1
             if raw is None:
-                _log(f"stopped (SIGTERM) while waiting for generation {gen}")
+                worker_log(f"stopped (SIGTERM) while waiting for generation {gen}")
                 return 0
             a = json.loads(raw)
             if int(a["rank"]) == protocol.EXIT:
@@ -330,7 +223,7 @@ def controlled(control: str, worker_id: str, secret: str) -> int:
                 # stopped by SIGTERM (its VM is going): report briefly, the controller may be gone already
                 (ctl.reports if ctl.notices.terminated else client).set(protocol.status_key(gen, worker_id), status)
             except protocol.ProtocolError as e:
-                _log(f"cannot report generation {gen}: {e}")
+                worker_log(f"cannot report generation {gen}: {e}")
                 return 1
             if status in ("done", "stopped"):
                 return 0
@@ -354,7 +247,7 @@ def _next_assignment(client: ControlClient, key: str, notices: Notices) -> str |
     return None
 
 
-def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCache, kept: Kept) -> str:
+def _train_generation(ctl: WorkerControl, a: dict[str, Any], gen: int, data: _DataCache, kept: Kept) -> str:
     """The generation's status to report; `kept` then holds the trainer to keep in memory for the next
     one, or None."""
     client, worker_id = ctl.client, ctl.worker_id
@@ -367,7 +260,7 @@ def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCac
                                 on_loaded=lambda how, g=gen: client.set(protocol.loaded_key(g, worker_id), how))
     except Exception as e:  # noqa: BLE001 - a lost peer, a timeout or this rank's own fault: report, await a new plan
         status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        _log(f"generation {gen} {status}")
+        worker_log(f"generation {gen} {status}")
         if not isinstance(e, PeerLost):
             _abort_peers(ctl, gen, f"worker {worker_id} {status}")
     ctl.training = -1
@@ -381,7 +274,7 @@ def _train_generation(ctl: _Control, a: dict[str, Any], gen: int, data: _DataCac
     return status
 
 
-def _abort_peers(ctl: _Control, gen: int, reason: str) -> None:
+def _abort_peers(ctl: WorkerControl, gen: int, reason: str) -> None:
     """This rank failed on its own (a full disk, a bad input, a bug): its peers would otherwise wait for
     it in their next collective until the timeout, or forever in a wait the timeout does not cover.
     Setting the generation's abort key wakes every one of them at once, as a lost VM does."""
@@ -389,7 +282,7 @@ def _abort_peers(ctl: _Control, gen: int, reason: str) -> None:
     try:
         ctl.client.set(protocol.abort_key(gen), reason)
     except protocol.ProtocolError as e:  # the controller is gone: it cannot restart anyone either
-        _log(f"cannot abort generation {gen} for its peers: {e}")
+        worker_log(f"cannot abort generation {gen} for its peers: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
