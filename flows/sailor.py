@@ -456,9 +456,14 @@ def _defer_to_live_run(run: _Run) -> RunSummary | None:
 
 
 def _nothing_left(run: _Run) -> RunSummary | None:
-    """A rerun (resume) whose job's last run completed at least the steps asked now: nothing to train."""
+    """The schedule's rerun (resume_or_start) of a job whose last run completed at least the steps asked now:
+    nothing to train, decided from the history before anything is planned or rented (were the job's checkpoints
+    found invalid, resume_or_start would otherwise start it over). A plain resume is not decided here: it asks
+    to continue from the checkpoint, so the checkpoint is checked first (`_resume_from_earlier_run`), and
+    then it too ends renting nothing when that checkpoint is at the last step, or fails naming each invalid one."""
     history, run_id, params = run.ctx.history, run.run_id, run.params
-    last = history.last_job(params.run_name, exclude=run_id) if params.resume else None
+    schedule = params.resume and params.resume_or_start
+    last = history.last_job(params.run_name, exclude=run_id) if schedule else None
     total = _steps_asked(params)
     if last is None or last.get("status") != RunStatus.COMPLETED or total is None:
         return None
