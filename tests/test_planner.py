@@ -190,24 +190,26 @@ def _pool(book, zones: dict[str, dict[str, int]]) -> ResourcePool:
 
 
 def _assert_estimate_adds_up_by_hand(pl, est, book, usd_per_gpu_hour: dict[str, float]) -> None:
-    """The planner's estimate of a one-zone fp32 1F1B plan against values computed here from the plan,
-    the model's published layer sizes and the pool's prices (not by calling the simulator again)."""
-    # cost: every GPU of the plan at its price for the iteration's seconds; one zone, so no egress
+    """The planner's estimate of a one-zone fp32 1F1B plan against the pool's prices, the model's
+    published layer sizes and the product's own 1F1B walk (checked by hand in the test below)."""
+    from sailor_core.simulator.schedule import run_1f1b
+
+    # rent: every GPU of the plan at the price the pool gives it; one zone, so no egress
     gpus = [(r.gpu_type, r.tp) for st in pl.stages for r in st.replicas]
     assert est.num_gpus == sum(tp for _, tp in gpus)
-    usd_per_s = sum(tp * usd_per_gpu_hour[g] for g, tp in gpus) / 3600
+    assert est.usd_per_hour == pytest.approx(sum(tp * usd_per_gpu_hour[g] for g, tp in gpus), rel=1e-9)
     assert est.egress_usd_per_iteration == 0.0
-    assert est.usd_per_iteration == pytest.approx(est.iteration_time_s * usd_per_s, rel=1e-9)
     # the four top terms of the breakdown are the iteration (docs/simulator.md)
     b = est.breakdown
     assert est.iteration_time_s == pytest.approx(
         b.pipeline_compute_s + b.pipeline_p2p_s + b.dp_sync_exposed_s + b.optimizer_s, rel=1e-9)
-    # 1F1B's critical path: m microbatches through the slowest stage plus one through every other
-    # stage, (m - 1) * max_s t_s + sum_s t_s with t_s = forward + backward of one microbatch
-    m = pl.pipelines[0].num_microbatches
-    t = [next(r.forward_s + r.backward_s for r in est.per_stage if r.stage == s) for s in range(pl.num_stages)]
-    assert b.pipeline_compute_s == pytest.approx((m - 1) * max(t) + sum(t), rel=1e-9)
-    assert b.bubble_s == pytest.approx(sum(t) - max(t), rel=1e-9)
+    # the compute part is the 1F1B schedule of the stages' per-microbatch times over free links
+    m, p = pl.pipelines[0].num_microbatches, pl.num_stages
+    rows = [next(r for r in est.per_stage if r.stage == s) for s in range(p)]
+    free = [0.0] * (p - 1)
+    walked = run_1f1b([r.forward_s for r in rows], [r.backward_s for r in rows], free, free, m)[0]
+    assert b.pipeline_compute_s == pytest.approx(walked, rel=1e-9)
+    assert 0.0 <= b.bubble_s < b.pipeline_compute_s
     # memory: fp32 weights are 4 B per parameter the stage holds at its TP degree, gradients 4 B,
     # Adam's two moments 8 B; the total fits the GPU type's memory
     for row in est.per_stage:
@@ -218,6 +220,19 @@ def _assert_estimate_adds_up_by_hand(pl, est, book, usd_per_gpu_hour: dict[str, 
             4 * params, 4 * params, 8 * params)
         assert row.peak_memory_bytes <= book.gpu_types[row.gpu_type].memory_bytes
     assert est.fits_memory
+
+
+def test_the_1f1b_walk_matches_a_schedule_counted_by_hand() -> None:
+    from sailor_core.simulator.schedule import run_1f1b
+
+    # two stages, 4 microbatches, free links. Slow stage last (F 1+2 s, B 2+4 s): stage 0's first
+    # forward (1 s), then the slow stage's 4 x (2 + 4) s, then stage 0's last backward (2 s).
+    assert run_1f1b([1.0, 2.0], [2.0, 4.0], [0.0], [0.0], 4)[0] == 27.0
+    # slow stage first (F 2 s, B 4 s; then F 1 s, B 2 s): stage 0 runs F1 0-2, F2 2-4, then waits for
+    # each backward from stage 1: B1 5-9, F3 9-11, B2 11-15, F4 15-17, B3 17-21, B4 21-25
+    assert run_1f1b([2.0, 1.0], [4.0, 2.0], [0.0], [0.0], 4)[0] == 25.0
+    # one stage: 5 x (1 + 2) s, no bubble
+    assert run_1f1b([1.0], [2.0], [], [], 5)[0] == 15.0
 
 
 def test_plan_is_verified_by_the_simulator_and_deterministic(book) -> None:
