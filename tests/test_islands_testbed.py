@@ -107,8 +107,8 @@ def _wait(cond: Any, what: str, logs: Path, tb: Testbed, timeout_s: float = DEAD
     try:
         wait_for(cond, timeout_s, what, every_s=0.2)
     except AssertionError as e:
-        logs = sorted(logs.glob("*.log")) + sorted(Path(tb.folder).glob("vms/*/run/worker-*.log"))
-        tails = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-1500:]}" for p in logs)
+        found = sorted(logs.glob("*.log")) + sorted(Path(tb.folder).glob("vms/*/run/worker-*.log"))
+        tails = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-1500:]}" for p in found)
         raise AssertionError(f"{e}\n{tails}") from None
 
 
