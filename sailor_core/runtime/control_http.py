@@ -15,6 +15,7 @@ import json
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -103,25 +104,22 @@ def handler(board: Board, secret: str, client_timeout_s: float) -> type[BaseHTTP
             else:
                 self._reply(404)
 
-        def do_PUT(self) -> None:  # noqa: N802
+        def _write(self, to: str, write: Callable[[str, str], None]) -> None:
+            """The request's body written by `write(key, body)` under /<to>/<key> (404 elsewhere)."""
             if not self._authorised():
                 return
             kind, key, _ = self._route()
             body = self._body()
-            if kind != "kv":
+            if kind != to:
                 return self._reply(404)
-            board.set(key, body)
+            write(key, body)
             self._reply(204)
 
+        def do_PUT(self) -> None:  # noqa: N802
+            self._write("kv", board.set)
+
         def do_POST(self) -> None:  # noqa: N802
-            if not self._authorised():
-                return
-            kind, key, _ = self._route()
-            body = self._body()
-            if kind != "list":
-                return self._reply(404)
-            board.append(key, body)
-            self._reply(204)
+            self._write("list", board.append)
 
     return Handler
 
