@@ -261,10 +261,11 @@ def _to_json(result: PlanResult, variations: list[tuple[str, PlanResult]], spot_
 
 def search_words(result: PlanResult) -> str:
     """"optimal" when the search covered its whole space (or ruled it out by bounds), else "within x %"."""
-    gap = result.stats.gap
+    gap, skipped = result.stats.gap, result.stats.skipped
     if result.stats.optimal:
         return "optimal"
-    return "gap unknown" if gap is None else f"within {gap:.1%}"
+    words = "gap unknown" if gap is None else f"within {gap:.1%}"
+    return f"{words} of one-kind plans; not searched: {', '.join(skipped)}" if skipped else words
 
 
 def _print(result: PlanResult, variations: list[tuple[str, PlanResult]], out: str | None, png: str | None) -> None:

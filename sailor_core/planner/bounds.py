@@ -260,12 +260,6 @@ class DepthFloors:
             v = self._layers[mbs] = (fast, gsec, price, fluid)
         return v
 
-    def least(self) -> float:
-        """A score floor of every plan of the pool: the least over microbatch sizes and stage counts."""
-        pb = self._pb
-        return min((self.floor(mbs, p) for mbs in pb.mbs_values if pb.global_batch_size % mbs == 0
-                    for p in range(pb.min_stages, min(pb.max_stages, pb.num_layers) + 1)), default=math.inf)
-
     def floor(self, mbs: int, p: int) -> float:
         """A score floor of every plan of p stages at microbatch size mbs."""
         fast, gsec, price, fluid = self._per_mbs(mbs)

@@ -144,12 +144,12 @@ def _plan_pass(request: PlanRequest, book: ProfileBook, costs: SimCosts | None, 
 
 
 def _stats(search: Search, passes: Passes, simulated: int, best: Verified | None, t0: float) -> SearchStats:
-    """The search's counters, what ran, and the proven gap: how much better on the objective a plan of
-    what the budget left unsearched (stage counts, splits' thresholds, passes) could be than the chosen."""
+    """The search's counters, what ran, and the proven gap: how much better on the objective a one-kind
+    plan of what the budget left unsearched (stage counts, splits' thresholds) could be than the chosen.
+    Passes the budget skipped are listed, not bounded (their plans mix pipeline kinds, which the
+    single-kind floors do not bound); `SearchStats.optimal` is then False."""
     c = search.state.counters
     floor = search.unsearched
-    if passes.skipped:
-        floor = min(floor, search.depths.least())
     gap: float | None = 0.0
     if math.isfinite(floor):
         gap = None if best is None else max(0.0, best.value / floor - 1.0) if floor > 0 else None
@@ -161,12 +161,13 @@ def _stats(search: Search, passes: Passes, simulated: int, best: Verified | None
 def _completeness(stats: SearchStats, passes: Passes) -> str:
     """One sentence: whether the search covered its plan space, or how far the budget left it."""
     ran = f" and {', '.join(passes.ran)}" if passes.ran else ""
+    left = f"; not searched: {', '.join(passes.skipped)} (the budget ended)" if passes.skipped else ""
     if stats.gap == 0.0:
-        return f"Search: every plan of the searched space covered or ruled out by its bound (one pipeline kind{ran})."
-    left = f"; left out: {', '.join(passes.skipped)}" if passes.skipped else ""
+        return (f"Search: every plan of the searched space covered or ruled out by its bound (one pipeline "
+                f"kind{ran}){left}.")
     gap = "unknown" if stats.gap is None else f"at most {stats.gap:.1%}"
-    return (f"Search: stopped at its {stats.search_time_s:.1f} s budget; a plan of what it left unsearched is "
-            f"{gap} better (its lower bound){left}.")
+    return (f"Search: stopped at its {stats.search_time_s:.1f} s budget; a one-kind plan of what it left "
+            f"unsearched is {gap} better (its lower bound){left}.")
 
 
 def _link_misses(slots: tuple[Slot, ...], costs: SimCosts, checked: Verification) -> list[str]:

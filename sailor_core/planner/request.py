@@ -234,9 +234,9 @@ class SearchStats:
     candidates: int  # complete plans estimated
     simulated: int  # plans scored with the full simulator
     pruned: int  # configurations skipped by a bound
-    # How much better on the objective a plan of what the time budget left unsearched could be than the one
-    # returned (relative, proven by lower bounds): 0.0 when the whole searched space was covered or ruled
-    # out; None when no plan was found to compare with.
+    # How much better on the objective a one-kind plan of what the time budget left unsearched could be than
+    # the one returned (relative, proven by lower bounds): 0.0 when the whole single-kind space was covered or
+    # ruled out; None when no plan was found to compare with. Passes the budget skipped are in `skipped`.
     gap: float | None = 0.0
     passes: tuple[str, ...] = ()  # the passes of `passes.PASSES` that ran after the single-kind search
     skipped: tuple[str, ...] = ()  # those the time budget left out

@@ -159,7 +159,10 @@ class Search:
         return st.best()
 
     def out_of_time(self) -> bool:
-        return self.deadline < math.inf and time.perf_counter() >= self.deadline
+        """Whether the time budget has ended: never before the search holds a plan that meets every limit
+        (an answer past the budget beats none on the recovery path; a pool with no such plan is searched whole)."""
+        return (self.deadline < math.inf and math.isfinite(self.state.incumbent)
+                and time.perf_counter() >= self.deadline)
 
     def _left_out(self, depths: Sequence[tuple[int, int]]) -> None:
         """Bound what the deadline leaves unsearched: these (microbatch size, stage count) whole."""
@@ -206,8 +209,11 @@ class Search:
             if self.out_of_time():
                 self.unsearched = min(self.unsearched, heap[0][0])
                 return
-            _, i, sp = heapq.heappop(heap)
+            at, i, sp = heapq.heappop(heap)
             self._step(sp)
+            if self.out_of_time():  # mid-step: the rest of this threshold's picks are bounded by its bound
+                self.unsearched = min(self.unsearched, at, heap[0][0] if heap else math.inf)
+                return
             b = self._bound(sp)
             if b < st.cutoff:
                 heapq.heappush(heap, (b, i, sp))
@@ -244,6 +250,8 @@ class Search:
             return
         ends = end_states(dp.last, self._caps, self.problem.max_gpus)
         for picks in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
+            if self.out_of_time():
+                return
             # The front's picks are bounded with the cheapest sends between any kinds, not their own:
             # one that cannot win on its own split may still seed the re-split (rebalance_pass) of its
             # kinds (fig8b-80+240 lost its 0.3795 it/s plan when its own sends pruned the seed). The
@@ -251,7 +259,7 @@ class Search:
             ranked = iter([u for u in picks.ranked if u not in picks.front])
             todo = [(u, False) for u in dict.fromkeys(picks.front)]
             todo += [(u, True) for u in dict.fromkeys(picks.with_sends + picks.by_types)]
-            while todo:
+            while todo and not self.out_of_time():
                 pick, with_sends = todo.pop(0)
                 kinds = reconstruct(dp.layers, pick)
                 if self._floors.score(mbs, bounds, kinds, picks.d, n, st.cutoff, sends=with_sends) >= st.cutoff:
