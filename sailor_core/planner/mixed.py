@@ -13,12 +13,19 @@ Returns `ParallelPlan`s for the caller to verify with the full simulator. Pure a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from sailor_core.domain import ParallelPlan, PipelineBatch
+from sailor_core.planner.costs import Costs
 from sailor_core.planner.estimate import linear_time
 from sailor_core.planner.placement import leftover, stages_of
 from sailor_core.planner.search import Search
+from sailor_core.planner.slots import Layout, Slot
 from sailor_core.planner.space import Candidate, Problem, Sketch
+
+# Of the leftover's best second groups, how many more than `per_base` are kept for those that cannot ring
+# with the first group to make way for (algorithmic choice).
+KEPT = 3
 
 
 def _split(gbs: int, mbs_a: int, d_a: int, mbs_b: int, d_b: int, ta: tuple[float, float], tb: tuple[float, float]
@@ -44,6 +51,26 @@ def _split(gbs: int, mbs_a: int, d_a: int, mbs_b: int, d_b: int, ta: tuple[float
     return [base + (1 if j < extra else 0) for j in range(d_a)], m_b
 
 
+def _rings_linked(costs: Costs, slots: Sequence[Slot], a: Sketch, lay_a: Sequence[Layout], b: Sketch,
+                  lay_b: Sequence[Layout]) -> bool:
+    """Whether each stage's replicas of both groups have a network profile between every two of their zones
+    (the stage's gradient ring runs over both)."""
+    return all(costs.linked(slots[ka[0]], za, slots[kb[0]], zb)
+               for ka, kb, la, lb in zip(a.kinds, b.kinds, lay_a, lay_b, strict=True)
+               for za, na in la if na for zb, nb in lb if nb)
+
+
+def _ringable(costs: Costs, slots: Sequence[Slot], a: Sketch, lay_a: Sequence[Layout], left: Sequence[Slot]
+              ) -> tuple[Slot, ...]:
+    """The leftover with the slots that could ring with no stage of the first group emptied: a second group
+    on them would need a link without a network profile (missing links rule out only what needs them)."""
+    def fits(s: Slot) -> bool:
+        return any(all(costs.linked(slots[k[0]], za, s, zb) for za, na in la if na for zb, nb in s.zones if nb)
+                   for k, la in zip(a.kinds, lay_a, strict=True))
+    return tuple(s if not s.capacity or fits(s) else replace(s, zones=tuple((z, 0) for z, _ in s.zones))
+                 for s in left)
+
+
 def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_batch_size: int, precision: str,
                 schedule: str, per_base: int = 3, own_microbatch: bool = True) -> list[ParallelPlan]:
     out: list[ParallelPlan] = []
@@ -52,7 +79,7 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
     for cand in top:
         a = cand.sketch
         lay_a = cand.estimate.layouts
-        left = leftover(pb.slots, a, lay_a)
+        left = _ringable(search.costs, pb.slots, a, lay_a, leftover(pb.slots, a, lay_a))
         if sum(s.capacity for s in left) == 0:
             continue
         max_gpus = None if pb.max_gpus is None else pb.max_gpus - cand.estimate.num_gpus
@@ -65,10 +92,14 @@ def mixed_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
             sub = Search(
                 Problem(num_layers=pb.num_layers, global_batch_size=pb.global_batch_size,
                         tokens_per_sample=pb.tokens_per_sample, slots=left, mbs_values=(mbs_b,),
-                        tp_values=pb.tp_values, objective=pb.objective, max_gpus=max_gpus, keep=per_base),
+                        tp_values=pb.tp_values, objective=pb.objective, max_gpus=max_gpus, keep=KEPT * per_base),
                 search.costs, shared=search,
             )
-            for b_cand in sub.run_split(mbs_b, a.bounds)[:per_base]:
+            # A group that cannot ring with the first one's replicas of its stages (no network profile between
+            # them) is no option: the next best of the leftover takes its place.
+            ringing = [c for c in sub.run_split(mbs_b, a.bounds)
+                       if _rings_linked(search.costs, pb.slots, a, lay_a, c.sketch, c.estimate.layouts)]
+            for b_cand in ringing[:per_base]:
                 b = b_cand.sketch
                 if (a, b) in seen:
                     continue

@@ -82,11 +82,24 @@ class Pass:
     run: Callable[[Context], Found]
 
 
+def _bases(ctx: Context) -> list[Candidate]:
+    """The plans a second group joins: the `mixed_pipelines` best, then the best of each set of GPU types
+    among the candidates (GPUs added to a pool must not push out of the bases the plans that never used
+    them: a new type's plans would take every place)."""
+    n = ctx.request.options.mixed_pipelines
+    out = list(ctx.candidates[:n])
+    types = {c: frozenset(ctx.slots[si].gpu_type for si, _ in c.sketch.kinds) for c in ctx.candidates}
+    for t in dict.fromkeys(types.values()):
+        room = n - sum(types[c] == t for c in out)
+        out += [c for c in ctx.candidates if types[c] == t and c not in out][: max(0, room)]
+    return out
+
+
 def _second_group(ctx: Context) -> Found:
     """A second pipeline group on the GPUs each of the best plans leaves idle."""
     r, opts = ctx.request, ctx.request.options
     return Found(plans=tuple(mixed_plans(
-        ctx.search, ctx.candidates[: opts.mixed_pipelines], model=r.model, global_batch_size=r.global_batch_size,
+        ctx.search, _bases(ctx), model=r.model, global_batch_size=r.global_batch_size,
         precision=opts.precision, schedule=opts.schedule,
         own_microbatch=opts.per_pipeline_microbatches and ctx.fastest_wanted)))
 
