@@ -28,10 +28,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/sailor demo
 
+# --durations: CI's output names the slowest tests, where the suite's time goes.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 # The pure core in a few minutes: planner, simulator, store, formats, the decisions and the replay, and the
 # house checks (dependency rule, import circles, function length, waits, docs). No flow, worker or testbed:
