@@ -36,7 +36,8 @@ test: $(STAMP)
 
 # The pure core in a few minutes: planner, simulator, store, formats, the decisions and the replay, and the
 # house checks (dependency rule, import circles, function length, waits, docs). No flow, worker or testbed:
-# `make test` runs those too. The brute-force optimality checks (test_planner_optimality.py) are left to it.
+# `make test` runs those too, and the tests marked e2e (they start worker processes). The brute-force
+# optimality checks (test_planner_optimality.py) are left to it.
 FAST_TESTS ?= tests/test_planner.py tests/test_planner_crosszone.py tests/test_planner_goodput.py \
 	tests/test_planner_kernel.py tests/test_planner_markets.py tests/test_planner_shapes.py tests/test_planner_stages.py \
 	tests/test_simulator.py tests/test_simulator_network_fit.py tests/test_simulator_pipeline.py \
@@ -48,7 +49,7 @@ FAST_TESTS ?= tests/test_planner.py tests/test_planner_crosszone.py tests/test_p
 	tests/test_waits.py tests/test_docs.py
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(FAST_TESTS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not e2e" $(FAST_TESTS)
 
 # The suite beside load: HOGS CPU-burning processes for the whole time, RUNS full `make test` runs in a row;
 # each run's wall time and the load average are printed. The hogs end with the target, however it ends.

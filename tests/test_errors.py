@@ -222,6 +222,7 @@ def _worker_raises_memory_error(rank: int, world_size: int, init_method: str, em
     raise ValueError("a bug, not memory")
 
 
+@pytest.mark.e2e  # a real profiling worker process each (torch imported in each)
 @pytest.mark.parametrize(("kind", "oom"), [("memory", True), ("killed", True), ("bug", False)])
 def test_a_profiling_worker_failure_carries_rank_and_out_of_memory(kind: str, oom: bool) -> None:
     from sailor_core.profiler.spawn import run_workers
