@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -103,8 +104,12 @@ class Deployment:
     def wait_state(self, flow_run_id: str, states: set[str], timeout_s: float) -> str:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
-            if (s := self.state(flow_run_id)) in states:
-                return s
+            try:
+                if (s := self.state(flow_run_id)) in states:
+                    return s
+            except (TimeoutError, urllib.error.URLError) as e:  # a busy server's answer took over 10 s (load 25
+                if not isinstance(getattr(e, "reason", e), TimeoutError):  # on 2 cores): ask again; not a dead one
+                    raise
             time.sleep(0.5)
         log = (self.logs / "worker.log").read_text(errors="replace")[-3000:]
         raise AssertionError(f"flow run {flow_run_id} not in {states} within {timeout_s:.0f}s (it is "
@@ -151,6 +156,7 @@ def _vms(work: Path, run_id: str) -> list[Path]:
     return list((work / "runs" / run_id / "local" / "vms").glob("*.json"))
 
 
+@pytest.mark.timeout(1500)  # three jobs on a real server, each wait bounded below; 600 s ran out at load 10-40
 @pytest.mark.usefixtures("prefect_harness")
 def test_the_scheduled_rerun_replans_a_live_job_rents_nothing_after_it_and_resumes_a_cancelled_one(
         profiled_store, tmp_path):

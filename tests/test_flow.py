@@ -152,13 +152,16 @@ events:
     last = r["plans"][-1]["plan"]
     assert {rep["market"] for st in last["stages"] for rep in st["replicas"]} == {"on-demand"}
     assert_nothing_left(tmp_path, r["run_id"])
-    assert_training_curves(profiled_store, tmp_path, r["run_id"], versions=len(r["plans"]))
+    assert_training_curves(profiled_store, tmp_path, r["run_id"], versions=len(r["plans"]), total=600)
     assert_steps_once_and_events_at_their_step(r, total=600, scripted={"preemption": 5, "price_change": 60})
 
 
-def assert_training_curves(store: str, tmp_path: Path, run_id: str, versions: int) -> None:
+def assert_training_curves(store: str, tmp_path: Path, run_id: str, versions: int, total: int) -> None:
     """The curves artifact (loss and tokens/s, each reconfiguration marked) was updated in place while the run
-    trained, and `sailor runs show --plot` draws the same picture from the saved records."""
+    trained, its plan versions' step ranges cover 1..`total` once (a deployment run's curves had no steps
+    21-50), and `sailor runs show --plot` draws the same picture from the saved records."""
+    import re
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -174,6 +177,9 @@ def assert_training_curves(store: str, tmp_path: Path, run_id: str, versions: in
     assert latest.updated is not None and latest.created is not None and latest.updated > latest.created
     assert "data:image/png;base64," in latest.data and "Reconfigurations (dashed lines): step" in latest.data
     assert f"| v{versions} |" in latest.data
+    ranges = [(int(a), int(b)) for a, b in re.findall(r"^\| v\d+ \| (\d+)-(\d+) \|", latest.data, re.M)]
+    covered = [s for a, b in ranges for s in range(a, b + 1)]
+    assert sorted(covered) == list(range(1, total + 1)), ranges
     png = tmp_path / "curves.png"
     assert main(["runs", "show", run_id, "--store", store, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
