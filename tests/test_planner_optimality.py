@@ -145,7 +145,9 @@ def group_world(seed: int, gbs: int = 8, memory_gib: tuple[float, float, float] 
     return book, PlanRequest(model=MODEL, global_batch_size=gbs, pool=pool, options=SearchOptions(max_stages=2))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 4, 6, 7, 9])
+# 8: its optimum runs a slow GPU type at a microbatch size none of the best single-kind plans runs (7.8 % off
+# when the group search collected types only at those plans' sizes)
+@pytest.mark.parametrize("seed", [0, 1, 4, 6, 7, 8, 9])
 def test_any_shape_per_pipeline_microbatch_space_within_one_percent_of_brute_force(seed: int) -> None:
     """Brute force over every set of up to 3 pipeline kinds (own microbatch size, own GPU kinds per
     stage), their counts and every way to share the batch; the planner within 1% of it."""

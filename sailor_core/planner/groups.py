@@ -39,9 +39,6 @@ from sailor_core.planner.shapes import Bounds, partitions, rebalanced, stage_tab
 from sailor_core.planner.slots import Slot
 from sailor_core.planner.space import Candidate, Problem, Sketch
 
-# Microbatch sizes of the best plans whose pipeline types the group search collects (algorithmic choice).
-TYPE_SIZES = 3
-
 
 @dataclass(frozen=True)
 class PipeType:
@@ -254,10 +251,10 @@ def group_plans(search: Search, top: Sequence[Candidate], *, model: str, global_
             taken.append((cand.sketch.bounds, cand.sketch.mbs))
     extra = own_splits(search, [b for b, _ in taken])
     extra += mixed_kind_splits(search, top, [b for b, _ in taken + extra], bases=splits)
-    # Pipeline types at the sizes the best plans run and each split's own (one sub-search sweep per size).
-    sizes = list(dict.fromkeys(c.sketch.mbs for c in top))[:TYPE_SIZES]
+    # Pipeline types at every profiled size: a size none of the best single-kind plans runs may still give
+    # the type a group takes (a slow GPU's small microbatches beside a fast one's: brute force's 3-type worlds).
     for bounds, mbs in taken + extra:
-        mbs_values = tuple(dict.fromkeys([*sizes, mbs])) if own_microbatch else (mbs,)
+        mbs_values = pb.mbs_values if own_microbatch else (mbs,)
         types = _types(search, bounds, mbs_values, keep=2)[:types_kept]
         scored: list[tuple[float, tuple[int, ...], list[int]]] = []
         for k in range(2, max_groups + 1):
