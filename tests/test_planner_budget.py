@@ -21,6 +21,7 @@ import pytest
 from profiles_store.store import open_store
 from sailor_core.domain import Capacity, Market, ResourcePool
 from sailor_core.planner import PlanRequest, PlanResult, SearchOptions, plan
+from sailor_core.planner.assign import Option
 from sailor_core.profiles import ProfileBook
 
 ZONES = ("us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f")
@@ -99,3 +100,39 @@ def test_sailor_plan_says_optimal_or_within(tmp_path: Path, book: ProfileBook) -
     assert doc["search"].startswith("within "), doc["search"]
     bad = run("--max-search-s", "-1")
     assert bad.returncode == 2 and bad.stderr.count("\n") <= 2, bad.stderr
+
+
+def _wide_dp() -> tuple[list[list[Option]], tuple[int, ...]]:
+    """Six stages, each free to take tp 1 or 2 in any of 8 slots: tens of thousands of usages."""
+    options = [[Option(g, tp, 1.0 + g / 10 + tp, float(tp)) for g in range(8) for tp in (1, 2)] for _ in range(6)]
+    return options, (12,) * 8
+
+
+def test_the_dp_gives_up_when_the_deadline_passes_inside_it() -> None:
+    """A pool of many zones and types reaches millions of DP states at a high threshold (20 zones x 5
+    types: 12 s in one DP against a 10 s budget); the DP reads the deadline as it goes."""
+    from sailor_core.planner.assign import STOP_EVERY, usage_dp
+    options, caps = _wide_dp()
+    looks = []
+
+    def stop() -> bool:
+        looks.append(1)
+        return len(looks) >= 2
+
+    assert usage_dp(options, caps, stop=lambda: False) is not None
+    assert usage_dp(options, caps, stop=stop) is None
+    assert len(looks) == 2  # it stopped at the second look, STOP_EVERY states after the first
+    assert sum(len(layer) for layer in usage_dp(options, caps).layers) > 2 * STOP_EVERY
+
+
+@pytest.mark.parametrize("max_gpus", [None, 20])
+def test_the_copies_the_dp_keeps_are_those_of_each_usage(max_gpus: int | None) -> None:
+    """`DP.fits` is kept incrementally (a parent's copies, the grown slot, the GPU cap); `end_states`
+    reads it instead of recounting millions of usages: it must equal `copies` for every state."""
+    from sailor_core.planner.assign import copies, usage_dp
+    from sailor_core.planner.picks import end_states
+    options, caps = _wide_dp()
+    dp = usage_dp(options, caps, max_gpus=max_gpus, live=[1])
+    assert dp is not None and dp.fits
+    assert all(d == copies(u, caps, max_gpus) for u, d in dp.fits.items())
+    assert end_states(dp.last, caps, max_gpus, dp.fits) == end_states(dp.last, caps, max_gpus)

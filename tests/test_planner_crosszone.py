@@ -90,7 +90,7 @@ def test_equal_gpus_in_two_regions_the_front_keeps_a_pipeline_in_one() -> None:
     caps = (6, 2)
     dp = usage_dp(options, caps, [pairs, pairs])
     assert dp is not None
-    layers, states = dp
+    layers, states = dp.layers, dp.last
     ends = end_states(states, caps, None)
     lb = Floor(options=(((1, 1.0),),) * 3, fill=(0.0,) * 2, act=(0.0,) * 3, grad=(0.0,) * 3, opt=0.0, rate=0.0,
                gpus=8)
@@ -118,7 +118,7 @@ def test_a_path_that_sends_more_cheaply_to_what_follows_is_kept_though_slower_so
     caps = (1, 2)
     dp = usage_dp(options, caps, [pairs, pairs])
     assert dp is not None
-    layers, states = dp
+    layers, states = dp.layers, dp.last
     ends = {reconstruct(layers, key): (p1, w) for key, (p1, _, _, _, w) in states.items()}
     assert set(ends) == {((1, 1), (0, 1), (1, 1)), ((0, 1), (1, 1), (1, 1))}
     assert ends[((1, 1), (0, 1), (1, 1))] == pytest.approx((3.0, 2.0))  # the keys' best: fastest compute
@@ -142,7 +142,7 @@ def test_under_a_cost_objective_the_price_key_counts_the_egress_of_the_sends() -
     def cheapest(**kw: object) -> tuple[tuple[int, int], ...]:
         dp = usage_dp(options, caps, speed_first=False, **kw)  # type: ignore[arg-type]
         assert dp is not None
-        layers, states = dp
+        layers, states = dp.layers, dp.last
         return reconstruct(layers, min(states, key=lambda k: states[k][0]))
 
     assert sorted(cheapest()) == [(0, 1), (1, 1)]  # GPUs alone: split over the zones

@@ -49,10 +49,20 @@ class Option(NamedTuple):
 
 
 class DP(NamedTuple):
-    """`usage_dp`'s answer: every stage's layer of states (for `reconstruct`) and the last one's."""
+    """`usage_dp`'s answer: every stage's layer of states (for `reconstruct`), the last one's, and the
+    copies (D) each usage the DP reached fits (`copies`, kept as the DP goes: `end_states` reads them)."""
 
     layers: list[dict[State, Value]]
     last: dict[State, Value]
+    fits: dict[Usage, int] | None = None
+
+
+# How many states the DP expands between two looks at the caller's deadline (`usage_dp`'s `stop`)
+STOP_EVERY = 4096
+
+
+class Stopped(Exception):
+    """The caller's deadline passed inside the DP (`usage_dp`'s `stop`)."""
 
 
 def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool) -> list[list[Option]] | None:
@@ -80,7 +90,7 @@ def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool)
 
 def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends] = (),
              speed_first: bool = True, max_gpus: int | None = None, live: Sequence[int] | None = None,
-             tolls: Sequence[PairTolls] = (), toll_rate: float = 0.0
+             tolls: Sequence[PairTolls] = (), toll_rate: float = 0.0, stop: Callable[[], bool] | None = None
              ) -> DP | None:
     """(every stage's layer of the DP, its last layer): per state, the best value, the state and step
     that reached it and its path's send floor (`sends[b]`: boundary b's least sends between two
@@ -103,16 +113,22 @@ def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[P
     (`links.LinkFloors.tolls`), added to the price key at `toll_rate` (USD per hour per USD per
     microbatch: 3600 / tau, a microbatch crossing every tau at the bottleneck), so a path whose
     cheaper GPUs sit in other zones than its neighbours' pays the egress its sends cost every
-    microbatch; without it the price key prefers them and the in-zone path is never estimated."""
+    microbatch; without it the price key prefers them and the in-zone path is never estimated.
+    `stop`: read every `STOP_EVERY` states; when it answers True (the caller's deadline) the DP gives up
+    and answers None (a pool of many zones and types reaches millions of states at a high tau)."""
     least = min(live) if live else 1
     toll = _Tolls(tolls, toll_rate)
-    keyed = _keys_track(options, caps, sends, lambda u: copies(u, caps, max_gpus) >= least, toll)
-    if keyed is None or not sends:
-        return None if keyed is None else DP(*keyed)
-    extra = _sends_track(options, caps, sends, speed_first, _send_limits(keyed[1], caps, max_gpus, live, speed_first),
-                         toll)
+    fits: dict[Usage, int] = {}
+    try:
+        keyed = _keys_track(options, caps, sends, least, toll, max_gpus, fits, stop)
+        if keyed is None or not sends:
+            return None if keyed is None else DP(*keyed, fits)
+        limits = _send_limits(keyed[1], caps, max_gpus, live, speed_first, fits)
+        extra = _sends_track(options, caps, sends, speed_first, limits, toll, stop)
+    except Stopped:
+        return None
     layers = [{**a, **b} for a, b in zip(keyed[0], extra + [{}] * (len(keyed[0]) - len(extra)), strict=True)]
-    return DP(layers, layers[-1])
+    return DP(layers, layers[-1], fits)
 
 
 # One move of the DP from a state whose last kind is known: (slot, tp, primary, secondary, send floor, class of
@@ -131,35 +147,49 @@ def _moves(link: PairSends | None, last: tuple[int, int] | None, opts: list[Opti
             if dw != math.inf]
 
 
-def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends],
-                alive: Callable[[Usage], bool] = lambda u: True, toll: _Tolls | None = None
+def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends], least: int = 1,
+                toll: _Tolls | None = None, max_gpus: int | None = None, fits: dict[Usage, int] | None = None,
+                stop: Callable[[], bool] | None = None
                 ) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
     """The `BY_KEYS` track of `usage_dp`: per usage the least (primary, secondary, send floor); paths
-    to a usage `alive` rejects are dropped."""
+    to a usage that fits fewer than `least` copies are dropped. `fits` gathers each usage's copies
+    (`copies`), kept as paths grow: a slot's count only grows, so a usage fits
+    min(what its parent fits, the grown slot's capacity // its count, max_gpus // its GPUs)."""
     zero = (0,) * len(caps)
     layers: list[dict[State, Value]] = []
     states: dict[State, Value] = {(zero, BY_KEYS): (0.0, 0.0, None, None, 0.0)}
-    seen: dict[Usage, bool] = {}
+    fits = {} if fits is None else fits
     eps = 1e-12
+    looked = 0
+    n_max = max(caps, default=0) + 1  # more copies than any usage fits: the empty usage's
     for s, opts in enumerate(options):
         link = sends[s - 1] if s and sends else None
         zeros = [0] * len(opts)
         by_last: dict[tuple[int, int] | None, list[Move]] = {}
         nxt: dict[State, Value] = {}
         for key, (p1, p2, _, last, w) in states.items():
+            looked += 1
+            if stop is not None and looked % STOP_EVERY == 0 and stop():
+                raise Stopped
             moves = by_last.get(last)
             if moves is None:
                 moves = by_last[last] = _moves(link, last, opts, s, toll, zeros)
             u = key[0]
+            fit_u = fits.get(u, n_max) if s else n_max
             for g, tp, x1, x2, dw, _c, kind in moves:
                 n = u[g] + tp
                 if n > caps[g]:
                     continue
                 used = u[:g] + (n,) + u[g + 1:]
-                ok = seen.get(used)
-                if ok is None:
-                    ok = seen[used] = alive(used)
-                if not ok:
+                known = fits.get(used)
+                if known is None:
+                    d = min(fit_u, caps[g] // n)
+                    if max_gpus is not None:
+                        d = min(d, max_gpus // sum(used))
+                    fits[used] = d
+                else:
+                    d = known
+                if d < least:
                     continue
                 q1 = p1 + x1
                 v = (used, BY_KEYS)
@@ -181,8 +211,8 @@ def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequenc
 
 
 def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends], speed_first: bool,
-                 limit: Callable[[Usage], tuple[float, float]] | None, toll: _Tolls | None = None
-                 ) -> list[dict[State, Value]]:
+                 limit: Callable[[Usage], tuple[float, float]] | None, toll: _Tolls | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[dict[State, Value]]:
     """The with-sends track of `usage_dp`, one layer per stage (fewer when `limit` drops every state):
     per (usage, class of the next sends) the least time with sends. `limit(usage)` = (top_a, top_b): a
     state is dropped when, with the least the stages after it can add (`_finish_floor`), both its
@@ -196,6 +226,7 @@ def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequen
     rest2 = _finish_floor(options, () if speed_first else sends, 3)  # of the secondary (with sends for time)
     cap_of: dict[Usage, tuple[float, float]] = {}
     eps = 1e-12
+    looked = 0
     for s, opts in enumerate(options):
         link = sends[s - 1] if s else None
         ahead = sends[s] if s + 1 < len(options) and len(sends) > s else None
@@ -204,6 +235,9 @@ def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequen
         r1, r2 = rest1[s], rest2[s]
         nxt: dict[State, Value] = {}
         for key, (p1, p2, _, last, w) in states.items():
+            looked += 1
+            if stop is not None and looked % STOP_EVERY == 0 and stop():
+                raise Stopped
             moves = by_last.get(last)
             if moves is None:
                 moves = by_last[last] = _moves(link, last, opts, s, toll, classes)
@@ -253,18 +287,26 @@ def _finish_floor(options: list[list[Option]], sends: Sequence[PairSends], col: 
 
 
 def _send_limits(keyed: dict[State, Value], caps: Sequence[int], max_gpus: int | None,
-                 live: Sequence[int] | None, speed_first: bool) -> Callable[[Usage], tuple[float, float]]:
+                 live: Sequence[int] | None, speed_first: bool, fits: dict[Usage, int] | None = None
+                 ) -> Callable[[Usage], tuple[float, float]]:
     """limit(usage) for `_sends_track`: what a path must stay within to enter `with_sends`'s picks at
     some D it may be estimated at: D in `live` (all D when None) and at most the copies its usage
     fits (which only shrink as a path goes on). Max throughput: the `WITH_SENDS`-th least time with
     sends among the first track's end states that fit D. Cost objectives (two picks): the least
     price, for the cheapest; the least time with sends, for the fastest with sends. The first track
     keeps each usage's cheapest path, so no path beats its least price. The largest such D is the
-    hardest (infinity where too few end states fit it, minus infinity where no D is left)."""
+    hardest (infinity where too few end states fit it, minus infinity where no D is left). `fits`: the
+    copies of the usages the first track reached (`_keys_track`), where known."""
+    fits = {} if fits is None else fits
+
+    def fit(u: Usage) -> int:
+        d = fits.get(u)
+        return copies(u, caps, max_gpus) if d is None else d
+
     k = WITH_SENDS if speed_first else 1
     Key = Callable[[tuple[float, float, float]], float]  # of (primary, secondary, send floor)
     keys: list[Key] = [lambda e: e[0] + e[2]] if speed_first else [lambda e: e[0], lambda e: e[1] + e[2]]
-    ends = sorted(((copies(key[0], caps, max_gpus), (p1, p2, w)) for key, (p1, p2, _, _, w) in keyed.items()),
+    ends = sorted(((fit(key[0]), (p1, p2, w)) for key, (p1, p2, _, _, w) in keyed.items()),
                   key=lambda x: -x[0])
     marks: list[int] = []  # ascending copies; tops[i]: the k-th best of each key among ends fitting >= marks[i]
     tops: list[tuple[float, float]] = []
@@ -284,7 +326,7 @@ def _send_limits(keyed: dict[State, Value], caps: Sequence[int], max_gpus: int |
     none, every = (-math.inf, -math.inf), (math.inf, math.inf)
 
     def limit(u: Usage) -> tuple[float, float]:
-        d = copies(u, caps, max_gpus)
+        d = fit(u)
         if ds is not None:
             j = bisect.bisect_right(ds, d)
             if j == 0:

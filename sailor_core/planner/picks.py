@@ -12,7 +12,6 @@ placed or estimated makes way. `reconstruct` turns an end state into per-stage k
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
@@ -58,11 +57,15 @@ class Picks(NamedTuple):
 
 
 
-def end_states(states: dict[State, Value], caps: Sequence[int], max_gpus: int | None) -> list[End]:
-    """(D-capacity, primary, secondary, state, send floor) of each end state, most copies first then best value."""
+def end_states(states: dict[State, Value], caps: Sequence[int], max_gpus: int | None,
+               fits: dict[Usage, int] | None = None) -> list[End]:
+    """(D-capacity, primary, secondary, state, send floor) of each end state, most copies first then best value;
+    `fits`: the copies the DP already knows per usage (`DP.fits`)."""
+    fits = {} if fits is None else fits
     ends = []
     for key, (p1, p2, _, _, w) in states.items():
-        ends.append(End(copies(key[0], caps, max_gpus), p1, p2, key, w))
+        d = fits.get(key[0])
+        ends.append(End(copies(key[0], caps, max_gpus) if d is None else d, p1, p2, key, w))
     ends.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
     return ends
 
@@ -96,12 +99,14 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
     types_of: dict[Usage, frozenset[str]] = {}
     i = 0
     for d in reversed(d_list):
+        j = i
         while i < len(ends) and ends[i][0] >= d:
-            e = Eligible(ends[i][1], ends[i][2], ends[i][3], ends[i][4])
-            picks.add(e)
-            if e[2][1] == BY_KEYS:
-                bisect.insort(keyed, e)
             i += 1
+        fresh = [Eligible(x[1], x[2], x[3], x[4]) for x in ends[j:i]]
+        picks.extend(fresh)
+        if any(e[2][1] == BY_KEYS for e in fresh):
+            keyed += (e for e in fresh if e[2][1] == BY_KEYS)
+            keyed.sort()  # two sorted runs: a merge (one insort per state was quadratic in the states)
         if not keyed:
             continue
         if bound(goal, tau, lb, n, [d]) >= cutoff():
@@ -154,13 +159,17 @@ class _SendPicks:
         self.cheap: tuple[float, float, State] | None = None  # money first: the two picks' keys
         self.fast: tuple[float, float, State] | None = None
 
-    def add(self, e: Eligible) -> None:
+    def extend(self, added: Iterable[Eligible]) -> None:
         if self.speed_first:
-            bisect.insort(self.ranked, (e[0] + e[3], e[1], e[2], e))
+            before = len(self.ranked)
+            self.ranked += ((e[0] + e[3], e[1], e[2], e) for e in added)
+            if len(self.ranked) > before:
+                self.ranked.sort()  # sorted runs merged, not one insort per state (quadratic in the states)
             return
-        cheap, fast = (e[0], e[1] + e[3], e[2]), (e[1] + e[3], e[0], e[2])
-        self.cheap = cheap if self.cheap is None or cheap < self.cheap else self.cheap
-        self.fast = fast if self.fast is None or fast < self.fast else self.fast
+        for e in added:
+            cheap, fast = (e[0], e[1] + e[3], e[2]), (e[1] + e[3], e[0], e[2])
+            self.cheap = cheap if self.cheap is None or cheap < self.cheap else self.cheap
+            self.fast = fast if self.fast is None or fast < self.fast else self.fast
 
     def states(self) -> list[State]:
         if self.speed_first:
@@ -178,8 +187,7 @@ def with_sends(eligible: Sequence[Eligible], speed_first: bool) -> list[State]:
     with sends, and the least time with sends. The DP's two tracks often end in the same path: an end
     state equal to a better one in its usage and every key counts once."""
     picks = _SendPicks(speed_first)
-    for e in eligible:
-        picks.add(e)
+    picks.extend(eligible)
     return picks.states()
 
 

@@ -245,10 +245,10 @@ class Search:
         # cost objectives: a boundary's egress counts in the price key, at one microbatch per tau
         tolls = () if self.goal.speed_first else [self._links.tolls(mbs, last) for _, last in bounds[:-1]]
         dp = usage_dp(options, self._caps, lb.pairs, self.goal.speed_first, self.problem.max_gpus, d_list,
-                      tolls, SECONDS_PER_HOUR / tau if tau > 0 else 0.0)
-        if dp is None:
+                      tolls, SECONDS_PER_HOUR / tau if tau > 0 else 0.0, stop=self.out_of_time)
+        if dp is None or self.out_of_time():
             return
-        ends = end_states(dp.last, self._caps, self.problem.max_gpus)
+        ends = end_states(dp.last, self._caps, self.problem.max_gpus, dp.fits)
         for picks in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
             if self.out_of_time():
                 return
