@@ -52,7 +52,7 @@ class Picks(NamedTuple):
     d: int
     front: list[State]
     with_sends: list[State]
-    ranked: list[State]
+    ranked: Iterable[State]  # lazy: read only before `fronts` yields its next D
     by_types: list[State] = []  # the best by the keys of each set of GPU types no other pick uses
 
 
@@ -88,15 +88,16 @@ def reconstruct(layers: list[dict[State, Value]], end: State) -> tuple[tuple[int
 
 
 def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list: Sequence[int], lb: Floor,
-           cutoff: Callable[[], float]) -> Iterator[Picks]:
+           cutoff: Callable[[], float], types_of: dict[Usage, frozenset[str]] | None = None) -> Iterator[Picks]:
     """Yields (D, the end states worth estimating at D, those `with_sends` adds beyond them), largest
     D first, each D only while the bound (against `cutoff()` read at that moment: estimates of earlier
-    D move it) does not rule it out."""
+    D move it) does not rule it out. `types_of`: a memo of each usage's GPU types, kept by the caller
+    across its DPs (the same usages recur at every threshold)."""
     risk = pb.risk
     risky = pb.objective is Objective.MAX_GOODPUT and risk is not None and not risk.riskless
     keyed: list[Eligible] = []  # the first track's; the sends track serves `with_sends` alone
     picks = _SendPicks(goal.speed_first)
-    types_of: dict[Usage, frozenset[str]] = {}
+    by_types = _TypesBest(pb, {} if types_of is None else types_of)
     i = 0
     for d in reversed(d_list):
         j = i
@@ -104,9 +105,11 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
             i += 1
         fresh = [Eligible(x[1], x[2], x[3], x[4]) for x in ends[j:i]]
         picks.extend(fresh)
-        if any(e[2][1] == BY_KEYS for e in fresh):
-            keyed += (e for e in fresh if e[2][1] == BY_KEYS)
+        fresh = [e for e in fresh if e[2][1] == BY_KEYS]
+        if fresh:
+            keyed += fresh
             keyed.sort()  # two sorted runs: a merge (one insort per state was quadratic in the states)
+            by_types.extend(fresh)
         if not keyed:
             continue
         if bound(goal, tau, lb, n, [d]) >= cutoff():
@@ -118,34 +121,43 @@ def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list:
             m = -(-n // d)
             ranked = sorted(keyed, key=lambda e: (approx_goodput(pb, e[0], e[1], e[2][0], d, m, tau), e))
             front += [e[2] for e in _distinct(ranked)[:2]]
-        yield Picks(d, front, [u for u in picks.states() if u not in front], [e[2] for e in keyed],
-                    _by_types(pb, keyed, front, types_of))
+        yield Picks(d, front, [u for u in picks.states() if u not in front], (e[2] for e in keyed.copy()),
+                    by_types.missing(front))
 
 
 
-def _by_types(pb: Problem, keyed: Sequence[Eligible], taken: Sequence[State],
-              types_of: dict[Usage, frozenset[str]]) -> list[State]:
-    """The best end state by the keys (`keyed` is in key order) of each set of GPU types that the states
-    in `taken` do not use: the keys favour the fastest (or cheapest) GPUs, whose plans may still fail or
-    lose once placed (a type linked to the others in one zone only), and a larger pool must not lose
-    the best plan of the types a smaller one had (the DP's best path per usage is the same in both).
-    `types_of`: a memo of each usage's GPU types."""
-    def types(u: Usage) -> frozenset[str]:
-        t = types_of.get(u)
+class _TypesBest:
+    """The best end state by the keys of each set of GPU types, kept as `fronts` adds states D by D (one
+    look per state, not one scan of every state per D). `missing(taken)`: those of the sets the states in
+    `taken` do not use, in key order: the keys favour the fastest (or cheapest) GPUs, whose plans may
+    still fail or lose once placed (a type linked to the others in one zone only), and a larger pool
+    must not lose the best plan of the types a smaller one had (the DP's best path per usage is the
+    same in both)."""
+
+    def __init__(self, pb: Problem, types_of: dict[Usage, frozenset[str]]) -> None:
+        self.pb = pb
+        self.best: dict[frozenset[str], Eligible] = {}
+        self.types_of = types_of
+
+    def types(self, u: Usage) -> frozenset[str]:
+        t = self.types_of.get(u)
         if t is None:
-            t = types_of[u] = frozenset(pb.slots[g].gpu_type if g < len(pb.slots) else str(g)
-                                        for g, n in enumerate(u) if n)
+            slots = self.pb.slots
+            t = self.types_of[u] = frozenset(slots[g].gpu_type if g < len(slots) else str(g)
+                                             for g, n in enumerate(u) if n)
         return t
 
-    seen = {types(u[0]) for u in taken}
-    out = []
-    for e in keyed:
-        t = types(e[2][0])
-        if t not in seen:
-            seen.add(t)
-            out.append(e[2])
-    return out
+    def extend(self, added: Iterable[Eligible]) -> None:
+        best = self.best
+        for e in added:
+            t = self.types(e[2][0])
+            old = best.get(t)
+            if old is None or e < old:
+                best[t] = e
 
+    def missing(self, taken: Sequence[State]) -> list[State]:
+        seen = {self.types(u[0]) for u in taken}
+        return [e[2] for e in sorted(e for t, e in self.best.items() if t not in seen)]
 
 
 class _SendPicks:
