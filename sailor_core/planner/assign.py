@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from sailor_core.errors import SailorError
 from sailor_core.planner.links import PairSends, PairTolls
 from sailor_core.planner.shapes import StageTable
 from sailor_core.planner.space import Problem
@@ -61,7 +62,7 @@ class DP(NamedTuple):
 STOP_EVERY = 4096
 
 
-class Stopped(Exception):
+class Stopped(SailorError):
     """The caller's deadline passed inside the DP (`usage_dp`'s `stop`)."""
 
 
