@@ -174,10 +174,12 @@ def test_the_scheduled_rerun_replans_a_live_job_rents_nothing_after_it_and_resum
     dep = Deployment(tmp_path)
     jobs: list[str] = []  # flow runs of the jobs, cancelled if the test ends before they do
     try:
-        # 1. A rerun while the job trains: one re-plan request on the live run, and it ends within 30 s.
-        live_fr = dep.run(**{**common, "scenario": str(scripted)}, steps=300)
-        jobs.append(live_fr)
-        live_id = _wait_training(profiled_store, work, live_fr)
+        # 1. A rerun while the job trains: one re-plan request on the live run, and it ends within 30 s. The live
+        # job is a long one: a 300-step job on a quiet machine ended before the rerun's flow process had started,
+        # and the rerun then rightly found nothing left to train.
+        long_fr = dep.run(**common, steps=5000)
+        jobs.append(long_fr)
+        long_id = _wait_training(profiled_store, work, long_fr)
         again = dep.run(**rerun)
         assert dep.wait_state(again, TERMINAL, 90) == "COMPLETED"
         took = dep.seconds(again)  # the worker's pickup and the flow process's start included
@@ -188,26 +190,11 @@ def test_the_scheduled_rerun_replans_a_live_job_rents_nothing_after_it_and_resum
               f"{os.getloadavg()[1]:.1f} on {os.cpu_count()} cores)")
         assert took < bound, f"the rerun took {took:.1f}s"
         mine = _run_of(profiled_store, again)
-        assert [e["kind"] for e in mine["events"]].count("deferred") == 1 and _vms(work, mine["run_id"]) == []
-        requests = [e for e in _history(profiled_store).show(live_id)["events"] if e["kind"] == "replan_request"]
+        kinds = [e["kind"] for e in mine["events"]]
+        assert kinds.count("deferred") == 1 and _vms(work, mine["run_id"]) == [], (mine["run_id"], mine["events"])
+        requests = [e for e in _history(profiled_store).show(long_id)["events"] if e["kind"] == "replan_request"]
         assert [e["requested_by"] for e in requests] == [mine["run_id"]]
-        # 2. Once the job completed: a rerun rents nothing and says so.
-        assert dep.wait_state(live_fr, TERMINAL, 600) == "COMPLETED"
-        # the job's history lists every step once, and its scripted events at their steps
-        from tests.flow_fixtures import assert_steps_once_and_events_at_their_step
-
-        assert_steps_once_and_events_at_their_step(_history(profiled_store).show(live_id), total=300,
-                                                   scripted={"preemption": 20, "price_change": 80})
-        done = dep.run(**rerun)
-        assert dep.wait_state(done, TERMINAL, 120) == "COMPLETED"
-        after = _run_of(profiled_store, done)
-        assert _vms(work, after["run_id"]) == [] and "provisioned" not in [e["kind"] for e in after["events"]]
-        said = [e["reason"] for e in after["events"] if e["kind"] == "nothing_to_do"]
-        assert said and "completed 300 steps" in said[0] and "rented nothing" in said[0], after["events"]
-        # 3. A cancelled job: the rerun resumes it from its checkpoint.
-        long_fr = dep.run(**common, steps=5000)
-        jobs.append(long_fr)
-        long_id = _wait_training(profiled_store, work, long_fr)
+        # 2. A cancelled job: the rerun resumes it from its checkpoint.
         ckpts = work / "runs" / long_id / "state" / "checkpoints"
         end = time.monotonic() + 300
         while not list(ckpts.glob("step_*/meta.json")):
@@ -221,6 +208,22 @@ def test_the_scheduled_rerun_replans_a_live_job_rents_nothing_after_it_and_resum
         r = _run_of(profiled_store, resumed)
         started = [e for e in r["events"] if e["kind"] == "training_started"]
         assert started and started[0]["resume_step"] == step and r["steps_done"] == step + 10
+        # 3. A job with a preemption and a price change: every step once, each event at its step; once it
+        # completed, a rerun rents nothing and says so.
+        job_fr = dep.run(**{**common, "scenario": str(scripted)}, steps=300)
+        jobs.append(job_fr)
+        job_id = _wait_training(profiled_store, work, job_fr)
+        assert dep.wait_state(job_fr, TERMINAL, 600) == "COMPLETED"
+        from tests.flow_fixtures import assert_steps_once_and_events_at_their_step
+
+        assert_steps_once_and_events_at_their_step(_history(profiled_store).show(job_id), total=300,
+                                                   scripted={"preemption": 20, "price_change": 80})
+        done = dep.run(**rerun)
+        assert dep.wait_state(done, TERMINAL, 120) == "COMPLETED"
+        after = _run_of(profiled_store, done)
+        assert _vms(work, after["run_id"]) == [] and "provisioned" not in [e["kind"] for e in after["events"]]
+        said = [e["reason"] for e in after["events"] if e["kind"] == "nothing_to_do"]
+        assert said and "completed 300 steps" in said[0] and "rented nothing" in said[0], after["events"]
         from infra.local import LocalProvider
 
         for root in (work / "runs").glob("*/local"):  # no VM of any run is left running
