@@ -135,18 +135,7 @@ class SimulationResult:
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "iteration_time_s": self.iteration_time_s,
-            "throughput_iterations_per_s": self.throughput_iterations_per_s,
-            "samples_per_s": self.samples_per_s,
-            "tokens_per_s": self.tokens_per_s,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "fits_memory": self.fits_memory,
-            "usd_per_iteration": self.usd_per_iteration,
-            "usd_per_hour": self.usd_per_hour,
-            "usd_per_million_tokens": self.usd_per_million_tokens,
-            "egress_usd_per_iteration": self.egress_usd_per_iteration,
-            "compute_usd_per_iteration": self.compute_usd_per_iteration,
-            "num_gpus": self.num_gpus,
+            **headline_json(self),
             "schedule": self.schedule,
             "precision": self.precision,
             "zero1": self.zero1,
@@ -166,3 +155,16 @@ class SimulationResult:
             row["memory"] = {**asdict(r.memory), "total_bytes": r.memory.total_bytes}
             d["per_stage"].append(row)
         return d
+
+
+# The top-level keys every simulation answer writes first (SimulationResult and the islands' SemiSyncResult)
+HEADLINE_KEYS = (
+    "iteration_time_s", "throughput_iterations_per_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes",
+    "fits_memory", "usd_per_iteration", "usd_per_hour", "usd_per_million_tokens", "egress_usd_per_iteration",
+    "compute_usd_per_iteration", "num_gpus",
+)
+
+
+def headline_json(result: object) -> dict[str, Any]:
+    """`HEADLINE_KEYS` of a simulation answer, in that order."""
+    return {k: getattr(result, k) for k in HEADLINE_KEYS}

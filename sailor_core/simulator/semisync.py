@@ -31,7 +31,7 @@ from sailor_core.semisync import IslandPlan
 from sailor_core.simulator import constants as C
 from sailor_core.simulator.core import place_nodes, simulate
 from sailor_core.simulator.model import SimModel, model_for
-from sailor_core.simulator.result import SimOptions, SimulationResult
+from sailor_core.simulator.result import SimOptions, SimulationResult, headline_json
 
 OUTER_FP32_BYTES = 4  # the global copy and the momentum are fp32 (runtime/outer_sync.OuterState)
 
@@ -63,18 +63,7 @@ class SemiSyncResult:
     def to_json(self) -> dict[str, Any]:
         """The keys of SimulationResult.to_json's top level, and the outer loop's own."""
         return {
-            "iteration_time_s": self.iteration_time_s,
-            "throughput_iterations_per_s": self.throughput_iterations_per_s,
-            "samples_per_s": self.samples_per_s,
-            "tokens_per_s": self.tokens_per_s,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "fits_memory": self.fits_memory,
-            "usd_per_iteration": self.usd_per_iteration,
-            "usd_per_hour": self.usd_per_hour,
-            "usd_per_million_tokens": self.usd_per_million_tokens,
-            "egress_usd_per_iteration": self.egress_usd_per_iteration,
-            "compute_usd_per_iteration": self.compute_usd_per_iteration,
-            "num_gpus": self.num_gpus,
+            **headline_json(self),
             "semi_sync": {
                 "inner_steps": self.inner_steps,
                 "inner_step_s": self.inner_step_s,
