@@ -110,6 +110,9 @@ def write_from_memory(io: Writer, previous: TrainState | None, newest_valid: int
     dist.all_gather_object(gathered, (mine, newest_valid if io.rank == 0 else None))
     helds = [g[0] for g in gathered]
     step = newest_complete_step(helds, cfg.num_layers, gathered[0][1])
+    if step is None and io.rank == 0 and any(h.step >= 0 for h in helds):
+        io.log(f"no checkpoint from the survivors' memory: no step newer than {gathered[0][1]} at which they hold "
+               f"every layer (each rank's step: {[h.step for h in helds]})")
     if step is None or io.storage is None:
         return None
     storage = io.storage
