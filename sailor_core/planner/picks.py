@@ -88,16 +88,15 @@ def reconstruct(layers: list[dict[State, Value]], end: State) -> tuple[tuple[int
 
 
 def fronts(pb: Problem, goal: Goal, ends: list[End], tau: float, n: int, d_list: Sequence[int], lb: Floor,
-           cutoff: Callable[[], float], types_of: dict[Usage, frozenset[str]] | None = None) -> Iterator[Picks]:
+           cutoff: Callable[[], float]) -> Iterator[Picks]:
     """Yields (D, the end states worth estimating at D, those `with_sends` adds beyond them), largest
     D first, each D only while the bound (against `cutoff()` read at that moment: estimates of earlier
-    D move it) does not rule it out. `types_of`: a memo of each usage's GPU types, kept by the caller
-    across its DPs (the same usages recur at every threshold)."""
+    D move it) does not rule it out."""
     risk = pb.risk
     risky = pb.objective is Objective.MAX_GOODPUT and risk is not None and not risk.riskless
     keyed: list[Eligible] = []  # the first track's; the sends track serves `with_sends` alone
     picks = _SendPicks(goal.speed_first)
-    by_types = _TypesBest(pb, {} if types_of is None else types_of)
+    by_types = _TypesBest(pb)
     i = 0
     for d in reversed(d_list):
         j = i
@@ -134,10 +133,10 @@ class _TypesBest:
     must not lose the best plan of the types a smaller one had (the DP's best path per usage is the
     same in both)."""
 
-    def __init__(self, pb: Problem, types_of: dict[Usage, frozenset[str]]) -> None:
+    def __init__(self, pb: Problem) -> None:
         self.pb = pb
         self.best: dict[frozenset[str], Eligible] = {}
-        self.types_of = types_of
+        self.types_of: dict[Usage, frozenset[str]] = {}  # a memo of each usage's GPU types
 
     def types(self, u: Usage) -> frozenset[str]:
         t = self.types_of.get(u)

@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sailor_core.planner.assign import Usage, stage_options, usage_dp
+from sailor_core.planner.assign import stage_options, usage_dp
 from sailor_core.planner.bounds import DepthFloors, Floor, RingTails, SketchFloors, bounds_at, floor_of
 from sailor_core.planner.costs import Costs
 from sailor_core.planner.estimate import estimate
@@ -126,7 +126,6 @@ class Search:
             self._links, self._rings = LinkFloors(problem, costs), RingTails(problem, costs)
             self._floors = SketchFloors(problem, costs, self.goal, self._links, self._rings)
         self.depths = DepthFloors(problem, costs, self.goal)  # bounds of whole stage counts
-        self._types_of: dict[Usage, frozenset[str]] = {}  # each DP usage's GPU types (`fronts`)
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
@@ -250,7 +249,7 @@ class Search:
         if dp is None or self.out_of_time():
             return
         ends = end_states(dp.last, self._caps, self.problem.max_gpus, dp.fits)
-        for picks in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff, self._types_of):
+        for picks in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
             if self.out_of_time():
                 return
             # The front's picks are bounded with the cheapest sends between any kinds, not their own:
