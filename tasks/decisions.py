@@ -8,6 +8,8 @@ here from sailor_core:
 - `needs_decision(kind, vm_id, plan_vms)`: does a provider event call for re-planning;
 - `failed_vms(statuses)`: VMs whose workers reported a failed generation (a lost worker to the flow);
 - `lost_vms(events, plan_vms)`: the VMs a replan replaces (the provider's word before the workers');
+- `awaits_cause(events, first_seen, now)`: whether only workers' failures are known yet and the provider may
+  still name the VM that really went (`CAUSE_GRACE_S`);
 - `check_calibration(...)`: measured against estimated iteration time, once enough steps ran;
 - `first_step_kind(started_by)`: what a plan version's first step measures (`FirstStep`: the switch that
   started it, or its cold start);
@@ -26,9 +28,9 @@ from infra.provider import EventKind, ProviderEvent, Reporter
 from sailor_core.decisions import PlanCost, SwitchDecision, decide_switch
 from tasks.jobs import ColdStart, Switch
 
-__all__ = ["CalibrationCheck", "FirstStep", "PlanCost", "SwitchDecision", "all_exited_cleanly", "check_calibration",
-           "decide_switch", "exit_verdict", "failed_vms", "first_step_kind", "lost_vms", "needs_decision",
-           "stop_reason"]
+__all__ = ["CalibrationCheck", "FirstStep", "PlanCost", "SwitchDecision", "all_exited_cleanly", "awaits_cause",
+           "check_calibration", "decide_switch", "exit_verdict", "failed_vms", "first_step_kind", "lost_vms",
+           "needs_decision", "stop_reason"]
 
 # Provider events a running plan must answer (every kind there is, today).
 ACTIONABLE_KINDS = frozenset({EventKind.PREEMPTION, EventKind.LOST, EventKind.PRICE_CHANGE, EventKind.CAPACITY_CHANGE})
@@ -49,6 +51,19 @@ def lost_vms(events: Sequence[ProviderEvent], plan_vms: Collection[str]) -> set[
     gone = [e for e in events if e.kind in VM_KINDS]
     hard = {e.vm_id for e in gone if e.reported_by is not Reporter.WORKERS}
     return (hard or {e.vm_id for e in gone}) & set(plan_vms)
+
+
+# How long the monitor waits for the provider to name the VM that went, once only workers' failures are known:
+# a killed worker's peers fail their collective at once (gloo: connection reset), a moment before the provider
+# sees the killed process exit; answering at once took the survivor for the lost VM and planned on the dead one.
+CAUSE_GRACE_S = 5.0
+
+
+def awaits_cause(events: Sequence[ProviderEvent], first_seen: float | None, now: float) -> bool:
+    """Whether to hold these events a little longer: every one is a worker-reported loss (collateral of a
+    peer, or the only sign there will be) and the first came less than `CAUSE_GRACE_S` ago."""
+    soft = bool(events) and all(e.kind is EventKind.LOST and e.reported_by is Reporter.WORKERS for e in events)
+    return soft and (first_seen is None or now - first_seen < CAUSE_GRACE_S)
 
 
 def failed_vms(statuses: Mapping[str, str]) -> list[str]:

@@ -31,6 +31,7 @@ from tasks.decisions import (
     CalibrationCheck,
     FirstStep,
     all_exited_cleanly,
+    awaits_cause,
     check_calibration,
     exit_verdict,
     failed_vms,
@@ -413,15 +414,22 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
     on."""
     watch = _Watch(job=job, history=history, bar=bar, board=board, seen=seen, prefect=prefect)
     shape = f"plan v{job.version}: {job.plan.num_stages} stage(s) x {job.plan.data_parallel} replica(s)"
+    held: list[ProviderEvent] = []  # workers' failures kept while the provider may still name their cause
+    held_since: float | None = None
     while True:
         if prefect is not None and prefect.state() != "up":
             ride_out(prefect, watch, poll_s)
         prog = watch.progress()
         # Every event is reported, also one that came while the flow looked elsewhere and the job then
         # finished: the run's history has it either way.
-        actionable = watch.events_to_answer(provider, requested)
+        actionable = held + watch.events_to_answer(provider, requested)
         if prog.step >= job.total_steps:
             return MonitorOutcome(completed=True, progress=prog)
+        if actionable and awaits_cause(actionable, held_since, time.monotonic()):
+            held, held_since = actionable, held_since if held_since is not None else time.monotonic()
+            interrupt.check()
+            time.sleep(poll_s)
+            continue
         if actionable:
             return MonitorOutcome(completed=False, events=actionable, progress=watch.progress())
         # Online calibration: measured against estimated iteration time, once per plan version.

@@ -449,9 +449,12 @@ def test_a_worker_that_really_dies_is_detected_and_replaced(profiled_store, tmp_
     assert state.is_completed(), state.message
     r = history(profiled_store, "dies")
     lost = [e for e in r["events"] if e["kind"] == "lost"]
-    assert lost and lost[0]["vm_id"] == killed[0]
-    assert "exited" in lost[0]["reason"] or "failed" in lost[0]["reason"]
-    assert any(d["kind"] == "switch" and "lost" in d["reason"] for d in r["decisions"])
+    # The killed VM's peer fails its collective first ("worker reported failed: ... Connection reset by peer");
+    # the provider's word on the killed VM decides what is replaced: one replan for the loss, not one for the
+    # survivor taken for lost and another once the plan made on the dead VM never starts.
+    assert any(e["vm_id"] == killed[0] and "exited" in e["reason"] for e in lost), lost
+    switched = [d for d in r["decisions"] if d["kind"] == "switch" and "lost" in d["reason"]]
+    assert len(switched) == 1, r["decisions"]
     assert "reconfigured" in kinds(r) and r["steps_done"] == 80
     assert_nothing_left(tmp_path, r["run_id"])
 

@@ -24,7 +24,7 @@ from infra.provider import (
 )
 from sailor_core.domain import Market
 from tasks import interrupt
-from tasks.decisions import lost_vms
+from tasks.decisions import awaits_cause, lost_vms
 from tasks.ledger import Ledger
 
 
@@ -91,6 +91,18 @@ def test_workers_failing_beside_a_lost_vm_are_collateral() -> None:
     assert lost_vms(events, {"b"}) == set()  # a VM the plan no longer uses
     price = ProviderEvent(kind=EventKind.PRICE_CHANGE, at=datetime.now(UTC))
     assert lost_vms([price], {"a"}) == set()
+
+
+def test_workers_failures_alone_wait_a_moment_for_the_provider_to_name_the_vm_that_went() -> None:
+    # A killed worker's peer fails its collective 0.1 s before the provider sees the kill: answering the peer's
+    # report at once took the survivor for the lost VM, planned on the dead one, and waited 60 s for its agents.
+    soft, hard = [_lost("b", Reporter.WORKERS)], [_lost("a", Reporter.PROVIDER)]
+    assert awaits_cause(soft, None, now=100.0)  # first seen now
+    assert awaits_cause(soft, 100.0, now=104.9)
+    assert not awaits_cause(soft, 100.0, now=105.0)  # the provider named none in 5 s: the workers' word goes
+    assert not awaits_cause(soft + hard, 100.0, now=100.5)  # the cause is known: answer at once
+    assert not awaits_cause([ProviderEvent(kind=EventKind.PRICE_CHANGE, at=datetime.now(UTC))], None, now=0.0)
+    assert not awaits_cause([], None, now=0.0)
 
 
 @pytest.mark.parametrize("error, stop", [
