@@ -109,6 +109,7 @@ class Observed:
     steps_done: list[int] = field(default_factory=list)
     total_steps: int | None = None
     note: str = ""
+    missed: str = ""  # why the fault never met what the case tests (its phase, its store): the case proves nothing
 
 
 class Job:
@@ -343,6 +344,8 @@ def classify(expect: str, obs: Observed, *, interval: int = EVERY) -> tuple[str,
         return "hung", "killed at its bound"
     if obs.leftovers:
         return "leaked", "; ".join(obs.leftovers)[:200]
+    if obs.missed:
+        return "unclean", f"{obs.missed}: the case tested nothing; {obs.note}"
     wanted = EXPECTED.get(expect) or {0, *EXPECTED[expect.split("-")[-1]]}
     if obs.rc not in wanted:
         return "wrong_exit", f"exit {obs.rc}, expected {sorted(wanted)}: {_last_lines(obs.stderr)}"
@@ -488,7 +491,8 @@ def case_signal(sig: int, phase: str, plan: str = "2stages-tp2", *, group: bool 
         else:
             job.signal(sig)
         obs = observe(job, _bound(), total=None if phase != "teardown" else total, ck=ck)
-        obs.note = f"at step {job.step_at_fault}" + ("" if reached else f" (phase '{phase}' not reached)")
+        obs.note = f"at step {job.step_at_fault}"
+        obs.missed = "" if reached else f"phase '{phase}' not reached"  # the signal landed elsewhere
         return obs
     return run
 
@@ -499,7 +503,8 @@ def _reach_phase(job: Job, phase: str, folder: Path) -> bool:
     if phase == "before workers start":  # handlers installed (its guardian runs), no worker yet
         return job.wait(lambda: _has_child(job, b"sailor_cli.lifeline"), 60, every=0.01) and not job.workers()
     if phase == "workers starting":
-        return job.wait(lambda: job.stdout().startswith("started"), 120, every=0.01)
+        # "started N workers ...": after the run's own line ("run train-... (sailor runs show ...)")
+        return job.wait(lambda: any(ln.startswith("started") for ln in job.stdout().splitlines()), 120, every=0.01)
     if phase == "training":
         return job.wait_steps(3)
     if phase == "checkpoint write":
@@ -563,7 +568,7 @@ def case_store_outage(kind: str, outage_s: float, *, expect_failure: bool,
                 obs.steps_lost = job.last_step() - (valid or 0)
             obs.note = f"{proxy.faulted_connections} connections faulted; newest valid checkpoint {valid}"
             if proxy.faulted_connections == 0:
-                obs.note += " (the fault was never met)"
+                obs.missed = "the store's fault was never met"
         return obs
     return run
 

@@ -46,6 +46,9 @@ def test_classify_says_what_went_wrong():
     assert classify("healed", Observed(**{**ok.__dict__, "leftovers": ["process 1"]}))[0] == "leaked"
     assert classify("SIGINT", ok)[0] == "wrong_exit"
     assert classify("healed", Observed(**{**ok.__dict__, "steps_done": [1, 3]}))[0] == "unclean"
+    # a signal meant for the workers' start that landed after training (the phase's cue had changed) proves nothing
+    assert classify("SIGTERM", Observed(**{**ok.__dict__, "rc": 143, "missed": "phase 'workers starting' not reached"})
+                    ) == ("unclean", "phase 'workers starting' not reached: the case tested nothing; ")
     failed = Observed(rc=1, seconds=1.0, steps_lost=0, leftovers=[], stderr="error: no space left; to fix: ...\n")
     assert classify("failed", failed)[0] == "failed_cleanly"
     assert classify("failed", Observed(**{**failed.__dict__, "stderr": "Traceback (most recent call last):\n"}))[0] \
