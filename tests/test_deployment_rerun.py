@@ -210,20 +210,20 @@ def test_the_scheduled_rerun_replans_a_live_job_rents_nothing_after_it_and_resum
         assert started and started[0]["resume_step"] == step and r["steps_done"] == step + 10
         # 3. A job with a preemption and a price change: every step once, each event at its step; once it
         # completed, a rerun rents nothing and says so.
-        job_fr = dep.run(**{**common, "scenario": str(scripted)}, steps=300)
+        job_fr = dep.run(**{**common, "scenario": str(scripted)}, steps=120)
         jobs.append(job_fr)
         job_id = _wait_training(profiled_store, work, job_fr)
         assert dep.wait_state(job_fr, TERMINAL, 600) == "COMPLETED"
         from tests.flow_fixtures import assert_steps_once_and_events_at_their_step
 
-        assert_steps_once_and_events_at_their_step(_history(profiled_store).show(job_id), total=300,
+        assert_steps_once_and_events_at_their_step(_history(profiled_store).show(job_id), total=120,
                                                    scripted={"preemption": 20, "price_change": 80})
         done = dep.run(**rerun)
         assert dep.wait_state(done, TERMINAL, 120) == "COMPLETED"
         after = _run_of(profiled_store, done)
         assert _vms(work, after["run_id"]) == [] and "provisioned" not in [e["kind"] for e in after["events"]]
         said = [e["reason"] for e in after["events"] if e["kind"] == "nothing_to_do"]
-        assert said and "completed 300 steps" in said[0] and "rented nothing" in said[0], after["events"]
+        assert said and "completed 120 steps" in said[0] and "rented nothing" in said[0], after["events"]
         from infra.local import LocalProvider
 
         for root in (work / "runs").glob("*/local"):  # no VM of any run is left running
