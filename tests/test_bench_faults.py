@@ -67,3 +67,23 @@ def test_the_quick_subset_neither_hangs_nor_lies_nor_leaks():
     assert cases >= 3, p.stdout
     assert (hung, wrong_exit, leaked) == (0, 0, 0), p.stdout
     assert healed + failed == cases, p.stdout  # nothing unclean (a traceback, a missing step) either
+
+
+def test_deadlines_scale_with_the_measured_step_time_up_to_a_limit():
+    # Under load (the run at load 9-21) fixed deadlines called slow cases hung and the bench ran past
+    # 25 minutes: a case's deadlines scale with how much slower than idle its steps run, at most MAX_PACE.
+    nominal = _bench.NOMINAL_STEP_S
+    assert _bench.step_pace([nominal] * 5) == 1.0
+    assert _bench.step_pace([nominal * 3] * 5) == 3.0
+    assert _bench.step_pace([nominal * 100] * 5) == _bench.MAX_PACE
+    assert _bench.step_pace([nominal / 2] * 5) == 1.0  # never tighter than idle
+
+
+def test_the_agent_case_reports_a_run_that_never_trained(tmp_path, monkeypatch):
+    # At load 9-21 the demo had not trained when the agent case looked for a VM, and the case raised
+    # UnboundLocalError ('agent') out of the bench instead of reporting. A run that never trains (here: a
+    # command that ends at once) is a row like any other.
+    monkeypatch.setattr(_bench, "demo_job", lambda folder, *a: _bench.Job(folder, ["--help"]))
+    monkeypatch.setattr(_bench, "wait_training", lambda *a, **k: False)
+    obs = _bench.case_agent_killed(tmp_path)
+    assert obs.rc == 0 and "agent of no VM (none running)" in obs.note, obs
