@@ -3,8 +3,8 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# pytest processes (pytest-xdist): the suite mostly waits on the workers, servers and flows it starts, so two
-# processes on two cores halve its wall time; `make test TEST_WORKERS=0` runs it in one process. Work
+# pytest processes (pytest-xdist): one per core (the suite is CPU-bound: the training workers, servers and
+# flows it starts keep both cores busy); `make test TEST_WORKERS=0` runs it in one process. Work
 # stealing: the flow and chaos tests take a minute or two each, and a process left alone with the
 # last of them would set the suite's end.
 TEST_WORKERS ?= 2
