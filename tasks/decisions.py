@@ -60,10 +60,12 @@ CAUSE_GRACE_S = 5.0
 
 
 def awaits_cause(events: Sequence[ProviderEvent], first_seen: float | None, now: float) -> bool:
-    """Whether to hold these events a little longer: every one is a worker-reported loss (collateral of a
-    peer, or the only sign there will be) and the first came less than `CAUSE_GRACE_S` ago."""
-    soft = bool(events) and all(e.kind is EventKind.LOST and e.reported_by is Reporter.WORKERS for e in events)
-    return soft and (first_seen is None or now - first_seen < CAUSE_GRACE_S)
+    """Whether to hold these events a little longer: workers reported losses (collateral of a peer, or the
+    only sign there will be), the provider has named no VM gone (`lost_vms` would take the workers' word),
+    and the first came less than `CAUSE_GRACE_S` ago."""
+    gone = [e for e in events if e.kind in VM_KINDS]
+    unexplained = bool(gone) and all(e.reported_by is Reporter.WORKERS for e in gone)
+    return unexplained and (first_seen is None or now - first_seen < CAUSE_GRACE_S)
 
 
 def failed_vms(statuses: Mapping[str, str]) -> list[str]:

@@ -425,8 +425,9 @@ def monitor(provider: Provider, job: Job, history: RunHistory, bar: ProgressBar,
         actionable = held + watch.events_to_answer(provider, requested)
         if prog.step >= job.total_steps:
             return MonitorOutcome(completed=True, progress=prog)
-        if actionable and awaits_cause(actionable, held_since, time.monotonic()):
-            held, held_since = actionable, held_since if held_since is not None else time.monotonic()
+        now = time.monotonic()
+        if awaits_cause(actionable, held_since, now):
+            held, held_since = actionable, held_since if held_since is not None else now
             interrupt.check()
             time.sleep(poll_s)
             continue
