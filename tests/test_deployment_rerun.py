@@ -140,16 +140,18 @@ def _run_of(store: str, flow_run_id: str) -> dict:
     return _history(store).show(run_id_for("train", flow_run_id))
 
 
-def _wait_training(store: str, work: Path, flow_run_id: str, timeout_s: float = 300) -> str:
+def _wait_training(store: str, flow_run_id: str, timeout_s: float = 300) -> str:
+    """The job's run id once its history says it started training. (Its step records under the run's folder
+    were no live signal: the agents copy them there every 30 s, and the wait trained half a minute on.)"""
     from flows.sailor import run_id_for
 
     run_id = run_id_for("train", flow_run_id)
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        if any(p.stat().st_size > 0 for p in (work / "runs" / run_id).rglob("metrics-v*.jsonl")):
+        if _history(store).store.read_history("events", run_id=run_id, kind="training_started"):
             return run_id
         time.sleep(0.5)
-    raise AssertionError(f"run {run_id} never trained")
+    raise AssertionError(f"run {run_id} never started training")
 
 
 def _vms(work: Path, run_id: str) -> list[Path]:
@@ -179,7 +181,7 @@ def test_the_scheduled_rerun_replans_a_live_job_rents_nothing_after_it_and_resum
         # and the rerun then rightly found nothing left to train.
         long_fr = dep.run(**common, steps=5000)
         jobs.append(long_fr)
-        long_id = _wait_training(profiled_store, work, long_fr)
+        long_id = _wait_training(profiled_store, long_fr)
         again = dep.run(**rerun)
         assert dep.wait_state(again, TERMINAL, 90) == "COMPLETED"
         took = dep.seconds(again)  # the worker's pickup and the flow process's start included
@@ -212,7 +214,7 @@ def test_the_scheduled_rerun_replans_a_live_job_rents_nothing_after_it_and_resum
         # completed, a rerun rents nothing and says so.
         job_fr = dep.run(**{**common, "scenario": str(scripted)}, steps=120)
         jobs.append(job_fr)
-        job_id = _wait_training(profiled_store, work, job_fr)
+        job_id = _wait_training(profiled_store, job_fr)
         assert dep.wait_state(job_fr, TERMINAL, 600) == "COMPLETED"
         from tests.flow_fixtures import assert_steps_once_and_events_at_their_step
 

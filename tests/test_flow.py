@@ -15,6 +15,7 @@ import pytest
 
 from flows.params import InvalidParameters
 from infra.local import LocalProvider, _group_alive
+from tasks.history import Measurement
 from tests.flow_fixtures import assert_steps_once_and_events_at_their_step
 
 # The session fixtures (one test server, one profiled store) are shared by every module that loads them.
@@ -134,9 +135,9 @@ events:
     # Steps take ~0.1 s here: no calibration replan, so each scripted event lands in its own replan.
     # The old plan trains on through the preemption's grace period (and resumes from a later
     # checkpoint), so the price change comes at step 60, after the second plan has trained; after it
-    # the old plan, still whole, trains on while the on-demand VM boots. With 240 steps left the switch
-    # gains 0.30-0.36 USD against 0.003 for its 5-10 s of reconfiguration: a margin no host's speed moves.
-    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=300, calibration_tolerance=9.0)
+    # the old plan, still whole, trains on while the on-demand VM boots. With 90 steps left the switch
+    # gains about 0.1 USD against 0.003 for its 5-10 s of reconfiguration: a margin no host's speed moves.
+    state = run(profiled_store, tmp_path, "preempt", scenario=sc, steps=150, calibration_tolerance=9.0)
     assert state.is_completed(), state.message
     r = history(profiled_store, "preempt")
     ks = kinds(r)
@@ -153,8 +154,24 @@ events:
     last = r["plans"][-1]["plan"]
     assert {rep["market"] for st in last["stages"] for rep in st["replicas"]} == {"on-demand"}
     assert_nothing_left(tmp_path, r["run_id"])
-    assert_training_curves(profiled_store, tmp_path, r["run_id"], versions=len(r["plans"]), total=300)
-    assert_steps_once_and_events_at_their_step(r, total=300, scripted={"preemption": 5, "price_change": 60})
+    assert_training_curves(profiled_store, tmp_path, r["run_id"], versions=len(r["plans"]), total=150)
+    assert_steps_once_and_events_at_their_step(r, total=150, scripted={"preemption": 5, "price_change": 60})
+
+
+def _store_with(profiled: Path, tmp_path: Path, kind: Measurement, payload: dict) -> str:
+    """A fresh copy of the profiled store with three earlier runs' `kind` measurements of `payload` (a copy: the
+    seeded figures must not reach other tests, nor other tests' figures this one)."""
+    import shutil
+
+    from profiles_store.store import open_store
+    from tasks.history import RunHistory
+
+    store = str(tmp_path / "store")
+    shutil.copytree(profiled, store)
+    seeded = RunHistory(open_store(store))
+    for k in range(3):
+        seeded.measurement(f"earlier-{k}", kind, payload)
+    return store
 
 
 def assert_training_curves(store: str, tmp_path: Path, run_id: str, versions: int, total: int) -> None:
@@ -208,21 +225,24 @@ events:
     assert_nothing_left(tmp_path, r["run_id"])
 
 
-def test_capacity_that_returns_grows_the_plan_without_restarting_the_worker_that_stays(profiled_store, tmp_path):
+def test_capacity_that_returns_grows_the_plan_without_restarting_the_worker_that_stays(profiled_once, tmp_path):
     sc = scenario(tmp_path, """
 offerings:
   - {market: spot, count: 1, usd_per_gpu_hour: 0.10}
 events:
   - {at_step: 4, kind: capacity_change, market: spot, count: 3}
 """)
-    # The first plan gets the one spot VM there is; when two more come back, a plan three times as wide pays
-    # over the 796 steps left even after a reconfiguration (estimated at 15 s before the run has timed one).
-    # With 400 steps the gain was within 2 s of that cost, and a host that ran the profile 10 % faster
-    # decided to stay: the margin must not depend on the host's speed.
-    state = run(profiled_store, tmp_path, "grow", scenario=sc, steps=800, objective="max-throughput", workers=3,
+    # The first plan gets the one spot VM there is; when two more come back, a plan three times as wide saves
+    # about 0.11 s a step over the 236 steps left (about 26 s) against a switch the store says takes 4 s
+    # (three earlier runs' switches in place, seeded in a fresh copy of the profile: what other tests measured
+    # must not move the margin). Without them the flow assumes 15 s, and a run long enough to pay that on
+    # every host's speed trained 800 steps.
+    store = _store_with(profiled_once, tmp_path, Measurement.RECONFIGURATION,
+                        {"provider": "local", "reconfiguration_s": 4.0, "new_vms": 0})
+    state = run(store, tmp_path, "grow", scenario=sc, steps=240, objective="max-throughput", workers=3,
                 calibration_tolerance=9.0)
     assert state.is_completed(), state.message
-    r = history(profiled_store, "grow")
+    r = history(store, "grow")
     grown = [d for d in r["decisions"] if "capacity_change" in d["reason"] and d["kind"] == "switch"]
     assert grown, r["decisions"]
     first, last = r["plans"][0]["plan"], r["plans"][-1]["plan"]
@@ -242,16 +262,7 @@ def test_after_a_preemption_new_vms_are_rented_only_when_they_win_back_their_sta
     when they start at once, and not when they take days (the run's own cold start, added to three such
     measurements, does not move their median). The store is a fresh copy of the profile: other runs' VM starts
     (earlier tests in this process) must not weigh in."""
-    import shutil
-
-    from profiles_store.store import open_store
-    from tasks.history import Measurement, RunHistory
-
-    store = str(tmp_path / "store")
-    shutil.copytree(profiled_once, store)  # the seeded VM starts must not reach other tests
-    seeded = RunHistory(open_store(store))
-    for k in range(3):
-        seeded.measurement(f"earlier-{k}", Measurement.VM_START, {"provider": "local", "vm_start_s": vm_start_s})
+    store = _store_with(profiled_once, tmp_path, Measurement.VM_START, {"provider": "local", "vm_start_s": vm_start_s})
     sc = scenario(tmp_path, """
 offerings:
   - {market: spot, count: 2, usd_per_gpu_hour: 0.10}
