@@ -69,3 +69,33 @@ def assert_steps_once_and_events_at_their_step(r: dict, *, total: int, scripted:
     for kind, at in scripted.items():
         happened = [e for e in r["events"] if e["kind"] == kind and e.get("scripted")]
         assert happened and happened[0]["at_step"] == at and happened[0]["run_step"] == at, (kind, happened)
+
+
+def steps_trained(work: Path, run_id: str = "*") -> int:
+    """The last step trained by run `run_id` (by default any run) under the work folder `work`, read live:
+    rank 0's own step records in each VM's folder (the agent's --run-dir), and the run's copies under `work`
+    (after the VMs are gone).
+    The copies alone lag: the agents upload every 30 s and the flow flushes every 10 s, and a short run has
+    trained hundreds of steps before they show one."""
+    import json
+
+    files = list(work.glob(f"runs/{run_id}/state/**/metrics*.jsonl"))
+    for rec in work.glob(f"runs/{run_id}/local/vms/*.json"):
+        try:
+            slot = json.loads(rec.read_text()).get("slot")
+        except (OSError, ValueError):  # being rewritten, or gone with its VM
+            continue
+        files += Path(slot).glob("sailor/vm/metrics*.jsonl") if slot else []
+    top = 0
+    for f in files:
+        try:
+            lines = f.read_text(errors="replace").splitlines()
+        except OSError:  # its VM's folder went with the teardown
+            continue
+        for line in lines:
+            try:
+                top = max(top, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return top
+

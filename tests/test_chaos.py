@@ -22,6 +22,7 @@ import pytest
 
 from sailor_cli.lifeline import descendants
 from sailor_core.runtime import checkpoint as ckpt
+from tests.flow_fixtures import steps_trained
 from tests.test_exit_codes import GPT_TINY_2_STAGES, _env, _ours_left, finish, start
 from tests.waits import wait_for
 
@@ -247,8 +248,7 @@ def test_sigkill_of_the_demo_flow_process(tmp_path, demo_store):
                           "--workdir", str(work), "--isolation", "process"], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env=env, cwd=Path(__file__).resolve().parent.parent)
     try:
-        wait_for(lambda: any(m.stat().st_size > 0 for m in work.glob("runs/*/**/metrics/**/*.jsonl"))
-                 or p.poll() is not None, 300, "the demo to train")
+        wait_for(lambda: steps_trained(work) or p.poll() is not None, 300, "the demo to train")
         assert p.poll() is None
         kids: dict[int, int] = {}
 
@@ -380,7 +380,7 @@ def _demo(tmp: Path, work: Path, *argv: str, env: dict[str, str] | None = None) 
 
 
 def _training(work: Path) -> bool:
-    return any(m.stat().st_size > 0 for m in work.glob("runs/*/**/metrics/**/*.jsonl"))
+    return steps_trained(work) > 0
 
 
 def _agents_started(work: Path) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 from flows.params import InvalidParameters
 from infra.local import LocalProvider, _group_alive
 from tasks.history import Measurement
-from tests.flow_fixtures import assert_steps_once_and_events_at_their_step
+from tests.flow_fixtures import assert_steps_once_and_events_at_their_step, steps_trained
 
 # The session fixtures (one test server, one profiled store) are shared by every module that loads them.
 pytest_plugins = ["tests.flow_fixtures"]
@@ -418,16 +418,6 @@ def test_cancelling_the_flow_process_tears_everything_down(profiled_store, tmp_p
     assert not any(_group_alive(int(p)) for p in pids)
 
 
-def _steps_recorded(work: Path) -> int:
-    """The most step records rank 0 kept on its VM's disk (metrics-v<version>.jsonl) in any VM of `work`."""
-    most = 0
-    for rec_file in work.glob("runs/*/local/vms/*.json"):
-        slot = json.loads(rec_file.read_text()).get("slot") or "/nonexistent"
-        for f in Path(slot).glob("sailor/vm/metrics-v*.jsonl"):
-            most = max(most, len(f.read_text(errors="replace").splitlines()))
-    return most
-
-
 def test_a_worker_that_really_dies_is_detected_and_replaced(profiled_store, tmp_path):
     """Not scripted: a worker process is killed (SIGKILL) mid-training, as a crashed VM would be."""
     import os
@@ -447,7 +437,7 @@ def test_a_worker_that_really_dies_is_detected_and_replaced(profiled_store, tmp_
                 logs = list(Path(rec.get("slot") or "/nonexistent").glob("sailor/vm/worker-*.log"))
                 started = any("ready at step" in f.read_text(errors="replace") for f in logs)
                 if started and rec.get("pid") and rec.get("seq") == 1 and _group_alive(int(rec["pid"])) \
-                        and _steps_recorded(work) >= 3:  # a few steps in: rank 0's own step records say so
+                        and steps_trained(work) >= 3:  # a few steps in: rank 0's own step records say so
                     os.killpg(int(rec["pid"]), signal.SIGKILL)
                     killed.append(rec["vm_id"])
                     return

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tasks.history import LeaseKeeper, RunHistory
+from tests.flow_fixtures import steps_trained
 from tests.waits import wait_for
 
 pytest_plugins = ["tests.flow_fixtures"]
@@ -132,7 +133,7 @@ def _wait_training(h: RunHistory, work: Path, name: str, proc: subprocess.Popen[
         runs = [x for x in h.list_runs() if x["name"] == name]
         if runs:
             run_id = runs[-1]["run_id"]
-            if any(m.stat().st_size > 0 for m in (work / "runs" / run_id).rglob("metrics/**/*.jsonl")):
+            if steps_trained(work, run_id):
                 return str(run_id)
         time.sleep(0.5)
     raise AssertionError(f"the run {name} never trained (exit {proc.poll()})")

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.flow_fixtures import steps_trained
+
 pytest_plugins = ["tests.flow_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,34 +89,9 @@ def _demo(tmp: Path, store: str, server: Server, steps: int, outage_s: float) ->
                             stderr=open(tmp / "err.txt", "wb"), start_new_session=True)  # noqa: SIM115
 
 
-def _steps_so_far(wd: Path) -> int:
-    """The last step trained, read live from rank 0's own step records in each VM's folder (the run's copies
-    under `wd` lag: the agents upload every 30 s, the flow flushes every 10 s, and a short run has trained
-    hundreds of steps before they show one)."""
-    files = list(wd.rglob("metrics*.jsonl"))
-    for rec in wd.glob("runs/*/local/vms/*.json"):
-        try:
-            slot = json.loads(rec.read_text()).get("slot")
-        except (OSError, ValueError):  # being rewritten, or gone with its VM
-            continue
-        files += Path(slot).glob("sailor/vm/metrics*.jsonl") if slot else []  # the agent's --run-dir
-    top = 0
-    for f in files:
-        try:
-            lines = f.read_text(errors="replace").splitlines()
-        except OSError:  # its VM's folder went with the teardown
-            continue
-        for line in lines:
-            try:
-                top = max(top, int(json.loads(line)["step"]))
-            except (ValueError, KeyError):
-                continue
-    return top
-
-
 def _wait_steps(demo: subprocess.Popen[bytes], wd: Path, n: int, timeout_s: float = 400) -> None:
     end = time.monotonic() + timeout_s
-    while _steps_so_far(wd) < n:
+    while steps_trained(wd) < n:
         assert demo.poll() is None, f"the demo ended (exit {demo.returncode}) before step {n}"
         assert time.monotonic() < end, f"the demo never reached step {n}"
         time.sleep(0.5)
@@ -182,10 +159,10 @@ def test_training_rides_out_a_server_that_comes_back(profiled_store, tmp_path):
     try:
         _wait_steps(demo, tmp_path / "wd", 30)
         server.kill()
-        before = _steps_so_far(tmp_path / "wd")
+        before = steps_trained(tmp_path / "wd")
         # the workers train on while the server is away (their own step records keep growing)
         end = time.monotonic() + 120
-        while _steps_so_far(tmp_path / "wd") < before + 20:
+        while steps_trained(tmp_path / "wd") < before + 20:
             assert time.monotonic() < end and demo.poll() is None, "training stopped with the server"
             time.sleep(0.5)
         server.start()
