@@ -4,6 +4,11 @@
 fails the test with "timed out after N s waiting for WHAT" at the deadline. `hold_for(seconds, what)` is
 for what a test scripts as a duration, not a wait for an event: an outage, a grace period, a client left
 idle past a timeout. tests/test_waits.py checks that every `time.sleep` in tests/ is inside such a loop.
+
+Wait on the event itself, not on a copy of it that lags: a run's progress is
+`tests.flow_fixtures.steps_trained` (rank 0's own step records in the VMs' folders, live), not the run's
+copies under its work folder (flushed every 10 s, uploaded every 30 s), and a run that started training is
+its history's `training_started` event.
 """
 
 from __future__ import annotations
