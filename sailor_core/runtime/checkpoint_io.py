@@ -7,7 +7,8 @@ Contract (the storage layer, the on-disk layout and what "valid" means: runtime/
   `save(step, snapshot, part_name)` first waits until no rank's previous write is still going,
   then snapshots this rank's layers (`snapshot()`: (layer states, meta.json or None) or None where
   this rank writes nothing: replica 0 of each stage writes its layers, the others hold copies) and
-  hands them to a background writer; `blocking`: written and agreed by every rank on return;
+  hands them to a background writer; `blocking`: written and agreed by every rank on return, and
+  this rank's retention pass done (after the agreement: no peer waits on it);
   `prune=False`: no retention pass on the way (a just-in-time checkpoint).
 - A background write is durable before the step after it commits: the trainer calls
   `before_commit(step)` before its optimizer update, which waits while a write is unconfirmed, so a write that fails
@@ -99,12 +100,19 @@ class CheckpointIO:
             taken = snapshot()
             if taken is not None:
                 states, meta = taken
-                self.checkpointer.save(step, states, part_name, meta, blocking=blocking, prune=prune)
+                self.checkpointer.save(step, states, part_name, meta, prune=prune)
+                if blocking:
+                    self.checkpointer.wait(retention=False)
             self._stall_s = time.perf_counter() - t0
             self.write_unconfirmed = not blocking
         if blocking:
-            self.checkpointer.wait(retention=prune)
+            # Every rank's files written, agreed at the barrier; then this rank's retention pass, after it: a
+            # slow pass (older checkpoints read back from object storage) held the peers in the barrier past
+            # their timeout, and a job that had trained every step failed at its last checkpoint.
+            self.checkpointer.wait(retention=False)
             self.waiter.barrier(self.device)
+            if prune:
+                self.checkpointer.wait()
 
     def before_commit(self, step: int) -> None:
         """Before the optimizer update that ends step `step + 1`: the last checkpoint's write is durable
