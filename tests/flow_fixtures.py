@@ -9,6 +9,7 @@ measured numbers.
 from __future__ import annotations
 
 import fcntl
+import json
 import shutil
 from pathlib import Path
 
@@ -77,8 +78,6 @@ def steps_trained(work: Path, run_id: str = "*") -> int:
     (after the VMs are gone).
     The copies alone lag: the agents upload every 30 s and the flow flushes every 10 s, and a short run has
     trained hundreds of steps before they show one."""
-    import json
-
     files = list(work.glob(f"runs/{run_id}/state/**/metrics*.jsonl"))
     for rec in work.glob(f"runs/{run_id}/local/vms/*.json"):
         try:
@@ -98,4 +97,3 @@ def steps_trained(work: Path, run_id: str = "*") -> int:
             except (ValueError, KeyError, TypeError):
                 continue
     return top
-
