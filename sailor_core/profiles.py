@@ -55,6 +55,7 @@ class ProfileBook:
     _intra: dict[tuple[str, int], IntraNodeLink] = field(init=False, repr=False, compare=False)
     _node_ar: dict[tuple[str, int], NodeAllReduce] = field(init=False, repr=False, compare=False)
     _link_ar: dict[tuple[str, str, str, str], LinkAllReduce] = field(init=False, repr=False, compare=False)
+    _linked: frozenset[tuple[str, str, str, str]] = field(init=False, repr=False, compare=False)
     _egress: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
     _prices: dict[tuple[str, str, Market], float] = field(init=False, repr=False, compare=False)
 
@@ -67,6 +68,8 @@ class ProfileBook:
         object.__setattr__(self, "_intra", {(x.gpu_type, x.num_gpus): x for x in self.intra_node})
         object.__setattr__(self, "_node_ar", {(x.gpu_type, x.workers): x for x in self.node_allreduce})
         object.__setattr__(self, "_link_ar", {(x.zone_a, x.gpu_a, x.zone_b, x.gpu_b): x for x in self.link_allreduce})
+        ends = {(k[0], k[1], k[3], k[4]) for k in links} | set(self._link_ar)
+        object.__setattr__(self, "_linked", frozenset(ends | {(zb, gb, za, ga) for za, ga, zb, gb in ends}))
         object.__setattr__(self, "_egress", {(e.sender_zone, e.receiver_zone): e.usd_per_gb for e in self.egress})
         prices = {(p.zone, p.gpu_type, p.market): p.usd_per_gpu_hour for p in self.prices}
         object.__setattr__(self, "_prices", prices)
@@ -121,6 +124,12 @@ class ProfileBook:
 
     def node_allreduce_fit(self, gpu_type: str, workers: int) -> NodeAllReduce | None:
         return self._node_ar.get((gpu_type, workers))
+
+    def linked(self, zone_a: str, gpu_a: str, zone_b: str, gpu_b: str) -> bool:
+        """Whether any network profile joins a GPU of `gpu_a` in `zone_a` and one of `gpu_b` in `zone_b`: a
+        link at some GPU count either way, or a measured all-reduce over it. Without one, every send and
+        ring step between them is unknown (`SimModel` raises `MissingProfileError`)."""
+        return (zone_a, gpu_a, zone_b, gpu_b) in self._linked
 
     def link_allreduce_fit(self, zone_a: str, gpu_a: str, zone_b: str, gpu_b: str) -> LinkAllReduce | None:
         return self._link_ar.get((zone_a, gpu_a, zone_b, gpu_b))

@@ -235,3 +235,53 @@ def test_pruning_the_dp_keeps_every_state_the_search_can_pick(seed: int, speed_f
 
     for d in live or range(1, max(caps) + 1):
         assert picks(pruned[1], d) == picks(whole, d)
+
+
+class _AllLinked:
+    """The costs with every link taken as profiled: what the estimate times when nothing is ruled out first."""
+
+    def __init__(self, costs: SimCosts) -> None:
+        self._costs = costs
+
+    def linked(self, *_: object) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._costs, name)
+
+
+def test_a_placement_needing_an_unprofiled_link_is_ruled_out_before_it_is_timed(tmp_path: Path) -> None:
+    """GH-96 in the seed store reaches the other types only inside us-central1-a: on four zones of A100-40,
+    V100-16 and GH-96, random placed sketches that need a link the store lacks (`needs_missing_link`) are
+    exactly those whose timed estimate is infinite, and `estimate` answers None for them without timing."""
+    from profiles_store.store import open_store
+    from sailor_core.planner.estimate import needs_missing_link
+    from sailor_core.planner.placement import place
+
+    book = open_store(str(tmp_path / "store")).profile_book("OPT-350")
+    zones = {z: {"gpus": {"A100-40": {"count": 32}, "V100-16": {"count": 64}, "GH-96": {"count": 16}}} for z in CENTRAL}
+    req = PlanRequest(model="OPT-350", global_batch_size=1024, pool=parse_pool({"zones": zones}, book))
+    slots = build_slots(req.pool)
+    pb = problem_of(req, book, slots)
+    costs = SimCosts(book)
+    timed = _AllLinked(costs)
+    kinds_all = [(s.index, tp) for s in slots for tp in pb.tp_values if tp <= s.gpus_per_node]
+    rng = random.Random(7)
+    missing = finite = 0
+    for _ in range(400):
+        p, mbs = rng.choice((1, 2, 3, 4)), rng.choice((1, 2, 4, 8))
+        kinds = [k for k in kinds_all if costs.profiled(slots[k[0]].gpu_type, mbs, k[1])]
+        sk = Sketch(mbs=mbs, kinds=tuple(rng.choice(kinds) for _ in range(p)),
+                    bounds=bounds_from_cuts(sorted(rng.sample(range(1, pb.num_layers), p - 1)), pb.num_layers),
+                    dp=rng.choice((1, 2, 4, 8, 16)), zone_rot=tuple(rng.randrange(len(s.zones)) for s in slots))
+        lay = place(slots, sk)
+        if lay is None:
+            continue
+        full = estimate(pb, timed, sk, lay)  # type: ignore[arg-type]
+        assert full is not None
+        ruled_out = needs_missing_link(slots, costs, sk, lay)
+        assert ruled_out == (not math.isfinite(full.iteration_s)), sk
+        assert (estimate(pb, costs, sk, lay) is None) == ruled_out
+        missing += ruled_out
+        finite += not ruled_out
+    assert missing > 20 and finite > 20, (missing, finite)

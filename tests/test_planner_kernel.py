@@ -64,6 +64,9 @@ class SyntheticCosts:
     def grad_bytes(self, tp: int, first: int, last: int) -> float:
         return sum(self.params[first : last + 1]) * 4 / tp
 
+    def linked(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> bool:
+        return True
+
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float:
         d = sum(n for _, n in layout)
         bw = 5e9 if len(layout) == 1 else 1e9

@@ -81,7 +81,6 @@ class SimCosts:
         self._sync: dict[tuple[object, ...], tuple[float, float, float]] = {}
         self._tied: dict[tuple[object, ...], tuple[float, float]] = {}
         self._replicas: dict[tuple[object, ...], Replica] = {}
-        self._linked: dict[tuple[object, ...], bool] = {}
 
     def profiled(self, gpu: str, mbs: int, tp: int) -> bool:
         return self.book.has_layers(gpu, mbs, tp)
@@ -165,21 +164,9 @@ class SimCosts:
 
     def linked(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> bool:
         """Whether the book has a network profile between a GPU of `a` in `zone_a` and one of `b` in
-        `zone_b` (either way, at some GPU count: `SimModel`'s lookup)."""
-        key = (a.gpu_type, a.gpus_per_node, zone_a, b.gpu_type, b.gpus_per_node, zone_b)
-        v = self._linked.get(key)
-        if v is None:
-            ra = Replica(gpu_type=a.gpu_type, zone=zone_a, tp=1, gpus_per_node=a.gpus_per_node,
-                         region=a.region_of(zone_a))
-            rb = Replica(gpu_type=b.gpu_type, zone=zone_b, tp=1, gpus_per_node=b.gpus_per_node,
-                         region=b.region_of(zone_b))
-            try:
-                self.sm.boundary_p2p_s(ra, rb, 1e6, same_node=False)
-                v = True
-            except MissingProfileError:
-                v = False
-            self._linked[key] = v
-        return v
+        `zone_b` (either way, at some GPU count, or a measured all-reduce: `ProfileBook.linked`). Without
+        one, every send and ring step between them is infinite, so a placement that needs it is not an option."""
+        return self.book.linked(zone_a, a.gpu_type, zone_b, b.gpu_type)
 
     def grad_bytes(self, tp: int, first: int, last: int) -> float:
         return float(self.sm.stage_params(tp, first, last) * self._grad_elem_bytes)

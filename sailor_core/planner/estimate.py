@@ -29,7 +29,7 @@ BYTES_PER_GB = 1e9
 def estimate(pb: Problem, costs: Costs, sk: Sketch, layouts: tuple[Layout, ...] | None = None) -> Estimate | None:
     """The sketch's estimate on these layouts (placed by `placement.place` when not given)."""
     layouts = layouts or place(pb.slots, sk)
-    if layouts is None:
+    if layouts is None or needs_missing_link(pb.slots, costs, sk, layouts):
         return None
     slots = pb.slots
     n = pb.global_batch_size // sk.mbs
@@ -49,6 +49,26 @@ def estimate(pb: Problem, costs: Costs, sk: Sketch, layouts: tuple[Layout, ...] 
         layouts=layouts,
         useful_fraction=useful_fraction(pb, sk, layouts, iteration),
     )
+
+
+def needs_missing_link(slots: Sequence[Slot], c: Costs, sk: Sketch, layouts: Sequence[Layout]) -> bool:
+    """Whether the placement sends between two zones with no network profile between its GPUs
+    (`Costs.linked`): a boundary's zone pair, or a hop between zones of a stage's gradient ring. Its
+    estimate would be infinite; this says so without timing anything (on pools whose links are partly
+    profiled, most sketches a search meets are such)."""
+    for s in range(sk.num_stages - 1):
+        a, b = slots[sk.kinds[s][0]], slots[sk.kinds[s + 1][0]]
+        for za, zb, _ in zone_pairs(layouts[s], layouts[s + 1]):
+            if not c.linked(a, za, b, zb):
+                return True
+    if sk.dp > 1:
+        for (si, _), lay in zip(sk.kinds, layouts, strict=True):
+            slot = slots[si]
+            zones = sorted({z for z, k in lay if k > 0}, key=lambda z: (slot.region_of(z), z))
+            if len(zones) > 1 and not all(c.linked(slot, z, slot, zones[(i + 1) % len(zones)])
+                                          for i, z in enumerate(zones)):
+                return True
+    return False
 
 
 def stage_times(c: Costs, slots: Sequence[Slot], sk: Sketch) -> list[StageCompute]:
