@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from sailor_core.planner.assign import stage_options, usage_dp
 from sailor_core.planner.bounds import DepthFloors, Floor, RingTails, SketchFloors, bounds_at, floor_of
 from sailor_core.planner.costs import Costs
-from sailor_core.planner.estimate import estimate
+from sailor_core.planner.estimate import estimate, needs_missing_link
 from sailor_core.planner.links import LinkFloors
 from sailor_core.planner.picks import end_states, fronts, reconstruct
 from sailor_core.planner.placement import fill_variants, place
@@ -62,6 +62,7 @@ from sailor_core.planner.shapes import (
     rebalanced,
     stage_table,
 )
+from sailor_core.planner.slots import Layout
 from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.planner.state import SearchState
 
@@ -126,6 +127,26 @@ class Search:
             self._links, self._rings = LinkFloors(problem, costs), RingTails(problem, costs)
             self._floors = SketchFloors(problem, costs, self.goal, self._links, self._rings)
         self.depths = DepthFloors(problem, costs, self.goal)  # bounds of whole stage counts
+        # Each placement once: zones depend on the kinds, D and the fill, not on the split or the microbatch
+        # size; None where it does not fit the zones or needs a link with no network profile.
+        self._placements: dict[tuple[object, ...], tuple[Layout, ...] | None] = {}
+
+    def known_unplaceable(self, sk: Sketch) -> bool:
+        """Whether `placed` already found that the sketch's placement fails."""
+        key = (sk.kinds, sk.dp, sk.zone_rot, sk.placement)
+        return key in self._placements and self._placements[key] is None
+
+    def placed(self, sk: Sketch) -> tuple[Layout, ...] | None:
+        """The sketch's layouts (`placement.place`), None where they do not fit its slots' zones or need a
+        link the book has no network profile for (`estimate.needs_missing_link`); memoised."""
+        key = (sk.kinds, sk.dp, sk.zone_rot, sk.placement)
+        if key in self._placements:
+            return self._placements[key]
+        lay = place(self.problem.slots, sk)
+        if lay is not None and needs_missing_link(self.problem.slots, self.costs, sk, lay):
+            lay = None
+        self._placements[key] = lay
+        return lay
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
@@ -262,13 +283,20 @@ class Search:
             todo += [(u, True) for u in dict.fromkeys(picks.with_sends + picks.by_types)]
             while todo and not self.out_of_time():
                 pick, with_sends = todo.pop(0)
-                kinds = reconstruct(dp.layers, pick)
-                if self._floors.score(mbs, bounds, kinds, picks.d, n, st.cutoff, sends=with_sends) >= st.cutoff:
+                sk = Sketch(mbs=mbs, bounds=bounds, kinds=reconstruct(dp.layers, pick), dp=picks.d)
+                # A placement already known to fail is not bounded again; any other pick is bounded before
+                # it is placed (bounding costs less than placing).
+                if self.known_unplaceable(sk):
+                    st.counters.unplaced += 1
+                elif self._floors.score(mbs, bounds, sk.kinds, picks.d, n, st.cutoff, sends=with_sends) >= st.cutoff:
                     st.counters.pruned += 1
                     continue
-                unplaced = st.counters.unplaced
-                self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=picks.d))
-                if st.counters.unplaced > unplaced and not with_sends:
+                else:
+                    unplaced = st.counters.unplaced
+                    self.consider(sk)
+                    if st.counters.unplaced == unplaced:
+                        continue
+                if not with_sends:
                     # Missing links rule out only the plans that need them: the next state by the keys
                     # makes way for a pick that cannot be placed or estimated (no profile between its zones).
                     nxt = next(ranked, None)
@@ -282,7 +310,7 @@ class Search:
             return None
         if pb.max_gpus is not None and sk.dp * sum(tp for _, tp in sk.kinds) > pb.max_gpus:
             return None
-        layouts = place(pb.slots, sk)
+        layouts = self.placed(sk)
         if layouts is None:
             st.counters.unplaced += 1
             return None
