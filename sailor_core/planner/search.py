@@ -92,6 +92,12 @@ def _same_slots(a: Problem, b: Problem) -> bool:
         and [z for z, _ in x.zones] == [z for z, _ in y.zones] for x, y in zip(a.slots, b.slots, strict=True))
 
 
+def _part_of(part: Problem, whole: Problem) -> bool:
+    """Whether `part`'s slots are `whole`'s with some emptied and the others as they are (GPUs per zone)."""
+    return _same_slots(part, whole) and all(
+        not x.capacity or x.zones == y.zones for x, y in zip(part.slots, whole.slots, strict=True))
+
+
 # "Near-best" for patience: a stage count whose best plan comes within 5 % of the best so far (algorithmic choice).
 PATIENCE_SLACK = 0.05
 
@@ -128,18 +134,30 @@ class Search:
             self._floors = SketchFloors(problem, costs, self.goal, self._links, self._rings)
         self.depths = DepthFloors(problem, costs, self.goal)  # bounds of whole stage counts
         # Each placement once: zones depend on the kinds, D and the fill, not on the split or the microbatch
-        # size; None where it does not fit the zones or needs a link with no network profile.
-        self._placements: dict[tuple[object, ...], tuple[Layout, ...] | None] = {}
+        # size; None where it does not fit the zones or needs a link with no network profile. A search over
+        # part of the pool (slots emptied, the others as they are) shares the memo: a sketch on the slots it
+        # keeps is placed the same in both, one on an emptied slot nowhere (`placed`).
+        self._empty = frozenset(s.index for s in problem.slots if not s.capacity)
+        self._placements: dict[tuple[object, ...], tuple[Layout, ...] | None] = (
+            shared._placements if shared is not None and _part_of(problem, shared.problem) else {})
+
+    def _placement_key(self, sk: Sketch) -> tuple[object, ...] | None:
+        """The memo's key of the sketch's placement; None when it uses an emptied slot (no placement)."""
+        if self._empty and any(si in self._empty for si, _ in sk.kinds):
+            return None
+        return (sk.kinds, sk.dp, sk.zone_rot, sk.placement)
 
     def known_unplaceable(self, sk: Sketch) -> bool:
-        """Whether `placed` already found that the sketch's placement fails."""
-        key = (sk.kinds, sk.dp, sk.zone_rot, sk.placement)
-        return key in self._placements and self._placements[key] is None
+        """Whether the sketch cannot be placed as far as is already known (`placed`)."""
+        key = self._placement_key(sk)
+        return key is None or (key in self._placements and self._placements[key] is None)
 
     def placed(self, sk: Sketch) -> tuple[Layout, ...] | None:
         """The sketch's layouts (`placement.place`), None where they do not fit its slots' zones or need a
         link the book has no network profile for (`estimate.needs_missing_link`); memoised."""
-        key = (sk.kinds, sk.dp, sk.zone_rot, sk.placement)
+        key = self._placement_key(sk)
+        if key is None:
+            return None
         if key in self._placements:
             return self._placements[key]
         lay = place(self.problem.slots, sk)
