@@ -168,11 +168,16 @@ class Search:
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
-        """Every microbatch size (largest first) and stage count (until patience runs out), then the polish
+        """Every microbatch size (least depth floor first) and stage count (until patience runs out), then the polish
         passes; what the deadline leaves unsearched is bounded in `unsearched`."""
         pb, st = self.problem, self.state
         max_p = min(pb.max_stages, pb.num_layers)
         sizes = [mbs for mbs in sorted(pb.mbs_values, reverse=True) if pb.global_batch_size % mbs == 0]
+        # Microbatch sizes by their least floor over the stage counts, ties largest first: a size that cannot
+        # come near (a large microbatch that needs ten stages on a big pool: small D, huge DPs) goes last.
+        floors = {m: min((self.depths.floor(m, p) for p in range(pb.min_stages, max_p + 1)), default=math.inf)
+                  for m in sizes}
+        sizes.sort(key=lambda m: (floors[m], -m))
         for i, mbs in enumerate(sizes):
             misses = 0
             for p in range(pb.min_stages, max_p + 1):
