@@ -6,7 +6,7 @@ in tests/test_planner_kernel.py). `Floor` holds the lower-bound terms of one (mi
 `floor_of` builds it from the stage table, the cheapest sends (`links.LinkFloors`), the TPs the GPU
 share of D pipelines allows and the pool's fluid bound (`fluid_s`: its GPU-seconds, by weak
 duality); `bound` reads it for a bottleneck time tau (`simulator.schedule.lower_bound_1f1b`'s terms,
-some stage at tau and the others at their cheapest, stage 0's gradient ring near the cutoff; cost:
+some stage at tau and the others at their cheapest, the ring of layer 0's gradient bucket; cost:
 that time x the cheapest GPUs). `SketchFloors.score` bounds one sketch: its own stage times, each
 boundary's sends at the floor of its two kinds (the least over the zones of their slots, so wherever
 the placement puts the stages) and stage 0's gradient ring on the fastest zone of its slot
@@ -38,8 +38,8 @@ class Floor:
     reached no earlier than the cheapest stages and sends before it (both ways), computes m
     microbatches of at least its cheapest time, waits at least (m - 1) `act[b]` and m `grad[b]` for its
     neighbours, or idles while microbatches go down the stages and sends after it and back; `opt` is
-    the least optimizer step that ends the iteration, `ring` what stage 0's gradient ring adds after
-    its last backward."""
+    the least optimizer step that ends the iteration, `ring` the least stage 0's gradient ring adds after
+    its last backward (its last bucket, which holds layer 0: `RingTails.last_bucket`)."""
 
     options: tuple[tuple[tuple[int, float], ...], ...]  # per stage: (TP, least seconds at it in any slot)
     fill: tuple[float, ...]  # per boundary: the cheapest forward + back
@@ -116,20 +116,13 @@ class Floor:
         return max(m * tau + some, every)
 
 
-# A split's bound counts stage 0's gradient ring only from this share of the cutoff up: a ring adds a few
-# percent, so far below the cutoff it prunes nothing and only costs its timing (algorithmic choice).
-RING_WORTH = 2.0
-
-
-def bound(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int], cutoff: float = math.inf) -> float:
+def bound(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int]) -> float:
     """A lower bound on the score of anything with compute bottleneck >= tau, at any D of d_list."""
-    return min(bounds_at(goal, tau, lb, n, d_list, cutoff), default=math.inf)
+    return min(bounds_at(goal, tau, lb, n, d_list), default=math.inf)
 
 
-def bounds_at(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int], cutoff: float = math.inf
-              ) -> list[float]:
-    """`bound` at each D of d_list on its own; stage 0's gradient ring counted only where the rest is below
-    `cutoff` (a bound at or above it prunes already) and within `RING_WORTH` of it."""
+def bounds_at(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int]) -> list[float]:
+    """`bound` at each D of d_list on its own."""
     out = []
     for d in d_list:
         m = -(-n // d)
@@ -138,13 +131,10 @@ def bounds_at(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int], 
         if not math.isfinite(slowest):
             out.append(math.inf)
             continue
-        # stage 0 ends the pipeline (1F1B), then its gradient ring's last buckets and the optimizer step
-        t = lb.opt + max(lb.least_at(m, slowest, d), lb.fluid)
-        floor = goal.floor(t, d, lb.rate, budget=False)
-        # the ring tightens only a bound close to the cutoff: not worth timing far below it
-        if RING_WORTH * cutoff <= floor < cutoff and lb.ring is not None and d > 1:
-            floor = goal.floor(t + lb.ring(d), d, lb.rate, budget=False)
-        out.append(floor)
+        # stage 0 ends the pipeline (1F1B), then the ring of its gradient's last bucket (the one that holds
+        # layer 0) and the optimizer step
+        t = lb.opt + max(lb.least_at(m, slowest, d), lb.fluid) + (lb.ring(d) if lb.ring is not None and d > 1 else 0.0)
+        out.append(goal.floor(t, d, lb.rate, budget=False))
     return out
 
 
@@ -171,11 +161,10 @@ def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bou
         for s in range(p)
     )
     caps = sum(sl.capacity for sl in slots)
-    kinds0 = tuple((g, tp) for g, row in enumerate(table[0]) for tp, _ in row)
     tails = rings or RingTails(pb, costs)
 
     def ring(d: int) -> float:
-        return tails.least(mbs, bounds[0], kinds0, d)
+        return tails.last_bucket(mbs, d)
 
     gpu_s = [[min((t * tp for tp, t in row), default=math.inf) for row in table[s]] for s in range(p)]
     fluid = fluid_s(gpu_s, [sl.capacity for sl in slots], pb.max_gpus, pb.global_batch_size // mbs)
@@ -347,6 +336,19 @@ class RingTails:
         self._pb = pb
         self._costs = costs
         self._memo: dict[tuple[object, ...], float] = {}
+
+    def last_bucket(self, mbs: int, d: int) -> float:
+        """The least ring of layer 0's gradient alone over D replicas in one zone, any slot and TP: stage 0's
+        last bucket holds layer 0 (buckets fill from the last layer back) and its ring starts after stage 0's
+        last backward, which ends the pipeline, so every plan of D > 1 pipelines pays at least this after it."""
+        key = ("last", mbs, d)
+        v = self._memo.get(key)
+        if v is None:
+            pb, c = self._pb, self._costs
+            v = min((c.dp_sync_terms(s, tp, ((z, d),), mbs, 0, 0)[1] for s in pb.slots for tp in pb.tp_values
+                     if tp <= s.gpus_per_node and c.profiled(s.gpu_type, mbs, tp) for z, _ in s.zones), default=0.0)
+            self._memo[key] = v
+        return v
 
     def least(self, mbs: int, bounds0: tuple[int, int], kinds0: Sequence[Kind], d: int, bwd0: float | None = None
               ) -> float:

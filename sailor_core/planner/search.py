@@ -239,7 +239,7 @@ class Search:
         """The least score anything of a split's thresholds not yet swept can have."""
         if sp.k >= len(sp.taus):
             return math.inf
-        sp.at = bounds_at(self.goal, sp.taus[sp.k], sp.floor, sp.n, sp.d_list, self.state.cutoff)
+        sp.at = bounds_at(self.goal, sp.taus[sp.k], sp.floor, sp.n, sp.d_list)
         return min(sp.at, default=math.inf)
 
     def _sweep(self, splits: Sequence[_Split]) -> None:
