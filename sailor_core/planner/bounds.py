@@ -33,7 +33,8 @@ from sailor_core.simulator.schedule import held_s, lower_bound_1f1b
 class Floor:
     """Lower-bound terms of one (mbs, partition), stage by stage, for `schedule.lower_bound_1f1b`.
 
-    D pipelines share the pool's `gpus`: each gets gpus // D, so a stage may take a TP no larger than
+    D pipelines share the pool's GPUs: each gets at most `share(D)` (of each slot, cap // D: D copies of
+    one usage fit the slot, within `gpus` in all), so a stage may take a TP no larger than
     its own least TP plus what the other stages' least TPs leave (`times`). With those, stage b is
     reached no earlier than the cheapest stages and sends before it (both ways), computes m
     microbatches of at least its cheapest time, waits at least (m - 1) `act[b]` and m `grad[b]` for its
@@ -48,11 +49,19 @@ class Floor:
     opt: float
     rate: float  # USD/hour of the cheapest GPUs per pipeline
     gpus: int  # what the pool offers all pipelines
+    caps: tuple[int, ...] = ()  # GPUs per slot (empty: only `gpus` is known)
     fluid: float = 0.0  # the least seconds the pool's GPUs take for every microbatch of every stage (`fluid_s`)
     pairs: tuple[PairSends, ...] = field(default=(), compare=False)  # per boundary: its sends floor per kind pair
     # the least time stage 0's gradient ring adds after its last backward, at D replicas (None: 0)
     ring: Callable[[int], float] | None = field(default=None, compare=False, repr=False)
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def share(self, d: int) -> int:
+        """The most GPUs one of D identical pipelines can use: of each slot cap // d (D copies of its usage
+        fit there), at most `gpus` // d in all."""
+        if not self.caps:
+            return self.gpus // d
+        return min(self.gpus // d, sum(c // d for c in self.caps))
 
     @property
     def best(self) -> tuple[float, ...]:
@@ -62,7 +71,7 @@ class Floor:
     def times(self, d: int) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None:
         """(each stage's least seconds within D pipelines' GPU share, the reach of each stage, the tail
         after it); None when the share is below the pipeline's least GPUs."""
-        extra = self.gpus // d - sum(opts[0][0] for opts in self.options)
+        extra = self.share(d) - sum(opts[0][0] for opts in self.options)
         if extra < 0:
             return None
         key = ("times", extra)
@@ -84,7 +93,7 @@ class Floor:
         need = self.memo.get("need")
         if need is None:
             need = self.memo["need"] = _need(self.options)
-        share = self.gpus // d
+        share = self.share(d)
         for tau, gpus in need:  # type: ignore[attr-defined]
             if gpus <= share:
                 return float(tau)
@@ -169,6 +178,7 @@ def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bou
     gpu_s = [[min((t * tp for tp, t in row), default=math.inf) for row in table[s]] for s in range(p)]
     fluid = fluid_s(gpu_s, [sl.capacity for sl in slots], pb.max_gpus, pb.global_batch_size // mbs)
     return Floor(options=tuple(options), fill=tuple(x.fill for x in sends), gpus=min(caps, pb.max_gpus or caps),
+                 caps=tuple(sl.capacity for sl in slots),
                  fluid=fluid,
                  ring=ring, act=tuple([0.0] + [x.forward for x in sends]),
                  grad=tuple([x.back for x in sends] + [0.0]), opt=opt_lb, rate=sum(min_rate),
@@ -346,7 +356,8 @@ class RingTails:
         if v is None:
             pb, c = self._pb, self._costs
             v = min((c.dp_sync_terms(s, tp, ((z, d),), mbs, 0, 0)[1] for s in pb.slots for tp in pb.tp_values
-                     if tp <= s.gpus_per_node and c.profiled(s.gpu_type, mbs, tp) for z, _ in s.zones), default=0.0)
+                     if tp <= s.gpus_per_node and c.profiled(s.gpu_type, mbs, tp) for z in c.ring_zones(s)),
+                    default=0.0)
             self._memo[key] = v
         return v
 
@@ -370,7 +381,7 @@ def ring_tail(pb: Problem, costs: Costs, mbs: int, bounds0: tuple[int, int], kin
     if bwd0 is None:
         bwd0 = costs.compute(slot.gpu_type, mbs, kind0[1], *bounds0).backward_s
     least = math.inf
-    for zone, _ in slot.zones:
+    for zone in costs.ring_zones(slot):
         ar, ar_last, first_bwd = costs.dp_sync_terms(slot, kind0[1], ((zone, d),), mbs, *bounds0)
         least = min(least, max(ar_last, ar - bwd0 + first_bwd))
     return least

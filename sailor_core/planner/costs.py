@@ -52,6 +52,8 @@ class Costs(Protocol):
 
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float: ...
 
+    def ring_zones(self, slot: Slot) -> tuple[str, ...]: ...
+
     def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
                       last: int, recompute: bool = False) -> tuple[float, float, float]: ...
 
@@ -81,6 +83,7 @@ class SimCosts:
         self._sync: dict[tuple[object, ...], tuple[float, float, float]] = {}
         self._tied: dict[tuple[object, ...], tuple[float, float]] = {}
         self._replicas: dict[tuple[object, ...], Replica] = {}
+        self._ring_zones: dict[tuple[object, ...], tuple[str, ...]] = {}
 
     def profiled(self, gpu: str, mbs: int, tp: int) -> bool:
         return self.book.has_layers(gpu, mbs, tp)
@@ -209,6 +212,24 @@ class SimCosts:
             except MissingProfileError:
                 v = math.inf
             self._ar[key] = v
+        return v
+
+    def ring_zones(self, slot: Slot) -> tuple[str, ...]:
+        """The slot's zones whose one-zone rings can differ: one per set of measured links a ring inside a
+        zone reads (between two of its nodes at each GPU count, and its measured all-reduce); a zone with
+        the same fits as an earlier one times every ring the same (the bounds time one zone per set)."""
+        key = (slot.gpu_type, slot.gpus_per_node, tuple(z for z, _ in slot.zones))
+        v = self._ring_zones.get(key)
+        if v is None:
+            book, g = self.book, slot.gpu_type
+            seen: dict[tuple[object, ...], str] = {}
+            for z, _ in slot.zones:
+                ar = book.link_allreduce_fit(z, g, z, g)
+                links = tuple(book.link(z, g, a, z, g, b) for a in range(1, slot.gpus_per_node + 1)
+                              for b in range(1, slot.gpus_per_node + 1))
+                sig = (ar.fit if ar is not None else None, tuple(lk.fit if lk is not None else None for lk in links))
+                seen.setdefault(sig, z)
+            v = self._ring_zones[key] = tuple(seen.values())
         return v
 
     def dp_sync_terms(self, slot: Slot, tp: int, layout: Layout, mbs: int, first: int,
