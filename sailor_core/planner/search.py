@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sailor_core.planner.assign import stage_options, usage_dp
+from sailor_core.planner.assign import State, stage_options, usage_dp
 from sailor_core.planner.bounds import DepthFloors, Floor, RingTails, SketchFloors, bounds_at, floor_of
 from sailor_core.planner.costs import Costs
 from sailor_core.planner.estimate import estimate, needs_missing_link
@@ -63,7 +63,7 @@ from sailor_core.planner.shapes import (
     stage_table,
 )
 from sailor_core.planner.slots import Layout
-from sailor_core.planner.space import Candidate, Problem, Sketch
+from sailor_core.planner.space import STAGE_MAJOR, Candidate, Problem, Sketch
 from sailor_core.planner.state import SearchState
 
 
@@ -147,10 +147,12 @@ class Search:
             return None
         return (sk.kinds, sk.dp, sk.zone_rot, sk.placement)
 
-    def known_unplaceable(self, sk: Sketch) -> bool:
-        """Whether the sketch cannot be placed as far as is already known (`placed`)."""
-        key = self._placement_key(sk)
-        return key is None or (key in self._placements and self._placements[key] is None)
+    def _known_unplaceable(self, kinds: tuple[tuple[int, int], ...], d: int) -> bool:
+        """Whether D pipelines of these kinds (default fill) cannot be placed, as far as is already known (`placed`)."""
+        if self._empty and any(si in self._empty for si, _ in kinds):
+            return True
+        key = (kinds, d, (), STAGE_MAJOR)
+        return key in self._placements and self._placements[key] is None
 
     def placed(self, sk: Sketch) -> tuple[Layout, ...] | None:
         """The sketch's layouts (`placement.place`), None where they do not fit its slots' zones or need a
@@ -293,6 +295,14 @@ class Search:
         if dp is None or self.out_of_time():
             return
         ends = end_states(dp.last, self._caps, self.problem.max_gpus, dp.fits)
+        memo: dict[State, tuple[tuple[int, int], ...]] = {}
+
+        def kinds_of(u: State) -> tuple[tuple[int, int], ...]:
+            k = memo.get(u)
+            if k is None:
+                k = memo[u] = reconstruct(dp.layers, u)
+            return k
+
         for picks in fronts(self.problem, self.goal, ends, tau, n, d_list, lb, lambda: st.cutoff):
             if self.out_of_time():
                 return
@@ -306,25 +316,28 @@ class Search:
             todo += [(u, True) for u in dict.fromkeys(picks.with_sends + picks.by_types)]
             while todo and not self.out_of_time():
                 pick, with_sends = todo.pop(0)
-                sk = Sketch(mbs=mbs, bounds=bounds, kinds=reconstruct(dp.layers, pick), dp=picks.d)
+                kinds = kinds_of(pick)
                 # A placement already known to fail is not bounded again; any other pick is bounded before
                 # it is placed (bounding costs less than placing).
-                if self.known_unplaceable(sk):
+                if self._known_unplaceable(kinds, picks.d):
                     st.counters.unplaced += 1
-                elif self._floors.score(mbs, bounds, sk.kinds, picks.d, n, st.cutoff, sends=with_sends) >= st.cutoff:
+                elif self._floors.score(mbs, bounds, kinds, picks.d, n, st.cutoff, sends=with_sends) >= st.cutoff:
                     st.counters.pruned += 1
                     continue
                 else:
                     unplaced = st.counters.unplaced
-                    self.consider(sk)
+                    self.consider(Sketch(mbs=mbs, bounds=bounds, kinds=kinds, dp=picks.d))
                     if st.counters.unplaced == unplaced:
                         continue
                 if not with_sends:
                     # Missing links rule out only the plans that need them: the next state by the keys
-                    # makes way for a pick that cannot be placed or estimated (no profile between its zones).
-                    nxt = next(ranked, None)
-                    if nxt is not None:
-                        todo.insert(0, (nxt, False))
+                    # makes way for a pick that cannot be placed or estimated (no profile between its zones);
+                    # those already known not to place make way at once.
+                    for nxt in ranked:
+                        if not self._known_unplaceable(kinds_of(nxt), picks.d):
+                            todo.insert(0, (nxt, False))
+                            break
+                        st.counters.unplaced += 1
 
     def consider(self, sk: Sketch) -> Candidate | None:
         """Place, estimate and score a sketch once, and record it; None when it is not a new, placeable plan."""
