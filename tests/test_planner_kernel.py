@@ -70,6 +70,9 @@ class SyntheticCosts:
     def ring_zones(self, slot: Slot) -> tuple[str, ...]:
         return tuple(z for z, _ in slot.zones)
 
+    def link_class(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> int:
+        return int(zone_a == zone_b)  # p2p_s reads only whether the zones are one
+
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float:
         d = sum(n for _, n in layout)
         bw = 5e9 if len(layout) == 1 else 1e9

@@ -50,6 +50,8 @@ class Costs(Protocol):
 
     def linked(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> bool: ...
 
+    def link_class(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> int: ...
+
     def allreduce_s(self, slot: Slot, tp: int, layout: Layout, grad_bytes: float) -> float: ...
 
     def ring_zones(self, slot: Slot) -> tuple[str, ...]: ...
@@ -84,6 +86,7 @@ class SimCosts:
         self._tied: dict[tuple[object, ...], tuple[float, float]] = {}
         self._replicas: dict[tuple[object, ...], Replica] = {}
         self._ring_zones: dict[tuple[object, ...], tuple[str, ...]] = {}
+        self._classes: dict[tuple[object, ...], int] = {}
 
     def profiled(self, gpu: str, mbs: int, tp: int) -> bool:
         return self.book.has_layers(gpu, mbs, tp)
@@ -164,6 +167,13 @@ class SimCosts:
                 v = (math.inf, math.inf)
             self._p2p[key] = v
         return v
+
+    def link_class(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> int:
+        """A number naming what sends between a GPU of `a` in `zone_a` and one of `b` in `zone_b` read of the
+        book's links (`SimModel.link_class`): pairs of zones with the same number time every send between
+        the same GPU kinds the same, so the link floors time one pair per class."""
+        sig = self.sm.link_class(zone_a, a.gpu_type, a.gpus_per_node, zone_b, b.gpu_type, b.gpus_per_node)
+        return self._classes.setdefault(sig, len(self._classes))
 
     def linked(self, a: Slot, zone_a: str, b: Slot, zone_b: str) -> bool:
         """Whether the book has a network profile between a GPU of `a` in `zone_a` and one of `b` in

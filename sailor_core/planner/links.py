@@ -108,20 +108,29 @@ class LinkFloors:
         return v
 
     def _cheapest(self, mbs: int, last: int) -> tuple[LinkSends, PairSends]:
-        c = self._costs
+        c, pb = self._costs, self._pb
         one = both = lo_f = lo_b = math.inf
         pairs: PairSends = {}
-        for (a, ta, za, msg), (b, tb, zb, _) in product(self._ends(mbs, last), repeat=2):
-            # the estimate times a send with the pipelines that share a node's link (`costs.nic_share`:
-            # up to a node's TP groups); a link's fit may give each flow more speed with more of them
-            f, bk = math.inf, math.inf
-            for share in range(1, max(a.gpus_per_node // ta, b.gpus_per_node // tb, 1) + 1):
-                sf, sb = fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg, share))
-                f, bk = min(f, sf), min(bk, sb)
-            one, both = min(one, max(f, bk)), min(both, f + bk)
-            lo_f, lo_b = min(lo_f, f), min(lo_b, bk)
-            key = ((a.index, ta), (b.index, tb))
-            least_f, least_b = pairs.get(key, (math.inf, math.inf))
-            pairs[key] = (min(least_f, f), min(least_b, bk))
+        tps = {a.index: [t for t in pb.tp_values if t <= a.gpus_per_node and c.profiled(a.gpu_type, mbs, t)]
+               for a in pb.slots}
+        for a, b in product(pb.slots, repeat=2):
+            # one pair of zones per class: the others time every send the same (`Costs.link_class`)
+            reps: dict[int, tuple[str, str]] = {}
+            for (za, _), (zb, _) in product(a.zones, b.zones):
+                reps.setdefault(c.link_class(a, za, b, zb), (za, zb))
+            for ta, tb in product(tps[a.index], tps[b.index]):
+                msg = c.boundary_bytes(ta, last, mbs)
+                least_f = least_b = math.inf
+                for za, zb in reps.values():
+                    # the estimate times a send with the pipelines that share a node's link (`costs.nic_share`:
+                    # up to a node's TP groups); a link's fit may give each flow more speed with more of them
+                    f, bk = math.inf, math.inf
+                    for share in range(1, max(a.gpus_per_node // ta, b.gpus_per_node // tb, 1) + 1):
+                        sf, sb = fwd_bwd(c.p2p_s(a, ta, za, b, tb, zb, msg, share))
+                        f, bk = min(f, sf), min(bk, sb)
+                    one, both = min(one, max(f, bk)), min(both, f + bk)
+                    lo_f, lo_b = min(lo_f, f), min(lo_b, bk)
+                    least_f, least_b = min(least_f, f), min(least_b, bk)
+                pairs[((a.index, ta), (b.index, tb))] = (least_f, least_b)
         sends = LinkSends(*(x if math.isfinite(x) else 0.0 for x in (one, both, lo_f, lo_b)))
         return sends, pairs

@@ -24,7 +24,7 @@ from sailor_core.planner.space import PIPELINE_MAJOR, STAGE_MAJOR, Sketch
 
 def place(slots: Sequence[Slot], sk: Sketch) -> tuple[Layout, ...] | None:
     """Place each stage's D replicas in its slot's zones (see `Sketch.placement`), pipeline order."""
-    free = {i: [n for _, n in s.zones] for i, s in enumerate(slots)}
+    free = {i: [n for _, n in slots[i].zones] for i in {g for g, _ in sk.kinds}}  # the slots the sketch uses
     lays: list[list[tuple[str, int]]] = [[] for _ in sk.kinds]
     need = sk.dp
     if sk.placement == PIPELINE_MAJOR:

@@ -133,6 +133,7 @@ class SimModel:
         self._prefix: dict[tuple[str, int, int], _Prefix] = {}
         self._sizes: dict[int, _SizePrefix] = {}
         self._fit_cache: dict[tuple[object, ...], tuple[BandwidthFit, int, bool]] = {}
+        self._class_memo: dict[tuple[object, ...], tuple[object, ...]] = {}
         self._full_params: dict[int, int] = {}
         # Memo tables: a planner's search asks the same stage questions over and over.
         self._compute_memo: dict[tuple[str, int, int, int, int, bool], StageCompute] = {}
@@ -383,6 +384,28 @@ class SimModel:
             fix=f"sailor profile network --from {a.zone}:{a.gpu_type} --to {b.zone}:{b.gpu_type}",
             kind="link", model=book.model.name, link=(a.zone, a.gpu_type, a_count, b.zone, b.gpu_type, b_count),
         )
+
+    def link_class(self, zone_a: str, gpu_a: str, per_node_a: int, zone_b: str, gpu_b: str, per_node_b: int
+                   ) -> tuple[object, ...]:
+        """What a send between a GPU of `gpu_a` in `zone_a` and one of `gpu_b` in `zone_b` reads of the
+        book's links, either way: the fit `_inter_fit` finds (and the count it was measured with) for every
+        number of concurrent flows a node can hold, None where it finds none. Two pairs of zones of one
+        class time every boundary message the same (the planner's link floors time one pair per class)."""
+        key = (zone_a, gpu_a, per_node_a, zone_b, gpu_b, per_node_b)
+        hit = self._class_memo.get(key)
+        if hit is None:
+            a = Replica(gpu_type=gpu_a, zone=zone_a, tp=1, gpus_per_node=per_node_a)
+            b = Replica(gpu_type=gpu_b, zone=zone_b, tp=1, gpus_per_node=per_node_b)
+            out: list[object] = []
+            for f in range(1, max(per_node_a, per_node_b, 1) + 1):
+                for x, cx, y, cy in ((a, min(f, per_node_a), b, min(f, per_node_b)),
+                                     (b, min(f, per_node_b), a, min(f, per_node_a))):
+                    try:
+                        out.append(self._inter_fit(x, max(1, cx), y, max(1, cy)))
+                    except MissingProfileError:
+                        out.append(None)
+            hit = self._class_memo[key] = tuple(out)
+        return hit
 
     def _intra_fit(self, gpu: str, num_gpus: int, gpus_per_node: int) -> tuple[BandwidthFit, int]:
         key = ("intra", gpu, num_gpus)
