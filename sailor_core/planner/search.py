@@ -241,8 +241,14 @@ class Search:
         """The least score anything of a split's thresholds not yet swept can have."""
         if sp.k >= len(sp.taus):
             return math.inf
-        sp.at = bounds_at(self.goal, sp.taus[sp.k], sp.floor, sp.n, sp.d_list)
-        return min(sp.at, default=math.inf)
+        at = bounds_at(self.goal, sp.taus[sp.k], sp.floor, sp.n, sp.d_list)
+        # A D whose bound is at the cutoff stays there: the bound grows with the threshold, the cutoff never does.
+        cut = self.state.cutoff
+        keep = [i for i, b in enumerate(at) if b < cut]
+        if len(keep) < len(at):
+            sp.d_list, at = [sp.d_list[i] for i in keep], [at[i] for i in keep]
+        sp.at = at
+        return min(at, default=math.inf)
 
     def _sweep(self, splits: Sequence[_Split]) -> None:
         """Sweep the splits' thresholds best first (least lower bound; a split's thresholds in ascending
