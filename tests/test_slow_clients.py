@@ -9,6 +9,7 @@ Traffic stays on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -60,7 +61,9 @@ def test_a_client_that_trickles_its_request_is_cut_off_before_it_ends():
             t = threading.Thread(target=trickle, daemon=True)
             t.start()
             assert _closed_within(s, 10.0) < 5.0
-            s.shutdown(socket.SHUT_RDWR)
+            # the server may have reset the connection (bytes of the request unread), leaving nothing to shut down
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
             t.join(timeout=15)
     finally:
         server.close()
