@@ -309,8 +309,16 @@ def sailor(deps: Deps | None = None, **parameters: object) -> RunSummary:
     (flows/params.py declares them once); `deps` replaces the side effects built from them (tests)."""
     params = validate_params({k: v for k, v in parameters.items() if v is not None})  # before anything is rented
     run_id = run_id_for(params.run_name, str(runtime_flow_run.id or ""))
+    built = deps is None
     deps = deps or default_deps(params, run_id)
-    check_model(deps.store, params.model)  # before the run is recorded, let alone queued behind another
+    try:
+        check_model(deps.store, params.model)  # before the run is recorded, let alone queued behind another
+    except InvalidParameters:
+        if built:  # nothing is rented yet, but the local provider made the run's testbed to learn its address
+            deps.provider.cleanup(run_id)
+            for close in deps.closers:
+                close()
+        raise
     return run_job(params, deps, run_id)
 
 

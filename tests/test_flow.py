@@ -318,6 +318,12 @@ def test_an_unknown_model_is_refused_at_once_with_a_fix_the_flow_takes(profiled_
     from tasks.history import RunHistory
 
     assert not [r for r in RunHistory(open_store(profiled_store)).list_runs() if r.get("name") == "typo"]
+    from infra.testbed import default_home
+
+    # nor a testbed: the local provider makes one to learn the run's address before the model is checked
+    left = [f for f in default_home().glob("*/testbed.json")
+            if json.loads(f.read_text()).get("run_id", "").startswith("typo-")]
+    assert not left, left
 
 
 def test_a_failure_after_provisioning_still_tears_down(profiled_store, tmp_path):
