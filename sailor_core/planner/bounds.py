@@ -335,11 +335,11 @@ class SketchFloors:
 
     def _ring_floor(self, mbs: int, bounds0: tuple[int, int], kind0: Kind, d: int, bwd0: float) -> float:
         """The least time stage 0's gradient ring adds after its last backward (`ring_tail`)."""
-        return self._rings.least(mbs, bounds0, (kind0,), d, bwd0)
+        return self._rings.tail(mbs, bounds0, kind0, d, bwd0)
 
 
 class RingTails:
-    """`ring_tail` memoised per (microbatch size, stage 0's layers, its kinds, D): splits of every stage
+    """`ring_tail` memoised per (microbatch size, stage 0's layers, its kind, D): splits of every stage
     count share their first stage's layers, and each sketch of a split its kinds."""
 
     def __init__(self, pb: Problem, costs: Costs) -> None:
@@ -361,13 +361,12 @@ class RingTails:
             self._memo[key] = v
         return v
 
-    def least(self, mbs: int, bounds0: tuple[int, int], kinds0: Sequence[Kind], d: int, bwd0: float | None = None
-              ) -> float:
-        """The least `ring_tail` over `kinds0` at D replicas."""
-        key = (mbs, bounds0, tuple(kinds0), d, bwd0)
+    def tail(self, mbs: int, bounds0: tuple[int, int], kind0: Kind, d: int, bwd0: float | None = None) -> float:
+        """`ring_tail` of `kind0` at D replicas, memoised."""
+        key = (mbs, bounds0, kind0, d, bwd0)
         v = self._memo.get(key)
         if v is None:
-            v = self._memo[key] = min(ring_tail(self._pb, self._costs, mbs, bounds0, k, d, bwd0) for k in kinds0)
+            v = self._memo[key] = ring_tail(self._pb, self._costs, mbs, bounds0, kind0, d, bwd0)
         return v
 
 

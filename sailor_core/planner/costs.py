@@ -225,20 +225,17 @@ class SimCosts:
         return v
 
     def ring_zones(self, slot: Slot) -> tuple[str, ...]:
-        """The slot's zones whose one-zone rings can differ: one per set of measured links a ring inside a
-        zone reads (between two of its nodes at each GPU count, and its measured all-reduce); a zone with
-        the same fits as an earlier one times every ring the same (the bounds time one zone per set)."""
+        """The slot's zones whose one-zone rings can differ: one per class of what a ring inside a zone reads
+        (the link between two of its nodes, `SimModel.link_class`, and its measured all-reduce); a zone of the
+        same class as an earlier one times every ring the same (the bounds time one zone per class)."""
         key = (slot.gpu_type, slot.gpus_per_node, tuple(z for z, _ in slot.zones))
         v = self._ring_zones.get(key)
         if v is None:
-            book, g = self.book, slot.gpu_type
+            g, n = slot.gpu_type, slot.gpus_per_node
             seen: dict[tuple[object, ...], str] = {}
             for z, _ in slot.zones:
-                ar = book.link_allreduce_fit(z, g, z, g)
-                links = tuple(book.link(z, g, a, z, g, b) for a in range(1, slot.gpus_per_node + 1)
-                              for b in range(1, slot.gpus_per_node + 1))
-                sig = (ar.fit if ar is not None else None, tuple(lk.fit if lk is not None else None for lk in links))
-                seen.setdefault(sig, z)
+                ar = self.book.link_allreduce_fit(z, g, z, g)
+                seen.setdefault((ar.fit if ar is not None else None, self.sm.link_class(z, g, n, z, g, n)), z)
             v = self._ring_zones[key] = tuple(seen.values())
         return v
 

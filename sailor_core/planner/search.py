@@ -141,23 +141,22 @@ class Search:
         self._placements: dict[tuple[object, ...], tuple[Layout, ...] | None] = (
             shared._placements if shared is not None and _part_of(problem, shared.problem) else {})
 
-    def _placement_key(self, sk: Sketch) -> tuple[object, ...] | None:
-        """The memo's key of the sketch's placement; None when it uses an emptied slot (no placement)."""
-        if self._empty and any(si in self._empty for si, _ in sk.kinds):
+    def _placement_key(self, kinds: tuple[tuple[int, int], ...], d: int, zone_rot: tuple[int, ...] = (),
+                       placement: int = STAGE_MAJOR) -> tuple[object, ...] | None:
+        """The memo's key of a placement; None when it uses an emptied slot (no placement)."""
+        if self._empty and any(si in self._empty for si, _ in kinds):
             return None
-        return (sk.kinds, sk.dp, sk.zone_rot, sk.placement)
+        return (kinds, d, zone_rot, placement)
 
     def _known_unplaceable(self, kinds: tuple[tuple[int, int], ...], d: int) -> bool:
         """Whether D pipelines of these kinds (default fill) cannot be placed, as far as is already known (`placed`)."""
-        if self._empty and any(si in self._empty for si, _ in kinds):
-            return True
-        key = (kinds, d, (), STAGE_MAJOR)
-        return key in self._placements and self._placements[key] is None
+        key = self._placement_key(kinds, d)
+        return key is None or (key in self._placements and self._placements[key] is None)
 
     def placed(self, sk: Sketch) -> tuple[Layout, ...] | None:
         """The sketch's layouts (`placement.place`), None where they do not fit its slots' zones or need a
         link the book has no network profile for (`estimate.needs_missing_link`); memoised."""
-        key = self._placement_key(sk)
+        key = self._placement_key(sk.kinds, sk.dp, sk.zone_rot, sk.placement)
         if key is None:
             return None
         if key in self._placements:
