@@ -347,6 +347,7 @@ class Weighing:
     factors: dict[str, float]  # the layer-time calibration the decision was made with
     times: StartupTimes
     notes: tuple[str, ...] = ()  # requests that had no feasible plan, and why
+    prices: tuple[dict[str, object], ...] = ()  # the offerings' prices it read (a replay's pool at this replan)
 
 
 def weigh(ctx: RunContext, job: Job, *, events: Sequence[ProviderEvent], calibration: Calibration | None,
@@ -373,8 +374,10 @@ def weigh(ctx: RunContext, job: Job, *, events: Sequence[ProviderEvent], calibra
     times = ctx.startup_times(job, book.model) if lost else StartupTimes(reconfiguration_s=ctx.reconfiguration_s())
     options, planned, notes = _options(a, job.plan, held, book, plan)
     verdict = choose(a, options, objective=p.objective, times=times, min_gain=p.min_gain)
+    prices = tuple({"zone": o.zone, "gpu_type": o.gpu_type, "market": o.market.value,
+                    "usd_per_gpu_hour": o.usd_per_gpu_hour} for o in offers)
     return Weighing(assessment=a, verdict=verdict, options=tuple(options), planned=planned, current_est=current_est,
-                    lost=lost, factors=dict(factors), times=times, notes=tuple(notes))
+                    lost=lost, factors=dict(factors), times=times, notes=tuple(notes), prices=prices)
 
 
 def plan_cost(est: SimulationResult) -> PlanCost:
@@ -462,7 +465,8 @@ def _apply(ctx: RunContext, job: Job, w: Weighing, *, events: Sequence[ProviderE
                     "vm_start_s": times.vm_start_s, "load_bytes_per_s": times.load_bytes_per_s},
         "replacements": [{"kind": o.kind, "plan": _describe(o.plan, w.planned[id(o)].est),
                           "new_vms": o.replacement.new_vms, "startup_s": took, "finish": total}
-                         for o, (_, took, total) in zip(w.options, verdict.weighed, strict=True)]}
+                         for o, (_, took, total) in zip(w.options, verdict.weighed, strict=True)],
+        "prices": list(w.prices)}
     if verdict.decision is not None:
         detail["decision"] = verdict.decision.to_json()
     if opt is not None and chosen is not None:

@@ -379,6 +379,35 @@ def test_a_runs_events_become_step_points_that_take_the_jobs_vms():
         ("stay", "after iteration_time at step 130: the best plan is the current plan")]  # nothing of its lost
 
 
+def test_a_replan_is_priced_as_the_flow_read_the_offerings_not_by_when_a_change_was_stamped():
+    """The provider stamps a price change when it happens; the flow reports it at its next poll. A change
+    stamped just before a replan whose offerings read missed it is not in that replan's pool (the flow
+    planned with the old price), and is in the next one's."""
+    from sailor_core.domain import Capacity, ResourcePool
+    from sailor_core.replay.history import run_trace
+
+    start = ResourcePool(entries=(
+        Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=4, market=SPOT, gpus_per_vm=2, usd_per_gpu_hour=1.0),
+        Capacity(zone="r1-a", region="r1", gpu_type="fast", gpus=4, market=OD, gpus_per_vm=2, usd_per_gpu_hour=3.0)))
+
+    def prices(spot: float) -> list[dict[str, object]]:
+        return [{"zone": "r1-a", "gpu_type": "fast", "market": "spot", "usd_per_gpu_hour": spot},
+                {"zone": "r1-a", "gpu_type": "fast", "market": "on-demand", "usd_per_gpu_hour": 3.0}]
+
+    run = {"run_id": "r-2", "params": {"provider": "local"}, "events": [
+        {"kind": "preemption", "zone": "r1-a", "gpu_type": "fast", "market": "spot",
+         "time": "2026-01-01T00:00:01+00:00"},
+        {"kind": "price_change", "zone": "r1-a", "gpu_type": "fast", "market": "spot", "new_usd_per_gpu_hour": 40.0,
+         "time": "2026-01-01T00:00:02+00:00"},
+        {"kind": "replan", "step": 8, "prices": prices(1.0), "time": "2026-01-01T00:00:03+00:00"},
+        {"kind": "replan", "step": 8, "prices": prices(40.0), "time": "2026-01-01T00:00:04+00:00"}]}
+    tr = run_trace(run, start)
+    assert [p.usd_per_gpu_hour for p in tr.points] == [(1.0, 3.0), (1.0, 3.0), (40.0, 3.0)]
+    run["events"] = [e for e in run["events"] if e["kind"] != "replan"] + [
+        {"kind": "replan", "step": 8, "time": "2026-01-01T00:00:03+00:00"}]  # a run recorded without prices
+    assert [p.usd_per_gpu_hour for p in run_trace(run, start).points] == [(1.0, 3.0), (40.0, 3.0)]
+
+
 def test_a_plan_under_notice_trains_through_its_window_then_the_new_one_starts():
     places = [("r1-a", "fast", OD), ("r1-b", "fast", OD)]
     tr = Trace(name="t", places=tuple(Place(zone=z, gpu_type=g, market=m, gpus_per_node=2) for z, g, m in places),

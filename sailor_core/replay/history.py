@@ -112,6 +112,11 @@ def run_trace(run: Mapping[str, Any], initial: ResourcePool, calibration: Mappin
         elif kind == "reconfigured" and ev.get("reconfiguration_s") is not None and not ev.get("new_vms"):
             in_place.append(float(ev["reconfiguration_s"]))  # a switch in place (the flow's rule)
         elif kind == "replan":
+            # The prices the replan read: a change stamped before it that its read missed, or the reverse,
+            # is priced at this point as the flow priced it.
+            for row in ev.get("prices") or ():
+                if (pk := _key(row)) in price and row.get("usd_per_gpu_hour") is not None:
+                    price[pk] = float(row["usd_per_gpu_hour"])
             points.append(point(int(ev.get("step", 0)), tuple(str(t) for t in ev.get("trigger") or ())))
     return Trace(name=f"run {run.get('run_id', '')}", places=places, points=tuple(points))
 
