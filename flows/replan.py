@@ -374,8 +374,9 @@ def weigh(ctx: RunContext, job: Job, *, events: Sequence[ProviderEvent], calibra
     times = ctx.startup_times(job, book.model) if lost else StartupTimes(reconfiguration_s=ctx.reconfiguration_s())
     options, planned, notes = _options(a, job.plan, held, book, plan)
     verdict = choose(a, options, objective=p.objective, times=times, min_gain=p.min_gain)
-    prices = tuple({"zone": o.zone, "gpu_type": o.gpu_type, "market": o.market.value,
-                    "usd_per_gpu_hour": o.usd_per_gpu_hour} for o in offers)
+    prices: tuple[dict[str, object], ...] = tuple(
+        {"zone": o.zone, "gpu_type": o.gpu_type, "market": o.market.value, "usd_per_gpu_hour": o.usd_per_gpu_hour}
+        for o in offers)
     return Weighing(assessment=a, verdict=verdict, options=tuple(options), planned=planned, current_est=current_est,
                     lost=lost, factors=dict(factors), times=times, notes=tuple(notes), prices=prices)
 
