@@ -237,6 +237,39 @@ def test_pruning_the_dp_keeps_every_state_the_search_can_pick(seed: int, speed_f
         assert picks(pruned[1], d) == picks(whole, d)
 
 
+def test_the_with_sends_track_keeps_the_best_of_each_copies_count_past_its_size(monkeypatch) -> None:
+    """Past SENDS_TRACK_STATES a stage of the with-sends track keeps, for each number of copies its
+    usages fit, the SENDS_TRACK_WIDTH states least by time with sends (then the other key)."""
+    import sailor_core.planner.assign as assign
+    from sailor_core.planner.assign import _sends_track, _thinned, copies
+
+    rng = random.Random(7)
+    caps = (8, 8, 6)
+    states = {((a, b, c), cls): (rng.uniform(1, 5), rng.uniform(1, 5), None, None, rng.uniform(0, 2))
+              for a in range(9) for b in range(9) for c in range(7) for cls in range(2)}
+    for speed_first in (True, False):
+        kept = _thinned(states, caps, speed_first)
+        groups: dict[int, list] = {}
+        for key, (p1, p2, _, _, w) in states.items():
+            rank = (p1 + w, p2) if speed_first else (p2 + w, p1)
+            groups.setdefault(copies(key[0], caps, None), []).append((rank, key))
+        expected = {k for g in groups.values() for _, k in sorted(g)[:assign.SENDS_TRACK_WIDTH]}
+        assert set(kept) == expected and all(kept[k] == states[k] for k in kept)
+        assert any(len(g) > assign.SENDS_TRACK_WIDTH for g in groups.values())  # something was thinned
+
+    kinds = [(g, tp) for g in range(3) for tp in (1, 2)]
+    options = [[(g, tp, rng.uniform(0.5, 2.0), tp * rng.uniform(1, 3)) for g, tp in kinds] for _ in range(5)]
+    sends = [{(a, b): (rng.uniform(0, 0.6), rng.uniform(0, 0.6)) for a in kinds for b in kinds} for _ in range(4)]
+    whole = _sends_track(options, caps, sends, True, None)
+    monkeypatch.setattr(assign, "SENDS_TRACK_STATES", 20)
+    monkeypatch.setattr(assign, "SENDS_TRACK_WIDTH", 2)
+    thin = _sends_track(options, caps, sends, True, None)
+    assert len(thin) == len(whole) and max(len(layer) for layer in whole) > 20
+    for layer in thin:
+        per = [copies(key[0], caps, None) for key in layer]
+        assert len(layer) <= 20 or max(per.count(d) for d in set(per)) <= 2
+
+
 class _AllLinked:
     """The costs with every link taken as profiled: what the estimate times when nothing is ruled out first."""
 

@@ -34,6 +34,12 @@ BY_KEYS = -1
 # (a world of tests/test_planner_optimality.py: 2.3 % short with the best alone). Only those their
 # sketch bound with sends lets through are estimated.
 WITH_SENDS = 4
+# The with-sends track keeps a stage's states whole up to SENDS_TRACK_STATES, and past it the
+# SENDS_TRACK_WIDTH best by time with sends of each number of copies their usage fits (`_thinned`): it only
+# feeds `with_sends`'s WITH_SENDS picks per D, and on 3 zones x 3 types x 168 GPUs it held 10-33k states a
+# stage at 10-14 stages, 20 s of a 29 s search (over 120 s without a budget).
+SENDS_TRACK_STATES = 2048
+SENDS_TRACK_WIDTH = 128
 # A DP state's value, read by the DP and `picks` only (the inner loop builds millions: a plain tuple):
 # (primary, secondary, the state it came from, the (slot, tp) step taken, the send floor of its path:
 # each boundary's least sends between the kinds taken, forward + back)
@@ -270,9 +276,22 @@ def _sends_track(options: list[list[Option]], caps: Sequence[int], sends: Sequen
                 nxt[v] = (q1, q2, key, kind, qw)
         if not nxt:
             break
+        if len(nxt) > SENDS_TRACK_STATES:
+            nxt = _thinned(nxt, caps, speed_first)
         layers.append(nxt)
         states = nxt
     return layers
+
+
+def _thinned(states: dict[State, Value], caps: Sequence[int], speed_first: bool) -> dict[State, Value]:
+    """The `SENDS_TRACK_WIDTH` best states of each number of copies their usage fits (an upper bound on
+    the D of every path through them), by time with sends then the other key, as `_sends_track` ranks."""
+    by_copies: dict[int, list[tuple[float, float, State]]] = {}
+    for key, (p1, p2, _, _, w) in states.items():
+        rank = (p1 + w, p2) if speed_first else (p2 + w, p1)
+        by_copies.setdefault(copies(key[0], caps, None), []).append((*rank, key))
+    keep = {k for group in by_copies.values() for _, _, k in sorted(group)[:SENDS_TRACK_WIDTH]}
+    return {k: v for k, v in states.items() if k in keep}
 
 
 def _finish_floor(options: list[list[Option]], sends: Sequence[PairSends], col: int) -> list[float]:
