@@ -328,14 +328,9 @@ class SketchFloors:
             # Stage 0's gradient ring starts no earlier than its last backward (the buckets overlap
             # that backward at most) and the optimizer step follows: both bound the iteration from
             # below. Its ring on one zone is the fastest it can be (a cross-zone ring is slower).
-            score = self._goal.floor(t + self._ring_floor(mbs, bounds[0], kinds[0], d, f.bwd0), d, f.usd_per_hour,
-                                     budget=True)
+            ring = self._rings.tail(mbs, bounds[0], kinds[0], d, f.bwd0)  # after stage 0's last backward
+            score = self._goal.floor(t + ring, d, f.usd_per_hour, budget=True)
         return score
-
-
-    def _ring_floor(self, mbs: int, bounds0: tuple[int, int], kind0: Kind, d: int, bwd0: float) -> float:
-        """The least time stage 0's gradient ring adds after its last backward (`ring_tail`)."""
-        return self._rings.tail(mbs, bounds0, kind0, d, bwd0)
 
 
 class RingTails:

@@ -19,7 +19,7 @@ from sailor_core.planner.costs import Costs, nic_share, zone_pairs
 from sailor_core.planner.placement import place
 from sailor_core.planner.risk import useful_fraction_of
 from sailor_core.planner.slots import Layout, Slot
-from sailor_core.planner.space import Estimate, Problem, Sketch
+from sailor_core.planner.space import STAGE_MAJOR, Estimate, Problem, Sketch
 from sailor_core.simulator import StageCompute, dp_sync_end_s, pipeline_time_s
 
 SECONDS_PER_HOUR = 3600.0
@@ -199,3 +199,40 @@ def useful_fraction(pb: Problem, sk: Sketch, layouts: Sequence[Layout], iteratio
 def fwd_bwd(v: float | tuple[float, float]) -> tuple[float, float]:
     """A boundary's (forward, back) send seconds from `Costs.p2p_s` (one number: both ways)."""
     return (v, v) if isinstance(v, (int, float)) else v
+
+
+class Placements:
+    """Each placement once (`of`): zones depend on the kinds, D and the fill, not on the split or the
+    microbatch size; None where it does not fit the zones or needs a link with no network profile
+    (`needs_missing_link`). A search over part of the pool (slots emptied, the others as they are) shares
+    the memo of the whole (`shared`): a sketch on the slots it keeps is placed the same in both, one on an
+    emptied slot nowhere."""
+
+    def __init__(self, problem: Problem, costs: Costs, *, shared: Placements | None = None) -> None:
+        self.problem, self.costs = problem, costs
+        self.empty = frozenset(s.index for s in problem.slots if not s.capacity)
+        self.memo: dict[tuple[object, ...], tuple[Layout, ...] | None] = shared.memo if shared is not None else {}
+
+    def key(self, kinds: tuple[tuple[int, int], ...], d: int, zone_rot: tuple[int, ...] = (),
+            placement: int = STAGE_MAJOR) -> tuple[object, ...] | None:
+        """The memo's key of a placement; None when it uses an emptied slot (no placement)."""
+        if self.empty and any(si in self.empty for si, _ in kinds):
+            return None
+        return (kinds, d, zone_rot, placement)
+
+    def known_unplaceable(self, kinds: tuple[tuple[int, int], ...], d: int) -> bool:
+        """Whether D pipelines of these kinds (default fill) cannot be placed, as far as is already known."""
+        key = self.key(kinds, d)
+        return key is None or (key in self.memo and self.memo[key] is None)
+
+    def of(self, sk: Sketch) -> tuple[Layout, ...] | None:
+        """The sketch's layouts (`placement.place`), None where they do not fit its slots' zones or need a
+        link the book has no network profile for; memoised."""
+        key = self.key(sk.kinds, sk.dp, sk.zone_rot, sk.placement)
+        if key is None:
+            return None
+        if key not in self.memo:
+            lay = place(self.problem.slots, sk)
+            self.memo[key] = None if lay is not None and needs_missing_link(self.problem.slots, self.costs, sk,
+                                                                            lay) else lay
+        return self.memo[key]

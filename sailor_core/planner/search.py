@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from sailor_core.planner.assign import State, stage_options, usage_dp
 from sailor_core.planner.bounds import DepthFloors, Floor, RingTails, SketchFloors, bounds_at, floor_of
 from sailor_core.planner.costs import Costs
-from sailor_core.planner.estimate import estimate, needs_missing_link
+from sailor_core.planner.estimate import Placements, estimate
 from sailor_core.planner.links import LinkFloors
 from sailor_core.planner.picks import end_states, fronts, reconstruct
-from sailor_core.planner.placement import fill_variants, place
+from sailor_core.planner.placement import fill_variants
 from sailor_core.planner.scoring import SECONDS_PER_HOUR, Goal
 from sailor_core.planner.shapes import (
     Bounds,
@@ -62,8 +62,7 @@ from sailor_core.planner.shapes import (
     rebalanced,
     stage_table,
 )
-from sailor_core.planner.slots import Layout
-from sailor_core.planner.space import STAGE_MAJOR, Candidate, Problem, Sketch
+from sailor_core.planner.space import Candidate, Problem, Sketch
 from sailor_core.planner.state import SearchState
 
 
@@ -133,39 +132,8 @@ class Search:
             self._links, self._rings = LinkFloors(problem, costs), RingTails(problem, costs)
             self._floors = SketchFloors(problem, costs, self.goal, self._links, self._rings)
         self.depths = DepthFloors(problem, costs, self.goal)  # bounds of whole stage counts
-        # Each placement once: zones depend on the kinds, D and the fill, not on the split or the microbatch
-        # size; None where it does not fit the zones or needs a link with no network profile. A search over
-        # part of the pool (slots emptied, the others as they are) shares the memo: a sketch on the slots it
-        # keeps is placed the same in both, one on an emptied slot nowhere (`placed`).
-        self._empty = frozenset(s.index for s in problem.slots if not s.capacity)
-        self._placements: dict[tuple[object, ...], tuple[Layout, ...] | None] = (
-            shared._placements if shared is not None and _part_of(problem, shared.problem) else {})
-
-    def _placement_key(self, kinds: tuple[tuple[int, int], ...], d: int, zone_rot: tuple[int, ...] = (),
-                       placement: int = STAGE_MAJOR) -> tuple[object, ...] | None:
-        """The memo's key of a placement; None when it uses an emptied slot (no placement)."""
-        if self._empty and any(si in self._empty for si, _ in kinds):
-            return None
-        return (kinds, d, zone_rot, placement)
-
-    def _known_unplaceable(self, kinds: tuple[tuple[int, int], ...], d: int) -> bool:
-        """Whether D pipelines of these kinds (default fill) cannot be placed, as far as is already known (`placed`)."""
-        key = self._placement_key(kinds, d)
-        return key is None or (key in self._placements and self._placements[key] is None)
-
-    def placed(self, sk: Sketch) -> tuple[Layout, ...] | None:
-        """The sketch's layouts (`placement.place`), None where they do not fit its slots' zones or need a
-        link the book has no network profile for (`estimate.needs_missing_link`); memoised."""
-        key = self._placement_key(sk.kinds, sk.dp, sk.zone_rot, sk.placement)
-        if key is None:
-            return None
-        if key in self._placements:
-            return self._placements[key]
-        lay = place(self.problem.slots, sk)
-        if lay is not None and needs_missing_link(self.problem.slots, self.costs, sk, lay):
-            lay = None
-        self._placements[key] = lay
-        return lay
+        whole = shared.placements if shared is not None and _part_of(problem, shared.problem) else None
+        self.placements: Placements = Placements(problem, costs, shared=whole)
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> list[Candidate]:
@@ -324,7 +292,7 @@ class Search:
                 kinds = kinds_of(pick)
                 # A placement already known to fail is not bounded again; any other pick is bounded before
                 # it is placed (bounding costs less than placing).
-                if self._known_unplaceable(kinds, picks.d):
+                if self.placements.known_unplaceable(kinds, picks.d):
                     st.counters.unplaced += 1
                 elif self._floors.score(mbs, bounds, kinds, picks.d, n, st.cutoff, sends=with_sends) >= st.cutoff:
                     st.counters.pruned += 1
@@ -339,7 +307,7 @@ class Search:
                     # makes way for a pick that cannot be placed or estimated (no profile between its zones);
                     # those already known not to place make way at once.
                     for nxt in ranked:
-                        if not self._known_unplaceable(kinds_of(nxt), picks.d):
+                        if not self.placements.known_unplaceable(kinds_of(nxt), picks.d):
                             todo.insert(0, (nxt, False))
                             break
                         st.counters.unplaced += 1
@@ -351,7 +319,7 @@ class Search:
             return None
         if pb.max_gpus is not None and sk.dp * sum(tp for _, tp in sk.kinds) > pb.max_gpus:
             return None
-        layouts = self.placed(sk)
+        layouts = self.placements.of(sk)
         if layouts is None:
             st.counters.unplaced += 1
             return None
