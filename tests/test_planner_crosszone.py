@@ -149,18 +149,27 @@ def test_under_a_cost_objective_the_price_key_counts_the_egress_of_the_sends() -
     assert cheapest(tolls=tolls, toll_rate=3600 / 2.0) == ((1, 1), (1, 1))
 
 
+@pytest.mark.parametrize("objective", ["max-throughput", "min-cost"])
 @pytest.mark.parametrize("seed", range(8))
-def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int) -> None:
-    """`SketchFloors.score` with the kinds' send floors, and the split's `bound` at the sketch's own
-    bottleneck, on random sketches of a multi-region world (every split, kinds, D, zone rotation and
-    fill): never above the estimate's score."""
-    book, req = multi_region_world(seed)
+def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int, objective: str) -> None:
+    """`SketchFloors.score` with the kinds' send floors, the split's `bound` at the sketch's own
+    bottleneck and the stage count's `DepthFloors.floor`, on random sketches of a multi-region world
+    (every split, kinds, D, zone rotation and fill; under min-cost with a second, slower GPU type at its
+    own price: the floors' least USD of the work): never above the estimate's score."""
+    import dataclasses
+
+    from sailor_core.planner import Objective
+    from sailor_core.planner.bounds import DepthFloors
+
+    book, req = multi_region_world(seed, slow_share=0.0 if objective == "max-throughput" else 0.5)
+    req = dataclasses.replace(req, objective=Objective.parse(objective))
     slots = build_slots(req.pool)
     pb = problem_of(req, book, slots)
     costs = SimCosts(book)
     goal = Goal.of_problem(pb)
     links = LinkFloors(pb, costs)
     floors = SketchFloors(pb, costs, goal, links)
+    depths = DepthFloors(pb, costs, goal)
     kinds_all = [(s.index, tp) for s in slots for tp in pb.tp_values if tp <= s.gpus_per_node]
     rng = random.Random(seed)
     checked = 0
@@ -179,6 +188,7 @@ def test_the_sketch_bound_with_sends_is_never_above_the_estimate(seed: int) -> N
         lb = floors.score(mbs, bounds, kinds, sk.dp, n, math.inf)
         assert lb <= goal.of(e) * (1 + 1e-9), f"seed {seed}: {sk} bound {lb:.6g} > {goal.of(e):.6g}"
         assert floors.score(mbs, bounds, kinds, sk.dp, n, math.inf, sends=False) <= lb * (1 + 1e-12)
+        assert depths.floor(mbs, p) <= goal.of(e) * (1 + 1e-9), f"seed {seed}: {sk} depth floor above its estimate"
         # the split's bound at the sketch's own bottleneck (the sweep stops on it), where its kinds fit
         table = stage_table(pb, costs, mbs, bounds)
         times = [dict(table[i][si]).get(tp) for i, (si, tp) in enumerate(kinds)] if table else [None]
@@ -235,6 +245,41 @@ def test_pruning_the_dp_keeps_every_state_the_search_can_pick(seed: int, speed_f
 
     for d in live or range(1, max(caps) + 1):
         assert picks(pruned[1], d) == picks(whole, d)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_price_ceiling_drops_exactly_the_end_states_above_it(seed: int) -> None:
+    """Cost objectives: with `dearest(D)` the first track ends in the same states and values as run whole,
+    less those whose price key is above the ceiling at the most live copies their usage fits (a path's
+    prefix plus the least its later stages add never passes the ceiling its best completion keeps)."""
+    from sailor_core.planner.assign import _keys_track, copies
+
+    rng = random.Random(seed)
+    caps = tuple(rng.randint(2, 8) for _ in range(rng.randint(2, 3)))
+    kinds = [(g, tp) for g in range(len(caps)) for tp in (1, 2)]
+    options = [[(g, tp, tp * rng.uniform(1, 3), rng.uniform(0.5, 2.0)) for g, tp in
+                rng.sample(kinds, rng.randint(2, len(kinds)))] for _ in range(rng.randint(2, 5))]
+    live = sorted(rng.sample(range(1, max(caps) + 1), rng.randint(1, max(caps))))
+    whole = _keys_track(options, caps, [], min(live))
+    if whole is None:
+        return
+    ends = whole[1]
+    prices = sorted(v[0] for v in ends.values())
+    top = prices[len(prices) // 2]
+
+    def dearest(d: int) -> float:  # odd seeds: a ceiling that grows with D
+        return top * (1 + 0.1 * d * (seed % 2))
+
+    def ceiling_at(u: tuple[int, ...]) -> float:
+        fits = [d for d in live if d <= copies(u, caps, None)]
+        return dearest(fits[-1]) if fits else -math.inf
+
+    dp = usage_dp(options, caps, speed_first=False, live=live, dearest=dearest)
+    kept = {k: v for k, v in ends.items() if v[0] <= ceiling_at(k[0])}
+    assert (dp is None) == (not kept)
+    if dp is not None:
+        assert {k: v[:2] for k, v in dp.last.items()} == {k: v[:2] for k, v in kept.items()}
+        assert seed % 2 or len(kept) < len(ends) or all(v[0] <= top for v in ends.values())
 
 
 def test_the_with_sends_track_keeps_the_best_of_each_copies_count_past_its_size(monkeypatch) -> None:

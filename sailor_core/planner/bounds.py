@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from sailor_core.planner.costs import Costs
 from sailor_core.planner.links import Kind, LinkFloors, PairSends
-from sailor_core.planner.scoring import Goal
+from sailor_core.planner.scoring import SECONDS_PER_HOUR, Goal
 from sailor_core.planner.shapes import Bounds, StageTable, d_values
 from sailor_core.planner.space import Problem
 from sailor_core.simulator.schedule import held_s, lower_bound_1f1b
@@ -51,6 +51,7 @@ class Floor:
     gpus: int  # what the pool offers all pipelines
     caps: tuple[int, ...] = ()  # GPUs per slot (empty: only `gpus` is known)
     fluid: float = 0.0  # the least seconds the pool's GPUs take for every microbatch of every stage (`fluid_s`)
+    work_usd: float = 0.0  # the least USD every microbatch's compute costs: each stage at its least GPU-s x price
     pairs: tuple[PairSends, ...] = field(default=(), compare=False)  # per boundary: its sends floor per kind pair
     # the least time stage 0's gradient ring adds after its last backward, at D replicas (None: 0)
     ring: Callable[[int], float] | None = field(default=None, compare=False, repr=False)
@@ -143,7 +144,7 @@ def bounds_at(goal: Goal, tau: float, lb: Floor, n: int, d_list: Sequence[int]) 
         # stage 0 ends the pipeline (1F1B), then the ring of its gradient's last bucket (the one that holds
         # layer 0) and the optimizer step
         t = lb.opt + max(lb.least_at(m, slowest, d), lb.fluid) + (lb.ring(d) if lb.ring is not None and d > 1 else 0.0)
-        out.append(goal.floor(t, d, lb.rate, budget=False))
+        out.append(goal.floor(t, d, lb.rate, budget=False, work_usd=lb.work_usd))
     return out
 
 
@@ -176,12 +177,16 @@ def floor_of(pb: Problem, costs: Costs, links: LinkFloors, mbs: int, bounds: Bou
         return tails.last_bucket(mbs, d)
 
     gpu_s = [[min((t * tp for tp, t in row), default=math.inf) for row in table[s]] for s in range(p)]
-    fluid = fluid_s(gpu_s, [sl.capacity for sl in slots], pb.max_gpus, pb.global_batch_size // mbs)
+    n = pb.global_batch_size // mbs
+    fluid = fluid_s(gpu_s, [sl.capacity for sl in slots], pb.max_gpus, n)
+    # whatever the plan, each microbatch runs every stage on some kind, which its GPUs pay for meanwhile
+    work = n * sum(min((x * slots[g].usd_per_gpu_hour for g, x in enumerate(row)), default=math.inf)
+                   for row in gpu_s) / SECONDS_PER_HOUR
     return Floor(options=tuple(options), fill=tuple(x.fill for x in sends), gpus=min(caps, pb.max_gpus or caps),
                  caps=tuple(sl.capacity for sl in slots),
                  fluid=fluid,
                  ring=ring, act=tuple([0.0] + [x.forward for x in sends]),
-                 grad=tuple([x.back for x in sends] + [0.0]), opt=opt_lb, rate=sum(min_rate),
+                 grad=tuple([x.back for x in sends] + [0.0]), opt=opt_lb, rate=sum(min_rate), work_usd=work,
                  pairs=tuple(links.pairs(mbs, bounds[b][1]) for b in range(p - 1)))
 
 
@@ -234,34 +239,36 @@ class DepthFloors:
         self._pb = pb
         self._costs = costs
         self._goal = goal
-        self._layers: dict[int, tuple[float, float, float, float]] = {}
+        self._layers: dict[int, tuple[float, float, float, float, float]] = {}
         caps = sum(s.capacity for s in pb.slots)
         self._gpus = min(caps, pb.max_gpus or caps)
 
-    def _per_mbs(self, mbs: int) -> tuple[float, float, float, float]:
+    def _per_mbs(self, mbs: int) -> tuple[float, float, float, float, float]:
         """(the layers' fastest seconds, their least GPU-seconds, the cheapest USD per GPU-hour, the pool's
-        fluid bound `fluid_s` over layers) at mbs."""
+        fluid bound `fluid_s` over layers, the least USD per microbatch: each layer at its least GPU-seconds
+        x price) at mbs."""
         v = self._layers.get(mbs)
         if v is None:
             pb, c = self._pb, self._costs
             kinds = [(s, tp) for s in pb.slots if s.capacity for tp in pb.tp_values
                      if tp <= s.gpus_per_node and c.profiled(s.gpu_type, mbs, tp)]
-            fast = gsec = 0.0
+            fast = gsec = usd = 0.0
             per_slot = []
             for layer in range(pb.num_layers):
                 times = [(c.compute(s.gpu_type, mbs, tp, layer, layer).total_s, tp, s.index) for s, tp in kinds]
                 fast += min((t for t, _, _ in times), default=math.inf)
                 gsec += min((t * tp for t, tp, _ in times), default=math.inf)
+                usd += min((t * tp * pb.slots[g].usd_per_gpu_hour for t, tp, g in times), default=math.inf)
                 per_slot.append([min((t * tp for t, tp, g in times if g == s.index), default=math.inf)
                                  for s in pb.slots])
             price = min((s.usd_per_gpu_hour for s, _ in kinds), default=math.inf)
             fluid = fluid_s(per_slot, [s.capacity for s in pb.slots], pb.max_gpus, pb.global_batch_size // mbs)
-            v = self._layers[mbs] = (fast, gsec, price, fluid)
+            v = self._layers[mbs] = (fast, gsec, price, fluid, usd / SECONDS_PER_HOUR)
         return v
 
     def floor(self, mbs: int, p: int) -> float:
         """A score floor of every plan of p stages at microbatch size mbs."""
-        fast, gsec, price, fluid = self._per_mbs(mbs)
+        fast, gsec, price, fluid, usd = self._per_mbs(mbs)
         n = self._pb.global_batch_size // mbs
         if not math.isfinite(fast) or self._gpus < p:
             return math.inf
@@ -269,7 +276,7 @@ class DepthFloors:
         for d in d_values(n, self._gpus // p):
             slowest = max(fast / p, gsec / (self._gpus // d))
             t = max((-(-n // d) - 1) * slowest + fast, fluid)
-            best = min(best, self._goal.floor(t, d, p * price, budget=False))
+            best = min(best, self._goal.floor(t, d, p * price, budget=False, work_usd=n * usd))
         return best
 
 

@@ -94,21 +94,28 @@ class Goal:
         return "; ".join(self.constraints.violations(usd_per_iteration=e.usd_per_iteration,
                                                      usd_per_hour=e.usd_per_hour, iterations_per_s=e.iterations_per_s))
 
+    def usd_within(self, cutoff: float) -> float:
+        """Cost objectives: the USD per iteration below which a plan's score may be under `cutoff` (a score
+        is at least its USD per iteration, or per million tokens: max-goodput divides by at most 1)."""
+        if self.objective is Objective.MIN_COST_PER_TOKEN:
+            return cutoff * self.tokens_per_iteration / 1e6
+        return cutoff
+
     def cutoff(self, incumbent: float) -> float:
         """Scores at or above this cannot be chosen: worse than the incumbent by more than the tolerance."""
         return incumbent * (1 + self.tolerance)
 
-    def floor(self, t: float, d: int, usd_per_pipeline_hour: float, *, budget: bool) -> float:
+    def floor(self, t: float, d: int, usd_per_pipeline_hour: float, *, budget: bool, work_usd: float = 0.0) -> float:
         """The score floor of an iteration of at least t seconds on D pipelines that cost at least this
-        per hour each (max-goodput: its cost, the useful fraction being at most 1); infinite when it
-        is too slow for the minimum speed (2% slack: t is a bound, the estimate's time is not) or,
-        with `budget`, dearer than the per-iteration budget (2% slack too)."""
+        per hour each, and at least `work_usd` in all (max-goodput: its cost, the useful fraction being
+        at most 1); infinite when it is too slow for the minimum speed (2% slack: t is a bound, the
+        estimate's time is not) or, with `budget`, dearer than the per-iteration budget (2% slack too)."""
         cons = self.constraints
         if cons.min_iterations_per_s is not None and 1.0 / t < cons.min_iterations_per_s * 0.98:
             return math.inf
         if self.objective is Objective.MAX_THROUGHPUT:
             return t
-        usd = t * d * usd_per_pipeline_hour / SECONDS_PER_HOUR
+        usd = max(t * d * usd_per_pipeline_hour / SECONDS_PER_HOUR, work_usd)
         if budget and cons.max_usd_per_iteration is not None and usd > cons.max_usd_per_iteration * 1.02:
             return math.inf
         return score(self.objective, iteration_s=t, usd_per_iteration=usd,
