@@ -249,10 +249,10 @@ def test_pruning_the_dp_keeps_every_state_the_search_can_pick(seed: int, speed_f
 
 @pytest.mark.parametrize("seed", range(20))
 def test_a_price_ceiling_drops_exactly_the_end_states_above_it(seed: int) -> None:
-    """Cost objectives: with `dearest(D)` the first track ends in the same states and values as run whole,
-    less those whose price key is above the ceiling at the most live copies their usage fits (a path's
-    prefix plus the least its later stages add never passes the ceiling its best completion keeps)."""
-    from sailor_core.planner.assign import _keys_track, copies
+    """Cost objectives: with `price_ceiling` the first track ends in the same states and values as run
+    whole, less those whose price key is above the ceiling (a path's prefix plus the least its later
+    stages add never passes the ceiling its best completion keeps)."""
+    from sailor_core.planner.assign import _keys_track
 
     rng = random.Random(seed)
     caps = tuple(rng.randint(2, 8) for _ in range(rng.randint(2, 3)))
@@ -266,20 +266,11 @@ def test_a_price_ceiling_drops_exactly_the_end_states_above_it(seed: int) -> Non
     ends = whole[1]
     prices = sorted(v[0] for v in ends.values())
     top = prices[len(prices) // 2]
-
-    def dearest(d: int) -> float:  # odd seeds: a ceiling that grows with D
-        return top * (1 + 0.1 * d * (seed % 2))
-
-    def ceiling_at(u: tuple[int, ...]) -> float:
-        fits = [d for d in live if d <= copies(u, caps, None)]
-        return dearest(fits[-1]) if fits else -math.inf
-
-    dp = usage_dp(options, caps, speed_first=False, live=live, dearest=dearest)
-    kept = {k: v for k, v in ends.items() if v[0] <= ceiling_at(k[0])}
+    dp = usage_dp(options, caps, speed_first=False, live=live, price_ceiling=top)
+    kept = {k: v for k, v in ends.items() if v[0] <= top}
     assert (dp is None) == (not kept)
     if dp is not None:
         assert {k: v[:2] for k, v in dp.last.items()} == {k: v[:2] for k, v in kept.items()}
-        assert seed % 2 or len(kept) < len(ends) or all(v[0] <= top for v in ends.values())
 
 
 def test_the_with_sends_track_keeps_the_best_of_each_copies_count_past_its_size(monkeypatch) -> None:

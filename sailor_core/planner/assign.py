@@ -98,7 +98,7 @@ def stage_options(pb: Problem, table: StageTable, tau: float, speed_first: bool)
 def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends] = (),
              speed_first: bool = True, max_gpus: int | None = None, live: Sequence[int] | None = None,
              tolls: Sequence[PairTolls] = (), toll_rate: float = 0.0, stop: Callable[[], bool] | None = None,
-             dearest: Callable[[int], float] | None = None) -> DP | None:
+             price_ceiling: float = math.inf) -> DP | None:
     """(every stage's layer of the DP, its last layer): per state, the best value, the state and step
     that reached it and its path's send floor (`sends[b]`: boundary b's least sends between two
     kinds, `links.LinkFloors.pairs`); None if none fits.
@@ -123,14 +123,14 @@ def usage_dp(options: list[list[Option]], caps: Sequence[int], sends: Sequence[P
     microbatch; without it the price key prefers them and the in-zone path is never estimated.
     `stop`: read every `STOP_EVERY` states; when it answers True (the caller's deadline) the DP gives up
     and answers None (a pool of many zones and types reaches millions of states at a high tau).
-    `dearest(D)` (cost objectives): the most a pipeline's price key may reach at D copies and still beat
-    the caller's cutoff; the first track drops a path whose price key, with the least the later stages
-    add, passes it at the most copies (in `live`) its usage fits."""
+    `price_ceiling` (cost objectives): the most a pipeline's price key may reach and still beat the
+    caller's cutoff; the first track drops a path whose price key, with the least the later stages add
+    (`_finish_floor`), is above it."""
     least = min(live) if live else 1
     toll = _Tolls(tolls, toll_rate)
     fits: dict[Usage, int] = {}
     try:
-        keyed = _keys_track(options, caps, sends, least, toll, max_gpus, fits, stop, _ceiling(dearest, live, options))
+        keyed = _keys_track(options, caps, sends, least, toll, max_gpus, fits, stop, price_ceiling)
         if keyed is None or not sends:
             return None if keyed is None else DP(*keyed, fits)
         limits = _send_limits(keyed[1], caps, max_gpus, live, speed_first, fits)
@@ -160,18 +160,17 @@ def _moves(link: PairSends | None, last: tuple[int, int] | None, opts: list[Opti
 def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequence[PairSends], least: int = 1,
                 toll: _Tolls | None = None, max_gpus: int | None = None, fits: dict[Usage, int] | None = None,
                 stop: Callable[[], bool] | None = None,
-                ceiling: tuple[Callable[[int], float], list[float]] | None = None
-                ) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
+                ceiling: float = math.inf) -> tuple[list[dict[State, Value]], dict[State, Value]] | None:
     """The `BY_KEYS` track of `usage_dp`: per usage the least (primary, secondary, send floor); paths
     to a usage that fits fewer than `least` copies are dropped. `fits` gathers each usage's copies
     (`copies`), kept as paths grow: a slot's count only grows, so a usage fits
     min(what its parent fits, the grown slot's capacity // its count, max_gpus // its GPUs).
-    `ceiling` = (the most the primary key may reach at a usage fitting D copies, the least each stage's
-    followers add to it): a path past it is dropped (`_ceiling`)."""
+    A path whose primary key, with the least the later stages add, is above `ceiling` is dropped."""
     zero = (0,) * len(caps)
     layers: list[dict[State, Value]] = []
     states: dict[State, Value] = {(zero, BY_KEYS): (0.0, 0.0, None, None, 0.0)}
     fits = {} if fits is None else fits
+    rest = _finish_floor(options, (), 2) if ceiling < math.inf else [0.0] * len(options)
     eps = 1e-12
     looked = 0
     n_max = max(caps, default=0) + 1  # more copies than any usage fits: the empty usage's
@@ -205,7 +204,7 @@ def _keys_track(options: list[list[Option]], caps: Sequence[int], sends: Sequenc
                 if d < least:
                     continue
                 q1 = p1 + x1
-                if ceiling is not None and q1 + ceiling[1][s] > ceiling[0](d):
+                if q1 + rest[s] > ceiling:
                     continue
                 v = (used, BY_KEYS)
                 old = nxt.get(v)
@@ -300,25 +299,6 @@ def _thinned(states: dict[State, Value], caps: Sequence[int], speed_first: bool)
         by_copies.setdefault(copies(key[0], caps, None), []).append((*rank, key))
     keep = {k for group in by_copies.values() for _, _, k in sorted(group)[:SENDS_TRACK_WIDTH]}
     return {k: v for k, v in states.items() if k in keep}
-
-
-def _ceiling(dearest: Callable[[int], float] | None, live: Sequence[int] | None, options: list[list[Option]]
-             ) -> tuple[Callable[[int], float], list[float]] | None:
-    """`_keys_track`'s ceiling: `dearest` at the most copies in `live` that a usage fitting d copies may run
-    (memoised per d; minus infinity when none), and each stage's least price to come (`_finish_floor`)."""
-    if dearest is None:
-        return None
-    ds = sorted(live) if live else None
-    memo: dict[int, float] = {}
-
-    def at(d: int) -> float:
-        v = memo.get(d)
-        if v is None:
-            j = bisect.bisect_right(ds, d) if ds is not None else 1
-            v = memo[d] = -math.inf if j == 0 else dearest(ds[j - 1] if ds is not None else d)
-        return v
-
-    return at, _finish_floor(options, (), 2)
 
 
 def _finish_floor(options: list[list[Option]], sends: Sequence[PairSends], col: int) -> list[float]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sailor_core.planner.assign import State, stage_options, usage_dp
@@ -265,7 +265,7 @@ class Search:
         tolls = () if self.goal.speed_first else [self._links.tolls(mbs, last) for _, last in bounds[:-1]]
         dp = usage_dp(options, self._caps, lb.pairs, self.goal.speed_first, self.problem.max_gpus, d_list,
                       tolls, SECONDS_PER_HOUR / tau if tau > 0 else 0.0, stop=self.out_of_time,
-                      dearest=None if self.goal.speed_first else self._dearest(tau, n))
+                      price_ceiling=math.inf if self.goal.speed_first else self._price_ceiling(tau, n))
         if dp is None or self.out_of_time():
             return
         ends = end_states(dp.last, self._caps, self.problem.max_gpus, dp.fits)
@@ -313,16 +313,12 @@ class Search:
                             break
                         st.counters.unplaced += 1
 
-    def _dearest(self, tau: float, n: int) -> Callable[[int], float]:
-        """Cost objectives: the most USD per hour a pipeline (egress included) may cost at D copies and beat
-        the cutoff with a bottleneck of tau: D pipelines run at least n - D microbatches' tau between them."""
-        usd = self.goal.usd_within(self.state.cutoff)
-
-        def dearest(d: int) -> float:
-            busy = (n - d) * tau
-            return usd * SECONDS_PER_HOUR / busy if busy > 0 else math.inf
-
-        return dearest
+    def _price_ceiling(self, tau: float, n: int) -> float:
+        """Cost objectives: the most USD per hour one pipeline (egress included) may cost and beat the cutoff
+        with a bottleneck of tau: each of D pipelines pays for the whole iteration, at least ceil(n / D) x tau
+        (its bottleneck stage computes every microbatch of the fullest pipeline), so D x that >= n tau."""
+        busy = n * tau
+        return self.goal.usd_within(self.state.cutoff) * SECONDS_PER_HOUR / busy if busy > 0 else math.inf
 
     def consider(self, sk: Sketch) -> Candidate | None:
         """Place, estimate and score a sketch once, and record it; None when it is not a new, placeable plan."""
